@@ -1,0 +1,97 @@
+"""What tiermoe needs to know about one MoE architecture, read from its Hugging Face config.
+
+In transformers 5 every supported MoE block has the same shape: a router module that returns
+`(router_logits, top_k_weights [T, K], top_k_index [T, K])`, a fused experts module, and optionally shared experts.
+So an `ArchSpec` is data, not code: the names of those parts, the layer pattern, and where the expert weights
+live on disk. The HybridMoE block and the loader are generic over it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# How the routed output is combined with the shared experts:
+#   "none":  no shared experts
+#   "plain": out = routed + shared_experts(x)                        (DeepSeek-V2/V3, GLM4-MoE)
+#   "gated": out = routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)   (Qwen2-MoE, Qwen3-Next)
+SHARED_KINDS = ("none", "plain", "gated")
+
+# The expert feed-forward:
+#   "silu_glu":    down(act(gate(x)) * up(x)), no biases
+#   "gpt_oss_glu": clamped gate/up with biases, glu = gate * sigmoid(alpha * gate), down((up + 1) * glu) + b
+ACTIVATIONS = ("silu_glu", "gpt_oss_glu")
+
+
+@dataclass(frozen=True)
+class ExpertDiskLayout:
+    """Where routed expert weights live in a checkpoint.
+
+    Per-expert keys: `{layers_prefix}.{L}.{block}.experts.{E}.{proj}.weight` with proj in `proj_names`
+    (gate, up, down). Fused keys: `{layers_prefix}.{L}.mlp.experts.{gate_up_proj,down_proj}` of shape
+    `[E, 2I, H]` / `[E, H, I]` (transformers' own layout), or GPT-OSS's transposed, interleaved `[E, H, 2I]` /
+    `[E, I, H]` with `*_bias` tensors when `fused_kind == "gpt_oss"`.
+    """
+
+    block: str  # "mlp", or "block_sparse_moe" for Mixtral
+    proj_names: tuple[str, str, str]  # gate, up, down
+    fused_kind: str  # "transformers" | "gpt_oss"
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """One model's MoE structure. Shapes use E experts, K top-k, H hidden, I expert intermediate size."""
+
+    model_type: str
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    expert_intermediate_size: int
+    router_kind: str  # human-readable routing rule, e.g. "softmax -> top-k -> renormalise"
+    router_attr: str  # attribute of the MoE block holding the router: "gate" or "router"
+    shared_kind: str
+    shared_intermediate_size: int  # 0 when there are no shared experts
+    activation: str
+    expert_bias: bool
+    returns_router_scores: bool  # the block returns (hidden, router_scores), as GPT-OSS does
+    disk: ExpertDiskLayout
+    dtype: torch.dtype  # the checkpoint's dtype from config.json
+
+    def __post_init__(self):
+        if self.shared_kind not in SHARED_KINDS:
+            raise ValueError(f"shared_kind must be one of {SHARED_KINDS}, got {self.shared_kind!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if not self.moe_layers:
+            raise ValueError("an ArchSpec needs at least one MoE layer")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    @property
+    def params_per_expert(self) -> int:
+        """gate, up and down matrices (plus their biases for GPT-OSS)."""
+        h, i = self.hidden_size, self.expert_intermediate_size
+        bias = (2 * i + h) if self.expert_bias else 0
+        return 3 * h * i + bias
+
+    def bytes_per_expert(self, dtype: torch.dtype | None = None) -> int:
+        itemsize = (dtype or self.dtype).itemsize
+        return self.params_per_expert * itemsize
+
+    @property
+    def total_routed_experts(self) -> int:
+        return self.num_moe_layers * self.num_experts
+
+    def moe_row_mask(self) -> torch.Tensor:
+        """`[L]` bool: True for MoE layers."""
+        rows = torch.zeros(self.num_layers, dtype=torch.bool)
+        rows[list(self.moe_layers)] = True
+        return rows

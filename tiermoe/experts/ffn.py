@@ -1,0 +1,68 @@
+"""The routed experts' feed-forward, shared by every tier and the reference backend.
+
+Legend: T tokens, D hidden, K top-k, N (token, expert) pairs routed to one expert.
+ids_TK holds expert ids, or -1 for pairs that belong to another tier; weights_TK the router's weights.
+Results accumulate in the input dtype after scaling in the weights' dtype, as transformers' experts do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tiermoe.experts.weights import ExpertWeights
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """How an expert turns gate/up projections into the down projection's input."""
+
+    kind: str  # "silu_glu" | "gpt_oss_glu"
+    hidden_act: str = "silu"
+    alpha: float = 1.702  # GPT-OSS only
+    limit: float = 7.0  # GPT-OSS only
+
+    @classmethod
+    def from_config(cls, kind: str, cfg) -> ExpertActivation:
+        if kind == "gpt_oss_glu":
+            return cls(kind, alpha=getattr(cfg, "swiglu_alpha", 1.702), limit=cfg.swiglu_limit)
+        return cls(kind, hidden_act=getattr(cfg, "hidden_act", "silu"))
+
+    def __call__(self, gate_up_N2I: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up_N2I.chunk(2, dim=-1)
+        if self.kind == "gpt_oss_glu":
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        from transformers.activations import ACT2FN
+
+        return ACT2FN[self.hidden_act](gate) * up
+
+
+def expert_ffn(w: ExpertWeights, x_ND: torch.Tensor, act: ExpertActivation) -> torch.Tensor:
+    """One expert applied to the rows routed to it: [N, D] -> [N, D]."""
+    h_N2I = F.linear(x_ND, w.gate_up, w.gate_up_bias)
+    return F.linear(act(h_N2I), w.down, w.down_bias)
+
+
+def routed_experts_forward(
+    experts: Mapping[int, ExpertWeights],
+    x_TD: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    act: ExpertActivation,
+) -> torch.Tensor:
+    """Sum over each token's routed experts that are in `experts` (ids -1 are skipped): [T, D]."""
+    out_TD = torch.zeros_like(x_TD)
+    hit = torch.unique(ids_TK[ids_TK >= 0]).tolist()
+    for e in hit:
+        w = experts.get(e)
+        if w is None:
+            raise RuntimeError(f"expert {e} was routed to a tier that does not hold it")
+        tok_N, slot_N = torch.where(ids_TK == e)
+        y_ND = expert_ffn(w, x_TD[tok_N], act) * weights_TK[tok_N, slot_N, None]
+        out_TD.index_add_(0, tok_N, y_ND.to(out_TD.dtype))
+    return out_TD

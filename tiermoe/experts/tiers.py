@@ -1,0 +1,96 @@
+"""The two tiers of one MoE layer's experts.
+
+`ExpertSet` is what a tier holds: expert id -> weights on one device. The GPU tier computes synchronously on
+its device. The CPU tier computes on a worker thread behind the `submit` / `sync` protocol, so the layer can run
+the GPU part meanwhile. The worker is owned by the loaded model (one per model, passed in; never a global).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+import torch
+
+from tiermoe.experts.ffn import ExpertActivation, routed_experts_forward
+from tiermoe.experts.weights import ExpertWeights
+
+
+class CPUExpertBackend(Protocol):
+    """What a HybridMoE block needs from its CPU tier.
+
+    submit(x_TD, ids_TK, weights_TK): start computing, for each token, the weighted sum of its routed experts
+    whose id is >= 0 (ids -1 belong to the GPU tier); inputs are host tensors. sync() -> y_TD waits and returns it.
+    """
+
+    def submit(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None: ...
+
+    def sync(self) -> torch.Tensor: ...
+
+
+class ExpertSet:
+    """The experts one tier holds for one layer, all on `device` (host copies pinned when `pin`)."""
+
+    def __init__(self, device: torch.device | str, act: ExpertActivation, pin: bool = False):
+        self.device = torch.device(device)
+        self.act = act
+        self.pin = pin
+        self.experts: dict[int, ExpertWeights] = {}
+
+    def __contains__(self, expert: int) -> bool:
+        return expert in self.experts
+
+    def __len__(self) -> int:
+        return len(self.experts)
+
+    def add(self, expert: int, weights: ExpertWeights) -> None:
+        if weights.device.type != self.device.type:
+            raise ValueError(f"expert {expert} is on {weights.device}, this tier is {self.device}")
+        self.experts[expert] = weights
+
+    def pop(self, expert: int) -> ExpertWeights:
+        return self.experts.pop(expert)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.experts.values())
+
+    def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        return routed_experts_forward(self.experts, x_TD, ids_TK, weights_TK, self.act)
+
+
+class CPUWorker:
+    """One thread that runs CPU-tier expert work for all layers of a model; torch's own intra-op threads do the math."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-cpu-experts")
+
+    def submit(self, fn, *args) -> Future:
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class TorchCPUExperts(ExpertSet):
+    """The plain-torch CPU tier: the reference every faster backend is checked against."""
+
+    def __init__(self, worker: CPUWorker, act: ExpertActivation, pin: bool = False):
+        super().__init__("cpu", act, pin)
+        self.worker = worker
+        self._pending: Future | None = None
+
+    def submit(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
+        if self._pending is not None:
+            raise RuntimeError("submit called twice without sync")
+        self._pending = self.worker.submit(self._compute, x_TD, ids_TK, weights_TK)
+
+    def _compute(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.forward(x_TD, ids_TK, weights_TK)
+
+    def sync(self) -> torch.Tensor:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("sync called without submit")
+        return pending.result()

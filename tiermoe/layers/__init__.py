@@ -1,0 +1,3 @@
+from tiermoe.layers.hybrid_moe import HybridMoE
+
+__all__ = ["HybridMoE"]

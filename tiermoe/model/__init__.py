@@ -1,0 +1,1 @@
+"""Loading checkpoints into tiers: safetensors reading, the model skeleton, the loader."""

@@ -1,0 +1,167 @@
+"""Safetensors checkpoints read by hand: headers only for inspection, and tensor bytes straight into their tier.
+
+We parse the safetensors header ourselves (8-byte little-endian length, then JSON) and read tensor bytes with
+`readinto` into the destination tensor's own memory. Unlike `safe_open` (which memory-maps the files), this
+leaves no file-backed pages mapped into the process, so resident memory stays what the tiers hold, and a GPU-tier
+expert passes through one small host buffer only. Slices along the first dimension (one expert of a fused
+`[E, ...]` tensor) are contiguous on disk and are read without touching the other experts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tiermoe.errors import TiermoeError
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes are: `offset` is absolute in `file`."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_header(file: Path) -> dict[str, TensorEntry]:
+    """Tensor entries of one safetensors file, from its header alone."""
+    try:
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise ValueError("shorter than 8 bytes")
+            (length,) = struct.unpack("<Q", head)
+            if length > _MAX_HEADER_BYTES:
+                raise ValueError(f"header length {length} is implausible")
+            header = json.loads(f.read(length))
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        raise TiermoeError(f"{file} is not a valid safetensors file ({err})") from None
+    data_start = 8 + length
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise TiermoeError(f"{file}: tensor {name} has unsupported dtype {info.get('dtype')}")
+        begin, end = info["data_offsets"]
+        entries[name] = TensorEntry(file, dtype, tuple(info["shape"]), data_start + begin, end - begin)
+    return entries
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those named by `model.safetensors.index.json`, else all of them."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise TiermoeError(f"{index} is malformed ({err}); expected a JSON object with 'weight_map'") from None
+        files = sorted({model_dir / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise TiermoeError(f"{index} names shard files that are missing: {', '.join(missing[:5])}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise TiermoeError(f"'{model_dir}' has no *.safetensors weights; expected model.safetensors or sharded files")
+    return files
+
+
+class Checkpoint:
+    """All tensors of a checkpoint directory, by name, with bounded-memory reads.
+
+    Use as a context manager so that file handles are closed after loading.
+    """
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        self.entries: dict[str, TensorEntry] = {}
+        for file in checkpoint_files(self.model_dir):
+            self.entries.update(read_header(file))
+        self._handles: dict[Path, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        for handle in self._handles.values():
+            handle.close()
+        self._handles.clear()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name].shape
+
+    def read(self, name: str, out: torch.Tensor | None = None, index: int | None = None) -> torch.Tensor:
+        """Read tensor `name` (or its slice `[index]` along dim 0) into `out`, a contiguous CPU tensor.
+
+        When `out` has another dtype than the file, the bytes go through a temporary of the file's dtype.
+        Returns `out` (allocated when None, in the file's dtype).
+        """
+        entry = self.entries[name]
+        shape, offset, nbytes = entry.shape, entry.offset, entry.nbytes
+        if index is not None:
+            rows = shape[0]
+            if not 0 <= index < rows:
+                raise IndexError(f"{name}: index {index} outside its first dimension of {rows}")
+            nbytes //= rows
+            offset += index * nbytes
+            shape = shape[1:]
+        if out is None:
+            out = torch.empty(shape, dtype=entry.dtype)
+        if tuple(out.shape) != tuple(shape):
+            raise TiermoeError(f"{self.model_dir}: tensor {name} has shape {list(shape)}, expected {list(out.shape)}")
+        target = out if out.dtype == entry.dtype else torch.empty(shape, dtype=entry.dtype)
+        self._read_bytes(entry.file, offset, nbytes, target)
+        if target is not out:
+            out.copy_(target)
+        return out
+
+    def _read_bytes(self, file: Path, offset: int, nbytes: int, out: torch.Tensor) -> None:
+        if not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError("Checkpoint.read needs a contiguous CPU destination")
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = open(file, "rb", buffering=0)
+        handle.seek(offset)
+        done = 0
+        while done < nbytes:
+            got = handle.readinto(view[done:])
+            if not got:
+                raise TiermoeError(f"{file} ends early: expected {nbytes} bytes at offset {offset}")
+            done += got

@@ -1,0 +1,107 @@
+"""Where one layer's routed experts are in a checkpoint, and reading one of them into tiermoe's layout.
+
+Three on-disk layouts exist (see ExpertDiskLayout): per-expert 2-D keys (most releases, and what
+`save_pretrained` writes), transformers' fused 3-D keys (`save_original_format=False`), and GPT-OSS's fused,
+transposed, interleaved keys with biases. Each expert is read once; the per-expert and transformers-fused
+layouts are read straight into the destination tensors, GPT-OSS through one expert-sized buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tiermoe.arch.spec import ArchSpec
+from tiermoe.errors import TiermoeError
+from tiermoe.experts.weights import ExpertWeights
+from tiermoe.model.checkpoint import Checkpoint
+
+
+@dataclass(frozen=True)
+class ExpertSource:
+    """How to read the experts of one layer: `fused` (None for per-expert keys) and the key prefix."""
+
+    layer: int
+    prefix: str  # e.g. "model.layers.3.mlp.experts"
+    fused: str | None  # None | "transformers" | "gpt_oss"
+    proj_names: tuple[str, str, str]
+
+    def per_expert_keys(self, expert: int) -> list[str]:
+        return [f"{self.prefix}.{expert}.{p}.weight" for p in self.proj_names]
+
+    def fused_keys(self) -> list[str]:
+        names = ["gate_up_proj", "down_proj"]
+        if self.fused == "gpt_oss":
+            names += ["gate_up_proj_bias", "down_proj_bias"]
+        return [f"{self.prefix}.{n}" for n in names]
+
+
+def find_expert_source(ckpt: Checkpoint, spec: ArchSpec, layers_prefix: str, layer: int) -> ExpertSource:
+    """Locate layer `layer`'s experts and check that every one of them is present, before anything is read."""
+    for block in dict.fromkeys((spec.disk.block, "mlp")):
+        prefix = f"{layers_prefix}.{layer}.{block}.experts"
+        per_expert = ExpertSource(layer, prefix, None, spec.disk.proj_names)
+        if per_expert.per_expert_keys(0)[0] in ckpt:
+            for e in range(spec.num_experts):
+                for key in per_expert.per_expert_keys(e):
+                    if key not in ckpt:
+                        raise TiermoeError(f"checkpoint is missing expert {e} of layer {layer}: no tensor '{key}'")
+            return per_expert
+        fused = ExpertSource(layer, prefix, spec.disk.fused_kind, spec.disk.proj_names)
+        if fused.fused_keys()[0] in ckpt:
+            for key in fused.fused_keys():
+                if key not in ckpt:
+                    raise TiermoeError(f"checkpoint is missing tensor '{key}' (experts of layer {layer})")
+                rows = ckpt.shape(key)[0]
+                if rows != spec.num_experts:
+                    raise TiermoeError(
+                        f"checkpoint is missing experts of layer {layer}: '{key}' holds {rows}, "
+                        f"config says {spec.num_experts}"
+                    )
+            return fused
+        if f"{prefix}.gate_up_proj_blocks" in ckpt:
+            raise TiermoeError(f"layer {layer} stores MXFP4 experts ('{prefix}.gate_up_proj_blocks'), "
+                               "which tiermoe does not read yet; expected bf16/fp32 experts")
+    raise TiermoeError(
+        f"checkpoint is missing the experts of layer {layer}: no '{layers_prefix}.{layer}.{spec.disk.block}.experts.0."
+        f"{spec.disk.proj_names[0]}.weight' nor fused '...experts.gate_up_proj'"
+    )
+
+
+def _alloc(shape, dtype, pin: bool) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+
+def read_expert(ckpt: Checkpoint, src: ExpertSource, expert: int, spec: ArchSpec, dtype: torch.dtype,
+                pin: bool = False) -> ExpertWeights:
+    """Expert `expert` of `src.layer` as host tensors in `dtype` (pinned when `pin`), canonical layout."""
+    h, i = spec.hidden_size, spec.expert_intermediate_size
+    gate_up = _alloc((2 * i, h), dtype, pin)
+    down = _alloc((h, i), dtype, pin)
+    if src.fused is None:
+        gate_key, up_key, down_key = src.per_expert_keys(expert)
+        ckpt.read(gate_key, gate_up[:i])
+        ckpt.read(up_key, gate_up[i:])
+        ckpt.read(down_key, down)
+        return ExpertWeights(gate_up, down)
+    if src.fused == "transformers":
+        gate_up_key, down_key = src.fused_keys()
+        ckpt.read(gate_up_key, gate_up, index=expert)
+        ckpt.read(down_key, down, index=expert)
+        return ExpertWeights(gate_up, down)
+    # GPT-OSS: gate_up [H, 2I] with gate = even columns, up = odd; down [I, H]; x @ W + b on disk.
+    gate_up_key, down_key, gate_up_bias_key, down_bias_key = src.fused_keys()
+    w_H2I = ckpt.read(gate_up_key, torch.empty(h, 2 * i, dtype=dtype), index=expert)
+    gate_up[:i].copy_(w_H2I[:, 0::2].T)
+    gate_up[i:].copy_(w_H2I[:, 1::2].T)
+    del w_H2I
+    w_IH = ckpt.read(down_key, torch.empty(i, h, dtype=dtype), index=expert)
+    down.copy_(w_IH.T)
+    del w_IH
+    b_2I = ckpt.read(gate_up_bias_key, torch.empty(2 * i, dtype=dtype), index=expert)
+    gate_up_bias = _alloc((2 * i,), dtype, pin)
+    gate_up_bias[:i].copy_(b_2I[0::2])
+    gate_up_bias[i:].copy_(b_2I[1::2])
+    down_bias = ckpt.read(down_bias_key, _alloc((h,), dtype, pin), index=expert)
+    return ExpertWeights(gate_up, down, gate_up_bias, down_bias)

@@ -1,0 +1,92 @@
+"""A loaded hybrid model: the transformers model with HybridMoE blocks, and the tiers behind them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tiermoe.arch.spec import ArchSpec
+from tiermoe.experts.tiers import CPUWorker
+from tiermoe.layers.hybrid_moe import HybridMoE
+from tiermoe.placement.mask import validate_mask
+
+
+@dataclass(frozen=True)
+class TierBytes:
+    """Bytes held right now: non-expert weights (main device), GPU-tier experts, CPU-tier experts."""
+
+    non_expert: int
+    gpu_experts: int
+    cpu_experts: int
+
+    def describe(self) -> str:
+        gib = 1024**3
+        return (f"non-expert {self.non_expert / gib:.2f} GiB, GPU-tier experts {self.gpu_experts / gib:.2f} GiB, "
+                f"CPU-tier experts {self.cpu_experts / gib:.2f} GiB")
+
+
+class HybridModel:
+    """Call it like the transformers model (`hybrid(input_ids=...)`); the MoE blocks split work across tiers."""
+
+    def __init__(self, model: nn.Module, config, spec: ArchSpec, blocks: dict[int, HybridMoE],
+                 gpu_device: torch.device, worker: CPUWorker, model_dir: Path):
+        self.model = model
+        self.config = config
+        self.spec = spec
+        self.blocks = blocks
+        self.gpu_device = gpu_device
+        self.model_dir = model_dir
+        self._worker = worker
+
+    def __call__(self, *args, **kwargs):
+        with torch.inference_mode():
+            return self.model(*args, **kwargs)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[L, E] bool, True = on the GPU tier (a copy: change placement with `move_experts` / `apply_mask`)."""
+        mask = torch.zeros(self.spec.num_layers, self.spec.num_experts, dtype=torch.bool)
+        for layer, block in self.blocks.items():
+            mask[layer] = block.host_mask_E
+        return mask
+
+    def tier_bytes(self) -> TierBytes:
+        expert_params = {id(t) for b in self.blocks.values() for s in (b.gpu_tier, b.cpu_tier)
+                         for w in s.experts.values() for t in w.tensors()}
+        tensors = {id(t): t for t in list(self.model.parameters()) + list(self.model.buffers())}
+        non_expert = sum(t.numel() * t.element_size() for i, t in tensors.items() if i not in expert_params)
+        return TierBytes(
+            non_expert=non_expert,
+            gpu_experts=sum(b.gpu_tier.nbytes for b in self.blocks.values()),
+            cpu_experts=sum(b.cpu_tier.nbytes for b in self.blocks.values()),
+        )
+
+    def move_experts(self, layer: int, experts: Iterable[int], to_gpu: bool) -> int:
+        """Tier swap: move `experts` of MoE layer `layer` to the GPU tier (or back); returns bytes moved."""
+        if layer not in self.blocks:
+            raise ValueError(f"layer {layer} is not a MoE layer; MoE layers are {list(self.spec.moe_layers)}")
+        return self.blocks[layer].move_experts(experts, to_gpu)
+
+    def apply_mask(self, mask) -> int:
+        """Move experts so the tiers match `mask` ([L, E] bool); returns the bytes moved."""
+        target = validate_mask(mask, self.spec)
+        current = self.mask
+        moved = 0
+        for layer in self.blocks:
+            moved += self.move_experts(layer, (current[layer] & ~target[layer]).nonzero().flatten().tolist(), False)
+            moved += self.move_experts(layer, (target[layer] & ~current[layer]).nonzero().flatten().tolist(), True)
+        return moved
+
+    def close(self) -> None:
+        """Stop the CPU worker thread."""
+        self._worker.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

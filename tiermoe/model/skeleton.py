@@ -1,0 +1,52 @@
+"""The model skeleton: transformers' own module tree, built without allocating a single weight.
+
+Parameters stay on the meta device until the loader fills them from the checkpoint. Non-persistent buffers
+(rotary inverse frequencies) are not in checkpoints, so they are recomputed on the host by the model's own
+`_init_weights`, exactly as `from_pretrained` does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def build_skeleton(cfg, dtype: torch.dtype) -> nn.Module:
+    """AutoModelForCausalLM for `cfg` with meta parameters and real (CPU) non-persistent buffers."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    _materialise_non_persistent_buffers(model)
+    model.eval()
+    return model
+
+
+def _materialise_non_persistent_buffers(model: nn.Module) -> None:
+    owners = []
+    for module in model.modules():
+        names = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None]
+        for name in names:
+            module._buffers[name] = torch.zeros_like(module._buffers[name], device="cpu")
+        if names:
+            owners.append((module, names))
+    with torch.no_grad():
+        for module, names in owners:
+            model._init_weights(module)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The ModuleList of decoder layers (`model.model.layers` in every supported family)."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise RuntimeError(f"{type(model).__name__} has no model.layers; tiermoe cannot find its decoder layers")
+    return layers
+
+
+def moe_block_attr(layer: nn.Module) -> str | None:
+    """Name of the child of a decoder layer that is a routed MoE block (has `experts`), or None if dense."""
+    for name, child in layer.named_children():
+        if hasattr(child, "experts"):
+            return name
+    return None
