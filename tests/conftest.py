@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny random checkpoints of every supported architecture, saved with save_pretrained.
+
+Weights use initializer_range 0.1 (instead of 0.02) so the routed experts move the logits by a visible amount:
+a placement bug then shows up far above the fp32 tolerance.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest
+import torch
+
+from tiermoe.model.presets import TINY, make_config
+
+ARCHS = tuple(TINY)
+
+
+def save_tiny(arch: str, out, seed: int = 0, **save_kwargs):
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_config(arch, initializer_range=0.1)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(out, **save_kwargs)
+    return out
+
+
+def load_reference(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """tiny_dir(arch) -> path of a tiny checkpoint of that architecture (built once per session)."""
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = save_tiny(arch, tmp_path_factory.mktemp(arch))
+        return cache[arch]
+
+    return get
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |a - ref| / max |ref|: the issue's measure of exactness."""
+    return ((a - ref).abs().max() / ref.abs().max()).item()

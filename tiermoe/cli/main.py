@@ -1,0 +1,49 @@
+"""`tiermoe` console script: one subcommand per module, each with its own --help and examples.
+
+User errors (TiermoeError) print one line, `error: ...`, and exit with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module with add_parser(subparsers) and run(args)
+COMMANDS = {
+    "make-model": "tiermoe.cli.make_model",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tiermoe",
+        description="Run Mixture-of-Experts models with hot experts on the GPU tier and cold experts on the CPU tier.",
+        epilog="Run 'tiermoe COMMAND --help' for a command's flags and examples.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in COMMANDS.values():
+        importlib.import_module(module).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tiermoe.errors import TiermoeError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return importlib.import_module(COMMANDS[args.command]).run(args) or 0
+    except TiermoeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""tiermoe make-model: write a random checkpoint with a real model's shapes, for tests and benchmarks."""
+
+from __future__ import annotations
+
+from tiermoe.arch import SUPPORTED_MODEL_TYPES
+from tiermoe.cli.flags import add_command, dtype_flag, non_negative_int, positive_int
+from tiermoe.model.presets import PRESETS
+
+
+def add_parser(sub) -> None:
+    p = add_command(
+        sub, "make-model",
+        "Write a randomly initialised MoE checkpoint (real shapes, real on-disk layout). Without --preset, "
+        "a tiny debug model of the architecture.",
+        "tiermoe make-model --arch qwen3_moe --out /tmp/tiny-qwen3",
+        "tiermoe make-model --arch qwen3_moe --preset qwen3-30b-a3b --layers 4 --dtype bf16 --out /tmp/q30b-4l",
+        "tiermoe make-model --arch deepseek_v3 --preset deepseek-v3 --layers 5 --out /tmp/dsv3-5l",
+    )
+    p.add_argument("--arch", required=True, choices=SUPPORTED_MODEL_TYPES, help="model_type to build")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a released model's shapes (must match --arch)")
+    p.add_argument("--layers", type=positive_int, help="keep only the first N decoder layers")
+    p.add_argument("--dtype", type=dtype_flag, default="bf16", help="bf16 (default), fp32 or fp16")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0)")
+    p.add_argument("--shard-gb", type=float, default=1.0, help="maximum shard size in GB (default 1)")
+    p.add_argument("--out", required=True, help="output directory (must be new or empty)")
+
+
+def run(args) -> int:
+    from tiermoe.model.make_model import make_model
+
+    out = make_model(args.arch, args.out, preset=args.preset, layers=args.layers, dtype=args.dtype, seed=args.seed,
+                     shard_bytes=int(args.shard_gb * 1e9))
+    print(f"wrote {out}")
+    return 0

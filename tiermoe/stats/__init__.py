@@ -1,0 +1,1 @@
+"""Expert activation statistics."""
