@@ -8,6 +8,9 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
+    "LLM": "tiermoe.engine.llm",
+    "SamplingParams": "tiermoe.engine.sampling",
+    "RequestOutput": "tiermoe.engine.llm",
     "load_hybrid_model": "tiermoe.model.loader",
     "HybridModel": "tiermoe.model.hybrid_model",
     "TiermoeError": "tiermoe.errors",

@@ -32,6 +32,8 @@ class HybridMoE(nn.Module):
         # and on the host for bookkeeping. Both flip together in set_on_gpu.
         self.gpu_mask_E = torch.zeros(spec.num_experts, dtype=torch.bool, device=gpu_tier.device)
         self.host_mask_E = torch.zeros(spec.num_experts, dtype=torch.bool)
+        # Set by the engine: joins the per-sequence forwards of one step so experts run once for all tokens.
+        self.batcher = None
 
     def _router(self) -> nn.Module:
         return self._modules[self.spec.router_attr]
@@ -41,6 +43,12 @@ class HybridMoE(nn.Module):
         self.host_mask_E[expert] = on_gpu
 
     def forward(self, hidden: torch.Tensor):
+        if self.batcher is not None and self.batcher.participating():
+            return self.batcher.exchange(self.forward_tokens, hidden)
+        return self.forward_tokens(hidden)
+
+    def forward_tokens(self, hidden: torch.Tensor):
+        """The block on all tokens of `hidden` [..., D]."""
         shape = hidden.shape
         x_TD = hidden.reshape(-1, shape[-1])
         _, weights_TK, ids_TK = self._router()(x_TD)

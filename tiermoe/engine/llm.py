@@ -1,0 +1,129 @@
+"""The Python API users know from vLLM: `LLM(model).generate(prompts, SamplingParams(...))`.
+
+Text, tokenizer and chat template live here, at the edge; the Engine underneath sees token ids only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tiermoe.engine.engine import Engine, EngineConfig
+from tiermoe.engine.sampling import SamplingParams
+from tiermoe.errors import TiermoeError
+from tiermoe.model.loader import load_hybrid_model
+from tiermoe.models import resolve_model
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One prompt's result: the generated part only (`text` ends before a matched stop string)."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+
+
+class LLM:
+    """A hybrid model ready to generate.
+
+    model: checkpoint directory (None = the bundled demo model). gpu_device: "cuda:0", or "cpu" to run the GPU
+    tier on the host. placement: bool tensor [num_layers, num_experts] (True = GPU tier), or None for all-CPU.
+    """
+
+    def __init__(self, model: str | Path | None = None, gpu_device: str = "cpu", placement=None,
+                 dtype: torch.dtype | None = None, max_running: int = 16, prefill_chunk: int = 512,
+                 progress: bool = True):
+        self.model_dir = resolve_model(model)
+        self.hybrid = load_hybrid_model(self.model_dir, placement, gpu_device=gpu_device, dtype=dtype,
+                                        progress=progress)
+        self.tokenizer = _load_tokenizer(self.model_dir)
+        detokenize = None
+        if self.tokenizer is not None:
+            def detokenize(ids):
+                return self.tokenizer.decode(ids, skip_special_tokens=True)
+        self.engine = Engine(self.hybrid, eos_token_ids(self.model_dir, self.hybrid.config), detokenize,
+                             EngineConfig(max_running=max_running, prefill_chunk=prefill_chunk))
+
+    @property
+    def placement(self) -> torch.Tensor:
+        """The current GPU-tier mask [num_layers, num_experts]."""
+        return self.hybrid.mask
+
+    def close(self) -> None:
+        self.engine.close()
+        self.hybrid.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TiermoeError(f"{self.model_dir} has no tokenizer; pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not all(isinstance(t, int) for t in prompt):
+            raise TiermoeError("a prompt is a string or a list of integer token ids")
+        return list(prompt)
+
+    def generate(self, prompts, sampling: SamplingParams | None = None, on_step=None) -> list[RequestOutput]:
+        """Generate for one prompt or a list of them (strings or token-id lists), batched; one result each."""
+        sampling = sampling or SamplingParams()
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        seqs = [self.engine.add(self.encode(p), sampling) for p in batch]
+        self.engine.run_to_completion(on_step)
+        return [self._result(s) for s in seqs]
+
+    def chat(self, messages, sampling: SamplingParams | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (list of {role, content}) or a list of them."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise TiermoeError(f"{self.model_dir} has no tokenizer with a chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.chat_prompt_ids(c) for c in conversations]
+        return self.generate(prompts, sampling)
+
+    def chat_prompt_ids(self, conversation: list[dict]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _result(self, seq) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            if seq.stop_text_end is not None:
+                text = text[:seq.stop_text_end]
+        return RequestOutput(seq.prompt_ids, list(seq.output_ids), text, seq.finish_reason)
+
+
+def _load_tokenizer(model_dir: Path):
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def eos_token_ids(model_dir: Path, config) -> set[int]:
+    """EOS ids from generation_config.json (which may list several), else from config.json."""
+    ids = None
+    gen_file = model_dir / "generation_config.json"
+    if gen_file.is_file():
+        try:
+            ids = json.loads(gen_file.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as err:
+            raise TiermoeError(f"{gen_file} is not valid JSON ({err})") from None
+    if ids is None:
+        ids = getattr(config, "eos_token_id", None)
+    if ids is None:
+        return set()
+    return {int(i) for i in (ids if isinstance(ids, list) else [ids])}

@@ -1,0 +1,77 @@
+"""Sampling parameters and the per-sequence sampler (pure: logits and a generator in, a token id out)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tiermoe.errors import TiermoeError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled and when it stops.
+
+    temperature 0 is greedy. top_k 0 and top_p 1.0 disable those filters. With a seed the sampled tokens are
+    reproducible. Generation stops at an EOS token (unless ignore_eos), a token of stop_token_ids, a stop string
+    (the returned text ends before it), or after exactly max_tokens tokens.
+    """
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise TiermoeError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise TiermoeError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise TiermoeError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise TiermoeError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise TiermoeError("stop must be a list of non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def new_generator(seed: int | None) -> torch.Generator:
+    """A host generator for one sequence: seeded when asked, else from fresh OS entropy."""
+    gen = torch.Generator()
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def sample(logits_V: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
+    """Next token id from one position's logits [V]."""
+    logits_V = logits_V.float().cpu()
+    if params.greedy:
+        return int(torch.argmax(logits_V))
+    logits_V = logits_V / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits_V, min(params.top_k, logits_V.numel())).values[-1]
+        logits_V = logits_V.masked_fill(logits_V < kth, float("-inf"))
+    probs_V = torch.softmax(logits_V, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs_V, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= params.top_p
+        sorted_p[drop] = 0
+        probs_V = torch.zeros_like(probs_V).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs_V, 1, generator=gen))

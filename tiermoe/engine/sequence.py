@@ -1,0 +1,44 @@
+"""One request's state inside the engine: token ids in, token ids out, its own KV cache and generator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tiermoe.engine.sampling import SamplingParams
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    num_fed: int = 0  # tokens of prompt + output already through the model (in the KV cache)
+    cache: object | None = None  # the transformers cache object, created by the first forward
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_text_end: int | None = None  # where the returned text ends when a stop string matched
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_fed < len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def next_input(self, chunk: int) -> list[int]:
+        """Tokens to feed in the next forward pass: a prompt chunk while prefilling, else the last output token."""
+        if self.prefilling:
+            return self.prompt_ids[self.num_fed:self.num_fed + chunk]
+        return [self.output_ids[-1]]
+
+    def release(self) -> None:
+        """Drop the KV cache (finished or aborted)."""
+        self.cache = None
