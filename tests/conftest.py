@@ -51,3 +51,25 @@ def tiny_dir(tmp_path_factory):
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     """max |a - ref| / max |ref|: the issue's measure of exactness."""
     return ((a - ref).abs().max() / ref.abs().max()).item()
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+
+def save_char_tokenizer(out) -> None:
+    """A character-level tokenizer whose 256 ids cover a tiny model's whole vocabulary (ids 0-2 special)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + [chr(c) for c in range(161, 256)] + [chr(c) for c in range(256, 319)]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{ch: i + 3 for i, ch in enumerate(chars)}}
+    assert len(vocab) == 256
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)

@@ -42,3 +42,23 @@ def examples(*lines: str) -> str:
 def add_command(sub, name: str, help_text: str, *example_lines: str) -> argparse.ArgumentParser:
     return sub.add_parser(name, help=help_text, description=help_text, epilog=examples(*example_lines),
                           formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def non_negative_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a number") from None
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return number
+
+
+def unit_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a number") from None
+    if not 0 < number <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
+    return number

@@ -11,7 +11,10 @@ import sys
 
 # subcommand -> module with add_parser(subparsers) and run(args)
 COMMANDS = {
+    "generate": "tiermoe.cli.generate_cmd",
+    "inspect": "tiermoe.cli.inspect_cmd",
     "make-model": "tiermoe.cli.make_model",
+    "version": "tiermoe.cli.version_cmd",
 }
 
 
@@ -40,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     except TiermoeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

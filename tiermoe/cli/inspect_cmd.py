@@ -1,0 +1,31 @@
+"""tiermoe inspect: a checkpoint's MoE structure and sizes, from headers only."""
+
+from __future__ import annotations
+
+import json
+
+from tiermoe.cli.flags import add_command
+
+
+def add_parser(sub) -> None:
+    p = add_command(
+        sub, "inspect",
+        "Show a checkpoint's architecture, MoE layers, experts, top-k and expert vs non-expert bytes. Reads "
+        "config.json and safetensors headers only, so it works on checkpoints larger than memory. Without "
+        "MODEL_DIR it shows the bundled demo model.",
+        "tiermoe inspect",
+        "tiermoe inspect /models/Qwen3-30B-A3B",
+        "tiermoe inspect /models/DeepSeek-V3 --json",
+    )
+    p.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
+                   help="checkpoint directory (default: the bundled demo model)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args) -> int:
+    from tiermoe.model.inspect import format_summary, summarize
+    from tiermoe.models import resolve_model
+
+    summary = summarize(resolve_model(args.model_dir))
+    print(json.dumps(summary.as_dict(), indent=2) if args.json else format_summary(summary))
+    return 0
