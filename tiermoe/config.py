@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tiermoe.errors import TiermoeError
@@ -23,3 +25,54 @@ def check_device(device: str) -> str:
     if index >= torch.cuda.device_count():
         raise TiermoeError(f"--gpu-device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return f"cuda:{index}"
+
+
+PLACEMENT_STRATEGIES = ("uniform", "front-loading", "random", "frequency", "balanced")
+GPU_SPLIT_METHODS = ("balanced", "layers", "round-robin")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Which experts go to the GPU tier (flags of `place`, `generate`, `serve`; SGLang-kt names in comments).
+
+    num_gpu_experts: per MoE layer, over all GPUs together (--kt-num-gpu-experts).
+    gpu_experts_ratio: share of all routed experts, floor(R x MoE layers x E); wins over num_gpu_experts
+      (--kt-gpu-experts-ratio). gpu_memory_gb: GPU memory per GPU that tiermoe may use, or "auto" (CUDA only);
+      the expert count then follows from the model's real bytes. Exactly one way of sizing is used: the ratio,
+      else the count, else the memory.
+    """
+
+    strategy: str = "uniform"  # --kt-expert-placement-strategy
+    num_gpu_experts: int | None = None
+    gpu_experts_ratio: float | None = None
+    gpu_memory_gb: float | str | None = None
+    init_expert_location: str | None = None  # statistics file (.pt)
+    seed: int = 42  # random strategy
+    num_gpus: int = 1
+    gpu_split: str = "balanced"
+    kv_cache_tokens: int = 8192  # KV cache reserved by --gpu-memory-gb
+    prefill_buffer_gb: float = 0.0  # layerwise-prefill buffer reserved by --gpu-memory-gb
+
+    def __post_init__(self):
+        strategy = self.strategy.replace("_", "-")
+        object.__setattr__(self, "strategy", strategy)
+        if strategy not in PLACEMENT_STRATEGIES:
+            raise TiermoeError(f"placement strategy '{self.strategy}' is unknown; choose one of: "
+                               f"{', '.join(PLACEMENT_STRATEGIES)}")
+        if self.num_gpu_experts is not None and self.num_gpu_experts < 0:
+            raise TiermoeError(f"num_gpu_experts must be >= 0 (per MoE layer), got {self.num_gpu_experts}")
+        if self.gpu_experts_ratio is not None and not 0.0 <= self.gpu_experts_ratio <= 1.0:
+            raise TiermoeError(f"gpu_experts_ratio must be between 0.0 and 1.0, got {self.gpu_experts_ratio}")
+        if self.gpu_memory_gb is not None and self.gpu_memory_gb != "auto":
+            if not isinstance(self.gpu_memory_gb, (int, float)) or self.gpu_memory_gb < 0:
+                raise TiermoeError(f"gpu_memory_gb must be a number of GB >= 0 or 'auto', got {self.gpu_memory_gb!r}")
+        if self.num_gpus < 1:
+            raise TiermoeError(f"num_gpus must be >= 1, got {self.num_gpus}")
+        if self.gpu_split not in GPU_SPLIT_METHODS:
+            raise TiermoeError(f"gpu_split '{self.gpu_split}' is unknown; choose one of: {', '.join(GPU_SPLIT_METHODS)}")
+        if self.kv_cache_tokens < 0 or self.prefill_buffer_gb < 0:
+            raise TiermoeError("kv_cache_tokens and prefill_buffer_gb must be >= 0")
+
+    @property
+    def sized(self) -> bool:
+        return any(v is not None for v in (self.num_gpu_experts, self.gpu_experts_ratio, self.gpu_memory_gb))

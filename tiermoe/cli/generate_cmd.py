@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from tiermoe.cli.flags import add_command, non_negative_float, non_negative_int, positive_int, unit_float
+from tiermoe.cli.placement_flags import add_placement_flags, placement_from_args
 
 
 def add_parser(sub) -> None:
@@ -15,12 +16,15 @@ def add_parser(sub) -> None:
         'tiermoe generate --prompt "Hello"',
         'tiermoe generate --model /models/Qwen3-30B-A3B --gpu-device cuda:0 --prompt "Explain MoE" --max-tokens 200',
         'tiermoe generate --prompt "Once upon a time" --raw --temperature 0.8 --top-p 0.9 --seed 1',
+        'tiermoe generate --prompt "Hi" --kt-num-gpu-experts 4 --kt-expert-placement-strategy uniform',
+        'tiermoe generate --prompt "Hi" --plan plan.json',
     )
     add_model_flags(p)
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
     p.add_argument("--system", help="system message (chat template only)")
     add_sampling_flags(p)
+    add_placement_flags(p)
 
 
 def add_model_flags(p) -> None:
@@ -46,7 +50,7 @@ def run(args) -> int:
     device = check_device(args.gpu_device)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed)
-    with LLM(args.model, gpu_device=device) as llm:
+    with LLM(args.model, gpu_device=device, placement=placement_from_args(args)) as llm:
         use_chat = not args.raw and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)
         if use_chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])

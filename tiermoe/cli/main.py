@@ -14,6 +14,7 @@ COMMANDS = {
     "generate": "tiermoe.cli.generate_cmd",
     "inspect": "tiermoe.cli.inspect_cmd",
     "make-model": "tiermoe.cli.make_model",
+    "place": "tiermoe.cli.place_cmd",
     "version": "tiermoe.cli.version_cmd",
 }
 
@@ -30,8 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
     from tiermoe.errors import TiermoeError
+
+    warnings.showwarning = _one_line_warning  # a CLI user wants the message, not our source line
 
     parser = build_parser()
     args = parser.parse_args(argv)

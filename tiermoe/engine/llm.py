@@ -11,10 +11,12 @@ from pathlib import Path
 
 import torch
 
+from tiermoe.arch import detect, load_config
 from tiermoe.engine.engine import Engine, EngineConfig
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
 from tiermoe.model.loader import load_hybrid_model
+from tiermoe.model.placement_target import resolve_mask
 from tiermoe.models import resolve_model
 
 
@@ -32,15 +34,17 @@ class LLM:
     """A hybrid model ready to generate.
 
     model: checkpoint directory (None = the bundled demo model). gpu_device: "cuda:0", or "cpu" to run the GPU
-    tier on the host. placement: bool tensor [num_layers, num_experts] (True = GPU tier), or None for all-CPU.
+    tier on the host. placement: a bool tensor [num_layers, num_experts] (True = GPU tier), a PlacementPlan, a
+    PlacementConfig (planned against this checkpoint), or None for all experts on the CPU tier.
     """
 
     def __init__(self, model: str | Path | None = None, gpu_device: str = "cpu", placement=None,
                  dtype: torch.dtype | None = None, max_running: int = 16, prefill_chunk: int = 512,
                  progress: bool = True):
         self.model_dir = resolve_model(model)
-        self.hybrid = load_hybrid_model(self.model_dir, placement, gpu_device=gpu_device, dtype=dtype,
-                                        progress=progress)
+        spec = detect(load_config(self.model_dir))
+        mask = resolve_mask(placement, self.model_dir, spec, gpu_device)
+        self.hybrid = load_hybrid_model(self.model_dir, mask, gpu_device=gpu_device, dtype=dtype, progress=progress)
         self.tokenizer = _load_tokenizer(self.model_dir)
         detokenize = None
         if self.tokenizer is not None:

@@ -1,0 +1,113 @@
+"""tiermoe place: decide which experts go to the GPU tier, show it, write plan.json."""
+
+from __future__ import annotations
+
+import json
+
+from tiermoe.cli.flags import add_command, non_negative_int, positive_int
+from tiermoe.cli.placement_flags import add_placement_flags
+
+
+def add_parser(sub) -> None:
+    p = add_command(
+        sub, "place",
+        "Choose the GPU-tier experts with a placement strategy and a budget, print a per-layer table and the "
+        "expected hit rate, and write the plan (the one plan.json format every command reads). Works from a "
+        "checkpoint (--model) or from a model shape alone (--num-layers/--num-experts/--moe-layers).",
+        "tiermoe place --model /models/Qwen3-30B-A3B --num-gpu-experts 16 --out plan.json",
+        "tiermoe place --strategy frequency --init-expert-location stats.pt --gpu-experts-ratio 0.25 --out plan.json "
+        "--plot plan.png",
+        "tiermoe place --model /models/DeepSeek-V3 --gpu-memory-gb 80 --strategy balanced "
+        "--init-expert-location stats.pt --num-gpus 4 --gpu-split balanced --out plan.json",
+        "tiermoe place --num-layers 6 --num-experts 4 --moe-layers 2-5 --num-gpu-experts 2 --strategy front-loading",
+    )
+    p.add_argument("--model", "--model-path", dest="model", help="checkpoint directory (default: the bundled model)")
+    p.add_argument("--num-layers", type=positive_int, help="model-free plan: number of layers")
+    p.add_argument("--num-experts", type=positive_int, help="model-free plan: experts per MoE layer")
+    p.add_argument("--moe-layers", help="model-free plan: MoE layers, e.g. '3-60' or '1,2,5' (default: all)")
+    p.add_argument("--first-k-dense", type=non_negative_int, help="model-free plan: the first K layers are dense")
+    add_placement_flags(p, seed_flags=("--seed", "--placement-seed"))
+    p.add_argument("--gpu-device", default=None, help="CUDA device for --gpu-memory-gb auto (default cuda:0)")
+    p.add_argument("--out", help="write the plan here (plan.json)")
+    p.add_argument("--plot", help="draw a heatmap (layers x experts, GPU experts marked) to this PNG")
+    p.add_argument("--json", action="store_true", help="print JSON (rows, hit rate, plan) instead of a table")
+
+
+def parse_layers(text: str, num_layers: int) -> tuple[int, ...]:
+    from tiermoe.errors import TiermoeError
+
+    layers = set()
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part:
+                lo, hi = part.split("-")
+                layers.update(range(int(lo), int(hi) + 1))
+            elif part:
+                layers.add(int(part))
+    except ValueError:
+        raise TiermoeError(f"--moe-layers '{text}' is not a list of layers like '3-60' or '1,2,5'") from None
+    bad = sorted(x for x in layers if not 0 <= x < num_layers)
+    if bad:
+        raise TiermoeError(f"--moe-layers {bad} outside 0..{num_layers - 1}")
+    return tuple(sorted(layers))
+
+
+def _target(args):
+    from tiermoe.errors import TiermoeError
+    from tiermoe.model.placement_target import placement_target
+    from tiermoe.models import resolve_model
+    from tiermoe.placement.planner import PlacementTarget
+
+    if args.num_layers is None and args.num_experts is None:
+        return placement_target(resolve_model(args.model))
+    if args.model:
+        raise TiermoeError("give either --model or --num-layers/--num-experts, not both")
+    if args.num_layers is None or args.num_experts is None:
+        raise TiermoeError("a model-free plan needs both --num-layers and --num-experts")
+    if args.moe_layers:
+        moe = parse_layers(args.moe_layers, args.num_layers)
+    else:
+        moe = tuple(range(args.first_k_dense or 0, args.num_layers))
+    return PlacementTarget(args.num_layers, args.num_experts, moe)
+
+
+def run(args) -> int:
+    from tiermoe.config import PlacementConfig
+    from tiermoe.placement.metrics import hit_rate
+    from tiermoe.placement.plan import PlacementPlan
+    from tiermoe.placement.planner import make_plan
+    from tiermoe.placement.report import format_plan, plan_rows, plot_plan
+    from tiermoe.stats.io import load_counts
+
+    target = _target(args)
+    if args.plan:
+        plan = PlacementPlan.load(args.plan)
+    else:
+        config = PlacementConfig(
+            strategy=args.strategy, num_gpu_experts=args.num_gpu_experts, gpu_experts_ratio=args.gpu_experts_ratio,
+            gpu_memory_gb=args.gpu_memory_gb, init_expert_location=args.init_expert_location,
+            seed=args.placement_seed, num_gpus=args.num_gpus, gpu_split=args.gpu_split,
+            kv_cache_tokens=args.max_total_tokens)
+        plan = make_plan(config, target, args.gpu_device)
+    counts = None
+    if args.init_expert_location:
+        counts = load_counts(args.init_expert_location, target.num_layers, target.num_experts)
+    if args.json:
+        out = {"rows": plan_rows(plan, target.moe_layers, counts, target.bytes_per_expert), "plan": plan.to_dict()}
+        if counts is not None:
+            out["expected_hit_rate"] = hit_rate(plan.mask, counts)
+        print(json.dumps(out))
+    else:
+        print(format_plan(plan, target.moe_layers, counts, target.bytes_per_expert))
+        if "memory" in plan.budget:
+            print(f"memory: {plan.budget['memory']}")
+    if args.out:
+        plan.save(args.out)
+        if not args.json:
+            print(f"wrote {args.out}")
+    if args.plot:
+        plot_plan(plan, args.plot, counts)
+        if not args.json:
+            print(f"wrote {args.plot}")
+    return 0

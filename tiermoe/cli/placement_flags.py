@@ -1,0 +1,75 @@
+"""Placement flags shared by every command that places experts (place, generate, serve, ...).
+
+Primary names are plain; SGLang-kt's `--kt-...` spellings are accepted as aliases so a KTransformers launch
+line works unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tiermoe.cli.flags import non_negative_int, positive_int
+from tiermoe.config import GPU_SPLIT_METHODS, PLACEMENT_STRATEGIES, PlacementConfig
+
+
+def ratio(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a number") from None
+    if not 0.0 <= number <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a ratio between 0.0 and 1.0, got {value}")
+    return number
+
+
+def memory_gb(value: str):
+    if value == "auto":
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is neither a number of GB nor 'auto'") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected GB >= 0, got {value}")
+    return number
+
+
+def add_placement_flags(p: argparse.ArgumentParser, seed_flags=("--placement-seed",)) -> None:
+    g = p.add_argument_group("placement (which experts live on the GPU tier)")
+    g.add_argument("--placement-strategy", "--strategy", "--kt-expert-placement-strategy", dest="strategy",
+                   choices=PLACEMENT_STRATEGIES, default="uniform",
+                   help="uniform (default), front-loading, random, frequency (needs statistics), balanced "
+                        "(needs statistics: frequency that keeps every MoE layer covered)")
+    g.add_argument("--num-gpu-experts", "--kt-num-gpu-experts", dest="num_gpu_experts", type=non_negative_int,
+                   help="GPU experts PER MoE LAYER (total = N x MoE layers, over all GPUs together, not per rank; "
+                        "as SGLang-kt's code and tutorial use it, although one KTransformers page calls it a total)")
+    g.add_argument("--gpu-experts-ratio", "--kt-gpu-experts-ratio", dest="gpu_experts_ratio", type=ratio,
+                   help="share of all routed experts on the GPU tier, 0.0-1.0: floor(R x MoE layers x experts); "
+                        "wins over --num-gpu-experts (with a warning)")
+    g.add_argument("--gpu-memory-gb", dest="gpu_memory_gb", type=memory_gb,
+                   help="GPU memory (per GPU) tiermoe may use; the expert count follows from the model's real bytes "
+                        "after non-expert weights and the KV cache. 'auto' on CUDA: free memory less a margin")
+    g.add_argument("--max-total-tokens", dest="max_total_tokens", type=positive_int, default=8192,
+                   help="KV cache tokens reserved by --gpu-memory-gb (default 8192)")
+    g.add_argument("--init-expert-location", "--kt-init-expert-location", dest="init_expert_location",
+                   help="activation statistics .pt (SGLang logical_count [buf, L, E], [L, E], or tiermoe record output)")
+    g.add_argument(*seed_flags, dest="placement_seed", type=non_negative_int, default=42,
+                   help="seed of the random strategy (default 42, as SGLang-kt)")
+    g.add_argument("--num-gpus", dest="num_gpus", type=positive_int, default=1, help="GPUs to split the plan over")
+    g.add_argument("--gpu-split", dest="gpu_split", choices=GPU_SPLIT_METHODS, default="balanced",
+                   help="how to split over GPUs: balanced (memory and load), layers (contiguous), round-robin")
+    g.add_argument("--plan", dest="plan", help="a plan.json written by `tiermoe place` (instead of the flags above)")
+
+
+def placement_from_args(args):
+    """A PlacementPlan (from --plan), a PlacementConfig (from the flags), or None (no GPU experts asked for)."""
+    from tiermoe.placement.plan import PlacementPlan
+
+    if args.plan:
+        return PlacementPlan.load(args.plan)
+    config = PlacementConfig(
+        strategy=args.strategy, num_gpu_experts=args.num_gpu_experts, gpu_experts_ratio=args.gpu_experts_ratio,
+        gpu_memory_gb=args.gpu_memory_gb, init_expert_location=args.init_expert_location, seed=args.placement_seed,
+        num_gpus=args.num_gpus, gpu_split=args.gpu_split, kv_cache_tokens=args.max_total_tokens,
+    )
+    return config if config.sized or config.strategy != "uniform" else None

@@ -1,0 +1,44 @@
+"""Connect placement to a checkpoint: its shape and real bytes (from headers), and any placement -> a mask."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tiermoe.arch import detect, load_config, text_config
+from tiermoe.config import PlacementConfig
+from tiermoe.errors import TiermoeError
+from tiermoe.model.inspect import summarize
+from tiermoe.placement.budget import kv_bytes_per_token
+from tiermoe.placement.mask import validate_mask
+from tiermoe.placement.plan import PlacementPlan
+from tiermoe.placement.planner import PlacementTarget, make_plan
+
+
+def placement_target(model_dir: str | Path, dtype: torch.dtype | None = None) -> PlacementTarget:
+    """Shape and bytes of a checkpoint, read from config.json and safetensors headers only."""
+    summary = summarize(model_dir)
+    spec = detect(load_config(model_dir))
+    dtype = dtype or spec.dtype
+    return PlacementTarget(
+        num_layers=spec.num_layers, num_experts=spec.num_experts, moe_layers=spec.moe_layers,
+        model_type=spec.model_type, bytes_per_expert=spec.bytes_per_expert(dtype),
+        non_expert_bytes=summary.non_expert_bytes,
+        kv_bytes_per_token=kv_bytes_per_token(text_config(load_config(model_dir)), dtype.itemsize),
+    )
+
+
+def resolve_mask(placement, model_dir: str | Path, spec, gpu_device: str = "cpu") -> torch.Tensor | None:
+    """A bool mask [L, E] for one process from a mask, a PlacementPlan or a PlacementConfig (None = all CPU)."""
+    if placement is None:
+        return None
+    if isinstance(placement, PlacementConfig):
+        placement = make_plan(placement, placement_target(model_dir), gpu_device)
+    if isinstance(placement, PlacementPlan):
+        placement.check_model(spec)
+        if placement.num_gpus > 1:
+            raise TiermoeError(f"this plan spreads experts over {placement.num_gpus} GPUs; one process runs one "
+                               "GPU (use a plan made with --num-gpus 1)")
+        return placement.mask
+    return validate_mask(placement, spec)

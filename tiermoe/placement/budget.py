@@ -1,0 +1,85 @@
+"""How many experts go to the GPU tier: from a count, a ratio, or GPU memory and the model's real bytes.
+
+KTransformers' flags: --kt-num-gpu-experts N is per MoE layer (total N x MoE layers, over all GPUs together);
+--kt-gpu-experts-ratio R gives floor(R x MoE layers x E) and wins when both are given. Dense layers hold no
+routed experts. --gpu-memory-gb G is tiermoe's own: the GPU memory tiermoe may use in total; the GPU tier gets
+what is left after the non-expert weights, the KV cache reservation and the layerwise-prefill buffer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from tiermoe.errors import TiermoeError
+
+GIB = 1 << 30
+
+
+def total_gpu_experts(num_moe_layers: int, num_experts: int, num_gpu_experts: int | None = None,
+                      ratio: float | None = None) -> int:
+    """The GPU-expert total over all MoE layers, as SGLang-kt computes it."""
+    total = num_moe_layers * num_experts
+    if ratio is not None:
+        if not 0.0 <= ratio <= 1.0:
+            raise TiermoeError(f"--gpu-experts-ratio must be between 0.0 and 1.0, got {ratio}")
+        if num_gpu_experts is not None:
+            warnings.warn("both --num-gpu-experts and --gpu-experts-ratio given; the ratio wins", stacklevel=2)
+        return int(total * ratio)
+    if num_gpu_experts is None:
+        return 0
+    if num_gpu_experts < 0:
+        raise TiermoeError(f"--num-gpu-experts must be >= 0 (experts per MoE layer), got {num_gpu_experts}")
+    return min(num_gpu_experts * num_moe_layers, total)
+
+
+def kv_bytes_per_token(cfg, dtype_bytes: int) -> int:
+    """KV cache bytes one token adds across all layers, as transformers' caches store it.
+
+    Standard attention: K and V of num_key_value_heads x head_dim per attention layer. DeepSeek's MLA as
+    transformers implements it caches full per-head keys (nope + rope) and values. Linear-attention layers
+    (Qwen3-Next) keep a fixed-size state and add nothing per token.
+    """
+    layers = cfg.num_hidden_layers
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types:
+        layers = sum(1 for t in layer_types if "linear" not in t)
+    if getattr(cfg, "kv_lora_rank", None):
+        per_layer = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    else:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per_layer = 2 * (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * head_dim
+    return layers * per_layer * dtype_bytes
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """GPU memory split, in bytes. `experts` is what is left for the GPU tier."""
+
+    gpu_memory: int
+    non_expert: int
+    kv_cache: int
+    prefill_buffer: int
+    margin: int
+
+    @property
+    def experts(self) -> int:
+        return max(0, self.gpu_memory - self.non_expert - self.kv_cache - self.prefill_buffer - self.margin)
+
+    def experts_that_fit(self, bytes_per_expert: int, max_experts: int) -> int:
+        return min(max_experts, self.experts // bytes_per_expert) if bytes_per_expert > 0 else max_experts
+
+    def describe(self) -> str:
+        parts = [("GPU memory", self.gpu_memory), ("non-expert weights", self.non_expert), ("KV cache", self.kv_cache),
+                 ("prefill buffer", self.prefill_buffer), ("margin", self.margin), ("left for experts", self.experts)]
+        return ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in parts)
+
+
+def auto_gpu_memory(device: str) -> tuple[int, int]:
+    """(free bytes on `device`, safety margin): the margin is 5% of the device's total, at least 512 MiB."""
+    if not torch.cuda.is_available() or not str(device).startswith("cuda"):
+        raise TiermoeError("--gpu-memory-gb auto needs a CUDA device (--gpu-device cuda:N); give a number of GB instead")
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return free, max(512 << 20, total // 20)

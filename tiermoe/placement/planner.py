@@ -1,0 +1,82 @@
+"""From a PlacementConfig and a model's shape to a PlacementPlan.
+
+1. load the statistics, if any, checked against the model's layers and experts;
+2. size the GPU tier: a ratio, a per-layer count, or GPU memory and the model's real bytes;
+3. choose the experts with the strategy;
+4. split them across GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tiermoe.config import PlacementConfig
+from tiermoe.errors import TiermoeError
+from tiermoe.placement.budget import GIB, MemoryBudget, auto_gpu_memory, total_gpu_experts
+from tiermoe.placement.partition import split_across_gpus
+from tiermoe.placement.plan import PlacementPlan
+from tiermoe.placement.strategies import place
+from tiermoe.stats.io import load_counts
+
+
+@dataclass(frozen=True)
+class PlacementTarget:
+    """What the planner needs to know of a model; byte fields are needed only for --gpu-memory-gb."""
+
+    num_layers: int
+    num_experts: int
+    moe_layers: tuple[int, ...]
+    model_type: str | None = None
+    bytes_per_expert: int | None = None
+    non_expert_bytes: int | None = None
+    kv_bytes_per_token: int | None = None
+
+    def __post_init__(self):
+        if self.num_layers < 1 or self.num_experts < 1:
+            raise TiermoeError(f"a model needs >= 1 layer and >= 1 expert, got {self.num_layers} x {self.num_experts}")
+        bad = [layer for layer in self.moe_layers if not 0 <= layer < self.num_layers]
+        if bad:
+            raise TiermoeError(f"MoE layers {bad} are outside 0..{self.num_layers - 1}")
+
+    @property
+    def moe_rows(self) -> torch.Tensor:
+        rows = torch.zeros(self.num_layers, dtype=torch.bool)
+        rows[list(self.moe_layers)] = True
+        return rows
+
+
+def memory_budget(config: PlacementConfig, target: PlacementTarget, gpu_device: str | None) -> MemoryBudget:
+    if target.bytes_per_expert is None or target.non_expert_bytes is None:
+        raise TiermoeError("--gpu-memory-gb needs a model (its bytes per expert and non-expert weights); pass --model")
+    if config.gpu_memory_gb == "auto":
+        gpu_memory, margin = auto_gpu_memory(gpu_device or "cuda:0")
+    else:
+        gpu_memory, margin = int(float(config.gpu_memory_gb) * GIB), 0
+    kv = config.kv_cache_tokens * (target.kv_bytes_per_token or 0)
+    return MemoryBudget(gpu_memory, target.non_expert_bytes, kv, int(config.prefill_buffer_gb * GIB), margin)
+
+
+def make_plan(config: PlacementConfig, target: PlacementTarget, gpu_device: str | None = None) -> PlacementPlan:
+    counts = None
+    if config.init_expert_location:
+        counts = load_counts(config.init_expert_location, target.num_layers, target.num_experts)
+    num_moe = len(target.moe_layers)
+    budget: dict = {}
+    if config.gpu_experts_ratio is not None or config.num_gpu_experts is not None:
+        total = total_gpu_experts(num_moe, target.num_experts, config.num_gpu_experts, config.gpu_experts_ratio)
+        budget = {"num_gpu_experts_per_layer": config.num_gpu_experts, "gpu_experts_ratio": config.gpu_experts_ratio}
+    elif config.gpu_memory_gb is not None:
+        mem = memory_budget(config, target, gpu_device)
+        per_gpu = mem.experts_that_fit(target.bytes_per_expert, num_moe * target.num_experts)
+        total = min(per_gpu * config.num_gpus, num_moe * target.num_experts)
+        budget = {"gpu_memory_gb": config.gpu_memory_gb, "bytes_per_expert": target.bytes_per_expert,
+                  "experts_bytes_per_gpu": mem.experts, "memory": mem.describe()}
+    else:
+        total = 0
+    budget["total_gpu_experts"] = total
+    mask = place(config.strategy, target.moe_rows, target.num_experts, total, counts, config.seed)
+    assignment = split_across_gpus(mask, config.num_gpus, config.gpu_split, counts)
+    return PlacementPlan(assignment, num_gpus=config.num_gpus, strategy=config.strategy, budget=budget,
+                         gpu_split=config.gpu_split if config.num_gpus > 1 else None, model_type=target.model_type)

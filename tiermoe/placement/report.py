@@ -1,0 +1,88 @@
+"""Describing a plan: a per-layer table, and a heatmap of layers x experts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tiermoe.placement.metrics import hit_rate, layer_coverage
+from tiermoe.placement.plan import PlacementPlan
+
+
+def plan_rows(plan: PlacementPlan, moe_layers, counts=None, bytes_per_expert: int | None = None) -> list[dict]:
+    coverage = layer_coverage(plan.mask, counts) if counts is not None else None
+    rows = []
+    for layer in range(plan.num_layers):
+        row = {"layer": layer, "moe": layer in moe_layers, "gpu_experts": int(plan.mask[layer].sum())}
+        if plan.num_gpus > 1:
+            row["per_gpu"] = [int((plan.assignment[layer] == r).sum()) for r in range(plan.num_gpus)]
+        if coverage is not None:
+            row["stats_share_on_gpu"] = float(coverage[layer])
+        if bytes_per_expert is not None:
+            row["gpu_bytes"] = row["gpu_experts"] * bytes_per_expert
+        rows.append(row)
+    return rows
+
+
+def format_plan(plan: PlacementPlan, moe_layers, counts=None, bytes_per_expert: int | None = None) -> str:
+    rows = plan_rows(plan, moe_layers, counts, bytes_per_expert)
+    header = f"{'layer':>5}  {'kind':<5}  {'GPU experts':>11}"
+    if plan.num_gpus > 1:
+        header += f"  {'per GPU':<16}"
+    if counts is not None:
+        header += f"  {'stats on GPU':>12}"
+    if bytes_per_expert is not None:
+        header += f"  {'GPU bytes':>10}"
+    lines = [header]
+    for r in rows:
+        line = f"{r['layer']:>5}  {'MoE' if r['moe'] else 'dense':<5}  {r['gpu_experts']:>4} / {plan.num_experts:<4}"
+        if plan.num_gpus > 1:
+            line += f"  {'/'.join(map(str, r['per_gpu'])):<16}"
+        if counts is not None:
+            line += f"  {100 * r['stats_share_on_gpu']:>11.1f}%"
+        if bytes_per_expert is not None:
+            line += f"  {r['gpu_bytes'] / 1e9:>8.2f} GB"
+        lines.append(line)
+    total = int(plan.mask.sum())
+    lines.append(f"total GPU experts: {total} of {len(moe_layers) * plan.num_experts} routed experts "
+                 f"({100 * total / max(1, len(moe_layers) * plan.num_experts):.1f}%), strategy {plan.strategy}")
+    if bytes_per_expert is not None:
+        lines.append(f"GPU-tier expert bytes: {total * bytes_per_expert / 1e9:.2f} GB")
+    if counts is not None:
+        lines.append(f"expected GPU hit rate (on these statistics): {100 * hit_rate(plan.mask, counts):.1f}%")
+    return "\n".join(lines)
+
+
+def plot_plan(plan: PlacementPlan, path: str | Path, counts=None, title: str = "") -> Path:
+    """Heatmap layers x experts: colour = share of the layer's activations (or 1 without statistics);
+    GPU experts outlined (coloured per GPU rank when there are several)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if counts is not None:
+        counts = torch.as_tensor(counts, dtype=torch.float64)
+        share = counts / counts.sum(dim=1, keepdim=True).clamp(min=1e-300)
+    else:
+        share = torch.zeros(plan.num_layers, plan.num_experts, dtype=torch.float64)
+    width = min(18, 3 + plan.num_experts * 0.12)
+    height = min(14, 2 + plan.num_layers * 0.25)
+    fig, ax = plt.subplots(figsize=(width, height))
+    image = ax.imshow(share.numpy(), aspect="auto", cmap="viridis", interpolation="nearest")
+    fig.colorbar(image, ax=ax, label="share of the layer's routed tokens" if counts is not None else "no statistics")
+    colours = plt.get_cmap("tab10")
+    for rank in range(plan.num_gpus):
+        layers, experts = (plan.assignment == rank).nonzero(as_tuple=True)
+        ax.scatter(experts.numpy(), layers.numpy(), marker="s", s=12, facecolors="none",
+                   edgecolors=[colours(rank % 10)], linewidths=0.8,
+                   label=f"GPU {rank}" if plan.num_gpus > 1 else "GPU tier")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("layer")
+    ax.set_title(title or f"{plan.strategy}: {int(plan.mask.sum())} GPU experts")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
