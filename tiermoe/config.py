@@ -76,3 +76,28 @@ class PlacementConfig:
     @property
     def sized(self) -> bool:
         return any(v is not None for v in (self.num_gpu_experts, self.gpu_experts_ratio, self.gpu_memory_gb))
+
+
+CPU_BACKENDS = ("torch",)
+CPU_EXPERT_DTYPES = ("bf16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class CPUConfig:
+    """The CPU tier: which backend computes it, the format its experts are stored in, and its threads.
+
+    expert_dtype None keeps the checkpoint's dtype. threads None lets the backend choose.
+    """
+
+    backend: str = "torch"  # --cpu-backend
+    expert_dtype: str | None = None  # --cpu-expert-dtype
+    threads: int | None = None  # --cpu-threads
+
+    def __post_init__(self):
+        if self.backend not in CPU_BACKENDS:
+            raise TiermoeError(f"cpu backend '{self.backend}' is unknown; choose one of: {', '.join(CPU_BACKENDS)}")
+        if self.expert_dtype is not None and self.expert_dtype not in CPU_EXPERT_DTYPES:
+            raise TiermoeError(f"cpu expert dtype '{self.expert_dtype}' is unknown; choose one of: "
+                               f"{', '.join(CPU_EXPERT_DTYPES)}")
+        if self.threads is not None and self.threads < 1:
+            raise TiermoeError(f"cpu threads must be >= 1, got {self.threads}")

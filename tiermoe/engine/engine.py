@@ -21,6 +21,7 @@ from tiermoe.engine.moe_batcher import MoEBatcher
 from tiermoe.engine.sampling import SamplingParams, new_generator, sample
 from tiermoe.engine.sequence import Sequence
 from tiermoe.errors import TiermoeError
+from tiermoe.stats.recording import NO_RECORDER, ExpertRecorder, PassInfo
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, hybrid, eos_token_ids: Iterable[int] = (), detokenize: Callable[[list[int]], str] | None = None,
-                 config: EngineConfig = EngineConfig()):
+                 config: EngineConfig = EngineConfig(), recorder: ExpertRecorder = NO_RECORDER):
         self.hybrid = hybrid
         self.model = hybrid.model
         self.config = config
@@ -48,14 +49,17 @@ class Engine:
         self.running: list[Sequence] = []
         self._ids = itertools.count()
         self._batcher = MoEBatcher(config.max_running)
+        self.recorder = recorder
         for block in hybrid.blocks.values():
             block.batcher = self._batcher
+            block.recorder = recorder
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     def close(self) -> None:
         for block in self.hybrid.blocks.values():
             block.batcher = None
+            block.recorder = NO_RECORDER
         self._batcher.close()
 
     def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -91,7 +95,13 @@ class Engine:
             return []
         batch = list(self.running)
         inputs = [seq.next_input(self.config.prefill_chunk) for seq in batch]
+        if self.recorder.enabled:
+            self.recorder.begin_pass(PassInfo(
+                request_ids=tuple(s.seq_id for s in batch), num_tokens=tuple(len(x) for x in inputs),
+                start_positions=tuple(s.num_fed for s in batch), is_prefill=tuple(s.prefilling for s in batch)))
         logits = self._batcher.run([lambda s=s, x=x: self._forward(s, x) for s, x in zip(batch, inputs)])
+        if self.recorder.enabled:
+            self.recorder.end_pass()
         produced = []
         for seq, fed, logits_V in zip(batch, inputs, logits):
             seq.num_fed += len(fed)

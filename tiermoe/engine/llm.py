@@ -12,12 +12,14 @@ from pathlib import Path
 import torch
 
 from tiermoe.arch import detect, load_config
+from tiermoe.config import CPUConfig
 from tiermoe.engine.engine import Engine, EngineConfig
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
 from tiermoe.model.loader import load_hybrid_model
 from tiermoe.model.placement_target import resolve_mask
 from tiermoe.models import resolve_model
+from tiermoe.stats.recording import NO_RECORDER, ExpertRecorder
 
 
 @dataclass(frozen=True)
@@ -35,23 +37,25 @@ class LLM:
 
     model: checkpoint directory (None = the bundled demo model). gpu_device: "cuda:0", or "cpu" to run the GPU
     tier on the host. placement: a bool tensor [num_layers, num_experts] (True = GPU tier), a PlacementPlan, a
-    PlacementConfig (planned against this checkpoint), or None for all experts on the CPU tier.
+    PlacementConfig (planned against this checkpoint), or None for all experts on the CPU tier. cpu: the CPU
+    tier's backend, expert format and threads. recorder: sees every pass's routed experts (tiermoe.stats).
     """
 
     def __init__(self, model: str | Path | None = None, gpu_device: str = "cpu", placement=None,
                  dtype: torch.dtype | None = None, max_running: int = 16, prefill_chunk: int = 512,
-                 progress: bool = True):
+                 cpu: CPUConfig = CPUConfig(), recorder: ExpertRecorder = NO_RECORDER, progress: bool = True):
         self.model_dir = resolve_model(model)
         spec = detect(load_config(self.model_dir))
         mask = resolve_mask(placement, self.model_dir, spec, gpu_device)
-        self.hybrid = load_hybrid_model(self.model_dir, mask, gpu_device=gpu_device, dtype=dtype, progress=progress)
+        self.hybrid = load_hybrid_model(self.model_dir, mask, gpu_device=gpu_device, dtype=dtype, cpu=cpu,
+                                        progress=progress)
         self.tokenizer = _load_tokenizer(self.model_dir)
         detokenize = None
         if self.tokenizer is not None:
             def detokenize(ids):
                 return self.tokenizer.decode(ids, skip_special_tokens=True)
         self.engine = Engine(self.hybrid, eos_token_ids(self.model_dir, self.hybrid.config), detokenize,
-                             EngineConfig(max_running=max_running, prefill_chunk=prefill_chunk))
+                             EngineConfig(max_running=max_running, prefill_chunk=prefill_chunk), recorder)
 
     @property
     def placement(self) -> torch.Tensor:

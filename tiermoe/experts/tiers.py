@@ -17,15 +17,34 @@ from tiermoe.experts.weights import ExpertWeights
 
 
 class CPUExpertBackend(Protocol):
-    """What a HybridMoE block needs from its CPU tier.
+    """What a HybridMoE block needs from its CPU tier: the experts it holds, and computing with them.
 
     submit(x_TD, ids_TK, weights_TK): start computing, for each token, the weighted sum of its routed experts
     whose id is >= 0 (ids -1 belong to the GPU tier); inputs are host tensors. sync() -> y_TD waits and returns it.
+    add(e, weights) takes an expert in tiermoe's canonical layout and stores it in the backend's own format
+    (quantising if that format is int8/int4); get(e) gives it back in the canonical layout (dequantised), so an
+    expert can move to the GPU tier; pop(e) also releases it. nbytes counts what the backend really holds.
     """
+
+    device: torch.device
+    pin: bool
 
     def submit(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None: ...
 
     def sync(self) -> torch.Tensor: ...
+
+    def add(self, expert: int, weights: ExpertWeights) -> None: ...
+
+    def get(self, expert: int) -> ExpertWeights: ...
+
+    def pop(self, expert: int) -> ExpertWeights: ...
+
+    def __contains__(self, expert: int) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
 
 
 class ExpertSet:
@@ -47,6 +66,9 @@ class ExpertSet:
         if weights.device.type != self.device.type:
             raise ValueError(f"expert {expert} is on {weights.device}, this tier is {self.device}")
         self.experts[expert] = weights
+
+    def get(self, expert: int) -> ExpertWeights:
+        return self.experts[expert]
 
     def pop(self, expert: int) -> ExpertWeights:
         return self.experts.pop(expert)

@@ -16,6 +16,7 @@ from torch import nn
 
 from tiermoe.arch.spec import ArchSpec
 from tiermoe.experts.tiers import CPUExpertBackend, ExpertSet
+from tiermoe.stats.recording import NO_RECORDER
 
 
 class HybridMoE(nn.Module):
@@ -34,6 +35,8 @@ class HybridMoE(nn.Module):
         self.host_mask_E = torch.zeros(spec.num_experts, dtype=torch.bool)
         # Set by the engine: joins the per-sequence forwards of one step so experts run once for all tokens.
         self.batcher = None
+        # Set by the engine: sees the routed ids of every pass (a no-op unless recording).
+        self.recorder = NO_RECORDER
 
     def _router(self) -> nn.Module:
         return self._modules[self.spec.router_attr]
@@ -52,6 +55,8 @@ class HybridMoE(nn.Module):
         shape = hidden.shape
         x_TD = hidden.reshape(-1, shape[-1])
         _, weights_TK, ids_TK = self._router()(x_TD)
+        if self.recorder.enabled:
+            self.recorder.record(self.layer, ids_TK, self.gpu_mask_E)
         on_gpu_TK = self.gpu_mask_E[ids_TK]
 
         use_cpu = len(self.cpu_tier) > 0
@@ -89,7 +94,7 @@ class HybridMoE(nn.Module):
             if e not in src:
                 source = "CPU" if to_gpu else "GPU"
                 raise ValueError(f"layer {self.layer} expert {e} is not on the {source} tier, so it cannot leave it")
-            landed = src.experts[e].to(dst.device, pin=dst.pin)
+            landed = src.get(e).to(dst.device, pin=dst.pin)
             dst.add(e, landed)
             self.set_on_gpu(e, to_gpu)
             moved += src.pop(e).nbytes

@@ -55,10 +55,9 @@ class HybridModel:
         return mask
 
     def tier_bytes(self) -> TierBytes:
-        expert_params = {id(t) for b in self.blocks.values() for s in (b.gpu_tier, b.cpu_tier)
-                         for w in s.experts.values() for t in w.tensors()}
+        # Routed experts live in the tiers, not in the module tree, so every model tensor is a non-expert one.
         tensors = {id(t): t for t in list(self.model.parameters()) + list(self.model.buffers())}
-        non_expert = sum(t.numel() * t.element_size() for i, t in tensors.items() if i not in expert_params)
+        non_expert = sum(t.numel() * t.element_size() for t in tensors.values())
         return TierBytes(
             non_expert=non_expert,
             gpu_experts=sum(b.gpu_tier.nbytes for b in self.blocks.values()),

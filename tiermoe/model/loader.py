@@ -20,7 +20,9 @@ from tqdm.auto import tqdm
 from tiermoe.arch import detect, load_config
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.ffn import ExpertActivation
-from tiermoe.experts.tiers import CPUWorker, ExpertSet, TorchCPUExperts
+from tiermoe.config import CPUConfig
+from tiermoe.experts.registry import make_cpu_tier
+from tiermoe.experts.tiers import CPUWorker, ExpertSet
 from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.model.checkpoint import Checkpoint
 from tiermoe.model.expert_source import ExpertSource, find_expert_source, read_expert
@@ -35,11 +37,13 @@ _WRAPPER_PREFIXES = ("model.language_model.", "language_model.model.", "language
 
 
 def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | torch.device = "cpu",
-                      dtype: torch.dtype | None = None, progress: bool = True) -> HybridModel:
+                      dtype: torch.dtype | None = None, cpu: CPUConfig = CPUConfig(),
+                      progress: bool = True) -> HybridModel:
     """Load `model_dir` with routed experts placed by `mask` ([L, E] bool, True = GPU tier; None = all CPU).
 
     `gpu_device` is the main device (non-expert weights and GPU-tier experts): "cuda:0" in production, "cpu"
-    to run every path without CUDA. `dtype` defaults to the checkpoint's dtype.
+    to run every path without CUDA. `dtype` defaults to the checkpoint's dtype. `cpu` chooses the CPU tier's
+    backend, expert format and threads.
     """
     model_dir = Path(model_dir)
     config = load_config(model_dir)
@@ -54,7 +58,7 @@ def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | tor
         model = build_skeleton(config, dtype)
         worker = CPUWorker()
         act = ExpertActivation.from_config(spec.activation, config)
-        blocks = _inject_hybrid_blocks(model, spec, gpu_device, act, worker, pin)
+        blocks = _inject_hybrid_blocks(model, spec, gpu_device, act, worker, pin, cpu, dtype)
         total = _non_expert_bytes(model) + spec.total_routed_experts * spec.bytes_per_expert(dtype)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {model_dir.name}", disable=not progress) as bar:
             _load_non_experts(model, ckpt, spec, gpu_device, bar)
@@ -63,7 +67,8 @@ def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | tor
     return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir)
 
 
-def _inject_hybrid_blocks(model: nn.Module, spec, gpu_device, act, worker, pin) -> dict[int, HybridMoE]:
+def _inject_hybrid_blocks(model: nn.Module, spec, gpu_device, act, worker, pin, cpu: CPUConfig,
+                          dtype: torch.dtype) -> dict[int, HybridMoE]:
     blocks = {}
     for i, layer in enumerate(decoder_layers(model)):
         attr = moe_block_attr(layer)
@@ -73,7 +78,7 @@ def _inject_hybrid_blocks(model: nn.Module, spec, gpu_device, act, worker, pin) 
         if attr is None:
             continue
         gpu_tier = ExpertSet(gpu_device, act)
-        cpu_tier = TorchCPUExperts(worker, act, pin=pin)
+        cpu_tier = make_cpu_tier(cpu, worker, act, pin, dtype)
         blocks[i] = HybridMoE(getattr(layer, attr), spec, i, gpu_tier, cpu_tier)
         setattr(layer, attr, blocks[i])
     return blocks
