@@ -101,3 +101,26 @@ class CPUConfig:
                                f"{', '.join(CPU_EXPERT_DTYPES)}")
         if self.threads is not None and self.threads < 1:
             raise TiermoeError(f"cpu threads must be >= 1, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """`tiermoe serve`: where it listens, who may call it, and how much it batches."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_running_requests: int = 32
+    max_total_tokens: int | None = None
+    chunked_prefill_size: int = 512
+    default_max_tokens: int = 256  # when a request gives no max_tokens
+
+    def __post_init__(self):
+        if not 0 < self.port < 65536:
+            raise TiermoeError(f"port must be 1-65535, got {self.port}")
+        for name in ("max_running_requests", "chunked_prefill_size", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise TiermoeError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise TiermoeError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")

@@ -11,10 +11,12 @@ import sys
 
 # subcommand -> module with add_parser(subparsers) and run(args)
 COMMANDS = {
+    "chat": "tiermoe.cli.chat_cmd",
     "generate": "tiermoe.cli.generate_cmd",
     "inspect": "tiermoe.cli.inspect_cmd",
     "make-model": "tiermoe.cli.make_model",
     "place": "tiermoe.cli.place_cmd",
+    "serve": "tiermoe.cli.serve_cmd",
     "version": "tiermoe.cli.version_cmd",
 }
 

@@ -1,10 +1,12 @@
 """The engine: a step function that advances a batch of sequences by one forward pass each.
 
-Sequences wait in a queue until admitted (at most `max_running` at once). In a step every running sequence feeds
-its next input (a prompt chunk of at most `prefill_chunk` tokens while prefilling, else its last token), with its
-own KV cache and positions; the MoE blocks of all of them run once per layer for the whole batch (MoEBatcher).
-A sequence whose prompt is complete samples one token. The engine sees token ids only; text (stop strings) is
-reached through the `detokenize` function it is given.
+Sequences wait in a queue until admitted: at most `max_running` at once, and (when `max_total_tokens` is set)
+only while the running sequences' prompts plus their max_tokens fit in that many tokens of KV cache. In a step
+every decoding sequence feeds its last token, and prefilling sequences feed prompt chunks, oldest first, sharing
+`prefill_chunk` tokens per step (so a long prompt is prefilled over several steps and never stalls running
+decodes by more than one chunk). Each sequence keeps its own KV cache and positions; the MoE blocks of all of
+them run once per layer for the whole batch (MoEBatcher). A sequence whose prompt is complete samples one token.
+The engine sees token ids only; text (stop strings) is reached through the `detokenize` function it is given.
 """
 
 from __future__ import annotations
@@ -26,14 +28,17 @@ from tiermoe.stats.recording import NO_RECORDER, ExpertRecorder, PassInfo
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_running: int = 16  # sequences advanced together in one step
-    prefill_chunk: int = 512  # prompt tokens one sequence feeds per step
+    max_running: int = 16  # sequences advanced together in one step (--max-running-requests)
+    prefill_chunk: int = 512  # prompt tokens fed per step, over all prefilling sequences (--chunked-prefill-size)
+    max_total_tokens: int | None = None  # KV tokens the running sequences may reserve (--max-total-tokens)
 
     def __post_init__(self):
         if self.max_running < 1:
-            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+            raise TiermoeError(f"max_running must be >= 1, got {self.max_running}")
         if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+            raise TiermoeError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise TiermoeError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
 
 
 class Engine:
@@ -49,12 +54,17 @@ class Engine:
         self.running: list[Sequence] = []
         self._ids = itertools.count()
         self._batcher = MoEBatcher(config.max_running)
-        self.recorder = recorder
         for block in hybrid.blocks.values():
             block.batcher = self._batcher
-            block.recorder = recorder
+        self.set_recorder(recorder)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def set_recorder(self, recorder: ExpertRecorder) -> None:
+        """Route every pass's routed experts to `recorder` (call between steps)."""
+        self.recorder = recorder
+        for block in self.hybrid.blocks.values():
+            block.recorder = recorder
 
     def close(self) -> None:
         for block in self.hybrid.blocks.values():
@@ -71,6 +81,10 @@ class Engine:
             raise TiermoeError(f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}")
         if params.stop and self.detokenize is None:
             raise TiermoeError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        budget = self.config.max_total_tokens
+        if budget is not None and len(prompt_ids) + params.max_tokens > budget:
+            raise TiermoeError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                               f"max_total_tokens ({budget})")
         seq = Sequence(next(self._ids), prompt_ids, params, new_generator(params.seed))
         self.waiting.append(seq)
         return seq
@@ -87,14 +101,39 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def step(self) -> list[Sequence]:
-        """One forward pass for every running sequence; returns those that produced a token this step."""
+    def reserved_tokens(self) -> int:
+        return sum(len(s.prompt_ids) + s.params.max_tokens for s in self.running)
+
+    def _admit(self) -> None:
+        budget = self.config.max_total_tokens
         while self.waiting and len(self.running) < self.config.max_running:
+            need = len(self.waiting[0].prompt_ids) + self.waiting[0].params.max_tokens
+            if budget is not None and self.running and self.reserved_tokens() + need > budget:
+                break
             self.running.append(self.waiting.popleft())
-        if not self.running:
+
+    def _schedule(self) -> list[tuple[Sequence, list[int]]]:
+        """This step's (sequence, tokens to feed): every decode, and prompt chunks within the prefill budget."""
+        budget, batch = self.config.prefill_chunk, []
+        for seq in self.running:
+            if seq.prefilling:
+                if budget == 0:
+                    continue
+                tokens = seq.next_input(budget)
+                budget -= len(tokens)
+            else:
+                tokens = seq.next_input(1)
+            batch.append((seq, tokens))
+        return batch
+
+    def step(self) -> list[Sequence]:
+        """One forward pass for every scheduled sequence; returns those that produced a token this step."""
+        self._admit()
+        scheduled = self._schedule()
+        if not scheduled:
             return []
-        batch = list(self.running)
-        inputs = [seq.next_input(self.config.prefill_chunk) for seq in batch]
+        batch = [seq for seq, _ in scheduled]
+        inputs = [tokens for _, tokens in scheduled]
         if self.recorder.enabled:
             self.recorder.begin_pass(PassInfo(
                 request_ids=tuple(s.seq_id for s in batch), num_tokens=tuple(len(x) for x in inputs),

@@ -15,6 +15,7 @@ from tiermoe.arch import detect, load_config
 from tiermoe.config import CPUConfig
 from tiermoe.engine.engine import Engine, EngineConfig
 from tiermoe.engine.sampling import SamplingParams
+from tiermoe.engine.text_stream import TextStream
 from tiermoe.errors import TiermoeError
 from tiermoe.model.loader import load_hybrid_model
 from tiermoe.model.placement_target import resolve_mask
@@ -43,7 +44,7 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, gpu_device: str = "cpu", placement=None,
                  dtype: torch.dtype | None = None, max_running: int = 16, prefill_chunk: int = 512,
-                 cpu: CPUConfig = CPUConfig(), recorder: ExpertRecorder = NO_RECORDER, progress: bool = True):
+                 max_total_tokens: int | None = None, cpu: CPUConfig = CPUConfig(), recorder: ExpertRecorder = NO_RECORDER, progress: bool = True):
         self.model_dir = resolve_model(model)
         spec = detect(load_config(self.model_dir))
         mask = resolve_mask(placement, self.model_dir, spec, gpu_device)
@@ -55,7 +56,7 @@ class LLM:
             def detokenize(ids):
                 return self.tokenizer.decode(ids, skip_special_tokens=True)
         self.engine = Engine(self.hybrid, eos_token_ids(self.model_dir, self.hybrid.config), detokenize,
-                             EngineConfig(max_running=max_running, prefill_chunk=prefill_chunk), recorder)
+                             EngineConfig(max_running, prefill_chunk, max_total_tokens), recorder)
 
     @property
     def placement(self) -> torch.Tensor:
@@ -89,6 +90,23 @@ class LLM:
         seqs = [self.engine.add(self.encode(p), sampling) for p in batch]
         self.engine.run_to_completion(on_step)
         return [self._result(s) for s in seqs]
+
+    def stream(self, prompt, sampling: SamplingParams | None = None):
+        """Generate for one prompt, yielding text deltas as tokens arrive (the engine runs in this thread)."""
+        if self.tokenizer is None:
+            raise TiermoeError(f"{self.model_dir} has no tokenizer; streaming text needs one")
+        sampling = sampling or SamplingParams()
+        seq = self.engine.add(self.encode(prompt), sampling)
+        text = TextStream(self.engine.detokenize, sampling.stop)
+        try:
+            while not seq.finished:
+                if seq in self.engine.step():
+                    delta = text.delta(seq.output_ids, seq.finished, seq.stop_text_end)
+                    if delta:
+                        yield delta
+        finally:
+            if not seq.finished:
+                self.engine.abort(seq)
 
     def chat(self, messages, sampling: SamplingParams | None = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (list of {role, content}) or a list of them."""

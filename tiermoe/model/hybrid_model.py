@@ -29,6 +29,14 @@ class TierBytes:
                 f"CPU-tier experts {self.cpu_experts / gib:.2f} GiB")
 
 
+@dataclass
+class SwapStats:
+    """Tier swaps so far: experts moved and bytes copied."""
+
+    swaps: int = 0
+    bytes: int = 0
+
+
 class HybridModel:
     """Call it like the transformers model (`hybrid(input_ids=...)`); the MoE blocks split work across tiers."""
 
@@ -41,6 +49,7 @@ class HybridModel:
         self.gpu_device = gpu_device
         self.model_dir = model_dir
         self._worker = worker
+        self.swap_stats = SwapStats()
 
     def __call__(self, *args, **kwargs):
         with torch.inference_mode():
@@ -68,7 +77,11 @@ class HybridModel:
         """Tier swap: move `experts` of MoE layer `layer` to the GPU tier (or back); returns bytes moved."""
         if layer not in self.blocks:
             raise ValueError(f"layer {layer} is not a MoE layer; MoE layers are {list(self.spec.moe_layers)}")
-        return self.blocks[layer].move_experts(experts, to_gpu)
+        experts = list(experts)
+        moved = self.blocks[layer].move_experts(experts, to_gpu)
+        self.swap_stats.swaps += len(experts)
+        self.swap_stats.bytes += moved
+        return moved
 
     def apply_mask(self, mask) -> int:
         """Move experts so the tiers match `mask` ([L, E] bool); returns the bytes moved."""

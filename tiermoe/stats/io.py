@@ -1,31 +1,38 @@
-"""Reading activation statistics files: SGLang's recorder dumps, KTransformers' collector output, plain tensors.
+"""Statistics files: reading them (SGLang's recorder dumps, KTransformers' collector output, plain tensors,
+tiermoe's own dumps), writing tiermoe's, and where dumps go.
 
 Every file is loaded with torch.load(weights_only=True): statistics are data, not code. Accepted:
 - a dict with `logical_count` [buf, num_hidden_layers, E] (SGLang's `--init-expert-location` format, and
   tiermoe's own), summed over the first dimension;
 - a dict with `activation_counts` [L, E] (KTransformers' collect_expert_distribution.py);
 - a bare tensor [L, E] or [buf, L, E].
+`load_counts` gives the placement planner a checked [L, E] table; `load_stats` reads and merges whole files
+(metadata, prefill/decode split) into an ExpertStats; `save_stats` writes a recorder's dump.
+
+Dumps without an explicit path go to $TIERMOE_EXPERT_DISTRIBUTION_RECORDER_DIR, else
+$SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, else the current directory, named as SGLang names them
+(`expert_distribution_recorder_{unix time}.pt`).
 """
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 
 from tiermoe.errors import TiermoeError
+from tiermoe.stats.expert_stats import ExpertStats, check_shape, merge, stats_from_data
+
+OUTPUT_DIR_VARIABLES = ("TIERMOE_EXPERT_DISTRIBUTION_RECORDER_DIR", "SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR")
 
 
 def load_counts(path: str | Path, num_layers: int, num_experts: int) -> torch.Tensor:
     """Activation counts [num_layers, num_experts] (float64) from a statistics file, checked against the model."""
     path = Path(path)
-    if not path.is_file():
-        raise TiermoeError(f"statistics file '{path}' does not exist")
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any unpickling failure is a bad file for the user
-        raise TiermoeError(f"'{path}' is not a statistics file torch can load safely ({type(err).__name__}: "
-                           f"{str(err).splitlines()[0][:200]})") from None
+    data = _load_file(path)
     counts = _counts_tensor(data, path)
     expected = f"[buf, {num_layers}, {num_experts}] or [{num_layers}, {num_experts}]"
     if counts.dim() == 3:
@@ -54,3 +61,74 @@ def _counts_tensor(data, path: Path) -> torch.Tensor:
         raise TiermoeError(f"'{path}' is a dict without 'logical_count' or 'activation_counts' "
                            f"(keys: {', '.join(map(str, list(data)[:8]))})")
     raise TiermoeError(f"'{path}' holds a {type(data).__name__}; expected a dict with 'logical_count' or a tensor")
+
+
+def _load_file(path: Path):
+    if not path.is_file():
+        raise TiermoeError(f"statistics file '{path}' does not exist")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unpickling failure is a bad file for the user
+        raise TiermoeError(f"'{path}' is not a statistics file torch can load safely ({type(err).__name__}: "
+                           f"{(str(err).splitlines() or [''])[0][:200]})") from None
+
+
+def load_stats(paths: str | Path | Iterable[str | Path], num_layers: int | None = None,
+               num_experts: int | None = None) -> ExpertStats:
+    """Read one or several statistics files (any format above) and merge them into one ExpertStats.
+
+    Args:
+        paths: a file or several (their counts are summed; they must share [layers, experts]).
+        num_layers, num_experts: the model's num_hidden_layers and experts, if known: a file recorded on another
+            model is rejected with one error naming the expected and found shapes.
+    """
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    parts = []
+    for path in paths:
+        stats = stats_from_data(_load_file(Path(path)), str(path))
+        check_shape(stats, num_layers, num_experts)
+        parts.append(stats)
+    return merge(parts)
+
+
+def recorder_output_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where dumps go when no path is given (see the module docstring)."""
+    environ = os.environ if environ is None else environ
+    for name in OUTPUT_DIR_VARIABLES:
+        if environ.get(name):
+            return Path(environ[name])
+    return Path.cwd()
+
+
+def default_dump_path(environ: Mapping[str, str] | None = None) -> Path:
+    return recorder_output_dir(environ) / f"expert_distribution_recorder_{time.time()}.pt"
+
+
+def save_stats(dump: dict, path: str | Path | None = None) -> Path:
+    """Write a recorder's dump (a dict with `logical_count`) as a .pt file; returns the path written.
+
+    path None: default_dump_path(). The directory is created if missing; the file is written under a temporary
+    name and renamed, so a reader never sees half a file.
+    """
+    if not isinstance(dump, dict) or not isinstance(dump.get("logical_count"), torch.Tensor):
+        raise ValueError("save_stats expects a recorder dump: a dict with a 'logical_count' tensor")
+    path = Path(path) if path is not None else default_dump_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        torch.save(dump, partial)
+        partial.replace(path)
+    except OSError as err:
+        raise TiermoeError(f"cannot write statistics to '{path}': {err.strerror or err}") from None
+    return path
+
+
+def dump_recorder(recorder, path: str | Path | None = None, run: dict | None = None) -> Path:
+    """Dump a recorder (stat, per_pass, per_token, with or without GPU-tier snapshots) to a file.
+
+    run: optional plain-value description of the run (dataset, prompts, seed, ...), stored under "run".
+    """
+    dump = recorder.dump()
+    if run:
+        dump["run"] = dict(run)
+    return save_stats(dump, path)

@@ -1,0 +1,195 @@
+"""A real server process, driven by the official openai client and by plain HTTP."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from conftest import save_char_tokenizer, save_tiny
+from server_process import ServerProcess
+from tiermoe.engine.llm import LLM
+from tiermoe.engine.sampling import SamplingParams
+
+KEY = "test-key"
+PROMPTS = ["hello there", "what is the sea?", "a", "tell me a story about a dog and a cat"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = save_tiny("qwen3_moe", tmp_path_factory.mktemp("server-model"))
+    save_char_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    proc = ServerProcess(model_dir, "--api-key", KEY, "--chunked-prefill-size", "16", "--max-running-requests", "8",
+                         "--num-gpu-experts", "3")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """Greedy answers of the Python API, in-process, with the same placement."""
+    from tiermoe.config import PlacementConfig
+
+    with LLM(model_dir, placement=PlacementConfig(num_gpu_experts=3), dtype=torch.float32, progress=False) as llm:
+        chat = [llm.chat([{"role": "user", "content": p}], SamplingParams(max_tokens=12))[0].text for p in PROMPTS]
+        completion = [llm.generate(p, SamplingParams(max_tokens=12))[0].text for p in PROMPTS]
+    return {"chat": chat, "completion": completion}
+
+
+def http(server, method: str, path: str, **kwargs) -> httpx.Response:
+    headers = kwargs.pop("headers", {"Authorization": f"Bearer {KEY}"})
+    return httpx.request(method, server.url + path, headers=headers, timeout=60, **kwargs)
+
+
+def test_chat_streamed_and_not_equal_the_python_api(client, reference):
+    for prompt, expected in zip(PROMPTS, reference["chat"]):
+        messages = [{"role": "user", "content": prompt}]
+        full = client.chat.completions.create(model="anything", messages=messages, max_tokens=12, temperature=0)
+        assert full.choices[0].message.content == expected
+        assert full.usage.completion_tokens == 12 and full.choices[0].finish_reason == "length"
+        stream = client.chat.completions.create(model="x", messages=messages, max_tokens=12, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+        assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_completions_streamed_and_not_equal_the_python_api(client, reference):
+    for prompt, expected in zip(PROMPTS, reference["completion"]):
+        full = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0)
+        assert full.choices[0].text == expected
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="m", prompt=prompt, max_tokens=12, temperature=0, stream=True))
+        assert streamed == expected
+
+
+def test_concurrent_requests_equal_sequential_ones(client, reference):
+    results = [None] * len(PROMPTS)
+
+    def ask(i):
+        results[i] = client.completions.create(model="m", prompt=PROMPTS[i], max_tokens=12, temperature=0)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.choices[0].text for r in results] == reference["completion"]
+
+
+def test_stop_strings_end_the_answer_before_them(client, reference):
+    expected = reference["completion"][0]
+    stop = expected[5:7]
+    out = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop])
+    assert out.choices[0].text == expected[:expected.find(stop)] and out.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="m", prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop], stream=True))
+    assert streamed == expected[:expected.find(stop)]
+
+
+@pytest.mark.parametrize("body, fragment", [
+    (b"{not json", "not valid JSON"),
+    (json.dumps({"prompt": 5, "max_tokens": 3}).encode(), "prompt"),
+    (json.dumps({"prompt": "hi", "max_tokens": -1}).encode(), "max_tokens"),
+    (json.dumps({"prompt": "hi", "max_tokens": 100000}).encode(), "max_tokens=100000 is too large"),
+    (json.dumps({"prompt": "x" * 400, "max_tokens": 3}).encode(), "context is 256 tokens"),
+    (json.dumps({"prompt": "hi", "n": 2}).encode(), "n"),
+    (json.dumps({"prompt": "hi", "temperature": "hot"}).encode(), "temperature"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, fragment):
+    r = http(server, "POST", "/v1/completions", content=body)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert fragment in error["message"] and error["type"] == "invalid_request_error"
+    ok = http(server, "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_api_key_is_required_everywhere_but_health(server):
+    assert http(server, "GET", "/health", headers={}).status_code == 200
+    for path in ("/v1/models", "/metrics", "/placement", "/api/tags"):
+        assert http(server, "GET", path, headers={}).status_code == 401
+        assert http(server, "GET", path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert http(server, "GET", path).status_code == 200
+    assert http(server, "GET", "/v1/models", headers={}).json()["error"]["type"] == "authentication_error"
+
+
+def test_ollama_endpoints(server, reference):
+    r = http(server, "POST", "/api/generate", json={"prompt": PROMPTS[0], "raw": True, "stream": False,
+                                                     "options": {"temperature": 0, "num_predict": 12}})
+    assert r.status_code == 200 and r.json()["response"] == reference["completion"][0] and r.json()["done"]
+    lines = [json.loads(x) for x in http(server, "POST", "/api/chat", json={
+        "messages": [{"role": "user", "content": PROMPTS[1]}], "options": {"temperature": 0, "num_predict": 12},
+    }).text.splitlines()]
+    assert lines[-1]["done"] and lines[-1]["eval_count"] == 12
+    assert "".join(x["message"]["content"] for x in lines) == reference["chat"][1]
+    assert http(server, "GET", "/api/tags").json()["models"][0]["details"]["family"] == "qwen3_moe"
+
+
+def test_models_placement_and_metrics(server):
+    assert http(server, "GET", "/v1/models").json()["data"][0]["max_model_len"] == 256
+    placement = http(server, "GET", "/placement").json()
+    assert placement["gpu_experts_per_layer"] == [3, 0, 3] and 0 < placement["gpu_hit_rate"] < 1
+    assert placement["per_layer_gpu_hit_rate"][1] is None and placement["swaps"] == 0
+    metrics = http(server, "GET", "/metrics").text
+    for name in ("requests_total", "generation_tokens_total", "time_to_first_token_seconds_sum",
+                 "queue_length", "gpu_tier_hit_rate", "expert_swaps_total", "generation_tokens_per_second"):
+        assert f"tiermoe_{name} " in metrics
+
+
+def _metric(server, name: str) -> float:
+    for line in http(server, "GET", "/metrics").text.splitlines():
+        if line.startswith(f"tiermoe_{name} "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
+    aborted = _metric(server, "requests_aborted_total")
+    with httpx.stream("POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": "hi", "max_tokens": 200, "stream": True, "ignore_eos": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 4:
+                break
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _metric(server, "requests_aborted_total") == aborted:
+        time.sleep(0.1)
+    assert _metric(server, "requests_aborted_total") == aborted + 1
+    assert _metric(server, "running_requests") == 0
+
+
+def test_sigterm_drains_running_streams_then_exits(model_dir):
+    proc = ServerProcess(model_dir)
+    received = []
+
+    def consume():
+        with httpx.stream("POST", proc.url + "/v1/completions", timeout=60,
+                          json={"prompt": "hi", "max_tokens": 60, "stream": True, "ignore_eos": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    received.append(json.loads(line[6:])["choices"][0])
+
+    t = threading.Thread(target=consume)
+    t.start()
+    while not received:
+        time.sleep(0.05)
+    assert proc.stop(signal.SIGTERM) == 0
+    t.join(timeout=30)
+    assert received[-1]["finish_reason"] == "length"

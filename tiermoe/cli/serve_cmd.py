@@ -1,0 +1,85 @@
+"""tiermoe serve: the OpenAI- and Ollama-compatible HTTP server with continuous batching."""
+
+from __future__ import annotations
+
+import signal
+
+from tiermoe.cli.flags import add_command, positive_int
+from tiermoe.cli.generate_cmd import add_model_flags
+from tiermoe.cli.placement_flags import add_placement_flags, placement_from_args
+
+
+def add_parser(sub) -> None:
+    p = add_command(
+        sub, "serve",
+        "Serve a hybrid model over HTTP: OpenAI /v1/chat/completions, /v1/completions, /v1/models; Ollama "
+        "/api/chat, /api/generate, /api/tags; /health, /metrics, /placement and SGLang's expert distribution "
+        "recorder endpoints. Concurrent requests share forward passes (continuous batching). Without --model, "
+        "the bundled demo model. SGLang-kt spellings (--model-path, --kt-gpu-device, --kt-...) are accepted.",
+        "tiermoe serve",
+        "tiermoe serve --model /models/Qwen3-30B-A3B --gpu-device cuda:0 --kt-num-gpu-experts 32 --port 30000",
+        "tiermoe serve --model-path /models/DeepSeek-V3 --kt-gpu-device cuda:0 --kt-expert-placement-strategy "
+        "frequency --init-expert-location stats.pt --kt-gpu-experts-ratio 0.2 --api-key secret",
+    )
+    add_model_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=positive_int, default=30000, help="port (default 30000)")
+    p.add_argument("--served-model-name", help="model name reported by /v1/models (default: the directory name)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--max-running-requests", type=positive_int, default=32,
+                   help="requests decoded together at most; more wait in a queue (default 32)")
+    p.add_argument("--chunked-prefill-size", type=positive_int, default=512,
+                   help="prompt tokens prefilled per step over all requests (default 512)")
+    p.add_argument("--default-max-tokens", type=positive_int, default=256,
+                   help="max_tokens of requests that give none (default 256)")
+    add_placement_flags(p)
+
+
+def build_state(args):
+    from tiermoe.config import ServerConfig, check_device
+    from tiermoe.engine.llm import LLM
+    from tiermoe.server.engine_service import EngineService
+    from tiermoe.server.metrics import ServerMetrics
+    from tiermoe.server.state import ServerState
+    from tiermoe.stats.tier_hits import TierHitCounter
+
+    config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                          api_key=args.api_key, max_running_requests=args.max_running_requests,
+                          max_total_tokens=args.max_total_tokens, chunked_prefill_size=args.chunked_prefill_size,
+                          default_max_tokens=args.default_max_tokens)
+    device = check_device(args.gpu_device)
+    llm = LLM(args.model, gpu_device=device, placement=placement_from_args(args),
+              max_running=config.max_running_requests, prefill_chunk=config.chunked_prefill_size,
+              max_total_tokens=config.max_total_tokens)
+    hits = TierHitCounter(llm.hybrid.spec.num_layers, llm.hybrid.gpu_device)
+    llm.engine.set_recorder(hits)
+    metrics = ServerMetrics()
+    detokenize = llm.engine.detokenize
+    service = EngineService(llm.engine, detokenize, metrics)
+    name = config.served_model_name or llm.model_dir.name
+    return ServerState(llm=llm, config=config, service=service, metrics=metrics, hits=hits, model_name=name)
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from tiermoe.server.app import create_app
+
+    class DrainingServer(uvicorn.Server):
+        """Ctrl-C / SIGTERM: stop accepting, let running requests finish, exit with status 0. (uvicorn re-raises
+        the signal after its graceful shutdown, which would end the process as killed by it.)"""
+
+        def handle_exit(self, sig, frame) -> None:
+            self.force_exit = self.should_exit and sig == signal.SIGINT  # a second Ctrl-C stops at once
+            self.should_exit = True
+
+    state = build_state(args)
+    try:
+        print(f"serving {state.model_name} on http://{state.config.host}:{state.config.port} "
+              f"(OpenAI: /v1, Ollama: /api, metrics: /metrics)", flush=True)
+        config = uvicorn.Config(create_app(state), host=state.config.host, port=state.config.port, log_level="info",
+                                timeout_graceful_shutdown=60)
+        DrainingServer(config).run()
+    finally:
+        state.llm.close()
+    return 0

@@ -1,0 +1,69 @@
+"""Operations endpoints: /health, /metrics (Prometheus), /placement, and SGLang's recorder controls."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+
+from tiermoe.errors import TiermoeError
+from tiermoe.server.state import ServerState
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.tiermoe
+
+
+@router.get("/health")
+async def health(request: Request):
+    return {"status": "ok"}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    state = _state(request)
+    swaps = state.llm.hybrid.swap_stats
+    gauges = {"queue_length": state.service.queue_length, "running_requests": state.service.running,
+              "gpu_tier_hit_rate": state.hits.hit_rate(), "expert_swaps_total": swaps.swaps,
+              "expert_bytes_copied_total": swaps.bytes}
+    return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+
+
+@router.get("/placement")
+async def placement(request: Request):
+    state = _state(request)
+    hybrid = state.llm.hybrid
+    mask = hybrid.mask
+    swaps = hybrid.swap_stats
+    return {"model_type": hybrid.spec.model_type, "num_layers": hybrid.spec.num_layers,
+            "num_experts": hybrid.spec.num_experts, "moe_layers": list(hybrid.spec.moe_layers),
+            "gpu_experts_per_layer": mask.sum(dim=1).tolist(), "num_gpu_experts": int(mask.sum()),
+            "assignment": [[0 if on else -1 for on in row] for row in mask.tolist()],
+            "gpu_hit_rate": state.hits.hit_rate(), "per_layer_gpu_hit_rate": state.hits.layer_hit_rates(),
+            "swaps": swaps.swaps, "bytes_copied": swaps.bytes}
+
+
+def _recorder(state: ServerState):
+    if state.recorder_control is None:
+        raise TiermoeError("the expert distribution recorder is off; start the server with "
+                           "--expert-distribution-recorder-mode stat|per_pass|per_token")
+    return state.recorder_control
+
+
+@router.api_route("/start_expert_distribution_record", methods=["GET", "POST"])
+async def start_record(request: Request):
+    _recorder(_state(request)).start()
+    return {"message": "expert distribution recording started"}
+
+
+@router.api_route("/stop_expert_distribution_record", methods=["GET", "POST"])
+async def stop_record(request: Request):
+    _recorder(_state(request)).stop()
+    return {"message": "expert distribution recording stopped"}
+
+
+@router.api_route("/dump_expert_distribution_record", methods=["GET", "POST"])
+async def dump_record(request: Request):
+    paths = _recorder(_state(request)).dump()
+    return {"message": "expert distribution dumped", "files": [str(p) for p in paths]}

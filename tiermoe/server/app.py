@@ -1,0 +1,66 @@
+"""The FastAPI app around one loaded model: routes, API-key check, OpenAI-style errors, engine lifetime."""
+
+from __future__ import annotations
+
+import hmac
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tiermoe.errors import TiermoeError
+from tiermoe.server import admin_routes, ollama_routes, openai_routes
+from tiermoe.server.generation import GenerationFailed
+from tiermoe.server.openai_routes import openai_error
+from tiermoe.server.state import ServerState
+
+OPEN_PATHS = ("/health",)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.service.start()
+        yield
+        state.service.stop()  # drain: running requests finish first
+
+    app = FastAPI(title="tiermoe", lifespan=lifespan)
+    app.state.tiermoe = state
+    for module in (openai_routes, ollama_routes, admin_routes):
+        app.include_router(module.router)
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        key = state.config.api_key
+        if key and request.url.path not in OPEN_PATHS:
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                return openai_error(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                                    "authentication_error")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, err: RequestValidationError):
+        first = err.errors()[0] if err.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        if first.get("type") == "json_invalid":
+            message = "the request body is not valid JSON"
+        else:
+            message = f"{where}: {first.get('msg', 'invalid value')}" if where else first.get("msg", "invalid request")
+        return openai_error(400, message, param=where or None)
+
+    @app.exception_handler(TiermoeError)
+    async def user_error(request: Request, err: TiermoeError):
+        return openai_error(400, str(err))
+
+    @app.exception_handler(GenerationFailed)
+    async def generation_failed(request: Request, err: GenerationFailed):
+        return openai_error(500, f"generation failed: {err}", "server_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return openai_error(err.status_code, str(err.detail), kind)
+
+    return app

@@ -1,0 +1,86 @@
+"""Ollama-compatible endpoints: /api/generate, /api/chat (NDJSON streams by default, as Ollama), /api/tags."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from tiermoe.server.body import read_body
+from tiermoe.server.generation import collect, stream_events
+from tiermoe.server.protocol import OllamaChatRequest, OllamaGenerateRequest
+from tiermoe.server.state import ServerState
+
+router = APIRouter()
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+def _params(state: ServerState, options, prompt_ids: list[int]):
+    max_tokens = options.num_predict if options.num_predict and options.num_predict > 0 else None
+    return state.sampling(prompt_ids, max_tokens, temperature=options.temperature, top_p=options.top_p,
+                          top_k=options.top_k, seed=options.seed, stop=tuple(options.stop or ()))
+
+
+def _final(state: ServerState, prompt_len: int, generated: int, reason: str, started: float) -> dict:
+    return {"model": state.model_name, "created_at": _now(), "done": True,
+            "done_reason": "length" if reason == "length" else "stop",
+            "total_duration": int((time.monotonic() - started) * 1e9), "prompt_eval_count": prompt_len,
+            "eval_count": generated}
+
+
+@router.get("/api/tags")
+async def tags(request: Request):
+    state: ServerState = request.app.state.tiermoe
+    size = state.llm.hybrid.tier_bytes()
+    return {"models": [{"name": state.model_name, "model": state.model_name,
+                        "modified_at": datetime.fromtimestamp(state.started, timezone.utc).isoformat(),
+                        "size": size.non_expert + size.gpu_experts + size.cpu_experts,
+                        "details": {"format": "safetensors", "family": state.llm.hybrid.spec.model_type}}]}
+
+
+async def _respond(state: ServerState, request: Request, prompt_ids, params, stream: bool, wrap):
+    started = time.monotonic()
+    if not stream:
+        out = await collect(state, request, prompt_ids, params)
+        return {**wrap(out.text), **_final(state, len(prompt_ids), len(out.token_ids), out.finish_reason, started)}
+
+    async def lines():
+        generated, reason = 0, "stop"
+        async for event in stream_events(state, request, prompt_ids, params):
+            generated += len(event.token_ids)
+            reason = event.finish_reason or reason
+            if event.text:
+                yield json.dumps({"model": state.model_name, "created_at": _now(), **wrap(event.text),
+                                  "done": False}) + "\n"
+        yield json.dumps({**wrap(""), **_final(state, len(prompt_ids), generated, reason, started)}) + "\n"
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+@router.post("/api/generate")
+async def generate(request: Request):
+    state: ServerState = request.app.state.tiermoe
+    body = await read_body(request, OllamaGenerateRequest)
+    if body.raw or not getattr(state.llm.tokenizer, "chat_template", None):
+        prompt_ids = state.llm.encode(body.prompt)
+    else:
+        messages = ([{"role": "system", "content": body.system}] if body.system else [])
+        prompt_ids = state.llm.chat_prompt_ids(messages + [{"role": "user", "content": body.prompt}])
+    params = _params(state, body.options, prompt_ids)
+    return await _respond(state, request, prompt_ids, params, body.stream, lambda text: {"response": text})
+
+
+@router.post("/api/chat")
+async def chat(request: Request):
+    state: ServerState = request.app.state.tiermoe
+    body = await read_body(request, OllamaChatRequest)
+    prompt_ids = state.llm.chat_prompt_ids([{"role": m.role, "content": m.text()} for m in body.messages])
+    params = _params(state, body.options, prompt_ids)
+    return await _respond(state, request, prompt_ids, params, body.stream,
+                          lambda text: {"message": {"role": "assistant", "content": text}})
