@@ -109,3 +109,16 @@ def test_generate_follows_a_plan(tmp_path, tiny_dir):
     save_char_tokenizer(with_tokenizer)
     result = cli("generate", "--model", str(with_tokenizer), "--prompt", "hi", "--plan", str(tmp_path / "wrong.json"))
     assert result.returncode == 2 and "plan is for 5 layers x 8 experts, the model has 3 x 8" in result.stderr
+
+
+def test_chat_reads_a_pipe_and_keeps_history(tmp_path):
+    path = save_tiny("qwen3_moe", tmp_path / "m")
+    save_char_tokenizer(path)
+    result = subprocess.run([sys.executable, "-m", "tiermoe.cli.main", "chat", "--model", str(path), "--max-tokens",
+                             "5", "--temperature", "0"], input="hello\n/history\n/clear\n/history\nagain\n/quit\n",
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.count("assistant> ") == 2
+    assert "user: hello" in out and "(conversation cleared)" in out
+    assert out.index("(conversation cleared)") < out.index("you> again")

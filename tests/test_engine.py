@@ -130,3 +130,34 @@ def test_sampler_limits():
 def test_bad_sampling_params_are_refused(kwargs, message):
     with pytest.raises(TiermoeError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_without_stalling_decodes(tiny_dir):
+    with LLM(tiny_dir("qwen3_moe"), dtype=torch.float32, prefill_chunk=8, progress=False) as llm:
+        engine = llm.engine
+        decoding = [engine.add([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True)) for _ in range(3)]
+        while any(s.prefilling for s in decoding):
+            engine.step()
+        long_prompt = engine.add(list(range(3, 100)), SamplingParams(max_tokens=2, ignore_eos=True))
+        steps = 0
+        while long_prompt.prefilling:
+            before = [len(s.output_ids) for s in decoding]
+            fed_before = long_prompt.num_fed
+            engine.step()
+            steps += 1
+            assert [len(s.output_ids) for s in decoding] == [b + 1 for b in before]  # every decode advanced
+            assert long_prompt.num_fed - fed_before <= 8  # at most one chunk of prefill per step
+        assert steps == -(-97 // 8)
+
+
+def test_max_total_tokens_queues_requests_that_do_not_fit(tiny_dir):
+    with LLM(tiny_dir("olmoe"), dtype=torch.float32, max_total_tokens=30, progress=False) as llm:
+        engine = llm.engine
+        first = engine.add([5] * 10, SamplingParams(max_tokens=10, ignore_eos=True))
+        second = engine.add([6] * 10, SamplingParams(max_tokens=10, ignore_eos=True))
+        engine.step()
+        assert first in engine.running and second in engine.waiting  # 20 + 20 tokens would exceed 30
+        engine.run_to_completion()
+        assert len(first.output_ids) == len(second.output_ids) == 10
+        with pytest.raises(TiermoeError, match="exceeds max_total_tokens"):
+            engine.add([7] * 25, SamplingParams(max_tokens=10))

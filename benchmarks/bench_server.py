@@ -1,0 +1,157 @@
+"""Server throughput and latency under concurrency, on one model, in one run.
+
+1. one client, then 8 concurrent clients, each sending the same requests: total output tokens/s and the ratio
+   (batched decode reads each expert's weights once for the whole batch, so the ratio should be >= 3);
+2. while 4 streams decode, a long prompt arrives: the largest gap between their tokens, against the time one
+   prefill chunk takes alone;
+3. 32 concurrent clients for --soak-seconds: errors, and the server's memory (RSS) before, right after, and
+   settled after the load.
+
+    python benchmarks/bench_server.py                       # the bundled model
+    python benchmarks/bench_server.py --model DIR --soak-seconds 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+
+import httpx
+import psutil
+
+from tiermoe.models import resolve_model
+from tiermoe.server.launch import ServerProcess
+
+
+def complete(url: str, prompt: str, max_tokens: int) -> int:
+    r = httpx.post(url + "/v1/completions", timeout=600, json={
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    r.raise_for_status()
+    return r.json()["usage"]["completion_tokens"]
+
+
+def throughput(url: str, clients: int, requests_each: int, max_tokens: int) -> float:
+    done = [0] * clients
+
+    def worker(i):
+        for k in range(requests_each):
+            done[i] += complete(url, f"Request {k} from client {i}: tell me about the sea.", max_tokens)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(done) / (time.perf_counter() - start)
+
+
+def stream_times(url: str, prompt: str, max_tokens: int, out: list[float]) -> None:
+    with httpx.stream("POST", url + "/v1/completions", timeout=600, json={
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                out.append(time.perf_counter())
+
+
+def prefill_gap(url: str, chunk: int, long_tokens: int) -> dict:
+    """Largest token gap of running streams while a long prompt is prefilled, vs one chunk's prefill alone."""
+    alone = []
+    for _ in range(3):
+        t = time.perf_counter()
+        complete(url, "x " * chunk, 1)
+        alone.append(time.perf_counter() - t)
+    streams = [[] for _ in range(4)]
+    threads = [threading.Thread(target=stream_times, args=(url, f"stream {i}", 120, s)) for i, s in enumerate(streams)]
+    for t in threads:
+        t.start()
+    while min(len(s) for s in streams) < 10:
+        time.sleep(0.01)
+    arrival = time.perf_counter()
+    complete(url, "y " * long_tokens, 1)
+    prefilled = time.perf_counter()
+    for t in threads:
+        t.join()
+    gaps_during = [b - a for s in streams for a, b in zip(s, s[1:]) if a >= arrival - 0.5 and b <= prefilled + 0.5]
+    gaps_before = [b - a for s in streams for a, b in zip(s, s[1:]) if b < arrival]
+    return {"one_chunk_alone_s": min(alone), "median_gap_before_s": statistics.median(gaps_before),
+            "max_gap_during_long_prefill_s": max(gaps_during), "long_prefill_s": prefilled - arrival}
+
+
+def soak(url: str, proc: psutil.Process, clients: int, seconds: float) -> dict:
+    rss_before = proc.memory_info().rss
+    errors, tokens, stop = [0], [0], time.monotonic() + seconds
+
+    def worker(i):
+        while time.monotonic() < stop:
+            try:
+                tokens[0] += complete(url, f"client {i} says hello", 16)
+            except httpx.HTTPError:
+                errors[0] += 1
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rss_after = proc.memory_info().rss
+    time.sleep(3)
+    rss_settled = proc.memory_info().rss
+    return {"clients": clients, "seconds": seconds, "errors": errors[0], "tokens": tokens[0],
+            "rss_before_mb": rss_before / 1e6, "rss_after_mb": rss_after / 1e6, "rss_settled_mb": rss_settled / 1e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--requests-each", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=128, help="--chunked-prefill-size of the server")
+    parser.add_argument("--soak-seconds", type=float, default=60)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+
+    model = resolve_model(args.model)
+    print(f"starting a server on {model} ...", flush=True)
+    server = ServerProcess(model, "--chunked-prefill-size", str(args.chunk), "--max-running-requests", "32")
+    try:
+        proc = psutil.Process(server.proc.pid)
+        complete(server.url, "warm up", 4)
+        print("1 client ...", flush=True)
+        one = throughput(server.url, 1, args.requests_each * 2, args.max_tokens)
+        print("8 clients ...", flush=True)
+        eight = throughput(server.url, 8, args.requests_each, args.max_tokens)
+        print("long prompt arriving mid-stream ...", flush=True)
+        gap = prefill_gap(server.url, args.chunk, 4 * args.chunk)
+        print(f"{32} clients for {args.soak_seconds:.0f} s ...", flush=True)
+        load = soak(server.url, proc, 32, args.soak_seconds)
+    finally:
+        server.stop()
+
+    print(f"\n{'measure':<58}{'value':>12}")
+    rows = [
+        ("output tokens/s, 1 client", f"{one:.1f}"),
+        ("output tokens/s, 8 concurrent clients", f"{eight:.1f}"),
+        ("ratio 8 clients / 1 client (goal >= 3)", f"{eight / one:.2f}x"),
+        ("one prefill chunk alone (s)", f"{gap['one_chunk_alone_s']:.3f}"),
+        ("median token gap before the long prompt (s)", f"{gap['median_gap_before_s']:.3f}"),
+        ("largest token gap while it is prefilled (s)", f"{gap['max_gap_during_long_prefill_s']:.3f}"),
+        ("  = median gap + this many chunk times",
+         f"{(gap['max_gap_during_long_prefill_s'] - gap['median_gap_before_s']) / gap['one_chunk_alone_s']:.2f}"),
+        (f"soak: 32 clients x {load['seconds']:.0f} s, errors", str(load["errors"])),
+        ("soak: tokens generated", str(load["tokens"])),
+        ("server RSS before / right after / settled (MB)",
+         f"{load['rss_before_mb']:.0f}/{load['rss_after_mb']:.0f}/{load['rss_settled_mb']:.0f}"),
+    ]
+    for name, value in rows:
+        print(f"{name:<58}{value:>12}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"one_client_tps": one, "eight_clients_tps": eight, "gap": gap, "soak": load}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
