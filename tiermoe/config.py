@@ -124,3 +124,41 @@ class ServerConfig:
                 raise TiermoeError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise TiermoeError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
+
+
+PLACEMENT_POLICIES = ("static", "kt-dynamic", "adaptive")
+
+
+@dataclass(frozen=True)
+class DynamicPlacementConfig:
+    """Placement that moves while serving, and layerwise GPU prefill (SGLang-kt names in comments).
+
+    prefill_threshold: prefill batches of at least this many tokens run all their experts on the GPU, CPU-tier
+      ones streamed through two buffers within prefill_buffer_gb (--kt-gpu-prefill-token-threshold; the
+      threshold alone turns it on). policy: static, kt-dynamic (--kt-enable-dynamic-expert-update: after such a
+      batch keep its most-used experts), or adaptive (tiermoe's own: --placement-policy adaptive).
+    """
+
+    policy: str = "static"
+    prefill_threshold: int | None = None
+    prefill_buffer_gb: float = 1.0
+    half_life_tokens: float = 2048.0
+    replan_every: int = 8
+    margin: float = 2.0
+    max_swaps_in_flight: int = 2
+
+    def __post_init__(self):
+        if self.policy not in PLACEMENT_POLICIES:
+            raise TiermoeError(f"placement policy '{self.policy}' is unknown; choose one of: "
+                               f"{', '.join(PLACEMENT_POLICIES)}")
+        if self.prefill_threshold is not None and self.prefill_threshold < 1:
+            raise TiermoeError(f"prefill_threshold must be >= 1 token, got {self.prefill_threshold}")
+        if self.prefill_buffer_gb <= 0:
+            raise TiermoeError(f"prefill_buffer_gb must be > 0, got {self.prefill_buffer_gb}")
+        if self.half_life_tokens <= 0 or self.replan_every < 1 or self.margin < 0 or self.max_swaps_in_flight < 1:
+            raise TiermoeError("adaptive settings: half_life_tokens > 0, replan_every >= 1, margin >= 0 and "
+                               "max_swaps_in_flight >= 1 are required")
+
+    @property
+    def active(self) -> bool:
+        return self.policy != "static" or self.prefill_threshold is not None

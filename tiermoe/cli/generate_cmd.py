@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 
 from tiermoe.cli.flags import add_command, non_negative_float, non_negative_int, positive_int, unit_float
-from tiermoe.cli.placement_flags import add_placement_flags, placement_from_args
+from tiermoe.cli.placement_flags import (add_dynamic_flags, add_placement_flags, dynamic_from_args,
+                                         placement_from_args)
 
 
 def add_parser(sub) -> None:
@@ -25,6 +26,7 @@ def add_parser(sub) -> None:
     p.add_argument("--system", help="system message (chat template only)")
     add_sampling_flags(p)
     add_placement_flags(p)
+    add_dynamic_flags(p)
 
 
 def add_model_flags(p) -> None:
@@ -50,7 +52,8 @@ def run(args) -> int:
     device = check_device(args.gpu_device)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed)
-    with LLM(args.model, gpu_device=device, placement=placement_from_args(args)) as llm:
+    with LLM(args.model, gpu_device=device, placement=placement_from_args(args),
+             dynamic=dynamic_from_args(args)) as llm:
         use_chat = not args.raw and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)
         if use_chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])

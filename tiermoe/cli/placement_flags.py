@@ -61,6 +61,35 @@ def add_placement_flags(p: argparse.ArgumentParser, seed_flags=("--placement-see
     g.add_argument("--plan", dest="plan", help="a plan.json written by `tiermoe place` (instead of the flags above)")
 
 
+def add_dynamic_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("dynamic placement (experts that move while serving)")
+    g.add_argument("--kt-gpu-prefill-token-threshold", "--gpu-prefill-token-threshold", dest="prefill_threshold",
+                   type=positive_int, help="prefill batches of at least this many tokens run all their experts on "
+                   "the GPU, CPU-tier experts streamed through two buffers (this flag alone turns it on)")
+    g.add_argument("--gpu-prefill-buffer-gb", dest="prefill_buffer_gb", type=float, default=1.0,
+                   help="GPU memory for those two streaming buffers (default 1 GB; counted by --gpu-memory-gb)")
+    g.add_argument("--kt-enable-dynamic-expert-update", dest="kt_dynamic", action="store_true",
+                   help="after such a batch, keep its most-used experts of each layer on the GPU (SGLang-kt)")
+    g.add_argument("--placement-policy", dest="placement_policy", choices=("static", "kt-dynamic", "adaptive"),
+                   default=None, help="static (default), kt-dynamic (= --kt-enable-dynamic-expert-update), or "
+                   "adaptive: follow the decayed expert load over prefill and decode, swapping experts "
+                   "asynchronously when the expected saving beats the copy cost")
+
+
+def dynamic_from_args(args):
+    """A DynamicPlacementConfig from the flags, or None when nothing dynamic was asked for."""
+    import warnings
+
+    from tiermoe.config import DynamicPlacementConfig
+
+    policy = args.placement_policy or ("kt-dynamic" if args.kt_dynamic else "static")
+    if args.kt_dynamic and policy == "adaptive":
+        warnings.warn("--placement-policy adaptive replaces --kt-enable-dynamic-expert-update", stacklevel=2)
+    config = DynamicPlacementConfig(policy=policy, prefill_threshold=args.prefill_threshold,
+                                    prefill_buffer_gb=args.prefill_buffer_gb)
+    return config if config.active or args.kt_dynamic else None
+
+
 def placement_from_args(args):
     """A PlacementPlan (from --plan), a PlacementConfig (from the flags), or None (no GPU experts asked for)."""
     from tiermoe.placement.plan import PlacementPlan
@@ -71,5 +100,6 @@ def placement_from_args(args):
         strategy=args.strategy, num_gpu_experts=args.num_gpu_experts, gpu_experts_ratio=args.gpu_experts_ratio,
         gpu_memory_gb=args.gpu_memory_gb, init_expert_location=args.init_expert_location, seed=args.placement_seed,
         num_gpus=args.num_gpus, gpu_split=args.gpu_split, kv_cache_tokens=args.max_total_tokens,
+        prefill_buffer_gb=args.prefill_buffer_gb if getattr(args, "prefill_threshold", None) else 0.0,
     )
     return config if config.sized or config.strategy != "uniform" else None

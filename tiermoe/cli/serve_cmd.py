@@ -6,7 +6,8 @@ import signal
 
 from tiermoe.cli.flags import add_command, positive_int
 from tiermoe.cli.generate_cmd import add_model_flags
-from tiermoe.cli.placement_flags import add_placement_flags, placement_from_args
+from tiermoe.cli.placement_flags import (add_dynamic_flags, add_placement_flags, dynamic_from_args,
+                                         placement_from_args)
 
 
 def add_parser(sub) -> None:
@@ -33,6 +34,7 @@ def add_parser(sub) -> None:
     p.add_argument("--default-max-tokens", type=positive_int, default=256,
                    help="max_tokens of requests that give none (default 256)")
     add_placement_flags(p)
+    add_dynamic_flags(p)
 
 
 def build_state(args):
@@ -48,11 +50,11 @@ def build_state(args):
                           max_total_tokens=args.max_total_tokens, chunked_prefill_size=args.chunked_prefill_size,
                           default_max_tokens=args.default_max_tokens)
     device = check_device(args.gpu_device)
-    llm = LLM(args.model, gpu_device=device, placement=placement_from_args(args),
+    llm = LLM(args.model, gpu_device=device, placement=placement_from_args(args), dynamic=dynamic_from_args(args),
               max_running=config.max_running_requests, prefill_chunk=config.chunked_prefill_size,
               max_total_tokens=config.max_total_tokens)
     hits = TierHitCounter(llm.hybrid.spec.num_layers, llm.hybrid.gpu_device)
-    llm.engine.set_recorder(hits)
+    llm.engine.add_recorder(hits)
     metrics = ServerMetrics()
     detokenize = llm.engine.detokenize
     service = EngineService(llm.engine, detokenize, metrics)

@@ -24,6 +24,7 @@ from tiermoe.engine.sampling import SamplingParams, new_generator, sample
 from tiermoe.engine.sequence import Sequence
 from tiermoe.errors import TiermoeError
 from tiermoe.stats.recording import NO_RECORDER, ExpertRecorder, PassInfo
+from tiermoe.stats.tier_hits import RecorderGroup
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Engine:
         for block in hybrid.blocks.values():
             block.batcher = self._batcher
         self.set_recorder(recorder)
+        self.after_step_hooks: list[Callable[[], None]] = []  # e.g. dynamic placement landing its copies
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
@@ -65,6 +67,16 @@ class Engine:
         self.recorder = recorder
         for block in self.hybrid.blocks.values():
             block.recorder = recorder
+
+    def add_recorder(self, recorder: ExpertRecorder) -> None:
+        """Add a recorder beside the current one(s)."""
+        current = self.recorder
+        if not current.enabled:
+            self.set_recorder(recorder)
+        elif isinstance(current, RecorderGroup):
+            current.recorders.append(recorder)
+        else:
+            self.set_recorder(RecorderGroup(current, recorder))
 
     def close(self) -> None:
         for block in self.hybrid.blocks.values():
@@ -141,6 +153,8 @@ class Engine:
         logits = self._batcher.run([lambda s=s, x=x: self._forward(s, x) for s, x in zip(batch, inputs)])
         if self.recorder.enabled:
             self.recorder.end_pass()
+        for hook in self.after_step_hooks:
+            hook()
         produced = []
         for seq, fed, logits_V in zip(batch, inputs, logits):
             seq.num_fed += len(fed)

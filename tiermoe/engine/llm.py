@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from tiermoe.arch import detect, load_config
-from tiermoe.config import CPUConfig
+from tiermoe.config import CPUConfig, DynamicPlacementConfig
+from tiermoe.engine.dynamic import enable_dynamic_placement
 from tiermoe.engine.engine import Engine, EngineConfig
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.engine.text_stream import TextStream
@@ -40,11 +41,14 @@ class LLM:
     tier on the host. placement: a bool tensor [num_layers, num_experts] (True = GPU tier), a PlacementPlan, a
     PlacementConfig (planned against this checkpoint), or None for all experts on the CPU tier. cpu: the CPU
     tier's backend, expert format and threads. recorder: sees every pass's routed experts (tiermoe.stats).
+    dynamic: layerwise GPU prefill and placement that follows the workload (None = static placement).
     """
 
     def __init__(self, model: str | Path | None = None, gpu_device: str = "cpu", placement=None,
                  dtype: torch.dtype | None = None, max_running: int = 16, prefill_chunk: int = 512,
-                 max_total_tokens: int | None = None, cpu: CPUConfig = CPUConfig(), recorder: ExpertRecorder = NO_RECORDER, progress: bool = True):
+                 max_total_tokens: int | None = None, cpu: CPUConfig = CPUConfig(),
+                 recorder: ExpertRecorder = NO_RECORDER, dynamic: DynamicPlacementConfig | None = None,
+                 progress: bool = True):
         self.model_dir = resolve_model(model)
         spec = detect(load_config(self.model_dir))
         mask = resolve_mask(placement, self.model_dir, spec, gpu_device)
@@ -57,6 +61,7 @@ class LLM:
                 return self.tokenizer.decode(ids, skip_special_tokens=True)
         self.engine = Engine(self.hybrid, eos_token_ids(self.model_dir, self.hybrid.config), detokenize,
                              EngineConfig(max_running, prefill_chunk, max_total_tokens), recorder)
+        self.placement_manager = enable_dynamic_placement(self.engine, dynamic) if dynamic else None
 
     @property
     def placement(self) -> torch.Tensor:
@@ -64,6 +69,8 @@ class LLM:
         return self.hybrid.mask
 
     def close(self) -> None:
+        if self.placement_manager is not None:
+            self.placement_manager.close()
         self.engine.close()
         self.hybrid.close()
 

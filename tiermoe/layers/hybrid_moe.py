@@ -37,6 +37,8 @@ class HybridMoE(nn.Module):
         self.batcher = None
         # Set by the engine: sees the routed ids of every pass (a no-op unless recording).
         self.recorder = NO_RECORDER
+        # Set when --kt-gpu-prefill-token-threshold is given: large prefill batches run CPU-tier experts on the GPU.
+        self.prefill_streamer = None
 
     def _router(self) -> nn.Module:
         return self._modules[self.spec.router_attr]
@@ -59,12 +61,17 @@ class HybridMoE(nn.Module):
             self.recorder.record(self.layer, ids_TK, self.gpu_mask_E)
         on_gpu_TK = self.gpu_mask_E[ids_TK]
 
-        use_cpu = len(self.cpu_tier) > 0
+        streamer = self.prefill_streamer
+        layerwise = streamer is not None and streamer.applies(x_TD.shape[0])
+        use_cpu = len(self.cpu_tier) > 0 and not layerwise
         if use_cpu:
             cpu_ids_TK = ids_TK.masked_fill(on_gpu_TK, -1)
             self.cpu_tier.submit(x_TD.to("cpu"), cpu_ids_TK.to("cpu"), weights_TK.to("cpu"))
 
         y_TD = self.gpu_tier.forward(x_TD, ids_TK.masked_fill(~on_gpu_TK, -1), weights_TK)
+        if layerwise and len(self.cpu_tier) > 0:
+            y_TD = y_TD + streamer.forward(self.cpu_tier, x_TD, ids_TK.masked_fill(on_gpu_TK, -1), weights_TK,
+                                           self.gpu_tier.act)
         shared_TD = self._shared(x_TD)
 
         if use_cpu:
@@ -82,20 +89,39 @@ class HybridMoE(nn.Module):
             return F.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
         return None
 
+    def _tiers(self, to_gpu: bool):
+        return (self.cpu_tier, self.gpu_tier) if to_gpu else (self.gpu_tier, self.cpu_tier)
+
+    def check_movable(self, expert: int, to_gpu: bool) -> None:
+        if expert not in self._tiers(to_gpu)[0]:
+            source = "CPU" if to_gpu else "GPU"
+            raise ValueError(f"layer {self.layer} expert {expert} is not on the {source} tier, so it cannot leave it")
+
+    def start_move(self, expert: int, to_gpu: bool, copier):
+        """Begin copying `expert` to the other tier (asynchronously); the mask does not change yet."""
+        self.check_movable(expert, to_gpu)
+        src, dst = self._tiers(to_gpu)
+        return copier.start(src.get(expert), dst.device, pin=dst.pin)
+
+    def finish_move(self, expert: int, to_gpu: bool, landed) -> int:
+        """The copy has landed: the destination takes it, the mask flips, the source releases its copy.
+        Returns the bytes the source released."""
+        src, dst = self._tiers(to_gpu)
+        dst.add(expert, landed)
+        self.set_on_gpu(expert, to_gpu)
+        before = src.nbytes
+        src.pop(expert)
+        return before - src.nbytes
+
     def move_experts(self, experts: Iterable[int], to_gpu: bool) -> int:
-        """Move experts between tiers; returns the bytes moved.
+        """Move experts between tiers now; returns the bytes the source tier released.
 
         Per expert: copy into the destination tier, flip the mask once the copy has landed, then release the
         source copy, so at every moment the mask names a tier that holds the weights.
         """
-        src, dst = (self.cpu_tier, self.gpu_tier) if to_gpu else (self.gpu_tier, self.cpu_tier)
         moved = 0
         for e in experts:
-            if e not in src:
-                source = "CPU" if to_gpu else "GPU"
-                raise ValueError(f"layer {self.layer} expert {e} is not on the {source} tier, so it cannot leave it")
-            landed = src.get(e).to(dst.device, pin=dst.pin)
-            dst.add(e, landed)
-            self.set_on_gpu(e, to_gpu)
-            moved += src.pop(e).nbytes
+            self.check_movable(e, to_gpu)
+            dst = self._tiers(to_gpu)[1]
+            moved += self.finish_move(e, to_gpu, self._tiers(to_gpu)[0].get(e).to(dst.device, pin=dst.pin))
         return moved

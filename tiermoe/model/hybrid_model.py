@@ -41,13 +41,14 @@ class HybridModel:
     """Call it like the transformers model (`hybrid(input_ids=...)`); the MoE blocks split work across tiers."""
 
     def __init__(self, model: nn.Module, config, spec: ArchSpec, blocks: dict[int, HybridMoE],
-                 gpu_device: torch.device, worker: CPUWorker, model_dir: Path):
+                 gpu_device: torch.device, worker: CPUWorker, model_dir: Path, expert_dtype: torch.dtype):
         self.model = model
         self.config = config
         self.spec = spec
         self.blocks = blocks
         self.gpu_device = gpu_device
         self.model_dir = model_dir
+        self.expert_dtype = expert_dtype  # routed experts' dtype in tiermoe's canonical layout
         self._worker = worker
         self.swap_stats = SwapStats()
 

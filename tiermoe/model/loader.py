@@ -64,7 +64,7 @@ def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | tor
             _load_non_experts(model, ckpt, spec, gpu_device, bar)
             _load_experts(blocks, sources, ckpt, spec, mask_LE, dtype, pin, bar)
     _tie_and_check(model, config)
-    return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir)
+    return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype)
 
 
 def _inject_hybrid_blocks(model: nn.Module, spec, gpu_device, act, worker, pin, cpu: CPUConfig,

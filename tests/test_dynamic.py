@@ -1,0 +1,138 @@
+"""Dynamic placement: layerwise GPU prefill, KT-compatible dynamic update, adaptive swaps; outputs stay exact."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import load_reference
+from test_engine import reference_greedy
+from tiermoe.config import DynamicPlacementConfig, PlacementConfig
+from tiermoe.engine.dynamic import enable_dynamic_placement
+from tiermoe.engine.llm import LLM
+from tiermoe.engine.sampling import SamplingParams
+from tiermoe.experts.copier import AsyncCopier, plain_copy
+from tiermoe.placement.cost import BandwidthCostModel
+from tiermoe.placement.policies import AdaptivePolicy, AdaptiveSettings, KTDynamicPolicy
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+PROMPTS = [list(range(5, 30)), [40, 41, 42], list(range(60, 75))]
+
+
+def eager_adaptive():
+    """Settings that swap at the first sign of a difference, so a short test sees many swaps."""
+    return DynamicPlacementConfig(policy="adaptive", half_life_tokens=8, replan_every=1, margin=0.0,
+                                  max_swaps_in_flight=2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_outputs_stay_exact_while_experts_move(arch, tiny_dir):
+    path = tiny_dir(arch)
+    ref = load_reference(path)
+    with LLM(path, placement=PlacementConfig(num_gpu_experts=3), dtype=torch.float32, progress=False) as llm:
+        manager = enable_dynamic_placement(llm.engine, eager_adaptive())
+        before = llm.placement.clone()
+        outs = llm.generate(PROMPTS, GREEDY)
+        manager.drain()
+        assert manager.copies_landed > 0 and not torch.equal(before, llm.placement)
+        assert (llm.placement.sum(dim=1) == before.sum(dim=1)).all()  # swaps keep each layer's GPU count
+        for prompt, out in zip(PROMPTS, outs):
+            assert out.token_ids == reference_greedy(ref, prompt, 12)
+        manager.close()
+
+
+def test_layerwise_prefill_runs_cpu_experts_on_the_gpu_device_exactly(tiny_dir):
+    path = tiny_dir("qwen2_moe")
+    ref = load_reference(path)
+    with LLM(path, placement=PlacementConfig(num_gpu_experts=2), dtype=torch.float32, progress=False) as llm:
+        enable_dynamic_placement(llm.engine, DynamicPlacementConfig(prefill_threshold=10, prefill_buffer_gb=1e-6))
+        calls = []
+        for block in llm.hybrid.blocks.values():
+            compute = block.cpu_tier._compute
+            block.cpu_tier._compute = lambda x, i, w, c=compute: (calls.append(x.shape[0]), c(x, i, w))[1]
+        out = llm.generate(PROMPTS[0], GREEDY)[0]
+        streamer = next(iter(llm.hybrid.blocks.values())).prefill_streamer
+        assert streamer.batches == len(llm.hybrid.blocks)  # the 25-token prefill took the layerwise path
+        assert streamer.chunk == 1  # a tiny buffer: one expert per buffer, so chunks really stream
+        assert calls and max(calls) < 10  # the CPU backend only saw the decode passes
+        assert out.token_ids == reference_greedy(ref, PROMPTS[0], 12)
+
+
+def test_kt_dynamic_update_keeps_the_batch_most_used_experts(tiny_dir):
+    path = tiny_dir("olmoe")
+    with LLM(path, placement=PlacementConfig(num_gpu_experts=3), dtype=torch.float32, progress=False) as llm:
+        config = DynamicPlacementConfig(policy="kt-dynamic", prefill_threshold=20)
+        manager = enable_dynamic_placement(llm.engine, config)
+        seen = {}
+        for layer, block in llm.hybrid.blocks.items():
+            router = block._modules["gate"]
+            router.register_forward_hook(
+                lambda m, i, o, layer=layer: [seen.setdefault(layer, torch.bincount(o[2].flatten(), minlength=8))]
+                and None)
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=1))
+        manager.drain()
+        for layer, counts in seen.items():
+            expected = torch.zeros(8, dtype=torch.bool)
+            expected[torch.sort(counts.double(), descending=True, stable=True).indices[:3]] = True
+            assert torch.equal(llm.placement[layer], expected)
+
+
+def test_dynamic_update_without_threshold_warns(tiny_dir):
+    with LLM(tiny_dir("olmoe"), dtype=torch.float32, progress=False) as llm:
+        with pytest.warns(UserWarning, match="never fires"):
+            enable_dynamic_placement(llm.engine, DynamicPlacementConfig(policy="kt-dynamic"))
+
+
+def test_a_slow_copy_never_stalls_decoding_and_the_mask_flips_only_when_it_lands(tiny_dir):
+    gate = threading.Event()
+
+    def slow_copy(weights, device, pin):
+        gate.wait(timeout=30)  # the copy lands only when the test says so
+        return plain_copy(weights, device, pin)
+
+    path = tiny_dir("qwen3_moe")
+    ref = load_reference(path)
+    with LLM(path, placement=PlacementConfig(num_gpu_experts=3), dtype=torch.float32, progress=False) as llm:
+        manager = enable_dynamic_placement(llm.engine, eager_adaptive(), copier=AsyncCopier(slow_copy))
+        mask_at_start = llm.placement.clone()
+        seq = llm.engine.add(PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True))
+        step_times = []
+        while len(seq.output_ids) < 15:
+            t = time.perf_counter()
+            llm.engine.step()
+            step_times.append(time.perf_counter() - t)
+        assert manager.in_flight, "the policy should have started swaps"
+        assert torch.equal(llm.placement, mask_at_start)  # nothing flipped while the copies hang
+        assert max(step_times) < 5.0  # steps kept going (a hung copy would block for 30 s)
+        gate.set()
+        llm.engine.run_to_completion()
+        manager.drain()
+        assert not torch.equal(llm.placement, mask_at_start)
+        assert seq.output_ids == reference_greedy(ref, PROMPTS[0], 30)
+        manager.close()
+
+
+def test_adaptive_policy_has_hysteresis():
+    cost = BandwidthCostModel(bytes_per_expert=1 << 20)
+    policy = AdaptivePolicy(1, 4, cost, AdaptiveSettings(half_life_tokens=100, replan_every=1, margin=2.0))
+    mask = torch.tensor([[True, True, False, False]])
+    busy = torch.zeros(1, 4, dtype=torch.bool)
+    policy.observe(torch.tensor([[10, 10, 10, 11]]), 10, False)  # near-tie: not worth two copies
+    assert policy.propose(mask, busy) == []
+    policy.observe(torch.tensor([[0, 10, 0, 200]]), 200, False)  # expert 3 is clearly hot now
+    swaps = policy.propose(mask, busy)
+    assert [(s.expert_in, s.expert_out) for s in swaps] == [(3, 0)]
+    assert policy.propose(mask, torch.tensor([[True, False, False, True]])) == []  # in flight: left alone
+
+
+def test_kt_policy_ignores_decode_and_small_batches():
+    policy = KTDynamicPolicy(threshold=50)
+    mask = torch.tensor([[True, False, False]])
+    policy.observe(torch.tensor([[0, 0, 9]]), 10, True)
+    policy.observe(torch.tensor([[0, 0, 90]]), 100, False)
+    assert policy.propose(mask, torch.zeros(1, 3, dtype=torch.bool)) == []
+    policy.observe(torch.tensor([[0, 5, 90]]), 100, True)
+    assert [(s.expert_in, s.expert_out) for s in policy.propose(mask, torch.zeros(1, 3, dtype=torch.bool))] == [(2, 0)]

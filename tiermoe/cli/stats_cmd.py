@@ -1,0 +1,57 @@
+"""tiermoe stats: summarise activation statistics files and what each placement strategy would get from them."""
+
+from __future__ import annotations
+
+import json
+
+from tiermoe.cli.flags import add_command, non_negative_int
+
+
+def add_parser(sub) -> None:
+    p = add_command(
+        sub, "stats",
+        "Summarise expert activation statistics (tiermoe record output, SGLang's expert_distribution_recorder_*.pt, "
+        "KTransformers' activation_stats.pt; several files are merged): per-layer Gini, share of routed tokens "
+        "served by the busiest tenth and fifth of the experts, dead experts, prefill vs decode, and the expected GPU "
+        "hit rate of every placement strategy with 0.1 to 0.9 of the routed experts on the GPU tier.",
+        "tiermoe stats stats.pt",
+        "tiermoe stats stats.pt --json",
+        "tiermoe stats train.pt --eval heldout.pt --plot hit_rates.png",
+        "tiermoe stats expert_distribution_recorder_1730000000.pt activation_stats.pt",
+        "tiermoe stats run.pt --plan plan.json",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE", help="statistics file(s) (.pt); several are summed")
+    p.add_argument("--eval", nargs="+", metavar="FILE",
+                   help="measure the hit rates on these statistics instead (e.g. a held-out split)")
+    p.add_argument("--plan", help="check the file's GPU-tier snapshots against this plan.json")
+    p.add_argument("--placement-seed", type=non_negative_int, default=42, help="seed of the random strategy")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--plot", help="draw hit rate vs GPU ratio per strategy and per-layer skew to this PNG")
+
+
+def run(args) -> int:
+    from tiermoe.errors import TiermoeError
+    from tiermoe.placement.plan import PlacementPlan
+    from tiermoe.stats.io import load_stats
+    from tiermoe.stats.plot import plot_report
+    from tiermoe.stats.summary import format_report, report
+
+    stats = load_stats(args.files)
+    eval_stats = load_stats(args.eval, stats.num_layers, stats.num_experts) if args.eval else None
+    plan_mask = None
+    if args.plan:
+        plan = PlacementPlan.load(args.plan)
+        if (plan.num_layers, plan.num_experts) != (stats.num_layers, stats.num_experts):
+            raise TiermoeError(f"plan '{args.plan}' is [{plan.num_layers}, {plan.num_experts}]; the statistics are "
+                               f"[{stats.num_layers}, {stats.num_experts}]")
+        if stats.gpu_masks_PLE is None:
+            raise TiermoeError(f"--plan checks GPU-tier snapshots, but {', '.join(stats.sources)} has none "
+                               "(record with --record-kt-gpu-expert-distribution)")
+        plan_mask = plan.mask
+    result = report(stats, eval_stats, plan_mask, seed=args.placement_seed)
+    print(json.dumps(result) if args.json else format_report(result))
+    if args.plot:
+        plot_report(result, args.plot)
+        if not args.json:
+            print(f"wrote {args.plot}")
+    return 0

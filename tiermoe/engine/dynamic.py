@@ -1,0 +1,47 @@
+"""Turning on layerwise GPU prefill and dynamic placement for a loaded engine."""
+
+from __future__ import annotations
+
+import torch
+
+from tiermoe.config import DynamicPlacementConfig
+from tiermoe.engine.placement_manager import PlacementManager, warn_if_never_fires
+from tiermoe.experts.copier import AsyncCopier
+from tiermoe.layers.prefill_streamer import PrefillStreamer
+from tiermoe.placement.budget import GIB
+from tiermoe.placement.cost import BandwidthCostModel
+from tiermoe.placement.policies import AdaptivePolicy, AdaptiveSettings, KTDynamicPolicy
+
+
+def make_policy(config: DynamicPlacementConfig, num_layers: int, num_experts: int, cost: BandwidthCostModel,
+                calibration_LE: torch.Tensor | None = None):
+    if config.policy == "kt-dynamic":
+        return KTDynamicPolicy(config.prefill_threshold or 0)
+    if config.policy == "adaptive":
+        settings = AdaptiveSettings(config.half_life_tokens, config.replan_every, None, config.margin,
+                                    config.max_swaps_in_flight)
+        return AdaptivePolicy(num_layers, num_experts, cost, settings, calibration_LE)
+    return None
+
+
+def enable_dynamic_placement(engine, config: DynamicPlacementConfig, cost: BandwidthCostModel | None = None,
+                             copier: AsyncCopier | None = None,
+                             calibration_LE: torch.Tensor | None = None) -> PlacementManager | None:
+    """Attach the prefill streamer to every MoE block and a placement manager to the engine (None if static)."""
+    hybrid = engine.hybrid
+    spec = hybrid.spec
+    warn_if_never_fires(config.policy == "kt-dynamic", config.prefill_threshold)
+    bytes_per_expert = spec.bytes_per_expert(hybrid.expert_dtype)
+    if config.prefill_threshold:
+        streamer = PrefillStreamer(hybrid.gpu_device, config.prefill_threshold, int(config.prefill_buffer_gb * GIB),
+                                   bytes_per_expert)
+        for block in hybrid.blocks.values():
+            block.prefill_streamer = streamer
+    cost = cost or BandwidthCostModel(bytes_per_expert)
+    policy = make_policy(config, spec.num_layers, spec.num_experts, cost, calibration_LE)
+    if policy is None:
+        return None
+    manager = PlacementManager(hybrid, policy, copier)
+    engine.add_recorder(manager)
+    engine.after_step_hooks.append(manager.after_step)
+    return manager
