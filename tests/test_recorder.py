@@ -160,6 +160,20 @@ def test_gpu_mask_snapshots_show_the_mask_in_force_at_every_pass(tiny_dir):
     assert "logical_count" in dump  # the counts ride along
 
 
+@pytest.mark.parametrize("mode", ["stat", "per_pass", "per_token"])
+def test_windowed_buffers_and_reset_work_between_engine_runs(mode, tiny_dir):
+    path = tiny_dir("olmoe")
+    recorder = make_recorder(mode, shape_of(path), buffer_size=2, record_gpu_masks=True)
+    with LLM(path, dtype=torch.float32, recorder=recorder, progress=False) as llm:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))  # 4 passes, the first 2 forgotten
+        assert recorder.dump()["num_passes"] == 2
+        recorder.reset()
+        llm.generate([[8, 9]], SamplingParams(max_tokens=1, ignore_eos=True))  # 1 pass of 2 tokens
+    dump = recorder.dump()
+    assert dump["num_passes"] == 1 and dump["num_tokens"] == 2 and dump["gpu_expert_masks"].shape[0] == 1
+    assert int(dump["logical_count"].sum()) == 2 * 2 * 2  # tokens x top-k x MoE layers
+
+
 def fake_pass(recorder, ids_TK, prefill=(True,), layer=0):
     rows = ids_TK.shape[0]
     sizes = [rows // len(prefill)] * len(prefill)

@@ -11,6 +11,7 @@ import sys
 
 # subcommand -> module with add_parser(subparsers) and run(args)
 COMMANDS = {
+    "bench": "tiermoe.cli.bench_cmd",
     "chat": "tiermoe.cli.chat_cmd",
     "generate": "tiermoe.cli.generate_cmd",
     "inspect": "tiermoe.cli.inspect_cmd",

@@ -14,6 +14,8 @@ Design choices:
   the sum is identical. Per-pass counts are what `per_pass` mode is for.
 - Counts are split by phase (prefill rows vs decode rows of the same pass), so the dump carries the
   prefill/decode split exactly even when a pass mixes prefilling and decoding sequences.
+- The buffer is created by the first record, inside the engine's inference mode, so it is an inference tensor;
+  the in-place updates made outside the model (clearing a slot, reset) enter inference mode too.
 - `stat_approx` (SGLang: DeepEP normal mode only) is recorded exactly as `stat`; the dump says which was asked.
 """
 
@@ -50,7 +52,8 @@ class StatRecorder:
         self._slot = 0 if self.buffer_size < 0 else self._passes % self._slots
         if self.buffer_size > 0 and self._passes >= self._slots:  # reusing a slot: forget the pass it held
             if self._counts_B2LE is not None:
-                self._counts_B2LE[self._slot].zero_()
+                with torch.inference_mode():  # the buffer was made inside the model's inference mode
+                    self._counts_B2LE[self._slot].zero_()
             self._tokens_B2[self._slot] = [0, 0]
         self._info, self._runs = info, phase_runs(info)
         prefill, decode = phase_tokens(info)
@@ -82,7 +85,8 @@ class StatRecorder:
 
     def reset(self) -> None:
         if self._counts_B2LE is not None:
-            self._counts_B2LE.zero_()
+            with torch.inference_mode():
+                self._counts_B2LE.zero_()
         self._tokens_B2 = [[0, 0] for _ in range(self._slots)]
         self._passes = 0
         self.end_pass()

@@ -1,0 +1,76 @@
+"""`tiermoe bench dynamic`: every placement policy replayed on a trace, per GPU ratio.
+
+Static strategies (statistics from a calibration trace or stats file), KT-compatible dynamic, adaptive, and the
+two oracles; per ratio the GPU hit rate, the estimated time (copies charged) and the copy traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tiermoe.placement.cost import BandwidthCostModel
+from tiermoe.placement.strategies import NEEDS_STATISTICS
+from tiermoe.stats.replay import ORACLES, REPLAY_POLICIES, TracePasses, replay
+
+DEFAULT_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+@dataclass
+class DynamicBenchResult:
+    ratios: list[float]
+    policies: list[str]
+    rows: list[dict]  # one summary per (policy, ratio)
+
+    def get(self, policy: str, ratio: float) -> dict:
+        return next(r for r in self.rows if r["policy"] == policy and abs(r["gpu_ratio"] - ratio) < 1e-9)
+
+
+def run_dynamic_bench(passes: TracePasses, cost: BandwidthCostModel, ratios=DEFAULT_RATIOS,
+                      calibration_LE: torch.Tensor | None = None, prefill_threshold: int | None = None,
+                      policies=REPLAY_POLICIES, progress=None) -> DynamicBenchResult:
+    chosen = [p for p in policies if calibration_LE is not None or p not in NEEDS_STATISTICS]
+    rows = []
+    for ratio in ratios:
+        for policy in chosen:
+            result = replay(passes, policy, ratio, cost, calibration_LE, prefill_threshold)
+            rows.append(result.summary())
+            if progress:
+                progress(policy, ratio)
+    return DynamicBenchResult(list(ratios), chosen, rows)
+
+
+def format_table(bench: DynamicBenchResult, field: str, fmt: str, title: str) -> str:
+    width = max(10, *(len(p) for p in bench.policies)) + 2
+    lines = [title, "ratio " + "".join(f"{p:>{width}}" for p in bench.policies)]
+    for ratio in bench.ratios:
+        cells = []
+        for policy in bench.policies:
+            value = bench.get(policy, ratio)[field]
+            cells.append(f"{(fmt.format(value) if value is not None else '-'):>{width}}")
+        lines.append(f"{ratio:<6.2f}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def plot_bench(bench: DynamicBenchResult, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    for policy in bench.policies:
+        style = ":" if policy in ORACLES else "-"
+        ys = [bench.get(policy, r) for r in bench.ratios]
+        ax1.plot(bench.ratios, [100 * y["hit_rate"] for y in ys], style, marker="o", label=policy)
+        ax2.plot(bench.ratios, [y["estimated_output_tokens_per_s"] or 0 for y in ys], style, marker="o", label=policy)
+    ax1.set(xlabel="GPU expert ratio", ylabel="GPU hit rate (%)", title="hit rate (measured on the trace)")
+    ax2.set(xlabel="GPU expert ratio", ylabel="output tokens/s (estimate)", title="throughput (cost-model estimate)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    ax2.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

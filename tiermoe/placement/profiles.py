@@ -1,0 +1,48 @@
+"""GPU profiles for cost estimates: memory bandwidth, compute rate, host-to-device bandwidth, launch overhead.
+
+Presets are published figures (dense bf16 tensor rate without sparsity; PCIe as achieved with pinned memory);
+a JSON file with the same fields overrides them. Every figure derived from a profile is an estimate and is
+labelled so wherever it is printed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tiermoe.errors import TiermoeError
+
+
+@dataclass(frozen=True)
+class GPUProfile:
+    name: str
+    memory_bandwidth: float  # bytes/s
+    compute_flops: float  # bf16 FLOP/s
+    pcie_bandwidth: float  # host -> device bytes/s, pinned
+    launch_overhead: float  # seconds per kernel launch
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS = {
+    "rtx4090": GPUProfile("rtx4090", 1.008e12, 1.65e14, 25e9, 5e-6),
+    "h200": GPUProfile("h200", 4.8e12, 9.89e14, 55e9, 4e-6),
+}
+
+
+def load_profile(name_or_file: str) -> GPUProfile:
+    if name_or_file in PRESETS:
+        return PRESETS[name_or_file]
+    path = Path(name_or_file)
+    if not path.is_file():
+        raise TiermoeError(f"--gpu-profile '{name_or_file}' is neither a preset ({', '.join(PRESETS)}) nor a file")
+    try:
+        data = json.loads(path.read_text())
+        return GPUProfile(name=data.get("name", path.stem), memory_bandwidth=float(data["memory_bandwidth"]),
+                          compute_flops=float(data["compute_flops"]), pcie_bandwidth=float(data["pcie_bandwidth"]),
+                          launch_overhead=float(data.get("launch_overhead", 5e-6)))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise TiermoeError(f"GPU profile file '{path}' is malformed ({err}); expected JSON with memory_bandwidth, "
+                           "compute_flops, pcie_bandwidth (and optionally launch_overhead, name)") from None

@@ -1,0 +1,197 @@
+"""Trace replay: how a placement policy would have done on a recorded per_token trace.
+
+The trace is cut back into its forward passes (which requests shared a batch is kept), and each pass is run
+through the policy with its real rules: static strategies never move; KT-compatible dynamic re-selects after
+prefill passes of at least `prefill_threshold` tokens (those passes run all their experts on the GPU, the CPU-
+tier ones streamed over PCIe); adaptive swaps asynchronously, its copies landing only after the time they take.
+For every pass: GPU hit rate, CPU expert bytes read, bytes copied, swaps, and an estimated time from the cost
+model that charges the copies in full. Oracles for comparison: the static top-k of the trace itself, and the
+best placement of every window of passes (hindsight, copies free: an upper bound).
+Legend: P passes, M MoE layers, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tiermoe.errors import TiermoeError
+from tiermoe.placement.budget import total_gpu_experts
+from tiermoe.placement.cost import BandwidthCostModel
+from tiermoe.placement.masks import generate_gpu_experts_masks
+from tiermoe.placement.policies import AdaptivePolicy, AdaptiveSettings, KTDynamicPolicy
+from tiermoe.placement.strategies import STRATEGIES, place
+
+DYNAMIC = ("kt-dynamic", "adaptive")
+ORACLES = ("oracle-static", "oracle-window")
+REPLAY_POLICIES = STRATEGIES + DYNAMIC + ORACLES
+
+
+@dataclass(frozen=True)
+class TracePasses:
+    counts_PME: torch.Tensor  # int64 routed pairs per pass, MoE layer and expert
+    tokens_P: torch.Tensor  # tokens in each pass
+    prefill_P: torch.Tensor  # bool: the pass prefilled (any prompt token)
+    decode_tokens_P: torch.Tensor  # decode tokens in each pass (= output tokens it produced)
+    moe_layers: tuple[int, ...]
+    num_layers: int
+    num_experts: int
+
+    @property
+    def num_passes(self) -> int:
+        return self.counts_PME.shape[0]
+
+    def total_LE(self) -> torch.Tensor:
+        """All routed pairs as [L, E] (dense rows zero)."""
+        out = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
+        out[list(self.moe_layers)] = self.counts_PME.sum(dim=0).double()
+        return out
+
+
+def trace_passes(trace: dict) -> TracePasses:
+    """Per-pass routing of a per_token trace (tiermoe.stats.traces format)."""
+    try:
+        pass_N = trace["token_pass"].long()
+        ids_NMK = trace["topk_ids"].long()
+        prefill_N = trace["token_is_prefill"].bool()
+        moe_layers = tuple(int(x) for x in trace["moe_layers"])
+        num_layers, num_experts = int(trace["num_layers"]), int(trace["num_experts"])
+    except KeyError as err:
+        raise TiermoeError(f"not a per_token trace: missing {err}; record one with `tiermoe record --mode per_token`")
+    if pass_N.numel() == 0:
+        raise TiermoeError("the trace holds no tokens")
+    pass_N = pass_N - pass_N.min()
+    num_passes, (_, m, k) = int(pass_N.max()) + 1, ids_NMK.shape
+    valid = ids_NMK >= 0
+    flat = (pass_N[:, None, None] * m + torch.arange(m)[None, :, None]) * num_experts + ids_NMK.clamp(min=0)
+    counts = torch.bincount(flat[valid], minlength=num_passes * m * num_experts)
+    tokens = torch.bincount(pass_N, minlength=num_passes)
+    return TracePasses(
+        counts_PME=counts.reshape(num_passes, m, num_experts), tokens_P=tokens,
+        prefill_P=torch.bincount(pass_N[prefill_N], minlength=num_passes) > 0,
+        decode_tokens_P=torch.bincount(pass_N[~prefill_N], minlength=num_passes),
+        moe_layers=moe_layers, num_layers=num_layers, num_experts=num_experts)
+
+
+@dataclass
+class ReplayResult:
+    policy: str
+    gpu_ratio: float
+    hit_rate_P: list[float] = field(default_factory=list)
+    cpu_bytes_P: list[int] = field(default_factory=list)
+    copied_bytes_P: list[int] = field(default_factory=list)
+    swaps_P: list[int] = field(default_factory=list)
+    time_P: list[float] = field(default_factory=list)
+    pairs: int = 0
+    gpu_pairs: int = 0
+    output_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.gpu_pairs / self.pairs if self.pairs else 0.0
+
+    @property
+    def time(self) -> float:
+        return sum(self.time_P)
+
+    @property
+    def bytes_copied(self) -> int:
+        return sum(self.copied_bytes_P)
+
+    def summary(self) -> dict:
+        return {"policy": self.policy, "gpu_ratio": self.gpu_ratio, "hit_rate": self.hit_rate,
+                "estimated_seconds": self.time, "cpu_bytes": sum(self.cpu_bytes_P), "bytes_copied": self.bytes_copied,
+                "swaps": sum(self.swaps_P), "output_tokens": self.output_tokens,
+                "estimated_output_tokens_per_s": self.output_tokens / self.time if self.time else None}
+
+
+def _initial_mask(policy: str, passes: TracePasses, total: int, calibration_LE, seed: int) -> torch.Tensor:
+    rows = torch.zeros(passes.num_layers, dtype=torch.bool)
+    rows[list(passes.moe_layers)] = True
+    if policy == "oracle-static":
+        return generate_gpu_experts_masks(passes.total_LE(), total)[list(passes.moe_layers)]
+    strategy = {"kt-dynamic": "uniform", "adaptive": "balanced" if calibration_LE is not None else "uniform",
+                "oracle-window": "uniform"}.get(policy, policy)
+    return place(strategy, rows, passes.num_experts, total, calibration_LE, seed)[list(passes.moe_layers)]
+
+
+def replay(trace: dict | TracePasses, policy: str, gpu_ratio: float, cost_model: BandwidthCostModel,
+           calibration_LE: torch.Tensor | None = None, prefill_threshold: int | None = None,
+           adaptive: AdaptiveSettings | None = None, window: int = 32, seed: int = 42) -> ReplayResult:
+    """Replay `trace` pass by pass through `policy` at `gpu_ratio` of the routed experts on the GPU tier.
+
+    calibration_LE: statistics [L, E] for frequency / balanced (and adaptive's starting point), from another
+    part of the workload. prefill_threshold: layerwise GPU prefill for the dynamic policies.
+    """
+    if policy not in REPLAY_POLICIES:
+        raise TiermoeError(f"unknown replay policy '{policy}'; choose one of: {', '.join(REPLAY_POLICIES)}")
+    passes = trace if isinstance(trace, TracePasses) else trace_passes(trace)
+    m, e = len(passes.moe_layers), passes.num_experts
+    total = total_gpu_experts(m, e, ratio=gpu_ratio)
+    mask_ME = _initial_mask(policy, passes, total, calibration_LE, seed)
+    result = ReplayResult(policy, gpu_ratio)
+    dyn = None
+    if policy == "kt-dynamic":
+        dyn = KTDynamicPolicy(prefill_threshold or 0)
+    elif policy == "adaptive":
+        prior = calibration_LE[list(passes.moe_layers)] if calibration_LE is not None else None
+        dyn = AdaptivePolicy(m, e, cost_model, adaptive or AdaptiveSettings(), prior)
+    in_flight: list[list] = []  # [layer, expert, to_gpu, seconds left]
+    bpe = cost_model.bytes_per_expert
+    for p in range(passes.num_passes):
+        counts_ME = passes.counts_PME[p]
+        if policy == "oracle-window" and p % window == 0:
+            upcoming = passes.counts_PME[p:p + window].sum(dim=0).double()
+            mask_ME = generate_gpu_experts_masks(upcoming, total)
+        touched_ME = counts_ME > 0
+        tokens = int(passes.tokens_P[p])
+        layerwise = dyn is not None and prefill_threshold is not None and bool(passes.prefill_P[p]) \
+            and tokens >= prefill_threshold
+        cpu_ME = touched_ME & ~mask_ME
+        cpu_distinct, cpu_pairs = int(cpu_ME.sum()), int(counts_ME[~mask_ME].sum())
+        gpu_distinct, gpu_pairs = int((touched_ME & mask_ME).sum()), int(counts_ME[mask_ME].sum())
+        copied = 0
+        if layerwise:  # every CPU-tier expert the pass routes to crosses PCIe and runs on the GPU
+            copied += cpu_distinct * bpe
+            seconds = cost_model.copy_seconds(cpu_distinct) + cost_model.gpu_pass_seconds(
+                cpu_distinct + gpu_distinct, cpu_pairs + gpu_pairs)
+            result.gpu_pairs += cpu_pairs + gpu_pairs
+            cpu_read = 0
+        else:
+            seconds = max(cost_model.cpu_pass_seconds(cpu_distinct, cpu_pairs),
+                          cost_model.gpu_pass_seconds(gpu_distinct, gpu_pairs))
+            result.gpu_pairs += gpu_pairs
+            cpu_read = cpu_distinct * bpe
+        result.pairs += cpu_pairs + gpu_pairs
+        result.output_tokens += int(passes.decode_tokens_P[p]) + int(bool(passes.prefill_P[p]))
+        swaps = 0
+        if dyn is not None:
+            # copies in flight progress by this pass's time and land (mask flips) once done
+            still = []
+            for c in in_flight:
+                c[3] -= seconds
+                if c[3] <= 0:
+                    mask_ME[c[0], c[1]] = c[2]
+                else:
+                    still.append(c)
+            in_flight = still
+            dyn.observe(counts_ME, tokens, bool(passes.prefill_P[p]))
+            busy = torch.zeros_like(mask_ME)
+            for c in in_flight:
+                busy[c[0], c[1]] = True
+            for swap in dyn.propose(mask_ME, busy):
+                swaps += 1
+                if layerwise:  # KT: the chosen experts are already on the GPU in the streamed layer
+                    mask_ME[swap.layer, swap.expert_in], mask_ME[swap.layer, swap.expert_out] = True, False
+                    continue
+                copied += 2 * bpe
+                seconds += cost_model.copy_seconds(2)  # charged in full, although it overlaps compute
+                in_flight += [[swap.layer, swap.expert_in, True, cost_model.copy_seconds()],
+                              [swap.layer, swap.expert_out, False, cost_model.copy_seconds()]]
+        result.hit_rate_P.append(gpu_pairs / max(1, cpu_pairs + gpu_pairs) if not layerwise else 1.0)
+        result.cpu_bytes_P.append(cpu_read)
+        result.copied_bytes_P.append(copied)
+        result.swaps_P.append(swaps)
+        result.time_P.append(seconds)
+    return result
