@@ -29,8 +29,28 @@ def placement_target(model_dir: str | Path, dtype: torch.dtype | None = None) ->
     )
 
 
+CHECKPOINT_MASK_KEY = "gpu_expert_mask"
+
+
+def default_placement(model_dir: str | Path):
+    """Placement when the caller gives none: a `gpu_expert_mask` the checkpoint carries (KTransformers' workflow
+    registers it as a buffer; dense rows all True in its convention, ignored here), else TIERMOE_NUM_GPU_EXPERTS /
+    ACCELERATE_KT_NUM_GPU_EXPERTS experts per MoE layer, else None (every expert on the CPU tier)."""
+    from tiermoe.compat.placement import num_gpu_experts_from_env
+    from tiermoe.model.checkpoint import Checkpoint
+
+    with Checkpoint(model_dir) as ckpt:
+        if CHECKPOINT_MASK_KEY in ckpt:
+            return ckpt.read(CHECKPOINT_MASK_KEY).bool()
+    per_layer = num_gpu_experts_from_env()
+    return PlacementConfig(num_gpu_experts=per_layer) if per_layer else None
+
+
 def resolve_mask(placement, model_dir: str | Path, spec, gpu_device: str = "cpu") -> torch.Tensor | None:
-    """A bool mask [L, E] for one process from a mask, a PlacementPlan or a PlacementConfig (None = all CPU)."""
+    """A bool mask [L, E] for one process from a mask, a PlacementPlan or a PlacementConfig; None asks
+    default_placement (a mask in the checkpoint, the environment, or all CPU)."""
+    if placement is None:
+        placement = default_placement(model_dir)
     if placement is None:
         return None
     if isinstance(placement, PlacementConfig):

@@ -1,0 +1,71 @@
+"""KTransformers' placement helpers on tiermoe's planner: masks, device maps, and the environment settings."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from tiermoe.errors import TiermoeError
+from tiermoe.placement.masks import generate_gpu_experts_masks  # noqa: F401  (re-exported)
+from tiermoe.placement.plan import PlacementPlan
+
+ENV_NUM_GPU_EXPERTS = ("TIERMOE_NUM_GPU_EXPERTS", "ACCELERATE_KT_NUM_GPU_EXPERTS")
+
+
+def build_device_map(mask, gpu_device: str = "cuda:0") -> dict[tuple[int, int], str]:
+    """{(layer, expert): device} for every routed position: "cpu", or the GPU (a plan's rank r -> cuda:r)."""
+    if isinstance(mask, PlacementPlan):
+        assignment = mask.assignment
+        return {(l, e): ("cpu" if r < 0 else f"cuda:{r}")
+                for l, row in enumerate(assignment.tolist()) for e, r in enumerate(row)}
+    mask = torch.as_tensor(mask).bool()
+    return {(l, e): (gpu_device if on else "cpu") for l, row in enumerate(mask.tolist()) for e, on in enumerate(row)}
+
+
+def num_gpu_experts_from_env(environ: Mapping[str, str] | None = None) -> int:
+    """GPU experts per MoE layer for scripts and trainers: TIERMOE_NUM_GPU_EXPERTS (or KTransformers'
+    ACCELERATE_KT_NUM_GPU_EXPERTS); 0 when unset (every expert on the CPU tier)."""
+    environ = os.environ if environ is None else environ
+    for name in ENV_NUM_GPU_EXPERTS:
+        value = environ.get(name)
+        if value not in (None, ""):
+            try:
+                number = int(value)
+            except ValueError:
+                raise TiermoeError(f"{name}={value!r} is not an integer (GPU experts per MoE layer)") from None
+            if number < 0:
+                raise TiermoeError(f"{name}={number} must be >= 0")
+            return number
+    return 0
+
+
+def move_non_experts_to_gpu(model: nn.Module, device: str | torch.device = "cuda:0") -> int:
+    """Move everything but the routed experts to `device`: embeddings, norms, attention, routers, shared experts,
+    dense MLPs and lm_head. Routed experts stay where they are. Returns the bytes moved.
+
+    Works on a transformers MoE model (its fused `experts` modules stay) and on tiermoe's hybrid model (whose
+    routed experts live in the tiers, outside the module tree).
+    """
+    if not isinstance(model, nn.Module):  # tiermoe's HybridModel wraps the module tree
+        model = model.model
+    device = torch.device(device)
+    experts = {id(m) for name, m in model.named_modules() if name.endswith(".experts")}
+    inside_experts = set()
+    for name, module in model.named_modules():
+        if id(module) in experts:
+            inside_experts.update(id(m) for m in module.modules())
+    moved = 0
+    for module in model.modules():
+        if id(module) in inside_experts:
+            continue
+        for store, is_param in ((module._parameters, True), (module._buffers, False)):
+            for key, tensor in list(store.items()):
+                if tensor is None or tensor.device == device:
+                    continue
+                moved += tensor.numel() * tensor.element_size()
+                value = tensor.to(device)
+                store[key] = nn.Parameter(value, requires_grad=tensor.requires_grad) if is_param else value
+    return moved
