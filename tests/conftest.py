@@ -73,3 +73,20 @@ def save_char_tokenizer(out) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
+
+
+def run_cli(*args: str):
+    """Run `tiermoe ARGS` in this process (fast: no second interpreter); returns (returncode, stdout, stderr)."""
+    import contextlib
+    import io
+    import subprocess
+
+    from tiermoe.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse: bad flags, --help
+            code = exit_.code if isinstance(exit_.code, int) else 0
+    return subprocess.CompletedProcess(["tiermoe", *args], code, out.getvalue(), err.getvalue())

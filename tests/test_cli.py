@@ -9,12 +9,9 @@ import sys
 
 import pytest
 
+from conftest import run_cli as cli
 from conftest import save_char_tokenizer, save_tiny
 from tiermoe.cli.main import COMMANDS
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tiermoe.cli.main", *args], capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
@@ -44,8 +41,8 @@ def test_generate_streams_text(tmp_path):
     assert len(result.stdout.strip("\n")) > 0
 
 
-def test_version():
-    result = cli("version")
+def test_the_console_script_runs_in_a_fresh_interpreter():
+    result = subprocess.run([sys.executable, "-m", "tiermoe.cli.main", "version"], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.startswith("tiermoe ")
 
 

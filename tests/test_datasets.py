@@ -62,7 +62,8 @@ def test_local_files_in_every_supported_shape(tmp_path):
         {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"},
                       {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"},
                       {"role": "assistant", "content": "A2"}]},
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "parts "}, {"type": "text", "text": "ok"}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "parts "},
+                                                   {"type": "text", "text": "ok"}]}]},
         {"id": "x_0", "conversations": [{"from": "human", "value": "shared"}]},
         {"messages": [{"role": "assistant", "content": "no user turn: skipped"}]},
     ]) + "\n\n")
@@ -121,7 +122,8 @@ def test_heldout_split_is_disjoint_stable_and_keeps_groups_together():
     assert len(train) + len(heldout) == 1000 and not {p.id for p in train} & {p.id for p in heldout}
     assert 120 < len(heldout) < 280
     # a prompt's side does not depend on which other prompts were loaded
-    assert [p.id for p in split(prompts[:300], "heldout", 0.2, seed=3)] == [p.id for p in heldout if int(p.id[1:]) < 300]
+    first_300 = [p.id for p in heldout if int(p.id[1:]) < 300]
+    assert [p.id for p in split(prompts[:300], "heldout", 0.2, seed=3)] == first_300
     sides = {}
     for p in heldout:
         sides.setdefault(p.group, set()).add(p.id)

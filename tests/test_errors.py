@@ -16,6 +16,7 @@ from tiermoe.model.loader import load_hybrid_model
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
+    """A real second interpreter: proves the user sees one line and no traceback."""
     return subprocess.run([sys.executable, "-m", "tiermoe.cli.main", *args], capture_output=True, text=True)
 
 

@@ -185,7 +185,8 @@ def fake_pass(recorder, ids_TK, prefill=(True,), layer=0):
 def test_circular_buffer_keeps_the_last_passes_like_sglang():
     shape = ModelShape(num_layers=1, num_experts=4, top_k=1, moe_layers=(0,))
     passes = [torch.tensor([[0]]), torch.tensor([[1]]), torch.tensor([[2]])]
-    windowed, unbounded, per_pass = StatRecorder(shape, buffer_size=2), StatRecorder(shape, -1), PerPassRecorder(shape, 2)
+    windowed, unbounded = StatRecorder(shape, buffer_size=2), StatRecorder(shape, -1)
+    per_pass = PerPassRecorder(shape, 2)
     for ids in passes:
         for r in (windowed, unbounded, per_pass):
             fake_pass(r, ids)

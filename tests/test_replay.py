@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import torch
 
 from tiermoe.placement.cost import BandwidthCostModel
@@ -94,12 +91,11 @@ def test_kt_dynamic_reselects_after_a_large_prefill_only():
 def test_bench_dynamic_command_prints_tables(tmp_path):
     torch.save(make_trace([(30, 4, [0, 1])]), tmp_path / "t.pt")
     torch.save(make_trace([(30, 4, [0, 1])], seed=3), tmp_path / "c.pt")
-    from conftest import save_tiny
+    from conftest import run_cli, save_tiny
 
     model = save_tiny("olmoe", tmp_path / "m")
-    result = subprocess.run([sys.executable, "-m", "tiermoe.cli.main", "bench", "dynamic", "--trace",
-                             str(tmp_path / "t.pt"), "--calibration", str(tmp_path / "c.pt"), "--model", str(model),
-                             "--ratios", "0.25,0.5", "--plot", str(tmp_path / "d.png")], capture_output=True, text=True)
+    result = run_cli("bench", "dynamic", "--trace", str(tmp_path / "t.pt"), "--calibration", str(tmp_path / "c.pt"),
+                     "--model", str(model), "--ratios", "0.25,0.5", "--plot", str(tmp_path / "d.png"))
     assert result.returncode == 0, result.stderr
     assert "GPU hit rate" in result.stdout and "ESTIMATE" in result.stdout and "adaptive" in result.stdout
     assert (tmp_path / "d.png").stat().st_size > 1000
