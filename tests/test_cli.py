@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import run_cli as cli
 from conftest import save_char_tokenizer, save_tiny
+
 from tiermoe.cli.main import COMMANDS
 
 

@@ -9,10 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ARCHS, save_tiny
-from tiermoe.compat import (MOEArchNotSupportedError, build_device_map, get_moe_arch_config,
-                            move_non_experts_to_gpu, num_gpu_experts_from_env)
+
+from tiermoe.compat import (
+    MOEArchNotSupportedError,
+    build_device_map,
+    get_moe_arch_config,
+    move_non_experts_to_gpu,
+    num_gpu_experts_from_env,
+)
 from tiermoe.engine.llm import LLM
 from tiermoe.model.checkpoint import Checkpoint
 

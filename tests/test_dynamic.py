@@ -7,9 +7,9 @@ import time
 
 import pytest
 import torch
-
 from conftest import load_reference
 from test_engine import reference_greedy
+
 from tiermoe.config import DynamicPlacementConfig, PlacementConfig
 from tiermoe.engine.dynamic import enable_dynamic_placement
 from tiermoe.engine.llm import LLM

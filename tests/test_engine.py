@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import load_reference, save_char_tokenizer, save_tiny
+
 from tiermoe.arch import detect, load_config
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams, new_generator, sample

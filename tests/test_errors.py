@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
+from conftest import save_tiny
 from safetensors.torch import load_file, save_file
 
-from conftest import save_tiny
 from tiermoe.errors import TiermoeError
 from tiermoe.model.loader import load_hybrid_model
 

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 import torch
-
 from conftest import ARCHS, load_reference, rel_err, save_tiny
+
 from tiermoe.arch import detect, load_config
 from tiermoe.model.loader import load_hybrid_model
 

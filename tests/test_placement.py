@@ -19,8 +19,14 @@ from tiermoe.placement.metrics import cpu_bytes_per_pass, hit_rate
 from tiermoe.placement.partition import load_per_gpu, split_across_gpus
 from tiermoe.placement.plan import PlacementPlan
 from tiermoe.placement.planner import PlacementTarget, make_plan
-from tiermoe.placement.strategies import (balanced_mask, front_loading_mask, frequency_mask, place, random_mask,
-                                          uniform_mask)
+from tiermoe.placement.strategies import (
+    balanced_mask,
+    frequency_mask,
+    front_loading_mask,
+    place,
+    random_mask,
+    uniform_mask,
+)
 from tiermoe.stats.io import load_counts
 
 TABLE = torch.tensor([[0.1, 0.5, 0.3, 0.8], [0.2, 0.4, 0.9, 0.1]])

@@ -10,11 +10,11 @@ import time
 import httpx
 import pytest
 import torch
-
 from conftest import save_char_tokenizer, save_tiny
-from tiermoe.server.launch import ServerProcess
+
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
+from tiermoe.server.launch import ServerProcess
 
 KEY = "test-key"
 PROMPTS = ["hello there", "what is the sea?", "a", "tell me a story about a dog and a cat"]

@@ -5,8 +5,7 @@ from __future__ import annotations
 import sys
 
 from tiermoe.cli.flags import add_command, non_negative_float, non_negative_int, positive_int, unit_float
-from tiermoe.cli.placement_flags import (add_dynamic_flags, add_placement_flags, dynamic_from_args,
-                                         placement_from_args)
+from tiermoe.cli.placement_flags import add_dynamic_flags, add_placement_flags, dynamic_from_args, placement_from_args
 
 
 def add_parser(sub) -> None:

@@ -47,7 +47,8 @@ def add_parser(sub) -> None:
     p.add_argument("--min-chars", type=non_negative_int, default=1, help="skip prompts shorter than this")
     p.add_argument("--max-chars", type=positive_int, default=None, help="skip prompts longer than this")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=None,
-                   help="skip prompts with more tokens (default: the context length less --max-tokens)")
+                   help="skip prompts with more tokens (default: the context length less --max-tokens; at most "
+                        "the context length less one)")
     p.add_argument("--batch-size", "--max-running", dest="batch_size", type=positive_int, default=16,
                    help="sequences advanced together in one step (default 16)")
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
@@ -83,7 +84,9 @@ def run(args) -> int:
                               ignore_eos=args.ignore_eos)
     with LLM(model_dir, gpu_device=device, placement=placement_from_args(args), dtype=args.dtype,
              max_running=args.batch_size, recorder=recorder, progress=args.progress) as llm:
-        limit = args.max_prompt_tokens or max(1, (llm.engine.max_context or 10**9) - args.max_tokens)
+        context = llm.engine.max_context or 10**9
+        # the engine refuses prompts that fill the context; by default leave room for --max-tokens as well
+        limit = min(args.max_prompt_tokens, context - 1) if args.max_prompt_tokens else max(1, context - args.max_tokens)
         chosen, prompt_ids, skipped = encode_prompts(llm, candidates, args.num_prompts, limit, args.raw)
         if not prompt_ids:
             raise TiermoeError(f"no prompt of '{args.dataset}' ({args.split}) fits in {limit} tokens "

@@ -35,8 +35,8 @@ def add_recorder_flags(p: argparse.ArgumentParser, mode_flags: tuple[str, ...] =
                         f"(default: {default_mode or 'off'})")
     size_default = ("unbounded" if default_buffer_size == -1 else
                     f"{default_buffer_size or SGLANG_DEFAULT_BUFFER_SIZE} passes")
-    g.add_argument("--expert-distribution-recorder-buffer-size", dest="recorder_buffer_size", type=buffer_size, metavar="N",
-                   default=default_buffer_size,
+    g.add_argument("--expert-distribution-recorder-buffer-size", dest="recorder_buffer_size", type=buffer_size,
+                   metavar="N", default=default_buffer_size,
                    help=f"forward passes kept: the last N (a circular buffer, as SGLang), or -1 for all "
                         f"(default: {size_default})")
     g.add_argument("--record-kt-gpu-expert-distribution", dest="record_gpu_masks", action="store_true",

@@ -1,13 +1,18 @@
-"""tiermoe serve: the OpenAI- and Ollama-compatible HTTP server with continuous batching."""
+"""tiermoe serve: the OpenAI- and Ollama-compatible HTTP server with continuous batching.
+
+One process by default. With --num-gpus N > 1 (or a plan for N GPUs) it runs one rank per GPU: under torchrun
+(`torchrun --nproc-per-node N -m tiermoe.serve ...`) this process is one of them; otherwise it starts the other
+N - 1 ranks itself and becomes rank 0 (tiermoe.distributed). Rank 0 serves HTTP, the others follow its steps.
+"""
 
 from __future__ import annotations
 
+import argparse
 import signal
 
 from tiermoe.cli.flags import add_command, positive_int
 from tiermoe.cli.generate_cmd import add_model_flags
-from tiermoe.cli.placement_flags import (add_dynamic_flags, add_placement_flags, dynamic_from_args,
-                                         placement_from_args)
+from tiermoe.cli.placement_flags import add_dynamic_flags, add_placement_flags, dynamic_from_args, placement_from_args
 
 
 def add_parser(sub) -> None:
@@ -21,7 +26,25 @@ def add_parser(sub) -> None:
         "tiermoe serve --model /models/Qwen3-30B-A3B --gpu-device cuda:0 --kt-num-gpu-experts 32 --port 30000",
         "tiermoe serve --model-path /models/DeepSeek-V3 --kt-gpu-device cuda:0 --kt-expert-placement-strategy "
         "frequency --init-expert-location stats.pt --kt-gpu-experts-ratio 0.2 --api-key secret",
+        "tiermoe serve --model /models/DeepSeek-V3 --gpu-device cuda --num-gpus 4 --kt-gpu-experts-ratio 0.3",
+        "torchrun --nproc-per-node 4 -m tiermoe.serve --model /models/DeepSeek-V3 --gpu-device cuda --num-gpus 4 "
+        "--plan plan.json",
     )
+    add_serve_flags(p)
+
+
+def seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a number of seconds") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {value}")
+    return number
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    """Every flag of `tiermoe serve` (also parsed by `python -m tiermoe.serve`, the torchrun entry point)."""
     add_model_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=positive_int, default=30000, help="port (default 30000)")
@@ -35,9 +58,14 @@ def add_parser(sub) -> None:
                    help="max_tokens of requests that give none (default 256)")
     add_placement_flags(p)
     add_dynamic_flags(p)
+    g = p.add_argument_group("several GPUs (one rank per GPU; see docs/multi-gpu.md)")
+    g.add_argument("--dist-timeout", dest="dist_timeout", type=seconds, default=300.0,
+                   help="seconds a rank waits for the others in one collective before it gives up with an error "
+                        "(a rank died or hangs); idle ranks exchange heartbeats, so idleness never trips it "
+                        "(default 300)")
 
 
-def build_state(args):
+def build_state(args, llm=None):
     from tiermoe.config import ServerConfig, check_device
     from tiermoe.engine.llm import LLM
     from tiermoe.server.engine_service import EngineService
@@ -49,10 +77,11 @@ def build_state(args):
                           api_key=args.api_key, max_running_requests=args.max_running_requests,
                           max_total_tokens=args.max_total_tokens, chunked_prefill_size=args.chunked_prefill_size,
                           default_max_tokens=args.default_max_tokens)
-    device = check_device(args.gpu_device)
-    llm = LLM(args.model, gpu_device=device, placement=placement_from_args(args), dynamic=dynamic_from_args(args),
-              max_running=config.max_running_requests, prefill_chunk=config.chunked_prefill_size,
-              max_total_tokens=config.max_total_tokens)
+    if llm is None:
+        device = check_device(args.gpu_device)
+        llm = LLM(args.model, gpu_device=device, placement=placement_from_args(args),
+                  dynamic=dynamic_from_args(args), max_running=config.max_running_requests,
+                  prefill_chunk=config.chunked_prefill_size, max_total_tokens=config.max_total_tokens)
     hits = TierHitCounter(llm.hybrid.spec.num_layers, llm.hybrid.gpu_device)
     llm.engine.add_recorder(hits)
     metrics = ServerMetrics()
@@ -62,7 +91,40 @@ def build_state(args):
     return ServerState(llm=llm, config=config, service=service, metrics=metrics, hits=hits, model_name=name)
 
 
+def requested_gpus(args) -> int:
+    """The GPU count the flags ask for: the plan's, else --num-gpus."""
+    if getattr(args, "plan", None):
+        from tiermoe.placement.plan import PlacementPlan
+
+        return PlacementPlan.load(args.plan).num_gpus
+    return args.num_gpus
+
+
 def run(args) -> int:
+    from tiermoe.distributed.group import RankEnv, check_world
+
+    env = RankEnv.from_env()
+    gpus = requested_gpus(args)
+    if env is not None:  # started by torchrun (or by our own launcher)
+        check_world(gpus, env.world_size, "--num-gpus" if not args.plan else "the plan's num_gpus")
+    if env is not None and env.world_size > 1:
+        from tiermoe.distributed.serve_rank import serve_rank
+
+        return serve_rank(args, env)
+    if env is None and gpus > 1:
+        from tiermoe.distributed.launch import serve_with_local_ranks
+
+        return serve_with_local_ranks(args, gpus)
+    state = build_state(args)
+    try:
+        serve(state)
+    finally:
+        state.llm.close()
+    return 0
+
+
+def serve(state) -> None:
+    """Serve HTTP until Ctrl-C / SIGTERM (then drain), or until the engine fails for good (then raise that)."""
     import uvicorn
 
     from tiermoe.server.app import create_app
@@ -75,13 +137,16 @@ def run(args) -> int:
             self.force_exit = self.should_exit and sig == signal.SIGINT  # a second Ctrl-C stops at once
             self.should_exit = True
 
-    state = build_state(args)
-    try:
-        print(f"serving {state.model_name} on http://{state.config.host}:{state.config.port} "
-              f"(OpenAI: /v1, Ollama: /api, metrics: /metrics)", flush=True)
-        config = uvicorn.Config(create_app(state), host=state.config.host, port=state.config.port, log_level="info",
-                                timeout_graceful_shutdown=60)
-        DrainingServer(config).run()
-    finally:
-        state.llm.close()
-    return 0
+    print(f"serving {state.model_name} on http://{state.config.host}:{state.config.port} "
+          f"(OpenAI: /v1, Ollama: /api, metrics: /metrics)", flush=True)
+    config = uvicorn.Config(create_app(state), host=state.config.host, port=state.config.port, log_level="info",
+                            timeout_graceful_shutdown=60)
+    server = DrainingServer(config)
+
+    def stop_serving(err) -> None:  # called from the engine thread: uvicorn polls should_exit
+        server.should_exit = True
+
+    state.service.on_fatal = stop_serving
+    server.run()
+    if state.service.fatal_error is not None:
+        raise state.service.fatal_error

@@ -4,8 +4,12 @@
 """
 
 from tiermoe.compat.arch_config import MOEArchConfig, MOEArchNotSupportedError, get_moe_arch_config
-from tiermoe.compat.placement import (build_device_map, generate_gpu_experts_masks, move_non_experts_to_gpu,
-                                      num_gpu_experts_from_env)
+from tiermoe.compat.placement import (
+                                      build_device_map,
+                                      generate_gpu_experts_masks,
+                                      move_non_experts_to_gpu,
+                                      num_gpu_experts_from_env,
+)
 
 __all__ = [
     "MOEArchConfig",

@@ -19,10 +19,11 @@ def build_device_map(mask, gpu_device: str = "cuda:0") -> dict[tuple[int, int], 
     """{(layer, expert): device} for every routed position: "cpu", or the GPU (a plan's rank r -> cuda:r)."""
     if isinstance(mask, PlacementPlan):
         assignment = mask.assignment
-        return {(l, e): ("cpu" if r < 0 else f"cuda:{r}")
-                for l, row in enumerate(assignment.tolist()) for e, r in enumerate(row)}
+        return {(layer, e): ("cpu" if r < 0 else f"cuda:{r}")
+                for layer, row in enumerate(assignment.tolist()) for e, r in enumerate(row)}
     mask = torch.as_tensor(mask).bool()
-    return {(l, e): (gpu_device if on else "cpu") for l, row in enumerate(mask.tolist()) for e, on in enumerate(row)}
+    return {(layer, e): (gpu_device if on else "cpu")
+            for layer, row in enumerate(mask.tolist()) for e, on in enumerate(row)}
 
 
 def num_gpu_experts_from_env(environ: Mapping[str, str] | None = None) -> int:
@@ -54,7 +55,7 @@ def move_non_experts_to_gpu(model: nn.Module, device: str | torch.device = "cuda
     device = torch.device(device)
     experts = {id(m) for name, m in model.named_modules() if name.endswith(".experts")}
     inside_experts = set()
-    for name, module in model.named_modules():
+    for module in model.modules():
         if id(module) in experts:
             inside_experts.update(id(m) for m in module.modules())
     moved = 0

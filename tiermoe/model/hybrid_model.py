@@ -1,4 +1,8 @@
-"""A loaded hybrid model: the transformers model with HybridMoE blocks, and the tiers behind them."""
+"""A loaded hybrid model: the transformers model with HybridMoE blocks, and the tiers behind them.
+
+In a multi-rank run (`share` set, see tiermoe.distributed) `mask` is the GPU tier as a whole (any rank) and
+`rank_mask` this rank's own experts; tier swaps then go through the share, applied by all ranks together.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import torch
 from torch import nn
 
 from tiermoe.arch.spec import ArchSpec
+from tiermoe.errors import TiermoeError
 from tiermoe.experts.tiers import CPUWorker
 from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.placement.mask import validate_mask
@@ -41,7 +46,8 @@ class HybridModel:
     """Call it like the transformers model (`hybrid(input_ids=...)`); the MoE blocks split work across tiers."""
 
     def __init__(self, model: nn.Module, config, spec: ArchSpec, blocks: dict[int, HybridMoE],
-                 gpu_device: torch.device, worker: CPUWorker, model_dir: Path, expert_dtype: torch.dtype):
+                 gpu_device: torch.device, worker: CPUWorker, model_dir: Path, expert_dtype: torch.dtype,
+                 share=None):
         self.model = model
         self.config = config
         self.spec = spec
@@ -51,6 +57,7 @@ class HybridModel:
         self.expert_dtype = expert_dtype  # routed experts' dtype in tiermoe's canonical layout
         self._worker = worker
         self.swap_stats = SwapStats()
+        self.share = share  # None with one process; this rank's part of a multi-rank run otherwise
 
     def __call__(self, *args, **kwargs):
         with torch.inference_mode():
@@ -64,6 +71,20 @@ class HybridModel:
             mask[layer] = block.host_mask_E
         return mask
 
+    @property
+    def assignment(self) -> torch.Tensor:
+        """[L, E] int64: -1 = CPU tier, r >= 0 = GPU rank r (a copy; dense layers' rows are -1)."""
+        owners = torch.full((self.spec.num_layers, self.spec.num_experts), -1, dtype=torch.int64)
+        for layer, block in self.blocks.items():
+            owners[layer] = block.owner_E
+        return owners
+
+    @property
+    def rank_mask(self) -> torch.Tensor:
+        """[L, E] bool: the experts this rank's GPU tier holds (= `mask` with one process)."""
+        rank = 0 if self.share is None else self.share.rank
+        return self.assignment == rank
+
     def tier_bytes(self) -> TierBytes:
         # Routed experts live in the tiers, not in the module tree, so every model tensor is a non-expert one.
         tensors = {id(t): t for t in list(self.model.parameters()) + list(self.model.buffers())}
@@ -76,6 +97,9 @@ class HybridModel:
 
     def move_experts(self, layer: int, experts: Iterable[int], to_gpu: bool) -> int:
         """Tier swap: move `experts` of MoE layer `layer` to the GPU tier (or back); returns bytes moved."""
+        if self.share is not None:
+            raise TiermoeError("with several ranks, experts move on every rank at once: queue swaps through the "
+                               "share (hybrid.share.queue_swaps) or use dynamic placement")
         if layer not in self.blocks:
             raise ValueError(f"layer {layer} is not a MoE layer; MoE layers are {list(self.spec.moe_layers)}")
         experts = list(experts)

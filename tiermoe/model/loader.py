@@ -6,23 +6,29 @@
 4. read non-expert weights onto `gpu_device`, with the checkpoint's own names;
 5. read each routed expert once, straight into its tier: GPU-tier experts pass through a host buffer of one
    expert; CPU-tier experts are read into their final host tensors (pinned when CUDA is present).
+
+With several ranks (`share`, see tiermoe.distributed) the placement is an assignment [L, E] (-1 CPU tier, r GPU
+rank r): this rank reads only its own GPU experts, and only the rank that holds the CPU tier reads the CPU
+experts, into host memory the share provides (shared memory, one copy per host whatever the number of ranks).
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from tiermoe.arch import detect, load_config
+from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.ffn import ExpertActivation
-from tiermoe.config import CPUConfig
 from tiermoe.experts.registry import make_cpu_tier
 from tiermoe.experts.tiers import CPUWorker, ExpertSet
+from tiermoe.experts.weights import ExpertWeights
 from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.model.checkpoint import Checkpoint
 from tiermoe.model.expert_source import ExpertSource, find_expert_source, read_expert
@@ -31,6 +37,20 @@ from tiermoe.model.skeleton import build_skeleton, decoder_layers, moe_block_att
 from tiermoe.placement.mask import validate_mask
 
 log = logging.getLogger(__name__)
+
+
+class RankShare(Protocol):
+    """What the loader needs from a multi-rank run (tiermoe.distributed.share.ExpertShare implements it)."""
+
+    rank: int
+    assignment_LE: torch.Tensor  # int64 [L, E]: -1 CPU tier, r >= 0 GPU rank r
+    holds_cpu_tier: bool  # this process computes the CPU experts (exactly one process does)
+
+    def reduce(self, y_TD: torch.Tensor) -> torch.Tensor: ...
+
+    def cpu_home(self, layer: int, expert: int, weights: ExpertWeights) -> ExpertWeights: ...
+
+
 LAYERS_PREFIX = "model.layers"
 # Checkpoints of models that wrap the language model (configs with a nested text_config) prefix its names.
 _WRAPPER_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
@@ -38,20 +58,27 @@ _WRAPPER_PREFIXES = ("model.language_model.", "language_model.model.", "language
 
 def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | torch.device = "cpu",
                       dtype: torch.dtype | None = None, cpu: CPUConfig = CPUConfig(),
-                      progress: bool = True) -> HybridModel:
+                      progress: bool = True, share: RankShare | None = None) -> HybridModel:
     """Load `model_dir` with routed experts placed by `mask` ([L, E] bool, True = GPU tier; None = all CPU).
 
     `gpu_device` is the main device (non-expert weights and GPU-tier experts): "cuda:0" in production, "cpu"
     to run every path without CUDA. `dtype` defaults to the checkpoint's dtype. `cpu` chooses the CPU tier's
-    backend, expert format and threads.
+    backend, expert format and threads. `share`: this process's part of a multi-rank run (its assignment
+    replaces `mask`, which must then be None).
     """
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     spec = detect(config)
-    mask_LE = validate_mask(mask, spec)
+    if share is None:
+        owner_LE = torch.where(validate_mask(mask, spec), 0, -1)
+    else:
+        if mask is not None:
+            raise ValueError("pass either a mask or a share, not both: the share's assignment places the experts")
+        owner_LE = _checked_assignment(share.assignment_LE, spec)
     gpu_device = torch.device(gpu_device)
     dtype = dtype or spec.dtype
-    pin = torch.cuda.is_available()
+    # Shared-memory CPU experts cannot come from the pinned allocator; their copies take the pageable path.
+    pin = torch.cuda.is_available() and share is None
 
     with Checkpoint(model_dir) as ckpt:
         sources = {layer: find_expert_source(ckpt, spec, LAYERS_PREFIX, layer) for layer in spec.moe_layers}
@@ -59,12 +86,31 @@ def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | tor
         worker = CPUWorker()
         act = ExpertActivation.from_config(spec.activation, config)
         blocks = _inject_hybrid_blocks(model, spec, gpu_device, act, worker, pin, cpu, dtype)
-        total = _non_expert_bytes(model) + spec.total_routed_experts * spec.bytes_per_expert(dtype)
+        rank = 0 if share is None else share.rank
+        if share is not None:
+            for block in blocks.values():
+                block.join_ranks(rank, share.reduce)
+        reads = _reads(owner_LE, spec, rank, share is None or share.holds_cpu_tier)
+        total = _non_expert_bytes(model) + int(reads.sum()) * spec.bytes_per_expert(dtype)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {model_dir.name}", disable=not progress) as bar:
             _load_non_experts(model, ckpt, spec, gpu_device, bar)
-            _load_experts(blocks, sources, ckpt, spec, mask_LE, dtype, pin, bar)
+            _load_experts(blocks, sources, ckpt, spec, owner_LE, reads, rank, share, dtype, pin, bar)
     _tie_and_check(model, config)
-    return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype)
+    return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share)
+
+
+def _checked_assignment(assignment_LE, spec) -> torch.Tensor:
+    a = torch.as_tensor(assignment_LE).to("cpu", torch.int64)
+    if tuple(a.shape) != (spec.num_layers, spec.num_experts):
+        raise TiermoeError(f"placement assignment has shape {list(a.shape)}, expected "
+                           f"[{spec.num_layers}, {spec.num_experts}] for this model")
+    return torch.where(spec.moe_row_mask()[:, None], a, -1)  # dense layers hold no routed experts
+
+
+def _reads(owner_LE: torch.Tensor, spec, rank: int, holds_cpu_tier: bool) -> torch.Tensor:
+    """bool [L, E]: the experts this process reads (its own GPU experts, and the CPU tier's if it holds it)."""
+    moe = spec.moe_row_mask()[:, None]
+    return moe & ((owner_LE == rank) | ((owner_LE == -1) & holds_cpu_tier))
 
 
 def _inject_hybrid_blocks(model: nn.Module, spec, gpu_device, act, worker, pin, cpu: CPUConfig,
@@ -126,15 +172,22 @@ def _load_non_experts(model: nn.Module, ckpt: Checkpoint, spec, gpu_device, bar)
         bar.update(value.numel() * value.element_size())
 
 
-def _load_experts(blocks, sources: dict[int, ExpertSource], ckpt, spec, mask_LE, dtype, pin, bar) -> None:
+def _load_experts(blocks, sources: dict[int, ExpertSource], ckpt, spec, owner_LE, reads_LE, rank, share, dtype,
+                  pin, bar) -> None:
     for layer, block in blocks.items():
         for e in range(spec.num_experts):
-            on_gpu = bool(mask_LE[layer, e])
+            owner = int(owner_LE[layer, e])
+            block.set_owner(e, owner)
+            if not reads_LE[layer, e]:
+                continue  # another rank's GPU expert, or a CPU expert the CPU tier's rank holds
+            on_gpu = owner == rank
             tier = block.gpu_tier if on_gpu else block.cpu_tier
             host = read_expert(ckpt, sources[layer], e, spec, dtype, pin=pin and not on_gpu)
+            if share is not None and not on_gpu:
+                # the one host copy: the share moves it into memory every rank of this host can map
+                host = share.cpu_home(layer, e, host)
             # On a CPU gpu_device this is the same tensor; on CUDA the host buffer is freed right after.
             tier.add(e, host if tier.device.type == "cpu" else host.to(tier.device))
-            block.set_on_gpu(e, on_gpu)
             bar.update(host.nbytes)
 
 

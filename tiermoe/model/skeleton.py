@@ -29,9 +29,9 @@ def _materialise_non_persistent_buffers(model: nn.Module) -> None:
         for name in names:
             module._buffers[name] = torch.zeros_like(module._buffers[name], device="cpu")
         if names:
-            owners.append((module, names))
+            owners.append(module)
     with torch.no_grad():
-        for module, names in owners:
+        for module in owners:
             model._init_weights(module)
 
 

@@ -98,8 +98,8 @@ def balanced_mask(counts_LE, moe_rows_L: torch.Tensor, total: int) -> torch.Tens
     rank_LE = within_layer_rank(counts)
     if k >= len(layers):
         mask[layers] = rank_LE[layers] == 0
-    candidates = [(-float(counts[l, e]), int(rank_LE[l, e]), l, e)
-                  for l in layers for e in range(num_experts) if not mask[l, e]]
+    candidates = [(-float(counts[layer, e]), int(rank_LE[layer, e]), layer, e)
+                  for layer in layers for e in range(num_experts) if not mask[layer, e]]
     for _, _, layer, expert in sorted(candidates)[:k - int(mask.sum())]:
         mask[layer, expert] = True
     return mask

@@ -3,6 +3,10 @@
 Handlers never touch the Engine: they post commands (add, abort) to a queue that the engine thread applies
 between steps, and read token events from a per-request asyncio queue that the engine thread fills with
 `call_soon_threadsafe`. So the event loop is never blocked by a forward pass, and the engine needs no locks.
+
+A failed step fails its requests and the service goes on, unless the error is fatal (`fatal = True` somewhere in
+its cause chain, e.g. a rank of a multi-rank run died): then every request fails, the engine thread stops, and
+`on_fatal(err)` lets the server exit with that error instead of serving from a broken process group.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from dataclasses import dataclass, field
 
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.engine.sequence import Sequence
-from tiermoe.server.metrics import ServerMetrics
 from tiermoe.engine.text_stream import TextStream
+from tiermoe.server.metrics import ServerMetrics
 
 
 @dataclass
@@ -57,6 +61,8 @@ class EngineService:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tiermoe-engine", daemon=True)
         self.steps = 0
+        self.on_fatal = None  # callable(err): the engine cannot go on (set by the server)
+        self.fatal_error: BaseException | None = None
 
     # --- called from the event loop -------------------------------------------------------------------
     def start(self) -> None:
@@ -73,12 +79,20 @@ class EngineService:
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
         handle = RequestHandle(prompt_ids, params, asyncio.Queue(), asyncio.get_running_loop())
         self.metrics.add(requests_total=1)
+        if self.fatal_error is not None:  # the engine thread is gone: fail now instead of waiting forever
+            handle.done = True
+            handle.push(Event("", [], "error", error=str(self.fatal_error)))
+            return handle
         self._commands.put(("add", handle))
         return handle
 
     def abort(self, handle: RequestHandle) -> None:
         if not handle.done:
             self._commands.put(("abort", handle))
+
+    def fail(self, err: BaseException) -> None:
+        """From any thread: the engine cannot go on (e.g. a rank died while idle); stop as after a fatal step."""
+        self._commands.put(("fatal", err))
 
     @property
     def queue_length(self) -> int:
@@ -97,6 +111,10 @@ class EngineService:
             try:
                 produced = self.engine.step()
             except Exception as err:  # noqa: BLE001 - one failing step must not kill the server
+                fatal = _fatal(err)
+                if fatal is not None:
+                    self._stop_for_good(fatal)
+                    return
                 self._fail_all(f"{type(err).__name__}: {err}")
                 continue
             self.steps += 1
@@ -110,6 +128,9 @@ class EngineService:
             return
         while True:
             kind, handle = command
+            if kind == "fatal":
+                self._stop_for_good(handle)
+                return
             if kind == "add":
                 self._add(handle)
             elif handle.seq is not None and not handle.done:
@@ -152,9 +173,35 @@ class EngineService:
         handle.done = True
         self._handles.pop(handle.seq.seq_id, None)
 
+    def _stop_for_good(self, err: BaseException) -> None:
+        self.fatal_error = err
+        self._stop.set()
+        self._fail_all(str(err))
+        while True:  # requests that arrive from now on fail at once
+            try:
+                kind, handle = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                handle.done = True
+                handle.push(Event("", [], "error", error=str(err)))
+        if self.on_fatal is not None:
+            self.on_fatal(err)
+
     def _fail_all(self, message: str) -> None:
         for handle in list(self._handles.values()):
             self.engine.abort(handle.seq)
             handle.push(Event("", [], "error", error=message))
             self._finish(handle)
             self.metrics.add(requests_failed=1)
+
+
+def _fatal(err: BaseException | None) -> BaseException | None:
+    """The error in `err`'s cause chain that marks the engine unusable (`fatal = True`), if any."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if getattr(err, "fatal", False):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None

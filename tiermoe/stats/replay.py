@@ -58,11 +58,12 @@ def trace_passes(trace: dict) -> TracePasses:
         moe_layers = tuple(int(x) for x in trace["moe_layers"])
         num_layers, num_experts = int(trace["num_layers"]), int(trace["num_experts"])
     except KeyError as err:
-        raise TiermoeError(f"not a per_token trace: missing {err}; record one with `tiermoe record --mode per_token`")
+        raise TiermoeError(f"not a per_token trace: missing {err}; record one with `tiermoe record --mode per_token`"
+                           ) from None
     if pass_N.numel() == 0:
         raise TiermoeError("the trace holds no tokens")
     pass_N = pass_N - pass_N.min()
-    num_passes, (_, m, k) = int(pass_N.max()) + 1, ids_NMK.shape
+    num_passes, m = int(pass_N.max()) + 1, ids_NMK.shape[1]
     valid = ids_NMK >= 0
     flat = (pass_N[:, None, None] * m + torch.arange(m)[None, :, None]) * num_experts + ids_NMK.clamp(min=0)
     counts = torch.bincount(flat[valid], minlength=num_passes * m * num_experts)
