@@ -310,3 +310,30 @@ def test_stat_record_is_one_kernel_per_same_phase_run():
         recorder.record(0, ids_TK, mask_E)
     recorder.end_pass()
     assert [op for op in log.ops if op not in ("select", "slice", "view", "alias", "_unsafe_view")] == ["index_add_"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_stat_recording_never_synchronises_on_cuda():
+    shape = ModelShape(num_layers=4, num_experts=64, top_k=8, moe_layers=(1, 2, 3))
+    recorder = make_recorder("stat", shape, 16, record_gpu_masks=True)
+    ids = torch.randint(0, 64, (32, 8), device="cuda")
+    mask = torch.zeros(64, dtype=torch.bool, device="cuda")
+    info = PassInfo(tuple(range(32)), (1,) * 32, (7,) * 32, (False,) * 32)
+    with torch.inference_mode():
+        fake = PassInfo((0,), (32,), (0,), (True,))  # first pass allocates the buffers
+        recorder.begin_pass(fake)
+        for layer in shape.moe_layers:
+            recorder.record(layer, ids, mask)
+        recorder.end_pass()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(40):  # wraps the 16-slot buffer
+                recorder.begin_pass(info)
+                for layer in shape.moe_layers:
+                    recorder.record(layer, ids, mask)
+                recorder.end_pass()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert int(recorder.dump()["logical_count"].sum()) == 16 * 32 * 8 * 3

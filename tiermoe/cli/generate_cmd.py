@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import sys
 
-from tiermoe.cli.flags import add_command, non_negative_float, non_negative_int, positive_int, unit_float
-from tiermoe.cli.placement_flags import add_dynamic_flags, add_placement_flags, dynamic_from_args, placement_from_args
+from tiermoe.cli.flags import (
+    add_command,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    unit_float,
+)
+from tiermoe.cli.placement_flags import (
+    add_dynamic_flags,
+    add_placement_flags,
+    dynamic_from_args,
+    placement_from_args,
+)
+from tiermoe.cli.recorder_flags import add_recorder_flags, recorder_from_args
 
 
 def add_parser(sub) -> None:
@@ -26,6 +38,7 @@ def add_parser(sub) -> None:
     add_sampling_flags(p)
     add_placement_flags(p)
     add_dynamic_flags(p)
+    add_recorder_flags(p)
 
 
 def add_model_flags(p) -> None:
@@ -44,15 +57,19 @@ def add_sampling_flags(p) -> None:
 
 
 def run(args) -> int:
+    from tiermoe.arch import detect, load_config
     from tiermoe.config import check_device
     from tiermoe.engine.llm import LLM
     from tiermoe.engine.sampling import SamplingParams
+    from tiermoe.models import resolve_model
+    from tiermoe.stats.io import dump_recorder
 
     device = check_device(args.gpu_device)
+    recorder = recorder_from_args(args, detect(load_config(resolve_model(args.model))))
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed)
     with LLM(args.model, gpu_device=device, placement=placement_from_args(args),
-             dynamic=dynamic_from_args(args)) as llm:
+             dynamic=dynamic_from_args(args), recorder=recorder) as llm:
         use_chat = not args.raw and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)
         if use_chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -75,4 +92,6 @@ def run(args) -> int:
         if llm.tokenizer is None:
             print(" ".join(map(str, result.token_ids)), end="")
         print()
+    if recorder.enabled:
+        print(f"expert distribution written to {dump_recorder(recorder)}", file=sys.stderr)
     return 0

@@ -86,7 +86,9 @@ def run(args) -> int:
              max_running=args.batch_size, recorder=recorder, progress=args.progress) as llm:
         context = llm.engine.max_context or 10**9
         # the engine refuses prompts that fill the context; by default leave room for --max-tokens as well
-        limit = min(args.max_prompt_tokens, context - 1) if args.max_prompt_tokens else max(1, context - args.max_tokens)
+        limit = max(1, context - args.max_tokens)
+        if args.max_prompt_tokens:
+            limit = min(args.max_prompt_tokens, context - 1)
         chosen, prompt_ids, skipped = encode_prompts(llm, candidates, args.num_prompts, limit, args.raw)
         if not prompt_ids:
             raise TiermoeError(f"no prompt of '{args.dataset}' ({args.split}) fits in {limit} tokens "

@@ -19,19 +19,21 @@ class PassBuffer:
         self.size = size
         self.dtype = dtype
         self._data_B: torch.Tensor | None = None
-        self._pass_of_slot: list[int] = []  # host: pass index held by each slot, in slot order
+        self._pass_of_slot: list[int] = []  # host: pass index held by each slot (-1: empty), in slot order
 
     def slot(self, pass_index: int, device: torch.device) -> torch.Tensor:
-        """The zeroed item [*item_shape] that pass `pass_index` writes into (a view of the buffer)."""
+        """The zeroed item [*item_shape] that pass `pass_index` writes into (a view of the buffer).
+
+        Called from `record`, inside the model's inference mode: the buffer is then an inference tensor, and
+        every in-place update of it happens there too."""
         if self.size > 0:
-            index = pass_index % self.size
             if self._data_B is None:
                 self._data_B = torch.zeros(self.size, *self.item_shape, dtype=self.dtype, device=device)
-            if index < len(self._pass_of_slot):
+                self._pass_of_slot = [-1] * self.size
+            index = pass_index % self.size
+            if self._pass_of_slot[index] >= 0:  # reused: forget the pass it held
                 self._data_B[index].zero_()
-                self._pass_of_slot[index] = pass_index
-            else:
-                self._pass_of_slot.append(pass_index)
+            self._pass_of_slot[index] = pass_index
             return self._data_B[index]
         index = len(self._pass_of_slot)
         if self._data_B is None or index == self._data_B.shape[0]:
@@ -43,7 +45,7 @@ class PassBuffer:
         return self._data_B[index]
 
     def __len__(self) -> int:
-        return len(self._pass_of_slot)
+        return sum(p >= 0 for p in self._pass_of_slot)
 
     def reset(self) -> None:
         self._data_B = None
@@ -53,6 +55,6 @@ class PassBuffer:
         """(pass indices, items [P, *item_shape] on the host), filled slots only, oldest pass first."""
         if self._data_B is None:
             return [], torch.zeros(0, *self.item_shape, dtype=self.dtype)
-        order = sorted(range(len(self._pass_of_slot)), key=self._pass_of_slot.__getitem__)
-        items = self._data_B[:len(self._pass_of_slot)].to("cpu")[order]
-        return [self._pass_of_slot[i] for i in order], items
+        filled = [i for i, p in enumerate(self._pass_of_slot) if p >= 0]
+        order = sorted(filled, key=self._pass_of_slot.__getitem__)
+        return [self._pass_of_slot[i] for i in order], self._data_B.to("cpu")[order]

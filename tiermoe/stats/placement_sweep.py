@@ -18,7 +18,8 @@ from tiermoe.placement.strategies import DEFAULT_RANDOM_SEED, STRATEGIES, place
 RATIOS = tuple(round(0.1 * i, 1) for i in range(1, 10))
 
 
-def strategy_hit_rates(plan_counts_LE: torch.Tensor, moe_rows_L: torch.Tensor, eval_counts_LE: torch.Tensor | None = None,
+def strategy_hit_rates(plan_counts_LE: torch.Tensor, moe_rows_L: torch.Tensor,
+                       eval_counts_LE: torch.Tensor | None = None,
                        ratios=RATIOS, strategies=STRATEGIES, seed: int = DEFAULT_RANDOM_SEED) -> dict[str, list[float]]:
     """{strategy: [hit rate at each ratio]}.
 

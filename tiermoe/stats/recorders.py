@@ -24,31 +24,39 @@ SGLANG_DEFAULT_BUFFER_SIZE = 1000  # SGLang: None -> eplb_rebalance_num_iteratio
 
 
 class RecorderGroup:
-    """Several recorders driven as one (e.g. stat counts plus GPU-tier snapshots)."""
+    """Several recorders driven as one (e.g. stat counts plus GPU-tier snapshots).
+
+    Enabled while any member is; calls go to the enabled members only, so one member can be stopped while
+    another keeps recording (the same rule as tier_hits.RecorderGroup, which has no start/stop/reset/dump).
+    """
 
     def __init__(self, *members):
-        self.members = members
-        self.enabled = True
+        self.members = tuple(m for m in members if m is not None)
+
+    @property
+    def enabled(self) -> bool:
+        return any(m.enabled for m in self.members)
 
     def begin_pass(self, info: PassInfo) -> None:
         for m in self.members:
-            m.begin_pass(info)
+            if m.enabled:
+                m.begin_pass(info)
 
     def record(self, layer: int, ids_TK: torch.Tensor, gpu_mask_E: torch.Tensor) -> None:
         for m in self.members:
-            m.record(layer, ids_TK, gpu_mask_E)
+            if m.enabled:
+                m.record(layer, ids_TK, gpu_mask_E)
 
     def end_pass(self) -> None:
         for m in self.members:
-            m.end_pass()
+            if m.enabled:
+                m.end_pass()
 
     def start(self) -> None:
-        self.enabled = True
         for m in self.members:
             m.start()
 
     def stop(self) -> None:
-        self.enabled = False
         for m in self.members:
             m.stop()
 
