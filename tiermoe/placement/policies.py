@@ -51,12 +51,12 @@ class KTDynamicPolicy:
 
     name = "kt-dynamic"
 
-    def __init__(self, threshold: int):
-        self.threshold = threshold
+    def __init__(self, threshold: int | None):
+        self.threshold = threshold  # None: never fires (it follows layerwise prefill batches only)
         self._latest: torch.Tensor | None = None
 
     def observe(self, counts_LE: torch.Tensor, num_tokens: int, is_prefill: bool) -> None:
-        if is_prefill and num_tokens >= self.threshold:
+        if self.threshold is not None and is_prefill and num_tokens >= self.threshold:
             self._latest = counts_LE.detach().to("cpu", torch.float64)
 
     def propose(self, mask_LE: torch.Tensor, busy_LE: torch.Tensor) -> list[Swap]:
@@ -81,6 +81,7 @@ class AdaptiveSettings:
     horizon_tokens: float | None = None  # how long a swap is expected to pay off (default: the half-life)
     margin: float = 2.0  # hysteresis: swap only when the expected saving exceeds margin x the copy cost
     max_swaps_in_flight: int = 2  # copy budget: two copies at once (double-buffered)
+    z_score: float = 2.0  # and only when the load difference exceeds this many standard errors (not noise)
 
 
 class AdaptivePolicy:
@@ -90,7 +91,9 @@ class AdaptivePolicy:
        recent ones weighing most.
     2. Every `replan_every` passes, in each layer pair the busiest CPU-tier experts with the idlest GPU-tier ones.
     3. A pair is worth it when (rate_in - rate_out) x horizon x saving per activation > margin x copy cost (the
-       promotion and the demotion both cross PCIe); ties and near-ties never swap, so placements do not churn.
+       promotion and the demotion both cross PCIe), and when the difference is real: larger than `z_score`
+       standard errors of the two counts (Poisson: sqrt(load_in + load_out)). Near-ties never swap, so placements
+       do not churn on sampling noise.
     4. At most `max_swaps_in_flight` swaps at once; experts whose copy is in flight are left alone.
     """
 
@@ -133,7 +136,8 @@ class AdaptivePolicy:
             outs = gpu[torch.argsort(rate_LE[layer, gpu], stable=True)]
             for i, o in zip(ins.tolist(), outs.tolist()):
                 gain = float(rate_LE[layer, i] - rate_LE[layer, o])
-                if gain <= threshold:
+                noise = s.z_score * math.sqrt(float(self.load_LE[layer, i] + self.load_LE[layer, o]))
+                if gain <= threshold or float(self.load_LE[layer, i] - self.load_LE[layer, o]) <= noise:
                     break
                 candidates.append((gain, layer, i, o))
         candidates.sort(key=lambda c: (-c[0], c[1], c[2]))

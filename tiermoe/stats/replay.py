@@ -134,7 +134,7 @@ def replay(trace: dict | TracePasses, policy: str, gpu_ratio: float, cost_model:
     result = ReplayResult(policy, gpu_ratio)
     dyn = None
     if policy == "kt-dynamic":
-        dyn = KTDynamicPolicy(prefill_threshold or 0)
+        dyn = KTDynamicPolicy(prefill_threshold)
     elif policy == "adaptive":
         prior = calibration_LE[list(passes.moe_layers)] if calibration_LE is not None else None
         dyn = AdaptivePolicy(m, e, cost_model, adaptive or AdaptiveSettings(), prior)
