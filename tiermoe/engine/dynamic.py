@@ -16,7 +16,7 @@ from tiermoe.placement.policies import AdaptivePolicy, AdaptiveSettings, KTDynam
 def make_policy(config: DynamicPlacementConfig, num_layers: int, num_experts: int, cost: BandwidthCostModel,
                 calibration_LE: torch.Tensor | None = None):
     if config.policy == "kt-dynamic":
-        return KTDynamicPolicy(config.prefill_threshold or 0)
+        return KTDynamicPolicy(config.prefill_threshold)
     if config.policy == "adaptive":
         settings = AdaptiveSettings(config.half_life_tokens, config.replan_every, None, config.margin,
                                     config.max_swaps_in_flight)
