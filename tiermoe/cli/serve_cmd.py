@@ -12,7 +12,9 @@ import signal
 
 from tiermoe.cli.flags import add_command, positive_int
 from tiermoe.cli.generate_cmd import add_model_flags
-from tiermoe.cli.placement_flags import add_dynamic_flags, add_placement_flags, dynamic_from_args, placement_from_args
+from tiermoe.cli.placement_flags import (add_dynamic_flags, add_placement_flags, dynamic_from_args,
+                                         placement_from_args)
+from tiermoe.distributed.group import DEFAULT_DIST_TIMEOUT_S
 
 
 def add_parser(sub) -> None:
@@ -59,10 +61,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     add_placement_flags(p)
     add_dynamic_flags(p)
     g = p.add_argument_group("several GPUs (one rank per GPU; see docs/multi-gpu.md)")
-    g.add_argument("--dist-timeout", dest="dist_timeout", type=seconds, default=300.0,
+    g.add_argument("--dist-timeout", dest="dist_timeout", type=seconds, default=DEFAULT_DIST_TIMEOUT_S,
                    help="seconds a rank waits for the others in one collective before it gives up with an error "
                         "(a rank died or hangs); idle ranks exchange heartbeats, so idleness never trips it "
-                        "(default 300)")
+                        f"(default {DEFAULT_DIST_TIMEOUT_S:g})")
 
 
 def build_state(args, llm=None):

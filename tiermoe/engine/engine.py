@@ -7,6 +7,10 @@ every decoding sequence feeds its last token, and prefilling sequences feed prom
 decodes by more than one chunk). Each sequence keeps its own KV cache and positions; the MoE blocks of all of
 them run once per layer for the whole batch (MoEBatcher). A sequence whose prompt is complete samples one token.
 The engine sees token ids only; text (stop strings) is reached through the `detokenize` function it is given.
+
+With several ranks (tiermoe.distributed) rank 0's engine has a `leader`: every step it first publishes what it
+is about to feed (sequence ids and tokens), and the other ranks run the same forwards with their own caches
+(`forward_batch`); only rank 0 samples.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import inspect
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +64,7 @@ class Engine:
             block.batcher = self._batcher
         self.set_recorder(recorder)
         self.after_step_hooks: list[Callable[[], None]] = []  # e.g. dynamic placement landing its copies
+        self.leader = None  # several ranks: publishes each step to the other ranks (tiermoe.distributed)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
@@ -146,13 +152,11 @@ class Engine:
             return []
         batch = [seq for seq, _ in scheduled]
         inputs = [tokens for _, tokens in scheduled]
-        if self.recorder.enabled:
-            self.recorder.begin_pass(PassInfo(
-                request_ids=tuple(s.seq_id for s in batch), num_tokens=tuple(len(x) for x in inputs),
-                start_positions=tuple(s.num_fed for s in batch), is_prefill=tuple(s.prefilling for s in batch)))
-        logits = self._batcher.run([lambda s=s, x=x: self._forward(s, x) for s, x in zip(batch, inputs)])
-        if self.recorder.enabled:
-            self.recorder.end_pass()
+        if self.leader is None:
+            logits = self._recorded_forward(batch, inputs)
+        else:
+            with self.leader.step([s.seq_id for s in batch], inputs, [s.seq_id for s in self.running]):
+                logits = self._recorded_forward(batch, inputs)
         for hook in self.after_step_hooks:
             hook()
         produced = []
@@ -168,15 +172,36 @@ class Engine:
                 seq.release()
         return produced
 
+    def _recorded_forward(self, batch: list[Sequence], inputs: list[list[int]]) -> list[torch.Tensor]:
+        if self.recorder.enabled:
+            self.recorder.begin_pass(PassInfo(
+                request_ids=tuple(s.seq_id for s in batch), num_tokens=tuple(len(x) for x in inputs),
+                start_positions=tuple(s.num_fed for s in batch), is_prefill=tuple(s.prefilling for s in batch)))
+        logits = self.forward_batch(batch, inputs)
+        if self.recorder.enabled:
+            self.recorder.end_pass()
+        return logits
+
+    def forward_batch(self, seqs: list, inputs: list[list[int]]) -> list[torch.Tensor]:
+        """One forward per sequence (each on its own cache, `seq.cache`), MoE blocks run once for all of them.
+
+        Returns each sequence's last-position logits [V]. Does not advance `num_fed` (the caller does).
+        """
+        return self._batcher.run([lambda s=s, x=x: self._forward(s, x) for s, x in zip(seqs, inputs)])
+
     def run_to_completion(self, on_step: Callable[[list[Sequence]], None] | None = None) -> None:
         while self.has_work():
             produced = self.step()
             if on_step is not None:
                 on_step(produced)
 
-    def _forward(self, seq: Sequence, tokens: list[int]) -> torch.Tensor:
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.hybrid.gpu_device)
-        with torch.inference_mode():
+    def _forward(self, seq, tokens: list[int]) -> torch.Tensor:
+        device = self.hybrid.gpu_device
+        ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        # CUDA's current device is per thread, and forwards run on the batcher's threads: make it this model's
+        # (cuda:LOCAL_RANK on rank > 0), so nothing the forward allocates implicitly lands on cuda:0.
+        on_device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+        with torch.inference_mode(), on_device:
             out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kwarg: seq.cache})
         seq.cache = out["cache"] if "cache" in out else out["past_key_values"]
         return out.logits[0, -1]

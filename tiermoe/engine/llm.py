@@ -42,18 +42,20 @@ class LLM:
     PlacementConfig (planned against this checkpoint), or None for all experts on the CPU tier. cpu: the CPU
     tier's backend, expert format and threads. recorder: sees every pass's routed experts (tiermoe.stats).
     dynamic: layerwise GPU prefill and placement that follows the workload (None = static placement).
+    share: rank 0's part of a multi-rank run (tiermoe.distributed.RankModel builds it); its assignment replaces
+    `placement`.
     """
 
     def __init__(self, model: str | Path | None = None, gpu_device: str = "cpu", placement=None,
                  dtype: torch.dtype | None = None, max_running: int = 16, prefill_chunk: int = 512,
                  max_total_tokens: int | None = None, cpu: CPUConfig = CPUConfig(),
                  recorder: ExpertRecorder = NO_RECORDER, dynamic: DynamicPlacementConfig | None = None,
-                 progress: bool = True):
+                 progress: bool = True, share=None):
         self.model_dir = resolve_model(model)
         spec = detect(load_config(self.model_dir))
-        mask = resolve_mask(placement, self.model_dir, spec, gpu_device)
+        mask = resolve_mask(placement, self.model_dir, spec, gpu_device) if share is None else None
         self.hybrid = load_hybrid_model(self.model_dir, mask, gpu_device=gpu_device, dtype=dtype, cpu=cpu,
-                                        progress=progress)
+                                        progress=progress, share=share)
         self.tokenizer = _load_tokenizer(self.model_dir)
         detokenize = None
         if self.tokenizer is not None:

@@ -5,6 +5,10 @@ copies: it finishes the copies that have landed (flipping the mask of just those
 for new swaps and starts their copies. A step never waits for a copy. During a swap both copies exist for a
 while: the promoted expert serves from the GPU tier once its copy lands, the demoted one keeps serving from the
 GPU tier until its host copy lands; so every pass computes each expert from exactly one tier and stays exact.
+
+With several ranks (hybrid.share set) the manager runs on rank 0 only (routing is the same on every rank, so
+its counts are the global counts, counted once), and its swaps are not copied asynchronously: they are queued
+on the share and applied synchronously by all ranks at the next step boundary (tiermoe.distributed.swaps).
 """
 
 from __future__ import annotations
@@ -56,6 +60,14 @@ class PlacementManager:
 
     # --- between steps: land copies, start new ones ----------------------------------------------------------
     def after_step(self) -> None:
+        share = self.hybrid.share
+        if share is not None:
+            spec = self.hybrid.spec
+            idle = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.bool)  # nothing is ever in flight
+            swaps = self.policy.propose(self.hybrid.mask, idle)
+            share.queue_swaps(swaps)
+            self.swaps_started += len(swaps)
+            return
         self._land()
         busy = torch.zeros(self.hybrid.spec.num_layers, self.hybrid.spec.num_experts, dtype=torch.bool)
         for c in self.in_flight:

@@ -4,6 +4,10 @@ route -> split (token, expert) pairs by the GPU mask -> submit the CPU part -> G
 meanwhile -> sync -> combine. The model's own router and shared-expert modules are kept under their original
 attribute names (so checkpoint names and routing stay exactly transformers'); only the fused experts module is
 dropped. Legend: T tokens, D hidden, K top-k, E experts.
+
+With several ranks (tiermoe.distributed) every rank runs the block on the same tokens: its GPU tier computes
+only its own experts (`rank_mask_E`), the CPU tier exists on one rank only, and `reduce` sums the partial routed
+outputs of all ranks before the (replicated) shared experts are added, so they are counted once.
 """
 
 from __future__ import annotations
@@ -30,9 +34,15 @@ class HybridMoE(nn.Module):
         self.gpu_tier = gpu_tier
         self.cpu_tier = cpu_tier
         # The mask lives where each side needs it: on the GPU device to split ids without a host round trip,
-        # and on the host for bookkeeping. Both flip together in set_on_gpu.
-        self.gpu_mask_E = torch.zeros(spec.num_experts, dtype=torch.bool, device=gpu_tier.device)
+        # and on the host for bookkeeping. All of them flip together in set_owner.
+        self.gpu_mask_E = torch.zeros(spec.num_experts, dtype=torch.bool, device=gpu_tier.device)  # any GPU rank
         self.host_mask_E = torch.zeros(spec.num_experts, dtype=torch.bool)
+        self.owner_E = torch.full((spec.num_experts,), -1, dtype=torch.int64)  # -1 CPU tier, r >= 0 GPU rank r
+        # This rank's GPU experts: with one rank the very same tensor as gpu_mask_E (join_ranks splits them).
+        self.rank_mask_E = self.gpu_mask_E
+        self.rank = 0
+        # Several ranks: sums the partial routed outputs [T, D] of all ranks (set by join_ranks).
+        self.reduce = None
         # Set by the engine: joins the per-sequence forwards of one step so experts run once for all tokens.
         self.batcher = None
         # Set by the engine: sees the routed ids of every pass (a no-op unless recording).
@@ -43,9 +53,25 @@ class HybridMoE(nn.Module):
     def _router(self) -> nn.Module:
         return self._modules[self.spec.router_attr]
 
+    def join_ranks(self, rank: int, reduce) -> None:
+        """Make this block one rank's part of a multi-rank layer (call before any expert is placed).
+
+        `reduce(y_TD) -> y_TD` sums a partial output over all ranks; every rank calls it once per forward.
+        """
+        self.rank = rank
+        self.reduce = reduce
+        self.rank_mask_E = torch.zeros_like(self.gpu_mask_E)
+
+    def set_owner(self, expert: int, owner: int) -> None:
+        """Where `expert` is computed: -1 = the CPU tier, r >= 0 = GPU rank r's tier. Every mask flips together."""
+        self.owner_E[expert] = owner
+        self.gpu_mask_E[expert] = owner >= 0
+        self.host_mask_E[expert] = owner >= 0
+        if self.rank_mask_E is not self.gpu_mask_E:
+            self.rank_mask_E[expert] = owner == self.rank
+
     def set_on_gpu(self, expert: int, on_gpu: bool) -> None:
-        self.gpu_mask_E[expert] = on_gpu
-        self.host_mask_E[expert] = on_gpu
+        self.set_owner(expert, self.rank if on_gpu else -1)
 
     def forward(self, hidden: torch.Tensor):
         if self.batcher is not None and self.batcher.participating():
@@ -59,7 +85,8 @@ class HybridMoE(nn.Module):
         _, weights_TK, ids_TK = self._router()(x_TD)
         if self.recorder.enabled:
             self.recorder.record(self.layer, ids_TK, self.gpu_mask_E)
-        on_gpu_TK = self.gpu_mask_E[ids_TK]
+        on_gpu_TK = self.gpu_mask_E[ids_TK]  # on any GPU rank: not the CPU tier's
+        mine_TK = on_gpu_TK if self.rank_mask_E is self.gpu_mask_E else self.rank_mask_E[ids_TK]
 
         streamer = self.prefill_streamer
         layerwise = streamer is not None and streamer.applies(x_TD.shape[0])
@@ -68,7 +95,7 @@ class HybridMoE(nn.Module):
             cpu_ids_TK = ids_TK.masked_fill(on_gpu_TK, -1)
             self.cpu_tier.submit(x_TD.to("cpu"), cpu_ids_TK.to("cpu"), weights_TK.to("cpu"))
 
-        y_TD = self.gpu_tier.forward(x_TD, ids_TK.masked_fill(~on_gpu_TK, -1), weights_TK)
+        y_TD = self.gpu_tier.forward(x_TD, ids_TK.masked_fill(~mine_TK, -1), weights_TK)
         if layerwise and len(self.cpu_tier) > 0:
             y_TD = y_TD + streamer.forward(self.cpu_tier, x_TD, ids_TK.masked_fill(on_gpu_TK, -1), weights_TK,
                                            self.gpu_tier.act)
@@ -76,6 +103,9 @@ class HybridMoE(nn.Module):
 
         if use_cpu:
             y_TD = y_TD + self.cpu_tier.sync().to(y_TD.device)
+        if self.reduce is not None:
+            # every rank calls this, also with no expert of its own in this layer, so the collectives line up
+            y_TD = self.reduce(y_TD)
         if shared_TD is not None:
             y_TD = y_TD + shared_TD
         y = y_TD.reshape(shape)

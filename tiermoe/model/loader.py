@@ -48,7 +48,9 @@ class RankShare(Protocol):
 
     def reduce(self, y_TD: torch.Tensor) -> torch.Tensor: ...
 
-    def cpu_home(self, layer: int, expert: int, weights: ExpertWeights) -> ExpertWeights: ...
+    def cpu_slot(self, layer: int, expert: int) -> ExpertWeights: ...  # host tensors to read a CPU expert into
+
+    def cpu_added(self, layer: int, expert: int, tier) -> None: ...  # the CPU tier took it (kept or converted)
 
 
 LAYERS_PREFIX = "model.layers"
@@ -182,13 +184,35 @@ def _load_experts(blocks, sources: dict[int, ExpertSource], ckpt, spec, owner_LE
                 continue  # another rank's GPU expert, or a CPU expert the CPU tier's rank holds
             on_gpu = owner == rank
             tier = block.gpu_tier if on_gpu else block.cpu_tier
-            host = read_expert(ckpt, sources[layer], e, spec, dtype, pin=pin and not on_gpu)
             if share is not None and not on_gpu:
-                # the one host copy: the share moves it into memory every rank of this host can map
-                host = share.cpu_home(layer, e, host)
+                # the one host copy, read straight into memory every rank of this host can map
+                host = _read_expert_into(ckpt, sources[layer], e, spec, dtype, share.cpu_slot(layer, e))
+            else:
+                host = read_expert(ckpt, sources[layer], e, spec, dtype, pin=pin and not on_gpu)
             # On a CPU gpu_device this is the same tensor; on CUDA the host buffer is freed right after.
             tier.add(e, host if tier.device.type == "cpu" else host.to(tier.device))
+            if share is not None and not on_gpu:
+                share.cpu_added(layer, e, tier)
             bar.update(host.nbytes)
+
+
+def _read_expert_into(ckpt: Checkpoint, src: ExpertSource, expert: int, spec, dtype,
+                      out: ExpertWeights) -> ExpertWeights:
+    """read_expert, into given host tensors (canonical layout, `dtype`) instead of new ones; returns `out`."""
+    i = spec.expert_intermediate_size
+    if src.fused is None:
+        gate_key, up_key, down_key = src.per_expert_keys(expert)
+        ckpt.read(gate_key, out.gate_up[:i])
+        ckpt.read(up_key, out.gate_up[i:])
+        ckpt.read(down_key, out.down)
+    elif src.fused == "transformers":
+        gate_up_key, down_key = src.fused_keys()
+        ckpt.read(gate_up_key, out.gate_up, index=expert)
+        ckpt.read(down_key, out.down, index=expert)
+    else:  # GPT-OSS's layout is rearranged through an expert-sized buffer anyway
+        for dst, value in zip(out.tensors(), read_expert(ckpt, src, expert, spec, dtype).tensors()):
+            dst.copy_(value)
+    return out
 
 
 def _tie_and_check(model: nn.Module, config) -> None:

@@ -1,0 +1,160 @@
+"""This rank's part of a multi-rank model: rank 0 gets the LLM API and the scheduler, other ranks a follower.
+
+Start-up, on every rank of an initialised RankGroup:
+1. rank 0 turns the placement into an assignment [L, E] (-1 CPU, r GPU rank r) for exactly `world_size` GPUs
+   and creates the shared-memory store for the CPU experts; it broadcasts both (or the error, so every rank
+   fails with the same one-line message);
+2. ranks on rank 0's host attach the store (mapped lazily, when a swap needs a slot);
+3. every rank loads its share: non-expert weights, its own GPU experts; rank 0 also the CPU experts, into the
+   store; then all ranks report to each other, so one rank's failure to load fails them all;
+4. rank 0 serves (`llm`), the other ranks `follow()` until rank 0 closes.
+Before rank 0's first engine step every rank may call `hybrid(...)` directly (all of them, with the same input);
+after it only rank 0 drives. Followers always end in `follow()`: rank 0's close() waits for them there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiermoe.arch import detect, load_config
+from tiermoe.config import CPUConfig, PlacementConfig
+from tiermoe.distributed.follower import follow
+from tiermoe.distributed.group import RankGroup, check_world
+from tiermoe.distributed.share import ExpertShare
+from tiermoe.distributed.shm_store import SHM_DIR, SharedExpertStore
+from tiermoe.distributed.step_plan import Leader
+from tiermoe.errors import TiermoeError
+from tiermoe.models import resolve_model
+from tiermoe.placement.plan import PlacementPlan
+from tiermoe.stats.recording import NO_RECORDER
+
+
+def resolve_assignment(placement, model_dir, spec, num_ranks: int, gpu_device: str = "cpu") -> torch.Tensor:
+    """int64 [L, E] for `num_ranks` GPUs from a PlacementPlan, a PlacementConfig, an integer assignment, or None
+    (every expert on the CPU tier). The plan's GPU count must equal the number of ranks."""
+    from tiermoe.model.placement_target import placement_target
+    from tiermoe.placement.planner import make_plan
+
+    if placement is None:
+        return torch.full((spec.num_layers, spec.num_experts), -1, dtype=torch.int64)
+    if isinstance(placement, PlacementConfig):
+        check_world(placement.num_gpus, num_ranks)
+        placement = make_plan(placement, placement_target(model_dir), gpu_device)
+    elif not isinstance(placement, PlacementPlan):
+        tensor = torch.as_tensor(placement)
+        if tensor.dtype == torch.bool:
+            raise TiermoeError("a bool mask places experts on one GPU; with several ranks give a PlacementPlan, a "
+                               "PlacementConfig with num_gpus, or an integer assignment (-1 CPU, r GPU rank r)")
+        placement = PlacementPlan(tensor, num_gpus=num_ranks)
+    check_world(placement.num_gpus, num_ranks, "the plan's num_gpus")
+    placement.check_model(spec)
+    return placement.assignment
+
+
+class RankModel:
+    """Load this rank's share of `model` (see the module docstring). Use as a context manager."""
+
+    def __init__(self, group: RankGroup, model=None, placement=None, *, dtype: torch.dtype | None = None,
+                 max_running: int = 16, prefill_chunk: int = 512, max_total_tokens: int | None = None,
+                 cpu: CPUConfig = CPUConfig(), recorder=NO_RECORDER, dynamic=None, progress: bool = True,
+                 shm_dir=SHM_DIR):
+        self.group = group
+        self.model_dir = resolve_model(model)
+        self.llm = None
+        self.engine = None
+        self.hybrid = None
+        self.leader = None
+        self.share = None
+        self._store = None
+        spec = detect(load_config(self.model_dir))
+        expert_dtype = dtype or spec.dtype
+        try:
+            setup = self._setup(placement, spec, expert_dtype, max_running, shm_dir)  # 1.
+            hosts = group.all_gather(group.env.node_rank, what="exchanging hosts")
+            store = self._store
+            if group.rank != 0 and hosts[group.rank] == hosts[0]:  # 2.
+                store = SharedExpertStore.attach(setup["store"], spec, expert_dtype, shm_dir)
+            self.share = ExpertShare(group, setup["assignment"], store, hosts)
+            error = None
+            try:  # 3.
+                self._load(dtype, setup["max_running"], prefill_chunk, max_total_tokens, cpu, recorder, dynamic,
+                           progress)
+            except Exception as err:  # noqa: BLE001 - every rank must learn that this one failed
+                error = str(err) if isinstance(err, TiermoeError) else f"{type(err).__name__}: {err}"
+            errors = group.gather_after_load(error)
+            failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+            if failed:
+                raise TiermoeError(f"rank {failed[0][0]} failed to load the model: {failed[0][1]}")
+        except BaseException:
+            self.leader = None  # the followers are not listening: no stop message
+            self.close()
+            if self.share is None and self._store is not None:
+                self._store.close()
+            raise
+
+    def _setup(self, placement, spec, expert_dtype, max_running, shm_dir) -> dict:
+        group = self.group
+        setup = None
+        if group.rank == 0:
+            try:
+                assignment = resolve_assignment(placement, self.model_dir, spec, group.world_size,
+                                                str(group.device))
+                cpu_experts = int(((assignment == -1) & spec.moe_row_mask()[:, None]).sum())
+                needed = cpu_experts * spec.bytes_per_expert(expert_dtype)
+                self._store = SharedExpertStore.create(spec, expert_dtype, needed, shm_dir)
+                setup = {"assignment": assignment, "store": self._store.name, "max_running": max_running}
+            except TiermoeError as err:
+                setup = {"error": str(err)}
+        setup = group.broadcast(setup, what="start-up")
+        if "error" in setup:
+            raise TiermoeError(setup["error"])
+        return setup
+
+    def _load(self, dtype, max_running, prefill_chunk, max_total_tokens, cpu, recorder, dynamic, progress) -> None:
+        from tiermoe.engine.engine import Engine, EngineConfig
+        from tiermoe.engine.llm import LLM
+        from tiermoe.model.loader import load_hybrid_model
+
+        device = str(self.group.device)
+        if self.group.rank == 0:
+            self.llm = LLM(self.model_dir, gpu_device=device, dtype=dtype, max_running=max_running,
+                           prefill_chunk=prefill_chunk, max_total_tokens=max_total_tokens, cpu=cpu,
+                           recorder=recorder, dynamic=dynamic, progress=progress, share=self.share)
+            self.hybrid, self.engine = self.llm.hybrid, self.llm.engine
+            self.leader = self.share.leader = self.engine.leader = Leader(self.share, self.hybrid)
+        else:
+            # followers batch exactly what rank 0 batches: as many sequence threads as its max_running
+            self.hybrid = load_hybrid_model(self.model_dir, gpu_device=device, dtype=dtype, cpu=cpu,
+                                            progress=False, share=self.share)
+            self.engine = Engine(self.hybrid, config=EngineConfig(max_running=max_running))
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    def follow(self) -> int:
+        """Followers: run rank 0's steps until it closes; returns the steps run."""
+        if self.group.rank == 0:
+            raise RuntimeError("rank 0 leads; only the other ranks follow")
+        return follow(self.engine, self.share)
+
+    def close(self) -> None:
+        """Rank 0 tells the followers to stop; every rank releases its model; rank 0 removes the shared files."""
+        try:
+            if self.leader is not None:
+                self.leader.close()
+        finally:
+            if self.llm is not None:
+                self.llm.close()
+            elif self.engine is not None:
+                self.engine.close()
+                self.hybrid.close()
+            if self.share is not None:
+                self.share.close()
+            self.llm = self.engine = self.hybrid = self.leader = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,111 @@
+"""Expert swaps across ranks: applied synchronously by every rank at the same step boundary.
+
+A swap promotes `expert_in` (CPU tier -> a GPU rank) and demotes `expert_out` (that GPU rank -> CPU tier), so
+every rank keeps exactly as many GPU experts as before and its mask keeps counting only its own experts. The
+promoted expert goes to the rank that gave up `expert_out`. Unlike one process, where copies run asynchronously
+and masks flip on landing, several ranks apply swaps synchronously: rank 0 puts them in the step plan, and all
+ranks apply them before that step's forwards. Experts cross between processes through their shared-memory slots
+(or, for a rank on another host than rank 0, through the checkpoint, which every host has):
+1. the GPU rank writes `expert_out` into its slot; rank 0 writes `expert_in` into its slot unless the CPU tier
+   already computes from it there (a backend that converts experts keeps its own copy);
+2. barrier; the GPU rank copies `expert_in` from its slot (or the checkpoint) to its GPU and drops `expert_out`;
+3. barrier; rank 0's CPU tier takes `expert_out` from its slot (re-read from the checkpoint when the GPU rank is
+   on another host) and drops `expert_in`; the slots it no longer computes from are released; every rank
+   updates its owner table.
+The step stalls for the copies (a few ms per expert on PCIe): simpler than overlapping them, and exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiermoe.experts.weights import ExpertWeights
+from tiermoe.model.checkpoint import Checkpoint
+from tiermoe.model.expert_source import find_expert_source, read_expert
+from tiermoe.model.loader import LAYERS_PREFIX
+from tiermoe.placement.policies import Swap
+
+
+@dataclass(frozen=True)
+class RankSwap:
+    layer: int
+    expert_in: int  # CPU tier -> GPU rank `rank`
+    expert_out: int  # GPU rank `rank` -> CPU tier
+    rank: int
+
+
+def assign_swaps(hybrid, swaps: list[Swap]) -> list[RankSwap]:
+    """Give each swap the GPU rank that holds its `expert_out`; drop swaps that no longer fit the owners
+    (an expert named twice, or already moved)."""
+    owners = {layer: block.owner_E.clone() for layer, block in hybrid.blocks.items()}
+    out = []
+    for s in swaps:
+        row = owners.get(s.layer)
+        if row is None or int(row[s.expert_in]) != -1 or int(row[s.expert_out]) < 0:
+            continue
+        rank = int(row[s.expert_out])
+        row[s.expert_in], row[s.expert_out] = rank, -1
+        out.append(RankSwap(s.layer, s.expert_in, s.expert_out, rank))
+    return out
+
+
+def apply_swaps(hybrid, share, swaps: list[RankSwap]) -> None:
+    """Every rank calls this with the same swaps (from the step plan); see the module docstring."""
+    if not swaps:
+        return
+    spec, rank, store = hybrid.spec, share.rank, share.store
+    with _CheckpointReader(hybrid) as disk:
+        for s in swaps:  # 1.
+            if s.rank == rank and share.store_on_this_host:
+                store.write(s.layer, s.expert_out, hybrid.blocks[s.layer].gpu_tier.get(s.expert_out))
+            if share.holds_cpu_tier and share.same_host(s.rank) and not share.kept(s.layer):
+                store.write(s.layer, s.expert_in, hybrid.blocks[s.layer].cpu_tier.get(s.expert_in))
+        share.group.barrier("an expert swap (writing slots)")
+        for s in swaps:  # 2.
+            if s.rank != rank:
+                continue
+            gpu = hybrid.blocks[s.layer].gpu_tier
+            host = store.slot(s.layer, s.expert_in) if share.store_on_this_host else disk.read(s.layer, s.expert_in)
+            gpu.add(s.expert_in, host.to(gpu.device))  # always a copy: never alias a slot that 3. releases
+            gpu.pop(s.expert_out)
+        share.group.barrier("an expert swap (reading slots)")
+        if share.holds_cpu_tier:  # 3.
+            for s in swaps:
+                cpu = hybrid.blocks[s.layer].cpu_tier
+                if share.same_host(s.rank):
+                    host = store.slot(s.layer, s.expert_out)
+                else:
+                    host = store.write(s.layer, s.expert_out, disk.read(s.layer, s.expert_out))
+                cpu.add(s.expert_out, host)
+                cpu.pop(s.expert_in)
+                store.release(s.layer, s.expert_in)
+                if not share.kept(s.layer):
+                    store.release(s.layer, s.expert_out)
+    for s in swaps:
+        block = hybrid.blocks[s.layer]
+        block.set_owner(s.expert_in, s.rank)
+        block.set_owner(s.expert_out, -1)
+    hybrid.swap_stats.swaps += 2 * len(swaps)
+    hybrid.swap_stats.bytes += 2 * len(swaps) * spec.bytes_per_expert(hybrid.expert_dtype)
+
+
+class _CheckpointReader:
+    """Experts read from the checkpoint on demand (swaps with a rank on another host); opened on first use."""
+
+    def __init__(self, hybrid):
+        self.hybrid = hybrid
+        self._ckpt: Checkpoint | None = None
+
+    def read(self, layer: int, expert: int) -> ExpertWeights:
+        if self._ckpt is None:
+            self._ckpt = Checkpoint(self.hybrid.model_dir)
+        spec = self.hybrid.spec
+        source = find_expert_source(self._ckpt, spec, LAYERS_PREFIX, layer)
+        return read_expert(self._ckpt, source, expert, spec, self.hybrid.expert_dtype)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._ckpt is not None:
+            self._ckpt.close()

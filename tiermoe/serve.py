@@ -1,0 +1,44 @@
+"""`python -m tiermoe.serve`: `tiermoe serve` as a module, the entry point torchrun starts once per rank.
+
+    torchrun --nproc-per-node 2 -m tiermoe.serve --model DIR --gpu-device cuda --num-gpus 2 --kt-num-gpu-experts 32
+
+Takes exactly the flags of `tiermoe serve`. User errors print one line, `error: ...`, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tiermoe.cli.serve_cmd import add_serve_flags
+
+    parser = argparse.ArgumentParser(
+        prog="python -m tiermoe.serve",
+        description="tiermoe serve as a module (for torchrun): one rank per GPU; rank 0 serves HTTP.")
+    add_serve_flags(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    from tiermoe.cli.main import _one_line_warning
+    from tiermoe.cli.serve_cmd import run
+    from tiermoe.errors import TiermoeError
+
+    warnings.showwarning = _one_line_warning
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args) or 0
+    except TiermoeError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
