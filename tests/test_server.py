@@ -144,10 +144,12 @@ def test_ollama_endpoints(server, reference):
 
 
 def test_models_placement_and_metrics(server):
+    assert http(server, "POST", "/v1/completions", json={"prompt": "some traffic", "max_tokens": 3}).status_code == 200
     assert http(server, "GET", "/v1/models").json()["data"][0]["max_model_len"] == 256
     placement = http(server, "GET", "/placement").json()
     assert placement["gpu_experts_per_layer"] == [3, 0, 3] and 0 < placement["gpu_hit_rate"] < 1
     assert placement["per_layer_gpu_hit_rate"][1] is None and placement["swaps"] == 0
+    assert [sum(1 for r in row if r == 0) for row in placement["assignment"]] == [3, 0, 3]
     metrics = http(server, "GET", "/metrics").text
     for name in ("requests_total", "generation_tokens_total", "time_to_first_token_seconds_sum",
                  "queue_length", "gpu_tier_hit_rate", "expert_swaps_total", "generation_tokens_per_second"):
@@ -193,3 +195,28 @@ def test_sigterm_drains_running_streams_then_exits(model_dir):
     assert proc.stop(signal.SIGTERM) == 0
     t.join(timeout=30)
     assert received[-1]["finish_reason"] == "length"
+
+
+def test_recorder_endpoints_need_a_mode(server):
+    r = http(server, "POST", "/start_expert_distribution_record")
+    assert r.status_code == 400 and "--expert-distribution-recorder-mode" in r.json()["error"]["message"]
+
+
+def test_recorder_start_stop_dump_over_http(model_dir, tmp_path, monkeypatch):
+    from tiermoe.stats.io import load_counts
+
+    monkeypatch.setenv("TIERMOE_EXPERT_DISTRIBUTION_RECORDER_DIR", str(tmp_path))
+    proc = ServerProcess(model_dir, "--expert-distribution-recorder-mode", "stat")
+    try:
+        post = lambda path, **kw: httpx.post(proc.url + path, timeout=60, **kw)  # noqa: E731
+        post("/v1/completions", json={"prompt": "not recorded", "max_tokens": 3})  # recording starts stopped
+        assert post("/start_expert_distribution_record").status_code == 200
+        out = post("/v1/completions", json={"prompt": "abc", "max_tokens": 4, "ignore_eos": True}).json()
+        assert post("/stop_expert_distribution_record").status_code == 200
+        files = post("/dump_expert_distribution_record").json()["files"]
+        counts = load_counts(files[0], 3, 8)
+        tokens = out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"] - 1  # the last token is not fed
+        assert int(counts.sum()) == tokens * 2 * 2  # top-2, two MoE layers
+        assert files[0].startswith(str(tmp_path))
+    finally:
+        proc.stop()

@@ -12,6 +12,7 @@ import signal
 
 from tiermoe.cli.flags import add_command, positive_int
 from tiermoe.cli.generate_cmd import add_model_flags
+from tiermoe.cli.recorder_flags import add_recorder_flags, recorder_from_args
 from tiermoe.cli.placement_flags import (add_dynamic_flags, add_placement_flags, dynamic_from_args,
                                          placement_from_args)
 from tiermoe.distributed.group import DEFAULT_DIST_TIMEOUT_S
@@ -60,6 +61,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="max_tokens of requests that give none (default 256)")
     add_placement_flags(p)
     add_dynamic_flags(p)
+    add_recorder_flags(p)
     g = p.add_argument_group("several GPUs (one rank per GPU; see docs/multi-gpu.md)")
     g.add_argument("--dist-timeout", dest="dist_timeout", type=seconds, default=DEFAULT_DIST_TIMEOUT_S,
                    help="seconds a rank waits for the others in one collective before it gives up with an error "
@@ -86,11 +88,19 @@ def build_state(args, llm=None):
                   prefill_chunk=config.chunked_prefill_size, max_total_tokens=config.max_total_tokens)
     hits = TierHitCounter(llm.hybrid.spec.num_layers, llm.hybrid.gpu_device)
     llm.engine.add_recorder(hits)
+    control = None
+    if getattr(args, "recorder_mode", None):
+        from tiermoe.stats.control import RecorderControl
+
+        recorder = recorder_from_args(args, llm.hybrid.spec)
+        llm.engine.add_recorder(recorder)
+        control = RecorderControl(recorder)  # starts stopped, as in SGLang: /start_expert_distribution_record
     metrics = ServerMetrics()
     detokenize = llm.engine.detokenize
     service = EngineService(llm.engine, detokenize, metrics)
     name = config.served_model_name or llm.model_dir.name
-    return ServerState(llm=llm, config=config, service=service, metrics=metrics, hits=hits, model_name=name)
+    return ServerState(llm=llm, config=config, service=service, metrics=metrics, hits=hits, model_name=name,
+                       recorder_control=control)
 
 
 def requested_gpus(args) -> int:

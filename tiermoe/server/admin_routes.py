@@ -39,7 +39,7 @@ async def placement(request: Request):
     return {"model_type": hybrid.spec.model_type, "num_layers": hybrid.spec.num_layers,
             "num_experts": hybrid.spec.num_experts, "moe_layers": list(hybrid.spec.moe_layers),
             "gpu_experts_per_layer": mask.sum(dim=1).tolist(), "num_gpu_experts": int(mask.sum()),
-            "assignment": [[0 if on else -1 for on in row] for row in mask.tolist()],
+            "assignment": hybrid.assignment.tolist(),
             "gpu_hit_rate": state.hits.hit_rate(), "per_layer_gpu_hit_rate": state.hits.layer_hit_rates(),
             "swaps": swaps.swaps, "bytes_copied": swaps.bytes}
 
@@ -51,19 +51,23 @@ def _recorder(state: ServerState):
     return state.recorder_control
 
 
+# The recorder is touched only between engine steps, on the engine thread, so a pass is never half recorded.
 @router.api_route("/start_expert_distribution_record", methods=["GET", "POST"])
 async def start_record(request: Request):
-    _recorder(_state(request)).start()
+    state = _state(request)
+    await state.service.between_steps(_recorder(state).start)
     return {"message": "expert distribution recording started"}
 
 
 @router.api_route("/stop_expert_distribution_record", methods=["GET", "POST"])
 async def stop_record(request: Request):
-    _recorder(_state(request)).stop()
+    state = _state(request)
+    await state.service.between_steps(_recorder(state).stop)
     return {"message": "expert distribution recording stopped"}
 
 
 @router.api_route("/dump_expert_distribution_record", methods=["GET", "POST"])
 async def dump_record(request: Request):
-    paths = _recorder(_state(request)).dump()
+    state = _state(request)
+    paths = await state.service.between_steps(_recorder(state).dump)
     return {"message": "expert distribution dumped", "files": [str(p) for p in paths]}

@@ -12,6 +12,7 @@ its cause chain, e.g. a rank of a multi-rank run died): then every request fails
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 import time
@@ -86,6 +87,12 @@ class EngineService:
         self._commands.put(("add", handle))
         return handle
 
+    async def between_steps(self, fn):
+        """Run `fn()` on the engine thread between two steps (e.g. recorder start/stop/dump) and return its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", (fn, future)))
+        return await asyncio.wrap_future(future)
+
     def abort(self, handle: RequestHandle) -> None:
         if not handle.done:
             self._commands.put(("abort", handle))
@@ -133,6 +140,12 @@ class EngineService:
                 return
             if kind == "add":
                 self._add(handle)
+            elif kind == "call":
+                fn, future = handle
+                try:
+                    future.set_result(fn())
+                except Exception as err:  # noqa: BLE001 - handed back to the caller
+                    future.set_exception(err)
             elif handle.seq is not None and not handle.done:
                 self.engine.abort(handle.seq)
                 self._finish(handle)
