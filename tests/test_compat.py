@@ -130,3 +130,11 @@ def test_environment_sets_gpu_experts_per_layer(tiny_dir, monkeypatch):
     monkeypatch.setenv("TIERMOE_NUM_GPU_EXPERTS", "2")
     with LLM(tiny_dir("olmoe"), dtype=torch.float32, progress=False) as llm:
         assert llm.placement.sum(dim=1).tolist() == [2, 2]
+
+
+def test_choose_placement_strategy_example_runs_on_the_bundled_model():
+    out = subprocess.run([sys.executable, str(ROOT / "examples/choose_placement_strategy.py"), "--num-prompts", "4",
+                          "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line[:1].isdigit()]
+    assert len(lines) == 4 and all(line.count("%") == 5 for line in lines)
