@@ -29,7 +29,7 @@ from tiermoe.engine.sampling import SamplingParams, new_generator, sample
 from tiermoe.engine.sequence import Sequence
 from tiermoe.errors import TiermoeError
 from tiermoe.stats.recording import NO_RECORDER, ExpertRecorder, PassInfo
-from tiermoe.stats.tier_hits import RecorderGroup
+from tiermoe.stats.recorders import RecorderGroup
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class Engine:
         if not current.enabled:
             self.set_recorder(recorder)
         elif isinstance(current, RecorderGroup):
-            current.recorders.append(recorder)
+            self.set_recorder(RecorderGroup(*current.members, recorder))
         else:
             self.set_recorder(RecorderGroup(current, recorder))
 

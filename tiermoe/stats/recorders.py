@@ -27,7 +27,7 @@ class RecorderGroup:
     """Several recorders driven as one (e.g. stat counts plus GPU-tier snapshots).
 
     Enabled while any member is; calls go to the enabled members only, so one member can be stopped while
-    another keeps recording (the same rule as tier_hits.RecorderGroup, which has no start/stop/reset/dump).
+    another keeps recording. The engine also groups its recorders with it (Engine.add_recorder).
     """
 
     def __init__(self, *members):

@@ -36,29 +36,3 @@ class TierHitCounter:
     def hit_rate(self) -> float | None:
         pairs = int(self.pairs_L.sum())
         return int(self.gpu_pairs_L.sum()) / pairs if pairs else None
-
-
-class RecorderGroup:
-    """Several recorders driven as one (e.g. the hit counter and a distribution recorder)."""
-
-    def __init__(self, *recorders):
-        self.recorders = [r for r in recorders if r is not None]
-
-    @property
-    def enabled(self) -> bool:
-        return any(r.enabled for r in self.recorders)
-
-    def begin_pass(self, info: PassInfo) -> None:
-        for r in self.recorders:
-            if r.enabled:
-                r.begin_pass(info)
-
-    def record(self, layer: int, ids_TK: torch.Tensor, gpu_mask_E: torch.Tensor) -> None:
-        for r in self.recorders:
-            if r.enabled:
-                r.record(layer, ids_TK, gpu_mask_E)
-
-    def end_pass(self) -> None:
-        for r in self.recorders:
-            if r.enabled:
-                r.end_pass()
