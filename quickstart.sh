@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Set up (first run only) and generate with the bundled demo model. Extra arguments go to `tiermoe generate`.
+# Set up (first run only) and generate with the bundled demo model. Extra arguments go to `tiermoe generate`;
+# without --prompt a default prompt is used.
 set -euo pipefail
 cd "$(dirname "$0")"
 scripts/setup.sh
-if [ "$#" -eq 0 ]; then
-    set -- --prompt "Hello! What can you tell me about the ocean?"
-fi
+case " $* " in
+    *" --prompt "* | *" --prompt="*) ;;
+    *) set -- --prompt "Hello! What can you tell me about the ocean?" "$@" ;;
+esac
 exec .venv/bin/tiermoe generate "$@"
