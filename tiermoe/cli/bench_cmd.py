@@ -1,8 +1,10 @@
-"""tiermoe bench: placement benchmarks (`dynamic`: policies replayed on a trace)."""
+"""tiermoe bench: placement benchmarks (`dynamic`: policies replayed on a trace; `placement`: the strategies x
+GPU-expert-ratio table, measured on CUDA and estimated elsewhere)."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 from tiermoe.cli.flags import add_command, positive_int
 
@@ -19,8 +21,23 @@ def ratio_list(text: str) -> list[float]:
     return values
 
 
+def strategy_list(text: str) -> list[str]:
+    import argparse
+
+    from tiermoe.benchmarking.placement_traffic import BENCH_STRATEGIES
+
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [v for v in values if v not in BENCH_STRATEGIES]
+    if not values or unknown:
+        raise argparse.ArgumentTypeError(f"unknown strategies {unknown or text!r}; choose from "
+                                         f"{','.join(BENCH_STRATEGIES)}")
+    return values
+
+
 def add_parser(sub) -> None:
-    p = add_command(sub, "bench", "Placement benchmarks: `tiermoe bench dynamic` replays a per_token trace.",
+    p = add_command(sub, "bench", "Placement benchmarks: `tiermoe bench placement` serves a dataset at every "
+                    "strategy and GPU-expert ratio; `tiermoe bench dynamic` replays a per_token trace.",
+                    "tiermoe bench placement --dataset sharegpt --plot placement.png",
                     "tiermoe bench dynamic --trace sharegpt.pt --calibration gsm8k.pt --plot dynamic.png")
     benches = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     d = add_command(
@@ -43,9 +60,100 @@ def add_parser(sub) -> None:
     d.add_argument("--cpu-gflops", type=float, default=400.0, help="CPU expert GFLOP/s at prefill (default 400)")
     d.add_argument("--json", action="store_true", help="print JSON with every figure")
     d.add_argument("--plot", help="write hit rate and estimated tokens/s against ratio to this PNG")
+    add_placement_parser(benches)
+
+
+def add_placement_parser(benches) -> None:
+    from tiermoe.benchmarking.placement_traffic import BENCH_STRATEGIES
+
+    p = add_command(
+        benches, "placement",
+        "The placement table KTransformers publishes, for your model, machine and prompts: for every strategy and "
+        "GPU-expert ratio the GPU-tier hit rate, CPU expert bytes per output token, expert bytes copied, output and "
+        "total tokens/s and time to first token, serving a held-out split of DATASET with several requests in flight "
+        "(statistics for frequency/balanced/dynamic/adaptive come from a separate calibration split). On CUDA the "
+        "throughput is measured end to end. Without CUDA it is ESTIMATED: hit rates and traffic are exact (one "
+        "recorded trace replayed through every placement), the CPU tier's time is measured on this machine, and a "
+        "GPU profile gives the GPU share; `--gpu-profile this-cpu` profiles this CPU as the GPU tier, runs it there "
+        "and checks estimate against measurement at ratios 0.25 and 0.5.",
+        "tiermoe bench placement --dataset sharegpt --out placement.json --plot placement.png",
+        "tiermoe bench placement --dataset sharegpt --gpu-profile this-cpu --ratios 0,0.25,0.5,0.75,1",
+        "tiermoe bench placement --model /models/Qwen3-30B-A3B --dataset prompts.jsonl --gpu-profile h200 "
+        "--strategies uniform,frequency,dynamic",
+    )
+    p.prog = "tiermoe bench placement"
+    p.add_argument("--model", "--model-path", dest="model", default=None,
+                   help="checkpoint directory (default: the bundled demo model)")
+    p.add_argument("--dataset", required=True, help="sharegpt, gsm8k, gpqa, chitchat, or a .json / .jsonl file")
+    p.add_argument("--num-prompts", type=positive_int, default=32, help="held-out requests to serve (default 32)")
+    p.add_argument("--calibration-prompts", type=positive_int, default=64,
+                   help="calibration requests whose routing statistics place frequency/balanced (default 64)")
+    p.add_argument("--ratios", type=ratio_list, default=None, help="GPU expert ratios (default 0,0.1,...,1)")
+    p.add_argument("--strategies", type=strategy_list, default=None,
+                   help=f"comma-separated, from {','.join(BENCH_STRATEGIES)} (default: all)")
+    p.add_argument("--gpu-profile", default="rtx4090",
+                   help="rtx4090 (default), h200, this-cpu (measure this CPU as the GPU tier and validate the cost "
+                        "model), or a JSON file (e.g. from benchmarks/gpu_check.sh)")
+    p.add_argument("--gpu-device", default=None,
+                   help="GPU tier device (default: cuda:0 when CUDA is available, else the CPU with estimates)")
+    p.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight (default 8)")
+    p.add_argument("--output-len", type=positive_int, default=64,
+                   help="output tokens per request: each gets between half and all of it, seeded (default 64)")
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=512, help="skip longer prompts (default 512)")
+    p.add_argument("--heldout-fraction", type=float, default=0.1,
+                   help="share of conversations in the held-out split (default 0.1)")
+    p.add_argument("--prefill-threshold", type=int, default=512,
+                   help="layerwise GPU prefill threshold of `dynamic`, tokens (its update follows such batches); "
+                        "0 = off (default 512, KTransformers' tutorial value)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt tokens per step (default 512)")
+    p.add_argument("--repeats", type=positive_int, default=2,
+                   help="timed runs per measured configuration on this machine, best taken (default 2)")
+    p.add_argument("--tolerance", type=float, default=0.15, help="this-cpu validation tolerance (default 0.15)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt sample and split (default 0)")
+    p.add_argument("--out", help="write every figure as JSON")
+    p.add_argument("--markdown", help="also write the tables as markdown to this file")
+    p.add_argument("--plot", help="write tokens/s and hit rate against ratio per strategy to this PNG")
 
 
 def run(args) -> int:
+    if args.bench == "placement":
+        return run_placement(args)
+    return run_dynamic(args)
+
+
+def run_placement(args) -> int:
+    from tiermoe.benchmarking.placement import PlacementBenchConfig, run_placement_bench
+    from tiermoe.benchmarking.placement_report import markdown, plot
+    from tiermoe.benchmarking.placement_workload import WorkloadSpec
+
+    workload = WorkloadSpec(args.dataset, args.num_prompts, args.calibration_prompts, args.output_len,
+                            args.max_prompt_tokens, args.heldout_fraction, args.seed)
+    options = {k: v for k, v in (("ratios", args.ratios), ("strategies", args.strategies)) if v}
+    config = PlacementBenchConfig(
+        workload, model=args.model, gpu_profile=args.gpu_profile, gpu_device=args.gpu_device,
+        concurrency=args.concurrency, prefill_chunk=args.prefill_chunk,
+        prefill_threshold=args.prefill_threshold or None, repeats=args.repeats, tolerance=args.tolerance,
+        **{k: tuple(v) for k, v in options.items()})
+    result = run_placement_bench(config)
+    text = markdown(result)
+    print(text)
+    if args.markdown:
+        from pathlib import Path
+
+        Path(args.markdown).write_text(text)
+    if args.out:
+        result.write_json(args.out)
+    if args.plot:
+        plot(result, args.plot)
+    passed = result.validation_passed()
+    if passed is False:
+        print(f"cost-model validation FAILED: estimate and measurement differ by more than {args.tolerance:.0%}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_dynamic(args) -> int:
     import torch
 
     from tiermoe.arch import detect, load_config

@@ -1,8 +1,9 @@
 """GPU profiles for cost estimates: memory bandwidth, compute rate, host-to-device bandwidth, launch overhead.
 
 Presets are published figures (dense bf16 tensor rate without sparsity; PCIe as achieved with pinned memory);
-a JSON file with the same fields overrides them. Every figure derived from a profile is an estimate and is
-labelled so wherever it is printed.
+a JSON file with the same fields overrides them (`save_profile` writes one, e.g. a profile measured on a real GPU
+by benchmarks/gpu_check.sh). Every figure derived from a profile is an estimate and is labelled so wherever it is
+printed. `this-cpu` is not a preset: `tiermoe bench placement` measures it on the spot.
 """
 
 from __future__ import annotations
@@ -32,12 +33,20 @@ PRESETS = {
 }
 
 
+def save_profile(profile: GPUProfile, path: str | Path, **extra) -> Path:
+    """Write `profile` as JSON that load_profile reads back (extra keys, e.g. how it was measured, ride along)."""
+    path = Path(path)
+    path.write_text(json.dumps({**profile.as_dict(), **extra}, indent=2) + "\n")
+    return path
+
+
 def load_profile(name_or_file: str) -> GPUProfile:
     if name_or_file in PRESETS:
         return PRESETS[name_or_file]
     path = Path(name_or_file)
     if not path.is_file():
-        raise TiermoeError(f"--gpu-profile '{name_or_file}' is neither a preset ({', '.join(PRESETS)}) nor a file")
+        raise TiermoeError(f"--gpu-profile '{name_or_file}' is neither a preset ({', '.join(PRESETS)}) nor a file"
+                           " (`tiermoe bench placement` also takes this-cpu)")
     try:
         data = json.loads(path.read_text())
         return GPUProfile(name=data.get("name", path.stem), memory_bandwidth=float(data["memory_bandwidth"]),

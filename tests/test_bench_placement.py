@@ -1,0 +1,307 @@
+"""`tiermoe bench placement`: workloads, exact traffic replay, the cost model, the live path, CLI and gpu_check."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli as cli
+from conftest import save_char_tokenizer, save_tiny
+
+from tiermoe.benchmarking.tier_fit import TierFit, fit_abc
+from tiermoe.benchmarking.device_profile import profile_from_tier
+from tiermoe.benchmarking.host_fit import fit_host_costs, measure_op_seconds
+from tiermoe.benchmarking.model_costs import ModelCosts, OpCount, measure_model_costs
+from tiermoe.benchmarking.pass_cost import HostCosts, PassCostModel, ttft_seconds
+from tiermoe.benchmarking.placement import PlacementBenchConfig, run_placement_bench
+from tiermoe.benchmarking.placement_live import measure_configuration
+from tiermoe.benchmarking.placement_runner import make_engine, record_trace
+from tiermoe.benchmarking.placement_traffic import pass_shapes, placement_traffic, static_traffic, strategy_mask
+from tiermoe.benchmarking.placement_workload import WorkloadSpec, build_workloads
+from tiermoe.engine.llm import LLM
+from tiermoe.placement.cost import BandwidthCostModel
+from tiermoe.placement.profiles import GPUProfile, load_profile, save_profile
+from tiermoe.stats.replay import TracePasses, replay
+
+REPO = Path(__file__).resolve().parent.parent
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = save_tiny("qwen3_moe", tmp_path_factory.mktemp("placement") / "m")
+    save_char_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """40 short chat requests of different lengths, each its own conversation."""
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    lines = []
+    for i in range(40):
+        text = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(2 + i % 6))
+        lines.append(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": text}]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def spec_of(dataset, **kw) -> WorkloadSpec:
+    return WorkloadSpec(str(dataset), **{"num_prompts": 6, "calibration_prompts": 6, "output_len": 8,
+                                         "max_prompt_tokens": 120, "heldout_fraction": 0.5, **kw})
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    with LLM(model_dir, progress=False) as loaded:
+        yield loaded
+
+
+@pytest.fixture(scope="module")
+def workloads(llm, dataset):
+    return build_workloads(spec_of(dataset), lambda p: llm.chat_prompt_ids(p.chat_messages()))
+
+
+@pytest.fixture(scope="module")
+def shapes(llm, workloads):
+    return pass_shapes(record_trace(llm, workloads[1], 4, 512))
+
+
+def test_calibration_and_held_out_prompts_never_share_a_conversation(llm, dataset, workloads):
+    calibration, heldout = workloads
+    assert set(calibration.prompt_names).isdisjoint(heldout.prompt_names)
+    assert calibration.num_requests == heldout.num_requests == 6
+    assert all(4 <= n <= 8 for n in heldout.output_lens)
+    again = build_workloads(spec_of(dataset), lambda p: llm.chat_prompt_ids(p.chat_messages()))
+    assert again == workloads  # seeded: the same prompts and lengths every time
+
+
+def test_too_few_prompts_is_a_user_error(llm, dataset):
+    from tiermoe.errors import TiermoeError
+
+    with pytest.raises(TiermoeError, match="held-out prompts"):
+        build_workloads(spec_of(dataset, num_prompts=500), lambda p: llm.chat_prompt_ids(p.chat_messages()))
+
+
+def test_pass_shapes_account_for_every_token_and_request(shapes, workloads):
+    heldout = workloads[1]
+    assert int(shapes.output_tokens_P.sum()) == heldout.output_tokens
+    assert int(shapes.tokens_P.sum()) == heldout.prompt_tokens + heldout.output_tokens - heldout.num_requests
+    assert int(shapes.row_tokens_S.sum()) == int(shapes.tokens_P.sum())
+    assert int(shapes.seqs_P.max()) <= 4  # the concurrency
+    assert bool((shapes.first_pass_R <= shapes.first_token_pass_R).all())
+
+
+@pytest.mark.parametrize("strategy", ["random", "uniform", "front-loading", "frequency", "balanced"])
+def test_static_traffic_matches_trace_replay(shapes, strategy):
+    calibration = shapes.counts_PME.sum(0).double()
+    calibration_LE = torch.zeros(shapes.num_layers, shapes.num_experts, dtype=torch.float64)
+    calibration_LE[list(shapes.moe_layers)] = calibration
+    for ratio in (0.0, 0.25, 0.5, 1.0):
+        mask = strategy_mask(strategy, shapes.moe_rows_L, shapes.num_experts, ratio, calibration_LE)
+        traffic = static_traffic(shapes, mask[list(shapes.moe_layers)])
+        passes = TracePasses(shapes.counts_PME, shapes.tokens_P, shapes.prefill_P, shapes.tokens_P * 0,
+                             shapes.moe_layers, shapes.num_layers, shapes.num_experts)
+        expected = replay(passes, strategy, ratio, BandwidthCostModel(1 << 20), calibration_LE)
+        assert traffic.hit_rate == pytest.approx(expected.hit_rate, abs=1e-12)
+        assert traffic.cpu_expert_reads() * (1 << 20) == sum(expected.cpu_bytes_P)
+    assert static_traffic(shapes, torch.ones(len(shapes.moe_layers), shapes.num_experts, dtype=torch.bool)
+                          ).hit_rate == 1.0
+
+
+def test_the_live_path_counts_exactly_what_the_replay_predicts(llm, workloads, shapes):
+    calibration, heldout = workloads
+    cost = BandwidthCostModel(llm.hybrid.spec.bytes_per_expert(llm.hybrid.expert_dtype))
+    for strategy, ratio in (("uniform", 0.5), ("front-loading", 0.25)):
+        timing, traffic = measure_configuration(llm, heldout, strategy, ratio, None, 4, 512, None, cost)
+        mask = strategy_mask(strategy, shapes.moe_rows_L, shapes.num_experts, ratio, None)
+        predicted = static_traffic(shapes, mask[list(shapes.moe_layers)])
+        assert traffic["pairs"] == predicted.pairs
+        assert traffic["gpu_pairs"] / traffic["pairs"] == pytest.approx(predicted.hit_rate)
+        assert traffic["cpu_expert_reads"] == predicted.cpu_expert_reads()
+        assert len(timing.step_seconds) == shapes.num_passes and timing.output_tokens == heldout.output_tokens
+        assert all(t > 0 for t in timing.ttft_seconds)
+
+
+def test_dynamic_policies_stream_and_swap_in_the_replay(shapes):
+    calibration_LE = torch.ones(shapes.num_layers, shapes.num_experts, dtype=torch.float64)
+    cost = BandwidthCostModel(1 << 20, copy_bandwidth=1e15)  # copies land at once
+    dynamic = placement_traffic(shapes, "dynamic", 0.25, calibration_LE, lambda p, row: 1e-3, cost,
+                                prefill_threshold=8)
+    assert bool(dynamic.layerwise_P.any()) and int(dynamic.streamed_P.sum()) > 0
+    assert dynamic.hit_rate > static_traffic(shapes, strategy_mask(
+        "frequency", shapes.moe_rows_L, shapes.num_experts, 0.25, calibration_LE)[list(shapes.moe_layers)]).hit_rate
+    adaptive = placement_traffic(shapes, "adaptive", 0.25, None, lambda p, row: 1e-3, cost)
+    assert adaptive.swaps() * 2 == int(adaptive.swap_copies_P.sum())
+    assert not bool(adaptive.layerwise_P.any())
+
+
+def small_costs(**kw) -> ModelCosts:
+    fields = dict(per_sequence=OpCount(100, 80), per_layer=OpCount(20, 15), per_cpu_call=OpCount(5, 4),
+                  per_expert=OpCount(10, 8), sequence_bytes=1_000_000, sequence_flops=1e6, token_flops=2e6,
+                  attention_flops_per_context=1e3, kv_bytes_per_token=1000, bytes_per_expert=1 << 20,
+                  flops_per_pair=6e6, hidden_bytes=512, num_moe_layers=2, num_experts=8)
+    return ModelCosts(**{**fields, **kw})
+
+
+def test_the_tiers_combine_from_overlap_to_interference(shapes):
+    profile = GPUProfile("test", 1e11, 1e12, 1e10, 1e-6)
+    cpu = TierFit(1e-4, 1e-6, 2e-5, 0.0, 0)
+    host = HostCosts(1e-5, 1e-4, 1e-4)
+    mask = strategy_mask("uniform", shapes.moe_rows_L, shapes.num_experts, 0.5, None)[list(shapes.moe_layers)]
+    traffic = static_traffic(shapes, mask)
+    one_cpu = PassCostModel(profile, small_costs(), cpu, host, device_is_host=True, tiers_overlap=False)
+    overlap = replace(one_cpu, tiers_overlap=True)
+    interfere = replace(one_cpu, both_tiers_seconds=1e-4)
+    beside = replace(one_cpu, device_is_host=False, tiers_overlap=True)
+    t_one, t_overlap = one_cpu.pass_seconds_P(shapes, traffic), overlap.pass_seconds_P(shapes, traffic)
+    assert bool((t_overlap <= t_one + 1e-12).all()) and float(t_overlap.sum()) < float(t_one.sum())
+    assert float(interfere.pass_seconds_P(shapes, traffic).sum()) > float(t_one.sum())
+    assert bool((beside.pass_seconds_P(shapes, traffic) <= t_overlap + 1e-12).all())
+    # one CPU: the CPU tier's measured time adds to everything else, exactly
+    cpu_part = cpu.seconds(traffic.cpu_distinct_PM.double(), traffic.cpu_pairs_PM.double(),
+                           traffic.cpu_called_PM.double()).sum(-1)
+    no_cpu = replace(one_cpu, cpu=TierFit(0.0, 0.0, 0.0, 0.0, 0))
+    assert torch.allclose(t_one - no_cpu.pass_seconds_P(shapes, traffic), cpu_part)
+    ttft = ttft_seconds(shapes, t_one)
+    assert len(ttft) == len(shapes.first_pass_R) and min(ttft) > 0
+
+
+def test_host_costs_are_recovered_from_timed_runs(shapes):
+    profile = GPUProfile("this-cpu", 1e10, 1e11, 1e10, 1e-6)
+    truth = HostCosts(7e-6, 3e-4, 1e-3)  # per sequence: 100 ops x 7 us dispatch + 0.3 ms more
+    model = PassCostModel(profile, small_costs(), TierFit(1e-4, 1e-6, 2e-5, 0.0, 0), truth, True, False, 2e-4)
+    runs = []
+    for ratio in (0.0, 0.75, 1.0):
+        mask = strategy_mask("uniform", shapes.moe_rows_L, shapes.num_experts, ratio, None)[list(shapes.moe_layers)]
+        traffic = static_traffic(shapes, mask)
+        runs.append((f"r{ratio}", traffic, model.pass_seconds_P(shapes, traffic).tolist()))
+    fitted = fit_host_costs(replace(model, host=HostCosts(truth.op_seconds, 0.0, 0.0)), shapes, runs)
+    assert fitted.op_seconds == truth.op_seconds
+    assert fitted.step_seconds == pytest.approx(truth.step_seconds, rel=1e-6, abs=1e-12)
+    assert fitted.sequence_seconds == pytest.approx(truth.sequence_seconds, rel=1e-6, abs=1e-12)
+    assert fitted.fit["runs"]["r0.75"]["fitted_seconds"] == pytest.approx(sum(runs[1][2]), rel=1e-9)
+
+
+def test_a_profile_from_a_timed_tier_makes_the_model_cost_what_was_timed():
+    raw = GPUProfile("this-cpu", 1e9, 1e11, 1e10, 1e-6)
+    profile = profile_from_tier(raw, per_expert=3e-4, per_pair=2e-6, bytes_per_expert=1 << 20, flops_per_pair=6e6,
+                                dispatch_seconds=1e-4)
+    assert 1e-4 + (1 << 20) / profile.memory_bandwidth == pytest.approx(3e-4)
+    assert 6e6 / profile.compute_flops == pytest.approx(2e-6)
+    assert profile.pcie_bandwidth == raw.pcie_bandwidth
+
+
+def test_dispatch_cost_is_measured_per_op():
+    from tiermoe.experts.ffn import ExpertActivation
+
+    op = measure_op_seconds(ExpertActivation("silu_glu"))
+    assert 1e-7 < op < 1e-3
+
+
+def test_the_both_tiers_cost_is_what_a_mixed_layer_costs_beyond_the_model(llm):
+    from tiermoe.benchmarking.tier_contention import measure_both_tiers_seconds
+
+    spec = llm.hybrid.spec
+    costs = small_costs(bytes_per_expert=spec.bytes_per_expert(llm.hybrid.expert_dtype), num_moe_layers=2)
+    model = PassCostModel(GPUProfile("this-cpu", 1e10, 1e11, 1e10, 1e-6), costs, TierFit(1e-5, 1e-7, 1e-5, 0.0, 0),
+                          HostCosts(1e-6, 0.0, 0.0), device_is_host=True, tiers_overlap=False)
+    before = llm.placement.clone()
+    out = measure_both_tiers_seconds(llm.hybrid, model, ratio=0.75, tokens=8, repeats=3)
+    assert torch.equal(llm.placement, before)
+    assert out["layers_with_both_tiers"] >= 1 and out["measured_seconds"] > 0
+    assert out["both_tiers_seconds"] == pytest.approx(
+        (out["measured_seconds"] - out["predicted_seconds"]) / out["layers_with_both_tiers"])
+
+
+def test_cpu_fit_recovers_a_b_c_and_keeps_them_non_negative():
+    rows = torch.tensor([[d, p, 1.0] for d in (0, 1, 2, 4, 8) for p in (0, 4, 64) if (d == 0) == (p == 0)],
+                        dtype=torch.float64)
+    fit = fit_abc(rows, rows @ torch.tensor([2e-4, 3e-6, 5e-5], dtype=torch.float64))
+    assert (fit.per_expert, fit.per_pair, fit.per_call) == pytest.approx((2e-4, 3e-6, 5e-5), rel=1e-6)
+    negative = fit_abc(rows, rows @ torch.tensor([2e-4, -1e-6, 5e-5], dtype=torch.float64))
+    assert min(negative.per_expert, negative.per_pair, negative.per_call) >= 0
+
+
+def test_model_costs_count_the_work_of_a_pass(llm):
+    before = llm.placement.clone()
+    costs = measure_model_costs(llm, lambda m: make_engine(m, 1, 64))
+    assert torch.equal(llm.placement, before)  # the placement is restored
+    assert costs.per_expert.ops >= costs.per_expert.kernels > 0
+    assert costs.per_sequence.ops > costs.per_layer.ops > 0 and costs.per_cpu_call.ops > 0
+    assert costs.bytes_per_expert == 3 * 64 * 32 * 4 and costs.num_moe_layers == 2
+
+
+def test_profiles_round_trip_through_json(tmp_path):
+    profile = GPUProfile("mine", 2e12, 3e14, 4e10, 6e-6)
+    assert load_profile(str(save_profile(profile, tmp_path / "p.json", measured_by="test"))) == profile
+
+
+def test_bench_placement_estimates_without_cuda_and_labels_it(model_dir, dataset, tmp_path):
+    out, plot, md = tmp_path / "r.json", tmp_path / "r.png", tmp_path / "r.md"
+    result = cli("bench", "placement", "--model", str(model_dir), "--dataset", str(dataset), "--num-prompts", "6",
+                 "--calibration-prompts", "6", "--output-len", "8", "--heldout-fraction", "0.5", "--ratios", "0,0.5,1",
+                 "--concurrency", "4", "--repeats", "1", "--prefill-threshold", "16", "--max-prompt-tokens", "120",
+                 "--out", str(out), "--plot", str(plot), "--markdown", str(md))
+    assert result.returncode == 0, result.stderr
+    assert "[placement]" in result.stderr  # progress
+    data = json.loads(out.read_text())
+    assert data["mode"] == "estimated" and data["estimated"] and "ESTIMATE" in data["label"]
+    assert len(data["cells"]) == 3 * 7 and all(c["estimated"] for c in data["cells"])
+    by = {(c["strategy"], c["ratio"]): c for c in data["cells"]}
+    assert all(by[(s, 1.0)]["hit_rate"] == 1.0 for s in data["strategies"])
+    static = [s for s in data["strategies"] if s not in ("dynamic", "adaptive")]
+    assert all(by[(s, 0.0)]["hit_rate"] == 0.0 for s in static)
+    assert by[("dynamic", 0.0)]["hit_rate"] > 0 and by[("dynamic", 0.0)]["expert_bytes_copied"] > 0  # layerwise
+    assert by[("frequency", 0.5)]["hit_rate"] >= by[("uniform", 0.5)]["hit_rate"] - 0.1
+    assert all(c["output_tokens_per_s"] > 0 and c["ttft_seconds"]["mean"] > 0 for c in data["cells"])
+    assert "| GPU Expert Ratio | random | uniform |" in result.stdout and "| 50% |" in result.stdout
+    assert "ESTIMATE" in result.stdout.split("\n")[0]
+    assert md.read_text() == result.stdout.rstrip("\n") + "\n" or md.read_text().strip() == result.stdout.strip()
+    assert plot.stat().st_size > 10_000
+
+
+def test_this_cpu_validates_the_cost_model_against_a_measurement(model_dir, workloads):
+    config = PlacementBenchConfig(spec_of("unused"), model=model_dir, ratios=(0.25, 0.5),
+                                  strategies=("uniform", "frequency"), gpu_profile="this-cpu", concurrency=4,
+                                  repeats=1, prefill_threshold=None)
+    result = run_placement_bench(config, lambda message: None, workloads)
+    assert [(v["strategy"], v["ratio"]) for v in result.validation] == [
+        ("uniform", 0.25), ("uniform", 0.5), ("frequency", 0.25), ("frequency", 0.5)]
+    for v in result.validation:
+        assert v["measured_seconds"] > 0 and v["estimated_seconds"] > 0
+        assert v["within_tolerance"] == (abs(v["relative_error"]) <= 0.15)
+    assert result.gpu_profile["name"] == "this-cpu" and result.calibration["host"]["op_seconds"] > 0
+
+
+def test_calibration_and_validation_ratios_must_differ():
+    from tiermoe.errors import TiermoeError
+
+    with pytest.raises(TiermoeError, match="must differ"):
+        PlacementBenchConfig(spec_of("x"), calibration_ratios=(0.0, 0.5), validation_ratios=(0.5,))
+
+
+def test_bench_placement_rejects_unknown_strategies(dataset):
+    result = cli("bench", "placement", "--dataset", str(dataset), "--strategies", "uniform,magic")
+    assert result.returncode == 2 and "magic" in result.stderr
+
+
+def test_gpu_check_runs_end_to_end_without_a_gpu(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--quick"], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    checks = report["checks"]
+    assert checks["exactness"]["status"] == "pass" and checks["layerwise_prefill"]["status"] == "pass"
+    if not torch.cuda.is_available():
+        assert checks["pinned_async_copies"]["status"] == "skipped"
+        assert checks["auto_memory_budget"]["status"] == "skipped"
+        assert "no CUDA" in done.stderr
+    assert checks["cost_model_calibration"]["status"] in ("info", "pass")

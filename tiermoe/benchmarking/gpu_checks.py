@@ -1,0 +1,230 @@
+"""The individual checks of `benchmarks/gpu_check.sh` (run by tiermoe.benchmarking.gpu_check).
+
+Each takes a checkpoint or a loaded model and the device, and returns a dict: status pass / fail / info /
+skipped (with a reason), and its figures. CUDA-only ones say "skipped: no CUDA" on a CPU-only machine; the rest
+then run with the GPU tier on the CPU device.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from tiermoe.benchmarking.device_profile import measure_profile
+from tiermoe.benchmarking.placement import PlacementBenchConfig, THIS_CPU, run_placement_bench
+from tiermoe.benchmarking.placement_live import measure_configuration
+from tiermoe.benchmarking.placement_traffic import strategy_mask
+from tiermoe.benchmarking.placement_workload import Workload, WorkloadSpec
+from tiermoe.placement.cost import BandwidthCostModel
+from tiermoe.placement.profiles import save_profile
+
+EXACT_TOLERANCE = 1e-3  # max |a - ref| / max |ref| of fp32 logits
+
+
+def token_workload(name: str, num: int, prompt_len: int, output_len: int, vocab: int, seed: int) -> Workload:
+    """Random token-id requests (make-model checkpoints have no tokenizer)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = tuple(tuple(torch.randint(3, vocab, (max(1, prompt_len // 2 + i * prompt_len // (2 * num)),),
+                                        generator=gen).tolist()) for i in range(num))
+    lens = tuple(max(1, output_len // 2 + (i * output_len) // (2 * num)) for i in range(num))
+    return Workload(name, prompts, lens)
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.float().cpu() - ref.float().cpu()).abs().max() / ref.float().abs().max())
+
+
+def uniform_mask(spec, ratio: float) -> torch.Tensor:
+    return strategy_mask("uniform", spec.moe_row_mask(), spec.num_experts, ratio, None)
+
+
+def _logits(llm, ids: torch.Tensor) -> torch.Tensor:
+    return llm.hybrid(input_ids=ids.to(llm.hybrid.gpu_device)).logits.float().cpu()
+
+
+def check_exactness(ckpt: Path, device: str, ratios) -> dict:
+    from tiermoe.engine.llm import LLM
+
+    ids = torch.randint(3, 200, (1, 24), generator=torch.Generator().manual_seed(1))
+    with LLM(ckpt, gpu_device="cpu", dtype=torch.float32, progress=False) as ref_llm:
+        ref = _logits(ref_llm, ids)
+    errors = {}
+    for ratio in ratios:
+        with LLM(ckpt, gpu_device=device, dtype=torch.float32, progress=False,
+                 placement=uniform_mask(ref_llm.hybrid.spec, ratio)) as llm:
+            errors[f"{ratio:g}"] = rel_err(_logits(llm, ids), ref)
+    worst = max(errors.values())
+    return {"status": "pass" if worst <= EXACT_TOLERANCE else "fail", "device": device,
+            "relative_error_by_ratio": errors, "tolerance": EXACT_TOLERANCE}
+
+
+def _best(fn, sync, repeats=5) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def check_overlap(llm, tokens: int) -> dict:
+    """One MoE layer, half its experts per tier: both tiers together against each alone."""
+    hybrid = llm.hybrid
+    spec = hybrid.spec
+    device = hybrid.gpu_device
+    hybrid.apply_mask(uniform_mask(spec, 0.5))
+    block = next(iter(hybrid.blocks.values()))
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        x = torch.randn(tokens, spec.hidden_size, device=device).to(hybrid.expert_dtype)
+        _, weights, ids = getattr(block, spec.router_attr)(x)
+        on_gpu = block.gpu_mask_E[ids]
+        cpu_ids, gpu_ids = ids.masked_fill(on_gpu, -1), ids.masked_fill(~on_gpu, -1)
+
+        def cpu_only():
+            block.cpu_tier.submit(x.cpu(), cpu_ids.cpu(), weights.cpu())
+            block.cpu_tier.sync()
+
+        t_cpu = _best(cpu_only, sync)
+        t_gpu = _best(lambda: block.gpu_tier.forward(x, gpu_ids, weights), sync)
+        t_both = _best(lambda: block.forward_tokens(x[None]), sync)
+    hidden = max(0.0, t_cpu + t_gpu - t_both) / max(1e-12, min(t_cpu, t_gpu))
+    result = {"tokens": tokens, "cpu_tier_ms": 1e3 * t_cpu, "gpu_tier_ms": 1e3 * t_gpu, "hybrid_layer_ms": 1e3 * t_both,
+              "overlap_of_shorter_tier": min(1.0, hidden)}
+    if device.type != "cuda":
+        return {"status": "info", "reason": "GPU tier on the CPU: both tiers share the cores, no overlap expected",
+                **result}
+    return {"status": "pass" if t_both < 0.95 * (t_cpu + t_gpu) else "fail", **result}
+
+
+def check_pinned_copies(llm) -> dict:
+    from tiermoe.experts.copier import AsyncCopier
+
+    hybrid = llm.hybrid
+    device = hybrid.gpu_device
+    if device.type != "cuda":
+        return {"status": "skipped", "reason": "no CUDA"}
+    hybrid.apply_mask(uniform_mask(hybrid.spec, 0.0))
+    experts = [(block, e) for block in hybrid.blocks.values() for e in range(hybrid.spec.num_experts)
+               if e in block.cpu_tier]
+    pinned = all(t.is_pinned() for block, e in experts for t in block.cpu_tier.get(e).tensors())
+    batch = [block.cpu_tier.get(e) for block, e in experts[:32]]
+    nbytes = sum(w.nbytes for w in batch)
+    copier = AsyncCopier()
+    try:
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        tickets = [copier.start(w, device) for w in batch]
+        started = time.perf_counter() - start
+        landed_at_start = sum(t.landed() for t in tickets)
+        for t in tickets:
+            t.result()
+        total = time.perf_counter() - start
+    finally:
+        copier.close()
+    pageable = [w.to("cpu") for w in batch]  # fresh, unpinned host copies
+
+    def copy_pageable():
+        for w in pageable:
+            w.to(device)
+
+    t_pageable = _best(copy_pageable, lambda: torch.cuda.synchronize(device), 3)
+    ok = pinned and started < total
+    return {"status": "pass" if ok else "fail", "cpu_tier_pinned": pinned, "experts_copied": len(batch),
+            "start_ms": 1e3 * started, "landed_ms": 1e3 * total, "landed_when_start_returned": landed_at_start,
+            "pinned_async_gb_s": nbytes / total / 1e9, "pageable_gb_s": nbytes / t_pageable / 1e9}
+
+
+def check_auto_budget(ckpt: Path, device: str) -> dict:
+    from tiermoe.config import PlacementConfig
+    from tiermoe.engine.llm import LLM
+    from tiermoe.model.placement_target import placement_target
+    from tiermoe.placement.planner import make_plan
+
+    if not device.startswith("cuda"):
+        return {"status": "skipped", "reason": "no CUDA (--gpu-memory-gb auto reads free CUDA memory)"}
+    config = PlacementConfig(strategy="uniform", gpu_memory_gb="auto")
+    plan = make_plan(config, placement_target(ckpt), device)
+    with LLM(ckpt, gpu_device=device, placement=config, progress=False) as llm:
+        on_gpu = int(llm.placement.sum())
+        gpu_bytes = llm.hybrid.tier_bytes().gpu_experts
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    ok = on_gpu == plan.budget["total_gpu_experts"] and on_gpu > 0
+    return {"status": "pass" if ok else "fail", "gpu_experts": on_gpu, "planned": plan.budget,
+            "gpu_expert_bytes": gpu_bytes, "free_after_gib": free / 2**30, "total_gib": total / 2**30}
+
+
+def check_layerwise_prefill(ckpt: Path, device: str, threshold: int) -> dict:
+    from tiermoe.config import DynamicPlacementConfig
+    from tiermoe.engine.llm import LLM
+
+    ids = torch.randint(3, 200, (1, 2 * threshold), generator=torch.Generator().manual_seed(2))
+    with LLM(ckpt, gpu_device="cpu", dtype=torch.float32, progress=False) as ref_llm:
+        ref = _logits(ref_llm, ids)
+        spec = ref_llm.hybrid.spec
+    with LLM(ckpt, gpu_device=device, dtype=torch.float32, progress=False, placement=uniform_mask(spec, 0.25),
+             dynamic=DynamicPlacementConfig(prefill_threshold=threshold)) as llm:
+        out = _logits(llm, ids)
+        streamer = next(iter(llm.hybrid.blocks.values())).prefill_streamer
+        batches = streamer.batches
+    err = rel_err(out, ref)
+    ok = batches > 0 and err <= EXACT_TOLERANCE
+    return {"status": "pass" if ok else "fail", "device": device, "threshold": threshold, "prompt_tokens": ids.shape[1],
+            "streamed_batches": batches, "relative_error": err}
+
+
+def check_serving(llm, workload: Workload, ratios, concurrency: int) -> dict:
+    spec = llm.hybrid.spec
+    bpe = spec.bytes_per_expert(llm.hybrid.expert_dtype)
+    cost = BandwidthCostModel(bpe)
+    rows = {}
+    measure_configuration(llm, workload, "uniform", ratios[0], None, concurrency, 512, None, cost)  # warm-up
+    for ratio in ratios:
+        timing, traffic = measure_configuration(llm, workload, "uniform", ratio, None, concurrency, 512, None, cost)
+        rows[f"{ratio:g}"] = {"output_tokens_per_s": timing.output_tokens_per_s,
+                              "total_tokens_per_s": timing.total_tokens_per_s,
+                              "ttft_mean_ms": 1e3 * timing.ttft_summary()["mean"],
+                              "hit_rate": traffic["gpu_pairs"] / max(1, traffic["pairs"])}
+    return {"status": "info", "device": str(llm.hybrid.gpu_device), "workload": workload.describe(),
+            "concurrency": concurrency, "by_ratio": rows}
+
+
+def check_calibration(ckpt: Path, device: str, out_dir: Path, workloads, ratios, quick: bool) -> dict:
+    """Measure this device's profile, then estimate (GPU tier on the CPU, this profile) vs measure (on the device)."""
+    from tiermoe.arch import detect, load_config
+
+    spec = detect(load_config(ckpt))
+    bench = dict(workload=WorkloadSpec("token-ids"), model=ckpt, ratios=tuple(ratios),
+                 strategies=("uniform", "frequency"), concurrency=4 if quick else 8, repeats=1,
+                 prefill_threshold=None, calibration_ratios=(0.0, 1.0), validation_ratios=(0.5,) if quick else
+                 (0.25, 0.5), validation_strategies=("uniform",))
+    quiet = lambda message: None  # noqa: E731
+    if not device.startswith("cuda"):
+        result = run_placement_bench(PlacementBenchConfig(gpu_profile=THIS_CPU, **bench), quiet, workloads)
+        return {"status": "info", "reason": "no CUDA: the this-cpu validation instead",
+                "validation": result.validation, "host": result.calibration["host"],
+                "cpu_backend": result.calibration["cpu_backend"], "this_cpu_profile": result.gpu_profile}
+    profile = measure_profile(device, spec.hidden_size, spec.expert_intermediate_size, spec.dtype,
+                              spec.total_routed_experts * spec.bytes_per_expert())
+    path = save_profile(profile, out_dir / "gpu_profile.json", measured_by="benchmarks/gpu_check.sh",
+                        torch=torch.__version__)
+    estimated = run_placement_bench(PlacementBenchConfig(gpu_profile=str(path), gpu_device="cpu", **bench), quiet,
+                                    workloads)
+    measured = run_placement_bench(PlacementBenchConfig(gpu_profile=str(path), gpu_device=device, **bench), quiet,
+                                   workloads)
+    rows = []
+    for cell in measured.cells:
+        est = estimated.get(cell.strategy, cell.ratio)
+        rows.append({"strategy": cell.strategy, "ratio": cell.ratio,
+                     "measured_output_tokens_per_s": cell.output_tokens_per_s,
+                     "estimated_output_tokens_per_s": est.output_tokens_per_s,
+                     "relative_error": est.output_tokens_per_s / cell.output_tokens_per_s - 1,
+                     "measured_hit_rate": cell.hit_rate, "estimated_hit_rate": est.hit_rate})
+    return {"status": "info", "profile": profile.as_dict(), "profile_file": str(path),
+            "estimate_vs_measurement": rows, "host": estimated.calibration["host"],
+            "cpu_backend": estimated.calibration["cpu_backend"]}

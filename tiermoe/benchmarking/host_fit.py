@@ -1,0 +1,102 @@
+"""The host's costs on this machine: one dispatched op, and per engine step and per sequence forward.
+
+1. t_op (measure_op_seconds): the tiers' expert loop timed on tiny experts, where nothing but dispatch costs
+   time (Python, the dispatcher, launching): seconds per op. Not fitted on runs: a pass's ops grow with its
+   sequences, so t_op and t_seq would be confounded there.
+2. t_step and t_seq (fit_host_costs), on timed calibration runs (by default every expert on the CPU tier, and
+   every expert on the GPU tier on the CPU device), never on the configurations the cost model is validated on:
+       measured_p - model_p(t_step = 0, t_seq = ops_seq x t_op) = t_step + extra_seq x sequences_p
+   A sequence forward costs at least dispatching its ops; `extra_seq` (thread hand-offs, Python between ops) is
+   what the runs show beyond that. Least squares over every pass of every run, both >= 0; absolute error, so the
+   fit is best where the time is (the total of a run). In a run with a single tier per layer, how the tiers
+   combine does not matter.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from tiermoe.benchmarking.model_costs import count_expert_ops
+from tiermoe.benchmarking.pass_cost import HostCosts, PassCostModel
+from tiermoe.benchmarking.placement_traffic import PassShapes, Traffic
+
+
+def fit_host_costs(model: PassCostModel, shapes: PassShapes, runs: list[tuple[str, Traffic, list[float]]]
+                   ) -> HostCosts:
+    """runs: (label, traffic of that run's placement, measured seconds of each pass). `model` must have
+    device_is_host True (the runs had the GPU tier on this CPU); its host op_seconds is kept, the rest fitted."""
+    if not model.device_is_host:
+        raise ValueError("host costs are fitted on runs with the GPU tier on the host CPU")
+    op = model.host.op_seconds
+    floor = op * model.model.per_sequence.ops
+    zero = replace(model, host=HostCosts(op, 0.0, floor))
+    xs, ys = [], []
+    for _, traffic, seconds in runs:
+        measured = torch.tensor(seconds, dtype=torch.float64)
+        if measured.numel() != shapes.num_passes:
+            raise ValueError(f"a calibration run has {measured.numel()} steps, the trace {shapes.num_passes} passes")
+        xs.append(torch.stack([torch.ones(shapes.num_passes, dtype=torch.float64), shapes.seqs_P.double()], dim=1))
+        ys.append(measured - zero.pass_seconds_P(shapes, traffic))
+    x, y = torch.cat(xs), torch.cat(ys)
+    coef = _bounded_lstsq(x, y, lower=(0.0, 0.0))
+    residual = y - x @ coef
+    n = shapes.num_passes
+    totals = {label: {"measured_seconds": float(sum(s)),
+                      "fitted_seconds": float(sum(s)) - float(residual[i * n:(i + 1) * n].sum())}
+              for i, (label, _, s) in enumerate(runs)}
+    return HostCosts(op_seconds=op, step_seconds=float(coef[0]), sequence_seconds=floor + float(coef[1]),
+                     fit={"runs": totals, "passes": int(y.numel()),
+                          "rms_pass_error_seconds": float(residual.pow(2).mean().sqrt())})
+
+
+def measure_op_seconds(act, device="cpu", experts: int = 8, repeats: int = 20) -> float:
+    """Seconds per op the host spends dispatching the tiers' expert loop: `experts` tiny experts against one,
+    divided by the ops that adds (on CUDA this is host dispatch or launch, whichever is slower)."""
+    from tiermoe.experts.ffn import routed_experts_forward
+    from tiermoe.experts.weights import ExpertWeights
+
+    device = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    weights = {e: ExpertWeights(torch.randn(8, 8, device=device), torch.randn(8, 4, device=device))
+               for e in range(experts)}
+    x = torch.randn(experts, 8, device=device)
+    w = torch.ones(experts, 1, device=device)
+    one = torch.zeros(experts, 1, dtype=torch.long, device=device)
+    many = torch.arange(experts, device=device)[:, None]
+
+    def best(ids) -> float:
+        times = []
+        with torch.inference_mode():
+            for _ in range(repeats + 1):
+                sync()
+                start = time.perf_counter()
+                routed_experts_forward(weights, x, ids, w, act)
+                sync()
+                times.append(time.perf_counter() - start)
+        return min(times[1:])
+
+    return max(0.0, best(many) - best(one)) / ((experts - 1) * count_expert_ops(act).ops)
+
+
+def _bounded_lstsq(x: torch.Tensor, y: torch.Tensor, lower: tuple[float, ...]) -> torch.Tensor:
+    """Least squares with coefficient j >= lower[j]: a coefficient below its bound is fixed there and the rest
+    refitted, until all are within bounds. A column of zeros (nothing to identify it) gets its bound clipped to 0."""
+    coef = torch.zeros(x.shape[1], dtype=torch.float64)
+    free = [j for j in range(x.shape[1]) if bool(x[:, j].abs().sum() > 0)]
+    fixed: dict[int, float] = {}
+    while free:
+        rest = y - sum((x[:, j] * v for j, v in fixed.items()), torch.zeros_like(y))
+        sol = torch.linalg.lstsq(x[:, free], rest[:, None]).solution[:, 0]
+        low = [j for j, v in zip(free, sol.tolist()) if v < lower[j]]
+        if not low:
+            coef[free] = sol
+            break
+        for j in low:
+            fixed[j] = lower[j]
+            free.remove(j)
+    for j, v in fixed.items():
+        coef[j] = v
+    return coef

@@ -1,0 +1,161 @@
+"""What one forward pass of a loaded model costs in work, counted on the model itself (no timing).
+
+The cost model needs, per pass: framework ops the host dispatches and kernels a device runs (small models are
+bound by these, not by bytes), weight bytes read and flops. They are counted once, structurally:
+- ops: a TorchDispatchMode counts every aten op of a one-sequence decode step on the calling thread (views
+  included: they cost the host a dispatch; `kernels` leaves them out: they launch nothing on a GPU). MoE block
+  ops are told apart with forward hooks; per-expert ops from direct calls of the tiers' feed-forward.
+- bytes: every non-expert weight is read once per sequence per pass (each sequence runs its own forward; the
+  embedding only by rows, so it counts only when it doubles as the tied LM head); KV cache per context token.
+- flops: 2 per weight per token, the LM head once per sequence (logits of the last position only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tiermoe.engine.sampling import SamplingParams
+from tiermoe.experts.ffn import routed_experts_forward
+from tiermoe.placement.budget import kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class OpCount:
+    ops: float  # aten ops the host dispatches
+    kernels: float  # of which not views (a GPU launches a kernel for each)
+
+    def __add__(self, other: OpCount) -> OpCount:
+        return OpCount(self.ops + other.ops, self.kernels + other.kernels)
+
+    def scaled(self, factor: float) -> OpCount:
+        return OpCount(self.ops * factor, self.kernels * factor)
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """Work of one pass, by the unit it scales with. Bytes and flops are per call of that unit."""
+
+    per_sequence: OpCount  # non-expert forward of one sequence (attention, norms, LM head, sampling)
+    per_layer: OpCount  # one MoE block call, routed experts aside (router, split, combine, empty tier calls)
+    per_cpu_call: OpCount  # extra ops of a block whose CPU tier holds experts (submit, copies, sync, add)
+    per_expert: OpCount  # one distinct expert computed by the GPU tier
+    sequence_bytes: int  # non-expert weights read per sequence per pass
+    sequence_flops: float  # LM head flops per sequence per pass
+    token_flops: float  # non-expert flops per token (attention projections, router, shared experts)
+    attention_flops_per_context: float  # per token and context position (QK^T and PV)
+    kv_bytes_per_token: int  # KV cache bytes per context token (all layers)
+    bytes_per_expert: int
+    flops_per_pair: float  # one token through one expert
+    hidden_bytes: int  # one token's hidden state (a row crossing PCIe to and from the CPU tier)
+    num_moe_layers: int
+    num_experts: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts aten ops on this thread, split into 'block' (inside a HybridMoE) and the rest."""
+
+    def __init__(self):
+        super().__init__()
+        self.inside = 0
+        self.counts = {"block": [0, 0], "rest": [0, 0]}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        slot = self.counts["block" if self.inside else "rest"]
+        slot[0] += 1
+        slot[1] += 0 if func.is_view else 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_expert_ops(act, hidden: int = 8, inter: int = 4) -> OpCount:
+    """Ops per distinct expert of the tiers' feed-forward: 2 experts minus 1 (shapes do not change the count)."""
+    from tiermoe.experts.weights import ExpertWeights
+
+    experts = {e: ExpertWeights(torch.randn(2 * inter, hidden), torch.randn(hidden, inter)) for e in range(2)}
+    x = torch.randn(2, hidden)
+    weights = torch.ones(2, 1)
+    counted = []
+    for ids in (torch.tensor([[0], [0]]), torch.tensor([[0], [1]])):
+        counter = _OpCounter()
+        with torch.inference_mode(), counter:
+            routed_experts_forward(experts, x, ids, weights, act)
+        counted.append(counter.counts["rest"])
+    return OpCount(counted[1][0] - counted[0][0], counted[1][1] - counted[0][1])
+
+
+def _count_decode_step(llm, engine_factory) -> tuple[list[int], list[int]]:
+    """(block ops, other ops) of one decode step of one sequence at the current placement."""
+    engine = engine_factory(llm)
+    counter = _OpCounter()
+    hooks = []
+    for block in llm.hybrid.blocks.values():
+        hooks.append(block.register_forward_pre_hook(lambda *a: setattr(counter, "inside", counter.inside + 1)))
+        hooks.append(block.register_forward_hook(lambda *a: setattr(counter, "inside", counter.inside - 1)))
+    try:
+        engine.add([1, 2, 3, 4], SamplingParams(max_tokens=3, ignore_eos=True))
+        engine.step()  # prefill: builds the cache
+        with counter:
+            engine.step()  # one decode token
+        engine.run_to_completion()
+    finally:
+        for h in hooks:
+            h.remove()
+        engine.close()
+    return counter.counts["block"], counter.counts["rest"]
+
+
+def measure_model_costs(llm, engine_factory) -> ModelCosts:
+    """Count `llm`'s work per pass. Moves every expert to the GPU tier, then to the CPU tier, and back to the
+    placement it had (the GPU tier must be able to hold all experts: a CPU gpu_device or a model that fits).
+
+    engine_factory(llm) -> a fresh Engine on llm's model (one sequence at a time is enough).
+    """
+    hybrid = llm.hybrid
+    spec = hybrid.spec
+    m, k = spec.num_moe_layers, spec.top_k
+    original = hybrid.mask
+    expert = count_expert_ops(next(iter(hybrid.blocks.values())).gpu_tier.act)
+    try:
+        hybrid.apply_mask(spec.moe_row_mask()[:, None].expand(-1, spec.num_experts).clone())
+        gpu_block, rest = _count_decode_step(llm, engine_factory)  # one token: k distinct experts per layer
+        hybrid.apply_mask(torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.bool))
+        cpu_block, _ = _count_decode_step(llm, engine_factory)
+    finally:
+        hybrid.apply_mask(original)
+    per_layer = OpCount(gpu_block[0] / m, gpu_block[1] / m) + expert.scaled(-k)
+    per_cpu_call = OpCount(cpu_block[0] / m - per_layer.ops, cpu_block[1] / m - per_layer.kernels)
+    return ModelCosts(
+        per_sequence=OpCount(*rest), per_layer=per_layer, per_cpu_call=per_cpu_call, per_expert=expert,
+        **_bytes_and_flops(llm))
+
+
+def _bytes_and_flops(llm) -> dict:
+    hybrid = llm.hybrid
+    model, spec, config = hybrid.model, hybrid.spec, hybrid.config
+    params = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    numel = sum(p.numel() for p in params.values())
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    head_numel = head.weight.numel() if head is not None else 0
+    tied = head is not None and head.weight is embed
+    # the embedding is read by rows only, unless it is also the LM head, which reads all of it
+    sequence_bytes = total if tied else total - embed.numel() * embed.element_size()
+    layer_numel = numel - embed.numel() - (0 if tied else head_numel)
+    text = getattr(config, "text_config", None) or config
+    heads = getattr(text, "num_attention_heads", 0)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // max(1, heads))
+    itemsize = embed.element_size()
+    return {
+        "sequence_bytes": int(sequence_bytes), "sequence_flops": 2.0 * head_numel, "token_flops": 2.0 * layer_numel,
+        "attention_flops_per_context": 4.0 * heads * head_dim * spec.num_layers,
+        "kv_bytes_per_token": kv_bytes_per_token(text, itemsize),
+        "bytes_per_expert": spec.bytes_per_expert(hybrid.expert_dtype),
+        "flops_per_pair": 2.0 * spec.params_per_expert, "hidden_bytes": spec.hidden_size * itemsize,
+        "num_moe_layers": spec.num_moe_layers, "num_experts": spec.num_experts,
+    }

@@ -1,0 +1,137 @@
+"""The cost model that turns a pass's traffic into seconds: measured CPU tier, profiled GPU tier, host overhead.
+
+Per pass p (sequences s, MoE layers m):
+    T_p = t_step                                                            host: engine bookkeeping, sampling
+        + sum_s  t_seq (+) [kernels_seq x launch + roofline(weights + KV read, flops)]   each sequence's non-expert
+                                                                            forward: host dispatch, device work
+        + sum_m [ dispatch(ops_layer) + cpu_called x t_op x ops_cpu_call    router, split, combine
+                  + combine( CPU tier: a d_c + b p_c + c (+ hidden rows over PCIe),
+                             GPU tier: dispatch(d_g ops_expert) (+) roofline(d_g expert bytes, p_g pair flops) ) ]
+        + copies that block (layerwise prefill streaming; on one CPU also swap copies)
+- The CPU tier (a, b, c) is measured on this machine's CPU backend (tier_fit).
+- The GPU tier, the non-expert device work and copies come from a GPUProfile (bandwidth, flops, PCIe, launch).
+- Host costs are measured on this machine and carried to the estimate (the GPU machine's host runs the same
+  Python): t_op per op dispatched in the MoE blocks, from the GPU tier timed on this CPU (tier_fit); t_step per
+  step and t_seq per sequence forward (its dispatch and thread hand-offs), fitted on timed runs (host_fit).
+- With a GPU beside the CPU (`device_is_host` False) the device runs behind the host, so host (+) device is
+  max(host seconds, kernels x launch + roofline). With the GPU tier on the host CPU (this-cpu) the caller thread
+  computes it itself, so host and device time add up, the layerwise streamer copies nothing (the weights are
+  already there), and swap copies take the cores' time.
+- `tiers_overlap`: beside a GPU the CPU tier computes while the GPU tier does (combine = max). On one CPU they
+  take turns (combine = sum: they share cores, caches and memory bandwidth), and a layer in which both compute
+  pays `both_tiers_seconds` more (the caller and the CPU tier's worker contend for the GIL and the caches);
+  tier_contention measures it on a split no validation uses.
+Legend: P passes, M MoE layers, S (pass, sequence) rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from tiermoe.benchmarking.tier_fit import TierFit
+from tiermoe.benchmarking.model_costs import ModelCosts, OpCount
+from tiermoe.benchmarking.placement_traffic import PassShapes, Traffic
+from tiermoe.placement.cost import BandwidthCostModel
+from tiermoe.placement.profiles import GPUProfile
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """Host-side seconds, fitted on timed runs of this machine (see host_fit)."""
+
+    op_seconds: float  # per framework op dispatched in a MoE block (Python, dispatcher, small-tensor kernels)
+    step_seconds: float  # per engine step
+    sequence_seconds: float  # per sequence in a step: dispatching its non-expert forward, thread hand-offs
+    fit: dict | None = None  # how they were fitted: runs, passes, residual
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PassCostModel:
+    profile: GPUProfile
+    model: ModelCosts
+    cpu: TierFit
+    host: HostCosts
+    device_is_host: bool  # the GPU tier runs on the host CPU (this-cpu), in the caller thread
+    tiers_overlap: bool = True  # the CPU tier computes while the GPU tier does (a device of its own)
+    both_tiers_seconds: float = 0.0  # extra per layer call in which both tiers compute (one CPU), measured
+
+    # ---- building blocks (tensor-friendly) -------------------------------------------------------------
+    def _combine(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(a, b) if self.tiers_overlap else a + b
+
+    def _dispatch(self, count: OpCount, times: torch.Tensor, device_seconds: torch.Tensor) -> torch.Tensor:
+        """`times` x count ops issued by the host and run by the device, plus `device_seconds` of device work."""
+        host = self.host.op_seconds * count.ops * times
+        if self.device_is_host:
+            return host + device_seconds
+        return torch.maximum(host, self.profile.launch_overhead * count.kernels * times + device_seconds)
+
+    def _roofline(self, nbytes: torch.Tensor, flops: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(nbytes / self.profile.memory_bandwidth, flops / self.profile.compute_flops)
+
+    # ---- per pass ----------------------------------------------------------------------------------------
+    def fixed_seconds_P(self, shapes: PassShapes) -> torch.Tensor:
+        """Placement-independent seconds per pass: host step costs and every sequence's non-expert forward."""
+        mc = self.model
+        tokens = shapes.row_tokens_S.double()
+        context = shapes.row_context_S.double()
+        nbytes = mc.sequence_bytes + context * mc.kv_bytes_per_token
+        flops = mc.sequence_flops + tokens * mc.token_flops + tokens * context * mc.attention_flops_per_context
+        device = self._roofline(nbytes, flops)
+        host = torch.full_like(device, self.host.sequence_seconds)
+        if self.device_is_host:
+            per_row = host + device
+        else:
+            per_row = torch.maximum(host, self.profile.launch_overhead * mc.per_sequence.kernels + device)
+        rows = torch.zeros(shapes.num_passes, dtype=torch.float64).index_add_(0, shapes.row_pass_S, per_row)
+        seqs = shapes.seqs_P.double()
+        layers = self._dispatch(mc.per_layer, torch.full_like(seqs, mc.num_moe_layers), torch.zeros_like(seqs))
+        return self.host.step_seconds + rows + layers
+
+    def moe_seconds_P(self, traffic: Traffic, tokens_P: torch.Tensor) -> torch.Tensor:
+        """Placement-dependent seconds per pass: both tiers of every MoE layer, and blocking copies."""
+        cpu, gpu, host_cpu_call = self._tiers_PM(traffic, tokens_P)
+        both = ((traffic.cpu_distinct_PM > 0) & (traffic.gpu_distinct_PM > 0)).double() * self.both_tiers_seconds
+        layers = (host_cpu_call + self._combine(cpu, gpu) + both).sum(-1)
+        copy = self.model.bytes_per_expert / self.profile.pcie_bandwidth
+        blocking = traffic.swap_copies_P.double() * copy if self.device_is_host else \
+            traffic.streamed_P.double() * copy
+        return layers + blocking
+
+    def _tiers_PM(self, traffic: Traffic, tokens_P: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(CPU tier, GPU tier, host cost of calling the CPU tier) seconds per pass and MoE layer."""
+        mc = self.model
+        called = traffic.cpu_called_PM.double()
+        cpu = self.cpu.seconds(traffic.cpu_distinct_PM.double(), traffic.cpu_pairs_PM.double(), called)
+        if not self.device_is_host:  # the rows go to host memory and come back
+            cpu = cpu + called * tokens_P.double()[:, None] * 2 * mc.hidden_bytes / self.profile.pcie_bandwidth
+        gpu_d = traffic.gpu_distinct_PM.double()
+        gpu = self._dispatch(mc.per_expert, gpu_d, self._roofline(gpu_d * mc.bytes_per_expert,
+                                                                   traffic.gpu_pairs_PM.double() * mc.flops_per_pair))
+        gpu = torch.where(gpu_d > 0, gpu, torch.zeros_like(gpu))
+        return cpu, gpu, called * self.host.op_seconds * mc.per_cpu_call.ops
+
+    def pass_seconds_P(self, shapes: PassShapes, traffic: Traffic) -> torch.Tensor:
+        return self.fixed_seconds_P(shapes) + self.moe_seconds_P(traffic, shapes.tokens_P)
+
+    def bandwidth_model(self) -> BandwidthCostModel:
+        """The simple model the adaptive policy decides with, filled in from the measured figures."""
+        mc = self.model
+        return BandwidthCostModel(
+            bytes_per_expert=mc.bytes_per_expert,
+            cpu_read_bandwidth=mc.bytes_per_expert / max(self.cpu.per_expert, 1e-12),
+            gpu_read_bandwidth=self.profile.memory_bandwidth, copy_bandwidth=self.profile.pcie_bandwidth,
+            flops_per_pair=mc.flops_per_pair, cpu_flops=mc.flops_per_pair / max(self.cpu.per_pair, 1e-15),
+            gpu_flops=self.profile.compute_flops)
+
+
+def ttft_seconds(shapes: PassShapes, seconds_P: torch.Tensor) -> list[float]:
+    """Per request: from the start of its first pass to the end of the pass that samples its first token."""
+    end = torch.cumsum(seconds_P, 0)
+    start = end - seconds_P
+    return (end[shapes.first_token_pass_R] - start[shapes.first_pass_R]).tolist()

@@ -1,0 +1,95 @@
+"""Placement benchmark output: markdown tables in the layout of KTransformers' published one (rows = GPU expert
+ratio, columns = strategy), the validation table, and a plot of tokens/s against ratio per strategy.
+
+Estimated figures say so in every header and in the plot title.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tiermoe.benchmarking.placement_result import Cell, PlacementBenchResult
+
+# (title, how the figure was obtained: "throughput" figures are estimates in estimated mode, "traffic" ones are
+# exact replays of the measured workload), the value, its format
+FIELDS: list[tuple[str, str, Callable[[Cell], float], str]] = [
+    ("Output tokens/s", "throughput", lambda c: c.output_tokens_per_s, "{:.1f}"),
+    ("Total tokens/s (prompt + output)", "throughput", lambda c: c.total_tokens_per_s, "{:.1f}"),
+    ("Mean time to first token, ms", "throughput", lambda c: 1e3 * c.ttft_seconds["mean"], "{:.0f}"),
+    ("GPU-tier hit rate, %", "traffic", lambda c: 100 * c.hit_rate, "{:.1f}"),
+    ("CPU expert MB read per output token", "traffic", lambda c: c.cpu_expert_bytes_per_output_token / 1e6, "{:.2f}"),
+    ("Expert MB copied between tiers", "traffic", lambda c: c.expert_bytes_copied / 1e6, "{:.1f}"),
+]
+
+
+def how(result: PlacementBenchResult, kind: str) -> str:
+    profile = result.gpu_profile.get("name", "?")
+    if not result.estimated:
+        return "measured end to end"
+    if kind == "throughput":
+        return f"ESTIMATE: cost model, GPU profile {profile}, CPU tier measured on this machine"
+    return "exact: the measured workload's routing replayed through each placement"
+
+
+def table(result: PlacementBenchResult, value: Callable[[Cell], float], fmt: str, title: str) -> str:
+    lines = [f"**{title}**", "", "| GPU Expert Ratio | " + " | ".join(result.strategies) + " |",
+             "|---|" + "---|" * len(result.strategies)]
+    for ratio in result.ratios:
+        cells = [fmt.format(value(result.get(s, ratio))) for s in result.strategies]
+        lines.append(f"| {100 * ratio:.0f}% | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def validation_table(result: PlacementBenchResult) -> str:
+    if not result.validation:
+        return ""
+    runs = result.validation[0].get("runs", "?")
+    lines = ["**Cost-model validation: GPU tier on this CPU (profile this-cpu), estimate vs measurement of the same "
+             f"configuration** (measured: each pass's fastest time over {runs} interleaved runs, summed; the "
+             "fastest whole run beside it)", "",
+             "| strategy | ratio | measured s | fastest run s | estimated s | measured out tok/s | "
+             "estimated out tok/s | error | within tolerance |", "|---|---|---|---|---|---|---|---|---|"]
+    for v in result.validation:
+        lines.append(f"| {v['strategy']} | {v['ratio']:.2f} | {v['measured_seconds']:.2f} | "
+                     f"{v.get('measured_fastest_run_seconds', float('nan')):.2f} | {v['estimated_seconds']:.2f} | "
+                     f"{v['measured_output_tokens_per_s']:.1f} | {v['estimated_output_tokens_per_s']:.1f} | "
+                     f"{100 * v['relative_error']:+.1f}% | {'yes' if v['within_tolerance'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def markdown(result: PlacementBenchResult) -> str:
+    parts = [table(result, value, fmt, f"{title} ({how(result, kind)})") for title, kind, value, fmt in FIELDS]
+    check = validation_table(result)
+    if check:
+        parts.append(check)
+    return "\n\n".join(parts) + "\n"
+
+
+def plot(result: PlacementBenchResult, path: str) -> None:
+    """Output tokens/s against ratio per strategy, and hit rate beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    xs = [100 * r for r in result.ratios]
+    for strategy in result.strategies:
+        cells = [result.get(strategy, r) for r in result.ratios]
+        style = "--" if strategy in ("dynamic", "adaptive") else "-"
+        ax1.plot(xs, [c.output_tokens_per_s for c in cells], style, marker="o", label=strategy)
+        ax2.plot(xs, [100 * c.hit_rate for c in cells], style, marker="o", label=strategy)
+    estimate = " (ESTIMATE)" if result.estimated else " (measured)"
+    ax1.set(xlabel="GPU expert ratio (%)", ylabel="output tokens/s" + estimate, title="throughput" + estimate)
+    ax2.set(xlabel="GPU expert ratio (%)", ylabel="GPU-tier hit rate (%)", title="GPU-tier hit rate (exact)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)  # differences drawn to scale
+    ax1.legend(fontsize=8)
+    setup = result.setup
+    fig.suptitle(f"tiermoe bench placement: {setup.get('model_name', '?')}, {setup.get('dataset', '?')}, "
+                 f"GPU profile {result.gpu_profile.get('name', '?')}" + (" - throughput is a cost-model ESTIMATE"
+                                                                          if result.estimated else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
