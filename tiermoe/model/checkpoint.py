@@ -5,6 +5,10 @@ We parse the safetensors header ourselves (8-byte little-endian length, then JSO
 leaves no file-backed pages mapped into the process, so resident memory stays what the tiers hold, and a GPU-tier
 expert passes through one small host buffer only. Slices along the first dimension (one expert of a fused
 `[E, ...]` tensor) are contiguous on disk and are read without touching the other experts.
+
+FP8 block-quantised tensors (a `name_scale_inv` beside `name`) read into a non-FP8 destination are dequantised
+on the way (codes and scales of that one tensor or slice pass through a temporary), so every caller that asks for
+bf16/fp32 gets the true values; callers that keep FP8 read the codes and the scales themselves.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 import torch
 
 from tiermoe.errors import TiermoeError
+from tiermoe.model.fp8 import DEFAULT_BLOCK, FP8_DTYPES, dequantize_fp8, scale_name
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -102,8 +107,9 @@ class Checkpoint:
     Use as a context manager so that file handles are closed after loading.
     """
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, fp8_block: tuple[int, int] | None = None):
         self.model_dir = Path(model_dir)
+        self.fp8_block = fp8_block or DEFAULT_BLOCK  # weight_block_size of FP8 tensors (config.json)
         self.entries: dict[str, TensorEntry] = {}
         for file in checkpoint_files(self.model_dir):
             self.entries.update(read_header(file))
@@ -129,10 +135,14 @@ class Checkpoint:
     def read(self, name: str, out: torch.Tensor | None = None, index: int | None = None) -> torch.Tensor:
         """Read tensor `name` (or its slice `[index]` along dim 0) into `out`, a contiguous CPU tensor.
 
-        When `out` has another dtype than the file, the bytes go through a temporary of the file's dtype.
-        Returns `out` (allocated when None, in the file's dtype).
+        When `out` has another dtype than the file, the bytes go through a temporary of the file's dtype; FP8
+        tensors with block scales are dequantised into a non-FP8 `out`. Returns `out` (allocated when None, in
+        the file's dtype).
         """
         entry = self.entries[name]
+        if (entry.dtype in FP8_DTYPES and out is not None and out.dtype not in FP8_DTYPES
+                and scale_name(name) in self.entries):
+            return self._read_fp8(name, out, index)
         shape, offset, nbytes = entry.shape, entry.offset, entry.nbytes
         if index is not None:
             rows = shape[0]
@@ -150,6 +160,16 @@ class Checkpoint:
         if target is not out:
             out.copy_(target)
         return out
+
+    def _read_fp8(self, name: str, out: torch.Tensor, index: int | None) -> torch.Tensor:
+        codes = self.read(name, index=index)
+        if codes.dim() != 2:
+            raise TiermoeError(f"{self.model_dir}: FP8 tensor {name} has {codes.dim()} dims after slicing, expected 2")
+        scale = self.read(scale_name(name), index=index)
+        value = dequantize_fp8(codes, scale, self.fp8_block, out.dtype)
+        if tuple(value.shape) != tuple(out.shape):
+            raise TiermoeError(f"{self.model_dir}: tensor {name} has shape {list(value.shape)}, expected {list(out.shape)}")
+        return out.copy_(value)
 
     def _read_bytes(self, file: Path, offset: int, nbytes: int, out: torch.Tensor) -> None:
         if not out.is_contiguous() or out.device.type != "cpu":

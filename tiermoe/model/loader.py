@@ -7,6 +7,11 @@
 5. read each routed expert once, straight into its tier: GPU-tier experts pass through a host buffer of one
    expert; CPU-tier experts are read into their final host tensors (pinned when CUDA is present).
 
+FP8 block-quantised checkpoints (tiermoe.model.fp8): Linear weights stored FP8 become FP8Linear modules on the
+main device (about 1 byte per parameter); routed experts are dequantised one at a time as they stream in and
+take their tier's format (the GPU tier computes experts in the canonical bf16/fp32 layout that tier swaps
+move; the CPU tier quantises to --cpu-expert-dtype), so host memory peaks at the CPU tier plus one expert.
+
 With several ranks (`share`, see tiermoe.distributed) the placement is an assignment [L, E] (-1 CPU tier, r GPU
 rank r): this rank reads only its own GPU experts, and only the rank that holds the CPU tier reads the CPU
 experts, into host memory the share provides (shared memory, one copy per host whatever the number of ranks).
@@ -32,6 +37,7 @@ from tiermoe.experts.weights import ExpertWeights
 from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.model.checkpoint import Checkpoint
 from tiermoe.model.expert_source import ExpertSource, find_expert_source, read_expert
+from tiermoe.model.fp8 import FP8_DTYPES, FP8Linear, fp8_block_size, scale_name
 from tiermoe.model.hybrid_model import HybridModel
 from tiermoe.model.skeleton import build_skeleton, decoder_layers, moe_block_attr
 from tiermoe.placement.mask import validate_mask
@@ -82,7 +88,8 @@ def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | tor
     # Shared-memory CPU experts cannot come from the pinned allocator; their copies take the pageable path.
     pin = torch.cuda.is_available() and share is None
 
-    with Checkpoint(model_dir) as ckpt:
+    fp8_block = fp8_block_size(config)
+    with Checkpoint(model_dir, fp8_block) as ckpt:
         sources = {layer: find_expert_source(ckpt, spec, LAYERS_PREFIX, layer) for layer in spec.moe_layers}
         model = build_skeleton(config, dtype)
         worker = CPUWorker()
@@ -95,6 +102,7 @@ def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | tor
         reads = _reads(owner_LE, spec, rank, share is None or share.holds_cpu_tier)
         total = _non_expert_bytes(model) + int(reads.sum()) * spec.bytes_per_expert(dtype)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {model_dir.name}", disable=not progress) as bar:
+            _load_fp8_linears(model, ckpt, spec, gpu_device, bar)
             _load_non_experts(model, ckpt, spec, gpu_device, bar)
             _load_experts(blocks, sources, ckpt, spec, owner_LE, reads, rank, share, dtype, pin, bar)
     _tie_and_check(model, config)
@@ -156,6 +164,28 @@ def _disk_name(name: str, spec, ckpt: Checkpoint) -> str | None:
         if base.startswith("model."):
             candidates += [p + base.removeprefix("model.") for p in _WRAPPER_PREFIXES]
     return next((c for c in candidates if c in ckpt), None)
+
+
+def _load_fp8_linears(model: nn.Module, ckpt: Checkpoint, spec, gpu_device, bar) -> None:
+    """Swap every nn.Linear whose weight the checkpoint stores as block-scaled FP8 for an FP8Linear on the
+    main device (its bias, if any, read alongside); other FP8 tensors are dequantised by `_load_non_experts`."""
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or not module.weight.is_meta:
+            continue
+        disk = _disk_name(f"{name}.weight", spec, ckpt)
+        if disk is None or ckpt.entries[disk].dtype not in FP8_DTYPES or scale_name(disk) not in ckpt:
+            continue
+        weight = ckpt.read(disk).to(gpu_device)
+        scale = ckpt.read(scale_name(disk)).to(gpu_device)
+        bias = None
+        if module.bias is not None:
+            bias_disk = _disk_name(f"{name}.bias", spec, ckpt)
+            if bias_disk is None:
+                raise TiermoeError(f"checkpoint has no tensor '{name}.bias', which this {spec.model_type} model needs")
+            bias = ckpt.read(bias_disk, torch.empty(module.bias.shape, dtype=module.bias.dtype)).to(gpu_device)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, FP8Linear(weight, scale, ckpt.fp8_block, bias))
+        bar.update(weight.nbytes + scale.nbytes + (bias.nbytes if bias is not None else 0))
 
 
 def _load_non_experts(model: nn.Module, ckpt: Checkpoint, spec, gpu_device, bar) -> None:

@@ -1,0 +1,138 @@
+"""FP8 block-quantised checkpoints (DeepSeek-V3 / Qwen3-FP8 layout): exact against the dequantised reference on
+every tier, with non-expert Linear weights held at about 1 byte per parameter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import rel_err
+from safetensors.torch import save_file
+
+from tiermoe.arch import detect, load_config
+from tiermoe.config import CPUConfig
+from tiermoe.errors import TiermoeError
+from tiermoe.model.checkpoint import Checkpoint
+from tiermoe.model.fp8 import FP8Linear, dequantize_fp8, quantize_fp8, scale_name
+from tiermoe.model.fp8_write import write_fp8_checkpoint
+from tiermoe.model.loader import load_hybrid_model
+from tiermoe.model.presets import make_config
+
+TOL = 1e-3
+# Shapes that are not multiples of the 128 block, so partial blocks are exercised.
+SHAPES = {
+    "qwen3_moe": dict(hidden_size=192, moe_intermediate_size=160, intermediate_size=320, head_dim=48),
+    "deepseek_v3": dict(hidden_size=192, moe_intermediate_size=160, intermediate_size=320),
+}
+
+
+def _save_fp32(arch, out):
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_config(arch, initializer_range=0.1, **SHAPES[arch])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
+    return out
+
+
+def _dequantised_reference(fp8_dir, out):
+    """The reference: the FP8 checkpoint's own values, dequantised to fp32, as a plain transformers checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    out.mkdir()
+    config = json.loads((fp8_dir / "config.json").read_text())
+    del config["quantization_config"]
+    config["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(config))
+    state = {}
+    with Checkpoint(fp8_dir) as ckpt:
+        for name, entry in ckpt.entries.items():
+            if not name.endswith("_scale_inv"):
+                state[name] = ckpt.read(name, torch.empty(entry.shape, dtype=torch.float32))
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def fp8_case(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"fp8_{request.param}")
+    fp8_dir = write_fp8_checkpoint(_save_fp32(request.param, root / "src"), root / "fp8", shard_bytes=1 << 20)
+    ref = _dequantised_reference(fp8_dir, root / "ref")
+    ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = ref(ids).logits
+    return fp8_dir, ids, logits
+
+
+def test_quantize_dequantize_round_trip_is_within_e4m3_precision():
+    w = torch.randn(300, 200)
+    q, s = quantize_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and tuple(s.shape) == (3, 2)
+    back = dequantize_fp8(q, s, (128, 128), torch.float32)
+    assert rel_err(back, w) < 0.07  # e4m3 keeps 3 mantissa bits: at most 1/16 relative per element
+    assert rel_err(back, w) > 0  # really quantised
+
+
+def test_the_written_checkpoint_is_in_the_released_layout(fp8_case):
+    fp8_dir, *_ = fp8_case
+    with Checkpoint(fp8_dir) as ckpt:
+        e = ckpt.entries
+        q = "model.layers.0.self_attn.o_proj.weight"
+        assert e[q].dtype == torch.float8_e4m3fn and e[scale_name(q)].dtype == torch.float32
+        assert e["model.embed_tokens.weight"].dtype == torch.float32  # kept, as the releases keep them
+        assert e["model.layers.2.mlp.gate.weight"].dtype == torch.float32  # the router stays
+        expert = next(k for k in e if k.endswith(".experts.0.down_proj.weight"))
+        assert e[expert].dtype == torch.float8_e4m3fn and scale_name(expert) in e
+    assert json.loads((fp8_dir / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+
+
+@pytest.mark.parametrize("tier", ["all_cpu", "all_gpu", "mixed"])
+def test_fp8_checkpoint_matches_the_dequantised_reference_on_every_tier(fp8_case, tier):
+    fp8_dir, ids, ref = fp8_case
+    spec = detect(load_config(fp8_dir))
+    mask = {"all_cpu": torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.bool),
+            "all_gpu": torch.ones(spec.num_layers, spec.num_experts, dtype=torch.bool),
+            "mixed": torch.rand(spec.num_layers, spec.num_experts, generator=torch.Generator().manual_seed(1)) < 0.5}[tier]
+    with load_hybrid_model(fp8_dir, mask, gpu_device="cpu", dtype=torch.float32, progress=False) as hybrid:
+        logits = hybrid(input_ids=ids).logits
+    assert rel_err(logits, ref) < TOL
+
+
+def test_non_expert_linear_weights_stay_fp8_at_about_one_byte_per_parameter(fp8_case):
+    fp8_dir, *_ = fp8_case
+    with load_hybrid_model(fp8_dir, None, gpu_device="cpu", progress=False) as hybrid:
+        fp8 = [m for m in hybrid.model.modules() if isinstance(m, FP8Linear)]
+        plain = [m for m in hybrid.model.modules() if type(m) is torch.nn.Linear and m.weight.numel() > 1]
+        assert fp8, "no FP8Linear was built"
+        params = sum(m.weight.numel() for m in fp8)
+        held = sum(m.weight.nbytes + m.weight_scale_inv.nbytes for m in fp8)
+        assert held / params < 1.01
+        # only the routers and lm_head stay in the model dtype, as in the releases
+        assert all(n.endswith(("gate", "lm_head")) for n, m in hybrid.model.named_modules() if m in plain)
+        assert hybrid.expert_dtype == torch.bfloat16
+
+
+def test_fp8_experts_convert_to_the_chosen_cpu_format_while_streaming(fp8_case):
+    fp8_dir, ids, ref = fp8_case
+    with load_hybrid_model(fp8_dir, None, gpu_device="cpu", dtype=torch.float32, progress=False,
+                           cpu=CPUConfig(expert_dtype="int8")) as hybrid:
+        tb = hybrid.tier_bytes()
+        spec = hybrid.spec
+        logits = hybrid(input_ids=ids).logits
+    # int8: one byte per parameter (plus one fp32 scale per row), not the 4 of the fp32 compute dtype
+    assert tb.cpu_experts < 1.1 * spec.total_routed_experts * spec.params_per_expert
+    assert rel_err(logits, ref) < 0.05
+
+
+def test_per_tensor_fp8_is_refused_with_one_line(tmp_path, fp8_case):
+    fp8_dir, *_ = fp8_case
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config["quantization_config"].pop("weight_block_size")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(config))
+    for f in fp8_dir.glob("*.safetensors*"):
+        (bad / f.name).symlink_to(f)
+    with pytest.raises(TiermoeError, match="weight_block_size"):
+        load_hybrid_model(bad, None, progress=False)

@@ -1,0 +1,117 @@
+"""FP8 block-quantised weights, as DeepSeek-V3/R1 and the Qwen3 FP8 releases store them.
+
+A Linear weight W [N, K] is stored as e4m3 codes q [N, K] plus `weight_scale_inv` s [ceil(N/bn), ceil(K/bk)]
+(fp32, one per block of bn x bk = 128 x 128): W = q * s[n // bn, k // bk]. config.json names the scheme in
+`quantization_config` ({"quant_method": "fp8", "weight_block_size": [128, 128], ...}).
+
+Design: non-expert Linear weights stay FP8 on the main device (`FP8Linear`, about 1 byte per parameter plus
+4 bytes per block) and are dequantised inside the forward, one matrix at a time, to the activation's dtype. That
+costs a transient matrix per Linear call but keeps the resident weights at half of bf16; where CUDA supports FP8
+matmuls, `torch._scaled_mm` would avoid even that (not used yet: it needs per-token activation scaling to match
+this reference exactly). Routed experts are dequantised one at a time while they stream from disk (see
+`Checkpoint.read`), then stored in their tier's format.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tiermoe.errors import TiermoeError
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+DEFAULT_BLOCK = (128, 128)
+SCALE_SUFFIX = "_scale_inv"
+
+
+def fp8_block_size(config) -> tuple[int, int] | None:
+    """(bn, bk) of an FP8 block-quantised config, None when the checkpoint is not FP8.
+
+    Raises TiermoeError for FP8 schemes tiermoe does not read (per-tensor or per-channel scales)."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+    method = str(qc.get("quant_method", "")).lower()
+    if method != "fp8":
+        raise TiermoeError(f"quantization_config.quant_method '{method}' is not supported; tiermoe reads "
+                           "bf16/fp16/fp32 checkpoints, FP8 block-quantised ones (quant_method 'fp8') and GGUF files")
+    block = qc.get("weight_block_size")
+    if block is None:
+        raise TiermoeError("this FP8 checkpoint has no weight_block_size (per-tensor FP8); tiermoe reads "
+                           "block-quantised FP8 (weight_block_size [128, 128], as DeepSeek-V3 and Qwen3-FP8 ship)")
+    if len(block) != 2 or min(block) < 1:
+        raise TiermoeError(f"quantization_config.weight_block_size must be two positive ints, got {block}")
+    return int(block[0]), int(block[1])
+
+
+def scale_name(weight_name: str) -> str:
+    """`x.weight` -> `x.weight_scale_inv` (the released names)."""
+    return weight_name + SCALE_SUFFIX
+
+
+def scale_shape(shape_NK: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    n, k = shape_NK
+    return -(-n // block[0]), -(-k // block[1])
+
+
+def dequantize_fp8(q_NK: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                   dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] in `dtype` from e4m3 codes and per-block scales: W = q * s (products in fp32)."""
+    n, k = q_NK.shape
+    bn, bk = block
+    if tuple(scale_inv.shape) != scale_shape((n, k), block):
+        raise TiermoeError(f"FP8 scale has shape {list(scale_inv.shape)}, expected "
+                           f"{list(scale_shape((n, k), block))} for a [{n}, {k}] weight in {bn}x{bk} blocks")
+    s = scale_inv.to(torch.float32)
+    if n % bn == 0 and k % bk == 0:  # whole blocks: broadcast, no expanded scale matrix
+        w = q_NK.to(torch.float32).view(n // bn, bn, k // bk, bk) * s[:, None, :, None]
+        return w.view(n, k).to(dtype)
+    s_NK = s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (q_NK.to(torch.float32) * s_NK).to(dtype)
+
+
+def quantize_fp8(w_NK: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes [N, K], scale_inv fp32 [N/bn, K/bk]): each block's max maps to e4m3's largest value, 448.
+
+    How the released checkpoints were made; tiermoe uses it to write test checkpoints in that layout."""
+    n, k = w_NK.shape
+    bn, bk = block
+    nb, kb = scale_shape((n, k), block)
+    w = F.pad(w_NK.to(torch.float32), (0, kb * bk - k, 0, nb * bn - n)).view(nb, bn, kb, bk)
+    amax = w.abs().amax(dim=(1, 3)).clamp_min(1e-12)  # [nb, kb]
+    s = amax / torch.finfo(torch.float8_e4m3fn).max
+    q = (w / s[:, None, :, None]).to(torch.float8_e4m3fn).view(nb * bn, kb * bk)[:n, :k].contiguous()
+    return q, s.contiguous()
+
+
+class FP8Linear(nn.Module):
+    """A Linear layer whose weight stays FP8 with block scales; dequantised to the input's dtype per call.
+
+    weight: e4m3 [out, in] (a parameter, so parameter counts and byte counts see it);
+    weight_scale_inv: fp32 [ceil(out/bn), ceil(in/bk)]; bias: optional, in the model's dtype.
+    """
+
+    def __init__(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block: tuple[int, int],
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        if weight.dtype not in FP8_DTYPES:
+            raise ValueError(f"FP8Linear needs an FP8 weight, got {weight.dtype}")
+        self.out_features, self.in_features = weight.shape
+        self.block = tuple(block)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(weight_scale_inv.to(torch.float32), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8(self.weight, self.weight_scale_inv, self.block, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantized(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"fp8 block={self.block[0]}x{self.block[1]}, bias={self.bias is not None}")

@@ -1,0 +1,92 @@
+"""Write a checkpoint in the released FP8 layout from a bf16/fp32 one (for tests and benchmarks).
+
+What DeepSeek-V3 and Qwen3-*-FP8 releases quantise: every Linear weight of the decoder layers (attention,
+dense MLPs, shared and routed experts) as e4m3 with `weight_scale_inv` per 128x128 block; the embeddings,
+lm_head, norms, routers (`mlp.gate`) and biases stay in the source dtype. config.json gains their
+`quantization_config` and names bf16 as the model dtype. Tensors are processed one at a time and written shard by shard, so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tiermoe.errors import TiermoeError
+from tiermoe.model.checkpoint import Checkpoint
+from tiermoe.model.fp8 import DEFAULT_BLOCK, quantize_fp8, scale_name
+
+# Linear weights of decoder layers, not the router (`.mlp.gate.weight`, Mixtral's `.block_sparse_moe.gate.`)
+_QUANTISED = re.compile(r"^model\.layers\.\d+\..*\.weight$")
+_KEPT = re.compile(r"(norm|\.gate\.weight$|shared_expert_gate\.weight$)")
+
+
+def is_fp8_quantised(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether the released FP8 layout stores tensor `name` as FP8 (2-D decoder Linear weights, routers aside)."""
+    return len(shape) == 2 and bool(_QUANTISED.match(name)) and not _KEPT.search(name)
+
+
+def write_fp8_checkpoint(src: str | Path, out: str | Path, block: tuple[int, int] = DEFAULT_BLOCK,
+                         shard_bytes: int = 1 << 30) -> Path:
+    """Quantise checkpoint `src` into `out` in the released FP8 layout; returns `out`."""
+    src, out = Path(src), Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise TiermoeError(f"output directory '{out}' exists and is not empty; choose a new one")
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    config.pop("torch_dtype", None)
+    config["dtype"] = "bfloat16"  # what the releases name: the compute dtype of everything not FP8
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for extra in src.iterdir():  # tokenizer and generation config travel along
+        if extra.is_file() and not extra.name.endswith(".safetensors") and extra.name not in (
+                "config.json", "model.safetensors.index.json"):
+            (out / extra.name).write_bytes(extra.read_bytes())
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    with Checkpoint(src) as ckpt:
+        for name in ckpt.entries:
+            value = ckpt.read(name)
+            tensors = {name: value}
+            if is_fp8_quantised(name, tuple(value.shape)):
+                q, s = quantize_fp8(value, block)
+                tensors = {name: q, scale_name(name): s}
+            nbytes = sum(t.nbytes for t in tensors.values())
+            if shards[-1] and size + nbytes > shard_bytes:
+                _flush(out, shards, len(shards) - 1)
+                shards.append({})
+                size = 0
+            shards[-1].update(tensors)
+            size += nbytes
+    _flush(out, shards, len(shards) - 1)
+    _write_index(out, len(shards))
+    return out
+
+
+def _shard_file(k: int, n: int | None) -> str:
+    return f"model-{k + 1:05d}.safetensors" if n is None else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _flush(out: Path, shards: list[dict], k: int) -> None:
+    """Write shard k now (under a provisional name) and drop its tensors, so memory stays one shard."""
+    save_file(shards[k], str(out / _shard_file(k, None)), metadata={"format": "pt"})
+    shards[k] = {name: None for name in shards[k]}  # names kept for the index
+
+
+def _write_index(out: Path, n: int) -> None:
+    weight_map = {}
+    for k in range(n):
+        final = _shard_file(k, n)
+        (out / _shard_file(k, None)).rename(out / final)
+        weight_map.update({name: final for name in _names_of(out / final)})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+
+
+def _names_of(file: Path) -> list[str]:
+    from tiermoe.model.checkpoint import read_header
+
+    return list(read_header(file))
