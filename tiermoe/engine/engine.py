@@ -4,13 +4,17 @@ Sequences wait in a queue until admitted: at most `max_running` at once, and (wh
 only while the running sequences' prompts plus their max_tokens fit in that many tokens of KV cache. In a step
 every decoding sequence feeds its last token, and prefilling sequences feed prompt chunks, oldest first, sharing
 `prefill_chunk` tokens per step (so a long prompt is prefilled over several steps and never stalls running
-decodes by more than one chunk). Each sequence keeps its own KV cache and positions; the MoE blocks of all of
-them run once per layer for the whole batch (MoEBatcher). A sequence whose prompt is complete samples one token.
+decodes by more than one chunk). Each sequence keeps its own KV cache and positions. Where the model allows it
+(tiermoe.engine.batched_decode), all sequences that feed one token go through ONE model forward as a padded batch;
+prefill chunks (and every sequence of a model that does not allow it) run one forward each, on their own threads.
+The MoE blocks of all of those forwards run once per layer for the whole step (MoEBatcher). A sequence whose
+prompt is complete samples one token.
 The engine sees token ids only; text (stop strings) is reached through the `detokenize` function it is given.
 
 With several ranks (tiermoe.distributed) rank 0's engine has a `leader`: every step it first publishes what it
 is about to feed (sequence ids and tokens), and the other ranks run the same forwards with their own caches
-(`forward_batch`); only rank 0 samples.
+(`forward_batch`, which groups the sequences the same way on every rank, so the MoE tokens line up); only rank 0
+samples.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiermoe.engine.batched_decode import batched_decode_forward, can_join, supports_batched_decode
 from tiermoe.engine.moe_batcher import MoEBatcher
 from tiermoe.engine.sampling import SamplingParams, new_generator, sample
 from tiermoe.engine.sequence import Sequence
@@ -67,6 +72,8 @@ class Engine:
         self.leader = None  # several ranks: publishes each step to the other ranks (tiermoe.distributed)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        # Decided once per model: a padded batch of per-sequence caches is exact for full attention only.
+        self.batched_decode = supports_batched_decode(self.model)
 
     def set_recorder(self, recorder: ExpertRecorder) -> None:
         """Route every pass's routed experts to `recorder` (call between steps)."""
@@ -183,11 +190,22 @@ class Engine:
         return logits
 
     def forward_batch(self, seqs: list, inputs: list[list[int]]) -> list[torch.Tensor]:
-        """One forward per sequence (each on its own cache, `seq.cache`), MoE blocks run once for all of them.
+        """Feed inputs[i] to seqs[i] (each on its own cache, `seq.cache`); MoE blocks run once for all of them.
 
-        Returns each sequence's last-position logits [V]. Does not advance `num_fed` (the caller does).
+        Sequences feeding one token share one batched forward (when the model allows it and there are two or
+        more); the rest run one forward each. Returns each sequence's last-position logits [V], in order. Does not
+        advance `num_fed` (the caller does).
         """
-        return self._batcher.run([lambda s=s, x=x: self._forward(s, x) for s, x in zip(seqs, inputs)])
+        together = decode_rows(seqs, inputs) if self.batched_decode else []
+        alone = [i for i in range(len(seqs)) if i not in together]
+        jobs = [lambda i=i: [self._forward(seqs[i], inputs[i])] for i in alone]
+        if together:
+            jobs.insert(0, lambda: self._forward_decode([seqs[i] for i in together], [inputs[i][0] for i in together]))
+        results = [logits for job_logits in self._batcher.run(jobs) for logits in job_logits]
+        logits_in_order: list[torch.Tensor] = [None] * len(seqs)  # type: ignore[list-item]
+        for i, logits in zip(together + alone, results):
+            logits_in_order[i] = logits
+        return logits_in_order
 
     def run_to_completion(self, on_step: Callable[[list[Sequence]], None] | None = None) -> None:
         while self.has_work():
@@ -198,13 +216,16 @@ class Engine:
     def _forward(self, seq, tokens: list[int]) -> torch.Tensor:
         device = self.hybrid.gpu_device
         ids = torch.tensor([tokens], dtype=torch.long, device=device)
-        # CUDA's current device is per thread, and forwards run on the batcher's threads: make it this model's
-        # (cuda:LOCAL_RANK on rank > 0), so nothing the forward allocates implicitly lands on cuda:0.
-        on_device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
-        with torch.inference_mode(), on_device:
+        with torch.inference_mode(), _on_device(device):
             out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kwarg: seq.cache})
         seq.cache = out["cache"] if "cache" in out else out["past_key_values"]
         return out.logits[0, -1]
+
+    def _forward_decode(self, seqs: list, tokens: list[int]) -> list[torch.Tensor]:
+        """One forward for all `seqs`, one token each; each sequence's cache grows in place."""
+        device = self.hybrid.gpu_device
+        with torch.inference_mode(), _on_device(device):
+            return batched_decode_forward(self.model, [s.cache for s in seqs], tokens, device, self._cache_kwarg)
 
     def _check_stop(self, seq: Sequence) -> None:
         token, params = seq.output_ids[-1], seq.params
@@ -222,3 +243,16 @@ class Engine:
             seq.finish_reason = "length"
         elif self.max_context is not None and seq.num_tokens >= self.max_context:
             seq.finish_reason = "length"
+
+
+def decode_rows(seqs: list, inputs: list[list[int]]) -> list[int]:
+    """Indices of the sequences that can share one batched decode forward: one token in, a cache to extend.
+    Fewer than two gain nothing from a padded batch, so then none."""
+    rows = [i for i, (seq, tokens) in enumerate(zip(seqs, inputs)) if len(tokens) == 1 and can_join(seq.cache)]
+    return rows if len(rows) >= 2 else []
+
+
+def _on_device(device: torch.device):
+    # CUDA's current device is per thread, and forwards run on the batcher's threads: make it this model's
+    # (cuda:LOCAL_RANK on rank > 0), so nothing the forward allocates implicitly lands on cuda:0.
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()

@@ -1,6 +1,7 @@
 """Cross-sequence batching of the MoE layers: one expert pass per layer for the whole batch.
 
-Each sequence of a step runs the unmodified transformers forward on its own thread, with its own KV cache and
+Each forward of a step (one sequence's prompt chunk, or one batched decode of several sequences, see
+batched_decode.py) runs the unmodified transformers forward on its own thread, with its own KV caches and
 positions, so attention stays exactly per sequence whatever the architecture (MLA, linear attention, sliding
 windows). At every HybridMoE block the threads meet: the last one to arrive concatenates all their tokens, runs
 the block once (so each expert's weights are read once for all of them), and hands every thread its rows back.
