@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -138,3 +139,135 @@ def test_choose_placement_strategy_example_runs_on_the_bundled_model():
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line[:1].isdigit()]
     assert len(lines) == 4 and all(line.count("%") == 5 for line in lines)
+
+
+# --- KExpertsCPUBuffer ---------------------------------------------------------------------------------------
+ATTACH_PROGRAM = """
+import sys, torch
+from tiermoe.compat import KExpertsCPUBuffer
+from tiermoe.experts.weights import ExpertWeights
+name, model = sys.argv[1], sys.argv[2]
+with KExpertsCPUBuffer.attach(name, model, torch.float32) as buffer:
+    seen = buffer.get(0, 3)
+    print(repr(seen.gate_up.double().sum().item()), repr(seen.down.double().sum().item()))
+    written = buffer.get(2, 5)  # an empty slot: this process writes it, the creator must see it
+    buffer.put(2, 5, ExpertWeights(torch.full_like(written.gate_up, 7.0), torch.full_like(written.down, -2.0)))
+"""
+
+
+def test_cpu_buffer_holds_the_checkpoint_experts_and_another_process_sees_the_same_bytes(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tiermoe.compat import KExpertsCPUBuffer
+
+    path = save_tiny("qwen3_moe", tmp_path / "model")  # layers 0 and 2 are MoE, 8 experts
+    gpu_mask = torch.zeros(3, 8, dtype=torch.bool)
+    gpu_mask[0, [0, 1]] = True
+    gpu_mask[1] = True  # dense row, KTransformers' convention
+    gpu_mask[2, 5] = True  # a GPU expert: its slot stays empty
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).model.layers
+    with KExpertsCPUBuffer.from_checkpoint(path, gpu_mask, torch.float32) as buffer:
+        assert buffer.nbytes == (6 + 7) * buffer.expert_nbytes  # exactly the CPU experts hold memory
+        for layer, expert in ((0, 3), (2, 0), (2, 7)):
+            experts = reference[layer].mlp.experts
+            assert torch.equal(buffer.get(layer, expert).gate_up, experts.gate_up_proj[expert])
+            assert torch.equal(buffer.get(layer, expert).down, experts.down_proj[expert])
+        out = subprocess.run([sys.executable, "-c", ATTACH_PROGRAM, buffer.name, str(path)], capture_output=True, check=False,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        mine = buffer.get(0, 3)
+        assert out.stdout.split() == [repr(mine.gate_up.double().sum().item()), repr(mine.down.double().sum().item())]
+        assert (buffer.get(2, 5).gate_up == 7.0).all() and (buffer.get(2, 5).down == -2.0).all()
+        assert buffer.nbytes == 14 * buffer.expert_nbytes
+
+
+def test_cpu_buffer_sizes_release_and_close_free_the_memory(tiny_dir):
+    from tiermoe.compat import KExpertsCPUBuffer
+    from tiermoe.distributed.shm_store import SHM_DIR
+    from tiermoe.errors import TiermoeError
+    from tiermoe.experts.weights import ExpertWeights
+
+    path = tiny_dir("olmoe")  # 2 MoE layers x 8 experts
+    buffer = KExpertsCPUBuffer.create(path, torch.float32)
+    spec = buffer.store.spec
+    exact = (2 * spec.expert_intermediate_size * spec.hidden_size + spec.hidden_size * spec.expert_intermediate_size) * 4
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert exact <= buffer.expert_nbytes < exact + page and buffer.expert_nbytes % page == 0
+    assert buffer.capacity_nbytes == 2 * 8 * buffer.expert_nbytes
+    assert buffer.nbytes == 0  # sparse: nothing written, nothing held
+    slot = buffer.get(1, 4)
+    buffer.put(1, 4, ExpertWeights(torch.ones_like(slot.gate_up), torch.ones_like(slot.down)))
+    assert buffer.nbytes == buffer.expert_nbytes
+    buffer.release(1, 4)
+    assert buffer.nbytes == 0
+    buffer.put(0, 0, ExpertWeights(torch.ones_like(slot.gate_up), torch.ones_like(slot.down)))
+    files = sorted(SHM_DIR.glob(buffer.name + "*"))
+    assert len(files) == 2
+    buffer.close()
+    assert not any(f.exists() for f in files)
+    with pytest.raises(TiermoeError, match="no CPU expert buffer"):
+        KExpertsCPUBuffer.attach(buffer.name, path, torch.float32)
+
+
+def test_cpu_buffer_rejects_bad_positions_and_masks(tiny_dir):
+    from tiermoe.compat import KExpertsCPUBuffer
+    from tiermoe.errors import TiermoeError
+
+    path = tiny_dir("qwen3_moe")
+    with pytest.raises(TiermoeError, match=r"gpu_experts_mask has shape \[2, 8\], expected \[3, 8\]"):
+        KExpertsCPUBuffer.create(path, gpu_experts_mask=torch.zeros(2, 8, dtype=torch.bool))
+    with KExpertsCPUBuffer.create(path, torch.float32) as buffer:
+        with pytest.raises(TiermoeError, match="layer 1 is not a MoE layer"):
+            buffer.get(1, 0)
+        with pytest.raises(TiermoeError, match="expert 8 is out of range"):
+            buffer.get(0, 8)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
+def test_cpu_buffer_is_not_pinned_without_cuda(tiny_dir):
+    from tiermoe.compat import KExpertsCPUBuffer
+    from tiermoe.errors import TiermoeError
+
+    path = tiny_dir("olmoe")
+    with KExpertsCPUBuffer.create(path, torch.float32) as buffer:
+        assert not buffer.pinned
+        assert not buffer.get(0, 0).gate_up.is_pinned()
+        assert not buffer.get_buffer(torch.zeros(2, 64), 2).input_cpu[0].is_pinned()
+    with pytest.raises(TiermoeError, match="needs CUDA"):
+        KExpertsCPUBuffer.create(path, torch.float32, pin=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_buffer_is_pinned_with_cuda(tiny_dir):
+    from tiermoe.compat import KExpertsCPUBuffer
+
+    path = tiny_dir("olmoe")
+    with KExpertsCPUBuffer.create(path, torch.float32) as buffer:
+        assert buffer.pinned
+        slot = buffer.get(0, 3)
+        assert slot.gate_up.is_pinned() and slot.down.is_pinned()
+        staging = buffer.get_buffer(torch.zeros(2, 64, device="cuda"), 2)
+        assert staging.input_cpu[0].is_pinned() and staging.output_gpu[0].is_cuda
+        buffer.release(0, 3)  # unpinned, then punched out
+        assert buffer.nbytes == 0
+
+
+def test_staging_buffers_follow_kt_kernel(tiny_dir):
+    from tiermoe.compat import KExpertsCPUBuffer
+
+    with KExpertsCPUBuffer.create(tiny_dir("olmoe"), torch.float32) as buffer:
+        x = torch.zeros(3, 64)
+        inputs, immediate, deferred, weights, output, bsz, output_gpu = buffer.get_buffer(x, 2)
+        assert len(inputs) == buffer.buffer_depth == 2
+        assert inputs[0].shape == output[1].shape == output_gpu[0].shape == (3, 64)
+        assert immediate[0].dtype == torch.int64 and weights[0].dtype == torch.float32 and weights[0].shape == (3, 2)
+        assert (deferred[1] == -1).all() and bsz[0].tolist() == [3] and inputs[0].data_ptr() != inputs[1].data_ptr()
+        assert buffer.get_buffer(x, 2) is buffer.get_buffer(x, 2)  # the last shape is reused
+        buffer.set_capture_batch_sizes([3])
+        captured = buffer.get_buffer(torch.zeros(3, 64, dtype=torch.float16), 2)
+        buffer.get_buffer(torch.zeros(5, 64), 2)  # another batch size replaces the temporary buffer only
+        assert buffer.get_buffer(torch.zeros(3, 64, dtype=torch.float16), 2) is captured
+        assert buffer.get_buffer(x, 4).weights_cpu[0].shape == (3, 4)  # a new top-k: new buffers, not stale ones
+        buffer.clear_buffer_cache()
+        assert buffer.get_buffer(torch.zeros(3, 64, dtype=torch.float16), 2) is not captured

@@ -9,6 +9,8 @@ promote it to their GPU), so the pages exist once whatever the number of ranks, 
 (PSS) is split between the processes that map them. A slot whose expert left the CPU tier is released (its pages
 punched out of the file). The creator removes the files when it closes, on error too; files left behind by a
 process that was killed are removed by the next run that starts on the host.
+With `pin` (only where CUDA is present) each slot a process touches is page-locked in that process with
+cudaHostRegister, slot by slot rather than file by file: registering a whole sparse file would allocate all of it.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ def expert_shapes(spec) -> list[tuple[int, ...]]:
 class SharedExpertStore:
     """Expert slots in shared memory for the MoE layers of one model. Create with `create`, map with `attach`."""
 
-    def __init__(self, directory: Path, name: str, spec, dtype: torch.dtype, owner: bool):
+    def __init__(self, directory: Path, name: str, spec, dtype: torch.dtype, owner: bool, pin: bool = False):
+        if pin and not torch.cuda.is_available():
+            raise TiermoeError("pinned shared expert memory needs CUDA, and CUDA is not available here")
         self.directory = Path(directory)
         self.name = name  # unique per run: FILE_PREFIX + creator pid + random token
         self.spec = spec
@@ -55,11 +59,15 @@ class SharedExpertStore:
         per_page = max(1, _PAGE // dtype.itemsize)
         self.slot_elems = -(-elems // per_page) * per_page  # page-aligned: releasing one never touches another
         self._maps: dict[int, torch.Tensor] = {}  # layer -> flat [E * slot_elems] view of its file
+        self.pin = pin
+        self._pinned: dict[tuple[int, int], int] = {}  # (layer, expert) -> registered address, this process
 
     # --- life cycle -------------------------------------------------------------------------------------
     @classmethod
-    def create(cls, spec, dtype: torch.dtype, needed_bytes: int, directory: str | Path = SHM_DIR) -> SharedExpertStore:
-        """A new store (files for every MoE layer, still empty); checks the host has room for `needed_bytes`."""
+    def create(cls, spec, dtype: torch.dtype, needed_bytes: int, directory: str | Path = SHM_DIR,
+               pin: bool = False) -> SharedExpertStore:
+        """A new store (files for every MoE layer, still empty); checks the host has room for `needed_bytes`.
+        `pin`: page-lock the slots this process uses (needs CUDA)."""
         directory = Path(directory)
         if not directory.is_dir():
             raise TiermoeError(f"shared memory directory '{directory}' does not exist; several ranks share their "
@@ -73,7 +81,7 @@ class SharedExpertStore:
                                f"{needed_bytes / gib:.2f} GiB of shared memory; enlarge it (docker run --shm-size, "
                                f"or mount -o remount,size=... {directory}) or put more experts on the GPUs")
         name = f"{FILE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        store = cls(directory, name, spec, dtype, owner=True)
+        store = cls(directory, name, spec, dtype, owner=True, pin=pin)
         try:
             for layer in spec.moe_layers:
                 store._map(layer)  # creates the sparse file
@@ -83,9 +91,10 @@ class SharedExpertStore:
         return store
 
     @classmethod
-    def attach(cls, name: str, spec, dtype: torch.dtype, directory: str | Path = SHM_DIR) -> SharedExpertStore:
+    def attach(cls, name: str, spec, dtype: torch.dtype, directory: str | Path = SHM_DIR,
+               pin: bool = False) -> SharedExpertStore:
         """The store `name` made by another process of this host; layers are mapped on first use."""
-        return cls(Path(directory), name, spec, dtype, owner=False)
+        return cls(Path(directory), name, spec, dtype, owner=False, pin=pin)
 
     def path(self, layer: int) -> Path:
         return self.directory / f"{self.name}-L{layer:04d}"
@@ -93,6 +102,9 @@ class SharedExpertStore:
     def close(self) -> None:
         """Drop this process's mappings (tensors still viewing them keep them alive); the creator removes the
         files, so the memory goes back to the host once the last mapping is gone."""
+        for address in self._pinned.values():
+            _host_unregister(address)
+        self._pinned.clear()
         self._maps.clear()
         if self.owner:
             for layer in self.spec.moe_layers:
@@ -131,6 +143,10 @@ class SharedExpertStore:
             n = _numel(shape)
             views.append(flat[base:base + n].view(shape))
             base += n
+        if self.pin and (layer, expert) not in self._pinned:
+            address = flat[expert * self.slot_elems:].data_ptr()
+            _host_register(address, self.slot_elems * self.dtype.itemsize)
+            self._pinned[(layer, expert)] = address
         return ExpertWeights(*views)
 
     def write(self, layer: int, expert: int, weights: ExpertWeights) -> ExpertWeights:
@@ -142,6 +158,9 @@ class SharedExpertStore:
 
     def release(self, layer: int, expert: int) -> None:
         """Give a slot's memory back to the host (the expert left the CPU tier). Best effort."""
+        address = self._pinned.pop((layer, expert), None)
+        if address is not None:  # unlock before the pages go: a locked page cannot be punched out
+            _host_unregister(address)
         offset = expert * self.slot_elems * self.dtype.itemsize
         length = self.slot_elems * self.dtype.itemsize
         if not _punch_hole(self.path(layer), offset, length):
@@ -188,6 +207,19 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _host_register(address: int, nbytes: int) -> None:
+    """Page-lock [address, address + nbytes) for fast, asynchronous copies to the GPU (cudaHostRegister)."""
+    portable = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process, not just the current
+    code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, portable))
+    if code != 0:
+        raise TiermoeError(f"could not pin {nbytes} bytes of shared expert memory (cudaHostRegister error {code}); "
+                           "the locked-memory limit (ulimit -l) may be too low")
+
+
+def _host_unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
 
 
 def _punch_hole(path: Path, offset: int, length: int) -> bool:
