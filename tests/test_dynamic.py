@@ -115,17 +115,44 @@ def test_a_slow_copy_never_stalls_decoding_and_the_mask_flips_only_when_it_lands
         manager.close()
 
 
-def test_adaptive_policy_has_hysteresis():
+def _feed(policy, shares, passes, tokens=4, seed=0):
+    """Passes of `tokens` tokens, top-1 routing drawn from `shares` (one layer)."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(passes):
+        ids = torch.multinomial(torch.tensor(shares, dtype=torch.float64), tokens, replacement=True, generator=gen)
+        policy.observe(torch.bincount(ids, minlength=len(shares))[None], tokens, False)
+
+
+def test_adaptive_policy_swaps_only_on_a_shift_that_persists():
     cost = BandwidthCostModel(bytes_per_expert=1 << 20)
-    policy = AdaptivePolicy(1, 4, cost, AdaptiveSettings(half_life_tokens=100, replan_every=1, margin=2.0))
+    settings = AdaptiveSettings(half_life_tokens=50, replan_every=1, horizon_tokens=100, margin=2.0)
     mask = torch.tensor([[True, True, False, False]])
-    busy = torch.zeros(1, 4, dtype=torch.bool)
-    policy.observe(torch.tensor([[10, 10, 10, 11]]), 10, False)  # near-tie: not worth two copies
-    assert policy.propose(mask, busy) == []
-    policy.observe(torch.tensor([[0, 10, 0, 200]]), 200, False)  # expert 3 is clearly hot now
-    swaps = policy.propose(mask, busy)
-    assert [(s.expert_in, s.expert_out) for s in swaps] == [(3, 0)]
-    assert policy.propose(mask, torch.tensor([[True, False, False, True]])) == []  # in flight: left alone
+    idle = torch.zeros(1, 4, dtype=torch.bool)
+    calm = AdaptivePolicy(1, 4, cost, settings, torch.ones(1, 4))  # the workload matches its calibration
+    _feed(calm, [0.25] * 4, passes=200)
+    assert calm.weight < 0.05 and calm.propose(mask, idle) == []  # noise alone never moves an expert
+    shifted = AdaptivePolicy(1, 4, cost, settings, torch.ones(1, 4))
+    _feed(shifted, [0.05, 0.2, 0.05, 0.7], passes=24)
+    assert shifted.propose(mask, idle) == []  # no forecast checked yet: it stays where calibration put it
+    _feed(shifted, [0.05, 0.2, 0.05, 0.7], passes=300, seed=1)
+    assert shifted.weight > 0.3  # the shift persisted over the horizon: it learned to follow it
+    swaps = shifted.propose(mask, idle)
+    assert [(s.expert_in, s.expert_out) for s in swaps] == [(3, 0)]  # 2 vs 0 is a near-tie: not worth copies
+    assert shifted.propose(mask, torch.tensor([[True, False, False, True]])) == []  # in flight: left alone
+
+
+def test_adaptive_saving_follows_the_cost_model():
+    cost = BandwidthCostModel(bytes_per_expert=1 << 20)
+    policy = AdaptivePolicy(1, 4, cost, AdaptiveSettings())
+    policy.observe(torch.tensor([[64, 64, 64, 64]]), 128, False)  # memory-bound, every expert touched
+    saving = policy.saving_per_token(torch.tensor([[0.9, 0.5, 0.4, 0.2]], dtype=torch.float64))
+    # a pass reads a touched expert once, however many of its tokens route to it: hot and warm save the same
+    assert abs(float(saving[0, 0] - saving[0, 1])) < 1e-3 * float(saving[0, 0])
+    small = AdaptivePolicy(1, 4, cost, AdaptiveSettings())
+    small.observe(torch.tensor([[1, 0, 1, 0]]), 1, False)  # one-token decode: the saving is the touch rate
+    saving = small.saving_per_token(torch.tensor([[0.9, 0.5, 0.4, 0.2]], dtype=torch.float64))
+    read = cost.cpu_expert_seconds() - cost.gpu_expert_seconds()
+    assert torch.allclose(saving, torch.tensor([[0.9, 0.5, 0.4, 0.2]], dtype=torch.float64) * read)
 
 
 def test_kt_policy_ignores_decode_and_small_batches():

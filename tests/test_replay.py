@@ -71,6 +71,19 @@ def test_adaptive_follows_a_shifting_workload_and_pays_for_its_copies():
     assert window.hit_rate >= adaptive.hit_rate
 
 
+def test_adaptive_without_locality_is_frequency_and_pays_no_copies():
+    # the workload is what calibration saw, token by token independent: nothing to follow
+    # (five equally hot experts, two or four GPU slots a layer: noisy counts keep suggesting swaps among them)
+    calibration = trace_passes(make_trace([(300, 4, [0, 1, 2, 3, 4])], seed=4)).total_LE()
+    trace = make_trace([(300, 4, [0, 1, 2, 3, 4])], seed=5)
+    for ratio in (0.25, 0.5):
+        adaptive = replay(trace, "adaptive", ratio, COST, calibration_LE=calibration,
+                          adaptive=AdaptiveSettings(half_life_tokens=64, replan_every=4, horizon_tokens=1024))
+        frequency = replay(trace, "frequency", ratio, COST, calibration_LE=calibration)
+        assert adaptive.bytes_copied == 0 and sum(adaptive.swaps_P) == 0
+        assert adaptive.hit_rate == frequency.hit_rate and adaptive.time == frequency.time
+
+
 def test_kt_dynamic_reselects_after_a_large_prefill_only():
     trace = make_trace([(50, 2, [6, 7])], prefill_tokens=300)
     passes = trace_passes(trace)

@@ -76,25 +76,40 @@ class KTDynamicPolicy:
 
 @dataclass
 class AdaptiveSettings:
-    half_life_tokens: float = 2048.0  # how fast the load estimate forgets
+    half_life_tokens: float = 2048.0  # how fast the online estimate forgets
     replan_every: int = 8  # passes between re-plans
     horizon_tokens: float | None = None  # how long a swap is expected to pay off (default: the half-life)
-    margin: float = 2.0  # hysteresis: swap only when the expected saving exceeds margin x the copy cost
+    margin: float = 2.0  # swap only when the expected saving exceeds margin x the copy cost
     max_swaps_in_flight: int = 2  # copy budget: two copies at once (double-buffered)
-    z_score: float = 2.0  # and only when the load difference exceeds this many standard errors (not noise)
+    z_score: float = 2.0  # follow the workload only as far as the evidence is this many standard errors firm
 
 
 class AdaptivePolicy:
-    """Follow the workload: decayed per-expert load over prefill and decode, re-planned every few passes.
+    """Follow the workload only as far as following it has paid off: never behind the static placement it starts
+    from unless the workload really moves.
 
-    1. Keep load_LE = load_LE x 0.5^(tokens / half_life) + counts_LE after every pass: activations per token,
-       recent ones weighing most.
-    2. Every `replan_every` passes, in each layer pair the busiest CPU-tier experts with the idlest GPU-tier ones.
-    3. A pair is worth it when (rate_in - rate_out) x horizon x saving per activation > margin x copy cost (the
-       promotion and the demotion both cross PCIe), and when the difference is real: larger than `z_score`
-       standard errors of the two counts (Poisson: sqrt(load_in + load_out)). Near-ties never swap, so placements
-       do not churn on sampling noise.
-    4. At most `max_swaps_in_flight` swaps at once; experts whose copy is in flight are left alone.
+    The placement starts where `frequency` puts it (the calibration statistics, the prior p_LE); every
+    `replan_every` passes the policy asks whether a swap pays for its copies. What decides it:
+
+    1. The forecast. x_LE, the recent routed pairs per token (counts decayed with `half_life_tokens`), is noisy
+       and partly a passing fluctuation: one long prompt routes alike for hundreds of tokens and says little about
+       the next request. So the rate expected over the next `horizon_tokens` is p + w (x - p), where w in [0, 1]
+       is learned online by regression: at a re-plan the deviation x - p is kept, and once `horizon_tokens` more
+       tokens have passed, the realised deviation y - p of those tokens is regressed on it (then the next one)
+       (w = sum (x-p)(y-p) / sum (x-p)^2). A workload whose recent past does not predict its near future (no
+       temporal locality, or a calibration that already fits) gives w ~ 0: the policy stays on frequency and pays
+       no copies. A shifted workload or real locality gives w toward 1. Until the first forecast can be checked,
+       w = 0, and w is taken at the lower end of its `z_score` confidence interval (a few checked forecasts are
+       not yet evidence). This replaces the old rule (raw decayed counts, prior forgotten after a half-life, a z-test applied
+       to the busiest-CPU vs idlest-GPU pair), which on near-uniform routing mistook noise and per-prompt
+       correlation for hot experts (picking the extremes of noisy counts always looks significant).
+    2. The value of a swap is the cost model's: over the recent mix of passes, an expert on the GPU tier saves its
+       CPU read in a memory-bound pass only when the pass touches it (1 - (1 - r)^n for n tokens at rate r), and
+       its math in a compute-bound one (n r pairs). In large decode batches, where every expert of a layer is
+       touched anyway, a swap saves nothing and the policy does not swap.
+    3. A swap happens only when the expected saving over `horizon_tokens` exceeds `margin` x its copy cost (the
+       promotion and the demotion both cross PCIe), at most `max_swaps_in_flight` at once, never on experts whose
+       copy is in flight.
     """
 
     name = "adaptive"
@@ -103,41 +118,125 @@ class AdaptivePolicy:
                  settings: AdaptiveSettings | None = None, initial_counts_LE: torch.Tensor | None = None):
         self.cost = cost
         self.settings = settings or AdaptiveSettings()
-        self.load_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self.load_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64)  # decayed routed pairs
+        self._tokens = 0.0  # decayed tokens: load_LE / _tokens is the recent rate
         if initial_counts_LE is not None:
-            total = float(initial_counts_LE.sum()) or 1.0
-            # a prior worth one half-life of traffic, shaped like the calibration statistics
-            self.load_LE += initial_counts_LE.double() / total * self.settings.half_life_tokens
+            prior = initial_counts_LE.detach().to("cpu", torch.float64).clamp(min=0)
+        else:
+            prior = torch.ones(num_layers, num_experts, dtype=torch.float64)
+        totals = prior.sum(dim=1, keepdim=True)
+        # each layer's share of its routed pairs (uniform where there are no statistics)
+        self.prior_share_LE = torch.where(totals > 0, prior / totals.clamp(min=1e-300), 1.0 / num_experts)
+        self._checks: list[list] = []  # forecasts awaiting their horizon: [x - p, p, counts since, tokens since]
+        self._cov = 0.0  # sum (x - p)(y - p) over checked forecasts
+        self._var = 0.0  # sum (x - p)^2
+        self._cov_noise = 0.0  # sum (x - p)^2 (y - p)^2: the variance of _cov were the deviations not to persist
+        self._mix: dict[tuple[int, bool, bool], float] = {}  # decayed weight of recent passes by (tokens, regimes)
         self._passes = 0
 
+    @property
+    def horizon(self) -> float:
+        return self.settings.horizon_tokens or self.settings.half_life_tokens
+
+    @property
+    def weight(self) -> float:
+        """How much of the recent deviation from the prior persists over the horizon, at the lower end of its
+        `z_score` confidence interval: 0 until enough forecasts have been checked to show that any does."""
+        if self._var <= 0:
+            return 0.0
+        firm = self._cov - self.settings.z_score * self._cov_noise ** 0.5
+        return min(1.0, max(0.0, firm / self._var))
+
     def observe(self, counts_LE: torch.Tensor, num_tokens: int, is_prefill: bool) -> None:
+        if num_tokens <= 0:
+            return
+        counts = counts_LE.detach().to("cpu", torch.float64)
+        self._check_forecasts(counts, num_tokens)
         decay = 0.5 ** (num_tokens / self.settings.half_life_tokens)
-        self.load_LE.mul_(decay).add_(counts_LE.detach().to("cpu", torch.float64))
+        self.load_LE.mul_(decay).add_(counts)
+        self._tokens = self._tokens * decay + num_tokens
+        for key in list(self._mix):
+            self._mix[key] *= decay
+            if self._mix[key] < 1e-6:
+                del self._mix[key]
+        key = (num_tokens, *self._regimes(counts))
+        self._mix[key] = self._mix.get(key, 0.0) + 1.0
         self._passes += 1
+        if self._passes % self.settings.replan_every == 0 and not self._checks:
+            # one forecast open at a time: overlapping ones would share their outcome and overstate the evidence
+            prior = self._prior()
+            self._checks.append([self.load_LE / self._tokens - prior, prior, torch.zeros_like(prior), 0.0])
+
+    def _check_forecasts(self, counts_LE: torch.Tensor, num_tokens: int) -> None:
+        """Score the forecasts whose horizon this pass completes (the pass counts toward all that are open)."""
+        still = []
+        for check in self._checks:
+            check[2] += counts_LE
+            check[3] += num_tokens
+            if check[3] >= self.horizon:
+                deviation, prior, counts, tokens = check
+                self._cov += float((deviation * (counts / tokens - prior)).sum())
+                self._var += float((deviation * deviation).sum())
+                self._cov_noise += float((deviation * (counts / tokens - prior)).pow(2).sum())
+            else:
+                still.append(check)
+        self._checks = still
+
+    def _prior(self) -> torch.Tensor:
+        """Prior routed pairs per token [L, E]: the calibration shares times each layer's observed top-k."""
+        per_layer_k = self.load_LE.sum(dim=1, keepdim=True) / max(self._tokens, 1e-300)
+        return (self.prior_share_LE * per_layer_k).clamp(max=1.0)
+
+    def _regimes(self, counts_LE: torch.Tensor) -> tuple[bool, bool]:
+        """Whether this pass is compute-bound on each tier (the cost model's max(reads, math) with every expert
+        on that tier): then an expert's saving is its math, otherwise its one read."""
+        distinct, pairs = int((counts_LE > 0).sum()), int(counts_LE.sum())
+        c = self.cost
+        return (c.cpu_pass_seconds(distinct, pairs) > distinct * c.cpu_expert_seconds(),
+                c.gpu_pass_seconds(distinct, pairs) > distinct * c.gpu_expert_seconds())
+
+    def rates(self) -> torch.Tensor:
+        """Forecast routed pairs per token [L, E] over the horizon."""
+        prior = self._prior()
+        if self._tokens <= 0:
+            return prior
+        return prior + self.weight * (self.load_LE / self._tokens - prior)
+
+    def saving_per_token(self, rate_LE: torch.Tensor) -> torch.Tensor:
+        """Expected seconds saved per token [L, E] by having each expert on the GPU tier, over the recent passes."""
+        c = self.cost
+        cpu_read, gpu_read = c.cpu_expert_seconds(), c.gpu_expert_seconds()
+        cpu_math, gpu_math = c.flops_per_pair / c.cpu_flops, c.flops_per_pair / c.gpu_flops
+        total = torch.zeros_like(rate_LE)
+        tokens = 0.0
+        for (n, cpu_bound, gpu_bound), weight in self._mix.items():
+            touched = 1.0 - (1.0 - rate_LE.clamp(0.0, 1.0)) ** n
+            cpu = n * rate_LE * cpu_math if cpu_bound else touched * cpu_read
+            gpu = n * rate_LE * gpu_math if gpu_bound else touched * gpu_read
+            total += weight * (cpu - gpu)
+            tokens += weight * n
+        return total / tokens if tokens else total
 
     def propose(self, mask_LE: torch.Tensor, busy_LE: torch.Tensor) -> list[Swap]:
         s = self.settings
-        if self._passes % s.replan_every != 0:
-            return []
+        if self._passes == 0 or self._passes % s.replan_every != 0 or self.weight == 0.0:
+            return []  # weight 0: the forecast is the prior, and the placement already follows it
         budget = s.max_swaps_in_flight - int(busy_LE.sum()) // 2
         if budget <= 0:
             return []
-        # load_LE sums to about half_life / ln 2 tokens' worth of activations: turn it into a rate per token
-        rate_LE = self.load_LE * (math.log(2) / s.half_life_tokens)
-        horizon = s.horizon_tokens or s.half_life_tokens
-        threshold = s.margin * self.cost.copy_seconds(2) / (horizon * self.cost.saving_per_activation())
+        value_LE = self.saving_per_token(self.rates())
+        threshold = s.margin * self.cost.copy_seconds(2) / self.horizon  # seconds per token a swap must save
         candidates = []
         for layer in range(mask_LE.shape[0]):
             gpu = (mask_LE[layer] & ~busy_LE[layer]).nonzero().flatten()
             cpu = (~mask_LE[layer] & ~busy_LE[layer]).nonzero().flatten()
             if gpu.numel() == 0 or cpu.numel() == 0:
                 continue
-            ins = cpu[torch.argsort(rate_LE[layer, cpu], descending=True, stable=True)]
-            outs = gpu[torch.argsort(rate_LE[layer, gpu], stable=True)]
+            ins = cpu[torch.argsort(value_LE[layer, cpu], descending=True, stable=True)]
+            outs = gpu[torch.argsort(value_LE[layer, gpu], stable=True)]
             for i, o in zip(ins.tolist(), outs.tolist()):
-                gain = float(rate_LE[layer, i] - rate_LE[layer, o])
-                noise = s.z_score * math.sqrt(float(self.load_LE[layer, i] + self.load_LE[layer, o]))
-                if gain <= threshold or float(self.load_LE[layer, i] - self.load_LE[layer, o]) <= noise:
+                gain = float(value_LE[layer, i] - value_LE[layer, o])
+                if gain <= threshold:
                     break
                 candidates.append((gain, layer, i, o))
         candidates.sort(key=lambda c: (-c[0], c[1], c[2]))

@@ -112,7 +112,7 @@ def _initial_mask(policy: str, passes: TracePasses, total: int, calibration_LE, 
     rows[list(passes.moe_layers)] = True
     if policy == "oracle-static":
         return generate_gpu_experts_masks(passes.total_LE(), total)[list(passes.moe_layers)]
-    strategy = {"kt-dynamic": "uniform", "adaptive": "balanced" if calibration_LE is not None else "uniform",
+    strategy = {"kt-dynamic": "uniform", "adaptive": "frequency" if calibration_LE is not None else "uniform",
                 "oracle-window": "uniform"}.get(policy, policy)
     return place(strategy, rows, passes.num_experts, total, calibration_LE, seed)[list(passes.moe_layers)]
 
