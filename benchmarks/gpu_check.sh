@@ -20,13 +20,15 @@ if [[ $# -gt 0 && "$1" != --* ]]; then
 fi
 PYTHON="${PYTHON:-python}"
 
-# tiermoe from this tree: already importable from here (a dev checkout), else installed without any download,
-# else put on the path (works as long as torch, transformers, safetensors and tqdm are installed).
-here="$("$PYTHON" -c 'import os, tiermoe; print(os.path.dirname(os.path.dirname(os.path.abspath(tiermoe.__file__))))' 2>/dev/null || true)"
+# tiermoe from this tree: already installed from it (a dev checkout), else installed without any download, else
+# put on the path (works as long as torch, transformers, safetensors and tqdm are installed). The check runs
+# from / because `python -c` puts the current directory on sys.path, which would always find the tree here.
+here="$(cd / && "$PYTHON" -c 'import os, tiermoe; print(os.path.dirname(os.path.dirname(os.path.abspath(tiermoe.__file__))))' 2>/dev/null || true)"
 if [[ "$here" != "$REPO" ]]; then
   echo "[gpu-check] installing tiermoe from $REPO (no dependencies, no index)" >&2
-  if ! "$PYTHON" -m pip install --quiet --no-deps --no-index --no-build-isolation -e "$REPO" >&2; then
-    echo "[gpu-check] pip could not install it offline; using PYTHONPATH=$REPO" >&2
+  mkdir -p "$OUT_DIR"
+  if ! "$PYTHON" -m pip install --no-deps --no-index --no-build-isolation -e "$REPO" >"$OUT_DIR/pip_install.log" 2>&1; then
+    echo "[gpu-check] pip could not install it offline (see $OUT_DIR/pip_install.log); using PYTHONPATH=$REPO" >&2
   fi
   export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 fi

@@ -305,3 +305,33 @@ def test_gpu_check_runs_end_to_end_without_a_gpu(tmp_path):
         assert checks["auto_memory_budget"]["status"] == "skipped"
         assert "no CUDA" in done.stderr
     assert checks["cost_model_calibration"]["status"] in ("info", "pass")
+
+
+@pytest.mark.slow
+def test_gpu_check_installs_tiermoe_offline_into_a_bare_environment(tmp_path):
+    """A fresh environment that sees torch and transformers but not tiermoe (as on a GPU machine): the script
+    installs the working tree with pip --no-deps --no-index and runs from the installed package."""
+    import shutil
+    import site
+    import venv
+
+    tree = tmp_path / "tree"
+    shutil.copytree(REPO, tree, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "build"))
+    env_dir = tmp_path / "env"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    outer = site.getsitepackages()[0]  # torch, transformers, pip, setuptools; not the editable tiermoe finder
+    inner = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True,
+                           text=True, check=True).stdout.strip()
+    Path(inner, "outer_packages.pth").write_text(outer + "\n")
+    probe = [str(python), "-c", "import tiermoe; print(tiermoe.__file__)"]
+    assert subprocess.run(probe, capture_output=True, cwd="/").returncode != 0  # not importable before
+    env = {**os.environ, "PYTHON": str(python), "OUT": str(tmp_path / "out")}
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(["bash", str(tree / "benchmarks" / "gpu_check.sh"), "--quick"], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "installing tiermoe" in done.stderr and "could not install" not in done.stderr
+    installed = subprocess.run(probe, capture_output=True, text=True, cwd="/")
+    assert installed.stdout.strip() == str(tree / "tiermoe" / "__init__.py")
+    assert json.loads((tmp_path / "out" / "gpu_check.json").read_text())["checks"]["exactness"]["status"] == "pass"
