@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
 from tiermoe.cli.flags import (
     add_command,
     non_negative_float,
@@ -30,6 +31,7 @@ def add_parser(sub) -> None:
         'tiermoe generate --prompt "Once upon a time" --raw --temperature 0.8 --top-p 0.9 --seed 1',
         'tiermoe generate --prompt "Hi" --kt-num-gpu-experts 4 --kt-expert-placement-strategy uniform',
         'tiermoe generate --prompt "Hi" --plan plan.json',
+        'tiermoe generate --prompt "Hi" --cpu-expert-dtype int4 --cpu-threads 2',
     )
     add_model_flags(p)
     p.add_argument("--prompt", required=True, help="the prompt text")
@@ -38,6 +40,7 @@ def add_parser(sub) -> None:
     add_sampling_flags(p)
     add_placement_flags(p)
     add_dynamic_flags(p)
+    add_cpu_flags(p)
     add_recorder_flags(p)
 
 
@@ -61,6 +64,7 @@ def run(args) -> int:
     from tiermoe.config import check_device
     from tiermoe.engine.llm import LLM
     from tiermoe.engine.sampling import SamplingParams
+    from tiermoe.fit import check_before_loading
     from tiermoe.models import resolve_model
     from tiermoe.stats.io import dump_recorder
 
@@ -68,8 +72,11 @@ def run(args) -> int:
     recorder = recorder_from_args(args, detect(load_config(resolve_model(args.model))))
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed)
-    with LLM(args.model, gpu_device=device, placement=placement_from_args(args),
-             dynamic=dynamic_from_args(args), recorder=recorder) as llm:
+    placement = placement_from_args(args)
+    check_before_loading(args.model, placement, device, args.max_total_tokens,  # stop early if it will not fit
+                         args.prefill_buffer_gb if args.prefill_threshold else 0.0)
+    with LLM(args.model, gpu_device=device, placement=placement,
+             dynamic=dynamic_from_args(args), recorder=recorder, cpu=cpu_from_args(args)) as llm:
         use_chat = not args.raw and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)
         if use_chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import signal
 
+from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
 from tiermoe.cli.flags import add_command, positive_int
 from tiermoe.cli.generate_cmd import add_model_flags
 from tiermoe.cli.recorder_flags import add_recorder_flags, recorder_from_args
@@ -61,6 +62,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="max_tokens of requests that give none (default 256)")
     add_placement_flags(p)
     add_dynamic_flags(p)
+    add_cpu_flags(p)
     add_recorder_flags(p)
     g = p.add_argument_group("several GPUs (one rank per GPU; see docs/multi-gpu.md)")
     g.add_argument("--dist-timeout", dest="dist_timeout", type=seconds, default=DEFAULT_DIST_TIMEOUT_S,
@@ -82,10 +84,16 @@ def build_state(args, llm=None):
                           max_total_tokens=args.max_total_tokens, chunked_prefill_size=args.chunked_prefill_size,
                           default_max_tokens=args.default_max_tokens)
     if llm is None:
+        from tiermoe.fit import check_before_loading
+
         device = check_device(args.gpu_device)
-        llm = LLM(args.model, gpu_device=device, placement=placement_from_args(args),
+        placement = placement_from_args(args)
+        check_before_loading(args.model, placement, device, args.max_total_tokens,  # stop early if it will not fit
+                             args.prefill_buffer_gb if getattr(args, "prefill_threshold", None) else 0.0)
+        llm = LLM(args.model, gpu_device=device, placement=placement,
                   dynamic=dynamic_from_args(args), max_running=config.max_running_requests,
-                  prefill_chunk=config.chunked_prefill_size, max_total_tokens=config.max_total_tokens)
+                  prefill_chunk=config.chunked_prefill_size, max_total_tokens=config.max_total_tokens,
+                  cpu=cpu_from_args(args))
     hits = TierHitCounter(llm.hybrid.spec.num_layers, llm.hybrid.gpu_device)
     llm.engine.add_recorder(hits)
     control = None

@@ -1,0 +1,114 @@
+"""`tiermoe fit` (byte counts before loading, checked against hand-computed numbers and against what a load
+really holds) and `tiermoe convert` (the CPU-tier cache)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import run_cli
+
+from tiermoe.config import CPUConfig
+from tiermoe.fit import fit_report, model_bytes
+from tiermoe.model.loader import load_hybrid_model
+from tiermoe.model.presets import PRESETS, make_config
+
+GIB = 1 << 30
+
+
+def _write_config(tmp_path, preset: str, **extra):
+    cfg = make_config(PRESETS[preset][0], preset)
+    raw = cfg.to_dict()
+    raw.update(extra)
+    out = tmp_path / preset
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(raw))
+    return out / "config.json"
+
+
+def _fp8(n: int, k: int) -> int:
+    """An FP8 Linear weight [n, k]: one byte per parameter plus one fp32 scale per 128x128 block."""
+    return n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128)
+
+
+def test_fit_counts_qwen3_30b_a3b_bytes_by_hand(tmp_path):
+    config = _write_config(tmp_path, "qwen3-30b-a3b")
+    m = model_bytes(config, "bf16")
+    h, layers, vocab, experts, inter = 2048, 48, 151936, 128, 768
+    q, kv = 32 * 128, 4 * 128
+    per_layer = h * q + 2 * h * kv + q * h + 2 * 128 + 2 * h  # q, k, v, o, q/k norms, two layer norms
+    router = experts * h * 2  # the router, in the model dtype (DeepSeek-V3's is fp32, see below)
+    assert m.non_expert == (2 * vocab * h + h + layers * per_layer) * 2 + layers * router
+    assert m.gpu_bytes_per_expert == 3 * h * inter * 2
+    assert m.cpu_bytes_per_expert == 3 * h * inter * 2  # bf16
+    assert m.kv_bytes_per_token == layers * 2 * kv * 2
+    assert m.total_experts == layers * experts
+    int4 = model_bytes(config, "bf16", "int4")
+    # gate_up [1536, 2048] and down [2048, 768]: codes 1/2 byte, gscale 1/32, zero 1/64 per parameter, 4 per row
+    assert int4.cpu_bytes_per_expert == 3 * h * inter * (1 / 2 + 1 / 32 + 1 / 64) + 4 * (2 * inter + h)
+    report = fit_report(m, kv_tokens=4096, gpu_memory_gb=24, ram_gb=64)
+    left = 24 * GIB - m.non_expert - 4096 * m.kv_bytes_per_token
+    assert report.max_gpu_experts == left // m.gpu_bytes_per_expert
+    assert report.gpu_experts == report.max_gpu_experts and not report.problems()
+
+
+def test_fit_counts_deepseek_v3_fp8_bytes_by_hand(tmp_path):
+    config = _write_config(tmp_path, "deepseek-v3")
+    m = model_bytes(config, "fp8", "int4")
+    h, layers, dense, vocab, inter, moe_inter, experts = 7168, 61, 3, 129280, 18432, 2048, 256
+    attn = (_fp8(1536, h) + _fp8(128 * 192, 1536) + _fp8(576, h) + _fp8(128 * 256, 512) + _fp8(h, 128 * 128)
+            + (1536 + 512) * 2)  # q_a, q_b, kv_a, kv_b, o; the two latent norms in bf16
+    norms = 2 * h * 2
+    dense_mlp = 2 * _fp8(inter, h) + _fp8(h, inter)
+    moe = experts * h * 4 + experts * 4 + 2 * _fp8(moe_inter, h) + _fp8(h, moe_inter)  # fp32 router + bias, shared
+    expected = 2 * vocab * h * 2 + h * 2 + layers * (attn + norms) + dense * dense_mlp + (layers - dense) * moe
+    assert m.non_expert == expected
+    assert m.gpu_bytes_per_expert == 3 * h * moe_inter * 2  # GPU-tier experts computed in bf16
+    assert m.kv_bytes_per_token == layers * 128 * (128 + 64 + 128) * 2  # MLA as transformers caches it
+    assert m.total_experts == (layers - dense) * experts
+    # sanity in round numbers: ~17 B non-expert parameters, 1.85 B of them bf16 embeddings -> ~19 GB
+    assert 18e9 < m.non_expert < 20e9
+    assert m.cpu_bytes_per_expert == 3 * h * moe_inter * (1 / 2 + 1 / 32 + 1 / 64) + 4 * (2 * moe_inter + h)
+    assert 355e9 < m.total_experts * m.cpu_bytes_per_expert < 360e9  # 654 B expert parameters at 0.547 B each
+
+
+def test_fit_cli_from_config_alone_prints_every_part_and_fails_when_it_will_not_fit(tmp_path):
+    config = _write_config(tmp_path, "deepseek-v3")
+    r = run_cli("fit", "--model", str(config), "--dtype", "fp8", "--cpu-expert-dtype", "int4",
+                "--gpu-memory-gb", "80", "--ram-gb", "512", "--max-total-tokens", "4096")
+    assert r.returncode == 0, r.stderr
+    for part in ("non-expert weights", "KV cache", "prefill buffer", "CPU-tier experts", "largest GPU expert count"):
+        assert part in r.stdout
+    assert "verdict                     fits" in r.stdout or "fits" in r.stdout.splitlines()[-1]
+    small = run_cli("fit", "--model", str(config), "--dtype", "fp8", "--gpu-memory-gb", "16", "--ram-gb", "256")
+    assert small.returncode == 1
+    assert "does not fit" in small.stdout and "GPU memory" in small.stdout and "host memory" in small.stdout
+    none = run_cli("fit", "--model", str(config))
+    assert none.returncode == 2 and "--dtype" in none.stderr and "Traceback" not in none.stderr
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_fit_bytes_equal_what_a_load_really_holds(tmp_path, fmt):
+    from tiermoe.model.make_model import make_model
+
+    path = make_model("qwen3_moe", tmp_path / "m", progress=False, config_overrides=dict(
+        hidden_size=128, moe_intermediate_size=64, head_dim=32))
+    m = model_bytes(path, cpu_expert_dtype=fmt)
+    spec = m.spec
+    mask = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.bool)
+    mask[spec.moe_layers[0], :3] = True
+    with load_hybrid_model(path, mask, progress=False, cpu=CPUConfig(expert_dtype=fmt)) as hybrid:
+        held = hybrid.tier_bytes()
+    report = fit_report(m, gpu_experts=3)
+    assert 0 <= held.non_expert - m.non_expert <= 1024  # the rotary frequency buffers: computed, not weights
+    assert held.gpu_experts == 3 * m.gpu_bytes_per_expert
+    assert held.cpu_experts == report.cpu_experts
+
+
+def test_generate_stops_before_loading_when_the_gpu_limit_cannot_hold_the_model():
+    r = run_cli("generate", "--prompt", "hi", "--gpu-memory-gb", "0.001", "--max-tokens", "2")
+    assert r.returncode == 2
+    assert "will not fit" in r.stderr and "GPU memory" in r.stderr and "Traceback" not in r.stderr
+    assert "loading" not in r.stderr  # stopped before reading any weight

@@ -1,0 +1,41 @@
+"""tiermoe fit: will a model fit this GPU and this host, before anything is loaded (headers or config only)."""
+
+from __future__ import annotations
+
+from tiermoe.cli.flags import add_command, non_negative_float, non_negative_int, positive_int
+
+
+def add_parser(sub) -> None:
+    p = add_command(
+        sub, "fit",
+        "Say whether a model fits before loading it: GPU memory (non-expert weights, GPU experts, KV cache at the "
+        "token budget, layerwise-prefill buffer), host memory (CPU-tier experts in their format) and the largest "
+        "GPU expert count that fits. Reads safetensors or GGUF headers only, or a config.json alone with --dtype.",
+        "tiermoe fit --model /models/Qwen3-30B-A3B --gpu-memory-gb 24 --ram-gb 64",
+        "tiermoe fit --model /models/DeepSeek-V3 --gpu-memory-gb 80 --cpu-expert-dtype int4 --max-total-tokens 32768",
+        "tiermoe fit --model config.json --dtype fp8 --gpu-memory-gb 24 --ram-gb 512",
+        "tiermoe fit --model /models/Qwen3-30B-A3B-Q4_K_M.gguf --gpu-memory-gb 16",
+    )
+    p.add_argument("--model", required=True, help="checkpoint directory, GGUF file or directory, or a config.json")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp8"),
+                   help="what the weights are when only config.json is given (fp8: the released FP8 layout); "
+                        "with weights: the compute dtype (default: the checkpoint's)")
+    p.add_argument("--gpu-memory-gb", type=non_negative_float, help="GPU memory tiermoe may use, GiB")
+    p.add_argument("--ram-gb", type=non_negative_float, help="host memory tiermoe may use, GiB")
+    p.add_argument("--max-total-tokens", type=positive_int, default=8192, help="KV cache token budget (default 8192)")
+    p.add_argument("--gpu-prefill-buffer-gb", type=non_negative_float, default=0.0,
+                   help="layerwise-prefill buffer (with --kt-gpu-prefill-token-threshold; default 0)")
+    p.add_argument("--cpu-expert-dtype", choices=("bf16", "int8", "int4"),
+                   help="format of CPU-tier experts (default: the compute dtype)")
+    p.add_argument("--gpu-experts", type=non_negative_int,
+                   help="GPU-tier experts in total to check (default: the largest count that fits)")
+
+
+def run(args) -> int:
+    from tiermoe.fit import fit_report, model_bytes
+
+    model = model_bytes(args.model, args.dtype, args.cpu_expert_dtype)
+    report = fit_report(model, args.gpu_experts, args.max_total_tokens, args.gpu_prefill_buffer_gb,
+                        args.gpu_memory_gb, args.ram_gb)
+    print(report.describe())
+    return 0 if not report.problems() else 1

@@ -1,0 +1,320 @@
+"""Will a model fit, before a single weight is read: byte counts from headers (or config.json alone).
+
+Where the bytes go (what the loader really allocates):
+  GPU (main device): non-expert weights (FP8 Linear weights stay FP8: 1 byte per parameter plus one fp32 scale
+    per 128x128 block; everything else in the compute dtype), GPU-tier experts (compute dtype: the GPU tier holds
+    the canonical layout that tier swaps move), the KV cache at the token budget, the layerwise-prefill buffer.
+  Host: CPU-tier experts in the --cpu-expert-dtype format (bf16 2 bytes/param, int8 1 byte + 4 per row, int4
+    0.547 bytes + 4 per row, see tiermoe.experts.quant), plus one expert of streaming buffer while loading.
+A checkpoint on disk may be larger (fp32) or smaller (FP8, GGUF) than what it becomes in memory; these counts
+are of memory. Shapes: E experts per layer, H hidden, I expert intermediate size.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tiermoe.arch import ArchSpec, detect, text_config
+from tiermoe.errors import TiermoeError
+from tiermoe.placement.budget import GIB, kv_bytes_per_token
+
+_ROUTED = re.compile(r"\.experts\.")
+# What config.json alone may be told the weights are (`tiermoe fit --dtype`): compute dtype, and whether the
+# decoder's Linear weights are FP8 (the released FP8 layout: routers, norms, embeddings and lm_head stay bf16).
+CONFIG_DTYPES = {"bf16": (torch.bfloat16, False), "fp16": (torch.float16, False), "fp32": (torch.float32, False),
+                 "fp8": (torch.bfloat16, True)}
+
+
+def matrix_bytes(n: int, k: int, fmt: str) -> int:
+    """Bytes of one W [N, K] stored in a CPU-tier format (tiermoe.experts.quant, "rows" layout)."""
+    if fmt == "bf16":
+        return 2 * n * k
+    if fmt == "int8":
+        return n * k + 4 * n
+    if fmt == "int4":
+        kp = -(-k // 64) * 64
+        return n * kp // 2 + 4 * n + n * kp // 32 + n * kp // 64
+    if fmt in ("fp32", "fp16"):  # kept in the checkpoint's dtype by the torch path
+        return n * k * (4 if fmt == "fp32" else 2)
+    raise TiermoeError(f"unknown CPU expert format '{fmt}'; choose one of: bf16, int8, int4")
+
+
+def cpu_expert_bytes(spec: ArchSpec, fmt: str, dtype: torch.dtype) -> int:
+    """One expert on the CPU tier: gate_up [2I, H] and down [H, I] in `fmt`, biases (GPT-OSS) in `dtype`."""
+    h, i = spec.hidden_size, spec.expert_intermediate_size
+    bias = (2 * i + h) * dtype.itemsize if spec.expert_bias else 0
+    return matrix_bytes(2 * i, h, fmt) + matrix_bytes(h, i, fmt) + bias
+
+
+def cpu_format(expert_dtype: str | None, dtype: torch.dtype) -> str:
+    """The CPU tier's format: the flag, else the compute dtype (as tiermoe.experts.registry chooses it)."""
+    if expert_dtype:
+        return expert_dtype
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """A model's memory, by part; computed from headers or config, never from weights."""
+
+    name: str
+    spec: ArchSpec
+    non_expert: int  # main device
+    gpu_bytes_per_expert: int
+    cpu_bytes_per_expert: int
+    cpu_format: str
+    kv_bytes_per_token: int
+    source: str  # "safetensors headers", "config.json (fp8)", "GGUF headers"
+
+    @property
+    def total_experts(self) -> int:
+        return self.spec.total_routed_experts
+
+
+def _non_expert_from_config(cfg, dtype: torch.dtype, fp8: bool) -> int:
+    """Non-expert bytes from the module tree alone (meta skeleton: no memory), in the released layout."""
+    from tiermoe.model.fp8 import DEFAULT_BLOCK, scale_shape
+    from tiermoe.model.fp8_write import is_fp8_quantised
+    from tiermoe.model.skeleton import build_skeleton
+
+    model = build_skeleton(cfg, dtype)
+    tied = getattr(text_config(cfg), "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False)
+    total = 0
+    for name, t in model.state_dict().items():
+        if _ROUTED.search(name) or (tied and name == "lm_head.weight"):
+            continue
+        if fp8 and is_fp8_quantised(name, tuple(t.shape)):
+            nb, kb = scale_shape(tuple(t.shape), DEFAULT_BLOCK)
+            total += t.numel() + 4 * nb * kb
+        else:
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _non_expert_from_headers(model_dir: Path, dtype: torch.dtype) -> int:
+    """Non-expert bytes as the loader holds them: FP8 weights and their scales as stored, the rest in `dtype`."""
+    from tiermoe.model.checkpoint import Checkpoint
+    from tiermoe.model.fp8 import FP8_DTYPES, SCALE_SUFFIX
+
+    ckpt = Checkpoint(model_dir)
+    total = 0
+    for name, entry in ckpt.entries.items():
+        if _ROUTED.search(name) or name == "gpu_expert_mask":
+            continue
+        fp8 = entry.dtype in FP8_DTYPES or (name.endswith(SCALE_SUFFIX) and entry.dtype == torch.float32)
+        total += entry.nbytes if fp8 else entry.numel * dtype.itemsize
+    return total
+
+
+def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: str | None = None) -> ModelBytes:
+    """Memory of `model`: a checkpoint directory (safetensors headers), a GGUF file or directory, or a
+    config.json (or a directory holding only one) with `dtype` (bf16, fp16, fp32 or fp8) naming its weights."""
+    from transformers import AutoConfig
+
+    path = Path(model)
+    if not path.exists():
+        raise TiermoeError(f"model path '{path}' does not exist")
+    from tiermoe.model.gguf_reader import gguf_files
+
+    if gguf_files(path):
+        from tiermoe.model.gguf_model import gguf_model_bytes
+
+        return gguf_model_bytes(path, cpu_expert_dtype)
+    config_file = path if path.is_file() else path / "config.json"
+    if config_file.name != "config.json" or not config_file.is_file():
+        raise TiermoeError(f"'{path}' is neither a checkpoint directory, a config.json nor a GGUF file")
+    try:
+        cfg = AutoConfig.from_pretrained(str(config_file.parent), local_files_only=True)
+    except (ValueError, KeyError, TypeError, OSError) as err:
+        raise TiermoeError(f"{config_file} could not be read as a transformers config: {err}") from None
+    spec = detect(cfg)
+    has_weights = config_file.parent.is_dir() and any(config_file.parent.glob("*.safetensors"))
+    if has_weights:
+        compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
+        non_expert = _non_expert_from_headers(config_file.parent, compute)
+        source = "safetensors headers"
+    else:
+        if dtype is None:
+            raise TiermoeError(f"'{path}' has no weights; say what they are with --dtype (bf16, fp16, fp32 or fp8)")
+        if dtype not in CONFIG_DTYPES:
+            raise TiermoeError(f"--dtype '{dtype}' is unknown; choose one of: {', '.join(CONFIG_DTYPES)}")
+        compute, fp8 = CONFIG_DTYPES[dtype]
+        non_expert = _non_expert_from_config(cfg, compute, fp8)
+        source = f"config.json ({dtype})"
+    fmt = cpu_format(cpu_expert_dtype, compute)
+    return ModelBytes(
+        name=config_file.parent.name, spec=spec, non_expert=non_expert,
+        gpu_bytes_per_expert=spec.params_per_expert * compute.itemsize,
+        cpu_bytes_per_expert=cpu_expert_bytes(spec, fmt, compute), cpu_format=fmt,
+        kv_bytes_per_token=kv_bytes_per_token(text_config(cfg), compute.itemsize), source=source)
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """Memory of one placement: `gpu_experts` routed experts on the GPU tier, the rest on the CPU tier."""
+
+    model: ModelBytes
+    gpu_experts: int
+    kv_tokens: int
+    prefill_buffer: int
+    gpu_memory: int | None = None  # limits, bytes (None: not given)
+    ram: int | None = None
+
+    @property
+    def kv_cache(self) -> int:
+        return self.kv_tokens * self.model.kv_bytes_per_token
+
+    @property
+    def gpu_total(self) -> int:
+        m = self.model
+        return m.non_expert + self.gpu_experts * m.gpu_bytes_per_expert + self.kv_cache + self.prefill_buffer
+
+    @property
+    def cpu_experts(self) -> int:
+        return (self.model.total_experts - self.gpu_experts) * self.model.cpu_bytes_per_expert
+
+    @property
+    def host_total(self) -> int:
+        """CPU-tier experts plus the loader's one-expert streaming buffer."""
+        return self.cpu_experts + self.model.gpu_bytes_per_expert
+
+    @property
+    def max_gpu_experts(self) -> int | None:
+        """The largest GPU-tier expert count that fits the GPU memory limit (None without one)."""
+        if self.gpu_memory is None:
+            return None
+        m = self.model
+        left = self.gpu_memory - m.non_expert - self.kv_cache - self.prefill_buffer
+        return max(0, min(m.total_experts, left // m.gpu_bytes_per_expert)) if left > 0 else 0
+
+    @property
+    def min_gpu_experts(self) -> int | None:
+        """The fewest GPU-tier experts with which the CPU tier fits the RAM limit (None without one)."""
+        if self.ram is None:
+            return None
+        m = self.model
+        over = m.total_experts * m.cpu_bytes_per_expert + m.gpu_bytes_per_expert - self.ram
+        return 0 if over <= 0 else -(-over // m.cpu_bytes_per_expert)
+
+    def problems(self) -> list[str]:
+        """Why this placement does not fit the limits (empty when it does)."""
+        out = []
+        if self.gpu_memory is not None and self.gpu_total > self.gpu_memory:
+            fixed = self.gpu_total - self.gpu_experts * self.model.gpu_bytes_per_expert
+            what = ("the non-expert weights, KV cache and prefill buffer alone need "
+                    f"{_gib(fixed)}" if fixed > self.gpu_memory else
+                    f"{self.gpu_experts} GPU experts need {_gib(self.gpu_total)} in all; at most "
+                    f"{self.max_gpu_experts} fit")
+            out.append(f"GPU memory: {what}, more than the {_gib(self.gpu_memory)} available")
+        if self.ram is not None and self.host_total > self.ram:
+            need = self.min_gpu_experts
+            hint = (f"; put at least {need} experts on the GPU tier or choose a smaller --cpu-expert-dtype"
+                    if need is not None and need <= self.model.total_experts else
+                    "; choose a smaller --cpu-expert-dtype")
+            out.append(f"host memory: the CPU tier needs {_gib(self.host_total)} ({self.model.cpu_format} "
+                       f"experts), more than the {_gib(self.ram)} available{hint}")
+        return out
+
+    def describe(self) -> str:
+        m, s = self.model, self.model.spec
+        per_layer = self.max_gpu_experts // s.num_moe_layers if self.max_gpu_experts is not None else None
+        rows = [
+            ("model", f"{m.name} ({s.model_type}), {s.num_moe_layers} MoE layers x {s.num_experts} experts, "
+                      f"from {m.source}"),
+            ("GPU: non-expert weights", _gib(m.non_expert)),
+            ("GPU: experts", f"{self.gpu_experts} x {_mib(m.gpu_bytes_per_expert)} = "
+                             f"{_gib(self.gpu_experts * m.gpu_bytes_per_expert)}"),
+            ("GPU: KV cache", f"{self.kv_tokens} tokens x {m.kv_bytes_per_token} B = {_gib(self.kv_cache)}"),
+            ("GPU: prefill buffer", _gib(self.prefill_buffer)),
+            ("GPU: total", _gib(self.gpu_total) + (f" of {_gib(self.gpu_memory)}" if self.gpu_memory else "")),
+            ("host: CPU-tier experts", f"{m.total_experts - self.gpu_experts} x {_mib(m.cpu_bytes_per_expert)} "
+                                       f"({m.cpu_format}) = {_gib(self.cpu_experts)}"),
+            ("host: total", f"{_gib(self.host_total)} (with a one-expert load buffer)"
+                            + (f" of {_gib(self.ram)}" if self.ram else "")),
+        ]
+        if self.max_gpu_experts is not None:
+            rows.append(("largest GPU expert count", f"{self.max_gpu_experts} of {m.total_experts} "
+                                                     f"(--num-gpu-experts {per_layer} per MoE layer)"))
+        if self.min_gpu_experts is not None:
+            rows.append(("fewest GPU experts for RAM", str(self.min_gpu_experts)))
+        problems = self.problems()
+        rows.append(("verdict", "fits" if not problems else "does not fit: " + "; ".join(problems)))
+        width = max(len(k) for k, _ in rows) + 2
+        return "\n".join(f"{k:<{width}}{v}" for k, v in rows)
+
+
+def _gib(n: int) -> str:
+    """Bytes in the largest binary unit that keeps a whole number in front (GiB for real models)."""
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+_mib = _gib
+
+
+def fit_report(model: ModelBytes, gpu_experts: int | None = None, kv_tokens: int = 8192,
+               prefill_buffer_gb: float = 0.0, gpu_memory_gb: float | None = None,
+               ram_gb: float | None = None) -> FitReport:
+    """A FitReport for `gpu_experts` GPU-tier experts (None: the largest count that fits, 0 without a limit)."""
+    gpu_memory = int(gpu_memory_gb * GIB) if gpu_memory_gb is not None else None
+    ram = int(ram_gb * GIB) if ram_gb is not None else None
+    report = FitReport(model, 0, kv_tokens, int(prefill_buffer_gb * GIB), gpu_memory, ram)
+    if gpu_experts is None:
+        gpu_experts = report.max_gpu_experts or 0
+    if not 0 <= gpu_experts <= model.total_experts:
+        raise TiermoeError(f"{gpu_experts} GPU experts is outside 0..{model.total_experts} for this model")
+    return FitReport(model, gpu_experts, kv_tokens, int(prefill_buffer_gb * GIB), gpu_memory, ram)
+
+
+def available_ram() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_before_loading(model, placement, gpu_device: str, kv_tokens: int, prefill_buffer_gb: float = 0.0,
+                         cpu_expert_dtype: str | None = None) -> FitReport:
+    """The check `serve` and `generate` run before loading: raise TiermoeError (one line) when the placement
+    will not fit the GPU memory the user gave (--gpu-memory-gb), the CUDA device, or this machine's free RAM.
+
+    Headers only: costs well under a second even for checkpoints of hundreds of GB."""
+    from tiermoe.config import PlacementConfig
+    from tiermoe.model.placement_target import resolve_mask
+    from tiermoe.models import resolve_model
+
+    model_dir = resolve_model(model)
+    bytes_ = model_bytes(model_dir, cpu_expert_dtype=cpu_expert_dtype)
+    if isinstance(placement, PlacementConfig) and placement.gpu_memory_gb == "auto":
+        placement_gpu = None  # sized from the device's free memory by the planner itself
+    elif isinstance(placement, PlacementConfig):
+        placement_gpu = placement.gpu_memory_gb
+    else:
+        placement_gpu = None
+    mask = resolve_mask(placement, model_dir, bytes_.spec, gpu_device)
+    gpu_experts = int(mask.sum()) if mask is not None else 0
+    gpu_memory = placement_gpu
+    if gpu_memory is None and str(gpu_device).startswith("cuda") and torch.cuda.is_available():
+        gpu_memory = torch.cuda.mem_get_info(torch.device(gpu_device))[0] / GIB
+    ram = available_ram()
+    report = fit_report(bytes_, gpu_experts, kv_tokens, prefill_buffer_gb, gpu_memory,
+                        None if ram is None else ram / GIB)
+    if str(gpu_device) == "cpu" and ram is not None:  # the "GPU" tier is host memory too
+        report = FitReport(bytes_, gpu_experts, kv_tokens, report.prefill_buffer, report.gpu_memory,
+                           max(0, ram - report.gpu_total))
+    problems = report.problems()
+    if problems:
+        raise TiermoeError(f"{model_dir.name} will not fit: {'; '.join(problems)} (details: tiermoe fit --model "
+                           f"{model_dir})")
+    return report
+
