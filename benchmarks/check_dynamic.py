@@ -56,9 +56,9 @@ def main() -> int:
         for cal, bench in benches.items():
             results[(ev, cal)] = bench
             print(f"\n### eval {ev}, calibration {cal}\n")
-            print("| ratio | best static (time) | kt-dynamic hit | frequency hit | frequency(cal {}) hit | adaptive hit "
-                  "| oracle-window hit | best static+kt tok/s | adaptive tok/s | adaptive swaps | time ok | hit +10% "
-                  "|".format(other))
+            print(f"| ratio | best static (time) | kt-dynamic hit | frequency hit | frequency(cal {other}) hit | "
+                  "adaptive hit | oracle-window hit | best static+kt tok/s | adaptive tok/s | adaptive swaps | time ok "
+                  "| hit +10% |")
             print("|---" * 12 + "|")
             for r in ratios:
                 rivals = {p: bench.get(p, r) for p in STATIC + ("kt-dynamic",)}

@@ -8,7 +8,6 @@ Legend: L layers, E experts; counts_LE are routed (token, expert) pairs of one p
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -88,8 +87,9 @@ class AdaptivePolicy:
     """Follow the workload only as far as following it has paid off: never behind the static placement it starts
     from unless the workload really moves.
 
-    The placement starts where `frequency` puts it (the calibration statistics, the prior p_LE); every
-    `replan_every` passes the policy asks whether a swap pays for its copies. What decides it:
+    The placement starts where `frequency` puts it (the calibration statistics, the prior p_LE; a placement that
+    starts elsewhere is moved toward it, as far as that pays); every `replan_every` passes the policy asks whether
+    a swap pays for its copies. What decides it:
 
     1. The forecast. x_LE, the recent routed pairs per token (counts decayed with `half_life_tokens`), is noisy
        and partly a passing fluctuation: one long prompt routes alike for hundreds of tokens and says little about
@@ -219,8 +219,8 @@ class AdaptivePolicy:
 
     def propose(self, mask_LE: torch.Tensor, busy_LE: torch.Tensor) -> list[Swap]:
         s = self.settings
-        if self._passes == 0 or self._passes % s.replan_every != 0 or self.weight == 0.0:
-            return []  # weight 0: the forecast is the prior, and the placement already follows it
+        if self._passes == 0 or self._passes % s.replan_every != 0:
+            return []
         budget = s.max_swaps_in_flight - int(busy_LE.sum()) // 2
         if budget <= 0:
             return []
