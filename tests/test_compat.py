@@ -135,7 +135,7 @@ def test_environment_sets_gpu_experts_per_layer(tiny_dir, monkeypatch):
 
 def test_choose_placement_strategy_example_runs_on_the_bundled_model():
     out = subprocess.run([sys.executable, str(ROOT / "examples/choose_placement_strategy.py"), "--num-prompts", "4",
-                          "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
+                          "--max-tokens", "8"], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line[:1].isdigit()]
     assert len(lines) == 4 and all(line.count("%") == 5 for line in lines)
