@@ -19,6 +19,15 @@ fi
 STAMP=".venv/.tiermoe-installed${EXTRAS:+-$EXTRAS}"
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
     echo "setup: installing tiermoe${EXTRAS:+[$EXTRAS]} into .venv" >&2
-    $PIP install -e ".${EXTRAS:+[$EXTRAS]}"
+    if [ "$EXTRAS" = kt ]; then
+        # kt-kernel's wheel pins torch==2.9.1 (CUDA); keep the torch installed above
+        $PIP install -e . gguf typer rich pyyaml httpx packaging
+        $PIP install --no-deps "kt-kernel==0.7.2"
+    else
+        $PIP install -e ".${EXTRAS:+[$EXTRAS]}"
+    fi
     touch "$STAMP"
 fi
+# Build the CPU expert kernels now rather than on the first model load (about 20 s; a warning and the pure-torch
+# path where there is no compiler)
+.venv/bin/tiermoe version | grep "^cpu kernels" >&2

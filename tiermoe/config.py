@@ -78,7 +78,7 @@ class PlacementConfig:
         return any(v is not None for v in (self.num_gpu_experts, self.gpu_experts_ratio, self.gpu_memory_gb))
 
 
-CPU_BACKENDS = ("torch",)
+CPU_BACKENDS = ("native", "torch", "kt")  # native: tiermoe's kernels (tiermoe.experts.native), the default
 CPU_EXPERT_DTYPES = ("bf16", "int8", "int4")
 
 
@@ -86,10 +86,11 @@ CPU_EXPERT_DTYPES = ("bf16", "int8", "int4")
 class CPUConfig:
     """The CPU tier: which backend computes it, the format its experts are stored in, and its threads.
 
-    expert_dtype None keeps the checkpoint's dtype. threads None lets the backend choose.
+    expert_dtype None keeps the checkpoint's dtype. threads None: physical cores less one for the caller (at
+    least 1); see tiermoe.experts.threads and docs/cpu-backends.md.
     """
 
-    backend: str = "torch"  # --cpu-backend
+    backend: str = "native"  # --cpu-backend
     expert_dtype: str | None = None  # --cpu-expert-dtype
     threads: int | None = None  # --cpu-threads
 

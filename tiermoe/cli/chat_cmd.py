@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
 from tiermoe.cli.flags import add_command, non_negative_float, positive_int
 
 HELP = "/quit (or Ctrl-D) leaves, /clear forgets the conversation, /history shows it, /help shows this"
@@ -28,6 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument("--system", help="system message")
     p.add_argument("--temperature", type=non_negative_float, default=0.7, help="sampling temperature (default 0.7)")
     p.add_argument("--max-tokens", type=positive_int, default=256, help="tokens per reply at most (default 256)")
+    add_cpu_flags(p)
 
 
 class LocalChat:
@@ -35,7 +37,8 @@ class LocalChat:
         from tiermoe.config import check_device
         from tiermoe.engine.llm import LLM
 
-        self.llm = LLM(args.model, gpu_device=check_device(args.gpu_device), progress=sys.stderr.isatty())
+        self.llm = LLM(args.model, gpu_device=check_device(args.gpu_device), progress=sys.stderr.isatty(),
+                       cpu=cpu_from_args(args))
         self.args = args
 
     def reply(self, messages):

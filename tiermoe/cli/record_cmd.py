@@ -5,7 +5,14 @@ from __future__ import annotations
 import sys
 import time
 
-from tiermoe.cli.flags import add_command, dtype_flag, non_negative_float, non_negative_int, positive_int
+from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
+from tiermoe.cli.flags import (
+    add_command,
+    dtype_flag,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 from tiermoe.cli.placement_flags import add_placement_flags
 from tiermoe.cli.recorder_flags import add_recorder_flags
 from tiermoe.data.prompts import SPLITS
@@ -58,6 +65,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", help="the statistics file to write (.pt)")
     add_recorder_flags(p, mode_flags=("--mode",), default_mode="stat", default_buffer_size=-1)
     add_placement_flags(p)
+    add_cpu_flags(p)
 
 
 def run(args) -> int:
@@ -83,7 +91,7 @@ def run(args) -> int:
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                               ignore_eos=args.ignore_eos)
     with LLM(model_dir, gpu_device=device, placement=placement_from_args(args), dtype=args.dtype,
-             max_running=args.batch_size, recorder=recorder, progress=args.progress) as llm:
+             max_running=args.batch_size, recorder=recorder, progress=args.progress, cpu=cpu_from_args(args)) as llm:
         context = llm.engine.max_context or 10**9
         # the engine refuses prompts that fill the context; by default leave room for --max-tokens as well
         limit = max(1, context - args.max_tokens)

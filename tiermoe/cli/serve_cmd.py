@@ -13,9 +13,13 @@ import signal
 from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
 from tiermoe.cli.flags import add_command, positive_int
 from tiermoe.cli.generate_cmd import add_model_flags
+from tiermoe.cli.placement_flags import (
+    add_dynamic_flags,
+    add_placement_flags,
+    dynamic_from_args,
+    placement_from_args,
+)
 from tiermoe.cli.recorder_flags import add_recorder_flags, recorder_from_args
-from tiermoe.cli.placement_flags import (add_dynamic_flags, add_placement_flags, dynamic_from_args,
-                                         placement_from_args)
 from tiermoe.distributed.group import DEFAULT_DIST_TIMEOUT_S
 
 

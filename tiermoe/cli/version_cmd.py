@@ -6,7 +6,8 @@ from tiermoe.cli.flags import add_command
 
 
 def add_parser(sub) -> None:
-    add_command(sub, "version", "Print the versions of tiermoe, torch and transformers, and whether CUDA is usable.",
+    add_command(sub, "version", "Print the versions of tiermoe, torch and transformers, whether CUDA is usable, and the instruction set "
+                "the CPU expert kernels use (building them on first call).",
                 "tiermoe version")
 
 
@@ -15,8 +16,10 @@ def run(args) -> int:
     import transformers
 
     import tiermoe
+    from tiermoe.experts.kernels import supported_isa
 
+    isa = supported_isa()
     cuda = f"yes ({torch.cuda.device_count()} device(s))" if torch.cuda.is_available() else "no"
     print(f"tiermoe {tiermoe.__version__}\ntorch {torch.__version__}\ntransformers {transformers.__version__}\n"
-          f"cuda {cuda}")
+          f"cuda {cuda}\ncpu kernels {'unavailable (pure-torch path)' if isa is None else isa}")
     return 0

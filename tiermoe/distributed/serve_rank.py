@@ -17,6 +17,7 @@ from tiermoe.distributed.rank_model import RankModel
 
 def serve_rank(args, env: RankEnv, on_group=None) -> int:
     """Run `tiermoe serve` as rank `env.rank`. `on_group()` is called once the process group is up."""
+    from tiermoe.cli.cpu_flags import cpu_from_args
     from tiermoe.cli.placement_flags import dynamic_from_args, placement_from_args
     from tiermoe.cli.serve_cmd import build_state, serve
 
@@ -28,7 +29,8 @@ def serve_rank(args, env: RankEnv, on_group=None) -> int:
         on_group()
     with group, RankModel(group, args.model, placement_from_args(args), max_running=args.max_running_requests,
                          prefill_chunk=args.chunked_prefill_size, max_total_tokens=args.max_total_tokens,
-                         dynamic=dynamic_from_args(args) if leads else None, progress=leads) as ranked:
+                         dynamic=dynamic_from_args(args) if leads else None, progress=leads,
+                         cpu=cpu_from_args(args)) as ranked:
         if not leads:
             ranked.follow()
             return 0

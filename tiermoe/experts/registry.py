@@ -1,4 +1,11 @@
-"""CPU-tier backends by name (--cpu-backend) and the factory the loader calls once per MoE layer."""
+"""CPU-tier backends by name (--cpu-backend) and the factory the loader calls once per MoE layer.
+
+  native  tiermoe's C++ kernels (tiermoe.experts.native), bf16 / int8 / int4; the default. Experts kept in fp32 /
+          fp16 (an fp32 or fp16 checkpoint without --cpu-expert-dtype) are computed by the torch reference, which
+          is exact for them.
+  torch   the plain-torch reference (TorchCPUExperts), in the checkpoint's dtype.
+  kt      kt-kernel's AMX operators (optional: pip install 'tiermoe[kt]').
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import torch
 from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.ffn import ExpertActivation
+from tiermoe.experts.threads import default_threads
 from tiermoe.experts.tiers import CPUExpertBackend, CPUWorker, TorchCPUExperts
 
 
@@ -19,4 +27,16 @@ def make_cpu_tier(config: CPUConfig, worker: CPUWorker, act: ExpertActivation, p
             raise TiermoeError(f"the torch backend keeps the checkpoint's dtype ({checkpoint_dtype}); "
                                f"--cpu-expert-dtype {config.expert_dtype} needs another --cpu-backend")
         return TorchCPUExperts(worker, act, pin=pin)
+    fmt = config.expert_dtype or ("bf16" if checkpoint_dtype == torch.bfloat16 else None)
+    threads = config.threads or default_threads()
+    if config.backend == "native":
+        if fmt is None:
+            return TorchCPUExperts(worker, act, pin=pin)
+        from tiermoe.experts.native import NativeCPUExperts
+
+        return NativeCPUExperts(worker, act, fmt, checkpoint_dtype, threads, pin=pin)
+    if config.backend == "kt":
+        from tiermoe.experts.kt import KtCPUExperts
+
+        return KtCPUExperts(worker, act, fmt or "bf16", checkpoint_dtype, threads, pin=pin)
     raise TiermoeError(f"cpu backend '{config.backend}' is unknown")

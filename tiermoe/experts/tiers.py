@@ -86,12 +86,25 @@ class CPUWorker:
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-cpu-experts")
+        self._shared: dict = {}
 
     def submit(self, fn, *args) -> Future:
         return self._pool.submit(fn, *args)
 
+    def shared(self, key, make):
+        """A resource all layers' backends share (e.g. a kernel thread team): made by `make()` on first request,
+        closed with the worker. Owned here because the worker is the one thread that uses it."""
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        for resource in self._shared.values():
+            close = getattr(resource, "close", None)
+            if close is not None:
+                close()
+        self._shared.clear()
 
 
 class TorchCPUExperts(ExpertSet):

@@ -1,0 +1,47 @@
+"""The CPU tier's flags, shared by every command that loads a model: backend, expert format, threads.
+
+SGLang-kt's spellings are accepted so a KTransformers launch line keeps working: `--kt-cpuinfer N` is
+`--cpu-threads N`, and `--kt-method AMXINT4 | AMXINT8 | BF16` chooses the expert format (computed by tiermoe's own
+kernels unless `--cpu-backend kt` asks for kt-kernel's).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tiermoe.cli.flags import positive_int
+from tiermoe.config import CPU_BACKENDS, CPU_EXPERT_DTYPES, CPUConfig
+from tiermoe.errors import TiermoeError
+
+KT_METHODS = {"AMXINT4": "int4", "AMXINT8": "int8", "BF16": "bf16", "AMXBF16": "bf16"}
+
+
+def kt_method(value: str) -> str:
+    fmt = KT_METHODS.get(value.upper())
+    if fmt is None:
+        raise argparse.ArgumentTypeError(f"--kt-method '{value}' is not supported; expected one of "
+                                         f"{', '.join(KT_METHODS)} (or use --cpu-expert-dtype {{bf16,int8,int4}})")
+    return fmt
+
+
+def add_cpu_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("CPU tier (docs/cpu-backends.md)")
+    g.add_argument("--cpu-backend", choices=CPU_BACKENDS, default=CPUConfig().backend,
+                   help=f"what computes the CPU-tier experts: native (tiermoe's kernels), torch (the reference) or kt "
+                        f"(kt-kernel, if installed) (default {CPUConfig().backend})")
+    g.add_argument("--cpu-expert-dtype", choices=CPU_EXPERT_DTYPES, default=None,
+                   help="format the CPU-tier experts are stored and computed in, quantised once at load "
+                        "(default: the checkpoint's dtype)")
+    g.add_argument("--kt-method", dest="kt_method", type=kt_method, default=None,
+                   help="SGLang-kt spelling of the format: AMXINT4 = int4, AMXINT8 = int8, BF16 = bf16")
+    g.add_argument("--cpu-threads", "--kt-cpuinfer", dest="cpu_threads", type=positive_int, default=None,
+                   help="threads computing the CPU tier (default: physical cores less one)")
+
+
+def cpu_from_args(args) -> CPUConfig:
+    """The CPUConfig the flags ask for; --cpu-expert-dtype and --kt-method must agree when both are given."""
+    fmt, method = getattr(args, "cpu_expert_dtype", None), getattr(args, "kt_method", None)
+    if fmt is not None and method is not None and fmt != method:
+        raise TiermoeError(f"--cpu-expert-dtype {fmt} and --kt-method (= {method}) disagree; give one")
+    return CPUConfig(backend=getattr(args, "cpu_backend", CPUConfig().backend), expert_dtype=fmt or method,
+                     threads=getattr(args, "cpu_threads", None))

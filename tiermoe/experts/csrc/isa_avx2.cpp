@@ -1,0 +1,11 @@
+// The portable kernels compiled for avx2 (avx2,fma,f16c); chosen at run time only when the CPU has it.
+#pragma GCC target("avx2,fma,f16c")
+#define TM_GEN_VEC 256
+#define TM_GEN_MT 2
+#include "generic_kernels.inc"
+
+namespace {
+const TmKernels kTable = {TM_ISA_AVX2, wants_f32, scratch_generic, up_generic, down_generic, finish_nothing};
+}
+
+extern "C" const TmKernels* tm_kernels_avx2(void) { return &kTable; }

@@ -1,0 +1,123 @@
+// AVX512-BF16 kernels: bf16 weights times bf16 activations with VDPBF16PS, fp32 accumulation.
+//
+// One 64-byte line of a packed strip holds 16 rows x 2 consecutive k, which is exactly VDPBF16PS's operand: each
+// lane adds w[n][k] * x[k] + w[n][k+1] * x[k+1], with the activation pair broadcast as one 32-bit value. So a
+// token costs one load and one instruction per 64 bytes of weights, and decode runs at the speed memory streams.
+// int8 / int4 weights use the portable kernels compiled for AVX-512 (fp32 activations, exact dequantisation).
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+#include <immintrin.h>
+
+#define TM_GEN_VEC 512
+#define TM_GEN_MT 4
+#include "generic_kernels.inc"
+
+namespace {
+
+// How far ahead (bytes) each strip's stream is prefetched; the hardware prefetcher stops at 4 KiB pages.
+constexpr int kPrefetch = 1024;
+constexpr int kMaxRows = 8;
+
+template <int MT, int S>
+inline void dot_dp(const TmMatrix* W, const int* strip, const uint16_t* x, int ldx, v16f (&out)[MT][S]) {
+  const int K = W->K;
+  const uint8_t* base[S];
+  for (int s = 0; s < S; ++s) base[s] = (const uint8_t*)W->codes + (size_t)K * 32 * strip[s];
+  __m512 acc[MT][S];
+  for (int m = 0; m < MT; ++m)
+    for (int s = 0; s < S; ++s) acc[m][s] = _mm512_setzero_ps();
+  for (int p = 0; p < K / 2; ++p) {
+    __m512i a[MT];
+    for (int m = 0; m < MT; ++m) {
+      int32_t pair;
+      __builtin_memcpy(&pair, x + (size_t)m * ldx + 2 * p, 4);
+      a[m] = _mm512_set1_epi32(pair);
+    }
+    for (int s = 0; s < S; ++s) {
+      const uint8_t* line = base[s] + 64 * (size_t)p;
+      if ((p & 1) == 0) _mm_prefetch((const char*)line + kPrefetch, _MM_HINT_T0);
+      __m512i w = _mm512_loadu_si512(line);
+      for (int m = 0; m < MT; ++m) acc[m][s] = _mm512_dpbf16_ps(acc[m][s], (__m512bh)w, (__m512bh)a[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int s = 0; s < S; ++s) out[m][s] = (v16f)acc[m][s];
+}
+
+template <int MT>
+void up_dp_tile(const TmMatrix* W, const uint16_t* x, int ldx, int j, float* hf, uint16_t* hb, int ldh) {
+  const int strip[2] = {j, W->N / 32 + j};
+  v16f acc[MT][2];
+  dot_dp<MT, 2>(W, strip, x, ldx, acc);
+  for (int m = 0; m < MT; ++m) {
+    v16f h = silu_mul(acc[m][0], acc[m][1]);
+    if (hf) st_f32x16(hf + (size_t)m * ldh + 16 * j, h);
+    if (hb) st_bf16x16(hb + (size_t)m * ldh + 16 * j, h);
+  }
+}
+
+template <int MT, int S>
+void down_dp_tile(const TmMatrix* W, const uint16_t* h, int ldh, int c, int c0, const int32_t* out, const float* w,
+                  float* y, int ldy) {
+  int strip[S];
+  for (int s = 0; s < S; ++s) strip[s] = c + s;
+  v16f acc[MT][S];
+  dot_dp<MT, S>(W, strip, h, ldh, acc);
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < MT; ++m) {
+      float* yr = y + (size_t)out[m] * ldy + 16 * (c - c0 + s);
+      st_f32x16(yr, ld_f32x16(yr) + acc[m][s] * w[m]);
+    }
+}
+
+#define TM_ROWS_SWITCH(n, CALL) \
+  switch (n) {                  \
+    case 1: CALL(1); break;     \
+    case 2: CALL(2); break;     \
+    case 3: CALL(3); break;     \
+    case 4: CALL(4); break;     \
+    case 5: CALL(5); break;     \
+    case 6: CALL(6); break;     \
+    case 7: CALL(7); break;     \
+    default: CALL(8); break;    \
+  }
+
+void up_bf16(const TmMatrix* W, const TmRows* x, int j0, int j1, float* hf, uint16_t* hb, int ldh, void* scratch) {
+  if (W->fmt != TM_BF16) return up_generic(W, x, j0, j1, hf, hb, ldh, scratch);
+  const int M = x->M;
+  for (int j = j0; j < j1; ++j)
+    for (int m0 = 0; m0 < M; m0 += kMaxRows) {
+      const uint16_t* xm = x->bf16 + (size_t)m0 * x->ld;
+      float* hfm = hf ? hf + (size_t)m0 * ldh : nullptr;
+      uint16_t* hbm = hb ? hb + (size_t)m0 * ldh : nullptr;
+#define TM_UP(R) up_dp_tile<R>(W, xm, x->ld, j, hfm, hbm, ldh)
+      TM_ROWS_SWITCH(M - m0, TM_UP)
+#undef TM_UP
+    }
+}
+
+void down_bf16(const TmMatrix* W, const TmRows* h, int c0, int c1, const int32_t* out, const float* w, float* y,
+               int ldy, void* scratch) {
+  if (W->fmt != TM_BF16) return down_generic(W, h, c0, c1, out, w, y, ldy, scratch);
+  const int M = h->M;
+  for (int c = c0; c < c1; c += 2)
+    for (int m0 = 0; m0 < M; m0 += kMaxRows) {
+      const uint16_t* hm = h->bf16 + (size_t)m0 * h->ld;
+      if (c + 1 < c1) {
+#define TM_DOWN2(R) down_dp_tile<R, 2>(W, hm, h->ld, c, c0, out + m0, w + m0, y, ldy)
+        TM_ROWS_SWITCH(M - m0, TM_DOWN2)
+#undef TM_DOWN2
+      } else {
+#define TM_DOWN1(R) down_dp_tile<R, 1>(W, hm, h->ld, c, c0, out + m0, w + m0, y, ldy)
+        TM_ROWS_SWITCH(M - m0, TM_DOWN1)
+#undef TM_DOWN1
+      }
+    }
+}
+
+int wants_bf16(int fmt, int) { return fmt == TM_BF16 ? TM_ROWS_BF16 : TM_ROWS_F32; }
+
+const TmKernels kTable = {TM_ISA_AVX512BF16, wants_bf16, scratch_generic, up_bf16, down_bf16, finish_nothing};
+
+}  // namespace
+
+extern "C" const TmKernels* tm_kernels_avx512bf16(void) { return &kTable; }

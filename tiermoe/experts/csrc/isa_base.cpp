@@ -1,0 +1,11 @@
+// The portable kernels compiled for base; chosen at run time only when the CPU has it.
+// No target pragma: plain x86-64 (SSE2), so this table runs on any x86-64 CPU.
+#define TM_GEN_VEC 0
+#define TM_GEN_MT 2
+#include "generic_kernels.inc"
+
+namespace {
+const TmKernels kTable = {TM_ISA_BASE, wants_f32, scratch_generic, up_generic, down_generic, finish_nothing};
+}
+
+extern "C" const TmKernels* tm_kernels_base(void) { return &kTable; }

@@ -1,0 +1,324 @@
+// One MoE layer's CPU-tier experts in one call: route, gather, gate_up + activation, down + weighted sum.
+//
+// Phases (each a set of tasks the team shares, then a barrier):
+//   0. gather: each routed expert's token rows, converted to the row formats its kernels want;
+//   1. up:     h = silu(x W_gate^T) * (x W_up^T) per expert, split into tasks of 16-column blocks;
+//   2. down:   y[:, cols] = sum over experts of weight * (h W_down^T)[:, cols]; a task owns a range of output
+//              columns for every expert, so partial sums never race and y is written once, in x's dtype.
+// Each expert picks its kernel table by its row count: AMX tiles for many rows (prefill), vector kernels for a
+// few (decode). Compiled for plain x86-64; ISA-specific code lives in the isa_*.cpp tables.
+// Legend: T tokens, K top-k, D hidden (Dp padded), I intermediate (Ip padded), M rows routed to one expert.
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <new>
+#include <vector>
+
+#include "team.h"
+#include "tm_kernels.h"
+
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+extern "C" {
+
+struct TmLayerArgs {
+  int32_t isa;           // kernel level to use (TM_ISA_*), at most tm_cpu_isa()
+  int32_t amx_min_rows;  // experts with at least this many rows use AMX tiles (isa == TM_ISA_AMX)
+  int32_t T, D, I, K;    // tokens, hidden, intermediate, top-k
+  int32_t Dp, Ip;        // padded hidden / intermediate (multiples of 64)
+  int32_t x_bf16;        // x and y are bf16 (1) or fp32 (0)
+  int32_t n_experts;     // length of gate_up / down
+  const void* x;         // [T, D]
+  void* y;               // [T, D], written
+  const int64_t* ids;    // [T, K], -1 = another tier's pair
+  const float* weights;  // [T, K]
+  const TmMatrix* gate_up;  // [n_experts] packed [2Ip, Dp]; codes == NULL where the expert is not held
+  const TmMatrix* down;     // [n_experts] packed [Dp, Ip]
+};
+
+}  // extern "C"
+
+namespace {
+
+constexpr int kAbiVersion = 1;
+
+bool request_amx_permission() {
+#ifdef __linux__
+  // Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+  return false;
+#endif
+}
+
+int detect_isa() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return TM_ISA_BASE;
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq"))
+    return TM_ISA_AVX2;
+  if (!__builtin_cpu_supports("avx512bf16")) return TM_ISA_AVX512;
+  if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && request_amx_permission())
+    return TM_ISA_AMX;
+  return TM_ISA_AVX512BF16;
+#else
+  return TM_ISA_BASE;
+#endif
+}
+
+const TmKernels* table(int isa) {
+  switch (isa) {
+    case TM_ISA_AMX: return tm_kernels_amx();
+    case TM_ISA_AVX512BF16: return tm_kernels_avx512bf16();
+    case TM_ISA_AVX512: return tm_kernels_avx512();
+    case TM_ISA_AVX2: return tm_kernels_avx2();
+    default: return tm_kernels_base();
+  }
+}
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline size_t align64(size_t n) { return (n + 63) & ~size_t(63); }
+
+struct ExpertWork {
+  int e, m, pair0;  // expert id, rows routed to it, first of its pairs in the sorted pair arrays
+  const TmKernels* k;
+  int wants;
+  float* xf;
+  uint16_t* xb;
+  float* hf;
+  uint16_t* hb;
+};
+
+struct UpTask {
+  int w, j0, j1;
+};
+
+struct Layer {
+  const TmLayerArgs* a;
+  tmoe::Team* team;
+  std::vector<ExpertWork> ex;
+  std::vector<int32_t> tok;  // pairs sorted by expert: token row
+  std::vector<float> wt;     //                         routing weight
+  std::vector<UpTask> up;
+  int chunk = 1, nchunks = 0;  // down: 16-column strips per task, and tasks
+  size_t kscratch = 0;         // kernel scratch bytes per member
+};
+
+void gather(const Layer& L, const ExpertWork& w) {
+  const TmLayerArgs& a = *L.a;
+  const int mpad = (w.m + 15) & ~15;
+  for (int r = 0; r < w.m; ++r) {
+    const int t = L.tok[w.pair0 + r];
+    if (w.wants & TM_ROWS_F32) {
+      float* dst = w.xf + (size_t)r * a.Dp;
+      if (a.x_bf16) {
+        const uint16_t* src = (const uint16_t*)a.x + (size_t)t * a.D;
+        for (int d = 0; d < a.D; ++d) dst[d] = bf16_to_f32(src[d]);
+      } else {
+        std::memcpy(dst, (const float*)a.x + (size_t)t * a.D, sizeof(float) * a.D);
+      }
+      std::memset(dst + a.D, 0, sizeof(float) * (a.Dp - a.D));
+    }
+    if (w.wants & TM_ROWS_BF16) {
+      uint16_t* dst = w.xb + (size_t)r * a.Dp;
+      if (a.x_bf16) {
+        std::memcpy(dst, (const uint16_t*)a.x + (size_t)t * a.D, 2 * (size_t)a.D);
+      } else {
+        const float* src = (const float*)a.x + (size_t)t * a.D;
+        for (int d = 0; d < a.D; ++d) dst[d] = f32_to_bf16(src[d]);
+      }
+      std::memset(dst + a.D, 0, 2 * (size_t)(a.Dp - a.D));
+    }
+  }
+  if (w.wants & TM_ROWS_BF16) {  // whole tiles are read: keep the padding rows finite
+    std::memset(w.xb + (size_t)w.m * a.Dp, 0, 2 * (size_t)(mpad - w.m) * a.Dp);
+    std::memset(w.hb + (size_t)w.m * a.Ip, 0, 2 * (size_t)(mpad - w.m) * a.Ip);
+  }
+}
+
+void down_chunk(const Layer& L, int task, int tid) {
+  const TmLayerArgs& a = *L.a;
+  const int c0 = task * L.chunk, c1 = std::min(c0 + L.chunk, a.Dp / 16);
+  const int ldy = 16 * L.chunk;
+  char* base = (char*)L.team->scratch(tid).data();
+  float* y = (float*)(base + L.kscratch);
+  std::memset(y, 0, sizeof(float) * (size_t)a.T * ldy);
+  for (const ExpertWork& w : L.ex) {
+    TmRows rows = {w.hf, w.hb, w.m, a.Ip};
+    w.k->down(&a.down[w.e], &rows, c0, c1, &L.tok[w.pair0], &L.wt[w.pair0], y, ldy, base);
+  }
+  const int d0 = 16 * c0, d1 = std::min(16 * c1, a.D);
+  for (int t = 0; t < a.T; ++t) {
+    const float* src = y + (size_t)t * ldy;
+    if (a.x_bf16) {
+      uint16_t* dst = (uint16_t*)a.y + (size_t)t * a.D;
+      for (int d = d0; d < d1; ++d) dst[d] = f32_to_bf16(src[d - d0]);
+    } else {
+      float* dst = (float*)a.y + (size_t)t * a.D;
+      for (int d = d0; d < d1; ++d) dst[d] = src[d - d0];
+    }
+  }
+}
+
+void run_task(void* ctx, int phase, int task, int tid) {
+  Layer& L = *(Layer*)ctx;
+  if (phase == 0) {
+    gather(L, L.ex[task]);
+  } else if (phase == 1) {
+    const UpTask& u = L.up[task];
+    const ExpertWork& w = L.ex[u.w];
+    TmRows rows = {w.xf, w.xb, w.m, L.a->Dp};
+    w.k->up(&L.a->gate_up[w.e], &rows, u.j0, u.j1, w.hf, w.hb, L.a->Ip, L.team->scratch(tid).data());
+  } else {
+    down_chunk(L, task, tid);
+  }
+}
+
+int fail(char* err, int errlen, const char* msg, long v) {
+  if (err && errlen > 0) std::snprintf(err, errlen, msg, v);
+  return 1;
+}
+
+int forward(tmoe::Team& team, const TmLayerArgs& a, char* err, int errlen) {
+  Layer L;
+  L.a = &a;
+  L.team = &team;
+  const int n = team.size();
+
+  // Route: count pairs per expert, then sort them by expert (counting sort keeps token order within an expert).
+  std::vector<int> count(a.n_experts + 1, 0);
+  for (long i = 0; i < (long)a.T * a.K; ++i) {
+    const int64_t e = a.ids[i];
+    if (e < 0) continue;
+    if (e >= a.n_experts || a.gate_up[e].codes == nullptr)
+      return fail(err, errlen, "expert %ld was routed to the CPU tier, which does not hold it", (long)e);
+    ++count[e + 1];
+  }
+  std::vector<int> start(a.n_experts + 1, 0);
+  for (int e = 0; e < a.n_experts; ++e) start[e + 1] = start[e] + count[e + 1];
+  L.tok.resize(start[a.n_experts]);
+  L.wt.resize(start[a.n_experts]);
+  {
+    std::vector<int> fill(start.begin(), start.end() - 1);
+    for (long i = 0; i < (long)a.T * a.K; ++i) {
+      const int64_t e = a.ids[i];
+      if (e < 0) continue;
+      L.tok[fill[e]] = (int32_t)(i / a.K);
+      L.wt[fill[e]++] = a.weights[i];
+    }
+  }
+
+  // Kernels and buffers per routed expert; the busiest experts first, so the last tasks are the short ones.
+  const TmKernels* vec = table(std::min(a.isa, (int)TM_ISA_AVX512BF16));
+  const TmKernels* amx = a.isa >= TM_ISA_AMX ? table(TM_ISA_AMX) : vec;
+  for (int e = 0; e < a.n_experts; ++e)
+    if (count[e + 1] > 0) {
+      const int m = count[e + 1];
+      const TmKernels* k = m >= a.amx_min_rows ? amx : vec;
+      L.ex.push_back({e, m, start[e], k, k->wants(a.gate_up[e].fmt, m), nullptr, nullptr, nullptr, nullptr});
+    }
+  std::stable_sort(L.ex.begin(), L.ex.end(), [](const ExpertWork& x, const ExpertWork& y) { return x.m > y.m; });
+
+  size_t arena = 0;
+  for (ExpertWork& w : L.ex) {
+    const size_t mpad = (w.m + 15) & ~15;
+    if (w.wants & TM_ROWS_F32) arena += align64(4 * (size_t)w.m * a.Dp) + align64(4 * (size_t)w.m * a.Ip);
+    if (w.wants & TM_ROWS_BF16) arena += align64(2 * mpad * a.Dp) + align64(2 * mpad * a.Ip);
+    L.kscratch = std::max(L.kscratch, std::max(w.k->scratch_bytes(a.Dp, w.m), w.k->scratch_bytes(a.Ip, w.m)));
+  }
+  L.kscratch = align64(L.kscratch);
+  char* p = (char*)team.arena().reserve(arena + 64);
+  for (ExpertWork& w : L.ex) {
+    const size_t mpad = (w.m + 15) & ~15;
+    auto take = [&p](size_t bytes) { char* q = p; p += align64(bytes); return q; };
+    if (w.wants & TM_ROWS_F32) {
+      w.xf = (float*)take(4 * (size_t)w.m * a.Dp);
+      w.hf = (float*)take(4 * (size_t)w.m * a.Ip);
+    }
+    if (w.wants & TM_ROWS_BF16) {
+      w.xb = (uint16_t*)take(2 * mpad * a.Dp);
+      w.hb = (uint16_t*)take(2 * mpad * a.Ip);
+    }
+  }
+
+  // Phase 1 tasks: blocks of 16 intermediate columns, split so there are a few tasks per member.
+  const int blocks = a.Ip / 16;
+  const long total = (long)blocks * L.ex.size();
+  const long target = std::max<long>(8L * n, (long)L.ex.size());
+  const int per_task = (int)std::max<long>(1, std::min<long>(blocks, (total + target - 1) / std::max<long>(target, 1)));
+  for (int w = 0; w < (int)L.ex.size(); ++w)
+    for (int j = 0; j < blocks; j += per_task) L.up.push_back({w, j, std::min(j + per_task, blocks)});
+
+  // Phase 2 tasks: ranges of output strips (an even count, for the two-strip kernels). Each task reads every
+  // routed expert's h, so fewer, wider tasks re-read less of it; 4 per member still balance.
+  const int strips = a.Dp / 16;
+  L.chunk = std::max(2, (strips + 4 * n - 1) / (4 * n));
+  L.chunk += L.chunk & 1;
+  L.nchunks = (strips + L.chunk - 1) / L.chunk;
+  const size_t member = L.kscratch + 4 * (size_t)a.T * 16 * L.chunk;
+  for (int t = 0; t < n; ++t) team.scratch(t).reserve(member);
+
+  tmoe::Job job;
+  job.nphases = 3;
+  job.ntasks[0] = (int)L.ex.size();
+  job.ntasks[1] = (int)L.up.size();
+  job.ntasks[2] = L.nchunks;
+  job.run = run_task;
+  job.ctx = &L;
+  job.at_end = amx->finish;
+  team.run(job);
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int tm_abi_version(void) { return kAbiVersion; }
+
+int tm_cpu_isa(void) {
+  static const int isa = detect_isa();  // immutable once computed: the CPU does not change under us
+  return isa;
+}
+
+void* tm_team_create(int n, const int* cpus, int ncpus, int spin_us) {
+  try {
+    return new tmoe::Team(n, std::vector<int>(cpus, cpus + (cpus ? ncpus : 0)), spin_us);
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+void tm_team_destroy(void* team) { delete (tmoe::Team*)team; }
+
+int tm_team_size(void* team) { return ((tmoe::Team*)team)->size(); }
+
+int tm_moe_forward(void* team, const TmLayerArgs* args, char* err, int errlen) {
+  if (args->isa > tm_cpu_isa())
+    return fail(err, errlen, "kernel level %ld is above what this CPU supports", (long)args->isa);
+  tmoe::Team& t = *(tmoe::Team*)team;
+  std::lock_guard<std::mutex> lock(t.mutex());
+  try {
+    return forward(t, *args, err, errlen);
+  } catch (const std::bad_alloc&) {
+    return fail(err, errlen, "out of memory for a layer of %ld tokens", (long)args->T);
+  }
+}
+
+}  // extern "C"

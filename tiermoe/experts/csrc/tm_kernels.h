@@ -1,0 +1,63 @@
+// Shared declarations of tiermoe's CPU expert kernels: packed weight formats and the per-ISA kernel table.
+//
+// Every ISA-specific translation unit includes only this header, <immintrin.h> and C headers, keeps all its
+// functions in an anonymous namespace (internal linkage), and exports one table getter with a unique name.
+// That matters: an inline function with external linkage compiled under `#pragma GCC target("avx512f")` in one
+// unit could be the copy the linker keeps for every unit, and would then run AVX-512 code on an AVX2 CPU.
+//
+// Legend: N output rows of a matrix, K its input columns (padded: N % 16 == 0, K % 64 == 0), M rows of
+// activations (tokens routed to one expert), I intermediate size (padded), D hidden size (padded).
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+enum TmFormat { TM_BF16 = 0, TM_INT8 = 1, TM_INT4 = 2 };
+enum TmIsa { TM_ISA_BASE = 0, TM_ISA_AVX2 = 1, TM_ISA_AVX512 = 2, TM_ISA_AVX512BF16 = 3, TM_ISA_AMX = 4 };
+enum { TM_ROWS_F32 = 1, TM_ROWS_BF16 = 2 };
+
+// One packed weight matrix W [N, K]. Rows are grouped in strips of 16; within a strip, consecutive k pairs:
+//   bf16: uint16 codes [N/16][K/2][16][2]   (the AMX B-tile / VNNI layout: one 64-byte line = 16 rows x 2 k)
+//   int8: int8 codes   [N/16][K/2][16][2],  w = code * scale[n]
+//   int4: uint8 codes  [N/16][K/2][16] (low nibble k even, high nibble k odd),
+//         gscale uint8 [N/16][K/32][16], gzero uint8 [N/16][K/64][16] (low nibble group 2j, high 2j+1),
+//         w = scale[n] * gscale * (code - zero)
+struct TmMatrix {
+  const void* codes;
+  const float* scale;
+  const uint8_t* gscale;
+  const uint8_t* gzero;
+  int32_t N, K, fmt, _pad;
+};
+
+// M rows of activations with row stride ld (elements): an fp32 copy and/or a bf16 copy (whichever the kernel
+// table asked for). The bf16 copy has rows allocated up to a multiple of 16 (AMX tiles read whole tiles).
+struct TmRows {
+  const float* f32;
+  const uint16_t* bf16;
+  int32_t M, ld;
+};
+
+struct TmKernels {
+  int isa;
+  // Which row copies (TM_ROWS_* bits) this table wants for weights of `fmt` and M rows.
+  int (*wants)(int fmt, int M);
+  // Bytes of per-thread scratch one up/down call needs for a matrix with K columns and M rows of activations.
+  size_t (*scratch_bytes)(int K, int M);
+  // gate_up W [2I, K] (gate rows, then up rows): for 16-wide blocks j in [j0, j1):
+  //   h[m][16j + l] = silu(x[m] . W[16j + l]) * (x[m] . W[I + 16j + l]), into h_f32 / h_bf16 (non-null ones).
+  void (*up)(const TmMatrix* W, const TmRows* x, int j0, int j1, float* h_f32, uint16_t* h_bf16, int ldh,
+             void* scratch);
+  // down W [D, I]: for 16-wide blocks c in [c0, c1): y[out[m]][16(c - c0) + l] += w[m] * (h[m] . W[16c + l]).
+  void (*down)(const TmMatrix* W, const TmRows* h, int c0, int c1, const int32_t* out, const float* w, float* y,
+               int ldy, void* scratch);
+  // Called by each thread when a layer is done (AMX releases its tile state).
+  void (*finish)(void);
+};
+
+extern "C" {
+const TmKernels* tm_kernels_base(void);
+const TmKernels* tm_kernels_avx2(void);
+const TmKernels* tm_kernels_avx512(void);
+const TmKernels* tm_kernels_avx512bf16(void);
+const TmKernels* tm_kernels_amx(void);
+}

@@ -1,0 +1,188 @@
+"""tiermoe's C++ expert kernels: built from csrc/ on first use, loaded with ctypes, ISA chosen at run time.
+
+Why a plain shared library behind ctypes rather than a torch extension: the kernels take raw pointers and never
+touch torch's C++ API, so the library builds in about 20 s with the system C++ compiler, does not depend on
+torch's ABI, and one build serves every torch version. It is compiled for baseline x86-64 (no -march=native):
+each ISA's kernels sit in their own source file under `#pragma GCC target(...)`, and `tm_cpu_isa()` picks the best
+the CPU supports (AMX > AVX512-BF16 > AVX-512 > AVX2 > SSE2), so the same build runs on any x86-64 CPU.
+
+Built once per source version and compiler into $TIERMOE_KERNEL_CACHE (default ~/.cache/tiermoe/kernels);
+`tiermoe version` builds it ahead of time and prints the ISA (set-up scripts, CI). When there is no compiler or the
+build fails, callers fall back to pure torch after a one-line warning.
+
+Forcing a path (tests, comparisons): TIERMOE_CPU_ISA=amx|avx512bf16|avx512|avx2|base caps the ISA, and
+TIERMOE_CPU_ISA=torch disables the library; `load_kernels(isa=...)` does the same per call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+ISA_NAMES = ("base", "avx2", "avx512", "avx512bf16", "amx")
+TORCH_ISA = "torch"  # not a kernel level: "use no kernels"
+ABI_VERSION = 1
+CSRC = Path(__file__).with_name("csrc")
+CXXFLAGS = ("-O3", "-std=c++20", "-fPIC", "-pthread", "-Wno-psabi")
+
+
+class TmMatrix(ctypes.Structure):
+    _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("gscale", ctypes.c_void_p),
+                ("gzero", ctypes.c_void_p), ("N", ctypes.c_int32), ("K", ctypes.c_int32), ("fmt", ctypes.c_int32),
+                ("_pad", ctypes.c_int32)]
+
+
+class TmLayerArgs(ctypes.Structure):
+    _fields_ = [("isa", ctypes.c_int32), ("amx_min_rows", ctypes.c_int32), ("T", ctypes.c_int32),
+                ("D", ctypes.c_int32), ("I", ctypes.c_int32), ("K", ctypes.c_int32), ("Dp", ctypes.c_int32),
+                ("Ip", ctypes.c_int32), ("x_bf16", ctypes.c_int32), ("n_experts", ctypes.c_int32),
+                ("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("ids", ctypes.c_void_p),
+                ("weights", ctypes.c_void_p), ("gate_up", ctypes.POINTER(TmMatrix)),
+                ("down", ctypes.POINTER(TmMatrix))]
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The loaded library and the ISA level its calls use."""
+
+    lib: ctypes.CDLL
+    isa: int
+
+    @property
+    def isa_name(self) -> str:
+        return ISA_NAMES[self.isa]
+
+
+def _sources() -> list[Path]:
+    return sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h"), *CSRC.glob("*.inc")])
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("TIERMOE_KERNEL_CACHE", Path.home() / ".cache" / "tiermoe" / "kernels"))
+
+
+def _build(compiler: str, out: Path) -> None:
+    """Compile each source in parallel, link, and move the library into place atomically (concurrent builds
+    by several processes each finish with a complete file)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        objs, procs = [], []
+        for src in sorted(CSRC.glob("*.cpp")):
+            obj = Path(tmp) / (src.stem + ".o")
+            objs.append(str(obj))
+            procs.append(subprocess.Popen([compiler, *CXXFLAGS, "-c", str(src), "-o", str(obj)],
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate()[0] for p in procs]
+        failed = [out for p, out in zip(procs, outputs) if p.returncode != 0]
+        if failed:
+            raise RuntimeError(failed[0].strip() or "compile failed")
+        lib = Path(tmp) / out.name
+        subprocess.run([compiler, "-shared", "-pthread", *objs, "-o", str(lib)], check=True,
+                       capture_output=True, text=True)
+        os.replace(lib, out)
+
+
+@functools.cache
+def _library(cache_dir: str, compiler: str | None) -> ctypes.CDLL | None:
+    """The built library (built on first use), or None after a one-line warning if it cannot be built."""
+    if platform.machine() not in ("x86_64", "AMD64") or compiler is None:
+        why = "no C++ compiler found (set CXX)" if compiler is None else f"no kernels for {platform.machine()}"
+        warnings.warn(f"tiermoe: CPU expert kernels unavailable ({why}); using the pure-torch path", stacklevel=3)
+        return None
+    digest = hashlib.sha256()
+    for src in _sources():
+        digest.update(src.name.encode() + src.read_bytes())
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout.splitlines()[:1]
+    digest.update(repr((version, CXXFLAGS)).encode())
+    path = Path(cache_dir) / digest.hexdigest()[:16] / "libtiermoe_cpu.so"
+    try:
+        if not path.exists():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+        if lib.tm_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"ABI {lib.tm_abi_version()} != {ABI_VERSION}")
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", None) or str(e)
+        warnings.warn(f"tiermoe: CPU expert kernels failed to build or load ({detail.strip()[-200:]}); "
+                      "using the pure-torch path", stacklevel=3)
+        return None
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.tm_abi_version.restype = ctypes.c_int
+    lib.tm_cpu_isa.restype = ctypes.c_int
+    lib.tm_team_create.restype = ctypes.c_void_p
+    lib.tm_team_create.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+    lib.tm_team_destroy.argtypes = [ctypes.c_void_p]
+    lib.tm_team_size.argtypes = [ctypes.c_void_p]
+    lib.tm_moe_forward.restype = ctypes.c_int
+    lib.tm_moe_forward.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmLayerArgs), ctypes.c_char_p, ctypes.c_int]
+    lib.tm_quantize_int4.restype = ctypes.c_int
+    lib.tm_quantize_int4.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+
+
+def native_library() -> ctypes.CDLL | None:
+    """The library for ISA-independent helpers (load-time quantisation), or None when disabled or unavailable."""
+    if os.environ.get("TIERMOE_CPU_ISA") == TORCH_ISA:
+        return None
+    return _library(str(_cache_dir()), _compiler())
+
+
+def supported_isa() -> str | None:
+    """The best kernel level this CPU runs, or None when the kernels are unavailable."""
+    lib = _library(str(_cache_dir()), _compiler())
+    return None if lib is None else ISA_NAMES[lib.tm_cpu_isa()]
+
+
+def load_kernels(isa: str | None = None) -> Kernels | None:
+    """The kernels at level `isa` (None: $TIERMOE_CPU_ISA, else the best this CPU has); None for "torch" or when
+    the library cannot be built. Asking for a level above the CPU's raises ValueError."""
+    requested = isa or os.environ.get("TIERMOE_CPU_ISA") or None
+    if requested is not None and requested not in (*ISA_NAMES, TORCH_ISA):
+        raise ValueError(f"unknown CPU ISA '{requested}'; choose one of: {', '.join((*ISA_NAMES, TORCH_ISA))}")
+    if requested == TORCH_ISA:
+        return None
+    lib = _library(str(_cache_dir()), _compiler())
+    if lib is None:
+        return None
+    best = lib.tm_cpu_isa()
+    level = best if requested is None else ISA_NAMES.index(requested)
+    if level > best:
+        raise ValueError(f"CPU ISA '{requested}' is not supported by this CPU (best: {ISA_NAMES[best]})")
+    return Kernels(lib, level)
+
+
+class ThreadTeam:
+    """`n` threads for the kernels: the calling thread plus n - 1 helpers, pinned to `cpus` (member 0 first) or
+    unpinned when `cpus` is empty. Helpers spin `spin_us` after a layer, then sleep. Closed by `close()` or when
+    collected."""
+
+    def __init__(self, kernels: Kernels, n: int, cpus: list[int] | tuple[int, ...] = (), spin_us: int = 50):
+        arr = (ctypes.c_int * max(len(cpus), 1))(*cpus)
+        self.n = n
+        self.cpus = tuple(cpus)
+        self.handle = kernels.lib.tm_team_create(n, arr if cpus else None, len(cpus), spin_us)
+        if not self.handle:
+            raise RuntimeError("could not start the CPU expert thread team")
+        self._finalizer = weakref.finalize(self, kernels.lib.tm_team_destroy, self.handle)
+
+    def close(self) -> None:
+        self._finalizer()
+

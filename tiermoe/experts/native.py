@@ -1,0 +1,209 @@
+"""The native CPU tier: experts stored bf16 / int8 / int4, a whole layer computed by one C++ call.
+
+Each expert is quantised once when added (tiermoe.experts.quant) and packed for the kernels; `submit` hands the
+layer's tokens to the model's CPU-worker thread, which makes one call into the kernel library: route, gather,
+gate_up + SiLU-GLU, down and the weighted sum, on a pinned thread team that synchronises three times per layer.
+
+Falls back to pure torch (the same stored formats, dequantised per routed expert) when
+  - the kernels are unavailable (no compiler, not x86-64, TIERMOE_CPU_ISA=torch, or `isa="torch"`), or
+  - the activation is not SiLU-GLU (GPT-OSS's clamped GLU with biases): that layer keeps the exact torch path.
+bf16 experts whose shapes are not multiples of 32 also stay in the checkpoint's row layout on the torch path, so
+no padding is ever held for them. Legend: T tokens, D hidden, K top-k, I intermediate, E experts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from concurrent.futures import Future
+
+import torch
+import torch.nn.functional as F
+
+from tiermoe.experts.ffn import ExpertActivation
+from tiermoe.experts.kernels import ThreadTeam, TmLayerArgs, TmMatrix, load_kernels
+from tiermoe.experts.quant import (
+    FORMAT_CODES,
+    QMatrix,
+    block,
+    dequantize,
+    k_align,
+    quantize,
+    round_up,
+)
+from tiermoe.experts.threads import team_cpus
+from tiermoe.experts.tiers import CPUWorker
+from tiermoe.experts.weights import ExpertWeights
+
+# Experts with at least this many routed tokens use AMX tiles; fewer use the vector kernels (one 16-row tile
+# would be mostly padding, and a few tokens are memory-bound either way).
+AMX_MIN_ROWS = 4
+
+
+class _Stored:
+    """One expert as held: gate_up [2I, D] and down [D, I] as QMatrix, biases as given."""
+
+    def __init__(self, gate_up: QMatrix, down: QMatrix, gate_up_bias, down_bias):
+        self.gate_up, self.down = gate_up, down
+        self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
+
+    def tensors(self) -> list[torch.Tensor]:
+        biases = [t for t in (self.gate_up_bias, self.down_bias) if t is not None]
+        return [*self.gate_up.tensors(), *self.down.tensors(), *biases]
+
+
+class NativeCPUExperts:
+    """A CPU tier in `fmt` ("bf16" | "int8" | "int4"); `dtype` is the model's dtype (what `get` returns).
+
+    threads: members of the kernel thread team (the worker thread plus threads - 1 helpers), shared by all layers
+    of the model through the worker. isa: force a kernel level ("amx" ... "base") or "torch"; None = best.
+    """
+
+    def __init__(self, worker: CPUWorker, act: ExpertActivation, fmt: str, dtype: torch.dtype, threads: int,
+                 pin: bool = False, isa: str | None = None, amx_min_rows: int = AMX_MIN_ROWS):
+        self.device = torch.device("cpu")
+        self.pin = pin
+        self.worker, self.act, self.fmt, self.dtype = worker, act, fmt, dtype
+        self.threads, self.amx_min_rows = threads, amx_min_rows
+        self.kernels = load_kernels(isa) if act.kind == "silu_glu" else None
+        self._experts: dict[int, _Stored] = {}
+        self._shape: tuple[int, int] | None = None  # (D, I)
+        self._blocked = False  # decided by the first expert's shape
+        self._tables: tuple | None = None  # ctypes arrays (gate_up, down) indexed by expert id
+        self._pending: Future | None = None
+
+    # -- holding experts -------------------------------------------------------------------------------------
+
+    def __contains__(self, expert: int) -> bool:
+        return expert in self._experts
+
+    def __len__(self) -> int:
+        return len(self._experts)
+
+    @property
+    def experts(self) -> list[int]:
+        return sorted(self._experts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self._experts.values() for t in s.tensors())
+
+    @property
+    def path(self) -> str:
+        """Which code computes this tier: "kernels/<isa>" or "torch"."""
+        return f"kernels/{self.kernels.isa_name}" if self._blocked else "torch"
+
+    def add(self, expert: int, weights: ExpertWeights) -> None:
+        if weights.device.type != "cpu":
+            raise ValueError(f"expert {expert} is on {weights.device}, this tier is cpu")
+        d, i = weights.down.shape
+        if self._shape is None:
+            self._shape = (d, i)
+            aligned = self.fmt != "bf16" or (d % k_align("bf16") == 0 and i % k_align("bf16") == 0)
+            self._blocked = self.kernels is not None and aligned
+        elif self._shape != (d, i):
+            raise ValueError(f"expert {expert} has shape D={d}, I={i}; this layer's experts have D, I = {self._shape}")
+        gate_up, down = quantize(weights.gate_up, self.fmt), quantize(weights.down, self.fmt)
+        if self._blocked:
+            ip = round_up(i, k_align(self.fmt))
+            gate_up, down = block(gate_up, ((0, i), (i, 2 * i)), ip), block(down)
+        self._experts[expert] = _Stored(gate_up, down, weights.gate_up_bias, weights.down_bias)
+        self._set_table(expert)
+
+    def get(self, expert: int) -> ExpertWeights:
+        """The expert in the canonical layout and the model's dtype (dequantised; pinned when `pin`)."""
+        s = self._experts[expert]
+
+        def out(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or not self.pin:
+                return t
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+
+        return ExpertWeights(out(dequantize(s.gate_up, self.dtype)), out(dequantize(s.down, self.dtype)),
+                             out(s.gate_up_bias), out(s.down_bias))
+
+    def pop(self, expert: int) -> ExpertWeights:
+        weights = self.get(expert)
+        del self._experts[expert]
+        self._set_table(expert)
+        return weights
+
+    def _set_table(self, expert: int) -> None:
+        """Point the kernels' per-expert table entry at the stored tensors (or clear it)."""
+        if not self._blocked:
+            return
+        if self._tables is None or expert >= len(self._tables[0]):
+            size = max(expert + 1, 2 * len(self._tables[0]) if self._tables else 0)
+            new = ((TmMatrix * size)(), (TmMatrix * size)())
+            if self._tables is not None:
+                for old, fresh in zip(self._tables, new):
+                    ctypes.memmove(fresh, old, ctypes.sizeof(old))
+            self._tables = new
+        s = self._experts.get(expert)
+        for table, m in zip(self._tables, (s.gate_up, s.down) if s else (None, None)):
+            table[expert] = _c_matrix(m)
+
+    # -- computing --------------------------------------------------------------------------------------------
+
+    def submit(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
+        if self._pending is not None:
+            raise RuntimeError("submit called twice without sync")
+        self._pending = self.worker.submit(self._compute, x_TD, ids_TK, weights_TK)
+
+    def sync(self) -> torch.Tensor:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("sync called without submit")
+        return pending.result()
+
+    def _compute(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            if self._blocked and x_TD.shape[0] > 0:
+                return self._kernel_forward(x_TD, ids_TK, weights_TK)
+            return self._torch_forward(x_TD, ids_TK, weights_TK)
+
+    def _team(self) -> ThreadTeam:
+        n = self.threads
+        return self.worker.shared(("tiermoe.native.team", n),
+                                  lambda: ThreadTeam(self.kernels, n, team_cpus(n)))
+
+    def _kernel_forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        x = x_TD.contiguous() if x_TD.dtype in (torch.bfloat16, torch.float32) else x_TD.float()
+        ids = ids_TK.to(torch.int64).contiguous()
+        w = weights_TK.to(torch.float32).contiguous()
+        y = torch.empty_like(x)
+        (d, i), (t, k) = self._shape, ids.shape
+        gate_up, down = self._tables
+        args = TmLayerArgs(isa=self.kernels.isa, amx_min_rows=self.amx_min_rows, T=t, D=d, I=i, K=k,
+                           Dp=round_up(d, k_align(self.fmt)), Ip=round_up(i, k_align(self.fmt)),
+                           x_bf16=int(x.dtype == torch.bfloat16), n_experts=len(gate_up), x=x.data_ptr(),
+                           y=y.data_ptr(), ids=ids.data_ptr(), weights=w.data_ptr(), gate_up=gate_up, down=down)
+        err = ctypes.create_string_buffer(256)
+        if self.kernels.lib.tm_moe_forward(self._team().handle, ctypes.byref(args), err, len(err)) != 0:
+            raise RuntimeError(err.value.decode())
+        return y.to(x_TD.dtype)
+
+    def _torch_forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        """The reference computation on dequantised weights (accumulated in x's dtype, as transformers does)."""
+        out_TD = torch.zeros_like(x_TD)
+        for e in torch.unique(ids_TK[ids_TK >= 0]).tolist():
+            s = self._experts.get(e)
+            if s is None:
+                raise RuntimeError(f"expert {e} was routed to the CPU tier, which does not hold it")
+            tok_N, slot_N = torch.where(ids_TK == e)
+            x_ND = x_TD[tok_N]
+            h = F.linear(x_ND, dequantize(s.gate_up, x_ND.dtype), _cast(s.gate_up_bias, x_ND.dtype))
+            y_ND = F.linear(self.act(h), dequantize(s.down, x_ND.dtype), _cast(s.down_bias, x_ND.dtype))
+            out_TD.index_add_(0, tok_N, (y_ND * weights_TK[tok_N, slot_N, None]).to(out_TD.dtype))
+        return out_TD
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)
+
+
+def _c_matrix(m: QMatrix | None) -> TmMatrix:
+    if m is None:
+        return TmMatrix()
+    ptr = (lambda t: t.data_ptr() if t is not None else None)
+    n_pad, k_pad = m.codes.shape[0] * 16, m.codes.shape[1] * 2
+    return TmMatrix(ptr(m.codes), ptr(m.scale), ptr(m.gscale), ptr(m.gzero), n_pad, k_pad, FORMAT_CODES[m.fmt])
