@@ -91,7 +91,8 @@ def plot(results, ratios, path: str) -> None:
 
     fig, axes = plt.subplots(2, len(results), figsize=(4.2 * len(results), 8), squeeze=False)
     for col, ((ev, cal), bench) in enumerate(results.items()):
-        for policy, style in (("frequency", "-"), ("balanced", "--"), ("kt-dynamic", "-"), ("adaptive", "-"),
+        for policy, style in (("frequency", "-"), ("balanced", "--"), ("uniform", "--"), ("front-loading", "--"),
+                              ("kt-dynamic", "-"), ("adaptive", "-"),
                               ("oracle-static", ":"), ("oracle-window", ":")):
             rows = [bench.get(policy, r) for r in ratios]
             axes[0][col].plot(ratios, [100 * x["hit_rate"] for x in rows], style, marker="o", ms=3, label=policy)
