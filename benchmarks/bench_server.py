@@ -4,8 +4,9 @@
    (batched decode reads each expert's weights once for the whole batch, so the ratio should be >= 3);
 2. while 4 streams decode, a long prompt arrives: the largest gap between their tokens, against the time one
    prefill chunk takes alone;
-3. 32 concurrent clients for --soak-seconds: errors, and the server's memory (RSS) before, right after, and
-   settled after the load.
+3. 32 concurrent clients for --soak-seconds, in two equal rounds: errors, tokens/s, and the server's memory (RSS)
+   before, after each round and settled after the load (a leak shows as growth from round 1 to round 2; what
+   the first round adds is the allocator keeping the pages of 32 sequences' KV caches).
 
     python benchmarks/bench_server.py                       # the bundled model
     python benchmarks/bench_server.py --model DIR --soak-seconds 60
@@ -82,26 +83,42 @@ def prefill_gap(url: str, chunk: int, long_tokens: int) -> dict:
 
 
 def soak(url: str, proc: psutil.Process, clients: int, seconds: float) -> dict:
+    """Two rounds of `clients` concurrent clients for seconds / 2 each, then 3 s idle; RSS after each."""
     rss_before = proc.memory_info().rss
+    first = soak_round(url, clients, seconds / 2)
+    rss_round1 = proc.memory_info().rss
+    second = soak_round(url, clients, seconds / 2)
+    rss_after = proc.memory_info().rss
+    time.sleep(3)
+    rss_settled = proc.memory_info().rss
+    return {"clients": clients, "seconds": seconds, "errors": first["errors"] + second["errors"],
+            "tokens": first["tokens"] + second["tokens"], "tokens_per_s": (first["tokens"] + second["tokens"]) / seconds,
+            "rss_before_mb": rss_before / 1e6, "rss_round1_mb": rss_round1 / 1e6, "rss_after_mb": rss_after / 1e6,
+            "rss_settled_mb": rss_settled / 1e6}
+
+
+def soak_round(url: str, clients: int, seconds: float) -> dict:
     errors, tokens, stop = [0], [0], time.monotonic() + seconds
+    lock = threading.Lock()
 
     def worker(i):
         while time.monotonic() < stop:
             try:
-                tokens[0] += complete(url, f"client {i} says hello", 16)
+                # not `tokens[0] += complete(...)`: that reads tokens[0] before the request and writes it back
+                # after, so the other threads' counts made meanwhile would be lost
+                n, failed = complete(url, f"client {i} says hello", 16), 0
             except httpx.HTTPError:
-                errors[0] += 1
+                n, failed = 0, 1
+            with lock:
+                tokens[0] += n
+                errors[0] += failed
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    rss_after = proc.memory_info().rss
-    time.sleep(3)
-    rss_settled = proc.memory_info().rss
-    return {"clients": clients, "seconds": seconds, "errors": errors[0], "tokens": tokens[0],
-            "rss_before_mb": rss_before / 1e6, "rss_after_mb": rss_after / 1e6, "rss_settled_mb": rss_settled / 1e6}
+    return {"errors": errors[0], "tokens": tokens[0]}
 
 
 def main() -> None:
@@ -131,7 +148,7 @@ def main() -> None:
     finally:
         server.stop()
 
-    print(f"\n{'measure':<58}{'value':>12}")
+    print(f"\n{'measure':<64}{'value':>16}")
     rows = [
         ("output tokens/s, 1 client", f"{one:.1f}"),
         ("output tokens/s, 8 concurrent clients", f"{eight:.1f}"),
@@ -143,11 +160,13 @@ def main() -> None:
          f"{(gap['max_gap_during_long_prefill_s'] - gap['median_gap_before_s']) / gap['one_chunk_alone_s']:.2f}"),
         (f"soak: 32 clients x {load['seconds']:.0f} s, errors", str(load["errors"])),
         ("soak: tokens generated", str(load["tokens"])),
-        ("server RSS before / right after / settled (MB)",
-         f"{load['rss_before_mb']:.0f}/{load['rss_after_mb']:.0f}/{load['rss_settled_mb']:.0f}"),
+        ("soak: output tokens/s", f"{load['tokens_per_s']:.1f}"),
+        ("server RSS before / after round 1 / after round 2 / settled (MB)",
+         (f"{load['rss_before_mb']:.0f}/{load['rss_round1_mb']:.0f}/{load['rss_after_mb']:.0f}/"
+          f"{load['rss_settled_mb']:.0f}")),
     ]
     for name, value in rows:
-        print(f"{name:<58}{value:>12}")
+        print(f"{name:<64}{value:>16}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"one_client_tps": one, "eight_clients_tps": eight, "gap": gap, "soak": load}, f, indent=2)
