@@ -95,12 +95,12 @@ def _non_expert_from_config(cfg, dtype: torch.dtype, fp8: bool) -> int:
     return total
 
 
-def _non_expert_from_headers(model_dir: Path, dtype: torch.dtype) -> int:
+def _non_expert_from_headers(model_dir: Path, dtype: torch.dtype, cfg=None) -> int:
     """Non-expert bytes as the loader holds them: FP8 weights and their scales as stored, the rest in `dtype`."""
-    from tiermoe.model.checkpoint import Checkpoint
     from tiermoe.model.fp8 import FP8_DTYPES, SCALE_SUFFIX
+    from tiermoe.model.gguf_checkpoint import open_checkpoint
 
-    ckpt = Checkpoint(model_dir)
+    ckpt = open_checkpoint(model_dir, cfg)
     total = 0
     for name, entry in ckpt.entries.items():
         if _ROUTED.search(name) or name == "gpu_expert_mask":
@@ -121,9 +121,13 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
     from tiermoe.model.gguf_reader import gguf_files
 
     if gguf_files(path):
-        from tiermoe.model.gguf_model import gguf_model_bytes
+        from tiermoe.arch import load_gguf_config
 
-        return gguf_model_bytes(path, cpu_expert_dtype)
+        cfg = load_gguf_config(path)
+        spec = detect(cfg)
+        compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
+        return _bytes(path.name, spec, cfg, _non_expert_from_headers(path, compute, cfg), compute,
+                      cpu_expert_dtype, "GGUF headers (converted at load)")
     config_file = path if path.is_file() else path / "config.json"
     if config_file.name != "config.json" or not config_file.is_file():
         raise TiermoeError(f"'{path}' is neither a checkpoint directory, a config.json nor a GGUF file")
@@ -145,9 +149,13 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
         compute, fp8 = CONFIG_DTYPES[dtype]
         non_expert = _non_expert_from_config(cfg, compute, fp8)
         source = f"config.json ({dtype})"
+    return _bytes(config_file.parent.name, spec, cfg, non_expert, compute, cpu_expert_dtype, source)
+
+
+def _bytes(name, spec, cfg, non_expert, compute, cpu_expert_dtype, source) -> ModelBytes:
     fmt = cpu_format(cpu_expert_dtype, compute)
     return ModelBytes(
-        name=config_file.parent.name, spec=spec, non_expert=non_expert,
+        name=name, spec=spec, non_expert=non_expert,
         gpu_bytes_per_expert=spec.params_per_expert * compute.itemsize,
         cpu_bytes_per_expert=cpu_expert_bytes(spec, fmt, compute), cpu_format=fmt,
         kv_bytes_per_token=kv_bytes_per_token(text_config(cfg), compute.itemsize), source=source)

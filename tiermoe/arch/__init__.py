@@ -71,6 +71,20 @@ def _build(cfg) -> ArchSpec | None:
         return None
 
 
+def load_gguf_config(path: str | Path):
+    """The transformers config of a GGUF model (one file, or a directory of split files), from its metadata.
+
+    GGUF weights are converted at load, so the compute dtype is bf16 unless the caller asks for another."""
+    from transformers import AutoConfig
+
+    from tiermoe.arch.gguf_config import config_fields_from_gguf
+    from tiermoe.model.gguf_reader import GGUFFiles  # the reader lives with the other checkpoint readers
+
+    files = GGUFFiles(path)
+    fields = config_fields_from_gguf(files.metadata, set(files.tensors))
+    return AutoConfig.for_model(fields.pop("model_type"), dtype="bfloat16", **fields)
+
+
 def load_config(model_dir: str | Path):
     """Read `model_dir/config.json` into a transformers config, with one-line errors for every bad input."""
     from transformers import AutoConfig  # imported here: keeps `tiermoe.arch` importable without a model load
@@ -78,6 +92,8 @@ def load_config(model_dir: str | Path):
     path = Path(model_dir)
     if not path.exists():
         raise TiermoeError(f"model path '{path}' does not exist; expected a Hugging Face checkpoint directory")
+    if path.suffix == ".gguf" or (path.is_dir() and not (path / "config.json").exists() and any(path.glob("*.gguf"))):
+        return load_gguf_config(path)
     if not path.is_dir():
         raise TiermoeError(f"model path '{path}' is not a directory; expected a checkpoint directory with config.json")
     config_file = path / "config.json"

@@ -1,4 +1,4 @@
-"""What a checkpoint holds, from config.json and safetensors headers alone (works on checkpoints larger than RAM)."""
+"""What a checkpoint holds, from config.json and safetensors (or GGUF) headers alone (works on checkpoints larger than RAM)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tiermoe.arch import detect, load_config
-from tiermoe.model.checkpoint import Checkpoint
+from tiermoe.model.gguf_checkpoint import open_checkpoint
 
 _ROUTED_EXPERT_KEY = re.compile(r"\.experts\.")
 
@@ -36,8 +36,9 @@ class ModelSummary:
 
 def summarize(model_dir: str | Path) -> ModelSummary:
     model_dir = Path(model_dir)
-    spec = detect(load_config(model_dir))
-    ckpt = Checkpoint(model_dir)
+    config = load_config(model_dir)
+    spec = detect(config)
+    ckpt = open_checkpoint(model_dir, config)
     expert_bytes = sum(e.nbytes for k, e in ckpt.entries.items() if _ROUTED_EXPERT_KEY.search(k))
     non_expert = sum(e.nbytes for k, e in ckpt.entries.items() if not _ROUTED_EXPERT_KEY.search(k))
     expert_dtypes = {e.dtype for k, e in ckpt.entries.items() if _ROUTED_EXPERT_KEY.search(k)}

@@ -37,6 +37,7 @@ from tiermoe.experts.weights import ExpertWeights
 from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.model.checkpoint import Checkpoint
 from tiermoe.model.expert_source import ExpertSource, find_expert_source, read_expert
+from tiermoe.model.gguf_checkpoint import open_checkpoint
 from tiermoe.model.fp8 import FP8_DTYPES, FP8Linear, fp8_block_size, scale_name
 from tiermoe.model.hybrid_model import HybridModel
 from tiermoe.model.skeleton import build_skeleton, decoder_layers, moe_block_attr
@@ -89,7 +90,7 @@ def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | tor
     pin = torch.cuda.is_available() and share is None
 
     fp8_block = fp8_block_size(config)
-    with Checkpoint(model_dir, fp8_block) as ckpt:
+    with open_checkpoint(model_dir, config, fp8_block) as ckpt:
         sources = {layer: find_expert_source(ckpt, spec, LAYERS_PREFIX, layer) for layer in spec.moe_layers}
         model = build_skeleton(config, dtype)
         worker = CPUWorker()

@@ -37,9 +37,9 @@ def default_placement(model_dir: str | Path):
     registers it as a buffer; dense rows all True in its convention, ignored here), else TIERMOE_NUM_GPU_EXPERTS /
     ACCELERATE_KT_NUM_GPU_EXPERTS experts per MoE layer, else None (every expert on the CPU tier)."""
     from tiermoe.compat.placement import num_gpu_experts_from_env
-    from tiermoe.model.checkpoint import Checkpoint
+    from tiermoe.model.gguf_checkpoint import open_checkpoint
 
-    with Checkpoint(model_dir) as ckpt:
+    with open_checkpoint(model_dir) as ckpt:
         if CHECKPOINT_MASK_KEY in ckpt:
             return ckpt.read(CHECKPOINT_MASK_KEY).bool()
     per_layer = num_gpu_experts_from_env()

@@ -1,0 +1,218 @@
+"""GGUF input: a tiny MoE written with the gguf package's writer (Q8_0 and Q4_K tensors) loads and matches the
+reference built from the same dequantised values; unsupported GGUF architectures get one clear line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import rel_err, run_cli
+
+from tiermoe.arch import detect, load_config
+from tiermoe.errors import TiermoeError
+from tiermoe.model.gguf_checkpoint import GGUFCheckpoint
+from tiermoe.model.loader import load_hybrid_model
+from tiermoe.model.presets import make_config
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+# llama.cpp's qwen3moe has experts in every layer. Q4_K packs rows in super-blocks of 256 values, so every quantised row length is a multiple of 256.
+SHAPE = dict(mlp_only_layers=[], hidden_size=256, moe_intermediate_size=256, intermediate_size=256, head_dim=64, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's Q4_K block (the gguf package only dequantises it): per 256 values, fp16 d and dmin, eight
+    6-bit sub-block scales and mins, 4-bit codes; value = d * sc * q - dmin * m. Rows [R, C] -> bytes [R, C/256*144]."""
+    rows, cols = x.shape
+    b = x.reshape(-1, 8, 32).astype(np.float32)  # [blocks, sub-blocks, 32]
+    lo = np.minimum(b.min(-1), 0)
+    scale = (b.max(-1) - lo) / 15
+    d = np.maximum(scale.max(-1), 1e-12) / 63
+    dmin = np.maximum((-lo).max(-1), 1e-12) / 63
+    d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
+    sc = np.clip(np.round(scale / d16.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(-lo / dmin16.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    step = (d16.astype(np.float32)[:, None] * sc)[..., None]
+    offset = (dmin16.astype(np.float32)[:, None] * mn)[..., None]
+    q = np.clip(np.round((b + offset) / np.where(step > 0, step, 1)), 0, 15).astype(np.uint8)  # [blocks, 8, 32]
+    scales = np.empty((b.shape[0], 12), dtype=np.uint8)
+    scales[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = (mn[:, 0:4] & 63) | ((mn[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 15) | ((mn[:, 4:8] & 15) << 4)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(b.shape[0], 128)  # low nibble: even sub-block of each pair
+    blocks = np.concatenate([d16[:, None].view(np.uint8), dmin16[:, None].view(np.uint8), scales, qs], axis=1)
+    return blocks.reshape(rows, cols // 256 * 144)
+
+
+def test_our_q4_k_blocks_decode_with_the_gguf_package_to_within_4_bits():
+    x = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32)
+    back = gguf.quants.dequantize(quantize_q4_k(x), Q.Q4_K)
+    err = np.abs(back - x).max() / np.abs(x).max()
+    assert 0 < err < 0.08  # 4-bit codes over each 32-value sub-block's range
+
+
+def _add(writer, name: str, w: torch.Tensor, qtype) -> None:
+    a = w.detach().to(torch.float32).numpy()
+    if qtype == Q.F32:
+        writer.add_tensor(name, a)
+    elif qtype == Q.Q4_K:
+        writer.add_tensor(name, quantize_q4_k(a.reshape(-1, a.shape[-1])).reshape(*a.shape[:-1], -1),
+                          raw_dtype=Q.Q4_K)
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+
+
+def write_qwen3moe_gguf(path, arch: str = "qwen3moe", seed: int = 0):
+    """A tiny qwen3_moe model in a GGUF file: experts Q4_K, attention and embeddings Q8_0, norms and routers F32."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_config("qwen3_moe", initializer_range=0.1, **SHAPE)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    sd = model.state_dict()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    _add(w, "token_embd.weight", sd["model.embed_tokens.weight"], Q.Q8_0)
+    _add(w, "output.weight", sd["lm_head.weight"], Q.Q8_0)
+    _add(w, "output_norm.weight", sd["model.norm.weight"], Q.F32)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(cfg.num_hidden_layers):
+        for hf, gg in names.items():
+            t = sd.get(f"model.layers.{i}.{hf}.weight")
+            if t is not None:
+                _add(w, f"blk.{i}.{gg}.weight", t, Q.F32 if t.dim() == 1 or hf == "mlp.gate" else Q.Q8_0)
+        gate_up = sd.get(f"model.layers.{i}.mlp.experts.gate_up_proj")
+        if gate_up is not None:
+            inter = cfg.moe_intermediate_size
+            _add(w, f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :inter], Q.Q4_K)
+            _add(w, f"blk.{i}.ffn_up_exps.weight", gate_up[:, inter:], Q.Q4_K)
+            _add(w, f"blk.{i}.ffn_down_exps.weight", sd[f"model.layers.{i}.mlp.experts.down_proj"], Q.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model.eval()
+
+
+def _dequantised_reference(gguf_path, out):
+    """The reference: the GGUF's own values, dequantised to fp32, in a plain transformers checkpoint."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(gguf_path)
+    cfg.dtype = torch.float32
+    out.mkdir()
+    cfg.save_pretrained(out)
+    ckpt = GGUFCheckpoint(gguf_path, cfg)
+    save_file({name: ckpt.read(name).contiguous() for name in ckpt.entries}, str(out / "model.safetensors"))
+    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"], info  # every weight came from the GGUF
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def gguf_case(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    path = root / "tiny-q4_k.gguf"
+    original = write_qwen3moe_gguf(path)
+    ref = _dequantised_reference(path, root / "ref")
+    ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return path, ids, ref(ids).logits, original(ids).logits
+
+
+def test_gguf_metadata_gives_the_config(gguf_case):
+    path, *_ = gguf_case
+    cfg = load_config(path)
+    assert cfg.model_type == "qwen3_moe" and cfg.num_experts == 8 and cfg.num_experts_per_tok == 2
+    assert cfg.moe_intermediate_size == 256 and cfg.head_dim == 64 and cfg.norm_topk_prob
+    assert cfg.mlp_only_layers == [] and detect(cfg).moe_layers == (0, 1, 2)  # from the router tensors present
+
+
+@pytest.mark.parametrize("tier", ["all_cpu", "all_gpu", "mixed"])
+def test_gguf_model_matches_its_dequantised_reference_on_every_tier(gguf_case, tier):
+    path, ids, ref, _ = gguf_case
+    spec = detect(load_config(path))
+    mask = {"all_cpu": torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.bool),
+            "all_gpu": torch.ones(spec.num_layers, spec.num_experts, dtype=torch.bool),
+            "mixed": torch.rand(spec.num_layers, spec.num_experts, generator=torch.Generator().manual_seed(1)) < 0.5}[tier]
+    with load_hybrid_model(path, mask, gpu_device="cpu", dtype=torch.float32, progress=False) as hybrid:
+        logits = hybrid(input_ids=ids).logits
+    assert rel_err(logits, ref) < 1e-5  # converted at load in fp32: no error beyond the GGUF's own
+
+
+def test_gguf_error_against_the_unquantised_model_is_the_formats_own(gguf_case):
+    path, ids, ref, original = gguf_case
+    err = rel_err(ref, original)
+    # Q8_0 attention (8 bits) and Q4_K experts (4.5 bits per weight; 0.18 measured here, through three layers of
+    # top-2 routing that a changed weight can flip): the quantisation is the GGUF's, not tiermoe's
+    assert 0 < err < 0.3, err
+
+
+def test_gguf_experts_convert_to_int4_on_the_cpu_tier(gguf_case):
+    from tiermoe.config import CPUConfig
+
+    path, ids, ref, _ = gguf_case
+    with load_hybrid_model(path, None, gpu_device="cpu", dtype=torch.float32, progress=False,
+                           cpu=CPUConfig(expert_dtype="int4")) as hybrid:
+        logits = hybrid(input_ids=ids).logits
+        spec = hybrid.spec
+        assert hybrid.tier_bytes().cpu_experts < 0.6 * spec.total_routed_experts * spec.params_per_expert
+    assert rel_err(logits, ref) < 0.3  # tiermoe's int4 on top of Q4_K: the error this conversion adds
+
+
+def test_fit_reads_gguf_headers(gguf_case):
+    from tiermoe.fit import model_bytes
+
+    path, *_ = gguf_case
+    m = model_bytes(path)
+    cfg = load_config(path)
+    h, v = cfg.hidden_size, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 2 * cfg.head_dim + 2 * h + cfg.num_experts * h
+    assert m.non_expert == (2 * v * h + h + cfg.num_hidden_layers * per_layer) * 2  # bf16 after conversion
+    assert m.gpu_bytes_per_expert == 3 * h * cfg.moe_intermediate_size * 2
+
+
+def _write_meta_only(path, arch: str, **extra):
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    for key, value in extra.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_unsupported_gguf_architecture_gets_one_clear_line(tmp_path, arch):
+    path = tmp_path / f"{arch}.gguf"
+    _write_meta_only(path, arch)
+    with pytest.raises(TiermoeError, match=f"GGUF architecture '{arch}'.*tiermoe reads GGUF MoE models of"):
+        load_config(path)
+    r = run_cli("inspect", str(path))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and f"'{arch}'" in r.stderr

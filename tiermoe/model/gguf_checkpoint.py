@@ -1,0 +1,142 @@
+"""A GGUF model seen through the checkpoint interface the loader reads: transformers' tensor names, torch layout.
+
+Each tensor the transformers skeleton needs is mapped to its GGUF tensor with the gguf package's own name map
+(`gguf.get_tensor_name_map`, e.g. `model.layers.0.self_attn.q_proj` -> `blk.0.attn_q`). Routed experts, merged
+in GGUF as `blk.N.ffn_{gate,up,down}_exps.weight` [E, ...], appear as transformers' fused
+`model.layers.N.mlp.experts.gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I], read one expert at a time.
+llama.cpp permutes the rows of Llama-family q/k projections for its rotary layout; reading undoes that.
+
+Experts are converted at load, not kept in their GGUF quantisation: each is dequantised (exactly, in fp32) and
+then takes the tier's format, so the only error added to the GGUF's own is the compute dtype's rounding (none
+in fp32; bf16 rounds each weight to 8 significant bits, at most 0.4 %) and the --cpu-expert-dtype quantisation
+if one is chosen. Keeping Q4_K experts in place would need a Q4_K CPU kernel, which tiermoe does not have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tiermoe.arch import load_config
+from tiermoe.errors import TiermoeError
+from tiermoe.model.gguf_reader import GGUFFiles, gguf_files
+
+_FUSED = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
+
+
+@dataclass(frozen=True)
+class GGUFEntry:
+    """What inspection needs of one tensor: its file, torch shape, stored bytes; read as fp32."""
+
+    file: Path
+    shape: tuple[int, ...]
+    nbytes: int
+    gguf_names: tuple[str, ...]
+    op: str  # "plain" | "permute_q" | "permute_k"
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: rows (h, 2, d/2) were stored as (h, d/2, 2)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class GGUFCheckpoint:
+    """The Checkpoint interface (entries, `in`, shape, read) over a GGUF model, with transformers' names."""
+
+    def __init__(self, path: str | Path, config=None):
+        import gguf
+
+        from tiermoe.model.skeleton import build_skeleton
+
+        self.model_dir = Path(path)
+        self.fp8_block = None
+        self.files = GGUFFiles(path)
+        self.config = config or load_config(path)
+        arch = self.files.architecture
+        try:
+            name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], self.config.num_hidden_layers)
+        except KeyError:
+            raise TiermoeError(f"GGUF architecture '{arch}' is unknown to the gguf package") from None
+        permute = arch == "llama"  # llama.cpp permutes q/k rows of Llama-family models only
+        file = gguf_files(path)[0]
+        self.entries: dict[str, GGUFEntry] = {}
+        for name, t in build_skeleton(self.config, torch.float32).state_dict().items():
+            base, _, leaf = name.rpartition(".")
+            if base.endswith(".experts") and leaf in _FUSED:
+                layer = base.split(".")[2]
+                names = tuple(f"blk.{layer}.{g}.weight" for g in _FUSED[leaf])
+                op = "plain"
+            elif leaf == "e_score_correction_bias":
+                names, op = (f"blk.{base.split('.')[2]}.exp_probs_b.bias",), "plain"
+            else:
+                mapped = name_map.get_name(base)
+                if mapped is None:
+                    continue
+                names = (f"{mapped}.{leaf}",)
+                op = "plain"
+                if permute and base.endswith("self_attn.q_proj") and leaf == "weight":
+                    op = "permute_q"
+                elif permute and base.endswith("self_attn.k_proj") and leaf == "weight":
+                    op = "permute_k"
+            if not all(n in self.files.tensors for n in names):
+                continue  # missing: the loader names it (or ties lm_head to the embeddings)
+            self.entries[name] = GGUFEntry(file, tuple(t.shape), sum(self.files.nbytes(n) for n in names), names, op)
+            self._check_shape(name, tuple(t.shape), names)
+
+    def _check_shape(self, name: str, want: tuple[int, ...], names: tuple[str, ...]) -> None:
+        got = [self.files.shape(n) for n in names]
+        numel = sum(torch.Size(s).numel() for s in got)
+        if numel != torch.Size(want).numel():
+            raise TiermoeError(f"GGUF tensor {', '.join(names)} has shape {got}, but the config's model needs "
+                               f"{name} of shape {list(want)}")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        pass  # the gguf package's memory maps close with the reader objects
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name].shape
+
+    def read(self, name: str, out: torch.Tensor | None = None, index: int | None = None) -> torch.Tensor:
+        """Tensor `name` (or its slice [index] along dim 0), dequantised into `out` (fp32 when None)."""
+        entry = self.entries[name]
+        parts = [self.files.read(n, index) for n in entry.gguf_names]
+        value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)  # gate rows, then up rows
+        if entry.op == "permute_q":
+            value = _unpermute(value, self.config.num_attention_heads)
+        elif entry.op == "permute_k":
+            value = _unpermute(value, self.config.num_key_value_heads)
+        shape = entry.shape if index is None else entry.shape[1:]
+        if out is None:
+            out = torch.empty(shape, dtype=torch.float32)
+        if tuple(out.shape) != tuple(shape):
+            raise TiermoeError(f"{self.model_dir}: tensor {name} has shape {list(shape)}, expected {list(out.shape)}")
+        return out.copy_(value.reshape(shape))
+
+
+def open_checkpoint(path: str | Path, config=None, fp8_block: tuple[int, int] | None = None):
+    """A Checkpoint for a safetensors directory, a GGUFCheckpoint for a GGUF file or directory."""
+    from tiermoe.model.checkpoint import Checkpoint
+
+    if gguf_files(path):
+        return GGUFCheckpoint(path, config)
+    return Checkpoint(path, fp8_block)
