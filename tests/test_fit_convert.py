@@ -112,3 +112,97 @@ def test_generate_stops_before_loading_when_the_gpu_limit_cannot_hold_the_model(
     assert r.returncode == 2
     assert "will not fit" in r.stderr and "GPU memory" in r.stderr and "Traceback" not in r.stderr
     assert "loading" not in r.stderr  # stopped before reading any weight
+
+
+# ---- tiermoe convert: the CPU-tier cache ----
+
+def _tiny_aligned(tmp_path, name="src"):
+    from tiermoe.model.make_model import make_model
+
+    return make_model("qwen3_moe", tmp_path / name, progress=False, config_overrides=dict(
+        hidden_size=128, moe_intermediate_size=64, head_dim=32))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
+def test_converted_cache_loads_to_the_same_logits_as_converting_at_load(tmp_path, fmt):
+    src = _tiny_aligned(tmp_path)
+    r = run_cli("convert", "--model", str(src), "--cpu-expert-dtype", fmt, "--out", str(tmp_path / "c"))
+    assert r.returncode == 0, r.stderr
+    cache = tmp_path / "c"
+    ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    with load_hybrid_model(src, None, progress=False, cpu=CPUConfig(expert_dtype=fmt)) as direct:
+        want = direct(input_ids=ids).logits
+        want_bytes = direct.tier_bytes()
+    with load_hybrid_model(cache, None, progress=False) as cached:
+        got = cached(input_ids=ids).logits
+        got_bytes = cached.tier_bytes()
+        assert cached.model_dir == cache
+    assert torch.equal(got, want)  # the same stored codes: bit-identical
+    assert got_bytes == want_bytes
+
+
+def test_a_cached_load_maps_the_files_instead_of_quantising(tmp_path, monkeypatch):
+    import tiermoe.experts.native as native
+    import tiermoe.experts.quant as quant
+
+    src = _tiny_aligned(tmp_path)
+    from tiermoe.convert import convert_cpu_experts
+
+    convert_cpu_experts(src, "int4", tmp_path / "c", progress=False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("quantised again")
+
+    monkeypatch.setattr(native, "quantize", refuse)
+    monkeypatch.setattr(quant, "quantize", refuse)
+    spec_mask = None
+    with load_hybrid_model(tmp_path / "c", spec_mask, progress=False) as hybrid:
+        assert hybrid.tier_bytes().cpu_experts > 0
+
+
+def test_a_stale_or_mismatched_cache_is_refused_or_bypassed_with_a_message(tmp_path):
+    from tiermoe.convert import convert_cpu_experts
+    from tiermoe.errors import TiermoeError
+
+    src = _tiny_aligned(tmp_path)
+    cache = convert_cpu_experts(src, "int8", tmp_path / "c", progress=False)
+    with pytest.warns(UserWarning, match="holds native int8"):
+        with load_hybrid_model(cache, None, progress=False, cpu=CPUConfig(expert_dtype="int4")) as hybrid:
+            assert hybrid.tier_bytes().cpu_experts > 0
+    weights = next(src.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes())  # same bytes, new mtime: the source may have changed
+    import os
+
+    os.utime(weights, ns=(1, 1))
+    with pytest.raises(TiermoeError, match="run `tiermoe convert` again"):
+        load_hybrid_model(cache, None, progress=False)
+    r = run_cli("convert", "--model", str(src), "--cpu-expert-dtype", "int4", "--out", str(cache))
+    assert r.returncode == 2 and "not empty" in r.stderr
+
+
+def test_convert_streams_fp8_and_gguf_sources(tmp_path):
+    from tiermoe.convert import convert_cpu_experts
+    from tiermoe.model.fp8_write import write_fp8_checkpoint
+
+    fp8 = write_fp8_checkpoint(_tiny_aligned(tmp_path), tmp_path / "fp8")
+    cache = convert_cpu_experts(fp8, "int8", tmp_path / "c", progress=False)
+    ids = torch.randint(3, 256, (1, 5), generator=torch.Generator().manual_seed(0))
+    with load_hybrid_model(fp8, None, progress=False, cpu=CPUConfig(expert_dtype="int8")) as direct:
+        want = direct(input_ids=ids).logits
+    with load_hybrid_model(cache, None, progress=False) as cached:
+        assert torch.equal(cached(input_ids=ids).logits, want)
+    fit = run_cli("fit", "--model", str(cache))
+    assert fit.returncode == 0 and "(int8)" in fit.stdout
+
+
+def test_a_cache_written_for_the_kernels_loads_on_a_machine_without_them(tmp_path, monkeypatch):
+    from tiermoe.convert import convert_cpu_experts
+
+    src = _tiny_aligned(tmp_path)
+    cache = convert_cpu_experts(src, "int4", tmp_path / "c", progress=False)
+    monkeypatch.setenv("TIERMOE_CPU_ISA", "torch")  # the torch path computes from the "rows" layout
+    ids = torch.randint(3, 256, (1, 5), generator=torch.Generator().manual_seed(0))
+    with load_hybrid_model(src, None, progress=False, cpu=CPUConfig(expert_dtype="int4")) as direct:
+        want = direct(input_ids=ids).logits
+    with load_hybrid_model(cache, None, progress=False) as cached:
+        assert torch.equal(cached(input_ids=ids).logits, want)

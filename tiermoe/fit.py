@@ -136,7 +136,12 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
     except (ValueError, KeyError, TypeError, OSError) as err:
         raise TiermoeError(f"{config_file} could not be read as a transformers config: {err}") from None
     spec = detect(cfg)
-    has_weights = config_file.parent.is_dir() and any(config_file.parent.glob("*.safetensors"))
+    from tiermoe.model.expert_cache import find_cache
+
+    cache = find_cache(config_file.parent)
+    if cache is not None:  # a `tiermoe convert` output: its format, the source's non-expert weights
+        cpu_expert_dtype = cpu_expert_dtype or cache.fmt
+    has_weights = cache is not None or any(config_file.parent.glob("*.safetensors"))
     if has_weights:
         compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
         non_expert = _non_expert_from_headers(config_file.parent, compute)

@@ -13,6 +13,7 @@ import sys
 COMMANDS = {
     "bench": "tiermoe.cli.bench_cmd",
     "chat": "tiermoe.cli.chat_cmd",
+    "convert": "tiermoe.cli.convert_cmd",
     "fit": "tiermoe.cli.fit_cmd",
     "generate": "tiermoe.cli.generate_cmd",
     "inspect": "tiermoe.cli.inspect_cmd",

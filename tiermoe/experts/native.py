@@ -29,6 +29,7 @@ from tiermoe.experts.quant import (
     k_align,
     quantize,
     round_up,
+    unblock,
 )
 from tiermoe.experts.threads import team_cpus
 from tiermoe.experts.tiers import CPUWorker
@@ -107,6 +108,28 @@ class NativeCPUExperts:
             ip = round_up(i, k_align(self.fmt))
             gate_up, down = block(gate_up, ((0, i), (i, 2 * i)), ip), block(down)
         self._experts[expert] = _Stored(gate_up, down, weights.gate_up_bias, weights.down_bias)
+        self._set_table(expert)
+
+    def add_quantized(self, expert: int, gate_up: QMatrix, down: QMatrix, gate_up_bias=None,
+                      down_bias=None) -> None:
+        """An expert already in this tier's format (from a `tiermoe convert` cache, memory-mapped): held as given
+        when its layout is the one this tier computes with, re-laid-out otherwise, never quantised again."""
+        if gate_up.fmt != self.fmt or down.fmt != self.fmt:
+            raise ValueError(f"expert {expert} is stored as {gate_up.fmt}, this tier holds {self.fmt}")
+        d, i = down.n, down.k
+        if self._shape is None:
+            self._shape = (d, i)
+            aligned = self.fmt != "bf16" or (d % k_align("bf16") == 0 and i % k_align("bf16") == 0)
+            self._blocked = self.kernels is not None and aligned
+        elif self._shape != (d, i):
+            raise ValueError(f"expert {expert} has shape D={d}, I={i}; this layer's experts have D, I = {self._shape}")
+        want = "blocked" if self._blocked else "rows"
+        if gate_up.layout != want:
+            gate_up = unblock(gate_up) if want == "rows" else block(gate_up, ((0, i), (i, 2 * i)),
+                                                                    round_up(i, k_align(self.fmt)))
+        if down.layout != want:
+            down = unblock(down) if want == "rows" else block(down)
+        self._experts[expert] = _Stored(gate_up, down, gate_up_bias, down_bias)
         self._set_table(expert)
 
     def get(self, expert: int) -> ExpertWeights:

@@ -133,9 +133,22 @@ class GGUFCheckpoint:
         return out.copy_(value.reshape(shape))
 
 
+def weight_files(path: str | Path) -> list[Path]:
+    """The files holding a model's weights: its GGUF files, else its safetensors files."""
+    from tiermoe.model.checkpoint import checkpoint_files
+
+    return gguf_files(path) or checkpoint_files(Path(path))
+
+
 def open_checkpoint(path: str | Path, config=None, fp8_block: tuple[int, int] | None = None):
-    """A Checkpoint for a safetensors directory, a GGUFCheckpoint for a GGUF file or directory."""
+    """A Checkpoint for a safetensors directory, a GGUFCheckpoint for a GGUF file or directory; for a
+    `tiermoe convert` cache, the checkpoint of the source it was converted from."""
     from tiermoe.model.checkpoint import Checkpoint
+    from tiermoe.model.expert_cache import find_cache
+
+    cache = find_cache(path)
+    if cache is not None:
+        path = cache.source
 
     if gguf_files(path):
         return GGUFCheckpoint(path, config)

@@ -11,6 +11,8 @@ FP8 block-quantised checkpoints (tiermoe.model.fp8): Linear weights stored FP8 b
 main device (about 1 byte per parameter); routed experts are dequantised one at a time as they stream in and
 take their tier's format (the GPU tier computes experts in the canonical bf16/fp32 layout that tier swaps
 move; the CPU tier quantises to --cpu-expert-dtype), so host memory peaks at the CPU tier plus one expert.
+GGUF files read the same way through GGUFCheckpoint. A `tiermoe convert` directory (tiermoe.model.expert_cache)
+takes its CPU-tier experts memory-mapped from the cache and everything else from the source it names.
 
 With several ranks (`share`, see tiermoe.distributed) the placement is an assignment [L, E] (-1 CPU tier, r GPU
 rank r): this rank reads only its own GPU experts, and only the rank that holds the CPU tier reads the CPU
@@ -20,6 +22,8 @@ experts, into host memory the share provides (shared memory, one copy per host w
 from __future__ import annotations
 
 import logging
+import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -37,7 +41,8 @@ from tiermoe.experts.weights import ExpertWeights
 from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.model.checkpoint import Checkpoint
 from tiermoe.model.expert_source import ExpertSource, find_expert_source, read_expert
-from tiermoe.model.gguf_checkpoint import open_checkpoint
+from tiermoe.model.expert_cache import ExpertCache, find_cache
+from tiermoe.model.gguf_checkpoint import open_checkpoint, weight_files
 from tiermoe.model.fp8 import FP8_DTYPES, FP8Linear, fp8_block_size, scale_name
 from tiermoe.model.hybrid_model import HybridModel
 from tiermoe.model.skeleton import build_skeleton, decoder_layers, moe_block_attr
@@ -76,6 +81,11 @@ def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | tor
     replaces `mask`, which must then be None).
     """
     model_dir = Path(model_dir)
+    weights_dir, cache = model_dir, find_cache(model_dir)
+    if cache is not None:  # a `tiermoe convert` output: CPU-tier experts mapped from it, the rest from its source
+        weights_dir = cache.source
+        cache.check_source(weight_files(weights_dir))
+        cpu, cache = _usable_cache(cache, cpu, share)
     config = load_config(model_dir)
     spec = detect(config)
     if share is None:
@@ -90,7 +100,7 @@ def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | tor
     pin = torch.cuda.is_available() and share is None
 
     fp8_block = fp8_block_size(config)
-    with open_checkpoint(model_dir, config, fp8_block) as ckpt:
+    with open_checkpoint(weights_dir, config, fp8_block) as ckpt:
         sources = {layer: find_expert_source(ckpt, spec, LAYERS_PREFIX, layer) for layer in spec.moe_layers}
         model = build_skeleton(config, dtype)
         worker = CPUWorker()
@@ -105,9 +115,21 @@ def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | tor
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {model_dir.name}", disable=not progress) as bar:
             _load_fp8_linears(model, ckpt, spec, gpu_device, bar)
             _load_non_experts(model, ckpt, spec, gpu_device, bar)
-            _load_experts(blocks, sources, ckpt, spec, owner_LE, reads, rank, share, dtype, pin, bar)
+            _load_experts(blocks, sources, ckpt, spec, owner_LE, reads, rank, share, dtype, pin, bar, cache)
     _tie_and_check(model, config)
     return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share)
+
+
+def _usable_cache(cache: ExpertCache, cpu: CPUConfig, share) -> tuple[CPUConfig, ExpertCache | None]:
+    """The CPU config that reads `cache` (its format on the native backend), or the given one and no cache,
+    with a warning, when the user asked for something the cache does not hold."""
+    if share is None and cpu.backend == "native" and cpu.expert_dtype in (None, cache.fmt):
+        return replace(cpu, expert_dtype=cache.fmt), cache
+    why = ("several ranks share one CPU tier" if share is not None else
+           f"--cpu-backend {cpu.backend} --cpu-expert-dtype {cpu.expert_dtype} was asked for")
+    warnings.warn(f"the CPU-expert cache in {cache.root} holds native {cache.fmt} experts but {why}; converting "
+                  f"from {cache.source} instead", stacklevel=3)
+    return cpu, None
 
 
 def _checked_assignment(assignment_LE, spec) -> torch.Tensor:
@@ -206,7 +228,7 @@ def _load_non_experts(model: nn.Module, ckpt: Checkpoint, spec, gpu_device, bar)
 
 
 def _load_experts(blocks, sources: dict[int, ExpertSource], ckpt, spec, owner_LE, reads_LE, rank, share, dtype,
-                  pin, bar) -> None:
+                  pin, bar, cache: ExpertCache | None = None) -> None:
     for layer, block in blocks.items():
         for e in range(spec.num_experts):
             owner = int(owner_LE[layer, e])
@@ -215,6 +237,11 @@ def _load_experts(blocks, sources: dict[int, ExpertSource], ckpt, spec, owner_LE
                 continue  # another rank's GPU expert, or a CPU expert the CPU tier's rank holds
             on_gpu = owner == rank
             tier = block.gpu_tier if on_gpu else block.cpu_tier
+            if cache is not None and not on_gpu:  # already converted: mapped, not read and quantised
+                stored = cache.read(layer, e)
+                tier.add_quantized(e, *stored)
+                bar.update(sum(t.nbytes for m in stored[:2] for t in m.tensors()))
+                continue
             if share is not None and not on_gpu:
                 # the one host copy, read straight into memory every rank of this host can map
                 host = _read_expert_into(ckpt, sources[layer], e, spec, dtype, share.cpu_slot(layer, e))

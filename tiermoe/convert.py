@@ -1,0 +1,104 @@
+"""`tiermoe convert`: write every routed expert in a CPU-tier format once, so later loads map it instead.
+
+The experts stream from the source (safetensors in any dtype, FP8 block-quantised, or GGUF) one at a time:
+read (dequantised to the compute dtype), quantised to `fmt` (tiermoe.experts.quant, the CPU tier's own code),
+laid out for the native kernels when this machine has them, and written, so memory stays about one expert
+whatever the model size. The manifest is written last: an interrupted conversion is never taken for a cache.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from tiermoe.arch import detect, load_config
+from tiermoe.errors import TiermoeError
+from tiermoe.experts.quant import FORMATS, block, k_align, quantize, round_up
+from tiermoe.model.expert_cache import (
+    MANIFEST,
+    VERSION,
+    StreamingLayerWriter,
+    expert_tensors,
+    layer_file,
+    matrix_meta,
+    source_fingerprint,
+)
+from tiermoe.model.expert_source import find_expert_source, read_expert
+from tiermoe.model.fp8 import fp8_block_size
+from tiermoe.model.gguf_checkpoint import open_checkpoint, weight_files
+
+LAYERS_PREFIX = "model.layers"
+
+
+def kernel_layout(fmt: str, spec) -> bool:
+    """Whether the native CPU tier of this machine computes these experts from the "blocked" layout (the rule
+    NativeCPUExperts applies: kernels available, SiLU-GLU experts, and bf16 only for shapes in multiples of 32)."""
+    from tiermoe.experts.kernels import load_kernels
+
+    if spec.activation != "silu_glu" or load_kernels() is None:
+        return False
+    h, i = spec.hidden_size, spec.expert_intermediate_size
+    return fmt != "bf16" or (h % k_align("bf16") == 0 and i % k_align("bf16") == 0)
+
+
+def _copy_side_files(src: Path, out: Path, config) -> None:
+    """config.json, tokenizer and generation config travel with the cache (weights stay in the source)."""
+    if src.is_dir():
+        for f in src.iterdir():
+            if f.is_file() and f.suffix not in (".safetensors", ".gguf", ".bin", ".pt") and \
+                    f.name != "model.safetensors.index.json":
+                shutil.copy2(f, out / f.name)
+    if not (out / "config.json").is_file():  # a GGUF source: its metadata, as a config
+        config.save_pretrained(out)
+
+
+def convert_cpu_experts(model: str | Path, fmt: str, out: str | Path, dtype: torch.dtype | None = None,
+                        progress: bool = True) -> Path:
+    """Write all routed experts of `model` in CPU format `fmt` ("bf16" | "int8" | "int4") to `out`."""
+    src, out = Path(model).resolve(), Path(out)
+    if fmt not in FORMATS:
+        raise TiermoeError(f"--cpu-expert-dtype '{fmt}' is unknown; choose one of: {', '.join(FORMATS)}")
+    if out.exists() and any(out.iterdir()):
+        raise TiermoeError(f"output directory '{out}' exists and is not empty; choose a new one")
+    if (src / MANIFEST).is_file():
+        raise TiermoeError(f"'{src}' is already a converted cache; convert from the original checkpoint")
+    config = load_config(src)
+    spec = detect(config)
+    dtype = dtype or spec.dtype
+    blocked = kernel_layout(fmt, spec)
+    files = weight_files(src)
+    out.mkdir(parents=True, exist_ok=True)
+    i = spec.expert_intermediate_size
+    metas = None
+    total = spec.total_routed_experts
+    with open_checkpoint(src, config, fp8_block_size(config)) as ckpt, \
+            tqdm(total=total, unit="expert", desc=f"converting {src.name} to {fmt}", disable=not progress) as bar:
+        for layer in spec.moe_layers:
+            source = find_expert_source(ckpt, spec, LAYERS_PREFIX, layer)
+            writer = None
+            for e in range(spec.num_experts):
+                w = read_expert(ckpt, source, e, spec, dtype)
+                gate_up, down = quantize(w.gate_up, fmt), quantize(w.down, fmt)
+                if blocked:
+                    gate_up = block(gate_up, ((0, i), (i, 2 * i)), round_up(i, k_align(fmt)))
+                    down = block(down)
+                tensors = expert_tensors(e, gate_up, down, w.gate_up_bias, w.down_bias)
+                if writer is None:  # every expert has expert 0's shapes: the header is known now
+                    specs = [(f"{x}.{name.split('.', 1)[1]}", t.dtype, tuple(t.shape))
+                             for x in range(spec.num_experts) for name, t in tensors.items()]
+                    writer = StreamingLayerWriter(out / layer_file(layer), specs)
+                    metas = {"gate_up": matrix_meta(gate_up), "down": matrix_meta(down)}
+                writer.write(tensors)
+                bar.update(1)
+            writer.close()
+    _copy_side_files(src, out, config)
+    manifest = {"version": VERSION, "format": fmt, "dtype": str(dtype).removeprefix("torch."),
+                "layout": "blocked" if blocked else "rows", "source": str(src),
+                "source_fingerprint": source_fingerprint(files), "model_type": spec.model_type,
+                "moe_layers": list(spec.moe_layers), "num_experts": spec.num_experts, "matrices": metas}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return out
