@@ -216,3 +216,102 @@ def test_unsupported_gguf_architecture_gets_one_clear_line(tmp_path, arch):
         load_config(path)
     r = run_cli("inspect", str(path))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and f"'{arch}'" in r.stderr
+
+
+# ---- the other GGUF MoE families, written the way llama.cpp's converter writes them ----
+
+def _permute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's convert_hf_to_gguf permutation of Llama q/k rows (rotary halves -> interleaved pairs)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def write_generic_gguf(path, hf_arch: str, gguf_arch: str, meta: dict, seed: int = 0, **shape):
+    """A tiny transformers model of `hf_arch` written as a `gguf_arch` GGUF: names from the gguf package's map,
+    merged expert tensors, Q8_0 matrices (F32 for vectors and routers), `meta` as {arch}.key -> value."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_config(hf_arch, initializer_range=0.1, **shape)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[gguf_arch.upper()], cfg.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), gguf_arch)
+    for key, value in meta.items():
+        if isinstance(value, float):
+            w.add_float32(f"{gguf_arch}.{key}", value)
+        elif isinstance(value, bool):
+            w.add_bool(f"{gguf_arch}.{key}", value)
+        else:
+            w.add_uint32(f"{gguf_arch}.{key}", value)
+    for name, t in model.state_dict().items():
+        base, _, leaf = name.rpartition(".")
+        if base.endswith(".experts"):
+            layer = base.split(".")[2]
+            if leaf == "gate_up_proj":
+                half = t.shape[1] // 2
+                _add(w, f"blk.{layer}.ffn_gate_exps.weight", t[:, :half], Q.Q8_0)
+                _add(w, f"blk.{layer}.ffn_up_exps.weight", t[:, half:], Q.Q8_0)
+            else:
+                _add(w, f"blk.{layer}.ffn_down_exps.weight", t, Q.Q8_0)
+            continue
+        if leaf == "e_score_correction_bias":
+            _add(w, f"blk.{base.split('.')[2]}.exp_probs_b.bias", t, Q.F32)
+            continue
+        if gguf_arch == "llama" and base.endswith("q_proj"):
+            t = _permute_rows(t, cfg.num_attention_heads)
+        elif gguf_arch == "llama" and base.endswith("k_proj"):
+            t = _permute_rows(t, cfg.num_key_value_heads)
+        gg = name_map.get_name(base)
+        assert gg is not None, name
+        if t.dim() == 2 and t.shape[0] == 1:  # qwen2moe's shared_expert_gate: a vector in GGUF
+            t = t[0]
+        vector = t.dim() == 1 or base.endswith("mlp.gate") or t.shape[-1] % 32
+        _add(w, f"{gg}.{leaf}", t, Q.F32 if vector else Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model.eval()
+
+
+FAMILIES = {
+    # Mixtral: a `llama` GGUF with experts; q/k rows permuted by the converter
+    "mixtral": ("llama", dict(hidden_size=64, intermediate_size=64, num_local_experts=4),
+                lambda c: {"block_count": c.num_hidden_layers, "embedding_length": c.hidden_size,
+                           "feed_forward_length": c.intermediate_size, "attention.head_count": c.num_attention_heads,
+                           "attention.head_count_kv": c.num_key_value_heads, "expert_count": c.num_local_experts,
+                           "expert_used_count": c.num_experts_per_tok, "context_length": 256, "vocab_size": 256,
+                           "rope.freq_base": float(c.rope_parameters["rope_theta"]),
+                           "attention.layer_norm_rms_epsilon": c.rms_norm_eps}),
+    # Qwen2-MoE: a gated shared expert, q/k/v biases
+    "qwen2_moe": ("qwen2moe", dict(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+                  lambda c: {"block_count": c.num_hidden_layers, "embedding_length": c.hidden_size,
+                             "feed_forward_length": c.intermediate_size,
+                             "attention.head_count": c.num_attention_heads,
+                             "attention.head_count_kv": c.num_key_value_heads, "expert_count": c.num_experts,
+                             "expert_used_count": c.num_experts_per_tok,
+                             "expert_feed_forward_length": c.moe_intermediate_size,
+                             "expert_shared_feed_forward_length": c.shared_expert_intermediate_size,
+                             "context_length": 256, "vocab_size": 256,
+                             "rope.freq_base": float(c.rope_parameters["rope_theta"]),
+                             "attention.layer_norm_rms_epsilon": c.rms_norm_eps}),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_other_gguf_moe_families_load_exactly(tmp_path, family):
+    gguf_arch, shape, meta = FAMILIES[family]
+    cfg = make_config(family, **shape)
+    path = tmp_path / f"{family}.gguf"
+    original = write_generic_gguf(path, family, gguf_arch, meta(cfg), **shape)
+    assert load_config(path).model_type == family
+    ref = _dequantised_reference(path, tmp_path / "ref")
+    ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    spec = detect(load_config(path))
+    mask = torch.rand(spec.num_layers, spec.num_experts, generator=torch.Generator().manual_seed(1)) < 0.5
+    with torch.no_grad():
+        want = ref(ids).logits
+        # the reading is right, not merely self-consistent: Q8_0 of the original model stays within 8-bit error
+        # (a wrong q/k permutation or expert split would move the logits by their own size)
+        assert rel_err(want, original(ids).logits) < 0.03
+    with load_hybrid_model(path, mask, gpu_device="cpu", dtype=torch.float32, progress=False) as hybrid:
+        assert rel_err(hybrid(input_ids=ids).logits, want) < 1e-5
