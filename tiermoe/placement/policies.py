@@ -83,26 +83,45 @@ class AdaptiveSettings:
     z_score: float = 2.0  # follow the workload only as far as the evidence is this many standard errors firm
 
 
+class _PersistenceFit:
+    """One regression slope through the origin, target on regressor, read at the lower end of its confidence
+    interval: how much of a deviation carries over, counted only once the evidence says so."""
+
+    def __init__(self):
+        self.cov = self.var = self.noise = 0.0
+
+    def add(self, regressor: torch.Tensor, target: torch.Tensor) -> None:
+        self.cov += float((regressor * target).sum())
+        self.var += float((regressor * regressor).sum())
+        self.noise += float((regressor * target).pow(2).sum())  # variance of cov were there nothing to carry
+
+    def slope(self, z_score: float) -> float:
+        if self.var <= 0:
+            return 0.0
+        return min(1.0, max(0.0, (self.cov - z_score * self.noise ** 0.5) / self.var))
+
+
 class AdaptivePolicy:
     """Follow the workload only as far as following it has paid off: never behind the static placement it starts
-    from unless the workload really moves.
+    from unless the workload really differs.
 
     The placement starts where `frequency` puts it (the calibration statistics, the prior p_LE; a placement that
     starts elsewhere is moved toward it, as far as that pays); every `replan_every` passes the policy asks whether
     a swap pays for its copies. What decides it:
 
-    1. The forecast. x_LE, the recent routed pairs per token (counts decayed with `half_life_tokens`), is noisy
-       and partly a passing fluctuation: one long prompt routes alike for hundreds of tokens and says little about
-       the next request. So the rate expected over the next `horizon_tokens` is p + w (x - p), where w in [0, 1]
-       is learned online by regression: at a re-plan the deviation x - p is kept, and once `horizon_tokens` more
-       tokens have passed, the realised deviation y - p of those tokens is regressed on it (then the next one)
-       (w = sum (x-p)(y-p) / sum (x-p)^2). A workload whose recent past does not predict its near future (no
-       temporal locality, or a calibration that already fits) gives w ~ 0: the policy stays on frequency and pays
-       no copies. A shifted workload or real locality gives w toward 1. Until the first forecast can be checked,
-       w = 0, and w is taken at the lower end of its `z_score` confidence interval (a few checked forecasts are
-       not yet evidence). This replaces the old rule (raw decayed counts, prior forgotten after a half-life, a z-test applied
-       to the busiest-CPU vs idlest-GPU pair), which on near-uniform routing mistook noise and per-prompt
-       correlation for hot experts (picking the extremes of noisy counts always looks significant).
+    1. The forecast of each expert's routed pairs per token over the next `horizon_tokens`:
+       p + a (m - p) + b (x - m), where m is the rate over everything served so far (a lasting difference between
+       this workload and the calibration) and x the recent rate (counts decayed with `half_life_tokens`: temporal
+       locality). Raw counts are noisy and partly a passing fluctuation (one long prompt routes alike for
+       hundreds of tokens and says little about the next request), so a and b in [0, 1] are learned online: at a
+       re-plan the deviations are kept, and once `horizon_tokens` more tokens have passed the realised deviation
+       y - p of those tokens is regressed on m - p (giving a) and what is left on x - m (giving b), one forecast
+       open at a time. Each is read at the lower end of its `z_score` confidence interval, so both are 0 until
+       the evidence shows that a deviation carries over. A workload that matches the calibration and has no
+       temporal locality gives a = b = 0: the policy stays on frequency and pays no copies.
+       This replaces the old rule (raw decayed counts, the prior forgotten after a half-life, a z-test on the
+       busiest-CPU vs idlest-GPU pair), which on near-uniform routing mistook noise and per-prompt correlation
+       for hot experts: the extremes of a handful of noisy counts always differ "significantly".
     2. The value of a swap is the cost model's: over the recent mix of passes, an expert on the GPU tier saves its
        CPU read in a memory-bound pass only when the pass touches it (1 - (1 - r)^n for n tokens at rate r), and
        its math in a compute-bound one (n r pairs). In large decode batches, where every expert of a layer is
@@ -120,6 +139,8 @@ class AdaptivePolicy:
         self.settings = settings or AdaptiveSettings()
         self.load_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64)  # decayed routed pairs
         self._tokens = 0.0  # decayed tokens: load_LE / _tokens is the recent rate
+        self.served_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64)  # every routed pair so far
+        self._served_tokens = 0.0
         if initial_counts_LE is not None:
             prior = initial_counts_LE.detach().to("cpu", torch.float64).clamp(min=0)
         else:
@@ -127,10 +148,8 @@ class AdaptivePolicy:
         totals = prior.sum(dim=1, keepdim=True)
         # each layer's share of its routed pairs (uniform where there are no statistics)
         self.prior_share_LE = torch.where(totals > 0, prior / totals.clamp(min=1e-300), 1.0 / num_experts)
-        self._checks: list[list] = []  # forecasts awaiting their horizon: [x - p, p, counts since, tokens since]
-        self._cov = 0.0  # sum (x - p)(y - p) over checked forecasts
-        self._var = 0.0  # sum (x - p)^2
-        self._cov_noise = 0.0  # sum (x - p)^2 (y - p)^2: the variance of _cov were the deviations not to persist
+        self._open: list | None = None  # the forecast awaiting its horizon: [m - p, x - m, p, counts, tokens]
+        self._shift, self._locality = _PersistenceFit(), _PersistenceFit()
         self._mix: dict[tuple[int, bool, bool], float] = {}  # decayed weight of recent passes by (tokens, regimes)
         self._passes = 0
 
@@ -139,22 +158,21 @@ class AdaptivePolicy:
         return self.settings.horizon_tokens or self.settings.half_life_tokens
 
     @property
-    def weight(self) -> float:
-        """How much of the recent deviation from the prior persists over the horizon, at the lower end of its
-        `z_score` confidence interval: 0 until enough forecasts have been checked to show that any does."""
-        if self._var <= 0:
-            return 0.0
-        firm = self._cov - self.settings.z_score * self._cov_noise ** 0.5
-        return min(1.0, max(0.0, firm / self._var))
+    def persistence(self) -> tuple[float, float]:
+        """(a, b): how much of the workload's lasting difference from the calibration, and of its recent
+        deviation from its own average, carries over the horizon (lower confidence ends; 0 until shown)."""
+        return self._shift.slope(self.settings.z_score), self._locality.slope(self.settings.z_score)
 
     def observe(self, counts_LE: torch.Tensor, num_tokens: int, is_prefill: bool) -> None:
         if num_tokens <= 0:
             return
         counts = counts_LE.detach().to("cpu", torch.float64)
-        self._check_forecasts(counts, num_tokens)
+        self._check_forecast(counts, num_tokens)
         decay = 0.5 ** (num_tokens / self.settings.half_life_tokens)
         self.load_LE.mul_(decay).add_(counts)
         self._tokens = self._tokens * decay + num_tokens
+        self.served_LE += counts
+        self._served_tokens += num_tokens
         for key in list(self._mix):
             self._mix[key] *= decay
             if self._mix[key] < 1e-6:
@@ -162,25 +180,24 @@ class AdaptivePolicy:
         key = (num_tokens, *self._regimes(counts))
         self._mix[key] = self._mix.get(key, 0.0) + 1.0
         self._passes += 1
-        if self._passes % self.settings.replan_every == 0 and not self._checks:
+        if self._passes % self.settings.replan_every == 0 and self._open is None:
             # one forecast open at a time: overlapping ones would share their outcome and overstate the evidence
-            prior = self._prior()
-            self._checks.append([self.load_LE / self._tokens - prior, prior, torch.zeros_like(prior), 0.0])
+            prior, served, recent = self._prior(), self.served_LE / self._served_tokens, self.load_LE / self._tokens
+            self._open = [served - prior, recent - served, prior, torch.zeros_like(prior), 0.0]
 
-    def _check_forecasts(self, counts_LE: torch.Tensor, num_tokens: int) -> None:
-        """Score the forecasts whose horizon this pass completes (the pass counts toward all that are open)."""
-        still = []
-        for check in self._checks:
-            check[2] += counts_LE
-            check[3] += num_tokens
-            if check[3] >= self.horizon:
-                deviation, prior, counts, tokens = check
-                self._cov += float((deviation * (counts / tokens - prior)).sum())
-                self._var += float((deviation * deviation).sum())
-                self._cov_noise += float((deviation * (counts / tokens - prior)).pow(2).sum())
-            else:
-                still.append(check)
-        self._checks = still
+    def _check_forecast(self, counts_LE: torch.Tensor, num_tokens: int) -> None:
+        """Score the open forecast once this pass completes its horizon."""
+        if self._open is None:
+            return
+        self._open[3] += counts_LE
+        self._open[4] += num_tokens
+        if self._open[4] < self.horizon:
+            return
+        shift, recent, prior, counts, tokens = self._open
+        realised = counts / tokens - prior
+        self._shift.add(shift, realised)
+        self._locality.add(recent, realised - self._shift.slope(self.settings.z_score) * shift)
+        self._open = None
 
     def _prior(self) -> torch.Tensor:
         """Prior routed pairs per token [L, E]: the calibration shares times each layer's observed top-k."""
@@ -200,7 +217,9 @@ class AdaptivePolicy:
         prior = self._prior()
         if self._tokens <= 0:
             return prior
-        return prior + self.weight * (self.load_LE / self._tokens - prior)
+        a, b = self.persistence
+        served, recent = self.served_LE / self._served_tokens, self.load_LE / self._tokens
+        return (prior + a * (served - prior) + b * (recent - served)).clamp(min=0.0)
 
     def saving_per_token(self, rate_LE: torch.Tensor) -> torch.Tensor:
         """Expected seconds saved per token [L, E] by having each expert on the GPU tier, over the recent passes."""
