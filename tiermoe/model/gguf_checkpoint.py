@@ -4,7 +4,8 @@ Each tensor the transformers skeleton needs is mapped to its GGUF tensor with th
 (`gguf.get_tensor_name_map`, e.g. `model.layers.0.self_attn.q_proj` -> `blk.0.attn_q`). Routed experts, merged
 in GGUF as `blk.N.ffn_{gate,up,down}_exps.weight` [E, ...], appear as transformers' fused
 `model.layers.N.mlp.experts.gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I], read one expert at a time.
-llama.cpp permutes the rows of Llama-family q/k projections for its rotary layout; reading undoes that.
+llama.cpp permutes the rows of Llama-family q/k projections for its rotary layout, and its newer DeepSeek files
+split `kv_b_proj` into per-head `attn_k_b` (transposed) and `attn_v_b`; reading undoes both.
 
 Experts are converted at load, not kept in their GGUF quantisation: each is dequantised (exactly, in fp32) and
 then takes the tier's format, so the only error added to the GGUF's own is the compute dtype's rounding (none
@@ -34,7 +35,7 @@ class GGUFEntry:
     shape: tuple[int, ...]
     nbytes: int
     gguf_names: tuple[str, ...]
-    op: str  # "plain" | "permute_q" | "permute_k"
+    op: str  # "plain" | "permute_q" | "permute_k" | "kv_b"
     dtype: torch.dtype = torch.float32
 
     @property
@@ -89,6 +90,9 @@ class GGUFCheckpoint:
                     op = "permute_q"
                 elif permute and base.endswith("self_attn.k_proj") and leaf == "weight":
                     op = "permute_k"
+            if base.endswith("self_attn.kv_b_proj") and names[0] not in self.files.tensors:
+                blk = names[0].rsplit(".", 2)[0]  # llama.cpp's newer DeepSeek files split kv_b per head
+                names, op = (f"{blk}.attn_k_b.weight", f"{blk}.attn_v_b.weight"), "kv_b"
             if not all(n in self.files.tensors for n in names):
                 continue  # missing: the loader names it (or ties lm_head to the embeddings)
             self.entries[name] = GGUFEntry(file, tuple(t.shape), sum(self.files.nbytes(n) for n in names), names, op)
@@ -120,7 +124,11 @@ class GGUFCheckpoint:
         """Tensor `name` (or its slice [index] along dim 0), dequantised into `out` (fp32 when None)."""
         entry = self.entries[name]
         parts = [self.files.read(n, index) for n in entry.gguf_names]
-        value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)  # gate rows, then up rows
+        if entry.op == "kv_b":  # k_b [heads, kv_lora, nope] and v_b [heads, v, kv_lora] -> [heads (nope + v), kv_lora]
+            k_b, v_b = parts
+            value = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
+        else:
+            value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)  # gate rows, then up rows
         if entry.op == "permute_q":
             value = _unpermute(value, self.config.num_attention_heads)
         elif entry.op == "permute_k":
