@@ -142,8 +142,7 @@ def test_converted_cache_loads_to_the_same_logits_as_converting_at_load(tmp_path
 
 
 def test_a_cached_load_maps_the_files_instead_of_quantising(tmp_path, monkeypatch):
-    import tiermoe.experts.native as native
-    import tiermoe.experts.quant as quant
+    from tiermoe.experts import native, quant
 
     src = _tiny_aligned(tmp_path)
     from tiermoe.convert import convert_cpu_experts

@@ -3,8 +3,6 @@ reference built from the same dequantised values; unsupported GGUF architectures
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -164,7 +162,7 @@ def test_gguf_model_matches_its_dequantised_reference_on_every_tier(gguf_case, t
 
 
 def test_gguf_error_against_the_unquantised_model_is_the_formats_own(gguf_case):
-    path, ids, ref, original = gguf_case
+    _, _, ref, original = gguf_case
     err = rel_err(ref, original)
     # Q8_0 attention (8 bits) and Q4_K experts (4.5 bits per weight; 0.18 measured here, through three layers of
     # top-2 routing that a changed weight can flip): the quantisation is the GGUF's, not tiermoe's

@@ -236,22 +236,22 @@ class FitReport:
         m, s = self.model, self.model.spec
         per_layer = self.max_gpu_experts // s.num_moe_layers if self.max_gpu_experts is not None else None
         rows = [
-            ("model", f"{m.name} ({s.model_type}), {s.num_moe_layers} MoE layers x {s.num_experts} experts, "
-                      f"from {m.source}"),
+            ("model", (f"{m.name} ({s.model_type}), {s.num_moe_layers} MoE layers x {s.num_experts} experts, "
+                       f"from {m.source}")),
             ("GPU: non-expert weights", _gib(m.non_expert)),
-            ("GPU: experts", f"{self.gpu_experts} x {_mib(m.gpu_bytes_per_expert)} = "
-                             f"{_gib(self.gpu_experts * m.gpu_bytes_per_expert)}"),
+            ("GPU: experts", (f"{self.gpu_experts} x {_mib(m.gpu_bytes_per_expert)} = "
+                              f"{_gib(self.gpu_experts * m.gpu_bytes_per_expert)}")),
             ("GPU: KV cache", f"{self.kv_tokens} tokens x {m.kv_bytes_per_token} B = {_gib(self.kv_cache)}"),
             ("GPU: prefill buffer", _gib(self.prefill_buffer)),
             ("GPU: total", _gib(self.gpu_total) + (f" of {_gib(self.gpu_memory)}" if self.gpu_memory else "")),
-            ("host: CPU-tier experts", f"{m.total_experts - self.gpu_experts} x {_mib(m.cpu_bytes_per_expert)} "
-                                       f"({m.cpu_format}) = {_gib(self.cpu_experts)}"),
+            ("host: CPU-tier experts", (f"{m.total_experts - self.gpu_experts} x {_mib(m.cpu_bytes_per_expert)} "
+                                        f"({m.cpu_format}) = {_gib(self.cpu_experts)}")),
             ("host: total", f"{_gib(self.host_total)} (with a one-expert load buffer)"
                             + (f" of {_gib(self.ram)}" if self.ram else "")),
         ]
         if self.max_gpu_experts is not None:
-            rows.append(("largest GPU expert count", f"{self.max_gpu_experts} of {m.total_experts} "
-                                                     f"(--num-gpu-experts {per_layer} per MoE layer)"))
+            rows.append(("largest GPU expert count", (f"{self.max_gpu_experts} of {m.total_experts} "
+                                                      f"(--num-gpu-experts {per_layer} per MoE layer)")))
         if self.min_gpu_experts is not None:
             rows.append(("fewest GPU experts for RAM", str(self.min_gpu_experts)))
         problems = self.problems()

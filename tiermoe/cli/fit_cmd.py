@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from tiermoe.cli.flags import add_command, non_negative_float, non_negative_int, positive_int
+from tiermoe.cli.flags import (
+    add_command,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 
 
 def add_parser(sub) -> None:

@@ -74,7 +74,7 @@ def run(args) -> int:
                               top_k=args.top_k, seed=args.seed)
     placement = placement_from_args(args)
     check_before_loading(args.model, placement, device, args.max_total_tokens,  # stop early if it will not fit
-                         args.prefill_buffer_gb if args.prefill_threshold else 0.0)
+                         args.prefill_buffer_gb if args.prefill_threshold else 0.0, cpu_from_args(args).expert_dtype)
     with LLM(args.model, gpu_device=device, placement=placement,
              dynamic=dynamic_from_args(args), recorder=recorder, cpu=cpu_from_args(args)) as llm:
         use_chat = not args.raw and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)

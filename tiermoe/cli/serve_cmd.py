@@ -93,7 +93,8 @@ def build_state(args, llm=None):
         device = check_device(args.gpu_device)
         placement = placement_from_args(args)
         check_before_loading(args.model, placement, device, args.max_total_tokens,  # stop early if it will not fit
-                             args.prefill_buffer_gb if getattr(args, "prefill_threshold", None) else 0.0)
+                             args.prefill_buffer_gb if getattr(args, "prefill_threshold", None) else 0.0,
+                             cpu_from_args(args).expert_dtype)
         llm = LLM(args.model, gpu_device=device, placement=placement,
                   dynamic=dynamic_from_args(args), max_running=config.max_running_requests,
                   prefill_chunk=config.chunked_prefill_size, max_total_tokens=config.max_total_tokens,

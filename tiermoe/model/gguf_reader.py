@@ -61,7 +61,7 @@ class GGUFFiles:
             except (ValueError, OSError) as err:
                 raise TiermoeError(f"{file} is not a valid GGUF file ({err})") from None
             for key, field in reader.fields.items():
-                if key.startswith("GGUF.") or key.startswith("split."):
+                if key.startswith(("GGUF.", "split.")):
                     continue
                 if key == "tokenizer.ggml.tokens":
                     self.metadata["tokenizer.ggml.tokens_count"] = len(field.data)
