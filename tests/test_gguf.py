@@ -64,7 +64,7 @@ def _add(writer, name: str, w: torch.Tensor, qtype) -> None:
         writer.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
 
 
-def write_qwen3moe_gguf(path, arch: str = "qwen3moe", seed: int = 0):
+def write_qwen3moe_gguf(path, arch: str = "qwen3moe", seed: int = 0, split_max_tensors: int = 0):
     """A tiny qwen3_moe model in a GGUF file: experts Q4_K, attention and embeddings Q8_0, norms and routers F32."""
     from transformers import AutoModelForCausalLM
 
@@ -72,7 +72,7 @@ def write_qwen3moe_gguf(path, arch: str = "qwen3moe", seed: int = 0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     sd = model.state_dict()
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -343,3 +343,43 @@ def test_other_gguf_moe_families_load_exactly(tmp_path, family):
         assert rel_err(want, original(ids).logits) < (1e-5 if deepseek else 0.03)
     with load_hybrid_model(path, mask, gpu_device="cpu", dtype=torch.float32, progress=False) as hybrid:
         assert rel_err(hybrid(input_ids=ids).logits, want) < 1e-5
+
+
+def test_a_directory_of_split_gguf_files_loads_like_one_file(tmp_path, gguf_case):
+    path, ids, _, _ = gguf_case
+    split_dir = tmp_path / "split"
+    split_dir.mkdir()
+    write_qwen3moe_gguf(split_dir / "tiny.gguf", split_max_tensors=12)
+    files = sorted(split_dir.glob("*.gguf"))
+    assert len(files) > 2, files
+    with load_hybrid_model(path, None, dtype=torch.float32, progress=False) as one, \
+            load_hybrid_model(split_dir, None, dtype=torch.float32, progress=False) as split:
+        assert torch.equal(one(input_ids=ids).logits, split(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("kind", ["F16", "BF16", "Q5_K", "Q6_K", "Q8_0"])
+def test_every_supported_tensor_type_reads_whole_and_per_expert_as_the_gguf_package_dequantises_it(tmp_path, kind):
+    from tiermoe.model.gguf_reader import GGUFFiles
+
+    qtype = getattr(Q, kind)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 4, 256)).astype(np.float32)  # [E, rows, cols]
+    if kind in ("Q5_K", "Q6_K"):  # the gguf package only decodes K-quants: random blocks with finite fp16 scales
+        block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+        raw = rng.integers(0, 256, (3, 4, block_bytes), dtype=np.uint8)
+        scale_at = [0, 2] if kind == "Q5_K" else [block_bytes - 2]  # d (and dmin) as fp16
+        for at in scale_at:
+            raw[..., at:at + 2] = np.full((3, 4, 1), 0.01, dtype=np.float16).view(np.uint8)
+    else:
+        raw = gguf.quants.quantize(x, qtype)
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "qwen3moe")
+    w.add_tensor("t.weight", raw, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    want = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
+    files = GGUFFiles(tmp_path / "t.gguf")
+    assert files.shape("t.weight") == (3, 4, 256)
+    assert torch.equal(files.read("t.weight"), want)
+    assert torch.equal(files.read("t.weight", index=2), want[2])
