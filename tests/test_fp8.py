@@ -136,3 +136,12 @@ def test_per_tensor_fp8_is_refused_with_one_line(tmp_path, fp8_case):
         (bad / f.name).symlink_to(f)
     with pytest.raises(TiermoeError, match="weight_block_size"):
         load_hybrid_model(bad, None, progress=False)
+
+
+def test_fit_counts_the_fp8_checkpoints_bytes_as_the_load_holds_them(fp8_case):
+    from tiermoe.fit import model_bytes
+
+    fp8_dir, *_ = fp8_case
+    with load_hybrid_model(fp8_dir, None, gpu_device="cpu", progress=False) as hybrid:
+        held = hybrid.tier_bytes().non_expert
+    assert 0 <= held - model_bytes(fp8_dir).non_expert <= 1024  # the rotary frequency buffers: computed

@@ -1,7 +1,7 @@
 """Will a model fit, before a single weight is read: byte counts from headers (or config.json alone).
 
 Where the bytes go (what the loader really allocates):
-  GPU (main device): non-expert weights (FP8 Linear weights stay FP8: 1 byte per parameter plus one fp32 scale
+  GPU (main device): non-expert weights (as the skeleton types them; FP8 Linear weights stay FP8: 1 byte per parameter plus one fp32 scale
     per 128x128 block; everything else in the compute dtype), GPU-tier experts (compute dtype: the GPU tier holds
     the canonical layout that tier swaps move), the KV cache at the token budget, the layerwise-prefill buffer.
   Host: CPU-tier experts in the --cpu-expert-dtype format (bf16 2 bytes/param, int8 1 byte + 4 per row, int4
@@ -95,18 +95,27 @@ def _non_expert_from_config(cfg, dtype: torch.dtype, fp8: bool) -> int:
     return total
 
 
-def _non_expert_from_headers(model_dir: Path, dtype: torch.dtype, cfg=None) -> int:
-    """Non-expert bytes as the loader holds them: FP8 weights and their scales as stored, the rest in `dtype`."""
-    from tiermoe.model.fp8 import FP8_DTYPES, SCALE_SUFFIX
+def _non_expert_from_headers(model_dir: Path, dtype: torch.dtype, cfg, spec: ArchSpec) -> int:
+    """Non-expert bytes exactly as the loader allocates them: each tensor the model needs, in the dtype the
+    skeleton gives it (`dtype`, or fp32 where transformers keeps routers in fp32), except Linear weights the
+    checkpoint stores FP8 with block scales, which stay as stored. Names are looked up as the loader does."""
+    from tiermoe.model.fp8 import FP8_DTYPES, scale_name
     from tiermoe.model.gguf_checkpoint import open_checkpoint
+    from tiermoe.model.loader import disk_name
+    from tiermoe.model.skeleton import build_skeleton
 
     ckpt = open_checkpoint(model_dir, cfg)
+    tied = getattr(text_config(cfg), "tie_word_embeddings", False)
     total = 0
-    for name, entry in ckpt.entries.items():
-        if _ROUTED.search(name) or name == "gpu_expert_mask":
+    for name, t in build_skeleton(cfg, dtype).state_dict().items():
+        if _ROUTED.search(name) or (tied and name == "lm_head.weight"):
             continue
-        fp8 = entry.dtype in FP8_DTYPES or (name.endswith(SCALE_SUFFIX) and entry.dtype == torch.float32)
-        total += entry.nbytes if fp8 else entry.numel * dtype.itemsize
+        disk = disk_name(name, spec, ckpt)
+        entry = ckpt.entries.get(disk) if disk else None
+        if entry is not None and entry.dtype in FP8_DTYPES and scale_name(disk) in ckpt:
+            total += entry.nbytes + ckpt.entries[scale_name(disk)].nbytes
+        else:
+            total += t.numel() * t.element_size()
     return total
 
 
@@ -126,7 +135,7 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
         cfg = load_gguf_config(path)
         spec = detect(cfg)
         compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
-        return _bytes(path.name, spec, cfg, _non_expert_from_headers(path, compute, cfg), compute,
+        return _bytes(path.name, spec, cfg, _non_expert_from_headers(path, compute, cfg, spec), compute,
                       cpu_expert_dtype, "GGUF headers (converted at load)")
     config_file = path if path.is_file() else path / "config.json"
     if config_file.name != "config.json" or not config_file.is_file():
@@ -144,7 +153,7 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
     has_weights = cache is not None or any(config_file.parent.glob("*.safetensors"))
     if has_weights:
         compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
-        non_expert = _non_expert_from_headers(config_file.parent, compute)
+        non_expert = _non_expert_from_headers(config_file.parent, compute, cfg, spec)
         source = "safetensors headers"
     else:
         if dtype is None:

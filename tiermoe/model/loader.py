@@ -179,7 +179,8 @@ def _non_expert_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for _, _, _, t, _ in _meta_tensors(model))
 
 
-def _disk_name(name: str, spec, ckpt: Checkpoint) -> str | None:
+def disk_name(name: str, spec, ckpt: Checkpoint) -> str | None:
+    """The checkpoint's name for model tensor `name` (the block renamed for Mixtral, wrapper prefixes tried)."""
     candidates = [name]
     if spec.disk.block != "mlp":
         candidates.append(name.replace(".mlp.", f".{spec.disk.block}."))
@@ -195,14 +196,14 @@ def _load_fp8_linears(model: nn.Module, ckpt: Checkpoint, spec, gpu_device, bar)
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear or not module.weight.is_meta:
             continue
-        disk = _disk_name(f"{name}.weight", spec, ckpt)
+        disk = disk_name(f"{name}.weight", spec, ckpt)
         if disk is None or ckpt.entries[disk].dtype not in FP8_DTYPES or scale_name(disk) not in ckpt:
             continue
         weight = ckpt.read(disk).to(gpu_device)
         scale = ckpt.read(scale_name(disk)).to(gpu_device)
         bias = None
         if module.bias is not None:
-            bias_disk = _disk_name(f"{name}.bias", spec, ckpt)
+            bias_disk = disk_name(f"{name}.bias", spec, ckpt)
             if bias_disk is None:
                 raise TiermoeError(f"checkpoint has no tensor '{name}.bias', which this {spec.model_type} model needs")
             bias = ckpt.read(bias_disk, torch.empty(module.bias.shape, dtype=module.bias.dtype)).to(gpu_device)
@@ -214,7 +215,7 @@ def _load_fp8_linears(model: nn.Module, ckpt: Checkpoint, spec, gpu_device, bar)
 def _load_non_experts(model: nn.Module, ckpt: Checkpoint, spec, gpu_device, bar) -> None:
     tied = getattr(model.config, "tie_word_embeddings", False)
     for name, module, leaf, meta, is_param in list(_meta_tensors(model)):
-        disk = _disk_name(name, spec, ckpt)
+        disk = disk_name(name, spec, ckpt)
         if disk is None:
             if tied and name == "lm_head.weight":
                 continue  # tied to the embeddings below
