@@ -2,8 +2,8 @@
 and per-op launch overhead, on the model's real expert shapes.
 
 `benchmarks/gpu_check.sh` runs `measure_profile` on CUDA to calibrate the presets; `--gpu-profile this-cpu`
-runs it on the host CPU and then replaces bandwidth and compute with what the GPU tier's own expert loop achieves
-there (`profile_from_tier`), so the cost model is checked against runs with the GPU tier on the CPU device.
+runs it on the host CPU (for the non-expert forward and copies; the GPU tier's experts are timed directly there,
+see pass_cost), so the cost model is checked against runs with the GPU tier on the CPU device.
 - bandwidth: one token through a stack of expert gate/up matrices as one matrix (one kernel, so launch overhead
   does not hide it), as large as the model's experts (so caches help as much as when serving this model), within
   64 MiB - 1 GiB;
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -79,15 +78,6 @@ def measure_profile(device: str | torch.device, hidden: int, inter: int, dtype: 
     label = name or ("this-cpu" if device.type == "cpu" else torch.cuda.get_device_name(device))
     return GPUProfile(label, memory_bandwidth=bandwidth, compute_flops=flops, pcie_bandwidth=copy,
                       launch_overhead=launch)
-
-
-def profile_from_tier(profile: GPUProfile, per_expert: float, per_pair: float, bytes_per_expert: int,
-                      flops_per_pair: float, dispatch_seconds: float) -> GPUProfile:
-    """`profile` with bandwidth and compute as a timed tier achieves them: a distinct expert costs `per_expert`
-    seconds of which `dispatch_seconds` is dispatching its ops (the rest reads its bytes), a pair `per_pair`."""
-    read = max(per_expert - dispatch_seconds, 0.1 * per_expert)
-    compute = flops_per_pair / per_pair if per_pair > 0 else profile.compute_flops
-    return replace(profile, memory_bandwidth=bytes_per_expert / read, compute_flops=compute)
 
 
 def _copy_bandwidth(device: torch.device, hidden: int, inter: int, dtype: torch.dtype, repeats: int) -> float:

@@ -3,13 +3,18 @@
 1. t_op (measure_op_seconds): the tiers' expert loop timed on tiny experts, where nothing but dispatch costs
    time (Python, the dispatcher, launching): seconds per op. Not fitted on runs: a pass's ops grow with its
    sequences, so t_op and t_seq would be confounded there.
-2. t_step and t_seq (fit_host_costs), on timed calibration runs (by default every expert on the CPU tier, and
-   every expert on the GPU tier on the CPU device), never on the configurations the cost model is validated on:
-       measured_p - model_p(t_step = 0, t_seq = ops_seq x t_op) = t_step + extra_seq x sequences_p
-   A sequence forward costs at least dispatching its ops; `extra_seq` (thread hand-offs, Python between ops) is
-   what the runs show beyond that. Least squares over every pass of every run, both >= 0; absolute error, so the
-   fit is best where the time is (the total of a run). In a run with a single tier per layer, how the tiers
-   combine does not matter.
+2. t_step, t_seq and t_both (fit_host_costs), on timed calibration runs (by default every expert on the CPU
+   tier, every expert on the GPU tier on the CPU device, and a 75% split), never on the configurations the cost
+   model is validated on:
+       measured_p - model_p(t_step = 0, t_seq = 0, t_both = 0) = t_step + t_seq x sequences_p + t_both x both_p
+   both_p counts the MoE layers of pass p in which both tiers compute. t_both is the one interaction term of the
+   model with the GPU tier on this CPU: the caller computes the GPU tier's experts while the CPU tier's worker
+   computes the others, and they share the cores' caches, the memory bus and the GIL (t_both > 0: they slow
+   each other; < 0: they overlap). Only the split run has layers with both tiers, so it alone sets t_both.
+   t_seq is a sequence forward's host time as the runs show it (dispatching its ops, Python between them, thread
+   hand-offs), not ops x t_op: the sequence forward's ops (many views, small norms) cost less each than the expert
+   loop's that t_op is timed on. Least squares over every pass of every run, both >= 0; absolute error, so the
+   fit is best where the time is (the total of a run).
 """
 
 from __future__ import annotations
@@ -25,31 +30,35 @@ from tiermoe.benchmarking.placement_traffic import PassShapes, Traffic
 
 
 def fit_host_costs(model: PassCostModel, shapes: PassShapes, runs: list[tuple[str, Traffic, list[float]]]
-                   ) -> HostCosts:
+                   ) -> PassCostModel:
     """runs: (label, traffic of that run's placement, measured seconds of each pass). `model` must have
-    device_is_host True (the runs had the GPU tier on this CPU); its host op_seconds is kept, the rest fitted."""
+    device_is_host True (the runs had the GPU tier on this CPU); returns it with t_step and t_seq (its host
+    op_seconds kept) and both_tiers_seconds fitted."""
     if not model.device_is_host:
         raise ValueError("host costs are fitted on runs with the GPU tier on the host CPU")
     op = model.host.op_seconds
-    floor = op * model.model.per_sequence.ops
-    zero = replace(model, host=HostCosts(op, 0.0, floor))
+    zero = replace(model, host=HostCosts(op, 0.0, 0.0), both_tiers_seconds=0.0)
     xs, ys = [], []
     for _, traffic, seconds in runs:
         measured = torch.tensor(seconds, dtype=torch.float64)
         if measured.numel() != shapes.num_passes:
             raise ValueError(f"a calibration run has {measured.numel()} steps, the trace {shapes.num_passes} passes")
-        xs.append(torch.stack([torch.ones(shapes.num_passes, dtype=torch.float64), shapes.seqs_P.double()], dim=1))
+        both_P = ((traffic.cpu_distinct_PM > 0) & (traffic.gpu_distinct_PM > 0)).sum(-1).double()
+        xs.append(torch.stack([torch.ones(shapes.num_passes, dtype=torch.float64), shapes.seqs_P.double(), both_P],
+                              dim=1))
         ys.append(measured - zero.pass_seconds_P(shapes, traffic))
     x, y = torch.cat(xs), torch.cat(ys)
-    coef = _bounded_lstsq(x, y, lower=(0.0, 0.0))
+    coef = _bounded_lstsq(x, y, lower=(0.0, 0.0, -float("inf")))
     residual = y - x @ coef
     n = shapes.num_passes
     totals = {label: {"measured_seconds": float(sum(s)),
                       "fitted_seconds": float(sum(s)) - float(residual[i * n:(i + 1) * n].sum())}
               for i, (label, _, s) in enumerate(runs)}
-    return HostCosts(op_seconds=op, step_seconds=float(coef[0]), sequence_seconds=floor + float(coef[1]),
+    host = HostCosts(op_seconds=op, step_seconds=float(coef[0]), sequence_seconds=float(coef[1]),
                      fit={"runs": totals, "passes": int(y.numel()),
+                          "layers_with_both_tiers": int(x[:, 2].sum()),
                           "rms_pass_error_seconds": float(residual.pow(2).mean().sqrt())})
+    return replace(model, host=host, both_tiers_seconds=float(coef[2]))
 
 
 def measure_op_seconds(act, device="cpu", experts: int = 8, repeats: int = 20) -> float:

@@ -10,6 +10,9 @@ Per pass p (sequences s, MoE layers m):
         + copies that block (layerwise prefill streaming; on one CPU also swap copies)
 - The CPU tier (a, b, c) is measured on this machine's CPU backend (tier_fit).
 - The GPU tier, the non-expert device work and copies come from a GPUProfile (bandwidth, flops, PCIe, launch).
+  With this-cpu the profile is this CPU's microbenchmarks (device_profile) and the GPU tier's experts are timed
+  directly like the CPU tier's (`gpu_tier`: a d_g + b p_g): the tier's own expert loop does not run at the rate
+  of one large matrix, and the rest of the forward does not run at the rate of the expert loop.
 - Host costs are measured on this machine and carried to the estimate (the GPU machine's host runs the same
   Python): t_op per op dispatched in the MoE blocks, from the GPU tier timed on this CPU (tier_fit); t_step per
   step and t_seq per sequence forward (its dispatch and thread hand-offs), fitted on timed runs (host_fit).
@@ -20,7 +23,7 @@ Per pass p (sequences s, MoE layers m):
 - `tiers_overlap`: beside a GPU the CPU tier computes while the GPU tier does (combine = max). On one CPU they
   take turns (combine = sum: they share cores, caches and memory bandwidth), and a layer in which both compute
   pays `both_tiers_seconds` more (the caller and the CPU tier's worker contend for the GIL and the caches);
-  tier_contention measures it on a split no validation uses.
+  host_fit measures it on a timed run at a split no validation uses.
 Legend: P passes, M MoE layers, S (pass, sequence) rows.
 """
 
@@ -59,6 +62,7 @@ class PassCostModel:
     device_is_host: bool  # the GPU tier runs on the host CPU (this-cpu), in the caller thread
     tiers_overlap: bool = True  # the CPU tier computes while the GPU tier does (a device of its own)
     both_tiers_seconds: float = 0.0  # extra per layer call in which both tiers compute (one CPU), measured
+    gpu_tier: TierFit | None = None  # this-cpu: the GPU tier as timed (a, b) instead of the profile's roofline
 
     # ---- building blocks (tensor-friendly) -------------------------------------------------------------
     def _combine(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -110,9 +114,12 @@ class PassCostModel:
         cpu = self.cpu.seconds(traffic.cpu_distinct_PM.double(), traffic.cpu_pairs_PM.double(), called)
         if not self.device_is_host:  # the rows go to host memory and come back
             cpu = cpu + called * tokens_P.double()[:, None] * 2 * mc.hidden_bytes / self.profile.pcie_bandwidth
-        gpu_d = traffic.gpu_distinct_PM.double()
-        gpu = self._dispatch(mc.per_expert, gpu_d, self._roofline(gpu_d * mc.bytes_per_expert,
-                                                                   traffic.gpu_pairs_PM.double() * mc.flops_per_pair))
+        gpu_d, gpu_p = traffic.gpu_distinct_PM.double(), traffic.gpu_pairs_PM.double()
+        if self.gpu_tier is not None:  # timed like the CPU tier; its call overhead is in the block's own ops
+            gpu = self.gpu_tier.per_expert * gpu_d + self.gpu_tier.per_pair * gpu_p
+        else:
+            gpu = self._dispatch(mc.per_expert, gpu_d, self._roofline(gpu_d * mc.bytes_per_expert,
+                                                                       gpu_p * mc.flops_per_pair))
         gpu = torch.where(gpu_d > 0, gpu, torch.zeros_like(gpu))
         return cpu, gpu, called * self.host.op_seconds * mc.per_cpu_call.ops
 
@@ -122,12 +129,16 @@ class PassCostModel:
     def bandwidth_model(self) -> BandwidthCostModel:
         """The simple model the adaptive policy decides with, filled in from the measured figures."""
         mc = self.model
+        gpu_read, gpu_flops = self.profile.memory_bandwidth, self.profile.compute_flops
+        if self.gpu_tier is not None:
+            gpu_read = mc.bytes_per_expert / max(self.gpu_tier.per_expert, 1e-12)
+            gpu_flops = mc.flops_per_pair / max(self.gpu_tier.per_pair, 1e-15)
         return BandwidthCostModel(
             bytes_per_expert=mc.bytes_per_expert,
             cpu_read_bandwidth=mc.bytes_per_expert / max(self.cpu.per_expert, 1e-12),
-            gpu_read_bandwidth=self.profile.memory_bandwidth, copy_bandwidth=self.profile.pcie_bandwidth,
+            gpu_read_bandwidth=gpu_read, copy_bandwidth=self.profile.pcie_bandwidth,
             flops_per_pair=mc.flops_per_pair, cpu_flops=mc.flops_per_pair / max(self.cpu.per_pair, 1e-15),
-            gpu_flops=self.profile.compute_flops)
+            gpu_flops=gpu_flops)
 
 
 def ttft_seconds(shapes: PassShapes, seconds_P: torch.Tensor) -> list[float]:

@@ -7,36 +7,38 @@
 3. With CUDA: serve the held-out workload end to end for every (strategy, ratio) (placement_live). Done.
 4. Without CUDA: record one per_token trace of the held-out workload (routing does not depend on placement),
    so every placement's hit rate, CPU expert reads and copies are exact (placement_traffic); count the model's
-   work per pass (model_costs); measure this CPU as a GPU tier (device_profile) and time the GPU tier on it, which
-   gives the host's cost per dispatched op (tier_fit); fit the host's per-step and per-sequence costs on timed
-   runs at the calibration ratios (host_fit), and what a layer costs beyond its two tiers when both compute on
-   this CPU (tier_contention); then estimate every cell's time with the cost model (pass_cost)
-   and the chosen GPU profile. With `this-cpu` the GPU tier really is this CPU, so the configurations at the
-   validation ratios are also served and timed, and estimate and measurement are compared (nothing is fitted on
-   them: the check can fail).
+   work per pass (model_costs); measure this CPU as a device (device_profile), the host's cost per dispatched op
+   (host_fit) and the GPU tier on this CPU (tier_fit); fit the host's per-step and per-sequence costs on timed
+   runs at the calibration ratios (host_fit); then estimate every cell's time with the cost model (pass_cost)
+   and the chosen GPU profile. With `this-cpu` the GPU tier really is this CPU: one more calibration run at a
+   split (contention_ratio) measures what a layer costs beyond its two tiers when both compute on this CPU, the
+   configurations at the validation ratios are served and timed beside the calibration runs (placement_lockstep),
+   and estimate and measurement are compared (nothing is fitted on them: the check can fail).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from tiermoe.benchmarking.core_split import caller_threads, core_split
-from tiermoe.benchmarking.tier_contention import measure_both_tiers_seconds
 from tiermoe.benchmarking.tier_fit import TierFit, measure_cpu_tier, measure_gpu_tier
-from tiermoe.benchmarking.device_profile import measure_profile, profile_from_tier
+from tiermoe.benchmarking.device_profile import measure_profile
 from tiermoe.benchmarking.host_fit import fit_host_costs, measure_op_seconds
 from tiermoe.benchmarking.model_costs import measure_model_costs
 from tiermoe.benchmarking.pass_cost import HostCosts, PassCostModel, ttft_seconds
 from tiermoe.benchmarking.placement_live import measure_configuration
+from tiermoe.benchmarking.placement_lockstep import merge_runs, time_in_lockstep
 from tiermoe.benchmarking.placement_result import Cell, PlacementBenchResult
 from tiermoe.benchmarking.placement_runner import (RunTiming, make_engine, record_statistics, record_trace,
                                                    ttft_summary, warm_up)
-from tiermoe.benchmarking.placement_traffic import (BENCH_STRATEGIES, PassShapes, Traffic,
+from tiermoe.benchmarking.placement_traffic import (BENCH_STRATEGIES, DYNAMIC_STRATEGIES, PassShapes, Traffic,
                                                     pass_shapes, placement_traffic, static_traffic, strategy_mask)
 from tiermoe.benchmarking.placement_workload import Workload, WorkloadSpec, build_workloads, prompt_encoder
 from tiermoe.config import CPUConfig
@@ -65,7 +67,7 @@ class PlacementBenchConfig:
     prefill_threshold: int | None = 512
     repeats: int = 2
     calibration_ratios: tuple[float, ...] = (0.0, 1.0)
-    contention_ratio: float = 0.75  # the split the both-tiers cost is timed at (tier_contention)
+    contention_ratio: float = 0.75  # the calibration split that measures the both-tiers cost (host_fit)
     validation_ratios: tuple[float, ...] = (0.25, 0.5)
     validation_strategies: tuple[str, ...] = ("uniform", "frequency")
     tolerance: float = 0.15
@@ -80,6 +82,9 @@ class PlacementBenchConfig:
         if not self.ratios or any(not 0.0 <= r <= 1.0 for r in (*self.ratios, *self.calibration_ratios,
                                                                  *self.validation_ratios)):
             raise TiermoeError("ratios must be between 0.0 and 1.0")
+        dynamic = [s for s in self.validation_strategies if s in DYNAMIC_STRATEGIES]
+        if dynamic:
+            raise TiermoeError(f"validation strategies must be static placements, not {dynamic}")
         calibrated_on = {*self.calibration_ratios, self.contention_ratio}
         if calibrated_on & set(self.validation_ratios):
             raise TiermoeError("calibration and validation ratios must differ: nothing is fitted on what is checked")
@@ -143,19 +148,15 @@ def _estimate_all(llm, workload: Workload, calibration_LE, config: PlacementBenc
     costs = measure_model_costs(llm, lambda m: make_engine(m, 1, config.prefill_chunk))
     op = measure_op_seconds(next(iter(hybrid.blocks.values())).gpu_tier.act, "cpu")
     gpu_fit = _time_gpu_tier(hybrid)
-    host_profile = profile_from_tier(raw_profile, gpu_fit.per_expert, gpu_fit.per_pair, costs.bytes_per_expert,
-                                     costs.flops_per_pair, op * costs.per_expert.ops)
-    log(f"[placement]   {op * 1e6:.2f} us per dispatched op; the GPU tier on this CPU reads experts at "
-        f"{host_profile.memory_bandwidth / 1e9:.1f} GB/s and computes {host_profile.compute_flops / 1e9:.0f} GFLOP/s")
-    on_host = PassCostModel(host_profile, costs, cpu_fit, HostCosts(op, 0.0, 0.0), device_is_host=True,
-                            tiers_overlap=False)
-    contention = measure_both_tiers_seconds(hybrid, on_host, ratio=config.contention_ratio, tokens=config.concurrency)
-    on_host = replace(on_host, both_tiers_seconds=contention["both_tiers_seconds"])
-    log(f"[placement]   a MoE layer with both tiers busy costs {contention['both_tiers_seconds'] * 1e6:+.0f} us beyond "
-        f"the two tiers (timed at ratio {config.contention_ratio:g})")
-    calibration = [("uniform", r) for r in config.calibration_ratios]
+    log(f"[placement]   {op * 1e6:.2f} us per dispatched op; the GPU tier on this CPU: {gpu_fit.per_expert * 1e6:.1f} "
+        f"us/expert, {gpu_fit.per_pair * 1e6:.2f} us/pair; one matrix streams at "
+        f"{raw_profile.memory_bandwidth / 1e9:.1f} GB/s, computes {raw_profile.compute_flops / 1e9:.0f} GFLOP/s")
+    on_host = PassCostModel(raw_profile, costs, cpu_fit, HostCosts(op, 0.0, 0.0), device_is_host=True,
+                            tiers_overlap=False, gpu_tier=gpu_fit)
+    split = (config.contention_ratio,) if target is None else ()  # both tiers on this CPU: only for this-cpu
+    calibration = [("uniform", r) for r in (*config.calibration_ratios, *split)]
     validation_configs = [(s, r) for s in config.validation_strategies for r in config.validation_ratios]
-    timed = _timed_rounds(llm, workload, calibration + (validation_configs if target is None else []),
+    timed = _timed(llm, workload, calibration + (validation_configs if target is None else []),
                           calibration_LE, config, on_host.bandwidth_model(), log)
     runs = []
     for strategy, ratio in calibration:
@@ -165,10 +166,11 @@ def _estimate_all(llm, workload: Workload, calibration_LE, config: PlacementBenc
                                f"{shapes.num_passes} passes; the workload's batches are not reproducible")
         mask = strategy_mask(strategy, spec.moe_row_mask(), spec.num_experts, ratio, None)[list(spec.moe_layers)]
         runs.append((f"{strategy}@{ratio:g}", static_traffic(shapes, mask), timing.step_seconds))
-    host = fit_host_costs(on_host, shapes, runs)
+    on_host = fit_host_costs(on_host, shapes, runs)
+    host = on_host.host
     log(f"[placement]   host: {host.op_seconds * 1e6:.2f} us per op, {host.step_seconds * 1e3:.2f} ms per step, "
-        f"{host.sequence_seconds * 1e3:.2f} ms per sequence forward")
-    on_host = replace(on_host, host=host)
+        f"{host.sequence_seconds * 1e3:.2f} ms per sequence forward; a MoE layer with both tiers busy costs "
+        f"{on_host.both_tiers_seconds * 1e6:+.0f} us beyond the two (fitted on uniform@{config.contention_ratio:g})")
     model = on_host if target is None else PassCostModel(target, costs, cpu_fit, host, device_is_host=False)
     validation = []
     if target is None:
@@ -182,9 +184,9 @@ def _estimate_all(llm, workload: Workload, calibration_LE, config: PlacementBenc
             f"{c.strategy} {c.output_tokens_per_s:.1f}" for c in cells[-len(config.strategies):]) + " out tok/s")
     info = {"cpu_backend": cpu_fit.as_dict(), "gpu_tier_on_this_cpu": gpu_fit.as_dict(), "host": host.as_dict(),
             "model": costs.as_dict(),
-            "this_cpu_profile": host_profile.as_dict(), "this_cpu_microbenchmarks": raw_profile.as_dict(),
+            "this_cpu_profile": raw_profile.as_dict(),
             "passes": shapes.num_passes,
-            "tiers_on_this_cpu": contention}
+            "both_tiers_seconds": on_host.both_tiers_seconds}
     return PlacementBenchResult("estimated", list(config.ratios), list(config.strategies), cells, setup,
                                 model.profile.as_dict(), info, validation)
 
@@ -224,7 +226,7 @@ def estimate_cell(model: PassCostModel, shapes: PassShapes, workload: Workload, 
 def _compare(model: PassCostModel, shapes, workload, strategy, ratio, timing: RunTiming, calibration_LE, config,
              log) -> dict:
     """Estimate one configuration and compare with its measurement (nothing was fitted on it). The measurement
-    is the sum of each pass's fastest time over the runs (see _timed_rounds); the fastest whole run is reported
+    is the sum of each pass's fastest time over the runs (see _timed); the fastest whole run is reported
     beside it."""
     cell = estimate_cell(model, shapes, workload, strategy, ratio, calibration_LE, config)
     measured = sum(timing.step_seconds)
@@ -242,29 +244,62 @@ def _compare(model: PassCostModel, shapes, workload, strategy, ratio, timing: Ru
             "error_vs_fastest_run": cell.seconds / timing.wall_seconds - 1}
 
 
+def _timed(llm, workload, configs: list[tuple[str, float]], calibration_LE, config, cost, log
+           ) -> dict[tuple[str, float], RunTiming]:
+    """Time every static (strategy, ratio) `repeats` times. Per configuration: the fastest run, with
+    `step_seconds` replaced by each pass's fastest time over all runs, so a burst of load from other processes on
+    a shared machine costs one run a few passes, not the measurement; calibration and validation both use these
+    per-pass minima, so they are compared like for like. With memory for a copy of the model per configuration
+    the runs advance in lockstep (placement_lockstep); else whole runs are interleaved in rotating rounds."""
+    copies = len(configs) - 1
+    need, have = copies * _model_bytes(llm.model_dir), _available_memory()
+    if need > 0.5 * have:
+        log(f"[placement] timing one configuration after another: {copies} more copies of the model "
+            f"({need / 2**30:.1f} GiB) would not fit in half the available memory ({have / 2**30:.1f} GiB)")
+        return _timed_rounds(llm, workload, configs, calibration_LE, config, cost, log)
+    log(f"[placement] timing {len(configs)} configurations in lockstep ({config.repeats} rounds; "
+        f"loading {copies} more copies of the model)")
+    from tiermoe.engine.llm import LLM
+
+    spec = llm.hybrid.spec
+    with ExitStack() as stack:
+        llms = {}
+        for i, (strategy, ratio) in enumerate(configs):
+            model = llm if i == 0 else stack.enter_context(
+                LLM(config.model, gpu_device="cpu", dtype=config.dtype, cpu=config.cpu, progress=False))
+            model.hybrid.apply_mask(strategy_mask(strategy, spec.moe_row_mask(), spec.num_experts, ratio,
+                                                  calibration_LE, config.seed))
+            warm_up(model, workload, config.concurrency, config.prefill_chunk)
+            llms[(strategy, ratio)] = model
+        return time_in_lockstep(llms, workload, config.concurrency, config.prefill_chunk, config.repeats, log)
+
+
+def _model_bytes(model_dir) -> int:
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+
+def _available_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def _timed_rounds(llm, workload, configs: list[tuple[str, float]], calibration_LE, config, cost, log
                   ) -> dict[tuple[str, float], RunTiming]:
-    """Time every (strategy, ratio) `repeats` times in interleaved rounds. Per configuration: the fastest run,
-    with `step_seconds` replaced by each pass's fastest time over all runs (every run of a workload has the same
-    passes): a burst of load from other processes on a shared machine then costs one run a few passes, not the
-    measurement. Calibration and validation both use these per-pass minima, so they are compared like for like."""
-    best: dict[tuple[str, float], RunTiming] = {}
-    steps: dict[tuple[str, float], list[float]] = {}
+    """Whole runs of every configuration, `repeats` rounds in rotating order, on the one loaded model."""
+    runs: dict[tuple[str, float], list[RunTiming]] = {key: [] for key in configs}
     for r in range(config.repeats):
         for strategy, ratio in configs[r % len(configs):] + configs[:r % len(configs)]:
             timing, _ = measure_configuration(llm, workload, strategy, ratio, calibration_LE, config.concurrency,
                                               config.prefill_chunk, config.prefill_threshold, cost, config.seed)
             log(f"[placement] timed run {strategy} @ {ratio:.2f} (round {r + 1}/{config.repeats}): "
                 f"{timing.wall_seconds:.2f} s, {timing.output_tokens_per_s:.1f} out tok/s")
-            key = (strategy, ratio)
-            if key in steps and len(steps[key]) != len(timing.step_seconds):
-                raise TiermoeError(f"two runs of {strategy} @ {ratio} took {len(steps[key])} and "
-                                   f"{len(timing.step_seconds)} steps; the workload's batches are not reproducible")
-            steps[key] = timing.step_seconds if key not in steps else [
-                min(a, b) for a, b in zip(steps[key], timing.step_seconds)]
-            if key not in best or timing.wall_seconds < best[key].wall_seconds:
-                best[key] = timing
-    return {key: replace(timing, step_seconds=steps[key]) for key, timing in best.items()}
+            runs[(strategy, ratio)].append(timing)
+    return {key: merge_runs(key, timings) for key, timings in runs.items()}
 
 
 def _measure_all(llm, workload, calibration_LE, config, profile, cpu_fit: TierFit, log) -> list[Cell]:

@@ -61,35 +61,57 @@ def make_engine(llm, concurrency: int, prefill_chunk: int, recorder=NO_RECORDER)
                   EngineConfig(max_running=concurrency, prefill_chunk=prefill_chunk), recorder)
 
 
-def run_workload(engine: Engine, workload: Workload, on_step: Callable[[int, int], None] | None = None) -> RunTiming:
-    """Serve every request of `workload` (greedy, EOS ignored, each its own output length) to completion."""
-    seqs = [engine.add(list(ids), SamplingParams(max_tokens=n, ignore_eos=True))
-            for ids, n in zip(workload.prompt_ids, workload.output_lens)]
-    index = {s.seq_id: i for i, s in enumerate(seqs)}
-    admitted: dict[int, float] = {}
-    ttft = [0.0] * len(seqs)
-    steps: list[float] = []
-    done = 0
-    synchronize = _synchronizer(engine.hybrid.gpu_device)
-    start = time.perf_counter()
-    while engine.has_work():
+class WorkloadRun:
+    """Serving `workload` on `engine` one timed step at a time (greedy, EOS ignored, each request its own output
+    length). Times run on the run's own clock, the sum of its steps, so several runs can be stepped in turn
+    (placement_lockstep) and each still sees only its own time."""
+
+    def __init__(self, engine: Engine, workload: Workload):
+        self.engine, self.workload = engine, workload
+        self.seqs = [engine.add(list(ids), SamplingParams(max_tokens=n, ignore_eos=True))
+                     for ids, n in zip(workload.prompt_ids, workload.output_lens)]
+        self._index = {s.seq_id: i for i, s in enumerate(self.seqs)}
+        self._admitted: dict[int, float] = {}
+        self.ttft = [0.0] * len(self.seqs)
+        self.steps: list[float] = []
+        self.clock = 0.0  # seconds of this run's own steps
+        self.done = 0
+        self._synchronize = _synchronizer(engine.hybrid.gpu_device)
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def step(self) -> None:
+        waiting = {s.seq_id for s in self.engine.waiting}
         before = time.perf_counter()
-        waiting = {s.seq_id for s in engine.waiting}
-        produced = engine.step()
-        synchronize()
-        after = time.perf_counter()
-        steps.append(after - before)
-        for seq in engine.running + produced:
-            if seq.seq_id not in admitted and seq.seq_id in index and seq.seq_id in waiting:
-                admitted[seq.seq_id] = before  # it left the queue in this step's admission
+        produced = self.engine.step()
+        self._synchronize()
+        seconds = time.perf_counter() - before
+        start, self.clock = self.clock, self.clock + seconds
+        self.steps.append(seconds)
+        for seq in self.engine.running + produced:
+            if seq.seq_id not in self._admitted and seq.seq_id in self._index and seq.seq_id in waiting:
+                self._admitted[seq.seq_id] = start  # it left the queue in this step's admission
         for seq in produced:
             if len(seq.output_ids) == 1:
-                ttft[index[seq.seq_id]] = after - admitted.get(seq.seq_id, start)
-            done += seq.finished
+                self.ttft[self._index[seq.seq_id]] = self.clock - self._admitted.get(seq.seq_id, 0.0)
+            self.done += seq.finished
+
+    def timing(self, wall_seconds: float | None = None) -> RunTiming:
+        """The run's timing; wall_seconds defaults to its own clock (the sum of its steps)."""
+        return RunTiming(self.clock if wall_seconds is None else wall_seconds, self.steps, self.ttft,
+                         self.workload.prompt_tokens, sum(len(s.output_ids) for s in self.seqs))
+
+
+def run_workload(engine: Engine, workload: Workload, on_step: Callable[[int, int], None] | None = None) -> RunTiming:
+    """Serve every request of `workload` to completion, alone; wall time measured around the whole loop."""
+    run = WorkloadRun(engine, workload)
+    start = time.perf_counter()
+    while run.has_work():
+        run.step()
         if on_step is not None:
-            on_step(done, len(seqs))
-    wall = time.perf_counter() - start
-    return RunTiming(wall, steps, ttft, workload.prompt_tokens, sum(len(s.output_ids) for s in seqs))
+            on_step(run.done, len(run.seqs))
+    return run.timing(time.perf_counter() - start)
 
 
 def _synchronizer(device) -> Callable[[], None]:

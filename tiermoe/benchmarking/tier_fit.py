@@ -8,7 +8,7 @@ Timed calls of a tier on the model's real expert weights, rotating over the MoE 
 A pass reads each distinct expert once (a: weights read, per-expert dispatch), every pair costs math (b), and every
 call a fixed amount (c; for the CPU tier the hand-off to its worker thread, paid whenever a layer's CPU tier holds
 experts, even when no token routes to them). The fit minimises relative error, so small decode calls weigh as
-much as large prefill ones; every point is the best of a few calls, since the machine may be shared.
+much as large prefill ones; every point is the best of a few interleaved rounds, since the machine may be shared.
 Legend: T tokens, K top-k, D hidden.
 """
 
@@ -60,33 +60,36 @@ def sample_grid(num_experts: int, max_pairs: int = 2048) -> list[tuple[int, int]
     return sorted(set(points))
 
 
-def time_tier(calls: list[Callable], spec, dtype: torch.dtype, device, repeats: int = 5,
+def time_tier(calls: list[Callable], spec, dtype: torch.dtype, device, repeats: int = 7,
               max_pairs: int = 2048) -> TierFit:
-    """Fit a, b, c on `calls` (one per MoE layer: call(x_TD, ids_TK, weights_TK) computes and waits)."""
+    """Fit a, b, c on `calls` (one per MoE layer: call(x_TD, ids_TK, weights_TK) computes and waits).
+    Every point is timed once per round, rounds interleaved, and keeps its fastest round: a burst of load from
+    other processes then slows one round of every point, not every round of one point."""
     gen = torch.Generator().manual_seed(0)
     device = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    rows, times = [], []
-    for i, (distinct, pairs) in enumerate(sample_grid(spec.num_experts, max_pairs)):
+    grid = sample_grid(spec.num_experts, max_pairs)
+    inputs = []
+    for distinct, pairs in grid:
         experts = torch.randperm(spec.num_experts, generator=gen).tolist()
         ids = _ids(distinct, pairs, spec.top_k, experts).to(device)
         x = torch.randn(ids.shape[0], spec.hidden_size, generator=gen).to(device, dtype)
-        w = torch.full(ids.shape, 1.0 / spec.top_k, dtype=dtype, device=device)
-        best = float("inf")
-        with torch.inference_mode():
-            for r in range(repeats + 1):  # the first call warms up
+        inputs.append((x, ids, torch.full(ids.shape, 1.0 / spec.top_k, dtype=dtype, device=device)))
+    best = [float("inf")] * len(grid)
+    with torch.inference_mode():
+        for r in range(repeats + 1):  # round 0 warms up
+            for i, (x, ids, w) in enumerate(inputs):
                 sync()
                 start = time.perf_counter()
                 calls[(i + r) % len(calls)](x, ids, w)
                 sync()
                 if r:
-                    best = min(best, time.perf_counter() - start)
-        rows.append([float(distinct), float(pairs), 1.0])
-        times.append(best)
-    return fit_abc(torch.tensor(rows, dtype=torch.float64), torch.tensor(times, dtype=torch.float64))
+                    best[i] = min(best[i], time.perf_counter() - start)
+    rows = [[float(distinct), float(pairs), 1.0] for distinct, pairs in grid]
+    return fit_abc(torch.tensor(rows, dtype=torch.float64), torch.tensor(best, dtype=torch.float64))
 
 
-def measure_cpu_tier(hybrid, repeats: int = 5) -> TierFit:
+def measure_cpu_tier(hybrid, repeats: int = 7) -> TierFit:
     """The CPU tier's backend; every MoE layer's CPU tier must hold all its experts (an all-CPU placement)."""
     spec = hybrid.spec
     tiers = [block.cpu_tier for block in hybrid.blocks.values()]
@@ -103,7 +106,7 @@ def measure_cpu_tier(hybrid, repeats: int = 5) -> TierFit:
     return replace(fit, backend=type(tiers[0]).__name__)
 
 
-def measure_gpu_tier(hybrid, repeats: int = 5) -> TierFit:
+def measure_gpu_tier(hybrid, repeats: int = 7) -> TierFit:
     """The GPU tier on its device; every MoE layer's GPU tier must hold all its experts (an all-GPU placement)."""
     spec = hybrid.spec
     tiers = [block.gpu_tier for block in hybrid.blocks.values()]
