@@ -1,7 +1,8 @@
 """Server throughput and latency under concurrency, on one model, in one run.
 
-1. one client, then 8 concurrent clients, each sending the same requests: total output tokens/s and the ratio
-   (batched decode reads each expert's weights once for the whole batch, so the ratio should be >= 3);
+1. one client, then 8 concurrent clients, each sending the same requests (alternated --repeats times, medians):
+   total output tokens/s and the ratio (a decode step of 8 sequences is one batched forward that reads each
+   expert's weights once for the whole batch, so the ratio should be >= 3);
 2. while 4 streams decode, a long prompt arrives: the largest gap between their tokens, against the time one
    prefill chunk takes alone;
 3. 32 concurrent clients for --soak-seconds, in two equal rounds: errors, tokens/s, and the server's memory (RSS)
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import threading
@@ -82,6 +84,14 @@ def prefill_gap(url: str, chunk: int, long_tokens: int) -> dict:
             "max_gap_during_long_prefill_s": max(gaps_during), "long_prefill_s": prefilled - arrival}
 
 
+def drain(pipe, keep: int = 40) -> collections.deque:
+    """Read the server's output on a thread, keeping the last `keep` lines: left unread, its pipe fills up with
+    access-log lines after a few hundred requests and the server blocks writing the next one."""
+    tail: collections.deque = collections.deque(maxlen=keep)
+    threading.Thread(target=lambda: tail.extend(pipe), name="server-log", daemon=True).start()
+    return tail
+
+
 def soak(url: str, proc: psutil.Process, clients: int, seconds: float) -> dict:
     """Two rounds of `clients` concurrent clients for seconds / 2 each, then 3 s idle; RSS after each."""
     rss_before = proc.memory_info().rss
@@ -126,33 +136,44 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--requests-each", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="alternated 1-client and 8-client measurements; the medians are reported")
     parser.add_argument("--chunk", type=int, default=128, help="--chunked-prefill-size of the server")
     parser.add_argument("--soak-seconds", type=float, default=60)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
 
     model = resolve_model(args.model)
     print(f"starting a server on {model} ...", flush=True)
     server = ServerProcess(model, "--chunked-prefill-size", str(args.chunk), "--max-running-requests", "32")
+    log_tail = drain(server.proc.stdout)
     try:
         proc = psutil.Process(server.proc.pid)
         complete(server.url, "warm up", 4)
-        print("1 client ...", flush=True)
-        one = throughput(server.url, 1, args.requests_each * 2, args.max_tokens)
-        print("8 clients ...", flush=True)
-        eight = throughput(server.url, 8, args.requests_each, args.max_tokens)
+        ones, eights = [], []
+        for r in range(args.repeats):  # alternated, so a burst of load from other jobs hits both sides alike
+            print(f"1 client, then 8 clients ({r + 1}/{args.repeats}) ...", flush=True)
+            ones.append(throughput(server.url, 1, args.requests_each * 2, args.max_tokens))
+            eights.append(throughput(server.url, 8, args.requests_each, args.max_tokens))
+        one, eight = statistics.median(ones), statistics.median(eights)
         print("long prompt arriving mid-stream ...", flush=True)
         gap = prefill_gap(server.url, args.chunk, 4 * args.chunk)
         print(f"{32} clients for {args.soak_seconds:.0f} s ...", flush=True)
         load = soak(server.url, proc, 32, args.soak_seconds)
+    except Exception:
+        print("server log (last lines):\n" + "".join(log_tail), flush=True)
+        raise
     finally:
         server.stop()
 
-    print(f"\n{'measure':<64}{'value':>16}")
+    print(f"\n{'measure':<68}{'value':>16}")
     rows = [
-        ("output tokens/s, 1 client", f"{one:.1f}"),
-        ("output tokens/s, 8 concurrent clients", f"{eight:.1f}"),
+        (f"output tokens/s, 1 client (median of {args.repeats})", f"{one:.1f}"),
+        (f"output tokens/s, 8 concurrent clients (median of {args.repeats})", f"{eight:.1f}"),
         ("ratio 8 clients / 1 client (goal >= 3)", f"{eight / one:.2f}x"),
+        ("  ratio of each pair", " ".join(f"{e / o:.1f}" for o, e in zip(ones, eights))),
         ("one prefill chunk alone (s)", f"{gap['one_chunk_alone_s']:.3f}"),
         ("median token gap before the long prompt (s)", f"{gap['median_gap_before_s']:.3f}"),
         ("largest token gap while it is prefilled (s)", f"{gap['max_gap_during_long_prefill_s']:.3f}"),
@@ -166,10 +187,11 @@ def main() -> None:
           f"{load['rss_settled_mb']:.0f}")),
     ]
     for name, value in rows:
-        print(f"{name:<64}{value:>16}")
+        print(f"{name:<68}{value:>16}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"one_client_tps": one, "eight_clients_tps": eight, "gap": gap, "soak": load}, f, indent=2)
+            json.dump({"one_client_tps": one, "eight_clients_tps": eight, "one_client_runs": ones,
+                       "eight_clients_runs": eights, "gap": gap, "soak": load}, f, indent=2)
 
 
 if __name__ == "__main__":
