@@ -179,7 +179,7 @@ def test_a_stale_or_mismatched_cache_is_refused_or_bypassed_with_a_message(tmp_p
     assert r.returncode == 2 and "not empty" in r.stderr
 
 
-def test_convert_streams_fp8_and_gguf_sources(tmp_path):
+def test_convert_streams_an_fp8_source(tmp_path):
     from tiermoe.convert import convert_cpu_experts
     from tiermoe.model.fp8_write import write_fp8_checkpoint
 

@@ -345,6 +345,7 @@ def test_other_gguf_moe_families_load_exactly(tmp_path, family):
         assert rel_err(hybrid(input_ids=ids).logits, want) < 1e-5
 
 
+@pytest.mark.slow
 def test_a_directory_of_split_gguf_files_loads_like_one_file(tmp_path, gguf_case):
     path, ids, _, _ = gguf_case
     split_dir = tmp_path / "split"
@@ -383,3 +384,15 @@ def test_every_supported_tensor_type_reads_whole_and_per_expert_as_the_gguf_pack
     assert files.shape("t.weight") == (3, 4, 256)
     assert torch.equal(files.read("t.weight"), want)
     assert torch.equal(files.read("t.weight", index=2), want[2])
+
+
+def test_convert_from_gguf_gives_the_cache_a_direct_load_would_build(tmp_path, gguf_case):
+    from tiermoe.config import CPUConfig
+    from tiermoe.convert import convert_cpu_experts
+
+    path, ids, _, _ = gguf_case
+    cache = convert_cpu_experts(path, "int8", tmp_path / "c", progress=False)
+    assert (cache / "config.json").is_file()  # the GGUF's metadata, written as a config
+    with load_hybrid_model(path, None, progress=False, cpu=CPUConfig(expert_dtype="int8")) as direct, \
+            load_hybrid_model(cache, None, progress=False) as cached:
+        assert torch.equal(cached(input_ids=ids).logits, direct(input_ids=ids).logits)

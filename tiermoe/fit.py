@@ -12,6 +12,7 @@ are of memory. Shapes: E experts per layer, H hidden, I expert intermediate size
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +82,7 @@ def _non_expert_from_config(cfg, dtype: torch.dtype, fp8: bool) -> int:
     from tiermoe.model.fp8_write import is_fp8_quantised
     from tiermoe.model.skeleton import build_skeleton
 
-    model = build_skeleton(cfg, dtype)
+    model = build_skeleton(copy.deepcopy(cfg), dtype)  # a copy: building sets the config's dtype
     tied = getattr(text_config(cfg), "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False)
     total = 0
     for name, t in model.state_dict().items():
@@ -107,7 +108,7 @@ def _non_expert_from_headers(model_dir: Path, dtype: torch.dtype, cfg, spec: Arc
     ckpt = open_checkpoint(model_dir, cfg)
     tied = getattr(text_config(cfg), "tie_word_embeddings", False)
     total = 0
-    for name, t in build_skeleton(cfg, dtype).state_dict().items():
+    for name, t in build_skeleton(copy.deepcopy(cfg), dtype).state_dict().items():  # copy: it sets cfg.dtype
         if _ROUTED.search(name) or (tied and name == "lm_head.weight"):
             continue
         disk = disk_name(name, spec, ckpt)

@@ -15,6 +15,7 @@ if one is chosen. Keeping Q4_K experts in place would need a Q4_K CPU kernel, wh
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +73,8 @@ class GGUFCheckpoint:
         permute = arch == "llama"  # llama.cpp permutes q/k rows of Llama-family models only
         file = gguf_files(path)[0]
         self.entries: dict[str, GGUFEntry] = {}
-        for name, t in build_skeleton(self.config, torch.float32).state_dict().items():
+        # a copy: building a model sets the config's dtype, and the caller's config must keep its own
+        for name, t in build_skeleton(copy.deepcopy(self.config), torch.float32).state_dict().items():
             base, _, leaf = name.rpartition(".")
             if base.endswith(".experts") and leaf in _FUSED:
                 layer = base.split(".")[2]
