@@ -15,7 +15,9 @@ from conftest import ARCHS, rel_err
 
 from tiermoe.engine.batched_decode import batched_decode_forward, left_pad_stack
 from tiermoe.engine.llm import LLM
-from tiermoe.engine.sampling import SamplingParams
+from tiermoe.engine.sampling import SamplingParams, new_generator
+from tiermoe.engine.sequence import Sequence
+from tiermoe.stats.pass_rows import row_table
 
 FP32_TOL = 1e-5
 # Sliding-window layers (GPT-OSS) and linear attention (Qwen3-Next) keep the per-sequence path.
@@ -129,6 +131,55 @@ def test_prefill_chunks_beside_a_batched_decode_keep_exact_results(tiny_dir):
         engine.run_to_completion()
         for seq in [*decoding, late]:
             assert seq.output_ids == llm.generate(seq.prompt_ids, greedy)[0].token_ids
+
+
+class RoutesByRow:
+    """A recorder that files each routed row under (layer, request, position), as PassInfo attributes it."""
+
+    enabled = True
+
+    def __init__(self):
+        self.routes: dict[tuple[int, int, int], tuple[int, ...]] = {}
+        self.info = None
+
+    def begin_pass(self, info) -> None:
+        self.info = info
+
+    def record(self, layer: int, ids_TK: torch.Tensor, gpu_mask_E: torch.Tensor) -> None:
+        requests, positions, _ = row_table(self.info)
+        for request, position, ids in zip(requests.tolist(), positions.tolist(), ids_TK.tolist()):
+            self.routes[(layer, request, position)] = tuple(sorted(ids))
+
+    def end_pass(self) -> None:
+        self.info = None
+
+
+def test_recorded_rows_follow_the_order_the_moe_blocks_see(tiny_dir):
+    with LLM(tiny_dir("qwen3_moe"), dtype=torch.float32, progress=False) as llm:
+        engine = llm.engine
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+        def copy_of(seq: Sequence) -> Sequence:
+            return Sequence(seq.seq_id, seq.prompt_ids, params, new_generator(0), list(seq.output_ids), seq.num_fed,
+                            copy.deepcopy(seq.cache))
+
+        decoding = [Sequence(i, prompt, params, new_generator(0)) for i, prompt in ((1, [5, 6, 7]), (2, [8, 9]))]
+        for seq in decoding:
+            engine._forward(seq, seq.prompt_ids)
+            seq.num_fed = len(seq.prompt_ids)
+            seq.output_ids.append(50)
+        fresh = Sequence(3, [10, 11, 12, 13], params, new_generator(0))
+        # a prefilling sequence first: the batched decode of the other two runs first at the MoE blocks
+        batch, inputs = [fresh, *decoding], [fresh.prompt_ids, [50], [50]]
+        alone = RoutesByRow()
+        engine.set_recorder(alone)
+        for seq, tokens in zip(batch, inputs):
+            engine._recorded_forward([copy_of(seq)], [tokens])
+        together = RoutesByRow()
+        engine.set_recorder(together)
+        engine._recorded_forward(batch, inputs)
+        assert len(together.routes) == len(alone.routes) == 2 * (4 + 1 + 1)  # 2 MoE layers x 6 rows
+        assert together.routes == alone.routes
 
 
 def test_left_pad_stack_right_aligns_rows():

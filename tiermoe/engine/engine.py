@@ -181,9 +181,12 @@ class Engine:
 
     def _recorded_forward(self, batch: list[Sequence], inputs: list[list[int]]) -> list[torch.Tensor]:
         if self.recorder.enabled:
+            # the MoE blocks see the rows in forward_batch's order (batched decodes first), so the pass says so
+            order = [i for group in self._groups(batch, inputs) for i in group]
             self.recorder.begin_pass(PassInfo(
-                request_ids=tuple(s.seq_id for s in batch), num_tokens=tuple(len(x) for x in inputs),
-                start_positions=tuple(s.num_fed for s in batch), is_prefill=tuple(s.prefilling for s in batch)))
+                request_ids=tuple(batch[i].seq_id for i in order), num_tokens=tuple(len(inputs[i]) for i in order),
+                start_positions=tuple(batch[i].num_fed for i in order),
+                is_prefill=tuple(batch[i].prefilling for i in order)))
         logits = self.forward_batch(batch, inputs)
         if self.recorder.enabled:
             self.recorder.end_pass()
@@ -196,8 +199,7 @@ class Engine:
         more); the rest run one forward each. Returns each sequence's last-position logits [V], in order. Does not
         advance `num_fed` (the caller does).
         """
-        together = decode_rows(seqs, inputs) if self.batched_decode else []
-        alone = [i for i in range(len(seqs)) if i not in together]
+        together, alone = self._groups(seqs, inputs)
         jobs = [lambda i=i: [self._forward(seqs[i], inputs[i])] for i in alone]
         if together:
             jobs.insert(0, lambda: self._forward_decode([seqs[i] for i in together], [inputs[i][0] for i in together]))
@@ -206,6 +208,12 @@ class Engine:
         for i, logits in zip(together + alone, results):
             logits_in_order[i] = logits
         return logits_in_order
+
+    def _groups(self, seqs: list, inputs: list[list[int]]) -> tuple[list[int], list[int]]:
+        """(indices that share one batched decode forward, indices that run one forward each). The MoE blocks see
+        the rows in this order: the batched rows, then each other sequence's."""
+        together = decode_rows(seqs, inputs) if self.batched_decode else []
+        return together, [i for i in range(len(seqs)) if i not in together]
 
     def run_to_completion(self, on_step: Callable[[list[Sequence]], None] | None = None) -> None:
         while self.has_work():
