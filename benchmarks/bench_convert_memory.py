@@ -26,6 +26,9 @@ CHILD = r"""
 import json, sys, time, torch
 import transformers  # noqa: F401
 import tiermoe.convert, tiermoe.model.loader  # noqa: F401  (imports in before the baseline)
+import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401  (the model class the loader builds)
+from tiermoe.experts.kernels import load_kernels
+load_kernels()  # the CPU kernels' library, loaded (built once) before the baseline too
 from tiermoe.config import CPUConfig
 case, path, out = sys.argv[1], sys.argv[2], sys.argv[3]
 base = int(open("/proc/self/statm").read().split()[1]) * 4096
