@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tiermoe.arch import detect, load_config
-from tiermoe.model.gguf_checkpoint import open_checkpoint
+from tiermoe.model.gguf_checkpoint import GGUFCheckpoint, open_checkpoint
 
 _ROUTED_EXPERT_KEY = re.compile(r"\.experts\.")
 
@@ -43,6 +43,8 @@ def summarize(model_dir: str | Path) -> ModelSummary:
     non_expert = sum(e.nbytes for k, e in ckpt.entries.items() if not _ROUTED_EXPERT_KEY.search(k))
     expert_dtypes = {e.dtype for k, e in ckpt.entries.items() if _ROUTED_EXPERT_KEY.search(k)}
     dtype = expert_dtypes.pop() if len(expert_dtypes) == 1 else spec.dtype
+    if isinstance(ckpt, GGUFCheckpoint):  # GGUF tensors read as fp32 but load in the compute dtype
+        dtype = spec.dtype
     shared = "none"
     if spec.shared_kind != "none":
         shared = f"{spec.shared_kind} (intermediate {spec.shared_intermediate_size})"

@@ -111,7 +111,7 @@ def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | tor
             for block in blocks.values():
                 block.join_ranks(rank, share.reduce)
         reads = _reads(owner_LE, spec, rank, share is None or share.holds_cpu_tier)
-        total = _non_expert_bytes(model) + int(reads.sum()) * spec.bytes_per_expert(dtype)
+        total = _non_expert_bytes(model, ckpt, spec) + int(reads.sum()) * spec.bytes_per_expert(dtype)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {model_dir.name}", disable=not progress) as bar:
             _load_fp8_linears(model, ckpt, spec, gpu_device, bar)
             _load_non_experts(model, ckpt, spec, gpu_device, bar)
@@ -175,8 +175,17 @@ def _meta_tensors(model: nn.Module):
                 yield (f"{mod_name}.{leaf}" if mod_name else leaf), module, leaf, t, is_param
 
 
-def _non_expert_bytes(model: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for _, _, _, t, _ in _meta_tensors(model))
+def _non_expert_bytes(model: nn.Module, ckpt, spec) -> int:
+    """Bytes the non-expert weights will take (FP8-stored Linear weights as stored), for the progress bar."""
+    total = 0
+    for name, _, _, t, _ in _meta_tensors(model):
+        disk = disk_name(name, spec, ckpt)
+        entry = ckpt.entries.get(disk) if disk else None
+        if entry is not None and entry.dtype in FP8_DTYPES and scale_name(disk) in ckpt:
+            total += entry.nbytes + ckpt.entries[scale_name(disk)].nbytes
+        else:
+            total += t.numel() * t.element_size()
+    return total
 
 
 def disk_name(name: str, spec, ckpt: Checkpoint) -> str | None:
