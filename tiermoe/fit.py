@@ -309,7 +309,7 @@ def available_ram() -> int | None:
 def check_before_loading(model, placement, gpu_device: str, kv_tokens: int, prefill_buffer_gb: float = 0.0,
                          cpu_expert_dtype: str | None = None) -> FitReport:
     """The check `serve` and `generate` run before loading: raise TiermoeError (one line) when the placement
-    will not fit the GPU memory the user gave (--gpu-memory-gb), the CUDA device, or this machine's free RAM.
+    will not fit the GPU memory the user gave (--gpu-memory-gb) or this machine's available RAM.
 
     Headers only: costs well under a second even for checkpoints of hundreds of GB."""
     from tiermoe.config import PlacementConfig
@@ -326,9 +326,8 @@ def check_before_loading(model, placement, gpu_device: str, kv_tokens: int, pref
         placement_gpu = None
     mask = resolve_mask(placement, model_dir, bytes_.spec, gpu_device)
     gpu_experts = int(mask.sum()) if mask is not None else 0
+    # Only limits the user gave: the KV cache grows with use, so a device's free memory is no hard limit here.
     gpu_memory = placement_gpu
-    if gpu_memory is None and str(gpu_device).startswith("cuda") and torch.cuda.is_available():
-        gpu_memory = torch.cuda.mem_get_info(torch.device(gpu_device))[0] / GIB
     ram = available_ram()
     report = fit_report(bytes_, gpu_experts, kv_tokens, prefill_buffer_gb, gpu_memory,
                         None if ram is None else ram / GIB)
