@@ -125,6 +125,10 @@ class GGUFCheckpoint:
     def read(self, name: str, out: torch.Tensor | None = None, index: int | None = None) -> torch.Tensor:
         """Tensor `name` (or its slice [index] along dim 0), dequantised into `out` (fp32 when None)."""
         entry = self.entries[name]
+        shape = entry.shape if index is None else entry.shape[1:]
+        if (out is not None and entry.op == "plain" and len(entry.gguf_names) == 1 and out.is_contiguous()
+                and self.files.shape(entry.gguf_names[0])[1 if index is not None else 0:] == tuple(shape)):
+            return self.files.read(entry.gguf_names[0], index, out)  # straight in, chunk by chunk (embeddings)
         parts = [self.files.read(n, index) for n in entry.gguf_names]
         if entry.op == "kv_b":  # k_b [heads, kv_lora, nope] and v_b [heads, v, kv_lora] -> [heads (nope + v), kv_lora]
             k_b, v_b = parts
@@ -135,7 +139,6 @@ class GGUFCheckpoint:
             value = _unpermute(value, self.config.num_attention_heads)
         elif entry.op == "permute_k":
             value = _unpermute(value, self.config.num_key_value_heads)
-        shape = entry.shape if index is None else entry.shape[1:]
         if out is None:
             out = torch.empty(shape, dtype=torch.float32)
         if tuple(out.shape) != tuple(shape):

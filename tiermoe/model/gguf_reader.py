@@ -89,8 +89,9 @@ class GGUFFiles:
     def nbytes(self, name: str) -> int:
         return int(self.tensors[name].n_bytes)
 
-    def read(self, name: str, index: int | None = None) -> torch.Tensor:
-        """Tensor `name` (or its slice [index] along the outermost dim) dequantised to fp32, torch order."""
+    def read(self, name: str, index: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor `name` (or its slice [index] along the outermost dim) dequantised, torch order: into `out`
+        (contiguous, any float dtype, chunk by chunk: no full fp32 copy) or a new fp32 tensor."""
         from gguf import quants
 
         t = self.tensors[name]
@@ -101,9 +102,13 @@ class GGUFFiles:
         shape = self.shape(name) if index is None else self.shape(name)[1:]
         rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
         row_elems = shape[-1] if shape else 1
-        out = torch.empty((rows.shape[0], row_elems), dtype=torch.float32)
+        if out is None:
+            out = torch.empty(shape, dtype=torch.float32)
+        if tuple(out.shape) != tuple(shape) or not out.is_contiguous():
+            raise TiermoeError(f"GGUF tensor {name}: destination {list(out.shape)} does not match {list(shape)}")
+        out_rows = out.view(-1, row_elems)
         step = max(1, _CHUNK_BYTES // (4 * row_elems))
         for start in range(0, rows.shape[0], step):
             part = quants.dequantize(np.ascontiguousarray(rows[start:start + step]), t.tensor_type)
-            out[start:start + step] = torch.from_numpy(np.array(part, dtype=np.float32).reshape(-1, row_elems))
-        return out.view(shape)
+            out_rows[start:start + step] = torch.from_numpy(np.array(part, dtype=np.float32).reshape(-1, row_elems))
+        return out
