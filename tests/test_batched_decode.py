@@ -13,7 +13,8 @@ import pytest
 import torch
 from conftest import ARCHS, rel_err
 
-from tiermoe.engine.batched_decode import batched_decode_forward, left_pad_stack
+import tiermoe.engine.engine as engine_module
+from tiermoe.engine.batched_decode import batched_decode_forward, decode_groups, left_pad_stack
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams, new_generator
 from tiermoe.engine.sequence import Sequence
@@ -180,6 +181,37 @@ def test_recorded_rows_follow_the_order_the_moe_blocks_see(tiny_dir):
         engine._recorded_forward(batch, inputs)
         assert len(together.routes) == len(alone.routes) == 2 * (4 + 1 + 1)  # 2 MoE layers x 6 rows
         assert together.routes == alone.routes
+
+
+def test_decode_groups_bound_the_padding():
+    assert decode_groups([5, 5, 5]) == [[0, 1, 2]]
+    assert decode_groups([3, 900, 1, 40]) == [[1, 3, 0, 2]]  # short contexts: the allowance covers the padding
+    # no allowance: pad positions at most half the real ones; the longest first; a lone row is left to run alone
+    assert decode_groups([10, 100, 10, 10], pad_allowance=0) == [[0, 2, 3]]
+    assert decode_groups([1000, 10, 10], pad_allowance=0) == [[1, 2]]
+    assert decode_groups([40, 40, 1, 1, 1, 1], pad_allowance=0) == [[0, 1, 2], [3, 4, 5]]
+    past = [7, 300, 12, 299, 64, 1, 150, 151, 3]
+    groups = decode_groups(past, pad_allowance=16)
+    rows = [i for g in groups for i in g]
+    assert len(rows) == len(set(rows)) and all(len(g) >= 2 for g in groups)
+    for g in groups:
+        real = sum(past[i] + 1 for i in g)
+        assert len(g) * (max(past[i] for i in g) + 1) - real <= max(real // 2, 16)
+
+
+def test_rows_of_very_different_lengths_decode_in_separate_batches_exactly(tiny_dir, monkeypatch):
+    monkeypatch.setattr(engine_module, "decode_groups", lambda past: decode_groups(past, pad_allowance=0))
+    prompts = [[5] * 40, [6] * 40, [7], [8], [9], [10]]
+    greedy = SamplingParams(max_tokens=5, ignore_eos=True)
+    with LLM(tiny_dir("deepseek_v3"), dtype=torch.float32, progress=False) as llm:
+        engine = llm.engine
+        batches = []
+        original = engine._forward_decode
+        engine._forward_decode = lambda seqs, tokens: (batches.append(len(seqs)), original(seqs, tokens))[1]
+        together = llm.generate(prompts, greedy)
+        assert batches[:2] == [3, 3]  # first decode step: the two long rows and a short one, then three short ones
+        for prompt, result in zip(prompts, together):
+            assert result.token_ids == llm.generate(prompt, greedy)[0].token_ids
 
 
 def test_left_pad_stack_right_aligns_rows():

@@ -7,7 +7,9 @@ that row's own cache and hands attention the rows stacked and left-padded to the
 Left padding keeps each row's newest key in the last column, where the (single) query sits, so every key keeps
 its distance to the query; the 2D attention mask hides the pads and explicit position_ids give each row its own
 rotary position. The stack is built one layer at a time and dropped after it, so KV memory stays what the
-per-sequence caches hold (bounded by --max-total-tokens) plus one layer's padded copy.
+per-sequence caches hold (bounded by --max-total-tokens) plus one layer's padded copy; `decode_groups` keeps that
+copy within 1.5 times the real positions (beyond a small allowance) by splitting rows of very different lengths into
+several batches.
 
 Exact only where every cache layer is a plain DynamicLayer (full attention over all past tokens): sliding-window
 layers (GPT-OSS) trim their caches and linear-attention layers (Qwen3-Next) keep recurrent states, so such
@@ -23,6 +25,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 
 # Attention implementations whose padded result the tests compare with per-sequence forwards.
 _CHECKED_ATTENTION = ("sdpa", "eager")
+# Pad positions a batch may always carry: on short contexts one batch is cheaper than splitting it, and this many
+# positions of one layer's K/V are a few MB even for large models.
+PAD_ALLOWANCE = 4096
 
 
 def supports_batched_decode(model) -> bool:
@@ -41,6 +46,24 @@ def can_join(cache) -> bool:
     """A sequence's cache can be a row of a StackedDecodeCache (it exists and is a plain DynamicCache)."""
     return type(cache) is DynamicCache and bool(cache.layers) and all(
         type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers)
+
+
+def decode_groups(past: list[int], pad_allowance: int = PAD_ALLOWANCE) -> list[list[int]]:
+    """Split rows with past lengths `past` into batches whose padding (pad positions of the stacked [B, Lmax + 1])
+    stays within max(half the real positions, pad_allowance). Longest first; batches of one row are left out (a row alone
+    needs no padding, it runs the plain per-sequence forward). Returns lists of indices into `past`."""
+    order = sorted(range(len(past)), key=lambda i: (-past[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        group = groups[-1] if groups else None
+        if group is not None:
+            width = past[group[0]] + 1  # the group's first row is its longest
+            real = sum(past[j] + 1 for j in group) + past[i] + 1
+            if (len(group) + 1) * width - real <= max(real // 2, pad_allowance):
+                group.append(i)
+                continue
+        groups.append([i])
+    return [g for g in groups if len(g) >= 2]
 
 
 def left_pad_stack(rows: list[torch.Tensor]) -> torch.Tensor:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiermoe.engine.batched_decode import batched_decode_forward, can_join, supports_batched_decode
+from tiermoe.engine.batched_decode import batched_decode_forward, can_join, decode_groups, supports_batched_decode
 from tiermoe.engine.moe_batcher import MoEBatcher
 from tiermoe.engine.sampling import SamplingParams, new_generator, sample
 from tiermoe.engine.sequence import Sequence
@@ -182,7 +182,8 @@ class Engine:
     def _recorded_forward(self, batch: list[Sequence], inputs: list[list[int]]) -> list[torch.Tensor]:
         if self.recorder.enabled:
             # the MoE blocks see the rows in forward_batch's order (batched decodes first), so the pass says so
-            order = [i for group in self._groups(batch, inputs) for i in group]
+            batches, alone = self._groups(batch, inputs)
+            order = [i for b in batches for i in b] + alone
             self.recorder.begin_pass(PassInfo(
                 request_ids=tuple(batch[i].seq_id for i in order), num_tokens=tuple(len(inputs[i]) for i in order),
                 start_positions=tuple(batch[i].num_fed for i in order),
@@ -195,25 +196,26 @@ class Engine:
     def forward_batch(self, seqs: list, inputs: list[list[int]]) -> list[torch.Tensor]:
         """Feed inputs[i] to seqs[i] (each on its own cache, `seq.cache`); MoE blocks run once for all of them.
 
-        Sequences feeding one token share one batched forward (when the model allows it and there are two or
-        more); the rest run one forward each. Returns each sequence's last-position logits [V], in order. Does not
+        Sequences feeding one token share batched forwards (when the model allows it; rows of similar cache
+        lengths together, see decode_groups); the rest run one forward each. Returns each sequence's last-position logits [V], in order. Does not
         advance `num_fed` (the caller does).
         """
-        together, alone = self._groups(seqs, inputs)
-        jobs = [lambda i=i: [self._forward(seqs[i], inputs[i])] for i in alone]
-        if together:
-            jobs.insert(0, lambda: self._forward_decode([seqs[i] for i in together], [inputs[i][0] for i in together]))
+        batches, alone = self._groups(seqs, inputs)
+        jobs = [lambda b=b: self._forward_decode([seqs[i] for i in b], [inputs[i][0] for i in b]) for b in batches]
+        jobs += [lambda i=i: [self._forward(seqs[i], inputs[i])] for i in alone]
         results = [logits for job_logits in self._batcher.run(jobs) for logits in job_logits]
         logits_in_order: list[torch.Tensor] = [None] * len(seqs)  # type: ignore[list-item]
-        for i, logits in zip(together + alone, results):
+        for i, logits in zip([i for b in batches for i in b] + alone, results):
             logits_in_order[i] = logits
         return logits_in_order
 
-    def _groups(self, seqs: list, inputs: list[list[int]]) -> tuple[list[int], list[int]]:
-        """(indices that share one batched decode forward, indices that run one forward each). The MoE blocks see
-        the rows in this order: the batched rows, then each other sequence's."""
-        together = decode_rows(seqs, inputs) if self.batched_decode else []
-        return together, [i for i in range(len(seqs)) if i not in together]
+    def _groups(self, seqs: list, inputs: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        """(batches of indices that share one batched decode forward each, indices that run one forward each).
+        The MoE blocks see the rows in this order: each batch's rows, then each other sequence's. It depends only
+        on the inputs and the cache lengths, so every rank of a multi-rank run groups a step the same way."""
+        batches = decode_batches(seqs, inputs) if self.batched_decode else []
+        batched = {i for b in batches for i in b}
+        return batches, [i for i in range(len(seqs)) if i not in batched]
 
     def run_to_completion(self, on_step: Callable[[list[Sequence]], None] | None = None) -> None:
         while self.has_work():
@@ -253,11 +255,13 @@ class Engine:
             seq.finish_reason = "length"
 
 
-def decode_rows(seqs: list, inputs: list[list[int]]) -> list[int]:
-    """Indices of the sequences that can share one batched decode forward: one token in, a cache to extend.
-    Fewer than two gain nothing from a padded batch, so then none."""
+def decode_batches(seqs: list, inputs: list[list[int]]) -> list[list[int]]:
+    """Batches (indices into seqs) of sequences that share one batched decode forward each: one token in, a cache
+    to extend, past lengths close enough for little padding (decode_groups)."""
     rows = [i for i, (seq, tokens) in enumerate(zip(seqs, inputs)) if len(tokens) == 1 and can_join(seq.cache)]
-    return rows if len(rows) >= 2 else []
+    if len(rows) < 2:
+        return []
+    return [[rows[j] for j in group] for group in decode_groups([seqs[i].cache.get_seq_length() for i in rows])]
 
 
 def _on_device(device: torch.device):
