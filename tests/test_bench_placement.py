@@ -14,7 +14,6 @@ import torch
 from conftest import run_cli as cli
 from conftest import save_char_tokenizer, save_tiny
 
-from tiermoe.benchmarking.tier_fit import TierFit, fit_abc
 from tiermoe.benchmarking.host_fit import fit_host_costs, measure_op_seconds
 from tiermoe.benchmarking.model_costs import ModelCosts, OpCount, measure_model_costs
 from tiermoe.benchmarking.pass_cost import HostCosts, PassCostModel, ttft_seconds
@@ -23,6 +22,7 @@ from tiermoe.benchmarking.placement_live import measure_configuration
 from tiermoe.benchmarking.placement_runner import make_engine, record_trace
 from tiermoe.benchmarking.placement_traffic import pass_shapes, placement_traffic, static_traffic, strategy_mask
 from tiermoe.benchmarking.placement_workload import WorkloadSpec, build_workloads
+from tiermoe.benchmarking.tier_fit import TierFit, fit_abc
 from tiermoe.engine.llm import LLM
 from tiermoe.placement.cost import BandwidthCostModel
 from tiermoe.placement.profiles import GPUProfile, load_profile, save_profile

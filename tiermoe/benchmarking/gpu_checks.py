@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from tiermoe.benchmarking.device_profile import measure_profile
-from tiermoe.benchmarking.placement import PlacementBenchConfig, THIS_CPU, run_placement_bench
+from tiermoe.benchmarking.placement import THIS_CPU, PlacementBenchConfig, run_placement_bench
 from tiermoe.benchmarking.placement_live import measure_configuration
 from tiermoe.benchmarking.placement_traffic import strategy_mask
 from tiermoe.benchmarking.placement_workload import Workload, WorkloadSpec
@@ -203,7 +203,7 @@ def check_calibration(ckpt: Path, device: str, out_dir: Path, workloads, ratios,
                  strategies=("uniform", "frequency"), concurrency=4 if quick else 8, repeats=1,
                  prefill_threshold=None, calibration_ratios=(0.0, 1.0), validation_ratios=(0.5,) if quick else
                  (0.25, 0.5), validation_strategies=("uniform",))
-    quiet = lambda message: None  # noqa: E731
+    quiet = lambda message: None
     if not device.startswith("cuda"):
         result = run_placement_bench(PlacementBenchConfig(gpu_profile=THIS_CPU, **bench), quiet, workloads)
         return {"status": "info", "reason": "no CUDA: the this-cpu validation instead",

@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tiermoe.benchmarking.tier_fit import TierFit
 from tiermoe.benchmarking.model_costs import ModelCosts, OpCount
 from tiermoe.benchmarking.placement_traffic import PassShapes, Traffic
+from tiermoe.benchmarking.tier_fit import TierFit
 from tiermoe.placement.cost import BandwidthCostModel
 from tiermoe.placement.profiles import GPUProfile
 

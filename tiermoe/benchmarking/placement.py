@@ -22,13 +22,12 @@ import os
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from tiermoe.benchmarking.core_split import caller_threads, core_split
-from tiermoe.benchmarking.tier_fit import TierFit, measure_cpu_tier, measure_gpu_tier
 from tiermoe.benchmarking.device_profile import measure_profile
 from tiermoe.benchmarking.host_fit import fit_host_costs, measure_op_seconds
 from tiermoe.benchmarking.model_costs import measure_model_costs
@@ -36,11 +35,26 @@ from tiermoe.benchmarking.pass_cost import HostCosts, PassCostModel, ttft_second
 from tiermoe.benchmarking.placement_live import measure_configuration
 from tiermoe.benchmarking.placement_lockstep import merge_runs, time_in_lockstep
 from tiermoe.benchmarking.placement_result import Cell, PlacementBenchResult
-from tiermoe.benchmarking.placement_runner import (RunTiming, make_engine, record_statistics, record_trace,
-                                                   ttft_summary, warm_up)
-from tiermoe.benchmarking.placement_traffic import (BENCH_STRATEGIES, DYNAMIC_STRATEGIES, PassShapes, Traffic,
-                                                    pass_shapes, placement_traffic, static_traffic, strategy_mask)
+from tiermoe.benchmarking.placement_runner import (
+    RunTiming,
+    make_engine,
+    record_statistics,
+    record_trace,
+    ttft_summary,
+    warm_up,
+)
+from tiermoe.benchmarking.placement_traffic import (
+    BENCH_STRATEGIES,
+    DYNAMIC_STRATEGIES,
+    PassShapes,
+    Traffic,
+    pass_shapes,
+    placement_traffic,
+    static_traffic,
+    strategy_mask,
+)
 from tiermoe.benchmarking.placement_workload import Workload, WorkloadSpec, build_workloads, prompt_encoder
+from tiermoe.benchmarking.tier_fit import TierFit, measure_cpu_tier, measure_gpu_tier
 from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.placement.cost import BandwidthCostModel
@@ -65,7 +79,7 @@ class PlacementBenchConfig:
     concurrency: int = 8
     prefill_chunk: int = 512
     prefill_threshold: int | None = 512
-    repeats: int = 2
+    repeats: int = 3
     calibration_ratios: tuple[float, ...] = (0.0, 1.0)
     contention_ratio: float = 0.75  # the calibration split that measures the both-tiers cost (host_fit)
     validation_ratios: tuple[float, ...] = (0.25, 0.5)
@@ -168,9 +182,11 @@ def _estimate_all(llm, workload: Workload, calibration_LE, config: PlacementBenc
         runs.append((f"{strategy}@{ratio:g}", static_traffic(shapes, mask), timing.step_seconds))
     on_host = fit_host_costs(on_host, shapes, runs)
     host = on_host.host
+    both = "" if target is not None else (
+        f"; a MoE layer with both tiers busy costs {on_host.both_tiers_seconds * 1e6:+.0f} us beyond the two "
+        f"(fitted on uniform@{config.contention_ratio:g})")
     log(f"[placement]   host: {host.op_seconds * 1e6:.2f} us per op, {host.step_seconds * 1e3:.2f} ms per step, "
-        f"{host.sequence_seconds * 1e3:.2f} ms per sequence forward; a MoE layer with both tiers busy costs "
-        f"{on_host.both_tiers_seconds * 1e6:+.0f} us beyond the two (fitted on uniform@{config.contention_ratio:g})")
+        f"{host.sequence_seconds * 1e3:.2f} ms per sequence forward{both}")
     model = on_host if target is None else PassCostModel(target, costs, cpu_fit, host, device_is_host=False)
     validation = []
     if target is None:

@@ -29,7 +29,7 @@ class TierTrafficRecorder:
     def __init__(self, num_experts: int, device, layerwise_threshold: int | None = None):
         self.num_experts = num_experts
         self.threshold = layerwise_threshold
-        zero = lambda: torch.zeros((), dtype=torch.int64, device=device)  # noqa: E731
+        zero = lambda: torch.zeros((), dtype=torch.int64, device=device)
         self.pairs, self.gpu_pairs, self.cpu_reads, self.streamed = zero(), zero(), zero(), zero()
         self._layerwise = False
 

@@ -137,10 +137,11 @@ def static_traffic(shapes: PassShapes, mask_ME: torch.Tensor) -> Traffic:
 
 def start_strategy(strategy: str, has_statistics: bool) -> str:
     """The static strategy a bench strategy places with first. `dynamic` starts where KTransformers' tutorial
-    starts it (frequency with statistics, else its default, uniform); `adaptive` from balanced (else uniform)."""
+    starts it (frequency with statistics, else its default, uniform); `adaptive` where its policy starts it
+    (frequency, else uniform; tiermoe.placement.policies.AdaptivePolicy, as tiermoe.stats.replay does)."""
     if strategy not in BENCH_STRATEGIES:
         raise TiermoeError(f"unknown strategy '{strategy}'; choose from {', '.join(BENCH_STRATEGIES)}")
-    base = {"dynamic": "frequency", "adaptive": "balanced"}.get(strategy, strategy)
+    base = {"dynamic": "frequency", "adaptive": "frequency"}.get(strategy, strategy)
     if base in NEEDS_STATISTICS and not has_statistics:
         if strategy not in DYNAMIC_STRATEGIES:
             raise TiermoeError(f"the '{strategy}' strategy needs calibration statistics")

@@ -113,8 +113,8 @@ def add_placement_parser(benches) -> None:
                    help="layerwise GPU prefill threshold of `dynamic`, tokens (its update follows such batches); "
                         "0 = off (default 512, KTransformers' tutorial value)")
     p.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt tokens per step (default 512)")
-    p.add_argument("--repeats", type=positive_int, default=2,
-                   help="timed runs per measured configuration on this machine, best taken (default 2)")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed runs per measured configuration on this machine, best taken (default 3)")
     p.add_argument("--tolerance", type=float, default=0.15, help="this-cpu validation tolerance (default 0.15)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt sample and split (default 0)")
     p.add_argument("--out", help="write every figure as JSON")
