@@ -14,7 +14,11 @@ import torch
 from conftest import ARCHS, rel_err
 
 import tiermoe.engine.engine as engine_module
-from tiermoe.engine.batched_decode import batched_decode_forward, decode_groups, left_pad_stack
+from tiermoe.engine.batched_decode import (
+    batched_decode_forward,
+    decode_groups,
+    left_pad_stack,
+)
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams, new_generator
 from tiermoe.engine.sequence import Sequence
