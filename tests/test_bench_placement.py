@@ -264,13 +264,30 @@ def test_this_cpu_validates_the_cost_model_against_a_measurement(model_dir, work
     config = PlacementBenchConfig(spec_of("unused"), model=model_dir, ratios=(0.25, 0.5),
                                   strategies=("uniform", "frequency"), gpu_profile="this-cpu", concurrency=4,
                                   repeats=1, prefill_threshold=None)
-    result = run_placement_bench(config, lambda message: None, workloads)
+    messages = []
+    result = run_placement_bench(config, messages.append, workloads)
+    assert any("in lockstep" in m for m in messages)  # the tiny model's copies fit: timed side by side
     assert [(v["strategy"], v["ratio"]) for v in result.validation] == [
         ("uniform", 0.25), ("uniform", 0.5), ("frequency", 0.25), ("frequency", 0.5)]
     for v in result.validation:
         assert v["measured_seconds"] > 0 and v["estimated_seconds"] > 0
         assert v["within_tolerance"] == (abs(v["relative_error"]) <= 0.15)
     assert result.gpu_profile["name"] == "this-cpu" and result.calibration["host"]["op_seconds"] > 0
+
+
+def test_without_memory_for_model_copies_the_runs_are_timed_one_after_another(model_dir, workloads, monkeypatch):
+    from tiermoe.benchmarking import placement
+
+    monkeypatch.setattr(placement, "_available_memory", lambda: 0)
+    config = PlacementBenchConfig(spec_of("unused"), model=model_dir, ratios=(0.5,), strategies=("uniform",),
+                                  gpu_profile="this-cpu", concurrency=4, repeats=1, prefill_threshold=None,
+                                  validation_ratios=(0.5,), validation_strategies=("uniform",))
+    messages = []
+    result = run_placement_bench(config, messages.append, workloads)
+    assert any("one configuration after another" in m for m in messages)
+    assert not any("lockstep" in m for m in messages)
+    assert [(v["strategy"], v["ratio"]) for v in result.validation] == [("uniform", 0.5)]
+    assert result.validation[0]["measured_seconds"] > 0
 
 
 def test_calibration_and_validation_ratios_must_differ():
