@@ -7,9 +7,9 @@ that row's own cache and hands attention the rows stacked and left-padded to the
 Left padding keeps each row's newest key in the last column, where the (single) query sits, so every key keeps
 its distance to the query; the 2D attention mask hides the pads and explicit position_ids give each row its own
 rotary position. The stack is built one layer at a time and dropped after it, so KV memory stays what the
-per-sequence caches hold (bounded by --max-total-tokens) plus one layer's padded copy; `decode_groups` keeps that
-copy within 1.5 times the real positions (beyond a small allowance) by splitting rows of very different lengths into
-several batches.
+per-sequence caches hold (bounded by --max-total-tokens) plus one layer's padded copy; `decode_groups` keeps
+that copy within 1.5 times the real positions (beyond a small allowance) by splitting rows of very different
+lengths into several batches.
 
 Exact only where every cache layer is a plain DynamicLayer (full attention over all past tokens): sliding-window
 layers (GPT-OSS) trim their caches and linear-attention layers (Qwen3-Next) keep recurrent states, so such
@@ -50,8 +50,8 @@ def can_join(cache) -> bool:
 
 def decode_groups(past: list[int], pad_allowance: int = PAD_ALLOWANCE) -> list[list[int]]:
     """Split rows with past lengths `past` into batches whose padding (pad positions of the stacked [B, Lmax + 1])
-    stays within max(half the real positions, pad_allowance). Longest first; batches of one row are left out (a row alone
-    needs no padding, it runs the plain per-sequence forward). Returns lists of indices into `past`."""
+    stays within max(half the real positions, pad_allowance). Longest first; batches of one row are left out (a
+    row alone needs no padding: it runs the plain per-sequence forward). Returns lists of indices into `past`."""
     order = sorted(range(len(past)), key=lambda i: (-past[i], i))
     groups: list[list[int]] = []
     for i in order:

@@ -181,7 +181,7 @@ class Engine:
 
     def _recorded_forward(self, batch: list[Sequence], inputs: list[list[int]]) -> list[torch.Tensor]:
         if self.recorder.enabled:
-            # the MoE blocks see the rows in forward_batch's order (batched decodes first), so the pass says so
+            # the MoE blocks see the rows in forward_batch's order (batched decodes first): the pass lists them so
             batches, alone = self._groups(batch, inputs)
             order = [i for b in batches for i in b] + alone
             self.recorder.begin_pass(PassInfo(
@@ -197,8 +197,8 @@ class Engine:
         """Feed inputs[i] to seqs[i] (each on its own cache, `seq.cache`); MoE blocks run once for all of them.
 
         Sequences feeding one token share batched forwards (when the model allows it; rows of similar cache
-        lengths together, see decode_groups); the rest run one forward each. Returns each sequence's last-position logits [V], in order. Does not
-        advance `num_fed` (the caller does).
+        lengths together, see decode_groups); the rest run one forward each. Returns each sequence's last-position
+        logits [V], in order. Does not advance `num_fed` (the caller does).
         """
         batches, alone = self._groups(seqs, inputs)
         jobs = [lambda b=b: self._forward_decode([seqs[i] for i in b], [inputs[i][0] for i in b]) for b in batches]
