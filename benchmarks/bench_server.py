@@ -101,8 +101,9 @@ def soak(url: str, proc: psutil.Process, clients: int, seconds: float) -> dict:
     rss_after = proc.memory_info().rss
     time.sleep(3)
     rss_settled = proc.memory_info().rss
+    tokens = first["tokens"] + second["tokens"]
     return {"clients": clients, "seconds": seconds, "errors": first["errors"] + second["errors"],
-            "tokens": first["tokens"] + second["tokens"], "tokens_per_s": (first["tokens"] + second["tokens"]) / seconds,
+            "tokens": tokens, "tokens_per_s": tokens / seconds,
             "rss_before_mb": rss_before / 1e6, "rss_round1_mb": rss_round1 / 1e6, "rss_after_mb": rss_after / 1e6,
             "rss_settled_mb": rss_settled / 1e6}
 
