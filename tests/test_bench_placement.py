@@ -276,9 +276,9 @@ def test_this_cpu_validates_the_cost_model_against_a_measurement(model_dir, work
 
 
 def test_without_memory_for_model_copies_the_runs_are_timed_one_after_another(model_dir, workloads, monkeypatch):
-    from tiermoe.benchmarking import placement
+    from tiermoe.benchmarking import placement_lockstep
 
-    monkeypatch.setattr(placement, "_available_memory", lambda: 0)
+    monkeypatch.setattr(placement_lockstep, "_available_memory", lambda: 0)
     config = PlacementBenchConfig(spec_of("unused"), model=model_dir, ratios=(0.5,), strategies=("uniform",),
                                   gpu_profile="this-cpu", concurrency=4, repeats=1, prefill_threshold=None,
                                   validation_ratios=(0.5,), validation_strategies=("uniform",))

@@ -18,10 +18,8 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,7 +31,7 @@ from tiermoe.benchmarking.host_fit import fit_host_costs, measure_op_seconds
 from tiermoe.benchmarking.model_costs import measure_model_costs
 from tiermoe.benchmarking.pass_cost import HostCosts, PassCostModel, ttft_seconds
 from tiermoe.benchmarking.placement_live import measure_configuration
-from tiermoe.benchmarking.placement_lockstep import merge_runs, time_in_lockstep
+from tiermoe.benchmarking.placement_lockstep import time_configurations
 from tiermoe.benchmarking.placement_result import Cell, PlacementBenchResult
 from tiermoe.benchmarking.placement_runner import (
     RunTiming,
@@ -170,7 +168,7 @@ def _estimate_all(llm, workload: Workload, calibration_LE, config: PlacementBenc
     split = (config.contention_ratio,) if target is None else ()  # both tiers on this CPU: only for this-cpu
     calibration = [("uniform", r) for r in (*config.calibration_ratios, *split)]
     validation_configs = [(s, r) for s in config.validation_strategies for r in config.validation_ratios]
-    timed = _timed(llm, workload, calibration + (validation_configs if target is None else []),
+    timed = time_configurations(llm, workload, calibration + (validation_configs if target is None else []),
                           calibration_LE, config, on_host.bandwidth_model(), log)
     runs = []
     for strategy, ratio in calibration:
@@ -242,8 +240,8 @@ def estimate_cell(model: PassCostModel, shapes: PassShapes, workload: Workload, 
 def _compare(model: PassCostModel, shapes, workload, strategy, ratio, timing: RunTiming, calibration_LE, config,
              log) -> dict:
     """Estimate one configuration and compare with its measurement (nothing was fitted on it). The measurement
-    is the sum of each pass's fastest time over the runs (see _timed); the fastest whole run is reported
-    beside it."""
+    is the sum of each pass's fastest time over the runs (placement_lockstep.time_configurations); the fastest
+    whole run is reported beside it."""
     cell = estimate_cell(model, shapes, workload, strategy, ratio, calibration_LE, config)
     measured = sum(timing.step_seconds)
     error = cell.seconds / measured - 1
@@ -258,64 +256,6 @@ def _compare(model: PassCostModel, shapes, workload, strategy, ratio, timing: Ru
             "estimated_ttft_mean_seconds": cell.ttft_seconds["mean"], "relative_error": error,
             "within_tolerance": ok, "tolerance": config.tolerance, "runs": config.repeats,
             "error_vs_fastest_run": cell.seconds / timing.wall_seconds - 1}
-
-
-def _timed(llm, workload, configs: list[tuple[str, float]], calibration_LE, config, cost, log
-           ) -> dict[tuple[str, float], RunTiming]:
-    """Time every static (strategy, ratio) `repeats` times. Per configuration: the fastest run, with
-    `step_seconds` replaced by each pass's fastest time over all runs, so a burst of load from other processes on
-    a shared machine costs one run a few passes, not the measurement; calibration and validation both use these
-    per-pass minima, so they are compared like for like. With memory for a copy of the model per configuration
-    the runs advance in lockstep (placement_lockstep); else whole runs are interleaved in rotating rounds."""
-    copies = len(configs) - 1
-    need, have = copies * _model_bytes(llm.model_dir), _available_memory()
-    if need > 0.5 * have:
-        log(f"[placement] timing one configuration after another: {copies} more copies of the model "
-            f"({need / 2**30:.1f} GiB) would not fit in half the available memory ({have / 2**30:.1f} GiB)")
-        return _timed_rounds(llm, workload, configs, calibration_LE, config, cost, log)
-    log(f"[placement] timing {len(configs)} configurations in lockstep ({config.repeats} rounds; "
-        f"loading {copies} more copies of the model)")
-    from tiermoe.engine.llm import LLM
-
-    spec = llm.hybrid.spec
-    with ExitStack() as stack:
-        llms = {}
-        for i, (strategy, ratio) in enumerate(configs):
-            model = llm if i == 0 else stack.enter_context(
-                LLM(config.model, gpu_device="cpu", dtype=config.dtype, cpu=config.cpu, progress=False))
-            model.hybrid.apply_mask(strategy_mask(strategy, spec.moe_row_mask(), spec.num_experts, ratio,
-                                                  calibration_LE, config.seed))
-            warm_up(model, workload, config.concurrency, config.prefill_chunk)
-            llms[(strategy, ratio)] = model
-        return time_in_lockstep(llms, workload, config.concurrency, config.prefill_chunk, config.repeats, log)
-
-
-def _model_bytes(model_dir) -> int:
-    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-
-
-def _available_memory() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _timed_rounds(llm, workload, configs: list[tuple[str, float]], calibration_LE, config, cost, log
-                  ) -> dict[tuple[str, float], RunTiming]:
-    """Whole runs of every configuration, `repeats` rounds in rotating order, on the one loaded model."""
-    runs: dict[tuple[str, float], list[RunTiming]] = {key: [] for key in configs}
-    for r in range(config.repeats):
-        for strategy, ratio in configs[r % len(configs):] + configs[:r % len(configs)]:
-            timing, _ = measure_configuration(llm, workload, strategy, ratio, calibration_LE, config.concurrency,
-                                              config.prefill_chunk, config.prefill_threshold, cost, config.seed)
-            log(f"[placement] timed run {strategy} @ {ratio:.2f} (round {r + 1}/{config.repeats}): "
-                f"{timing.wall_seconds:.2f} s, {timing.output_tokens_per_s:.1f} out tok/s")
-            runs[(strategy, ratio)].append(timing)
-    return {key: merge_runs(key, timings) for key, timings in runs.items()}
 
 
 def _measure_all(llm, workload, calibration_LE, config, profile, cpu_fit: TierFit, log) -> list[Cell]:

@@ -8,16 +8,81 @@ advance in turn, one engine step each (the order rotated every pass): pass p of 
 within a fraction of a second of the others, under the same load. Over `repeats` rounds each pass keeps its
 fastest time, so a burst of load that slows some passes of one round is dropped, for every configuration alike.
 Each run's clock is the sum of its own steps (placement_runner.WorkloadRun), so TTFT and totals are its own.
+Without memory for the copies (half the available memory), whole runs are interleaved in rotating rounds on the
+one model instead, with the same per-pass minima.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import replace
+from pathlib import Path
 
-from tiermoe.benchmarking.placement_runner import RunTiming, WorkloadRun, make_engine
+from tiermoe.benchmarking.placement_live import measure_configuration
+from tiermoe.benchmarking.placement_runner import RunTiming, WorkloadRun, make_engine, warm_up
+from tiermoe.benchmarking.placement_traffic import strategy_mask
 from tiermoe.benchmarking.placement_workload import Workload
 from tiermoe.errors import TiermoeError
+
+
+def time_configurations(llm, workload: Workload, configs: list[tuple[str, float]], calibration_LE, config, cost,
+                        log: Callable[[str], None]) -> dict[tuple[str, float], RunTiming]:
+    """Time every static (strategy, ratio) `config.repeats` times (config: a PlacementBenchConfig). Per
+    configuration: the fastest run, with `step_seconds` replaced by each pass's fastest time over all runs, so a
+    burst of load from other processes costs one run a few passes, not the measurement; calibration and
+    validation both use these per-pass minima, so they are compared like for like. With memory for a copy of the
+    model per configuration the runs advance in lockstep; else whole runs are interleaved in rotating rounds."""
+    copies = len(configs) - 1
+    need, have = copies * _model_bytes(llm.model_dir), _available_memory()
+    if need > 0.5 * have:
+        log(f"[placement] timing one configuration after another: {copies} more copies of the model "
+            f"({need / 2**30:.1f} GiB) would not fit in half the available memory ({have / 2**30:.1f} GiB)")
+        return _timed_rounds(llm, workload, configs, calibration_LE, config, cost, log)
+    log(f"[placement] timing {len(configs)} configurations in lockstep ({config.repeats} rounds; "
+        f"loading {copies} more copies of the model)")
+    from tiermoe.engine.llm import LLM
+
+    spec = llm.hybrid.spec
+    with ExitStack() as stack:
+        llms = {}
+        for i, (strategy, ratio) in enumerate(configs):
+            model = llm if i == 0 else stack.enter_context(
+                LLM(config.model, gpu_device="cpu", dtype=config.dtype, cpu=config.cpu, progress=False))
+            model.hybrid.apply_mask(strategy_mask(strategy, spec.moe_row_mask(), spec.num_experts, ratio,
+                                                  calibration_LE, config.seed))
+            warm_up(model, workload, config.concurrency, config.prefill_chunk)
+            llms[(strategy, ratio)] = model
+        return time_in_lockstep(llms, workload, config.concurrency, config.prefill_chunk, config.repeats, log)
+
+
+def _model_bytes(model_dir) -> int:
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+
+def _available_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _timed_rounds(llm, workload, configs: list[tuple[str, float]], calibration_LE, config, cost, log
+                  ) -> dict[tuple[str, float], RunTiming]:
+    """Whole runs of every configuration, `repeats` rounds in rotating order, on the one loaded model."""
+    runs: dict[tuple[str, float], list[RunTiming]] = {key: [] for key in configs}
+    for r in range(config.repeats):
+        for strategy, ratio in configs[r % len(configs):] + configs[:r % len(configs)]:
+            timing, _ = measure_configuration(llm, workload, strategy, ratio, calibration_LE, config.concurrency,
+                                              config.prefill_chunk, config.prefill_threshold, cost, config.seed)
+            log(f"[placement] timed run {strategy} @ {ratio:.2f} (round {r + 1}/{config.repeats}): "
+                f"{timing.wall_seconds:.2f} s, {timing.output_tokens_per_s:.1f} out tok/s")
+            runs[(strategy, ratio)].append(timing)
+    return {key: merge_runs(key, timings) for key, timings in runs.items()}
 
 
 def time_in_lockstep(llms: dict, workload: Workload, concurrency: int, prefill_chunk: int, repeats: int,
