@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import argparse
-import collections
+import itertools
 import json
 import statistics
 import threading
@@ -78,18 +78,10 @@ def prefill_gap(url: str, chunk: int, long_tokens: int) -> dict:
     prefilled = time.perf_counter()
     for t in threads:
         t.join()
-    gaps_during = [b - a for s in streams for a, b in zip(s, s[1:]) if a >= arrival - 0.5 and b <= prefilled + 0.5]
-    gaps_before = [b - a for s in streams for a, b in zip(s, s[1:]) if b < arrival]
+    gaps_during = [b - a for s in streams for a, b in itertools.pairwise(s) if a >= arrival - 0.5 and b <= prefilled + 0.5]
+    gaps_before = [b - a for s in streams for a, b in itertools.pairwise(s) if b < arrival]
     return {"one_chunk_alone_s": min(alone), "median_gap_before_s": statistics.median(gaps_before),
             "max_gap_during_long_prefill_s": max(gaps_during), "long_prefill_s": prefilled - arrival}
-
-
-def drain(pipe, keep: int = 40) -> collections.deque:
-    """Read the server's output on a thread, keeping the last `keep` lines: left unread, its pipe fills up with
-    access-log lines after a few hundred requests and the server blocks writing the next one."""
-    tail: collections.deque = collections.deque(maxlen=keep)
-    threading.Thread(target=lambda: tail.extend(pipe), name="server-log", daemon=True).start()
-    return tail
 
 
 def soak(url: str, proc: psutil.Process, clients: int, seconds: float) -> dict:
@@ -149,7 +141,6 @@ def main() -> None:
     model = resolve_model(args.model)
     print(f"starting a server on {model} ...", flush=True)
     server = ServerProcess(model, "--chunked-prefill-size", str(args.chunk), "--max-running-requests", "32")
-    log_tail = drain(server.proc.stdout)
     try:
         proc = psutil.Process(server.proc.pid)
         complete(server.url, "warm up", 4)
@@ -164,7 +155,7 @@ def main() -> None:
         print(f"{32} clients for {args.soak_seconds:.0f} s ...", flush=True)
         load = soak(server.url, proc, 32, args.soak_seconds)
     except Exception:
-        print("server log (last lines):\n" + "".join(log_tail), flush=True)
+        print("server log (last lines):\n" + server.log_tail(), flush=True)
         raise
     finally:
         server.stop()

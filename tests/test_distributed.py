@@ -402,7 +402,7 @@ def test_serve_with_num_gpus_launches_the_ranks_and_answers_like_one_process(cha
         assert len(followers) == 1
     finally:
         code = server.stop()
-    assert code == 0, server.proc.stdout.read()
+    assert code == 0, server.log_tail()
     assert not _shm_files(server.proc.pid)
     for pid in followers:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in _state(pid)

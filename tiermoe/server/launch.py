@@ -1,11 +1,17 @@
-"""Start a real `tiermoe serve` process on a free loopback port (tests and benchmarks use it)."""
+"""Start a real `tiermoe serve` process on a free loopback port (tests and benchmarks use it).
+
+The server's output is read on a thread from the start, keeping the last lines (`log_tail()`): a pipe left
+unread fills with access-log lines after a few hundred requests and the server then blocks writing the next one.
+"""
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -25,10 +31,14 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tiermoe.cli.main", "serve", "--model", str(model_dir), "--port", str(self.port),
              *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self._tail: collections.deque[str] = collections.deque(maxlen=200)
+        self._reader = threading.Thread(target=self._tail.extend, args=(self.proc.stdout,), name="server-log",
+                                        daemon=True)
+        self._reader.start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.proc.stdout.read()}")
+                raise RuntimeError(f"server exited early:\n{self.log_tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
@@ -36,6 +46,12 @@ class ServerProcess:
                 time.sleep(0.2)
         self.stop()
         raise RuntimeError("server did not come up")
+
+    def log_tail(self) -> str:
+        """The last lines the server printed (all of them once it has exited)."""
+        if self.proc.poll() is not None:
+            self._reader.join(timeout=5)
+        return "".join(self._tail)
 
     def stop(self, sig=None) -> int:
         if self.proc.poll() is None:
