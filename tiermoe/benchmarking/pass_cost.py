@@ -21,9 +21,9 @@ Per pass p (sequences s, MoE layers m):
   computes it itself, so host and device time add up, the layerwise streamer copies nothing (the weights are
   already there), and swap copies take the cores' time.
 - `tiers_overlap`: beside a GPU the CPU tier computes while the GPU tier does (combine = max). On one CPU they
-  take turns (combine = sum: they share cores, caches and memory bandwidth), and a layer in which both compute
-  pays `both_tiers_seconds` more (the caller and the CPU tier's worker contend for the GIL and the caches);
-  host_fit measures it on a timed run at a split no validation uses.
+  share the cores, caches, memory bus and GIL: a layer in which both compute costs cpu + gpu + lambda x
+  min(cpu, gpu), where `tier_interaction` lambda says how much of the time both are busy they overlap (-1: fully,
+  max(cpu, gpu)) or slow each other (> 0); host_fit measures it on a timed run at a split no validation uses.
 Legend: P passes, M MoE layers, S (pass, sequence) rows.
 """
 
@@ -61,7 +61,7 @@ class PassCostModel:
     host: HostCosts
     device_is_host: bool  # the GPU tier runs on the host CPU (this-cpu), in the caller thread
     tiers_overlap: bool = True  # the CPU tier computes while the GPU tier does (a device of its own)
-    both_tiers_seconds: float = 0.0  # extra per layer call in which both tiers compute (one CPU), measured
+    tier_interaction: float = 0.0  # lambda: one CPU, a layer with both tiers costs cpu + gpu + lambda min(cpu, gpu)
     gpu_tier: TierFit | None = None  # this-cpu: the GPU tier as timed (a, b) instead of the profile's roofline
 
     # ---- building blocks (tensor-friendly) -------------------------------------------------------------
@@ -100,12 +100,22 @@ class PassCostModel:
     def moe_seconds_P(self, traffic: Traffic, tokens_P: torch.Tensor) -> torch.Tensor:
         """Placement-dependent seconds per pass: both tiers of every MoE layer, and blocking copies."""
         cpu, gpu, host_cpu_call = self._tiers_PM(traffic, tokens_P)
-        both = ((traffic.cpu_distinct_PM > 0) & (traffic.gpu_distinct_PM > 0)).double() * self.both_tiers_seconds
+        both = self.both_busy_PM(traffic, cpu, gpu) * self.tier_interaction
         layers = (host_cpu_call + self._combine(cpu, gpu) + both).sum(-1)
         copy = self.model.bytes_per_expert / self.profile.pcie_bandwidth
         blocking = traffic.swap_copies_P.double() * copy if self.device_is_host else \
             traffic.streamed_P.double() * copy
         return layers + blocking
+
+    @staticmethod
+    def both_busy_PM(traffic: Traffic, cpu: torch.Tensor, gpu: torch.Tensor) -> torch.Tensor:
+        """Seconds per pass and MoE layer during which both tiers could be computing: the smaller of the two, in
+        layers where both have experts to compute (what tier_interaction scales)."""
+        both = (traffic.cpu_distinct_PM > 0) & (traffic.gpu_distinct_PM > 0)
+        return torch.where(both, torch.minimum(cpu, gpu), torch.zeros_like(cpu))
+
+    def tiers_PM(self, traffic: Traffic, tokens_P: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self._tiers_PM(traffic, tokens_P)
 
     def _tiers_PM(self, traffic: Traffic, tokens_P: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(CPU tier, GPU tier, host cost of calling the CPU tier) seconds per pass and MoE layer."""
