@@ -157,14 +157,11 @@ def test_the_tiers_combine_from_overlap_to_interference(shapes):
     traffic = static_traffic(shapes, mask)
     one_cpu = PassCostModel(profile, small_costs(), cpu, host, device_is_host=True, tiers_overlap=False)
     overlap = replace(one_cpu, tiers_overlap=True)
-    interfere = replace(one_cpu, tier_interaction=0.5)
-    full_overlap = replace(one_cpu, tier_interaction=-1.0)
+    interfere = replace(one_cpu, both_tiers_seconds=1e-4)
     beside = replace(one_cpu, device_is_host=False, tiers_overlap=True)
     t_one, t_overlap = one_cpu.pass_seconds_P(shapes, traffic), overlap.pass_seconds_P(shapes, traffic)
     assert bool((t_overlap <= t_one + 1e-12).all()) and float(t_overlap.sum()) < float(t_one.sum())
     assert float(interfere.pass_seconds_P(shapes, traffic).sum()) > float(t_one.sum())
-    t_full = full_overlap.pass_seconds_P(shapes, traffic)  # -1: the slower tier where both compute
-    assert bool((t_full >= t_overlap - 1e-12).all()) and float(t_full.sum()) < float(t_one.sum())
     assert bool((beside.pass_seconds_P(shapes, traffic) <= t_overlap + 1e-12).all())
     # one CPU: the CPU tier's measured time adds to everything else, exactly
     cpu_part = cpu.seconds(traffic.cpu_distinct_PM.double(), traffic.cpu_pairs_PM.double(),
@@ -178,24 +175,22 @@ def test_the_tiers_combine_from_overlap_to_interference(shapes):
 def test_host_costs_are_recovered_from_timed_runs(shapes):
     profile = GPUProfile("this-cpu", 1e10, 1e11, 1e10, 1e-6)
     truth = HostCosts(7e-6, 3e-4, 1e-3)  # per sequence: 100 ops x 7 us dispatch + 0.3 ms more
-    model = PassCostModel(profile, small_costs(), TierFit(1e-4, 1e-6, 2e-5, 0.0, 0), truth, True, False, 0.3)
+    model = PassCostModel(profile, small_costs(), TierFit(1e-4, 1e-6, 2e-5, 0.0, 0), truth, True, False, 2e-4)
     runs = []
     for ratio in (0.0, 0.75, 1.0):
         mask = strategy_mask("uniform", shapes.moe_rows_L, shapes.num_experts, ratio, None)[list(shapes.moe_layers)]
         traffic = static_traffic(shapes, mask)
         runs.append((f"r{ratio}", traffic, model.pass_seconds_P(shapes, traffic).tolist()))
-    fitted = fit_host_costs(replace(model, host=HostCosts(truth.op_seconds, 0.0, 0.0), tier_interaction=0.0),
+    fitted = fit_host_costs(replace(model, host=HostCosts(truth.op_seconds, 0.0, 0.0), both_tiers_seconds=0.0),
                             shapes, runs)
     assert fitted.host.op_seconds == truth.op_seconds
     assert fitted.host.step_seconds == pytest.approx(truth.step_seconds, rel=1e-6, abs=1e-12)
     assert fitted.host.sequence_seconds == pytest.approx(truth.sequence_seconds, rel=1e-6, abs=1e-12)
-    assert fitted.tier_interaction == pytest.approx(0.3, rel=1e-6)  # only the split run has both tiers
+    assert fitted.both_tiers_seconds == pytest.approx(2e-4, rel=1e-6)  # only the split run has both tiers
     assert fitted.host.fit["runs"]["r0.75"]["fitted_seconds"] == pytest.approx(sum(runs[1][2]), rel=1e-9)
-    cpu, gpu, _ = model.tiers_PM(runs[1][1], shapes.tokens_P)
-    busy_P = model.both_busy_PM(runs[1][1], cpu, gpu).sum(-1)
-    faster = (torch.tensor(runs[1][2], dtype=torch.float64) - 0.8 * busy_P).tolist()
-    overlap = [runs[0], (runs[1][0], runs[1][1], faster), runs[2]]
-    assert fit_host_costs(fitted, shapes, overlap).tier_interaction == pytest.approx(-0.5, rel=1e-6)  # may be < 0
+    overlap = [(label, traffic, (torch.tensor(s, dtype=torch.float64) - 3e-4 * ((traffic.cpu_distinct_PM > 0) & (
+        traffic.gpu_distinct_PM > 0)).sum(-1)).tolist()) for label, traffic, s in runs]
+    assert fit_host_costs(fitted, shapes, overlap).both_tiers_seconds == pytest.approx(-1e-4, rel=1e-6)  # may be < 0
 
 
 def test_a_timed_gpu_tier_costs_exactly_what_was_timed(shapes):

@@ -3,20 +3,17 @@
 1. t_op (measure_op_seconds): the tiers' expert loop timed on tiny experts, where nothing but dispatch costs
    time (Python, the dispatcher, launching): seconds per op. Not fitted on runs: a pass's ops grow with its
    sequences, so t_op and t_seq would be confounded there.
-2. t_step, t_seq and lambda (fit_host_costs), on timed calibration runs (by default every expert on the CPU
+2. t_step, t_seq and t_both (fit_host_costs), on timed calibration runs (by default every expert on the CPU
    tier, every expert on the GPU tier on the CPU device, and a 75% split), never on the configurations the cost
    model is validated on:
-       measured_p - model_p(t_step = 0, t_seq = 0, lambda = 0) = t_step + t_seq x sequences_p + lambda x both_p
-   both_p sums, over the MoE layers of pass p in which both tiers compute, the smaller of the two tiers' times.
-   lambda is the one interaction term of the model with the GPU tier on this CPU: the caller computes the GPU
-   tier's experts while the CPU tier's worker computes the others, on other cores but sharing caches, the memory
-   bus and the GIL. They overlap (lambda < 0, down to -1: the layer costs the slower tier) or slow each other
-   (lambda > 0) for as long as both are busy, at most the smaller tier's time. Only the split run has layers with
-   both tiers, so it alone sets lambda.
+       measured_p - model_p(t_step = 0, t_seq = 0, t_both = 0) = t_step + t_seq x sequences_p + t_both x both_p
+   both_p counts the MoE layers of pass p in which both tiers compute. t_both is the one interaction term of the
+   model with the GPU tier on this CPU: the caller computes the GPU tier's experts while the CPU tier's worker
+   computes the others, and they share the cores' caches, the memory bus and the GIL (t_both > 0: they slow
+   each other; < 0: they overlap). Only the split run has layers with both tiers, so it alone sets t_both.
    t_seq is a sequence forward's host time as the runs show it (dispatching its ops, Python between them, thread
    hand-offs), not ops x t_op: the sequence forward's ops (many views, small norms) cost less each than the expert
-   loop's that t_op is timed on. Least squares over every pass of every run, t_step, t_seq >= 0, lambda >= -1;
-   absolute error, so the
+   loop's that t_op is timed on. Least squares over every pass of every run, both >= 0; absolute error, so the
    fit is best where the time is (the total of a run).
 """
 
@@ -36,23 +33,22 @@ def fit_host_costs(model: PassCostModel, shapes: PassShapes, runs: list[tuple[st
                    ) -> PassCostModel:
     """runs: (label, traffic of that run's placement, measured seconds of each pass). `model` must have
     device_is_host True (the runs had the GPU tier on this CPU); returns it with t_step and t_seq (its host
-    op_seconds kept) and tier_interaction fitted."""
+    op_seconds kept) and both_tiers_seconds fitted."""
     if not model.device_is_host:
         raise ValueError("host costs are fitted on runs with the GPU tier on the host CPU")
     op = model.host.op_seconds
-    zero = replace(model, host=HostCosts(op, 0.0, 0.0), tier_interaction=0.0)
+    zero = replace(model, host=HostCosts(op, 0.0, 0.0), both_tiers_seconds=0.0)
     xs, ys = [], []
     for _, traffic, seconds in runs:
         measured = torch.tensor(seconds, dtype=torch.float64)
         if measured.numel() != shapes.num_passes:
             raise ValueError(f"a calibration run has {measured.numel()} steps, the trace {shapes.num_passes} passes")
-        cpu, gpu, _ = zero.tiers_PM(traffic, shapes.tokens_P)
-        both_P = zero.both_busy_PM(traffic, cpu, gpu).sum(-1)
+        both_P = ((traffic.cpu_distinct_PM > 0) & (traffic.gpu_distinct_PM > 0)).sum(-1).double()
         xs.append(torch.stack([torch.ones(shapes.num_passes, dtype=torch.float64), shapes.seqs_P.double(), both_P],
                               dim=1))
         ys.append(measured - zero.pass_seconds_P(shapes, traffic))
     x, y = torch.cat(xs), torch.cat(ys)
-    coef = _bounded_lstsq(x, y, lower=(0.0, 0.0, -1.0))
+    coef = _bounded_lstsq(x, y, lower=(0.0, 0.0, -float("inf")))
     residual = y - x @ coef
     n = shapes.num_passes
     totals = {label: {"measured_seconds": float(sum(s)),
@@ -60,9 +56,9 @@ def fit_host_costs(model: PassCostModel, shapes: PassShapes, runs: list[tuple[st
               for i, (label, _, s) in enumerate(runs)}
     host = HostCosts(op_seconds=op, step_seconds=float(coef[0]), sequence_seconds=float(coef[1]),
                      fit={"runs": totals, "passes": int(y.numel()),
-                          "both_busy_seconds": float(x[:, 2].sum()),
+                          "layers_with_both_tiers": int(x[:, 2].sum()),
                           "rms_pass_error_seconds": float(residual.pow(2).mean().sqrt())})
-    return replace(model, host=host, tier_interaction=float(coef[2]))
+    return replace(model, host=host, both_tiers_seconds=float(coef[2]))
 
 
 def measure_op_seconds(act, device="cpu", experts: int = 8, repeats: int = 20) -> float:

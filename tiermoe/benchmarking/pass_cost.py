@@ -14,16 +14,18 @@ Per pass p (sequences s, MoE layers m):
   directly like the CPU tier's (`gpu_tier`: a d_g + b p_g): the tier's own expert loop does not run at the rate
   of one large matrix, and the rest of the forward does not run at the rate of the expert loop.
 - Host costs are measured on this machine and carried to the estimate (the GPU machine's host runs the same
-  Python): t_op per op dispatched in the MoE blocks, from the GPU tier timed on this CPU (tier_fit); t_step per
-  step and t_seq per sequence forward (its dispatch and thread hand-offs), fitted on timed runs (host_fit).
+  Python): t_op per op dispatched in the MoE blocks, from the experts' loop timed on tiny experts (host_fit);
+  t_step per step and t_seq per sequence forward (its dispatch and thread hand-offs), fitted on timed runs
+  (host_fit).
 - With a GPU beside the CPU (`device_is_host` False) the device runs behind the host, so host (+) device is
   max(host seconds, kernels x launch + roofline). With the GPU tier on the host CPU (this-cpu) the caller thread
   computes it itself, so host and device time add up, the layerwise streamer copies nothing (the weights are
   already there), and swap copies take the cores' time.
 - `tiers_overlap`: beside a GPU the CPU tier computes while the GPU tier does (combine = max). On one CPU they
-  share the cores, caches, memory bus and GIL: a layer in which both compute costs cpu + gpu + lambda x
-  min(cpu, gpu), where `tier_interaction` lambda says how much of the time both are busy they overlap (-1: fully,
-  max(cpu, gpu)) or slow each other (> 0); host_fit measures it on a timed run at a split no validation uses.
+  take turns (combine = sum: they share cores, caches and memory bandwidth), and a layer in which both compute
+  pays `both_tiers_seconds` more (the caller and the CPU tier's worker contend for the GIL and the caches);
+  host_fit measures it on a timed run at a split no validation uses. (A term scaled by the smaller tier's time,
+  lambda x min(cpu, gpu), was tried and fitted worse: +13 to +24% at the validation ratios, native backend.)
 Legend: P passes, M MoE layers, S (pass, sequence) rows.
 """
 
@@ -61,7 +63,7 @@ class PassCostModel:
     host: HostCosts
     device_is_host: bool  # the GPU tier runs on the host CPU (this-cpu), in the caller thread
     tiers_overlap: bool = True  # the CPU tier computes while the GPU tier does (a device of its own)
-    tier_interaction: float = 0.0  # lambda: one CPU, a layer with both tiers costs cpu + gpu + lambda min(cpu, gpu)
+    both_tiers_seconds: float = 0.0  # extra per layer call in which both tiers compute (one CPU), measured
     gpu_tier: TierFit | None = None  # this-cpu: the GPU tier as timed (a, b) instead of the profile's roofline
 
     # ---- building blocks (tensor-friendly) -------------------------------------------------------------
@@ -100,22 +102,12 @@ class PassCostModel:
     def moe_seconds_P(self, traffic: Traffic, tokens_P: torch.Tensor) -> torch.Tensor:
         """Placement-dependent seconds per pass: both tiers of every MoE layer, and blocking copies."""
         cpu, gpu, host_cpu_call = self._tiers_PM(traffic, tokens_P)
-        both = self.both_busy_PM(traffic, cpu, gpu) * self.tier_interaction
+        both = ((traffic.cpu_distinct_PM > 0) & (traffic.gpu_distinct_PM > 0)).double() * self.both_tiers_seconds
         layers = (host_cpu_call + self._combine(cpu, gpu) + both).sum(-1)
         copy = self.model.bytes_per_expert / self.profile.pcie_bandwidth
         blocking = traffic.swap_copies_P.double() * copy if self.device_is_host else \
             traffic.streamed_P.double() * copy
         return layers + blocking
-
-    @staticmethod
-    def both_busy_PM(traffic: Traffic, cpu: torch.Tensor, gpu: torch.Tensor) -> torch.Tensor:
-        """Seconds per pass and MoE layer during which both tiers could be computing: the smaller of the two, in
-        layers where both have experts to compute (what tier_interaction scales)."""
-        both = (traffic.cpu_distinct_PM > 0) & (traffic.gpu_distinct_PM > 0)
-        return torch.where(both, torch.minimum(cpu, gpu), torch.zeros_like(cpu))
-
-    def tiers_PM(self, traffic: Traffic, tokens_P: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self._tiers_PM(traffic, tokens_P)
 
     def _tiers_PM(self, traffic: Traffic, tokens_P: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(CPU tier, GPU tier, host cost of calling the CPU tier) seconds per pass and MoE layer."""

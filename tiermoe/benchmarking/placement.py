@@ -11,7 +11,7 @@
    (host_fit) and the GPU tier on this CPU (tier_fit); fit the host's per-step and per-sequence costs on timed
    runs at the calibration ratios (host_fit); then estimate every cell's time with the cost model (pass_cost)
    and the chosen GPU profile. With `this-cpu` the GPU tier really is this CPU: one more calibration run at a
-   split (contention_ratio) measures how the two tiers overlap or interfere when both compute on this CPU, the
+   split (contention_ratio) measures what a layer costs beyond its two tiers when both compute on this CPU, the
    configurations at the validation ratios are served and timed beside the calibration runs (placement_lockstep),
    and estimate and measurement are compared (nothing is fitted on them: the check can fail).
 """
@@ -79,7 +79,7 @@ class PlacementBenchConfig:
     prefill_threshold: int | None = 512
     repeats: int = 3
     calibration_ratios: tuple[float, ...] = (0.0, 1.0)
-    contention_ratio: float = 0.75  # the calibration split that measures the tiers' interaction (host_fit)
+    contention_ratio: float = 0.75  # the calibration split that measures the both-tiers cost (host_fit)
     validation_ratios: tuple[float, ...] = (0.25, 0.5)
     validation_strategies: tuple[str, ...] = ("uniform", "frequency")
     tolerance: float = 0.15
@@ -181,8 +181,8 @@ def _estimate_all(llm, workload: Workload, calibration_LE, config: PlacementBenc
     on_host = fit_host_costs(on_host, shapes, runs)
     host = on_host.host
     both = "" if target is not None else (
-        f"; a MoE layer with both tiers busy costs the two {on_host.tier_interaction:+.2f} x the smaller "
-        f"(fitted on uniform@{config.contention_ratio:g}; -1 = full overlap, 0 = none)")
+        f"; a MoE layer with both tiers busy costs {on_host.both_tiers_seconds * 1e6:+.0f} us beyond the two "
+        f"(fitted on uniform@{config.contention_ratio:g})")
     log(f"[placement]   host: {host.op_seconds * 1e6:.2f} us per op, {host.step_seconds * 1e3:.2f} ms per step, "
         f"{host.sequence_seconds * 1e3:.2f} ms per sequence forward{both}")
     model = on_host if target is None else PassCostModel(target, costs, cpu_fit, host, device_is_host=False)
@@ -200,7 +200,7 @@ def _estimate_all(llm, workload: Workload, calibration_LE, config: PlacementBenc
             "model": costs.as_dict(),
             "this_cpu_profile": raw_profile.as_dict(),
             "passes": shapes.num_passes,
-            "tier_interaction": on_host.tier_interaction}
+            "both_tiers_seconds": on_host.both_tiers_seconds}
     return PlacementBenchResult("estimated", list(config.ratios), list(config.strategies), cells, setup,
                                 model.profile.as_dict(), info, validation)
 
