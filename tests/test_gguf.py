@@ -64,8 +64,25 @@ def _add(writer, name: str, w: torch.Tensor, qtype) -> None:
         writer.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
 
 
-def write_qwen3moe_gguf(path, arch: str = "qwen3moe", seed: int = 0, split_max_tensors: int = 0):
-    """A tiny qwen3_moe model in a GGUF file: experts Q4_K, attention and embeddings Q8_0, norms and routers F32."""
+def add_byte_vocabulary(w) -> None:
+    """A byte-level BPE vocabulary of 256 tokens in llama.cpp's metadata: the bytes, except that byte 0x7f's slot
+    holds the merge "he" (so the merge list is not empty) and id 2 is the end-of-text control token."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    b2u = bytes_to_unicode()
+    tokens = [b2u[b] for b in range(256)]
+    tokens[0x7F] = "he"
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i == 2 else 1 for i in range(256)])
+    w.add_token_merges(["h e"])
+
+
+def write_qwen3moe_gguf(path, arch: str = "qwen3moe", seed: int = 0, split_max_tensors: int = 0,
+                        vocabulary: bool = False):
+    """A tiny qwen3_moe model in a GGUF file: experts Q4_K, attention and embeddings Q8_0, norms and routers F32;
+    `vocabulary` adds a tokenizer to its metadata."""
     from transformers import AutoModelForCausalLM
 
     cfg = make_config("qwen3_moe", initializer_range=0.1, **SHAPE)
@@ -89,6 +106,8 @@ def write_qwen3moe_gguf(path, arch: str = "qwen3moe", seed: int = 0, split_max_t
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if vocabulary:
+        add_byte_vocabulary(w)
     _add(w, "token_embd.weight", sd["model.embed_tokens.weight"], Q.Q8_0)
     _add(w, "output.weight", sd["lm_head.weight"], Q.Q8_0)
     _add(w, "output_norm.weight", sd["model.norm.weight"], Q.F32)
@@ -396,3 +415,21 @@ def test_convert_from_gguf_gives_the_cache_a_direct_load_would_build(tmp_path, g
     with load_hybrid_model(path, None, progress=False, cpu=CPUConfig(expert_dtype="int8")) as direct, \
             load_hybrid_model(cache, None, progress=False) as cached:
         assert torch.equal(cached(input_ids=ids).logits, direct(input_ids=ids).logits)
+
+
+def test_a_gguf_brings_its_tokenizer_and_one_without_a_vocabulary_takes_token_ids(tmp_path, gguf_case):
+    from tiermoe import LLM, SamplingParams
+
+    path = tmp_path / "with-vocab.gguf"
+    write_qwen3moe_gguf(path, vocabulary=True)
+    greedy = SamplingParams(max_tokens=5, ignore_eos=True)
+    with LLM(path, progress=False) as llm:
+        ids = llm.encode("hello there")
+        assert ids[0] == 0x7F and llm.tokenizer.decode(ids) == "hello there"  # the merge applied, text round-trips
+        by_text = llm.generate("hello there", greedy)[0]
+        assert by_text.token_ids == llm.generate([ids], greedy)[0].token_ids
+        assert by_text.text == llm.tokenizer.decode(by_text.token_ids)
+    with LLM(gguf_case[0], progress=False) as llm:
+        assert llm.tokenizer is None
+        with pytest.raises(TiermoeError, match="no tokenizer"):
+            llm.generate("hello", greedy)

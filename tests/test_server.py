@@ -220,3 +220,15 @@ def test_recorder_start_stop_dump_over_http(model_dir, tmp_path, monkeypatch):
         assert files[0].startswith(str(tmp_path))
     finally:
         proc.stop()
+
+
+def test_the_server_bounds_malloc_arenas_unless_the_user_chose(monkeypatch):
+    import platform
+
+    from tiermoe.server.malloc_arenas import limit_malloc_arenas
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert limit_malloc_arenas() is False  # the user's setting wins
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    if platform.libc_ver()[0] == "glibc":
+        assert limit_malloc_arenas(8) is True  # a generous cap: harmless for the test process

@@ -127,7 +127,9 @@ def requested_gpus(args) -> int:
 
 def run(args) -> int:
     from tiermoe.distributed.group import RankEnv, check_world
+    from tiermoe.server.malloc_arenas import limit_malloc_arenas
 
+    limit_malloc_arenas()  # before any thread starts: keeps RSS flat after bursts of requests
     env = RankEnv.from_env()
     gpus = requested_gpus(args)
     if env is not None:  # started by torchrun (or by our own launcher)

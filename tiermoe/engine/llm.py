@@ -6,6 +6,7 @@ Text, tokenizer and chat template live here, at the edge; the Engine underneath 
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,11 +142,28 @@ class LLM:
 
 
 def _load_tokenizer(model_dir: Path):
-    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
+    """The checkpoint's tokenizer: its tokenizer files, or for GGUF the vocabulary in the (first) file's metadata
+    (converted by transformers); None when there is none (prompts must then be token ids)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    if any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    from tiermoe.model.gguf_reader import gguf_files
+
+    files = gguf_files(model_dir)
+    if not files:
+        return None
+    first = files[0]  # split files carry the tokenizer in the first one
+    from gguf import GGUFReader
+
+    if "tokenizer.ggml.model" not in GGUFReader(str(first)).fields:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(first.parent), gguf_file=first.name, local_files_only=True)
+    except (KeyError, ValueError, NotImplementedError) as err:  # a vocabulary transformers cannot convert
+        warnings.warn(f"{first.name}: its tokenizer could not be converted ({err}); pass prompts as token ids",
+                      stacklevel=2)
+        return None
 
 
 def eos_token_ids(model_dir: Path, config) -> set[int]:
