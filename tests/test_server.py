@@ -232,3 +232,24 @@ def test_the_server_bounds_malloc_arenas_unless_the_user_chose(monkeypatch):
     monkeypatch.delenv("MALLOC_ARENA_MAX")
     if platform.libc_ver()[0] == "glibc":
         assert limit_malloc_arenas(8) is True  # a generous cap: harmless for the test process
+
+
+KT_LAUNCH_LINE = ("--kt-weight-path /models/q-int4 --kt-cpuinfer 1 --kt-threadpool-count 2 --kt-num-gpu-experts 2 "
+                  "--kt-method AMXINT8 --attention-backend triton --trust-remote-code --mem-fraction-static 0.98 "
+                  "--chunked-prefill-size 64 --max-running-requests 4 --max-total-tokens 4096 --served-model-name kt "
+                  "--enable-mixed-chunk --tensor-parallel-size 1 --enable-p2p-check --disable-shared-experts-fusion")
+
+
+def test_a_ktransformers_launch_line_serves_and_names_the_flags_without_effect(model_dir):
+    proc = ServerProcess(model_dir, *KT_LAUNCH_LINE.split())
+    try:
+        body = httpx.post(proc.url + "/v1/completions", json={"model": "x", "prompt": "hello", "max_tokens": 3},
+                          timeout=60).json()
+        assert body["model"] == "kt" and body["usage"]["completion_tokens"] == 3
+    finally:
+        proc.stop()
+    note = next(line for line in proc.log_tail().splitlines() if line.startswith("note: without effect in tiermoe:"))
+    for flag in ("--kt-weight-path /models/q-int4", "--attention-backend triton", "--trust-remote-code",
+                 "--tensor-parallel-size 1"):
+        assert flag in note
+    assert "--kt-method" not in note and "--kt-cpuinfer" not in note  # those two take effect (CPU tier format, threads)

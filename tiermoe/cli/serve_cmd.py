@@ -20,6 +20,7 @@ from tiermoe.cli.placement_flags import (
     placement_from_args,
 )
 from tiermoe.cli.recorder_flags import add_recorder_flags, recorder_from_args
+from tiermoe.cli.sglang_flags import add_sglang_compat_flags, report_ignored
 from tiermoe.distributed.group import DEFAULT_DIST_TIMEOUT_S
 
 
@@ -68,6 +69,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     add_dynamic_flags(p)
     add_cpu_flags(p)
     add_recorder_flags(p)
+    add_sglang_compat_flags(p)
     g = p.add_argument_group("several GPUs (one rank per GPU; see docs/multi-gpu.md)")
     g.add_argument("--dist-timeout", dest="dist_timeout", type=seconds, default=DEFAULT_DIST_TIMEOUT_S,
                    help="seconds a rank waits for the others in one collective before it gives up with an error "
@@ -131,6 +133,8 @@ def run(args) -> int:
 
     limit_malloc_arenas()  # before any thread starts: keeps RSS flat after bursts of requests
     env = RankEnv.from_env()
+    if env is None or env.rank == 0:
+        report_ignored(args)
     gpus = requested_gpus(args)
     if env is not None:  # started by torchrun (or by our own launcher)
         check_world(gpus, env.world_size, "--num-gpus" if not args.plan else "the plan's num_gpus")
