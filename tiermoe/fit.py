@@ -100,9 +100,8 @@ def _non_expert_from_headers(model_dir: Path, dtype: torch.dtype, cfg, spec: Arc
     """Non-expert bytes exactly as the loader allocates them: each tensor the model needs, in the dtype the
     skeleton gives it (`dtype`, or fp32 where transformers keeps routers in fp32), except Linear weights the
     checkpoint stores FP8 with block scales, which stay as stored. Names are looked up as the loader does."""
-    from tiermoe.model.fp8 import FP8_DTYPES, scale_name
     from tiermoe.model.gguf_checkpoint import open_checkpoint
-    from tiermoe.model.loader import disk_name
+    from tiermoe.model.loader import held_nbytes
     from tiermoe.model.skeleton import build_skeleton
 
     ckpt = open_checkpoint(model_dir, cfg)
@@ -111,12 +110,7 @@ def _non_expert_from_headers(model_dir: Path, dtype: torch.dtype, cfg, spec: Arc
     for name, t in build_skeleton(copy.deepcopy(cfg), dtype).state_dict().items():  # copy: it sets cfg.dtype
         if _ROUTED.search(name) or (tied and name == "lm_head.weight"):
             continue
-        disk = disk_name(name, spec, ckpt)
-        entry = ckpt.entries.get(disk) if disk else None
-        if entry is not None and entry.dtype in FP8_DTYPES and scale_name(disk) in ckpt:
-            total += entry.nbytes + ckpt.entries[scale_name(disk)].nbytes
-        else:
-            total += t.numel() * t.element_size()
+        total += held_nbytes(name, t, spec, ckpt)
     return total
 
 

@@ -14,13 +14,11 @@ Legend: T tokens, D hidden, K top-k, I intermediate, E experts.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import torch
 
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.ffn import ExpertActivation
-from tiermoe.experts.tiers import CPUWorker
+from tiermoe.experts.tiers import ComputedOnWorker, CPUWorker
 from tiermoe.experts.weights import ExpertWeights
 
 KT_CLASSES = {"bf16": ("AMXBF16_MOE", "AVX2BF16_MOE"), "int8": ("AMXInt8_MOE",), "int4": ("AMXInt4_MOE",)}
@@ -53,7 +51,7 @@ class KtInfer:
         self.cpu.sync()
 
 
-class KtCPUExperts:
+class KtCPUExperts(ComputedOnWorker):
     """A CPU tier computed by kt-kernel in `fmt` ("bf16" | "int8" | "int4")."""
 
     def __init__(self, worker: CPUWorker, act: ExpertActivation, fmt: str, dtype: torch.dtype, threads: int,
@@ -70,7 +68,6 @@ class KtCPUExperts:
         self.worker, self.fmt, self.dtype, self.threads, self.layer = worker, fmt, dtype, threads, layer
         self._experts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # bf16 gate, up, down
         self._moe = None  # (operator, top_k, the tensors it points into); None = rebuild before the next forward
-        self._pending: Future | None = None
 
     def __contains__(self, expert: int) -> bool:
         return expert in self._experts
@@ -130,17 +127,6 @@ class KtCPUExperts:
                 self._experts[e] = (gate[e], up[e], down[e])
             keep += (gate, up, down)
         return moe, top_k, infer, keep
-
-    def submit(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
-        if self._pending is not None:
-            raise RuntimeError("submit called twice without sync")
-        self._pending = self.worker.submit(self._compute, x_TD, ids_TK, weights_TK)
-
-    def sync(self) -> torch.Tensor:
-        pending, self._pending = self._pending, None
-        if pending is None:
-            raise RuntimeError("sync called without submit")
-        return pending.result()
 
     def _compute(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         if self._moe is None or self._moe[1] != ids_TK.shape[1]:

@@ -14,7 +14,6 @@ no padding is ever held for them. Legend: T tokens, D hidden, K top-k, I interme
 from __future__ import annotations
 
 import ctypes
-from concurrent.futures import Future
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +31,7 @@ from tiermoe.experts.quant import (
     unblock,
 )
 from tiermoe.experts.threads import team_cpus
-from tiermoe.experts.tiers import CPUWorker
+from tiermoe.experts.tiers import ComputedOnWorker, CPUWorker
 from tiermoe.experts.weights import ExpertWeights
 
 # Experts with at least this many routed tokens use AMX tiles; fewer use the vector kernels (one 16-row tile
@@ -52,7 +51,7 @@ class _Stored:
         return [*self.gate_up.tensors(), *self.down.tensors(), *biases]
 
 
-class NativeCPUExperts:
+class NativeCPUExperts(ComputedOnWorker):
     """A CPU tier in `fmt` ("bf16" | "int8" | "int4"); `dtype` is the model's dtype (what `get` returns).
 
     threads: members of the kernel thread team (the worker thread plus threads - 1 helpers), shared by all layers
@@ -70,7 +69,6 @@ class NativeCPUExperts:
         self._shape: tuple[int, int] | None = None  # (D, I)
         self._blocked = False  # decided by the first expert's shape
         self._tables: tuple | None = None  # ctypes arrays (gate_up, down) indexed by expert id
-        self._pending: Future | None = None
 
     # -- holding experts -------------------------------------------------------------------------------------
 
@@ -166,17 +164,6 @@ class NativeCPUExperts:
             table[expert] = _c_matrix(m)
 
     # -- computing --------------------------------------------------------------------------------------------
-
-    def submit(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
-        if self._pending is not None:
-            raise RuntimeError("submit called twice without sync")
-        self._pending = self.worker.submit(self._compute, x_TD, ids_TK, weights_TK)
-
-    def sync(self) -> torch.Tensor:
-        pending, self._pending = self._pending, None
-        if pending is None:
-            raise RuntimeError("sync called without submit")
-        return pending.result()
 
     def _compute(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():

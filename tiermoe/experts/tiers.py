@@ -107,25 +107,32 @@ class CPUWorker:
         self._shared.clear()
 
 
-class TorchCPUExperts(ExpertSet):
-    """The plain-torch CPU tier: the reference every faster backend is checked against."""
+class ComputedOnWorker:
+    """submit / sync for a CPU tier whose `_compute(x_TD, ids_TK, weights_TK) -> y_TD` runs on its CPUWorker
+    thread: one call in flight at a time, so the layer's GPU part runs while the CPU part computes."""
 
-    def __init__(self, worker: CPUWorker, act: ExpertActivation, pin: bool = False):
-        super().__init__("cpu", act, pin)
-        self.worker = worker
-        self._pending: Future | None = None
+    worker: CPUWorker
+    _pending: Future | None = None
 
     def submit(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
         if self._pending is not None:
             raise RuntimeError("submit called twice without sync")
         self._pending = self.worker.submit(self._compute, x_TD, ids_TK, weights_TK)
 
-    def _compute(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
-            return self.forward(x_TD, ids_TK, weights_TK)
-
     def sync(self) -> torch.Tensor:
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("sync called without submit")
         return pending.result()
+
+
+class TorchCPUExperts(ComputedOnWorker, ExpertSet):
+    """The plain-torch CPU tier: the reference every faster backend is checked against."""
+
+    def __init__(self, worker: CPUWorker, act: ExpertActivation, pin: bool = False):
+        super().__init__("cpu", act, pin)
+        self.worker = worker
+
+    def _compute(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.forward(x_TD, ids_TK, weights_TK)

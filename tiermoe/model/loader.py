@@ -177,15 +177,22 @@ def _meta_tensors(model: nn.Module):
 
 def _non_expert_bytes(model: nn.Module, ckpt, spec) -> int:
     """Bytes the non-expert weights will take (FP8-stored Linear weights as stored), for the progress bar."""
-    total = 0
-    for name, _, _, t, _ in _meta_tensors(model):
-        disk = disk_name(name, spec, ckpt)
-        entry = ckpt.entries.get(disk) if disk else None
-        if entry is not None and entry.dtype in FP8_DTYPES and scale_name(disk) in ckpt:
-            total += entry.nbytes + ckpt.entries[scale_name(disk)].nbytes
-        else:
-            total += t.numel() * t.element_size()
-    return total
+    return sum(held_nbytes(name, t, spec, ckpt) for name, _, _, t, _ in _meta_tensors(model))
+
+
+def is_block_fp8(ckpt: Checkpoint, disk: str | None) -> bool:
+    """The checkpoint stores tensor `disk` as FP8 codes with block scales beside it (kept FP8 when loaded)."""
+    entry = ckpt.entries.get(disk) if disk else None
+    return entry is not None and entry.dtype in FP8_DTYPES and scale_name(disk) in ckpt
+
+
+def held_nbytes(name: str, t: torch.Tensor, spec, ckpt: Checkpoint) -> int:
+    """Bytes model tensor `name` (`t`: its meta tensor, in the dtype the skeleton gives it) takes once loaded:
+    block-FP8 tensors as stored with their scales, every other tensor in `t`'s dtype."""
+    disk = disk_name(name, spec, ckpt)
+    if is_block_fp8(ckpt, disk):
+        return ckpt.entries[disk].nbytes + ckpt.entries[scale_name(disk)].nbytes
+    return t.numel() * t.element_size()
 
 
 def disk_name(name: str, spec, ckpt: Checkpoint) -> str | None:
@@ -206,7 +213,7 @@ def _load_fp8_linears(model: nn.Module, ckpt: Checkpoint, spec, gpu_device, bar)
         if type(module) is not nn.Linear or not module.weight.is_meta:
             continue
         disk = disk_name(f"{name}.weight", spec, ckpt)
-        if disk is None or ckpt.entries[disk].dtype not in FP8_DTYPES or scale_name(disk) not in ckpt:
+        if not is_block_fp8(ckpt, disk):
             continue
         weight = ckpt.read(disk).to(gpu_device)
         scale = ckpt.read(scale_name(disk)).to(gpu_device)
