@@ -28,7 +28,7 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
-def _best(fn: Callable[[], None], sync: Callable[[], None], repeats: int) -> float:
+def best_time(fn: Callable[[], None], sync: Callable[[], None], repeats: int = 5) -> float:
     """Best wall time of `fn` over `repeats` runs (after one warm-up), synchronised."""
     fn()
     sync()
@@ -50,7 +50,7 @@ def launch_seconds(device: torch.device, calls: int = 2000, repeats: int = 3) ->
         for _ in range(calls):
             torch.add(a, b)
 
-    return _best(run, _sync(device), repeats) / calls
+    return best_time(run, _sync(device), repeats) / calls
 
 
 def measure_profile(device: str | torch.device, hidden: int, inter: int, dtype: torch.dtype,
@@ -67,12 +67,12 @@ def measure_profile(device: str | torch.device, hidden: int, inter: int, dtype: 
     with torch.inference_mode():
         w = torch.empty(stacked * rows_per_expert, hidden, dtype=dtype, device=device).normal_()
         x1 = torch.randn(1, hidden, device=device).to(dtype)
-        t_read = _best(lambda: F.linear(x1, w), sync, repeats)
+        t_read = best_time(lambda: F.linear(x1, w), sync, repeats)
         bandwidth = w.numel() * w.element_size() / max(t_read - launch, 0.5 * t_read)
         rows = 512
         xm = torch.randn(rows, hidden, device=device).to(dtype)
         one = w[:rows_per_expert]
-        t_math = _best(lambda: F.linear(xm, one), sync, repeats)
+        t_math = best_time(lambda: F.linear(xm, one), sync, repeats)
         flops = 2.0 * rows * rows_per_expert * hidden / t_math
         copy = _copy_bandwidth(device, hidden, inter, dtype, repeats)
     label = name or ("this-cpu" if device.type == "cpu" else torch.cuda.get_device_name(device))
@@ -88,5 +88,5 @@ def _copy_bandwidth(device: torch.device, hidden: int, inter: int, dtype: torch.
     src = torch.empty(count, 3 * inter * hidden, dtype=dtype, pin_memory=pin)
     src.fill_(1)
     dst = torch.empty_like(src, device=device)
-    seconds = _best(lambda: [dst[i].copy_(src[i], non_blocking=pin) for i in range(count)], _sync(device), repeats)
+    seconds = best_time(lambda: [dst[i].copy_(src[i], non_blocking=pin) for i in range(count)], _sync(device), repeats)
     return count * expert_bytes / seconds

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tiermoe.benchmarking.device_profile import measure_profile
+from tiermoe.benchmarking.device_profile import best_time, measure_profile
 from tiermoe.benchmarking.placement import THIS_CPU, PlacementBenchConfig, run_placement_bench
 from tiermoe.benchmarking.placement_live import measure_configuration
 from tiermoe.benchmarking.placement_traffic import strategy_mask
@@ -60,18 +60,6 @@ def check_exactness(ckpt: Path, device: str, ratios) -> dict:
             "relative_error_by_ratio": errors, "tolerance": EXACT_TOLERANCE}
 
 
-def _best(fn, sync, repeats=5) -> float:
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def check_overlap(llm, tokens: int) -> dict:
     """One MoE layer, half its experts per tier: both tiers together against each alone."""
     hybrid = llm.hybrid
@@ -90,9 +78,9 @@ def check_overlap(llm, tokens: int) -> dict:
             block.cpu_tier.submit(x.cpu(), cpu_ids.cpu(), weights.cpu())
             block.cpu_tier.sync()
 
-        t_cpu = _best(cpu_only, sync)
-        t_gpu = _best(lambda: block.gpu_tier.forward(x, gpu_ids, weights), sync)
-        t_both = _best(lambda: block.forward_tokens(x[None]), sync)
+        t_cpu = best_time(cpu_only, sync)
+        t_gpu = best_time(lambda: block.gpu_tier.forward(x, gpu_ids, weights), sync)
+        t_both = best_time(lambda: block.forward_tokens(x[None]), sync)
     hidden = max(0.0, t_cpu + t_gpu - t_both) / max(1e-12, min(t_cpu, t_gpu))
     result = {"tokens": tokens, "cpu_tier_ms": 1e3 * t_cpu, "gpu_tier_ms": 1e3 * t_gpu, "hybrid_layer_ms": 1e3 * t_both,
               "overlap_of_shorter_tier": min(1.0, hidden)}
@@ -133,7 +121,7 @@ def check_pinned_copies(llm) -> dict:
         for w in pageable:
             w.to(device)
 
-    t_pageable = _best(copy_pageable, lambda: torch.cuda.synchronize(device), 3)
+    t_pageable = best_time(copy_pageable, lambda: torch.cuda.synchronize(device), 3)
     ok = pinned and started < total
     return {"status": "pass" if ok else "fail", "cpu_tier_pinned": pinned, "experts_copied": len(batch),
             "start_ms": 1e3 * started, "landed_ms": 1e3 * total, "landed_when_start_returned": landed_at_start,

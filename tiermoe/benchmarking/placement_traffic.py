@@ -25,7 +25,7 @@ from tiermoe.placement.budget import total_gpu_experts
 from tiermoe.placement.cost import BandwidthCostModel
 from tiermoe.placement.policies import AdaptivePolicy, AdaptiveSettings, KTDynamicPolicy
 from tiermoe.placement.strategies import NEEDS_STATISTICS, place
-from tiermoe.stats.replay import trace_passes
+from tiermoe.stats.replay import CopiesInFlight, trace_passes
 
 DYNAMIC_STRATEGIES = ("dynamic", "adaptive")
 BENCH_STRATEGIES = ("random", "uniform", "front-loading", "frequency", "balanced") + DYNAMIC_STRATEGIES
@@ -178,7 +178,7 @@ def placement_traffic(shapes: PassShapes, strategy: str, ratio: float, calibrati
 def _simulate(shapes: PassShapes, mask_ME: torch.Tensor, policy, pass_seconds, cost: BandwidthCostModel,
               prefill_threshold: int | None) -> Traffic:
     rows = []
-    in_flight: list[list] = []  # [layer, expert, to_gpu, seconds left]
+    in_flight = CopiesInFlight()
     for p in range(shapes.num_passes):
         counts_ME = shapes.counts_PME[p]
         tokens, prefill = int(shapes.tokens_P[p]), bool(shapes.prefill_P[p])
@@ -191,25 +191,14 @@ def _simulate(shapes: PassShapes, mask_ME: torch.Tensor, policy, pass_seconds, c
         row = Traffic(cpu_d, cpu_p, gpu_d, gpu_p, called, torch.tensor([layerwise]), torch.tensor([streamed]),
                       torch.tensor([0]))
         seconds = pass_seconds(p, row)
-        still = []
-        for c in in_flight:  # copies progress by this pass's time; the mask flips when one lands
-            c[3] -= seconds
-            if c[3] <= 0:
-                mask_ME[c[0], c[1]] = c[2]
-            else:
-                still.append(c)
-        in_flight = still
+        in_flight.advance(seconds, mask_ME)
         policy.observe(counts_ME, tokens, prefill)
-        busy = torch.zeros_like(mask_ME)
-        for c in in_flight:
-            busy[c[0], c[1]] = True
         copies = 0
-        for swap in policy.propose(mask_ME, busy):
+        for swap in policy.propose(mask_ME, in_flight.busy(mask_ME)):
             # as the live engine does it: both copies start now, in the background (KTransformers' own update
             # reuses the streamed layer instead; tiermoe copies, so the measured run and this agree)
             copies += 2
-            in_flight += [[swap.layer, swap.expert_in, True, cost.copy_seconds()],
-                          [swap.layer, swap.expert_out, False, cost.copy_seconds()]]
+            in_flight.start(swap, cost.copy_seconds())
         row.swap_copies_P = torch.tensor([copies])
         rows.append(row)
     return Traffic(*(torch.cat([getattr(r, f) for r in rows]) for f in (

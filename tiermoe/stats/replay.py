@@ -117,6 +117,38 @@ def _initial_mask(policy: str, passes: TracePasses, total: int, calibration_LE, 
     return place(strategy, rows, passes.num_experts, total, calibration_LE, seed)[list(passes.moe_layers)]
 
 
+class CopiesInFlight:
+    """The expert copies a replay has started. Each pair of a swap copies in the background; a copy lands, and its
+    mask entry flips, once the passes after its start have taken as long as the copy (so a replay never waits for a
+    copy, as the live engine does not)."""
+
+    def __init__(self):
+        self._copies: list[list] = []  # [layer, expert, to_gpu, seconds left]
+
+    def start(self, swap, seconds_each: float) -> None:
+        """Both copies of `swap` (the expert coming in, the one going out), each taking `seconds_each`."""
+        self._copies += [[swap.layer, swap.expert_in, True, seconds_each],
+                         [swap.layer, swap.expert_out, False, seconds_each]]
+
+    def advance(self, seconds: float, mask_ME: torch.Tensor) -> None:
+        """A pass of `seconds` has run: copies progress, and those done flip their entries of `mask_ME`."""
+        still = []
+        for c in self._copies:
+            c[3] -= seconds
+            if c[3] <= 0:
+                mask_ME[c[0], c[1]] = c[2]
+            else:
+                still.append(c)
+        self._copies = still
+
+    def busy(self, mask_ME: torch.Tensor) -> torch.Tensor:
+        """[M, E] bool: experts with a copy under way (a policy must not swap them again yet)."""
+        busy = torch.zeros_like(mask_ME)
+        for c in self._copies:
+            busy[c[0], c[1]] = True
+        return busy
+
+
 def replay(trace: dict | TracePasses, policy: str, gpu_ratio: float, cost_model: BandwidthCostModel,
            calibration_LE: torch.Tensor | None = None, prefill_threshold: int | None = None,
            adaptive: AdaptiveSettings | None = None, window: int = 32, seed: int = 42) -> ReplayResult:
@@ -138,7 +170,7 @@ def replay(trace: dict | TracePasses, policy: str, gpu_ratio: float, cost_model:
     elif policy == "adaptive":
         prior = calibration_LE[list(passes.moe_layers)] if calibration_LE is not None else None
         dyn = AdaptivePolicy(m, e, cost_model, adaptive or AdaptiveSettings(), prior)
-    in_flight: list[list] = []  # [layer, expert, to_gpu, seconds left]
+    in_flight = CopiesInFlight()
     bpe = cost_model.bytes_per_expert
     for p in range(passes.num_passes):
         counts_ME = passes.counts_PME[p]
@@ -168,28 +200,16 @@ def replay(trace: dict | TracePasses, policy: str, gpu_ratio: float, cost_model:
         result.output_tokens += int(passes.decode_tokens_P[p]) + int(bool(passes.prefill_P[p]))
         swaps = 0
         if dyn is not None:
-            # copies in flight progress by this pass's time and land (mask flips) once done
-            still = []
-            for c in in_flight:
-                c[3] -= seconds
-                if c[3] <= 0:
-                    mask_ME[c[0], c[1]] = c[2]
-                else:
-                    still.append(c)
-            in_flight = still
+            in_flight.advance(seconds, mask_ME)
             dyn.observe(counts_ME, tokens, bool(passes.prefill_P[p]))
-            busy = torch.zeros_like(mask_ME)
-            for c in in_flight:
-                busy[c[0], c[1]] = True
-            for swap in dyn.propose(mask_ME, busy):
+            for swap in dyn.propose(mask_ME, in_flight.busy(mask_ME)):
                 swaps += 1
                 if layerwise:  # KT: the chosen experts are already on the GPU in the streamed layer
                     mask_ME[swap.layer, swap.expert_in], mask_ME[swap.layer, swap.expert_out] = True, False
                     continue
                 copied += 2 * bpe
                 seconds += cost_model.copy_seconds(2)  # charged in full, although it overlaps compute
-                in_flight += [[swap.layer, swap.expert_in, True, cost_model.copy_seconds()],
-                              [swap.layer, swap.expert_out, False, cost_model.copy_seconds()]]
+                in_flight.start(swap, cost_model.copy_seconds())
         result.hit_rate_P.append(gpu_pairs / max(1, cpu_pairs + gpu_pairs) if not layerwise else 1.0)
         result.cpu_bytes_P.append(cpu_read)
         result.copied_bytes_P.append(copied)
