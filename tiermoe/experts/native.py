@@ -95,18 +95,22 @@ class NativeCPUExperts(ComputedOnWorker):
         if weights.device.type != "cpu":
             raise ValueError(f"expert {expert} is on {weights.device}, this tier is cpu")
         d, i = weights.down.shape
-        if self._shape is None:
-            self._shape = (d, i)
-            aligned = self.fmt != "bf16" or (d % k_align("bf16") == 0 and i % k_align("bf16") == 0)
-            self._blocked = self.kernels is not None and aligned
-        elif self._shape != (d, i):
-            raise ValueError(f"expert {expert} has shape D={d}, I={i}; this layer's experts have D, I = {self._shape}")
+        self._adopt_shape(expert, d, i)
         gate_up, down = quantize(weights.gate_up, self.fmt), quantize(weights.down, self.fmt)
         if self._blocked:
             ip = round_up(i, k_align(self.fmt))
             gate_up, down = block(gate_up, ((0, i), (i, 2 * i)), ip), block(down)
         self._experts[expert] = _Stored(gate_up, down, weights.gate_up_bias, weights.down_bias)
         self._set_table(expert)
+
+    def _adopt_shape(self, expert: int, d: int, i: int) -> None:
+        """The first expert fixes the layer's (D, I) and whether the kernels compute it; later ones must match."""
+        if self._shape is None:
+            self._shape = (d, i)
+            aligned = self.fmt != "bf16" or (d % k_align("bf16") == 0 and i % k_align("bf16") == 0)
+            self._blocked = self.kernels is not None and aligned
+        elif self._shape != (d, i):
+            raise ValueError(f"expert {expert} has shape D={d}, I={i}; this layer's experts have D, I = {self._shape}")
 
     def add_quantized(self, expert: int, gate_up: QMatrix, down: QMatrix, gate_up_bias=None,
                       down_bias=None) -> None:
@@ -115,12 +119,7 @@ class NativeCPUExperts(ComputedOnWorker):
         if gate_up.fmt != self.fmt or down.fmt != self.fmt:
             raise ValueError(f"expert {expert} is stored as {gate_up.fmt}, this tier holds {self.fmt}")
         d, i = down.n, down.k
-        if self._shape is None:
-            self._shape = (d, i)
-            aligned = self.fmt != "bf16" or (d % k_align("bf16") == 0 and i % k_align("bf16") == 0)
-            self._blocked = self.kernels is not None and aligned
-        elif self._shape != (d, i):
-            raise ValueError(f"expert {expert} has shape D={d}, I={i}; this layer's experts have D, I = {self._shape}")
+        self._adopt_shape(expert, d, i)
         want = "blocked" if self._blocked else "rows"
         if gate_up.layout != want:
             gate_up = unblock(gate_up) if want == "rows" else block(gate_up, ((0, i), (i, 2 * i)),
