@@ -180,15 +180,15 @@ class Engine:
         return produced
 
     def _recorded_forward(self, batch: list[Sequence], inputs: list[list[int]]) -> list[torch.Tensor]:
+        groups = self._groups(batch, inputs)
         if self.recorder.enabled:
-            # the MoE blocks see the rows in forward_batch's order (batched decodes first): the pass lists them so
-            batches, alone = self._groups(batch, inputs)
-            order = [i for b in batches for i in b] + alone
+            # the MoE blocks see the rows in the groups' order (batched decodes first): the pass lists them so
+            order = _row_order(*groups)
             self.recorder.begin_pass(PassInfo(
                 request_ids=tuple(batch[i].seq_id for i in order), num_tokens=tuple(len(inputs[i]) for i in order),
                 start_positions=tuple(batch[i].num_fed for i in order),
                 is_prefill=tuple(batch[i].prefilling for i in order)))
-        logits = self.forward_batch(batch, inputs)
+        logits = self._forward_groups(batch, inputs, *groups)
         if self.recorder.enabled:
             self.recorder.end_pass()
         return logits
@@ -200,12 +200,15 @@ class Engine:
         lengths together, see decode_groups); the rest run one forward each. Returns each sequence's last-position
         logits [V], in order. Does not advance `num_fed` (the caller does).
         """
-        batches, alone = self._groups(seqs, inputs)
+        return self._forward_groups(seqs, inputs, *self._groups(seqs, inputs))
+
+    def _forward_groups(self, seqs: list, inputs: list[list[int]], batches: list[list[int]],
+                        alone: list[int]) -> list[torch.Tensor]:
         jobs = [lambda b=b: self._forward_decode([seqs[i] for i in b], [inputs[i][0] for i in b]) for b in batches]
         jobs += [lambda i=i: [self._forward(seqs[i], inputs[i])] for i in alone]
         results = [logits for job_logits in self._batcher.run(jobs) for logits in job_logits]
         logits_in_order: list[torch.Tensor] = [None] * len(seqs)  # type: ignore[list-item]
-        for i, logits in zip([i for b in batches for i in b] + alone, results):
+        for i, logits in zip(_row_order(batches, alone), results):
             logits_in_order[i] = logits
         return logits_in_order
 
@@ -262,6 +265,11 @@ def decode_batches(seqs: list, inputs: list[list[int]]) -> list[list[int]]:
     if len(rows) < 2:
         return []
     return [[rows[j] for j in group] for group in decode_groups([seqs[i].cache.get_seq_length() for i in rows])]
+
+
+def _row_order(batches: list[list[int]], alone: list[int]) -> list[int]:
+    """The order the MoE blocks see a step's rows in: each batch's rows, then each other sequence's."""
+    return [i for b in batches for i in b] + alone
 
 
 def _on_device(device: torch.device):
