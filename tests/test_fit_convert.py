@@ -42,6 +42,7 @@ def test_fit_counts_qwen3_30b_a3b_bytes_by_hand(tmp_path):
     router = experts * h * 2  # the router, in the model dtype (DeepSeek-V3's is fp32, see below)
     assert m.non_expert == (2 * vocab * h + h + layers * per_layer) * 2 + layers * router
     assert m.gpu_bytes_per_expert == 3 * h * inter * 2
+    assert m.load_buffer == 3 * h * inter * 2
     assert m.cpu_bytes_per_expert == 3 * h * inter * 2  # bf16
     assert m.kv_bytes_per_token == layers * 2 * kv * 2
     assert m.total_experts == layers * experts
@@ -65,7 +66,8 @@ def test_fit_counts_deepseek_v3_fp8_bytes_by_hand(tmp_path):
     moe = experts * h * 4 + experts * 4 + 2 * _fp8(moe_inter, h) + _fp8(h, moe_inter)  # fp32 router + bias, shared
     expected = 2 * vocab * h * 2 + h * 2 + layers * (attn + norms) + dense * dense_mlp + (layers - dense) * moe
     assert m.non_expert == expected
-    assert m.gpu_bytes_per_expert == 3 * h * moe_inter * 2  # GPU-tier experts computed in bf16
+    assert m.gpu_bytes_per_expert == 2 * _fp8(moe_inter, h) + _fp8(h, moe_inter)  # GPU-tier experts stay FP8
+    assert m.load_buffer == 3 * h * moe_inter * 2  # a CPU-tier expert streams through a bf16 buffer
     assert m.kv_bytes_per_token == layers * 128 * (128 + 64 + 128) * 2  # MLA as transformers caches it
     assert m.total_experts == (layers - dense) * experts
     # sanity in round numbers: ~17 B non-expert parameters, 1.85 B of them bf16 embeddings -> ~19 GB

@@ -14,7 +14,8 @@ from tiermoe.arch import detect, load_config
 from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.model.checkpoint import Checkpoint
-from tiermoe.model.fp8 import FP8Linear, dequantize_fp8, quantize_fp8, scale_name
+from tiermoe.experts.fp8_blocks import dequantize_fp8, quantize_fp8
+from tiermoe.model.fp8 import FP8Linear, scale_name
 from tiermoe.model.fp8_write import write_fp8_checkpoint
 from tiermoe.model.loader import load_hybrid_model
 from tiermoe.model.presets import make_config
@@ -150,3 +151,80 @@ def test_fit_counts_the_fp8_checkpoints_bytes_as_the_load_holds_them(fp8_case):
     with load_hybrid_model(fp8_dir, None, gpu_device="cpu", progress=False) as hybrid:
         held = hybrid.tier_bytes().non_expert
     assert 0 <= held - model_bytes(fp8_dir).non_expert <= 1024  # the rotary frequency buffers: computed
+
+
+def _codes(w) -> list[torch.Tensor]:
+    return [t.view(torch.uint8) for t in (w.gate, w.up, w.down)]
+
+
+def test_gpu_tier_experts_stay_fp8_with_the_checkpoints_own_codes(fp8_case):
+    from tiermoe.experts.fp8_tier import FP8ExpertWeights
+    from tiermoe.fit import model_bytes
+    from tiermoe.model.placement_target import placement_target
+
+    fp8_dir, *_ = fp8_case
+    spec = detect(load_config(fp8_dir))
+    mask = torch.rand(spec.num_layers, spec.num_experts, generator=torch.Generator().manual_seed(2)) < 0.5
+    mask &= spec.moe_row_mask()[:, None]
+    with load_hybrid_model(fp8_dir, mask, gpu_device="cpu", progress=False) as hybrid:
+        held = hybrid.tier_bytes().gpu_experts
+        layer = spec.moe_layers[0]
+        e = int(mask[layer].nonzero()[0])
+        kept = hybrid.blocks[layer].gpu_tier.experts[e]
+    assert isinstance(kept, FP8ExpertWeights)
+    params = int(mask.sum()) * spec.params_per_expert
+    assert held / params < 1.01  # about one byte per parameter, not bf16's two
+    assert held == int(mask.sum()) * model_bytes(fp8_dir).gpu_bytes_per_expert  # `tiermoe fit` counts what loads
+    assert placement_target(fp8_dir).bytes_per_expert == model_bytes(fp8_dir).gpu_bytes_per_expert  # and the planner
+    with Checkpoint(fp8_dir) as ckpt:
+        prefix = f"model.layers.{layer}.mlp.experts.{e}"
+        stored = [ckpt.read(f"{prefix}.{p}_proj.weight").view(torch.uint8) for p in ("gate", "up", "down")]
+    assert all(torch.equal(a, b) for a, b in zip(_codes(kept), stored))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_experts_moved_to_the_cpu_tier_and_back_keep_their_codes_and_the_output(fp8_case, dtype):
+    from tiermoe.experts.copier import AsyncCopier
+
+    fp8_dir, ids, ref, _ = fp8_case
+    spec = detect(load_config(fp8_dir))
+    mask = torch.ones(spec.num_layers, spec.num_experts, dtype=torch.bool)
+    layer = spec.moe_layers[-1]
+    with load_hybrid_model(fp8_dir, mask, gpu_device="cpu", dtype=dtype, progress=False) as hybrid:
+        before = hybrid(input_ids=ids).logits
+        block = hybrid.blocks[layer]
+        kept = {e: block.gpu_tier.experts[e] for e in range(spec.num_experts)}
+        hybrid.move_experts(layer, range(spec.num_experts), to_gpu=False)
+        assert len(block.gpu_tier) == 0 and block.cpu_tier.nbytes > 0
+        assert rel_err(hybrid(input_ids=ids).logits, before) < (1e-6 if dtype == torch.float32 else 1e-2)
+        hybrid.move_experts(layer, range(0, spec.num_experts, 2), to_gpu=True)  # the tier swap path
+        copier = AsyncCopier()  # and dynamic placement's asynchronous path
+        for e in range(1, spec.num_experts, 2):
+            block.finish_move(e, True, block.start_move(e, True, copier).result())
+        copier.close()
+        after = hybrid(input_ids=ids).logits
+        for e, old in kept.items():
+            new = block.gpu_tier.experts[e]
+            assert all(torch.equal(a, b) for a, b in zip(_codes(new), _codes(old)))  # the same e4m3 codes
+            # scales: exact through an fp32 tier, within bf16's rounding of each block's maximum through bf16
+            for a, b in ((new.gate_scale, old.gate_scale), (new.up_scale, old.up_scale), (new.down_scale, old.down_scale)):
+                assert rel_err(a, b) <= (0 if dtype == torch.float32 else 2 ** -8)
+    if dtype == torch.float32:
+        assert rel_err(after, ref) < TOL and torch.equal(after, before)
+    else:
+        assert rel_err(after.float(), before.float()) < 1e-2
+
+
+def test_an_fp8_expert_quantises_as_the_releases_do_and_refuses_biases():
+    from tiermoe.experts.fp8_tier import FP8ExpertWeights
+    from tiermoe.experts.weights import ExpertWeights
+
+    w = ExpertWeights(torch.randn(2 * 160, 192), torch.randn(192, 160))
+    q = FP8ExpertWeights.quantize(w, (128, 128))
+    assert q.gate.dtype == torch.float8_e4m3fn and tuple(q.gate_scale.shape) == (2, 2)
+    assert torch.equal(q.dequantized(torch.float32).gate_up[:160],
+                       dequantize_fp8(*quantize_fp8(w.gate_up[:160]), (128, 128), torch.float32))
+    assert rel_err(q.dequantized(torch.float32).down, w.down) < 0.07
+    assert q.nbytes == 3 * 160 * 192 + 4 * (4 + 4 + 4)
+    with pytest.raises(ValueError, match="biases"):
+        FP8ExpertWeights.quantize(ExpertWeights(w.gate_up, w.down, torch.zeros(320), torch.zeros(192)), (128, 128))

@@ -258,6 +258,8 @@ def write_generic_gguf(path, hf_arch: str, gguf_arch: str, meta: dict, seed: int
             w.add_float32(f"{gguf_arch}.{key}", value)
         elif isinstance(value, bool):
             w.add_bool(f"{gguf_arch}.{key}", value)
+        elif isinstance(value, str):
+            w.add_string(f"{gguf_arch}.{key}", value)
         else:
             w.add_uint32(f"{gguf_arch}.{key}", value)
     for name, t in model.state_dict().items():
@@ -362,6 +364,31 @@ def test_other_gguf_moe_families_load_exactly(tmp_path, family):
         assert rel_err(want, original(ids).logits) < (1e-5 if deepseek else 0.03)
     with load_hybrid_model(path, mask, gpu_device="cpu", dtype=torch.float32, progress=False) as hybrid:
         assert rel_err(hybrid(input_ids=ids).logits, want) < 1e-5
+
+
+def test_deepseek2_gguf_yarn_scaling_becomes_transformers_rope_parameters(tmp_path):
+    """DeepSeek-V3 ships YaRN (factor 40 over 4096 positions); llama.cpp's converter stores it as rope.scaling.*
+    with 0.1 x mscale_all_dim as yarn_log_multiplier. A prompt 3x the original context makes a wrong mapping show."""
+    gguf_arch, shape, meta = FAMILIES["deepseek_v3"]
+    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=1.0)
+    shape = dict(shape, rope_parameters=dict(make_config("deepseek_v3", **shape).rope_parameters, **yarn))
+    scaling = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 16,
+               "rope.scaling.yarn_log_multiplier": 0.1}
+    path = tmp_path / "yarn.gguf"
+    original = write_generic_gguf(path, "deepseek_v3", gguf_arch, {**meta(make_config("deepseek_v3", **shape)),
+                                                                  **scaling}, split_kv_b=True, matrix_type=Q.F32, **shape)
+    rope = load_config(path).rope_parameters
+    assert {k: rope[k] for k in yarn} == yarn
+    ids = torch.randint(3, 256, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = original(ids).logits
+    with load_hybrid_model(path, None, gpu_device="cpu", dtype=torch.float32, progress=False) as hybrid:
+        assert rel_err(hybrid(input_ids=ids).logits, want) < 1e-5
+    plain = tmp_path / "plain.gguf"  # the same weights without the scaling metadata: YaRN really changed the output
+    write_generic_gguf(plain, "deepseek_v3", gguf_arch, meta(make_config("deepseek_v3", **shape)), split_kv_b=True,
+                       matrix_type=Q.F32, **shape)
+    with load_hybrid_model(plain, None, gpu_device="cpu", dtype=torch.float32, progress=False) as hybrid:
+        assert rel_err(hybrid(input_ids=ids).logits, want) > 1e-3
 
 
 @pytest.mark.slow

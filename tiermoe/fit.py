@@ -1,9 +1,10 @@
 """Will a model fit, before a single weight is read: byte counts from headers (or config.json alone).
 
 Where the bytes go (what the loader really allocates):
-  GPU (main device): non-expert weights (as the skeleton types them; FP8 Linear weights stay FP8: 1 byte per parameter plus one fp32 scale
-    per 128x128 block; everything else in the compute dtype), GPU-tier experts (compute dtype: the GPU tier holds
-    the canonical layout that tier swaps move), the KV cache at the token budget, the layerwise-prefill buffer.
+  GPU (main device): non-expert weights (as the skeleton types them; FP8 Linear weights stay FP8: 1 byte per
+    parameter plus one fp32 scale per 128x128 block; everything else in the compute dtype), GPU-tier experts (FP8
+    as stored in FP8 checkpoints, else the compute dtype), the KV cache at the token budget, the layerwise-prefill
+    buffer.
   Host: CPU-tier experts in the --cpu-expert-dtype format (bf16 2 bytes/param, int8 1 byte + 4 per row, int4
     0.547 bytes + 4 per row, see tiermoe.experts.quant), plus one expert of streaming buffer while loading.
 A checkpoint on disk may be larger (fp32) or smaller (FP8, GGUF) than what it becomes in memory; these counts
@@ -21,6 +22,8 @@ import torch
 
 from tiermoe.arch import ArchSpec, detect, text_config
 from tiermoe.errors import TiermoeError
+from tiermoe.experts.fp8_blocks import DEFAULT_BLOCK
+from tiermoe.experts.fp8_tier import fp8_expert_bytes
 from tiermoe.placement.budget import GIB, kv_bytes_per_token
 
 _ROUTED = re.compile(r"\.experts\.")
@@ -67,6 +70,7 @@ class ModelBytes:
     non_expert: int  # main device
     gpu_bytes_per_expert: int
     cpu_bytes_per_expert: int
+    load_buffer: int  # the loader's one-expert host buffer (an expert in the compute dtype)
     cpu_format: str
     kv_bytes_per_token: int
     source: str  # "safetensors headers", "config.json (fp8)", "GGUF headers"
@@ -78,7 +82,7 @@ class ModelBytes:
 
 def _non_expert_from_config(cfg, dtype: torch.dtype, fp8: bool) -> int:
     """Non-expert bytes from the module tree alone (meta skeleton: no memory), in the released layout."""
-    from tiermoe.model.fp8 import DEFAULT_BLOCK, scale_shape
+    from tiermoe.experts.fp8_blocks import scale_shape
     from tiermoe.model.fp8_write import is_fp8_quantised
     from tiermoe.model.skeleton import build_skeleton
 
@@ -131,7 +135,7 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
         spec = detect(cfg)
         compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
         return _bytes(path.name, spec, cfg, _non_expert_from_headers(path, compute, cfg, spec), compute,
-                      cpu_expert_dtype, "GGUF headers (converted at load)")
+                      spec.bytes_per_expert(compute), cpu_expert_dtype, "GGUF headers (converted at load)")
     config_file = path if path.is_file() else path / "config.json"
     if config_file.name != "config.json" or not config_file.is_file():
         raise TiermoeError(f"'{path}' is neither a checkpoint directory, a config.json nor a GGUF file")
@@ -149,6 +153,7 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
     if has_weights:
         compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
         non_expert = _non_expert_from_headers(config_file.parent, compute, cfg, spec)
+        gpu_expert = _gpu_expert_from_headers(config_file.parent, compute, cfg, spec)
         source = "safetensors headers"
     else:
         if dtype is None:
@@ -157,16 +162,26 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
             raise TiermoeError(f"--dtype '{dtype}' is unknown; choose one of: {', '.join(CONFIG_DTYPES)}")
         compute, fp8 = CONFIG_DTYPES[dtype]
         non_expert = _non_expert_from_config(cfg, compute, fp8)
+        gpu_expert = fp8_expert_bytes(spec, DEFAULT_BLOCK) if fp8 else spec.bytes_per_expert(compute)
         source = f"config.json ({dtype})"
-    return _bytes(config_file.parent.name, spec, cfg, non_expert, compute, cpu_expert_dtype, source)
+    return _bytes(config_file.parent.name, spec, cfg, non_expert, compute, gpu_expert, cpu_expert_dtype, source)
 
 
-def _bytes(name, spec, cfg, non_expert, compute, cpu_expert_dtype, source) -> ModelBytes:
+def _gpu_expert_from_headers(model_dir: Path, compute: torch.dtype, cfg, spec: ArchSpec) -> int:
+    from tiermoe.model.fp8 import fp8_block_size
+    from tiermoe.model.gguf_checkpoint import open_checkpoint
+    from tiermoe.model.loader import gpu_expert_bytes
+
+    with open_checkpoint(model_dir, cfg, fp8_block_size(cfg)) as ckpt:
+        return gpu_expert_bytes(ckpt, spec, compute)
+
+
+def _bytes(name, spec, cfg, non_expert, compute, gpu_expert, cpu_expert_dtype, source) -> ModelBytes:
     fmt = cpu_format(cpu_expert_dtype, compute)
     return ModelBytes(
-        name=name, spec=spec, non_expert=non_expert,
-        gpu_bytes_per_expert=spec.params_per_expert * compute.itemsize,
-        cpu_bytes_per_expert=cpu_expert_bytes(spec, fmt, compute), cpu_format=fmt,
+        name=name, spec=spec, non_expert=non_expert, gpu_bytes_per_expert=gpu_expert,
+        cpu_bytes_per_expert=cpu_expert_bytes(spec, fmt, compute), load_buffer=spec.bytes_per_expert(compute),
+        cpu_format=fmt,
         kv_bytes_per_token=kv_bytes_per_token(text_config(cfg), compute.itemsize), source=source)
 
 
@@ -197,7 +212,7 @@ class FitReport:
     @property
     def host_total(self) -> int:
         """CPU-tier experts plus the loader's one-expert streaming buffer."""
-        return self.cpu_experts + self.model.gpu_bytes_per_expert
+        return self.cpu_experts + self.model.load_buffer
 
     @property
     def max_gpu_experts(self) -> int | None:
@@ -214,7 +229,7 @@ class FitReport:
         if self.ram is None:
             return None
         m = self.model
-        over = m.total_experts * m.cpu_bytes_per_expert + m.gpu_bytes_per_expert - self.ram
+        over = m.total_experts * m.cpu_bytes_per_expert + m.load_buffer - self.ram
         return 0 if over <= 0 else -(-over // m.cpu_bytes_per_expert)
 
     def problems(self) -> list[str]:

@@ -124,7 +124,8 @@ def _rope_fields(arch: str, meta: dict, fields: dict) -> dict:
         params.update(rope_type="yarn", factor=float(meta[f"{arch}.rope.scaling.factor"]),
                       original_max_position_embeddings=int(meta[f"{arch}.rope.scaling.original_context_length"]))
         multiplier = meta.get(f"{arch}.rope.scaling.yarn_log_multiplier")
-        if multiplier:  # llama.cpp stores 0.1 * mscale_all_dim
-            params.update(mscale=float(multiplier) / 0.1, mscale_all_dim=float(multiplier) / 0.1)
+        if multiplier:  # llama.cpp stores 0.1 * mscale_all_dim, as float32: round its noise away (1.0, not 1.00000001)
+            mscale = round(float(multiplier) / 0.1, 6)
+            params.update(mscale=mscale, mscale_all_dim=mscale)
     fields["rope_parameters"] = params
     return fields

@@ -17,8 +17,12 @@ from tiermoe.experts.weights import ExpertWeights
 
 
 class CopyTicket:
-    def __init__(self, result: ExpertWeights | None = None, future: Future | None = None, event=None):
+    def __init__(self, result: ExpertWeights | None = None, future: Future | None = None, event=None,
+                 source: ExpertWeights | None = None):
         self._result, self._future, self._event = result, future, event
+        # A CUDA copy reads `source` on a side stream: holding it here keeps its memory from being reused
+        # before the copy lands (a tier may hand out a transient, e.g. an FP8 expert dequantised for the move).
+        self._source = source
 
     def landed(self) -> bool:
         if self._future is not None:
@@ -56,7 +60,7 @@ class AsyncCopier:
                 landed = _non_blocking_copy(weights, device, pin)
                 event = torch.cuda.Event()
                 event.record(self._stream)
-            return CopyTicket(landed, event=event)
+            return CopyTicket(landed, event=event, source=weights)
         return CopyTicket(future=self._pool.submit(self.copy_fn, weights, device, pin))
 
     def close(self) -> None:

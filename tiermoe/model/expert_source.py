@@ -14,8 +14,11 @@ import torch
 
 from tiermoe.arch.spec import ArchSpec
 from tiermoe.errors import TiermoeError
+from tiermoe.experts.fp8_blocks import scale_shape
+from tiermoe.experts.fp8_tier import FP8ExpertWeights
 from tiermoe.experts.weights import ExpertWeights
 from tiermoe.model.checkpoint import Checkpoint
+from tiermoe.model.fp8 import is_block_fp8, scale_name
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,25 @@ def find_expert_source(ckpt: Checkpoint, spec: ArchSpec, layers_prefix: str, lay
         f"checkpoint is missing the experts of layer {layer}: no '{layers_prefix}.{layer}.{spec.disk.block}.experts.0."
         f"{spec.disk.proj_names[0]}.weight' nor fused '...experts.gate_up_proj'"
     )
+
+
+def keeps_fp8(ckpt: Checkpoint, src: ExpertSource) -> bool:
+    """Whether this layer's experts can be held as the checkpoint's own FP8 codes and scales: per-expert keys
+    stored block-FP8 (the released layout). Fused FP8 layouts are read dequantised instead."""
+    return src.fused is None and all(is_block_fp8(ckpt, key) for key in src.per_expert_keys(0))
+
+
+def read_fp8_expert(ckpt: Checkpoint, src: ExpertSource, expert: int, spec: ArchSpec) -> FP8ExpertWeights:
+    """Expert `expert` of a `keeps_fp8` source as host tensors: its codes and scales, as stored."""
+    h, i = spec.hidden_size, spec.expert_intermediate_size
+    parts = []
+    for key, shape in zip(src.per_expert_keys(expert), ((i, h), (i, h), (h, i))):
+        for name, want in ((key, shape), (scale_name(key), scale_shape(shape, ckpt.fp8_block))):
+            if tuple(ckpt.shape(name)) != want:
+                raise TiermoeError(f"{ckpt.model_dir}: tensor {name} has shape {list(ckpt.shape(name))}, expected "
+                                   f"{list(want)}")
+            parts.append(ckpt.read(name))
+    return FP8ExpertWeights(*parts, ckpt.fp8_block)
 
 
 def _alloc(shape, dtype, pin: bool) -> torch.Tensor:

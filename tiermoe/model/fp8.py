@@ -1,15 +1,15 @@
-"""FP8 block-quantised weights, as DeepSeek-V3/R1 and the Qwen3 FP8 releases store them.
+"""FP8 block-quantised checkpoints, as DeepSeek-V3/R1 and the Qwen3 FP8 releases store them.
 
-A Linear weight W [N, K] is stored as e4m3 codes q [N, K] plus `weight_scale_inv` s [ceil(N/bn), ceil(K/bk)]
-(fp32, one per block of bn x bk = 128 x 128): W = q * s[n // bn, k // bk]. config.json names the scheme in
-`quantization_config` ({"quant_method": "fp8", "weight_block_size": [128, 128], ...}).
+The block math is in tiermoe.experts.fp8_blocks. config.json names the scheme in `quantization_config`
+({"quant_method": "fp8", "weight_block_size": [128, 128], ...}); each FP8 tensor `x.weight` has its scales
+beside it as `x.weight_scale_inv`.
 
 Design: non-expert Linear weights stay FP8 on the main device (`FP8Linear`, about 1 byte per parameter plus
 4 bytes per block) and are dequantised inside the forward, one matrix at a time, to the activation's dtype. That
 costs a transient matrix per Linear call but keeps the resident weights at half of bf16; where CUDA supports FP8
 matmuls, `torch._scaled_mm` would avoid even that (not used yet: it needs per-token activation scaling to match
-this reference exactly). Routed experts are dequantised one at a time while they stream from disk (see
-`Checkpoint.read`), then stored in their tier's format.
+this reference exactly). GPU-tier experts stay FP8 the same way (tiermoe.experts.fp8_tier); CPU-tier experts are
+dequantised one at a time while they stream from disk (see `Checkpoint.read`), then take the CPU tier's format.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiermoe.errors import TiermoeError
+from tiermoe.experts.fp8_blocks import FP8_DTYPES, dequantize_fp8
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-DEFAULT_BLOCK = (128, 128)
 SCALE_SUFFIX = "_scale_inv"
 
 
@@ -47,44 +46,15 @@ def fp8_block_size(config) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
+def is_block_fp8(ckpt, disk: str | None) -> bool:
+    """Checkpoint `ckpt` stores tensor `disk` as FP8 codes with block scales beside it (kept FP8 when loaded)."""
+    entry = ckpt.entries.get(disk) if disk else None
+    return entry is not None and entry.dtype in FP8_DTYPES and scale_name(disk) in ckpt
+
+
 def scale_name(weight_name: str) -> str:
     """`x.weight` -> `x.weight_scale_inv` (the released names)."""
     return weight_name + SCALE_SUFFIX
-
-
-def scale_shape(shape_NK: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
-    n, k = shape_NK
-    return -(-n // block[0]), -(-k // block[1])
-
-
-def dequantize_fp8(q_NK: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                   dtype: torch.dtype) -> torch.Tensor:
-    """W [N, K] in `dtype` from e4m3 codes and per-block scales: W = q * s (products in fp32)."""
-    n, k = q_NK.shape
-    bn, bk = block
-    if tuple(scale_inv.shape) != scale_shape((n, k), block):
-        raise TiermoeError(f"FP8 scale has shape {list(scale_inv.shape)}, expected "
-                           f"{list(scale_shape((n, k), block))} for a [{n}, {k}] weight in {bn}x{bk} blocks")
-    s = scale_inv.to(torch.float32)
-    if n % bn == 0 and k % bk == 0:  # whole blocks: broadcast, no expanded scale matrix
-        w = q_NK.to(torch.float32).view(n // bn, bn, k // bk, bk) * s[:, None, :, None]
-        return w.view(n, k).to(dtype)
-    s_NK = s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return (q_NK.to(torch.float32) * s_NK).to(dtype)
-
-
-def quantize_fp8(w_NK: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 codes [N, K], scale_inv fp32 [N/bn, K/bk]): each block's max maps to e4m3's largest value, 448.
-
-    How the released checkpoints were made; tiermoe uses it to write test checkpoints in that layout."""
-    n, k = w_NK.shape
-    bn, bk = block
-    nb, kb = scale_shape((n, k), block)
-    w = F.pad(w_NK.to(torch.float32), (0, kb * bk - k, 0, nb * bn - n)).view(nb, bn, kb, bk)
-    amax = w.abs().amax(dim=(1, 3)).clamp_min(1e-12)  # [nb, kb]
-    s = amax / torch.finfo(torch.float8_e4m3fn).max
-    q = (w / s[:, None, :, None]).to(torch.float8_e4m3fn).view(nb * bn, kb * bk)[:n, :k].contiguous()
-    return q, s.contiguous()
 
 
 class FP8Linear(nn.Module):

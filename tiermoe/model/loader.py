@@ -8,9 +8,9 @@
    expert; CPU-tier experts are read into their final host tensors (pinned when CUDA is present).
 
 FP8 block-quantised checkpoints (tiermoe.model.fp8): Linear weights stored FP8 become FP8Linear modules on the
-main device (about 1 byte per parameter); routed experts are dequantised one at a time as they stream in and
-take their tier's format (the GPU tier computes experts in the canonical bf16/fp32 layout that tier swaps
-move; the CPU tier quantises to --cpu-expert-dtype), so host memory peaks at the CPU tier plus one expert.
+main device (about 1 byte per parameter); GPU-tier experts keep their codes and scales too (FP8ExpertSet, read
+as stored); CPU-tier experts are dequantised one at a time as they stream in and take the CPU tier's format
+(--cpu-expert-dtype), so host memory peaks at the CPU tier plus one expert.
 GGUF files read the same way through GGUFCheckpoint. A `tiermoe convert` directory (tiermoe.model.expert_cache)
 takes its CPU-tier experts memory-mapped from the cache and everything else from the source it names.
 
@@ -35,15 +35,16 @@ from tiermoe.arch import detect, load_config
 from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.ffn import ExpertActivation
+from tiermoe.experts.fp8_tier import FP8ExpertSet, fp8_expert_bytes
 from tiermoe.experts.registry import make_cpu_tier
 from tiermoe.experts.tiers import CPUWorker, ExpertSet
 from tiermoe.experts.weights import ExpertWeights
 from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.model.checkpoint import Checkpoint
-from tiermoe.model.expert_source import ExpertSource, find_expert_source, read_expert
+from tiermoe.model.expert_source import ExpertSource, find_expert_source, keeps_fp8, read_expert, read_fp8_expert
 from tiermoe.model.expert_cache import ExpertCache, find_cache
 from tiermoe.model.gguf_checkpoint import open_checkpoint, weight_files
-from tiermoe.model.fp8 import FP8_DTYPES, FP8Linear, fp8_block_size, scale_name
+from tiermoe.model.fp8 import FP8Linear, fp8_block_size, is_block_fp8, scale_name
 from tiermoe.model.hybrid_model import HybridModel
 from tiermoe.model.skeleton import build_skeleton, decoder_layers, moe_block_attr
 from tiermoe.placement.mask import validate_mask
@@ -105,13 +106,16 @@ def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | tor
         model = build_skeleton(config, dtype)
         worker = CPUWorker()
         act = ExpertActivation.from_config(spec.activation, config)
-        blocks = _inject_hybrid_blocks(model, spec, gpu_device, act, worker, pin, cpu, dtype)
+        fp8_layers = {layer for layer, src in sources.items() if keeps_fp8(ckpt, src)}
+        blocks = _inject_hybrid_blocks(model, spec, gpu_device, act, worker, pin, cpu, dtype, fp8_layers,
+                                       ckpt.fp8_block)
         rank = 0 if share is None else share.rank
         if share is not None:
             for block in blocks.values():
                 block.join_ranks(rank, share.reduce)
         reads = _reads(owner_LE, spec, rank, share is None or share.holds_cpu_tier)
-        total = _non_expert_bytes(model, ckpt, spec) + int(reads.sum()) * spec.bytes_per_expert(dtype)
+        total = _non_expert_bytes(model, ckpt, spec) + _expert_bytes(reads, owner_LE == rank, fp8_layers, spec,
+                                                                      dtype, ckpt.fp8_block)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {model_dir.name}", disable=not progress) as bar:
             _load_fp8_linears(model, ckpt, spec, gpu_device, bar)
             _load_non_experts(model, ckpt, spec, gpu_device, bar)
@@ -146,8 +150,18 @@ def _reads(owner_LE: torch.Tensor, spec, rank: int, holds_cpu_tier: bool) -> tor
     return moe & ((owner_LE == rank) | ((owner_LE == -1) & holds_cpu_tier))
 
 
+def _expert_bytes(reads_LE, on_gpu_LE, fp8_layers, spec, dtype, block) -> int:
+    """Bytes of the experts this process reads, as their tiers take them in: GPU-tier experts of FP8 layers as
+    stored, every other expert in `dtype` (the CPU tier's format conversion comes after the read)."""
+    fp8_L = torch.zeros(spec.num_layers, dtype=torch.bool)
+    fp8_L[list(fp8_layers)] = True
+    fp8_LE = reads_LE & on_gpu_LE & fp8_L[:, None]
+    fp8 = int(fp8_LE.sum())
+    return (fp8 * fp8_expert_bytes(spec, block) if fp8 else 0) + int((reads_LE & ~fp8_LE).sum()) * spec.bytes_per_expert(dtype)
+
+
 def _inject_hybrid_blocks(model: nn.Module, spec, gpu_device, act, worker, pin, cpu: CPUConfig,
-                          dtype: torch.dtype) -> dict[int, HybridMoE]:
+                          dtype: torch.dtype, fp8_layers: set[int], fp8_block) -> dict[int, HybridMoE]:
     blocks = {}
     for i, layer in enumerate(decoder_layers(model)):
         attr = moe_block_attr(layer)
@@ -156,7 +170,8 @@ def _inject_hybrid_blocks(model: nn.Module, spec, gpu_device, act, worker, pin, 
                                f"but the config rule says otherwise for {spec.model_type}")
         if attr is None:
             continue
-        gpu_tier = ExpertSet(gpu_device, act)
+        # FP8 checkpoints: the GPU tier keeps the stored codes (about half of bf16's bytes)
+        gpu_tier = FP8ExpertSet(gpu_device, act, fp8_block, dtype) if i in fp8_layers else ExpertSet(gpu_device, act)
         cpu_tier = make_cpu_tier(cpu, worker, act, pin, dtype)
         blocks[i] = HybridMoE(getattr(layer, attr), spec, i, gpu_tier, cpu_tier)
         setattr(layer, attr, blocks[i])
@@ -180,12 +195,6 @@ def _non_expert_bytes(model: nn.Module, ckpt, spec) -> int:
     return sum(held_nbytes(name, t, spec, ckpt) for name, _, _, t, _ in _meta_tensors(model))
 
 
-def is_block_fp8(ckpt: Checkpoint, disk: str | None) -> bool:
-    """The checkpoint stores tensor `disk` as FP8 codes with block scales beside it (kept FP8 when loaded)."""
-    entry = ckpt.entries.get(disk) if disk else None
-    return entry is not None and entry.dtype in FP8_DTYPES and scale_name(disk) in ckpt
-
-
 def held_nbytes(name: str, t: torch.Tensor, spec, ckpt: Checkpoint) -> int:
     """Bytes model tensor `name` (`t`: its meta tensor, in the dtype the skeleton gives it) takes once loaded:
     block-FP8 tensors as stored with their scales, every other tensor in `t`'s dtype."""
@@ -193,6 +202,13 @@ def held_nbytes(name: str, t: torch.Tensor, spec, ckpt: Checkpoint) -> int:
     if is_block_fp8(ckpt, disk):
         return ckpt.entries[disk].nbytes + ckpt.entries[scale_name(disk)].nbytes
     return t.numel() * t.element_size()
+
+
+def gpu_expert_bytes(ckpt: Checkpoint, spec, dtype: torch.dtype) -> int:
+    """Bytes one GPU-tier expert takes once loaded: as stored (codes and block scales) where the checkpoint keeps
+    its experts block-FP8 (FP8ExpertSet), else in `dtype`."""
+    src = find_expert_source(ckpt, spec, LAYERS_PREFIX, spec.moe_layers[0])
+    return fp8_expert_bytes(spec, ckpt.fp8_block) if keeps_fp8(ckpt, src) else spec.bytes_per_expert(dtype)
 
 
 def disk_name(name: str, spec, ckpt: Checkpoint) -> str | None:
@@ -258,6 +274,11 @@ def _load_experts(blocks, sources: dict[int, ExpertSource], ckpt, spec, owner_LE
                 stored = cache.read(layer, e)
                 tier.add_quantized(e, *stored)
                 bar.update(sum(t.nbytes for m in stored[:2] for t in m.tensors()))
+                continue
+            if on_gpu and isinstance(tier, FP8ExpertSet):  # codes and scales as stored, never dequantised
+                fp8 = read_fp8_expert(ckpt, sources[layer], e, spec)
+                tier.add(e, fp8 if tier.device.type == "cpu" else fp8.to(tier.device))
+                bar.update(fp8.nbytes)
                 continue
             if share is not None and not on_gpu:
                 # the one host copy, read straight into memory every rank of this host can map
