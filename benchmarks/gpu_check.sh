@@ -4,7 +4,7 @@
 #      (pip install --no-deps --no-index --no-build-isolation -e ., else PYTHONPATH);
 #   2. python -m tiermoe.benchmarking.gpu_check: on a make-model checkpoint, check and time CUDA hybrid inference
 #      at several GPU ratios (exactness against the CPU path, CPU/GPU overlap, pinned asynchronous copies, the
-#      `auto` memory budget, layerwise GPU prefill), calibrate the cost model (a measured GPU profile, and the
+#      `auto` memory budget, layerwise GPU prefill, FP8 GPU-tier experts), calibrate the cost model (a measured GPU profile, and the
 #      CPU-only estimate against the measurement), and write OUT_DIR/gpu_check.json (+ gpu_profile.json).
 # Without CUDA it runs end to end too: CUDA-only checks say "skipped: no CUDA", the rest uses the CPU device.
 #

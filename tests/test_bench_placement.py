@@ -310,6 +310,7 @@ def test_gpu_check_runs_end_to_end_without_a_gpu(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     checks = report["checks"]
     assert checks["exactness"]["status"] == "pass" and checks["layerwise_prefill"]["status"] == "pass"
+    assert checks["fp8_gpu_tier"]["status"] == "pass" and checks["fp8_gpu_tier"]["codes_kept_through_moves"]
     if not torch.cuda.is_available():
         assert checks["pinned_async_copies"]["status"] == "skipped"
         assert checks["auto_memory_budget"]["status"] == "skipped"

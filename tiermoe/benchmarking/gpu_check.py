@@ -6,11 +6,14 @@ On a make-model checkpoint (random weights, a real MoE layout) it checks and tim
 3. pinned asynchronous copies: CPU-tier experts pinned, copies that return before they land, pinned vs pageable;
 4. the `auto` memory budget (--gpu-memory-gb auto);
 5. layerwise GPU prefill (DynamicPlacementConfig(prefill_threshold=...)): taken, and exact;
-6. serving throughput and time to first token at several ratios;
-7. cost-model calibration: this GPU's profile measured with the GPU tier's own kernels (written as a JSON file for
+6. FP8 GPU-tier experts (an FP8 copy of the checkpoint): exact against its dequantised values, about 1 byte per
+   parameter, codes kept through moves to the CPU tier and back, and the per-call dequantisation's time against a
+   bf16 GPU tier;
+7. serving throughput and time to first token at several ratios;
+8. cost-model calibration: this GPU's profile measured with the GPU tier's own kernels (written as a JSON file for
    `tiermoe bench placement --gpu-profile FILE`), and the estimate a CPU-only machine would make with it,
    against the measurement.
-Without CUDA every check that needs it says "skipped: no CUDA" and the rest runs on the CPU device (item 7 is
+Without CUDA every check that needs it says "skipped: no CUDA" and the rest runs on the CPU device (item 8 is
 then the this-cpu validation), so the script is tested on CPU-only machines. Each check records pass / fail /
 info / skipped and its figures; a failing check does not stop the others. Results: OUT/gpu_check.json.
 """
@@ -33,6 +36,7 @@ from tiermoe.benchmarking.gpu_checks import (
     check_auto_budget,
     check_calibration,
     check_exactness,
+    check_fp8_gpu_tier,
     check_layerwise_prefill,
     check_overlap,
     check_pinned_copies,
@@ -139,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         checker.run("exactness", check_exactness, ckpt, device, ratios)
         checker.run("layerwise_prefill", check_layerwise_prefill, ckpt, device, 16 if quick else 64)
         checker.run("auto_memory_budget", check_auto_budget, ckpt, device)
+        checker.run("fp8_gpu_tier", check_fp8_gpu_tier, ckpt, device, Path(tmp))
         with LLM(ckpt, gpu_device=device, progress=False) as llm:
             checker.run("pinned_async_copies", check_pinned_copies, llm)
             checker.run("cpu_gpu_overlap", check_overlap, llm, 16 if quick else 128)

@@ -216,3 +216,59 @@ def check_calibration(ckpt: Path, device: str, out_dir: Path, workloads, ratios,
     return {"status": "info", "profile": profile.as_dict(), "profile_file": str(path),
             "estimate_vs_measurement": rows, "host": estimated.calibration["host"],
             "cpu_backend": estimated.calibration["cpu_backend"]}
+
+
+def check_fp8_gpu_tier(ckpt: Path, device: str, work_dir: Path, token_counts=(1, 64)) -> dict:
+    """An FP8 copy of `ckpt` with every expert on the GPU tier, held as e4m3 codes and block scales: logits
+    against the same checkpoint dequantised on the CPU, bytes per parameter, every expert of one layer moved to
+    the CPU tier and back through the asynchronous copier (on CUDA: a side stream reading a transient dequantised
+    copy) keeping its codes, and what the per-call dequantisation costs against a bf16 GPU tier."""
+    from tiermoe.experts.copier import AsyncCopier
+    from tiermoe.model.fp8_write import write_fp8_checkpoint
+    from tiermoe.model.loader import load_hybrid_model
+
+    fp8 = write_fp8_checkpoint(ckpt, work_dir / "fp8")
+    ids = torch.randint(3, 200, (1, 24), generator=torch.Generator().manual_seed(1))
+    with load_hybrid_model(fp8, None, gpu_device="cpu", dtype=torch.float32, progress=False) as ref_model:
+        ref = ref_model(input_ids=ids).logits.float()
+        spec = ref_model.spec
+    all_gpu = spec.moe_row_mask()[:, None].expand(spec.num_layers, spec.num_experts).clone()
+    with load_hybrid_model(fp8, all_gpu, gpu_device=device, dtype=torch.float32, progress=False) as hybrid:
+        error = rel_err(hybrid(input_ids=ids.to(device)).logits, ref)
+        per_param = hybrid.tier_bytes().gpu_experts / (spec.total_routed_experts * spec.params_per_expert)
+        block = hybrid.blocks[spec.moe_layers[0]]
+        before = {e: [t.cpu() for t in block.gpu_tier.experts[e].tensors()] for e in range(spec.num_experts)}
+        copier = AsyncCopier()
+        for to_gpu in (False, True):
+            for e in range(spec.num_experts):
+                block.finish_move(e, to_gpu, block.start_move(e, to_gpu, copier).result())
+        copier.close()
+        codes_kept = all(torch.equal(a.view(torch.uint8), b.cpu().view(torch.uint8))
+                         for e, old in before.items() for a, b in zip(old[::2], block.gpu_tier.experts[e].tensors()[::2]))
+        error_after_moves = rel_err(hybrid(input_ids=ids.to(device)).logits, ref)
+    times = _gpu_tier_times({"bf16": ckpt, "fp8": fp8}, all_gpu, device, token_counts)
+    result = {"device": device, "relative_error": error, "relative_error_after_moves": error_after_moves,
+              "gpu_expert_bytes_per_param": per_param, "codes_kept_through_moves": codes_kept,
+              "gpu_tier_ms": times, "fp8_over_bf16_time": {t: times[f"fp8_{t}"] / times[f"bf16_{t}"]
+                                                            for t in token_counts},
+              "tolerance": EXACT_TOLERANCE}
+    ok = max(error, error_after_moves) <= EXACT_TOLERANCE and codes_kept and per_param < 1.05
+    return {"status": "pass" if ok else "fail", **result}
+
+
+def _gpu_tier_times(checkpoints: dict, mask, device: str, token_counts) -> dict:
+    """ms of one layer's GPU tier (bf16 compute, all its experts there) per checkpoint and token count."""
+    from tiermoe.model.loader import load_hybrid_model
+
+    sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
+    times = {}
+    for name, path in checkpoints.items():
+        with load_hybrid_model(path, mask, gpu_device=device, dtype=torch.bfloat16, progress=False) as hybrid, \
+                torch.inference_mode():
+            block = hybrid.blocks[hybrid.spec.moe_layers[0]]
+            for tokens in token_counts:
+                x = torch.randn(tokens, hybrid.spec.hidden_size, device=device, dtype=torch.bfloat16,
+                                generator=torch.Generator(device).manual_seed(tokens))
+                _, weights, ids = getattr(block, hybrid.spec.router_attr)(x)
+                times[f"{name}_{tokens}"] = 1e3 * best_time(lambda: block.gpu_tier.forward(x, ids, weights), sync)
+    return times

@@ -22,20 +22,28 @@ def scale_shape(shape_NK: tuple[int, int], block: tuple[int, int]) -> tuple[int,
     return -(-n // block[0]), -(-k // block[1])
 
 
-def dequantize_fp8(q_NK: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                   dtype: torch.dtype) -> torch.Tensor:
-    """W [N, K] in `dtype` from e4m3 codes and per-block scales: W = q * s (products in fp32)."""
+def dequantize_fp8(q_NK: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """W [N, K] in `dtype` from e4m3 codes and per-block scales: W = q * s, each product in fp32 and rounded
+    once to `dtype`. Written into `out` (contiguous, `dtype`, on q's device) when given.
+
+    Two passes over W and no fp32 copy of it (this runs inside every forward of an FP8 weight): the codes are
+    copied into `out` (exact: every e4m3/e5m2 value is a bf16, fp16 and fp32 value), then multiplied in place by
+    the fp32 scales (the multiply promotes to fp32 and rounds into `out`)."""
     n, k = q_NK.shape
     bn, bk = block
     if tuple(scale_inv.shape) != scale_shape((n, k), block):
         raise TiermoeError(f"FP8 scale has shape {list(scale_inv.shape)}, expected "
                            f"{list(scale_shape((n, k), block))} for a [{n}, {k}] weight in {bn}x{bk} blocks")
+    out = torch.empty((n, k), dtype=dtype, device=q_NK.device) if out is None else out
+    out.copy_(q_NK)
     s = scale_inv.to(torch.float32)
     if n % bn == 0 and k % bk == 0:  # whole blocks: broadcast, no expanded scale matrix
-        w = q_NK.to(torch.float32).view(n // bn, bn, k // bk, bk) * s[:, None, :, None]
-        return w.view(n, k).to(dtype)
-    s_NK = s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return (q_NK.to(torch.float32) * s_NK).to(dtype)
+        blocks = out.view(n // bn, bn, k // bk, bk)
+        torch.mul(blocks, s[:, None, :, None], out=blocks)
+    else:
+        torch.mul(out, s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k], out=out)
+    return out
 
 
 def quantize_fp8(w_NK: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,9 +56,11 @@ class FP8ExpertWeights:
 
     def dequantized(self, dtype: torch.dtype) -> ExpertWeights:
         """The canonical expert in `dtype`: gate_up [2I, H] (gate rows first), down [H, I]."""
-        gate = dequantize_fp8(self.gate, self.gate_scale, self.block, dtype)
-        up = dequantize_fp8(self.up, self.up_scale, self.block, dtype)
-        return ExpertWeights(torch.cat([gate, up]), dequantize_fp8(self.down, self.down_scale, self.block, dtype))
+        i = self.gate.shape[0]
+        gate_up = torch.empty((2 * i, self.gate.shape[1]), dtype=dtype, device=self.device)
+        dequantize_fp8(self.gate, self.gate_scale, self.block, dtype, out=gate_up[:i])
+        dequantize_fp8(self.up, self.up_scale, self.block, dtype, out=gate_up[i:])
+        return ExpertWeights(gate_up, dequantize_fp8(self.down, self.down_scale, self.block, dtype))
 
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self) if f.name != "block"]

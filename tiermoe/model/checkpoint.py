@@ -166,11 +166,10 @@ class Checkpoint:
         codes = self.read(name, index=index)
         if codes.dim() != 2:
             raise TiermoeError(f"{self.model_dir}: FP8 tensor {name} has {codes.dim()} dims after slicing, expected 2")
+        if tuple(codes.shape) != tuple(out.shape):
+            raise TiermoeError(f"{self.model_dir}: tensor {name} has shape {list(codes.shape)}, expected {list(out.shape)}")
         scale = self.read(scale_name(name), index=index)
-        value = dequantize_fp8(codes, scale, self.fp8_block, out.dtype)
-        if tuple(value.shape) != tuple(out.shape):
-            raise TiermoeError(f"{self.model_dir}: tensor {name} has shape {list(value.shape)}, expected {list(out.shape)}")
-        return out.copy_(value)
+        return dequantize_fp8(codes, scale, self.fp8_block, out.dtype, out=out)
 
     def _read_bytes(self, file: Path, offset: int, nbytes: int, out: torch.Tensor) -> None:
         if not out.is_contiguous() or out.device.type != "cpu":
