@@ -193,15 +193,17 @@ def single_process(path, assignment: torch.Tensor, cpu_dtype: str | None = None)
     return logits, tokens, [hits.pairs_L.tolist(), hits.gpu_pairs_L.tolist()]
 
 
-def check_share(report: dict, rank: int, bytes_per_expert: int, cpu_bytes_per_expert: int | None = None) -> None:
-    """Rank `rank` holds exactly its plan share: its own GPU experts, and the CPU experts only on rank 0 (in their
-    shared-memory slots, unless the CPU backend converts them into its own copy: `cpu_bytes_per_expert`)."""
+def check_share(report: dict, rank: int, gpu_bytes_per_expert: int, bytes_per_expert: int,
+                cpu_bytes_per_expert: int | None = None) -> None:
+    """Rank `rank` holds exactly its plan share: its own GPU experts (`gpu_bytes_per_expert` each), and the CPU
+    experts only on rank 0 (in their shared-memory slots of `bytes_per_expert`, unless the CPU backend converts
+    them into its own copy: `cpu_bytes_per_expert`)."""
     a = torch.tensor(report["assignment"])
     assert torch.equal(torch.tensor(report["rank_mask"]).bool(), a == rank)  # sized to its own experts
     for layer, experts in report["gpu_tier"].items():
         assert experts == (a[int(layer)] == rank).nonzero().flatten().tolist()
     gpu_bytes, cpu_bytes = report["tier_bytes"]
-    assert gpu_bytes == int((a == rank).sum()) * bytes_per_expert
+    assert gpu_bytes == int((a == rank).sum()) * gpu_bytes_per_expert
     cpu_experts = int(sum((a[int(layer)] == -1).sum() for layer in report["cpu_tier"]))
     if rank == 0:
         assert cpu_bytes == cpu_experts * (cpu_bytes_per_expert or bytes_per_expert)
@@ -223,11 +225,15 @@ def two_rank_run(tmp_path_factory):
     cases, expected = [], []
 
     def add(path, name, assignment, dynamic=False, cpu_dtype=None):
+        from tiermoe.model.checkpoint import Checkpoint
+        from tiermoe.model.loader import gpu_expert_bytes
+
         spec = _spec(path)
         cases.append(case(path, assignment, dynamic, cpu_dtype))
-        fp32 = spec.bytes_per_expert(torch.float32)
+        with Checkpoint(path) as ckpt:
+            gpu = gpu_expert_bytes(ckpt, spec, torch.float32)  # FP8 checkpoints: as stored
         cpu_bytes = None if cpu_dtype is None else spec.bytes_per_expert(torch.bfloat16)
-        expected.append((spec.model_type, name, assignment, fp32, cpu_bytes,
+        expected.append((spec.model_type, name, assignment, (gpu, spec.bytes_per_expert(torch.float32), cpu_bytes),
                          *single_process(path, assignment, cpu_dtype)))
 
     for arch in ("qwen3_moe", "deepseek_v3", "gpt_oss", "qwen2_moe"):
@@ -246,6 +252,10 @@ def two_rank_run(tmp_path_factory):
 
     if "native" in CPU_BACKENDS:  # the quantising CPU backend, where this tree has it
         add(path, "dynamic, native bf16 CPU tier", three_per_layer, dynamic=True, cpu_dtype="bf16")
+    # FP8: GPU-tier experts stay FP8 on each rank; swaps requantise what arrives from the CPU tier's slots
+    from tiermoe.model.fp8_write import write_fp8_checkpoint
+
+    add(write_fp8_checkpoint(path, tmp_path_factory.mktemp("fp8") / "m"), "dynamic, fp8", three_per_layer, dynamic=True)
     tmp = tmp_path_factory.mktemp("two-ranks")
     return tmp, run_ranks(tmp, cases), expected
 
@@ -260,10 +270,10 @@ def test_two_ranks_give_the_single_process_logits_and_tokens(two_rank_run):
 
 def test_each_rank_holds_its_plan_share_and_only_rank_0_runs_the_cpu_backend(two_rank_run):
     _, reports, expected = two_rank_run
-    for i, (arch, name, assignment, fp32, cpu_bytes, *_) in enumerate(expected):
+    for i, (arch, name, assignment, bytes_per_expert, *_) in enumerate(expected):
         for rank in (0, 1):
             for when in ("before", "after"):
-                check_share(reports[rank][i][when], rank, fp32, cpu_bytes)
+                check_share(reports[rank][i][when], rank, *bytes_per_expert)
         assert torch.equal(torch.tensor(reports[0][i]["before"]["assignment"]), assignment)
         has_cpu_experts = bool(((assignment == -1) & _moe_rows(assignment, reports[0][i])).any())
         assert (reports[0][i]["cpu_submits"] > 0) == has_cpu_experts, (arch, name)
@@ -342,7 +352,7 @@ def test_two_nodes_on_loopback_with_torchrun(tmp_path_factory):
     assert torch.equal(torch.tensor(reports[0][0]["after"]["assignment"]),
                        torch.tensor(reports[1][0]["after"]["assignment"]))
     for rank in (0, 1):
-        check_share(reports[rank][0]["after"], rank, spec.bytes_per_expert(torch.float32))
+        check_share(reports[rank][0]["after"], rank, *[spec.bytes_per_expert(torch.float32)] * 2)
 
 
 @pytest.mark.slow
