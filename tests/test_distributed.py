@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import httpx
@@ -83,11 +84,14 @@ def rank_main(mode: str, job_file: str) -> None:
             leads = group.rank == 0
             hits = TierHitCounter(case["num_layers"]) if leads else None
             dynamic = eager_adaptive() if case["dynamic"] and leads else None
-            with RankModel(group, case["path"], torch.tensor(case["assignment"]), dtype=torch.float32,
-                           max_running=3, prefill_chunk=3, progress=False, dynamic=dynamic,
-                           cpu=CPUConfig(expert_dtype=case["cpu_dtype"]), **({"recorder": hits} if leads else {})) as rm:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                rm = RankModel(group, case["path"], torch.tensor(case["assignment"]), dtype=torch.float32,
+                               max_running=3, prefill_chunk=3, progress=False, dynamic=dynamic,
+                               cpu=CPUConfig(expert_dtype=case["cpu_dtype"]), **({"recorder": hits} if leads else {}))
+            with rm:
                 submits = _count_cpu_submits(rm.hybrid)
-                report = {"before": _holdings(rm)}
+                report = {"before": _holdings(rm), "warnings": [str(w.message) for w in caught]}
                 logits = rm.hybrid(input_ids=input_ids()).logits  # every rank calls the model directly
                 if leads:
                     torch.save(logits.cpu(), out / f"logits{i}.pt")
@@ -225,14 +229,15 @@ def two_rank_run(tmp_path_factory):
     cases, expected = [], []
 
     def add(path, name, assignment, dynamic=False, cpu_dtype=None):
-        from tiermoe.model.checkpoint import Checkpoint
+        from tiermoe.fit import cpu_expert_bytes
+        from tiermoe.model.gguf_checkpoint import open_checkpoint
         from tiermoe.model.loader import gpu_expert_bytes
 
         spec = _spec(path)
         cases.append(case(path, assignment, dynamic, cpu_dtype))
-        with Checkpoint(path) as ckpt:
+        with open_checkpoint(path) as ckpt:  # a conversion cache: its source
             gpu = gpu_expert_bytes(ckpt, spec, torch.float32)  # FP8 checkpoints: as stored
-        cpu_bytes = None if cpu_dtype is None else spec.bytes_per_expert(torch.bfloat16)
+        cpu_bytes = None if cpu_dtype is None else cpu_expert_bytes(spec, cpu_dtype, torch.float32)
         expected.append((spec.model_type, name, assignment, (gpu, spec.bytes_per_expert(torch.float32), cpu_bytes),
                          *single_process(path, assignment, cpu_dtype)))
 
@@ -252,6 +257,11 @@ def two_rank_run(tmp_path_factory):
 
     if "native" in CPU_BACKENDS:  # the quantising CPU backend, where this tree has it
         add(path, "dynamic, native bf16 CPU tier", three_per_layer, dynamic=True, cpu_dtype="bf16")
+        # a `tiermoe convert` cache: rank 0 maps its int8 experts instead of converting (swaps fill the slots)
+        from tiermoe.convert import convert_cpu_experts
+
+        cache = convert_cpu_experts(path, "int8", tmp_path_factory.mktemp("cache") / "int8", progress=False)
+        add(cache, "dynamic, int8 conversion cache", three_per_layer, dynamic=True, cpu_dtype="int8")
     # FP8: GPU-tier experts stay FP8 on each rank; swaps requantise what arrives from the CPU tier's slots
     from tiermoe.model.fp8_write import write_fp8_checkpoint
 
@@ -295,6 +305,16 @@ def test_statistics_are_counted_once_with_the_global_gpu_tier(two_rank_run):
         if not name.startswith("dynamic"):  # a moving placement changes which tier serves a pair
             assert reports[0][i]["hits"] == hits, (arch, name)
         assert reports[0][i]["hits"][0] == hits[0], (arch, name)  # routed pairs: the same count in every case
+
+
+def test_a_conversion_cache_is_mapped_by_the_rank_that_computes_the_cpu_tier(two_rank_run):
+    _, reports, expected = two_rank_run
+    found = [k for k, e in enumerate(expected) if "conversion cache" in e[1]]
+    if not found:
+        pytest.skip("the native CPU backend is not built on this machine")
+    i = found[0]
+    assert not [w for w in reports[0][i]["warnings"] if "cache" in w]  # mapped, not converted again
+    assert reports[0][i]["swaps"] > 0
 
 
 def test_swaps_across_ranks_keep_each_rank_to_its_own_experts(two_rank_run):

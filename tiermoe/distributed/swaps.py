@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from tiermoe.experts.weights import ExpertWeights
 from tiermoe.model.checkpoint import Checkpoint
+from tiermoe.model.fp8 import fp8_block_size
+from tiermoe.model.gguf_checkpoint import open_checkpoint
 from tiermoe.model.expert_source import find_expert_source, read_expert
 from tiermoe.model.loader import LAYERS_PREFIX
 from tiermoe.placement.policies import Swap
@@ -97,8 +99,9 @@ class _CheckpointReader:
         self._ckpt: Checkpoint | None = None
 
     def read(self, layer: int, expert: int) -> ExpertWeights:
-        if self._ckpt is None:
-            self._ckpt = Checkpoint(self.hybrid.model_dir)
+        if self._ckpt is None:  # the weights the model was loaded from (a conversion cache's source, GGUF)
+            config = self.hybrid.config
+            self._ckpt = open_checkpoint(self.hybrid.model_dir, config, fp8_block_size(config))
         spec = self.hybrid.spec
         source = find_expert_source(self._ckpt, spec, LAYERS_PREFIX, layer)
         return read_expert(self._ckpt, source, expert, spec, self.hybrid.expert_dtype)

@@ -86,7 +86,7 @@ def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | tor
     if cache is not None:  # a `tiermoe convert` output: CPU-tier experts mapped from it, the rest from its source
         weights_dir = cache.source
         cache.check_source(weight_files(weights_dir))
-        cpu, cache = _usable_cache(cache, cpu, share)
+        cpu, cache = _usable_cache(cache, cpu)
     config = load_config(model_dir)
     spec = detect(config)
     if share is None:
@@ -124,15 +124,14 @@ def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | tor
     return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share)
 
 
-def _usable_cache(cache: ExpertCache, cpu: CPUConfig, share) -> tuple[CPUConfig, ExpertCache | None]:
+def _usable_cache(cache: ExpertCache, cpu: CPUConfig) -> tuple[CPUConfig, ExpertCache | None]:
     """The CPU config that reads `cache` (its format on the native backend), or the given one and no cache,
     with a warning, when the user asked for something the cache does not hold."""
-    if share is None and cpu.backend == "native" and cpu.expert_dtype in (None, cache.fmt):
+    if cpu.backend == "native" and cpu.expert_dtype in (None, cache.fmt):
         return replace(cpu, expert_dtype=cache.fmt), cache
-    why = ("several ranks share one CPU tier" if share is not None else
-           f"--cpu-backend {cpu.backend} --cpu-expert-dtype {cpu.expert_dtype} was asked for")
-    warnings.warn(f"the CPU-expert cache in {cache.root} holds native {cache.fmt} experts but {why}; converting "
-                  f"from {cache.source} instead", stacklevel=3)
+    warnings.warn(f"the CPU-expert cache in {cache.root} holds native {cache.fmt} experts but --cpu-backend "
+                  f"{cpu.backend} --cpu-expert-dtype {cpu.expert_dtype} was asked for; converting from "
+                  f"{cache.source} instead", stacklevel=3)
     return cpu, None
 
 
@@ -273,6 +272,8 @@ def _load_experts(blocks, sources: dict[int, ExpertSource], ckpt, spec, owner_LE
             if cache is not None and not on_gpu:  # already converted: mapped, not read and quantised
                 stored = cache.read(layer, e)
                 tier.add_quantized(e, *stored)
+                if share is not None:  # its own packed copy: the shared slot stays empty (swaps fill it)
+                    share.cpu_added(layer, e, tier)
                 bar.update(sum(t.nbytes for m in stored[:2] for t in m.tensors()))
                 continue
             if on_gpu and isinstance(tier, FP8ExpertSet):  # codes and scales as stored, never dequantised
