@@ -460,3 +460,36 @@ def test_a_gguf_brings_its_tokenizer_and_one_without_a_vocabulary_takes_token_id
         assert llm.tokenizer is None
         with pytest.raises(TiermoeError, match="no tokenizer"):
             llm.generate("hello", greedy)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_tiermoe_decodes_gguf_blocks_bit_for_bit_as_the_gguf_package(kind):
+    """The C++ decoder (20x the numpy one: BENCHMARKS.md) against gguf.quants on random codes, with normal,
+    subnormal and negative half-precision scales, over thread splits of the block range."""
+    from tiermoe.experts.kernels import native_library
+    from tiermoe.model.gguf_dequant import dequantize_into
+
+    if native_library() is None:
+        pytest.skip("tiermoe's C++ kernels are not built on this machine")
+    qtype = getattr(Q, kind)
+    values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(1)
+    n = 8 * 1000
+    raw = rng.integers(0, 256, (n, block_bytes), dtype=np.uint8)
+    halves = (rng.standard_normal(n) * 0.01).astype(np.float16)
+    halves[::5] = np.float16(-3e-6)  # subnormal in fp16
+    for at in ([0] if kind == "Q8_0" else [0, 2] if kind != "Q6_K" else [block_bytes - 2]):
+        raw[:, at:at + 2] = np.ascontiguousarray(np.roll(halves, at)).view(np.uint8).reshape(n, 2)
+    raw = raw.reshape(8, -1)
+    want = torch.empty(8, n // 8 * values)
+    dequantize_into(raw, qtype, want, native=False)
+    threads_before = torch.get_num_threads()
+    for threads in (1, 3):
+        torch.set_num_threads(threads)
+        try:
+            got = dequantize_into(raw, qtype, torch.empty_like(want))
+            half = dequantize_into(raw, qtype, torch.empty(want.shape, dtype=torch.bfloat16))
+        finally:
+            torch.set_num_threads(threads_before)
+        assert torch.equal(got, want)
+        assert torch.equal(half, want.to(torch.bfloat16))

@@ -133,13 +133,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tm_team_size.argtypes = [ctypes.c_void_p]
     lib.tm_moe_forward.restype = ctypes.c_int
     lib.tm_moe_forward.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmLayerArgs), ctypes.c_char_p, ctypes.c_int]
+    lib.tm_gguf_dequant.restype = ctypes.c_int
+    lib.tm_gguf_dequant.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.tm_quantize_int4.restype = ctypes.c_int
     lib.tm_quantize_int4.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
 
 
 def native_library() -> ctypes.CDLL | None:
-    """The library for ISA-independent helpers (load-time quantisation), or None when disabled or unavailable."""
+    """The library for ISA-independent helpers (load-time quantisation, GGUF decoding), or None when disabled or
+    unavailable."""
     if os.environ.get("TIERMOE_CPU_ISA") == TORCH_ISA:
         return None
     return _library(str(_cache_dir()), _compiler())

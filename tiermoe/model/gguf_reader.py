@@ -3,17 +3,17 @@
 A model is one `.gguf` file or a directory of split files (`name-00001-of-00003.gguf`, ...); the gguf
 package memory-maps each file, and a tensor is dequantised only when asked for, in row chunks (or one expert
 slice of a merged `[E, ...]` expert tensor), so memory stays bounded whatever the file size.
-Supported tensor types: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K (dequantised by gguf.quants).
+Supported tensor types: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K (decoded by tiermoe.model.gguf_dequant).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from tiermoe.errors import TiermoeError
+from tiermoe.model.gguf_dequant import dequantize_into
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 _CHUNK_BYTES = 64 << 20  # fp32 rows dequantised at once
@@ -92,8 +92,6 @@ class GGUFFiles:
     def read(self, name: str, index: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Tensor `name` (or its slice [index] along the outermost dim) dequantised, torch order: into `out`
         (contiguous, any float dtype, chunk by chunk: no full fp32 copy) or a new fp32 tensor."""
-        from gguf import quants
-
         t = self.tensors[name]
         kind = t.tensor_type.name
         if kind not in SUPPORTED_TYPES:
@@ -109,6 +107,5 @@ class GGUFFiles:
         out_rows = out.view(-1, row_elems)
         step = max(1, _CHUNK_BYTES // (4 * row_elems))
         for start in range(0, rows.shape[0], step):
-            part = quants.dequantize(np.ascontiguousarray(rows[start:start + step]), t.tensor_type)
-            out_rows[start:start + step] = torch.from_numpy(np.array(part, dtype=np.float32).reshape(-1, row_elems))
+            dequantize_into(rows[start:start + step], t.tensor_type, out_rows[start:start + step])
         return out
