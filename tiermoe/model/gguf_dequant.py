@@ -27,7 +27,8 @@ def dequantize_into(raw: np.ndarray, qtype, out: torch.Tensor, native: bool = Tr
     if lib is None:
         from gguf import quants
 
-        values = np.asarray(quants.dequantize(np.ascontiguousarray(raw), qtype), dtype=np.float32)
+        # a copy: for F32 tensors the package returns the read-only file mapping itself
+        values = np.array(quants.dequantize(np.ascontiguousarray(raw), qtype), dtype=np.float32)
         return out.copy_(torch.from_numpy(values.reshape(out.shape)))
     src = np.ascontiguousarray(raw)
     dst = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
