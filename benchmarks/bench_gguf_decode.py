@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 import warnings
+from functools import partial
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ FILE_GB = 400  # DeepSeek-V3 Q4_K, roughly: the file a user waits for
 
 def sample_blocks(qtype, mb: int, rows: int, seed: int = 0) -> np.ndarray:
     """uint8 [rows, bytes per row] of `qtype` blocks, about `mb` MB."""
-    values, nbytes = GGML_QUANT_SIZES[qtype]
+    nbytes = GGML_QUANT_SIZES[qtype][1]
     n = max(rows, (mb << 20) // nbytes // rows * rows)
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
@@ -69,12 +70,12 @@ def main() -> None:
         dequantize_into(raw, qtype, out)
         if not torch.equal(ref.nan_to_num(), out.nan_to_num()):
             raise SystemExit(f"{name}: tiermoe's decoding differs from the gguf package's")
-        t_gguf = best_seconds(lambda: dequantize_into(raw, qtype, ref, native=False), args.repeats)
-        t_ours = best_seconds(lambda: dequantize_into(raw, qtype, out), args.repeats)
+        t_gguf = best_seconds(partial(dequantize_into, raw, qtype, ref, native=False), args.repeats)
+        t_ours = best_seconds(partial(dequantize_into, raw, qtype, out), args.repeats)
         mb = raw.nbytes / 1e6
         rows.append((name, mb / t_gguf, mb / t_ours, t_gguf / t_ours))
-    lines = [f"GGUF decoding to fp32, {args.mb} MB per type, {torch.get_num_threads()} threads, best of "
-             f"{args.repeats} (MB of file per second)", "",
+    lines = [(f"GGUF decoding to fp32, {args.mb} MB per type, {torch.get_num_threads()} threads, best of "
+              f"{args.repeats} (MB of file per second)"), "",
              f"| type | gguf package | tiermoe | speed-up | {FILE_GB} GB file: gguf | tiermoe |", "|---|---|---|---|---|---|"]
     for name, gguf_rate, ours, ratio in rows:
         lines.append(f"| {name} | {gguf_rate:.0f} | {ours:.0f} | {ratio:.1f}x | "

@@ -8,6 +8,7 @@ then run with the GPU tier on the CPU device.
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -270,5 +271,5 @@ def _gpu_tier_times(checkpoints: dict, mask, device: str, token_counts) -> dict:
                 x = torch.randn(tokens, hybrid.spec.hidden_size, device=device, dtype=torch.bfloat16,
                                 generator=torch.Generator(device).manual_seed(tokens))
                 _, weights, ids = getattr(block, hybrid.spec.router_attr)(x)
-                times[f"{name}_{tokens}"] = 1e3 * best_time(lambda: block.gpu_tier.forward(x, ids, weights), sync)
+                times[f"{name}_{tokens}"] = 1e3 * best_time(partial(block.gpu_tier.forward, x, ids, weights), sync)
     return times

@@ -156,7 +156,8 @@ def _expert_bytes(reads_LE, on_gpu_LE, fp8_layers, spec, dtype, block) -> int:
     fp8_L[list(fp8_layers)] = True
     fp8_LE = reads_LE & on_gpu_LE & fp8_L[:, None]
     fp8 = int(fp8_LE.sum())
-    return (fp8 * fp8_expert_bytes(spec, block) if fp8 else 0) + int((reads_LE & ~fp8_LE).sum()) * spec.bytes_per_expert(dtype)
+    other = int((reads_LE & ~fp8_LE).sum())
+    return (fp8 * fp8_expert_bytes(spec, block) if fp8 else 0) + other * spec.bytes_per_expert(dtype)
 
 
 def _inject_hybrid_blocks(model: nn.Module, spec, gpu_device, act, worker, pin, cpu: CPUConfig,
