@@ -12,6 +12,10 @@ arriving from the CPU tier) quantises it back with the same block rule. For an e
 a bf16/fp32 CPU tier the codes come back unchanged (each block's largest value was a code of 448 times its scale,
 so the new scale is the old one up to the compute dtype's rounding, far below e4m3's code spacing); after an
 int8/int4 CPU tier the expert carries that format's error too.
+
+Cost: each forward dequantises the experts it uses (two passes over the weight, see dequantize_fp8) before the
+matmul reads them; an FP8 grouped GEMM would not, and is not used yet (the `fp8_gpu_tier` check of
+benchmarks/gpu_check.sh times the two tiers side by side on a GPU).
 """
 
 from __future__ import annotations
