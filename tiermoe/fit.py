@@ -100,22 +100,24 @@ def _non_expert_from_config(cfg, dtype: torch.dtype, fp8: bool) -> int:
     return total
 
 
-def _non_expert_from_headers(model_dir: Path, dtype: torch.dtype, cfg, spec: ArchSpec) -> int:
-    """Non-expert bytes exactly as the loader allocates them: each tensor the model needs, in the dtype the
-    skeleton gives it (`dtype`, or fp32 where transformers keeps routers in fp32), except Linear weights the
-    checkpoint stores FP8 with block scales, which stay as stored. Names are looked up as the loader does."""
+def _bytes_from_headers(model_dir: Path, dtype: torch.dtype, cfg, spec: ArchSpec) -> tuple[int, int]:
+    """(non-expert bytes, bytes of one GPU-tier expert) exactly as the loader allocates them, from one read of
+    the headers. Non-expert: each tensor the model needs, in the dtype the skeleton gives it (`dtype`, or fp32
+    where transformers keeps routers in fp32), except Linear weights the checkpoint stores FP8 with block scales,
+    which stay as stored; names are looked up as the loader does. GPU expert: `loader.gpu_expert_bytes`."""
+    from tiermoe.model.fp8 import fp8_block_size
     from tiermoe.model.gguf_checkpoint import open_checkpoint
-    from tiermoe.model.loader import held_nbytes
+    from tiermoe.model.loader import gpu_expert_bytes, held_nbytes
     from tiermoe.model.skeleton import build_skeleton
 
-    ckpt = open_checkpoint(model_dir, cfg)
     tied = getattr(text_config(cfg), "tie_word_embeddings", False)
-    total = 0
-    for name, t in build_skeleton(copy.deepcopy(cfg), dtype).state_dict().items():  # copy: it sets cfg.dtype
-        if _ROUTED.search(name) or (tied and name == "lm_head.weight"):
-            continue
-        total += held_nbytes(name, t, spec, ckpt)
-    return total
+    with open_checkpoint(model_dir, cfg, fp8_block_size(cfg)) as ckpt:
+        non_expert = 0
+        for name, t in build_skeleton(copy.deepcopy(cfg), dtype).state_dict().items():  # copy: it sets cfg.dtype
+            if _ROUTED.search(name) or (tied and name == "lm_head.weight"):
+                continue
+            non_expert += held_nbytes(name, t, spec, ckpt)
+        return non_expert, gpu_expert_bytes(ckpt, spec, dtype)
 
 
 def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: str | None = None) -> ModelBytes:
@@ -134,8 +136,8 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
         cfg = load_gguf_config(path)
         spec = detect(cfg)
         compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
-        return _bytes(path.name, spec, cfg, _non_expert_from_headers(path, compute, cfg, spec), compute,
-                      spec.bytes_per_expert(compute), cpu_expert_dtype, "GGUF headers (converted at load)")
+        return _bytes(path.name, spec, cfg, *_bytes_from_headers(path, compute, cfg, spec), compute,
+                      cpu_expert_dtype, "GGUF headers (converted at load)")
     config_file = path if path.is_file() else path / "config.json"
     if config_file.name != "config.json" or not config_file.is_file():
         raise TiermoeError(f"'{path}' is neither a checkpoint directory, a config.json nor a GGUF file")
@@ -152,8 +154,7 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
     has_weights = cache is not None or any(config_file.parent.glob("*.safetensors"))
     if has_weights:
         compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
-        non_expert = _non_expert_from_headers(config_file.parent, compute, cfg, spec)
-        gpu_expert = _gpu_expert_from_headers(config_file.parent, compute, cfg, spec)
+        non_expert, gpu_expert = _bytes_from_headers(config_file.parent, compute, cfg, spec)
         source = "safetensors headers"
     else:
         if dtype is None:
@@ -164,19 +165,10 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
         non_expert = _non_expert_from_config(cfg, compute, fp8)
         gpu_expert = fp8_expert_bytes(spec, DEFAULT_BLOCK) if fp8 else spec.bytes_per_expert(compute)
         source = f"config.json ({dtype})"
-    return _bytes(config_file.parent.name, spec, cfg, non_expert, compute, gpu_expert, cpu_expert_dtype, source)
+    return _bytes(config_file.parent.name, spec, cfg, non_expert, gpu_expert, compute, cpu_expert_dtype, source)
 
 
-def _gpu_expert_from_headers(model_dir: Path, compute: torch.dtype, cfg, spec: ArchSpec) -> int:
-    from tiermoe.model.fp8 import fp8_block_size
-    from tiermoe.model.gguf_checkpoint import open_checkpoint
-    from tiermoe.model.loader import gpu_expert_bytes
-
-    with open_checkpoint(model_dir, cfg, fp8_block_size(cfg)) as ckpt:
-        return gpu_expert_bytes(ckpt, spec, compute)
-
-
-def _bytes(name, spec, cfg, non_expert, compute, gpu_expert, cpu_expert_dtype, source) -> ModelBytes:
+def _bytes(name, spec, cfg, non_expert, gpu_expert, compute, cpu_expert_dtype, source) -> ModelBytes:
     fmt = cpu_format(cpu_expert_dtype, compute)
     return ModelBytes(
         name=name, spec=spec, non_expert=non_expert, gpu_bytes_per_expert=gpu_expert,
