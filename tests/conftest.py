@@ -48,6 +48,21 @@ def tiny_dir(tmp_path_factory):
     return get
 
 
+MASKS = ("all_cpu", "all_gpu", "random_half", "single_gpu_expert")
+
+
+def make_mask(kind: str, spec) -> torch.Tensor:
+    """A placement [L, E] of one of the MASKS kinds (True = GPU tier)."""
+    mask = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.bool)
+    if kind == "all_gpu":
+        mask[:] = True
+    elif kind == "random_half":
+        mask = torch.rand(spec.num_layers, spec.num_experts, generator=torch.Generator().manual_seed(3)) < 0.5
+    elif kind == "single_gpu_expert":
+        mask[spec.moe_layers[0], 1] = True
+    return mask
+
+
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     """max |a - ref| / max |ref|: the issue's measure of exactness."""
     return ((a - ref).abs().max() / ref.abs().max()).item()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import make_mask, rel_err
 from safetensors.torch import save_file
 
 from tiermoe.arch import detect, load_config
@@ -91,13 +91,11 @@ def test_the_written_checkpoint_is_in_the_released_layout(fp8_case):
     assert json.loads((fp8_dir / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
 
 
-@pytest.mark.parametrize("tier", ["all_cpu", "all_gpu", "mixed"])
+@pytest.mark.parametrize("tier", ["all_cpu", "all_gpu", "random_half"])
 def test_fp8_checkpoint_matches_the_dequantised_reference_on_every_tier(fp8_case, tier):
     fp8_dir, ids, ref, _ = fp8_case
     spec = detect(load_config(fp8_dir))
-    mask = {"all_cpu": torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.bool),
-            "all_gpu": torch.ones(spec.num_layers, spec.num_experts, dtype=torch.bool),
-            "mixed": torch.rand(spec.num_layers, spec.num_experts, generator=torch.Generator().manual_seed(1)) < 0.5}[tier]
+    mask = make_mask(tier, spec)
     with load_hybrid_model(fp8_dir, mask, gpu_device="cpu", dtype=torch.float32, progress=False) as hybrid:
         logits = hybrid(input_ids=ids).logits
     assert rel_err(logits, ref) < TOL

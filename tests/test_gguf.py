@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import rel_err, run_cli
+from conftest import make_mask, rel_err, run_cli
 
 from tiermoe.arch import detect, load_config
 from tiermoe.errors import TiermoeError
@@ -168,13 +168,11 @@ def test_gguf_metadata_gives_the_config(gguf_case):
     assert cfg.mlp_only_layers == [] and detect(cfg).moe_layers == (0, 1, 2)  # from the router tensors present
 
 
-@pytest.mark.parametrize("tier", ["all_cpu", "all_gpu", "mixed"])
+@pytest.mark.parametrize("tier", ["all_cpu", "all_gpu", "random_half"])
 def test_gguf_model_matches_its_dequantised_reference_on_every_tier(gguf_case, tier):
     path, ids, ref, _ = gguf_case
     spec = detect(load_config(path))
-    mask = {"all_cpu": torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.bool),
-            "all_gpu": torch.ones(spec.num_layers, spec.num_experts, dtype=torch.bool),
-            "mixed": torch.rand(spec.num_layers, spec.num_experts, generator=torch.Generator().manual_seed(1)) < 0.5}[tier]
+    mask = make_mask(tier, spec)
     with load_hybrid_model(path, mask, gpu_device="cpu", dtype=torch.float32, progress=False) as hybrid:
         logits = hybrid(input_ids=ids).logits
     assert rel_err(logits, ref) < 1e-5  # converted at load in fp32: no error beyond the GGUF's own

@@ -6,24 +6,12 @@ import threading
 
 import pytest
 import torch
-from conftest import ARCHS, load_reference, rel_err, save_tiny
+from conftest import ARCHS, MASKS, load_reference, make_mask, rel_err, save_tiny
 
 from tiermoe.arch import detect, load_config
 from tiermoe.model.loader import load_hybrid_model
 
 FP32_TOL = 1e-5
-MASKS = ("all_cpu", "all_gpu", "random_half", "single_gpu_expert")
-
-
-def make_mask(kind: str, spec) -> torch.Tensor:
-    mask = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.bool)
-    if kind == "all_gpu":
-        mask[:] = True
-    elif kind == "random_half":
-        mask = torch.rand(spec.num_layers, spec.num_experts, generator=torch.Generator().manual_seed(3)) < 0.5
-    elif kind == "single_gpu_expert":
-        mask[spec.moe_layers[0], 1] = True
-    return mask
 
 
 def input_ids(vocab: int = 256) -> torch.Tensor:
