@@ -22,22 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import warnings
-
-    from tiermoe.cli.main import _one_line_warning
+    from tiermoe.cli.main import run_as_command
     from tiermoe.cli.serve_cmd import run
-    from tiermoe.errors import TiermoeError
 
-    warnings.showwarning = _one_line_warning
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args) or 0
-    except TiermoeError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return run_as_command(run, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

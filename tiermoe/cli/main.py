@@ -42,22 +42,18 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
     print(f"warning: {message}", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_as_command(run, args) -> int:
+    """`run(args)` as a command line runs it: warnings as one line, a TiermoeError as `error: ...` and status 2
+    (no traceback), Ctrl-C as status 130. Shared by `tiermoe` and `python -m tiermoe.serve`."""
     import warnings
 
     from tiermoe.errors import TiermoeError
 
     warnings.showwarning = _one_line_warning  # a CLI user wants the message, not our source line
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
     try:
-        return importlib.import_module(COMMANDS[args.command]).run(args) or 0
+        return run(args) or 0
     except TiermoeError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
@@ -65,6 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return run_as_command(lambda a: importlib.import_module(COMMANDS[a.command]).run(a), args)
 
 
 if __name__ == "__main__":
