@@ -102,7 +102,29 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-class Checkpoint:
+class TensorIndex:
+    """What the loader asks of any checkpoint: `entries` (name -> an entry with dtype, shape, nbytes), membership,
+    shapes, and closing as a context manager. Checkpoint (safetensors) and GGUFCheckpoint implement `read`."""
+
+    entries: dict
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        pass
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name].shape
+
+
+class Checkpoint(TensorIndex):
     """All tensors of a checkpoint directory, by name, with bounded-memory reads.
 
     Use as a context manager so that file handles are closed after loading.
@@ -116,22 +138,10 @@ class Checkpoint:
             self.entries.update(read_header(file))
         self._handles: dict[Path, object] = {}
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.entries
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def close(self):
+    def close(self) -> None:
         for handle in self._handles.values():
             handle.close()
         self._handles.clear()
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.entries[name].shape
 
     def read(self, name: str, out: torch.Tensor | None = None, index: int | None = None) -> torch.Tensor:
         """Read tensor `name` (or its slice `[index]` along dim 0) into `out`, a contiguous CPU tensor.

@@ -23,6 +23,7 @@ import torch
 
 from tiermoe.arch import load_config
 from tiermoe.errors import TiermoeError
+from tiermoe.model.checkpoint import TensorIndex
 from tiermoe.model.gguf_reader import GGUFFiles, gguf_files
 
 _FUSED = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
@@ -53,8 +54,9 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-class GGUFCheckpoint:
-    """The Checkpoint interface (entries, `in`, shape, read) over a GGUF model, with transformers' names."""
+class GGUFCheckpoint(TensorIndex):
+    """The Checkpoint interface (entries, `in`, shape, read) over a GGUF model, with transformers' names. Nothing
+    to close: the gguf package's memory maps close with its reader objects."""
 
     def __init__(self, path: str | Path, config=None):
         import gguf
@@ -106,21 +108,6 @@ class GGUFCheckpoint:
         if numel != torch.Size(want).numel():
             raise TiermoeError(f"GGUF tensor {', '.join(names)} has shape {got}, but the config's model needs "
                                f"{name} of shape {list(want)}")
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.entries
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def close(self) -> None:
-        pass  # the gguf package's memory maps close with the reader objects
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.entries[name].shape
 
     def read(self, name: str, out: torch.Tensor | None = None, index: int | None = None) -> torch.Tensor:
         """Tensor `name` (or its slice [index] along dim 0), dequantised into `out` (fp32 when None)."""
