@@ -11,7 +11,9 @@ Tier swaps keep moving the canonical `ExpertWeights`: `get` dequantises, and `ad
 arriving from the CPU tier) quantises it back with the same block rule. For an expert that left this tier through
 a bf16/fp32 CPU tier the codes come back unchanged (each block's largest value was a code of 448 times its scale,
 so the new scale is the old one up to the compute dtype's rounding, far below e4m3's code spacing); after an
-int8/int4 CPU tier the expert carries that format's error too.
+int8/int4 CPU tier the expert carries that format's error too. A move therefore carries the compute dtype over
+PCIe, twice the FP8 bytes, on purpose: quantising or dequantising on the host instead would spend CPU time, the
+scarce resource while the CPU tier computes, to save a copy that runs on a side stream anyway.
 
 Cost: each forward dequantises the experts it uses (two passes over the weight, see dequantize_fp8) before the
 matmul reads them; an FP8 grouped GEMM would not, and is not used yet (the `fp8_gpu_tier` check of
