@@ -173,7 +173,8 @@ def test_gpu_tier_experts_stay_fp8_with_the_checkpoints_own_codes(fp8_case):
     params = int(mask.sum()) * spec.params_per_expert
     assert held / params < 1.01  # about one byte per parameter, not bf16's two
     assert held == int(mask.sum()) * model_bytes(fp8_dir).gpu_bytes_per_expert  # `tiermoe fit` counts what loads
-    assert placement_target(fp8_dir).bytes_per_expert == model_bytes(fp8_dir).gpu_bytes_per_expert  # and the planner
+    target, counted = placement_target(fp8_dir), model_bytes(fp8_dir)  # and the planner counts the same
+    assert (target.bytes_per_expert, target.non_expert_bytes) == (counted.gpu_bytes_per_expert, counted.non_expert)
     with Checkpoint(fp8_dir) as ckpt:
         prefix = f"model.layers.{layer}.mlp.experts.{e}"
         stored = [ckpt.read(f"{prefix}.{p}_proj.weight").view(torch.uint8) for p in ("gate", "up", "down")]

@@ -200,6 +200,7 @@ def test_gguf_experts_convert_to_int4_on_the_cpu_tier(gguf_case):
 
 def test_fit_reads_gguf_headers(gguf_case):
     from tiermoe.fit import model_bytes
+    from tiermoe.model.placement_target import placement_target
 
     path, *_ = gguf_case
     m = model_bytes(path)
@@ -209,6 +210,8 @@ def test_fit_reads_gguf_headers(gguf_case):
     per_layer = h * q + 2 * h * kv + q * h + 2 * cfg.head_dim + 2 * h + cfg.num_experts * h
     assert m.non_expert == (2 * v * h + h + cfg.num_hidden_layers * per_layer) * 2  # bf16 after conversion
     assert m.gpu_bytes_per_expert == 3 * h * cfg.moe_intermediate_size * 2
+    target = placement_target(path)  # the --gpu-memory-gb planner counts the same bytes, not the quantised file's
+    assert (target.non_expert_bytes, target.bytes_per_expert) == (m.non_expert, m.gpu_bytes_per_expert)
 
 
 def _write_meta_only(path, arch: str, **extra):

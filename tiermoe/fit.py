@@ -100,11 +100,12 @@ def _non_expert_from_config(cfg, dtype: torch.dtype, fp8: bool) -> int:
     return total
 
 
-def _bytes_from_headers(model_dir: Path, dtype: torch.dtype, cfg, spec: ArchSpec) -> tuple[int, int]:
+def bytes_from_headers(model_dir: Path, dtype: torch.dtype, cfg, spec: ArchSpec) -> tuple[int, int]:
     """(non-expert bytes, bytes of one GPU-tier expert) exactly as the loader allocates them, from one read of
     the headers. Non-expert: each tensor the model needs, in the dtype the skeleton gives it (`dtype`, or fp32
     where transformers keeps routers in fp32), except Linear weights the checkpoint stores FP8 with block scales,
-    which stay as stored; names are looked up as the loader does. GPU expert: `loader.gpu_expert_bytes`."""
+    which stay as stored; names are looked up as the loader does. GPU expert: `loader.gpu_expert_bytes`.
+    The --gpu-memory-gb planner counts with it too (tiermoe.model.placement_target), so the two agree."""
     from tiermoe.model.fp8 import fp8_block_size
     from tiermoe.model.gguf_checkpoint import open_checkpoint
     from tiermoe.model.loader import gpu_expert_bytes, held_nbytes
@@ -136,7 +137,7 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
         cfg = load_gguf_config(path)
         spec = detect(cfg)
         compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
-        return _bytes(path.name, spec, cfg, *_bytes_from_headers(path, compute, cfg, spec), compute,
+        return _bytes(path.name, spec, cfg, *bytes_from_headers(path, compute, cfg, spec), compute,
                       cpu_expert_dtype, "GGUF headers (converted at load)")
     config_file = path if path.is_file() else path / "config.json"
     if config_file.name != "config.json" or not config_file.is_file():
@@ -154,7 +155,7 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
     has_weights = cache is not None or any(config_file.parent.glob("*.safetensors"))
     if has_weights:
         compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
-        non_expert, gpu_expert = _bytes_from_headers(config_file.parent, compute, cfg, spec)
+        non_expert, gpu_expert = bytes_from_headers(config_file.parent, compute, cfg, spec)
         source = "safetensors headers"
     else:
         if dtype is None:

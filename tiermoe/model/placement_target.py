@@ -9,10 +9,7 @@ import torch
 from tiermoe.arch import detect, load_config, text_config
 from tiermoe.config import PlacementConfig
 from tiermoe.errors import TiermoeError
-from tiermoe.model.fp8 import fp8_block_size
-from tiermoe.model.gguf_checkpoint import open_checkpoint
-from tiermoe.model.inspect import summarize
-from tiermoe.model.loader import gpu_expert_bytes
+from tiermoe.fit import bytes_from_headers
 from tiermoe.placement.budget import kv_bytes_per_token
 from tiermoe.placement.mask import validate_mask
 from tiermoe.placement.plan import PlacementPlan
@@ -20,17 +17,15 @@ from tiermoe.placement.planner import PlacementTarget, make_plan
 
 
 def placement_target(model_dir: str | Path, dtype: torch.dtype | None = None) -> PlacementTarget:
-    """Shape and bytes of a checkpoint, read from config.json and safetensors headers only."""
-    summary = summarize(model_dir)
+    """Shape and bytes of a checkpoint, read from config.json and the weights' headers only: the bytes the loader
+    will hold (GGUF tensors in the compute dtype, FP8 ones as stored), as `tiermoe fit` counts them."""
     config = load_config(model_dir)
     spec = detect(config)
     dtype = dtype or spec.dtype
-    with open_checkpoint(model_dir, config, fp8_block_size(config)) as ckpt:
-        per_expert = gpu_expert_bytes(ckpt, spec, dtype)  # what a GPU-tier expert holds (FP8 ones as stored)
+    non_expert, per_expert = bytes_from_headers(Path(model_dir), dtype, config, spec)
     return PlacementTarget(
         num_layers=spec.num_layers, num_experts=spec.num_experts, moe_layers=spec.moe_layers,
-        model_type=spec.model_type, bytes_per_expert=per_expert,
-        non_expert_bytes=summary.non_expert_bytes,
+        model_type=spec.model_type, bytes_per_expert=per_expert, non_expert_bytes=non_expert,
         kv_bytes_per_token=kv_bytes_per_token(text_config(config), dtype.itemsize),
     )
 
