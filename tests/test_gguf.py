@@ -11,6 +11,7 @@ from conftest import make_mask, rel_err, run_cli
 from tiermoe.arch import detect, load_config
 from tiermoe.errors import TiermoeError
 from tiermoe.model.gguf_checkpoint import GGUFCheckpoint
+from tiermoe.model.inspect import summarize
 from tiermoe.model.loader import load_hybrid_model
 from tiermoe.model.presets import make_config
 
@@ -403,6 +404,7 @@ def test_a_directory_of_split_gguf_files_loads_like_one_file(tmp_path, gguf_case
     with load_hybrid_model(path, None, dtype=torch.float32, progress=False) as one, \
             load_hybrid_model(split_dir, None, dtype=torch.float32, progress=False) as split:
         assert torch.equal(one(input_ids=ids).logits, split(input_ids=ids).logits)
+    assert summarize(split_dir).num_files == len(files)  # `tiermoe inspect` counts the split files
 
 
 @pytest.mark.parametrize("kind", ["F16", "BF16", "Q5_K", "Q6_K", "Q8_0"])

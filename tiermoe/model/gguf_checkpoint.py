@@ -16,6 +16,7 @@ if one is chosen. Keeping Q4_K experts in place would need a Q4_K CPU kernel, wh
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,10 +43,7 @@ class GGUFEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -73,7 +71,6 @@ class GGUFCheckpoint(TensorIndex):
         except KeyError:
             raise TiermoeError(f"GGUF architecture '{arch}' is unknown to the gguf package") from None
         permute = arch == "llama"  # llama.cpp permutes q/k rows of Llama-family models only
-        file = gguf_files(path)[0]
         self.entries: dict[str, GGUFEntry] = {}
         # a copy: building a model sets the config's dtype, and the caller's config must keep its own
         for name, t in build_skeleton(copy.deepcopy(self.config), torch.float32).state_dict().items():
@@ -99,7 +96,8 @@ class GGUFCheckpoint(TensorIndex):
                 names, op = (f"{blk}.attn_k_b.weight", f"{blk}.attn_v_b.weight"), "kv_b"
             if not all(n in self.files.tensors for n in names):
                 continue  # missing: the loader names it (or ties lm_head to the embeddings)
-            self.entries[name] = GGUFEntry(file, tuple(t.shape), sum(self.files.nbytes(n) for n in names), names, op)
+            nbytes = sum(self.files.nbytes(n) for n in names)
+            self.entries[name] = GGUFEntry(self.files.file_of[names[0]], tuple(t.shape), nbytes, names, op)
             self._check_shape(name, tuple(t.shape), names)
 
     def _check_shape(self, name: str, want: tuple[int, ...], names: tuple[str, ...]) -> None:

@@ -55,6 +55,7 @@ class GGUFFiles:
             raise TiermoeError(f"'{self.path}' is not a .gguf file nor a directory holding any")
         self.metadata: dict = {}
         self.tensors: dict = {}
+        self.file_of: dict[str, Path] = {}  # GGUF tensor name -> the split file holding it
         for file in files:
             try:
                 reader = GGUFReader(file, "r")
@@ -71,6 +72,7 @@ class GGUFFiles:
                     self.metadata.setdefault(key, value)
             for t in reader.tensors:
                 self.tensors[t.name] = t
+                self.file_of[t.name] = file
         embd = self.tensors.get("token_embd.weight")
         if embd is not None:
             self.metadata["_token_embd_rows"] = int(embd.shape[-1])
