@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from tiermoe.errors import TiermoeError
-from tiermoe.model.checkpoint import Checkpoint
 from tiermoe.experts.fp8_blocks import DEFAULT_BLOCK, quantize_fp8
+from tiermoe.model.checkpoint import Checkpoint
 from tiermoe.model.fp8 import scale_name
 
 # Linear weights of decoder layers, not the router (`.mlp.gate.weight`, Mixtral's `.block_sparse_moe.gate.`)
@@ -64,7 +64,7 @@ def write_fp8_checkpoint(src: str | Path, out: str | Path, block: tuple[int, int
             shards[-1].update(tensors)
             size += nbytes
     _flush(out, shards, len(shards) - 1)
-    _write_index(out, len(shards))
+    _write_index(out, shards)
     return out
 
 
@@ -78,16 +78,11 @@ def _flush(out: Path, shards: list[dict], k: int) -> None:
     shards[k] = {name: None for name in shards[k]}  # names kept for the index
 
 
-def _write_index(out: Path, n: int) -> None:
+def _write_index(out: Path, shards: list[dict]) -> None:
+    """Give the flushed shards their final names and write the index from the names each one kept."""
     weight_map = {}
-    for k in range(n):
-        final = _shard_file(k, n)
+    for k, shard in enumerate(shards):
+        final = _shard_file(k, len(shards))
         (out / _shard_file(k, None)).rename(out / final)
-        weight_map.update({name: final for name in _names_of(out / final)})
+        weight_map.update({name: final for name in shard})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
-
-
-def _names_of(file: Path) -> list[str]:
-    from tiermoe.model.checkpoint import read_header
-
-    return list(read_header(file))
