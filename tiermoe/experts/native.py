@@ -94,14 +94,8 @@ class NativeCPUExperts(ComputedOnWorker):
     def add(self, expert: int, weights: ExpertWeights) -> None:
         if weights.device.type != "cpu":
             raise ValueError(f"expert {expert} is on {weights.device}, this tier is cpu")
-        d, i = weights.down.shape
-        self._adopt_shape(expert, d, i)
-        gate_up, down = quantize(weights.gate_up, self.fmt), quantize(weights.down, self.fmt)
-        if self._blocked:
-            ip = round_up(i, k_align(self.fmt))
-            gate_up, down = block(gate_up, ((0, i), (i, 2 * i)), ip), block(down)
-        self._experts[expert] = _Stored(gate_up, down, weights.gate_up_bias, weights.down_bias)
-        self._set_table(expert)
+        self.add_quantized(expert, quantize(weights.gate_up, self.fmt), quantize(weights.down, self.fmt),
+                           weights.gate_up_bias, weights.down_bias)
 
     def _adopt_shape(self, expert: int, d: int, i: int) -> None:
         """The first expert fixes the layer's (D, I) and whether the kernels compute it; later ones must match."""
@@ -114,8 +108,9 @@ class NativeCPUExperts(ComputedOnWorker):
 
     def add_quantized(self, expert: int, gate_up: QMatrix, down: QMatrix, gate_up_bias=None,
                       down_bias=None) -> None:
-        """An expert already in this tier's format (from a `tiermoe convert` cache, memory-mapped): held as given
-        when its layout is the one this tier computes with, re-laid-out otherwise, never quantised again."""
+        """An expert already in this tier's format (just quantised by `add`, or memory-mapped from a `tiermoe
+        convert` cache): held as given when its layout is the one this tier computes with, re-laid-out otherwise,
+        never quantised again."""
         if gate_up.fmt != self.fmt or down.fmt != self.fmt:
             raise ValueError(f"expert {expert} is stored as {gate_up.fmt}, this tier holds {self.fmt}")
         d, i = down.n, down.k
