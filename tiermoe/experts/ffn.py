@@ -7,8 +7,9 @@ Results accumulate in the input dtype after scaling in the weights' dtype, as tr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -66,3 +67,21 @@ def routed_experts_forward(
         y_ND = expert_ffn(w, x_TD[tok_N], act) * weights_TK[tok_N, slot_N, None]
         out_TD.index_add_(0, tok_N, y_ND.to(out_TD.dtype))
     return out_TD
+
+
+class ConvertedOnLookup(Mapping):
+    """Experts a tier holds in another form (FP8 codes, int8/int4 matrices), seen as ExpertWeights: each is
+    converted by `convert` when looked up, so routed_experts_forward converts only the experts a batch routes to,
+    one at a time, and no converted copy outlives its use."""
+
+    def __init__(self, stored: Mapping[int, Any], convert: Callable[[Any], ExpertWeights]):
+        self._stored, self._convert = stored, convert
+
+    def __getitem__(self, expert: int) -> ExpertWeights:
+        return self._convert(self._stored[expert])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._stored)
+
+    def __len__(self) -> int:
+        return len(self._stored)

@@ -23,12 +23,11 @@ benchmarks/gpu_check.sh times the two tiers side by side on a GPU).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 
 import torch
 
-from tiermoe.experts.ffn import ExpertActivation, routed_experts_forward
+from tiermoe.experts.ffn import ConvertedOnLookup, ExpertActivation, routed_experts_forward
 from tiermoe.experts.fp8_blocks import FP8_DTYPES, dequantize_fp8, quantize_fp8, scale_shape
 from tiermoe.experts.tiers import ExpertSet
 from tiermoe.experts.weights import ExpertWeights
@@ -90,22 +89,6 @@ def fp8_expert_bytes(spec, block: tuple[int, int]) -> int:
     return 3 * i * h + 4 * blocks
 
 
-class _Dequantized(Mapping):
-    """A read-only view of FP8 experts that dequantises each one when it is looked up (once per forward)."""
-
-    def __init__(self, experts: Mapping[int, FP8ExpertWeights], dtype: torch.dtype):
-        self._experts, self._dtype = experts, dtype
-
-    def __getitem__(self, expert: int) -> ExpertWeights:
-        return self._experts[expert].dequantized(self._dtype)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._experts)
-
-    def __len__(self) -> int:
-        return len(self._experts)
-
-
 class FP8ExpertSet(ExpertSet):
     """The GPU tier of one layer whose experts stay block-FP8; `dtype` is what `get` dequantises to (the
     model's compute dtype, the layout tier swaps move)."""
@@ -125,4 +108,5 @@ class FP8ExpertSet(ExpertSet):
         return self.experts[expert].dequantized(self.dtype)
 
     def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        return routed_experts_forward(_Dequantized(self.experts, x_TD.dtype), x_TD, ids_TK, weights_TK, self.act)
+        experts = ConvertedOnLookup(self.experts, lambda w: w.dequantized(x_TD.dtype))  # one expert at a time
+        return routed_experts_forward(experts, x_TD, ids_TK, weights_TK, self.act)

@@ -16,9 +16,8 @@ from __future__ import annotations
 import ctypes
 
 import torch
-import torch.nn.functional as F
 
-from tiermoe.experts.ffn import ExpertActivation
+from tiermoe.experts.ffn import ConvertedOnLookup, ExpertActivation, routed_experts_forward
 from tiermoe.experts.kernels import ThreadTeam, TmLayerArgs, TmMatrix, load_kernels
 from tiermoe.experts.quant import (
     FORMAT_CODES,
@@ -49,6 +48,11 @@ class _Stored:
     def tensors(self) -> list[torch.Tensor]:
         biases = [t for t in (self.gate_up_bias, self.down_bias) if t is not None]
         return [*self.gate_up.tensors(), *self.down.tensors(), *biases]
+
+    def dequantized(self, dtype: torch.dtype) -> ExpertWeights:
+        """The canonical expert in `dtype` (biases cast too)."""
+        return ExpertWeights(dequantize(self.gate_up, dtype), dequantize(self.down, dtype),
+                             _cast(self.gate_up_bias, dtype), _cast(self.down_bias, dtype))
 
 
 class NativeCPUExperts(ComputedOnWorker):
@@ -126,15 +130,8 @@ class NativeCPUExperts(ComputedOnWorker):
 
     def get(self, expert: int) -> ExpertWeights:
         """The expert in the canonical layout and the model's dtype (dequantised; pinned when `pin`)."""
-        s = self._experts[expert]
-
-        def out(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None or not self.pin:
-                return t
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
-
-        return ExpertWeights(out(dequantize(s.gate_up, self.dtype)), out(dequantize(s.down, self.dtype)),
-                             out(s.gate_up_bias), out(s.down_bias))
+        weights = self._experts[expert].dequantized(self.dtype)
+        return weights.to("cpu", pin=True) if self.pin else weights
 
     def pop(self, expert: int) -> ExpertWeights:
         weights = self.get(expert)
@@ -188,17 +185,8 @@ class NativeCPUExperts(ComputedOnWorker):
 
     def _torch_forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         """The reference computation on dequantised weights (accumulated in x's dtype, as transformers does)."""
-        out_TD = torch.zeros_like(x_TD)
-        for e in torch.unique(ids_TK[ids_TK >= 0]).tolist():
-            s = self._experts.get(e)
-            if s is None:
-                raise RuntimeError(f"expert {e} was routed to the CPU tier, which does not hold it")
-            tok_N, slot_N = torch.where(ids_TK == e)
-            x_ND = x_TD[tok_N]
-            h = F.linear(x_ND, dequantize(s.gate_up, x_ND.dtype), _cast(s.gate_up_bias, x_ND.dtype))
-            y_ND = F.linear(self.act(h), dequantize(s.down, x_ND.dtype), _cast(s.down_bias, x_ND.dtype))
-            out_TD.index_add_(0, tok_N, (y_ND * weights_TK[tok_N, slot_N, None]).to(out_TD.dtype))
-        return out_TD
+        experts = ConvertedOnLookup(self._experts, lambda s: s.dequantized(x_TD.dtype))  # one expert at a time
+        return routed_experts_forward(experts, x_TD, ids_TK, weights_TK, self.act)
 
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
