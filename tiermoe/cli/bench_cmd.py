@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
+from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
 from tiermoe.cli.flags import add_command, positive_int
 
 
@@ -65,7 +66,6 @@ def add_parser(sub) -> None:
 
 def add_placement_parser(benches) -> None:
     from tiermoe.benchmarking.placement_traffic import BENCH_STRATEGIES
-    from tiermoe.config import CPU_BACKENDS, CPU_EXPERT_DTYPES, CPUConfig
 
     p = add_command(
         benches, "placement",
@@ -98,12 +98,6 @@ def add_placement_parser(benches) -> None:
     p.add_argument("--gpu-device", default=None,
                    help="GPU tier device (default: cuda:0 when CUDA is available, else the CPU with estimates)")
     p.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight (default 8)")
-    p.add_argument("--cpu-backend", choices=CPU_BACKENDS, default=CPUConfig().backend,
-                   help=f"CPU tier backend whose time is measured (default {CPUConfig().backend})")
-    p.add_argument("--cpu-expert-dtype", choices=CPU_EXPERT_DTYPES, default=None,
-                   help="CPU-tier expert format (default: the checkpoint's dtype)")
-    p.add_argument("--cpu-threads", type=positive_int, default=None,
-                   help="CPU tier threads (default: physical cores less one for the caller)")
     p.add_argument("--output-len", type=positive_int, default=64,
                    help="output tokens per request: each gets between half and all of it, seeded (default 64)")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=512, help="skip longer prompts (default 512)")
@@ -120,6 +114,7 @@ def add_placement_parser(benches) -> None:
     p.add_argument("--out", help="write every figure as JSON")
     p.add_argument("--markdown", help="also write the tables as markdown to this file")
     p.add_argument("--plot", help="write tokens/s and hit rate against ratio per strategy to this PNG")
+    add_cpu_flags(p)  # the CPU tier whose time is measured
 
 
 def run(args) -> int:
@@ -132,7 +127,6 @@ def run_placement(args) -> int:
     from tiermoe.benchmarking.placement import PlacementBenchConfig, run_placement_bench
     from tiermoe.benchmarking.placement_report import markdown, plot
     from tiermoe.benchmarking.placement_workload import WorkloadSpec
-    from tiermoe.config import CPUConfig
 
     workload = WorkloadSpec(args.dataset, args.num_prompts, args.calibration_prompts, args.output_len,
                             args.max_prompt_tokens, args.heldout_fraction, args.seed)
@@ -141,7 +135,7 @@ def run_placement(args) -> int:
         workload, model=args.model, gpu_profile=args.gpu_profile, gpu_device=args.gpu_device,
         concurrency=args.concurrency, prefill_chunk=args.prefill_chunk,
         prefill_threshold=args.prefill_threshold or None, repeats=args.repeats, tolerance=args.tolerance,
-        cpu=CPUConfig(args.cpu_backend, args.cpu_expert_dtype, args.cpu_threads),
+        cpu=cpu_from_args(args),
         **{k: tuple(v) for k, v in options.items()})
     result = run_placement_bench(config)
     text = markdown(result)

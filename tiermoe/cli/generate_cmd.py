@@ -15,6 +15,7 @@ from tiermoe.cli.flags import (
 from tiermoe.cli.placement_flags import (
     add_dynamic_flags,
     add_placement_flags,
+    check_fit_from_args,
     dynamic_from_args,
     placement_from_args,
 )
@@ -64,7 +65,6 @@ def run(args) -> int:
     from tiermoe.config import check_device
     from tiermoe.engine.llm import LLM
     from tiermoe.engine.sampling import SamplingParams
-    from tiermoe.fit import check_before_loading
     from tiermoe.models import resolve_model
     from tiermoe.stats.io import dump_recorder
 
@@ -73,8 +73,7 @@ def run(args) -> int:
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed)
     placement = placement_from_args(args)
-    check_before_loading(args.model, placement, device, args.max_total_tokens,  # stop early if it will not fit
-                         args.prefill_buffer_gb if args.prefill_threshold else 0.0, cpu_from_args(args).expert_dtype)
+    check_fit_from_args(args, placement, device)
     with LLM(args.model, gpu_device=device, placement=placement,
              dynamic=dynamic_from_args(args), recorder=recorder, cpu=cpu_from_args(args)) as llm:
         use_chat = not args.raw and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)

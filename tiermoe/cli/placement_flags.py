@@ -100,6 +100,21 @@ def placement_from_args(args):
         strategy=args.strategy, num_gpu_experts=args.num_gpu_experts, gpu_experts_ratio=args.gpu_experts_ratio,
         gpu_memory_gb=args.gpu_memory_gb, init_expert_location=args.init_expert_location, seed=args.placement_seed,
         num_gpus=args.num_gpus, gpu_split=args.gpu_split, kv_cache_tokens=args.max_total_tokens,
-        prefill_buffer_gb=args.prefill_buffer_gb if getattr(args, "prefill_threshold", None) else 0.0,
+        prefill_buffer_gb=prefill_buffer_from_args(args),
     )
     return config if config.sized or config.strategy != "uniform" else None
+
+
+def prefill_buffer_from_args(args) -> float:
+    """GiB the layerwise-prefill buffers take on the GPU: --gpu-prefill-buffer-gb once the threshold turns it on."""
+    return args.prefill_buffer_gb if getattr(args, "prefill_threshold", None) else 0.0
+
+
+def check_fit_from_args(args, placement, device) -> None:
+    """Stop with a clear message, before a weight is read, when the flags' placement will not fit
+    (tiermoe.fit.check_before_loading: headers only)."""
+    from tiermoe.cli.cpu_flags import cpu_from_args
+    from tiermoe.fit import check_before_loading
+
+    check_before_loading(args.model, placement, device, args.max_total_tokens, prefill_buffer_from_args(args),
+                         cpu_from_args(args).expert_dtype)

@@ -16,6 +16,7 @@ from tiermoe.cli.generate_cmd import add_model_flags
 from tiermoe.cli.placement_flags import (
     add_dynamic_flags,
     add_placement_flags,
+    check_fit_from_args,
     dynamic_from_args,
     placement_from_args,
 )
@@ -90,13 +91,9 @@ def build_state(args, llm=None):
                           max_total_tokens=args.max_total_tokens, chunked_prefill_size=args.chunked_prefill_size,
                           default_max_tokens=args.default_max_tokens)
     if llm is None:
-        from tiermoe.fit import check_before_loading
-
         device = check_device(args.gpu_device)
         placement = placement_from_args(args)
-        check_before_loading(args.model, placement, device, args.max_total_tokens,  # stop early if it will not fit
-                             args.prefill_buffer_gb if getattr(args, "prefill_threshold", None) else 0.0,
-                             cpu_from_args(args).expert_dtype)
+        check_fit_from_args(args, placement, device)
         llm = LLM(args.model, gpu_device=device, placement=placement,
                   dynamic=dynamic_from_args(args), max_running=config.max_running_requests,
                   prefill_chunk=config.chunked_prefill_size, max_total_tokens=config.max_total_tokens,

@@ -26,10 +26,14 @@ IGNORED = {
 }
 
 
+def _dest(flag: str) -> str:
+    return "ignored_" + flag.lstrip("-").replace("-", "_")
+
+
 def add_sglang_compat_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("SGLang / KTransformers flags accepted without effect (one line says which)")
     for flag, (takes_value, why) in IGNORED.items():
-        dest = "ignored_" + flag.lstrip("-").replace("-", "_")
+        dest = _dest(flag)
         if takes_value:
             g.add_argument(flag, dest=dest, metavar="X", default=None, help=f"ignored: {why}")
         else:
@@ -40,7 +44,7 @@ def ignored_flags(args) -> list[str]:
     """The ignored flags the user gave, as `--flag value` (or `--flag`)."""
     given = []
     for flag, (takes_value, _) in IGNORED.items():
-        value = getattr(args, "ignored_" + flag.lstrip("-").replace("-", "_"), None)
+        value = getattr(args, _dest(flag), None)
         if value is not None:
             given.append(f"{flag} {value}" if takes_value else flag)
     return given
