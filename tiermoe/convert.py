@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from tiermoe.arch import detect, load_config
 from tiermoe.errors import TiermoeError
-from tiermoe.experts.quant import FORMATS, block, k_align, quantize, round_up
+from tiermoe.experts.quant import FORMATS, expert_in_layout, kernels_take_shape, quantize
 from tiermoe.model.expert_cache import (
     MANIFEST,
     VERSION,
@@ -41,8 +41,7 @@ def kernel_layout(fmt: str, spec) -> bool:
 
     if spec.activation != "silu_glu" or load_kernels() is None:
         return False
-    h, i = spec.hidden_size, spec.expert_intermediate_size
-    return fmt != "bf16" or (h % k_align("bf16") == 0 and i % k_align("bf16") == 0)
+    return kernels_take_shape(fmt, spec.hidden_size, spec.expert_intermediate_size)
 
 
 def _copy_side_files(src: Path, out: Path, config) -> None:
@@ -69,10 +68,9 @@ def convert_cpu_experts(model: str | Path, fmt: str, out: str | Path, dtype: tor
     config = load_config(src)
     spec = detect(config)
     dtype = dtype or spec.dtype
-    blocked = kernel_layout(fmt, spec)
+    layout = "blocked" if kernel_layout(fmt, spec) else "rows"
     files = weight_files(src)
     out.mkdir(parents=True, exist_ok=True)
-    i = spec.expert_intermediate_size
     metas = None
     total = spec.total_routed_experts
     with open_checkpoint(src, config, fp8_block_size(config)) as ckpt, \
@@ -82,10 +80,7 @@ def convert_cpu_experts(model: str | Path, fmt: str, out: str | Path, dtype: tor
             writer = None
             for e in range(spec.num_experts):
                 w = read_expert(ckpt, source, e, spec, dtype)
-                gate_up, down = quantize(w.gate_up, fmt), quantize(w.down, fmt)
-                if blocked:
-                    gate_up = block(gate_up, ((0, i), (i, 2 * i)), round_up(i, k_align(fmt)))
-                    down = block(down)
+                gate_up, down = expert_in_layout(quantize(w.gate_up, fmt), quantize(w.down, fmt), layout)
                 tensors = expert_tensors(e, gate_up, down, w.gate_up_bias, w.down_bias)
                 if writer is None:  # every expert has expert 0's shapes: the header is known now
                     specs = [(f"{x}.{name.split('.', 1)[1]}", t.dtype, tuple(t.shape))
@@ -97,7 +92,7 @@ def convert_cpu_experts(model: str | Path, fmt: str, out: str | Path, dtype: tor
             writer.close()
     _copy_side_files(src, out, config)
     manifest = {"version": VERSION, "format": fmt, "dtype": str(dtype).removeprefix("torch."),
-                "layout": "blocked" if blocked else "rows", "source": str(src),
+                "layout": layout, "source": str(src),
                 "source_fingerprint": source_fingerprint(files), "model_type": spec.model_type,
                 "moe_layers": list(spec.moe_layers), "num_experts": spec.num_experts, "matrices": metas}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))

@@ -22,12 +22,12 @@ from tiermoe.experts.kernels import ThreadTeam, TmLayerArgs, TmMatrix, load_kern
 from tiermoe.experts.quant import (
     FORMAT_CODES,
     QMatrix,
-    block,
     dequantize,
+    expert_in_layout,
     k_align,
+    kernels_take_shape,
     quantize,
     round_up,
-    unblock,
 )
 from tiermoe.experts.threads import team_cpus
 from tiermoe.experts.tiers import ComputedOnWorker, CPUWorker
@@ -105,8 +105,7 @@ class NativeCPUExperts(ComputedOnWorker):
         """The first expert fixes the layer's (D, I) and whether the kernels compute it; later ones must match."""
         if self._shape is None:
             self._shape = (d, i)
-            aligned = self.fmt != "bf16" or (d % k_align("bf16") == 0 and i % k_align("bf16") == 0)
-            self._blocked = self.kernels is not None and aligned
+            self._blocked = self.kernels is not None and kernels_take_shape(self.fmt, d, i)
         elif self._shape != (d, i):
             raise ValueError(f"expert {expert} has shape D={d}, I={i}; this layer's experts have D, I = {self._shape}")
 
@@ -119,12 +118,7 @@ class NativeCPUExperts(ComputedOnWorker):
             raise ValueError(f"expert {expert} is stored as {gate_up.fmt}, this tier holds {self.fmt}")
         d, i = down.n, down.k
         self._adopt_shape(expert, d, i)
-        want = "blocked" if self._blocked else "rows"
-        if gate_up.layout != want:
-            gate_up = unblock(gate_up) if want == "rows" else block(gate_up, ((0, i), (i, 2 * i)),
-                                                                    round_up(i, k_align(self.fmt)))
-        if down.layout != want:
-            down = unblock(down) if want == "rows" else block(down)
+        gate_up, down = expert_in_layout(gate_up, down, "blocked" if self._blocked else "rows")
         self._experts[expert] = _Stored(gate_up, down, gate_up_bias, down_bias)
         self._set_table(expert)
 

@@ -210,3 +210,21 @@ def unblock(m: QMatrix) -> QMatrix:
         out.gscale = rows_back(m.gscale.permute(0, 2, 1).reshape(n_pad, -1)).contiguous()
         out.gzero = rows_back(m.gzero.permute(0, 2, 1).reshape(n_pad, -1)).contiguous()
     return out
+
+
+def kernels_take_shape(fmt: str, d: int, i: int) -> bool:
+    """Whether the kernels compute experts of hidden size D and intermediate size I in `fmt`: int8 / int4 always
+    (padded when packed), bf16 only in multiples of 32, so that no padding is ever held for bf16 weights."""
+    return fmt != "bf16" or (d % k_align("bf16") == 0 and i % k_align("bf16") == 0)
+
+
+def expert_in_layout(gate_up: QMatrix, down: QMatrix, layout: str) -> tuple[QMatrix, QMatrix]:
+    """An expert's gate_up [2I, D] and down [D, I] in `layout`, re-laid-out only where they differ; "blocked"
+    gives gate and up rows blocks of their own, I padded to `k_align`, as the kernels read them."""
+    i = down.k
+    if gate_up.layout != layout:
+        gate_up = unblock(gate_up) if layout == "rows" else block(gate_up, ((0, i), (i, 2 * i)),
+                                                                    round_up(i, k_align(gate_up.fmt)))
+    if down.layout != layout:
+        down = unblock(down) if layout == "rows" else block(down)
+    return gate_up, down
