@@ -227,3 +227,14 @@ def test_an_fp8_expert_quantises_as_the_releases_do_and_refuses_biases():
     assert q.nbytes == 3 * 160 * 192 + 4 * (4 + 4 + 4)
     with pytest.raises(ValueError, match="biases"):
         FP8ExpertWeights.quantize(ExpertWeights(w.gate_up, w.down, torch.zeros(320), torch.zeros(192)), (128, 128))
+
+
+def test_the_compat_cpu_buffer_dequantises_with_the_checkpoints_own_block_size(tmp_path):
+    from tiermoe.compat import KExpertsCPUBuffer
+
+    fp8_dir = write_fp8_checkpoint(_save_fp32("qwen3_moe", tmp_path / "src"), tmp_path / "fp8", block=(64, 64))
+    name = "model.layers.0.mlp.experts.3.down_proj.weight"
+    with Checkpoint(fp8_dir, (64, 64)) as ckpt:
+        want = ckpt.read(name, torch.empty(ckpt.shape(name), dtype=torch.float32))
+    with KExpertsCPUBuffer.from_checkpoint(fp8_dir, None, torch.float32) as buffer:
+        assert torch.equal(buffer.get(0, 3).down, want)  # read with weight_block_size [64, 64], not the default

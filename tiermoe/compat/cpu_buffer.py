@@ -78,15 +78,17 @@ class KExpertsCPUBuffer:
     def from_checkpoint(cls, model_dir: str | Path, gpu_experts_mask=None, dtype: torch.dtype | None = None, *,
                         pin: bool | None = None, directory: str | Path = SHM_DIR) -> KExpertsCPUBuffer:
         """A buffer holding the CPU experts of `gpu_experts_mask` (False positions of MoE layers), read from the
-        checkpoint in tiermoe's canonical layout."""
-        from tiermoe.model.checkpoint import Checkpoint
+        checkpoint (safetensors, FP8 or GGUF, opened as the loader opens it) in tiermoe's canonical layout."""
         from tiermoe.model.expert_source import find_expert_source, read_expert
+        from tiermoe.model.fp8 import fp8_block_size
+        from tiermoe.model.gguf_checkpoint import open_checkpoint
         from tiermoe.model.loader import LAYERS_PREFIX
 
         buffer = cls.create(model_dir, dtype, gpu_experts_mask, pin=pin, directory=directory)
         try:
             spec, on_cpu = buffer.store.spec, cpu_experts(buffer.store.spec, gpu_experts_mask)
-            with Checkpoint(model_dir) as ckpt:
+            config = load_config(model_dir)
+            with open_checkpoint(model_dir, config, fp8_block_size(config)) as ckpt:
                 for layer in spec.moe_layers:
                     source = find_expert_source(ckpt, spec, LAYERS_PREFIX, layer)
                     for expert in on_cpu[layer].nonzero().flatten().tolist():
