@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 from tiermoe.arch import detect, load_config
 from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
-from tiermoe.model.checkpoint import Checkpoint
 from tiermoe.experts.fp8_blocks import dequantize_fp8, quantize_fp8
+from tiermoe.model.checkpoint import Checkpoint
 from tiermoe.model.fp8 import FP8Linear, scale_name
 from tiermoe.model.fp8_write import write_fp8_checkpoint
 from tiermoe.model.loader import load_hybrid_model

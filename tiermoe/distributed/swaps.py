@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from tiermoe.experts.weights import ExpertWeights
 from tiermoe.model.checkpoint import Checkpoint
+from tiermoe.model.expert_source import find_expert_source, read_expert
 from tiermoe.model.fp8 import fp8_block_size
 from tiermoe.model.gguf_checkpoint import open_checkpoint
-from tiermoe.model.expert_source import find_expert_source, read_expert
 from tiermoe.model.loader import LAYERS_PREFIX
 from tiermoe.placement.policies import Swap
 

@@ -41,10 +41,10 @@ from tiermoe.experts.tiers import CPUWorker, ExpertSet
 from tiermoe.experts.weights import ExpertWeights
 from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.model.checkpoint import Checkpoint
-from tiermoe.model.expert_source import ExpertSource, find_expert_source, keeps_fp8, read_expert, read_fp8_expert
 from tiermoe.model.expert_cache import ExpertCache, find_cache
-from tiermoe.model.gguf_checkpoint import open_checkpoint, weight_files
+from tiermoe.model.expert_source import ExpertSource, find_expert_source, keeps_fp8, read_expert, read_fp8_expert
 from tiermoe.model.fp8 import FP8Linear, fp8_block_size, is_block_fp8, scale_name
+from tiermoe.model.gguf_checkpoint import open_checkpoint, weight_files
 from tiermoe.model.hybrid_model import HybridModel
 from tiermoe.model.skeleton import build_skeleton, decoder_layers, moe_block_attr
 from tiermoe.placement.mask import validate_mask
