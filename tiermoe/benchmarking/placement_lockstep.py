@@ -18,7 +18,6 @@ import os
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import replace
-from pathlib import Path
 
 from tiermoe.benchmarking.placement_live import measure_configuration
 from tiermoe.benchmarking.placement_runner import RunTiming, WorkloadRun, make_engine, warm_up
@@ -58,17 +57,16 @@ def time_configurations(llm, workload: Workload, configs: list[tuple[str, float]
 
 
 def _model_bytes(model_dir) -> int:
-    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    from tiermoe.model.gguf_checkpoint import weight_files
+
+    return sum(f.stat().st_size for f in weight_files(model_dir))
 
 
 def _available_memory() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    from tiermoe.fit import available_ram
+
+    ram = available_ram()  # MemAvailable; where /proc has none, the free physical pages
+    return ram if ram is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _timed_rounds(llm, workload, configs: list[tuple[str, float]], calibration_LE, config, cost, log
