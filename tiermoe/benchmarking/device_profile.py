@@ -24,7 +24,10 @@ import torch.nn.functional as F
 from tiermoe.placement.profiles import GPUProfile
 
 
-def _sync(device: torch.device) -> Callable[[], None]:
+def synchronizer(device: torch.device | str) -> Callable[[], None]:
+    """A function that waits for the work queued on `device`, so a time taken after it is real (a no-op on the
+    CPU, whose ops return when done)."""
+    device = torch.device(device)
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
@@ -50,7 +53,7 @@ def launch_seconds(device: torch.device, calls: int = 2000, repeats: int = 3) ->
         for _ in range(calls):
             torch.add(a, b)
 
-    return best_time(run, _sync(device), repeats) / calls
+    return best_time(run, synchronizer(device), repeats) / calls
 
 
 def measure_profile(device: str | torch.device, hidden: int, inter: int, dtype: torch.dtype,
@@ -60,7 +63,7 @@ def measure_profile(device: str | torch.device, hidden: int, inter: int, dtype: 
     working_set_bytes: bytes the bandwidth measurement reads (the model's routed experts), within 64 MiB - 1 GiB.
     """
     device = torch.device(device)
-    sync = _sync(device)
+    sync = synchronizer(device)
     launch = launch_seconds(device)
     rows_per_expert = 2 * inter
     stacked = max(1, min(1 << 30, max(64 << 20, working_set_bytes)) // (rows_per_expert * hidden * dtype.itemsize))
@@ -88,5 +91,5 @@ def _copy_bandwidth(device: torch.device, hidden: int, inter: int, dtype: torch.
     src = torch.empty(count, 3 * inter * hidden, dtype=dtype, pin_memory=pin)
     src.fill_(1)
     dst = torch.empty_like(src, device=device)
-    seconds = best_time(lambda: [dst[i].copy_(src[i], non_blocking=pin) for i in range(count)], _sync(device), repeats)
+    seconds = best_time(lambda: [dst[i].copy_(src[i], non_blocking=pin) for i in range(count)], synchronizer(device), repeats)
     return count * expert_bytes / seconds

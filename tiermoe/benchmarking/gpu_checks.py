@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tiermoe.benchmarking.device_profile import best_time, measure_profile
+from tiermoe.benchmarking.device_profile import best_time, measure_profile, synchronizer
 from tiermoe.benchmarking.placement import THIS_CPU, PlacementBenchConfig, run_placement_bench
 from tiermoe.benchmarking.placement_live import measure_configuration
 from tiermoe.benchmarking.placement_traffic import strategy_mask
@@ -68,7 +68,7 @@ def check_overlap(llm, tokens: int) -> dict:
     device = hybrid.gpu_device
     hybrid.apply_mask(uniform_mask(spec, 0.5))
     block = next(iter(hybrid.blocks.values()))
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     with torch.inference_mode():
         x = torch.randn(tokens, spec.hidden_size, device=device).to(hybrid.expert_dtype)
         _, weights, ids = getattr(block, spec.router_attr)(x)
@@ -261,7 +261,7 @@ def _gpu_tier_times(checkpoints: dict, mask, device: str, token_counts) -> dict:
     """ms of one layer's GPU tier (bf16 compute, all its experts there) per checkpoint and token count."""
     from tiermoe.model.loader import load_hybrid_model
 
-    sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     times = {}
     for name, path in checkpoints.items():
         with load_hybrid_model(path, mask, gpu_device=device, dtype=torch.bfloat16, progress=False) as hybrid, \

@@ -24,6 +24,7 @@ from dataclasses import replace
 
 import torch
 
+from tiermoe.benchmarking.device_profile import synchronizer
 from tiermoe.benchmarking.model_costs import count_expert_ops
 from tiermoe.benchmarking.pass_cost import HostCosts, PassCostModel
 from tiermoe.benchmarking.placement_traffic import PassShapes, Traffic
@@ -68,7 +69,7 @@ def measure_op_seconds(act, device="cpu", experts: int = 8, repeats: int = 20) -
     from tiermoe.experts.weights import ExpertWeights
 
     device = torch.device(device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     weights = {e: ExpertWeights(torch.randn(8, 8, device=device), torch.randn(8, 4, device=device))
                for e in range(experts)}
     x = torch.randn(experts, 8, device=device)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiermoe.benchmarking.device_profile import synchronizer
 from tiermoe.benchmarking.placement_workload import Workload
 from tiermoe.engine.engine import Engine, EngineConfig
 from tiermoe.engine.sampling import SamplingParams
@@ -76,7 +77,7 @@ class WorkloadRun:
         self.steps: list[float] = []
         self.clock = 0.0  # seconds of this run's own steps
         self.done = 0
-        self._synchronize = _synchronizer(engine.hybrid.gpu_device)
+        self._synchronize = synchronizer(engine.hybrid.gpu_device)
 
     def has_work(self) -> bool:
         return self.engine.has_work()
@@ -112,14 +113,6 @@ def run_workload(engine: Engine, workload: Workload, on_step: Callable[[int, int
         if on_step is not None:
             on_step(run.done, len(run.seqs))
     return run.timing(time.perf_counter() - start)
-
-
-def _synchronizer(device) -> Callable[[], None]:
-    """Wait for queued GPU work, so a step's time is its real time (a no-op on a CPU device)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
 
 
 def serve(llm, workload: Workload, concurrency: int, prefill_chunk: int, recorder=NO_RECORDER) -> RunTiming:

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from tiermoe.benchmarking.device_profile import synchronizer
+
 
 @dataclass(frozen=True)
 class TierFit:
@@ -67,7 +69,7 @@ def time_tier(calls: list[Callable], spec, dtype: torch.dtype, device, repeats: 
     other processes then slows one round of every point, not every round of one point."""
     gen = torch.Generator().manual_seed(0)
     device = torch.device(device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     grid = sample_grid(spec.num_experts, max_pairs)
     inputs = []
     for distinct, pairs in grid:
