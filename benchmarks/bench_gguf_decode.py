@@ -12,7 +12,6 @@ thread count (`--threads`). Their outputs are checked equal bit for bit before t
 from __future__ import annotations
 
 import argparse
-import time
 import warnings
 from functools import partial
 
@@ -21,6 +20,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from tqdm.auto import tqdm
 
+from tiermoe.benchmarking.device_profile import best_time, synchronizer
 from tiermoe.model.gguf_dequant import NATIVE_TYPES, dequantize_into
 
 # Where each type keeps its half-precision scales (d, and dmin for the K-quants that have one).
@@ -38,15 +38,6 @@ def sample_blocks(qtype, mb: int, rows: int, seed: int = 0) -> np.ndarray:
     for offset in _HALF_OFFSETS[qtype.name]:
         raw[:, offset:offset + 2] = halves
     return raw.reshape(rows, -1)
-
-
-def best_seconds(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -70,8 +61,8 @@ def main() -> None:
         dequantize_into(raw, qtype, out)
         if not torch.equal(ref.nan_to_num(), out.nan_to_num()):
             raise SystemExit(f"{name}: tiermoe's decoding differs from the gguf package's")
-        t_gguf = best_seconds(partial(dequantize_into, raw, qtype, ref, native=False), args.repeats)
-        t_ours = best_seconds(partial(dequantize_into, raw, qtype, out), args.repeats)
+        t_gguf = best_time(partial(dequantize_into, raw, qtype, ref, native=False), synchronizer("cpu"), args.repeats)
+        t_ours = best_time(partial(dequantize_into, raw, qtype, out), synchronizer("cpu"), args.repeats)
         mb = raw.nbytes / 1e6
         rows.append((name, mb / t_gguf, mb / t_ours, t_gguf / t_ours))
     lines = [(f"GGUF decoding to fp32, {args.mb} MB per type, {torch.get_num_threads()} threads, best of "

@@ -17,22 +17,13 @@ import json
 import torch
 
 from tiermoe.arch import detect, load_config
-from tiermoe.benchmarking.dynamic import DEFAULT_RATIOS, run_dynamic_bench
+from tiermoe.benchmarking.dynamic import DEFAULT_RATIOS, replay_cost_model, run_dynamic_bench
 from tiermoe.models import resolve_model
-from tiermoe.placement.cost import BandwidthCostModel
 from tiermoe.placement.profiles import load_profile
 from tiermoe.stats.io import load_counts
 from tiermoe.stats.replay import trace_passes
 
 STATIC = ("uniform", "front-loading", "random", "frequency", "balanced")
-
-
-def cost_model(spec, profile: str) -> BandwidthCostModel:  # the same model `tiermoe bench dynamic` builds
-    gpu = load_profile(profile)
-    return BandwidthCostModel(bytes_per_expert=spec.bytes_per_expert(torch.bfloat16), cpu_read_bandwidth=25e9,
-                              gpu_read_bandwidth=gpu.memory_bandwidth, copy_bandwidth=gpu.pcie_bandwidth,
-                              flops_per_pair=6 * spec.hidden_size * spec.expert_intermediate_size,
-                              cpu_flops=400e9, gpu_flops=gpu.compute_flops)
 
 
 def main() -> int:
@@ -46,7 +37,7 @@ def main() -> int:
     args = ap.parse_args()
     a, b = args.datasets.split(",")
     spec = detect(load_config(resolve_model(None)))
-    cost = cost_model(spec, args.gpu_profile)
+    cost = replay_cost_model(spec, load_profile(args.gpu_profile))  # `tiermoe bench dynamic`'s defaults
     ratios = list(DEFAULT_RATIOS)
     results, all_ok = {}, True
     for ev, other in ((a, b), (b, a)):

@@ -11,10 +11,21 @@ from dataclasses import dataclass
 import torch
 
 from tiermoe.placement.cost import BandwidthCostModel
+from tiermoe.placement.profiles import GPUProfile
 from tiermoe.placement.strategies import NEEDS_STATISTICS
 from tiermoe.stats.replay import ORACLES, REPLAY_POLICIES, TracePasses, replay
 
 DEFAULT_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def replay_cost_model(spec, gpu: GPUProfile, cpu_bandwidth: float = 25e9, cpu_flops: float = 400e9
+                      ) -> BandwidthCostModel:
+    """The cost model replays are timed with: bf16 experts of `spec`, the GPU tier and copies from the `gpu`
+    profile, the CPU tier at `cpu_bandwidth` bytes/s and `cpu_flops` (3 matrices of H x I, 2 flops per weight)."""
+    return BandwidthCostModel(bytes_per_expert=spec.bytes_per_expert(torch.bfloat16), cpu_read_bandwidth=cpu_bandwidth,
+                              gpu_read_bandwidth=gpu.memory_bandwidth, copy_bandwidth=gpu.pcie_bandwidth,
+                              flops_per_pair=6 * spec.hidden_size * spec.expert_intermediate_size,
+                              cpu_flops=cpu_flops, gpu_flops=gpu.compute_flops)
 
 
 @dataclass

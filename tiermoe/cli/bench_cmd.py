@@ -160,10 +160,15 @@ def run_dynamic(args) -> int:
     import torch
 
     from tiermoe.arch import detect, load_config
-    from tiermoe.benchmarking.dynamic import DEFAULT_RATIOS, format_table, plot_bench, run_dynamic_bench
+    from tiermoe.benchmarking.dynamic import (
+        DEFAULT_RATIOS,
+        format_table,
+        plot_bench,
+        replay_cost_model,
+        run_dynamic_bench,
+    )
     from tiermoe.errors import TiermoeError
     from tiermoe.models import resolve_model
-    from tiermoe.placement.cost import BandwidthCostModel
     from tiermoe.placement.profiles import load_profile
     from tiermoe.stats.io import load_counts
     from tiermoe.stats.replay import trace_passes
@@ -181,10 +186,7 @@ def run_dynamic(args) -> int:
                            f"{spec.num_layers} x {spec.num_experts}")
     calibration = load_counts(args.calibration, passes.num_layers, passes.num_experts) if args.calibration else None
     gpu = load_profile(args.gpu_profile)
-    cost = BandwidthCostModel(bytes_per_expert=spec.bytes_per_expert(torch.bfloat16),
-                              cpu_read_bandwidth=args.cpu_bandwidth_gbs * 1e9, gpu_read_bandwidth=gpu.memory_bandwidth,
-                              copy_bandwidth=gpu.pcie_bandwidth, flops_per_pair=6 * spec.hidden_size *
-                              spec.expert_intermediate_size, cpu_flops=args.cpu_gflops * 1e9, gpu_flops=gpu.compute_flops)
+    cost = replay_cost_model(spec, gpu, args.cpu_bandwidth_gbs * 1e9, args.cpu_gflops * 1e9)
     bench = run_dynamic_bench(passes, cost, args.ratios or DEFAULT_RATIOS, calibration, args.prefill_threshold)
     if args.json:
         print(json.dumps({"gpu_profile": gpu.as_dict(), "passes": passes.num_passes, "rows": bench.rows}))
