@@ -63,6 +63,16 @@ def make_mask(kind: str, spec) -> torch.Tensor:
     return mask
 
 
+def logits_on_tier(path, kind: str, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of the checkpoint at `path` loaded with a MASKS placement (the GPU tier on the CPU device)."""
+    from tiermoe.arch import detect, load_config
+    from tiermoe.model.loader import load_hybrid_model
+
+    mask = make_mask(kind, detect(load_config(path)))
+    with load_hybrid_model(path, mask, gpu_device="cpu", dtype=torch.float32, progress=False) as hybrid:
+        return hybrid(input_ids=ids).logits
+
+
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     """max |a - ref| / max |ref|: the issue's measure of exactness."""
     return ((a - ref).abs().max() / ref.abs().max()).item()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import make_mask, rel_err, run_cli
+from conftest import logits_on_tier, rel_err, run_cli
 
 from tiermoe.arch import detect, load_config
 from tiermoe.errors import TiermoeError
@@ -172,11 +172,7 @@ def test_gguf_metadata_gives_the_config(gguf_case):
 @pytest.mark.parametrize("tier", ["all_cpu", "all_gpu", "random_half"])
 def test_gguf_model_matches_its_dequantised_reference_on_every_tier(gguf_case, tier):
     path, ids, ref, _ = gguf_case
-    spec = detect(load_config(path))
-    mask = make_mask(tier, spec)
-    with load_hybrid_model(path, mask, gpu_device="cpu", dtype=torch.float32, progress=False) as hybrid:
-        logits = hybrid(input_ids=ids).logits
-    assert rel_err(logits, ref) < 1e-5  # converted at load in fp32: no error beyond the GGUF's own
+    assert rel_err(logits_on_tier(path, tier, ids), ref) < 1e-5  # converted at load in fp32: no error beyond the GGUF's own
 
 
 def test_gguf_error_against_the_unquantised_model_is_the_formats_own(gguf_case):
