@@ -21,7 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from tqdm.auto import tqdm
 
 from tiermoe.benchmarking.device_profile import best_time, synchronizer
-from tiermoe.model.gguf_dequant import NATIVE_TYPES, dequantize_into
+from tiermoe.checkpoint.gguf_dequant import NATIVE_TYPES, dequantize_into
 
 # Where each type keeps its half-precision scales (d, and dmin for the K-quants that have one).
 _HALF_OFFSETS = {"Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}

@@ -48,7 +48,7 @@ def one_process(model_dir: str, gpu_experts: int, backend: str) -> dict:
 
     from tiermoe.distributed import memory_rollup
     from tiermoe.model.loader import load_hybrid_model
-    from tiermoe.model.placement_target import placement_target
+    from tiermoe.model.plan_source import placement_target
     from tiermoe.placement.planner import make_plan
 
     mask = make_plan(plan_config(gpu_experts, 1), placement_target(model_dir)).mask

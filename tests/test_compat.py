@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import ARCHS, save_tiny
 
+from tiermoe.checkpoint.safetensors import Checkpoint
 from tiermoe.compat import (
     MOEArchNotSupportedError,
     build_device_map,
@@ -20,7 +21,6 @@ from tiermoe.compat import (
     num_gpu_experts_from_env,
 )
 from tiermoe.engine.llm import LLM
-from tiermoe.model.checkpoint import Checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -231,7 +231,7 @@ def two_rank_run(tmp_path_factory):
     def add(path, name, assignment, dynamic=False, cpu_dtype=None):
         from tiermoe.fit import cpu_expert_bytes
         from tiermoe.model.gguf_checkpoint import open_checkpoint
-        from tiermoe.model.loader import gpu_expert_bytes
+        from tiermoe.model.held_bytes import gpu_expert_bytes
 
         spec = _spec(path)
         cases.append(case(path, assignment, dynamic, cpu_dtype))

@@ -11,11 +11,11 @@ from conftest import logits_on_tier, rel_err
 from safetensors.torch import save_file
 
 from tiermoe.arch import detect, load_config
+from tiermoe.checkpoint.fp8 import FP8Linear, scale_name
+from tiermoe.checkpoint.safetensors import Checkpoint
 from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.fp8_blocks import dequantize_fp8, quantize_fp8
-from tiermoe.model.checkpoint import Checkpoint
-from tiermoe.model.fp8 import FP8Linear, scale_name
 from tiermoe.model.fp8_write import write_fp8_checkpoint
 from tiermoe.model.loader import load_hybrid_model
 from tiermoe.model.presets import make_config
@@ -152,9 +152,10 @@ def _codes(w) -> list[torch.Tensor]:
 
 
 def test_gpu_tier_experts_stay_fp8_with_the_checkpoints_own_codes(fp8_case):
+    from tiermoe.model.plan_source import placement_target
+
     from tiermoe.experts.fp8_tier import FP8ExpertWeights
     from tiermoe.fit import model_bytes
-    from tiermoe.model.placement_target import placement_target
 
     fp8_dir, *_ = fp8_case
     spec = detect(load_config(fp8_dir))

@@ -196,8 +196,9 @@ def test_gguf_experts_convert_to_int4_on_the_cpu_tier(gguf_case):
 
 
 def test_fit_reads_gguf_headers(gguf_case):
+    from tiermoe.model.plan_source import placement_target
+
     from tiermoe.fit import model_bytes
-    from tiermoe.model.placement_target import placement_target
 
     path, *_ = gguf_case
     m = model_bytes(path)
@@ -405,7 +406,7 @@ def test_a_directory_of_split_gguf_files_loads_like_one_file(tmp_path, gguf_case
 
 @pytest.mark.parametrize("kind", ["F16", "BF16", "Q5_K", "Q6_K", "Q8_0"])
 def test_every_supported_tensor_type_reads_whole_and_per_expert_as_the_gguf_package_dequantises_it(tmp_path, kind):
-    from tiermoe.model.gguf_reader import GGUFFiles
+    from tiermoe.checkpoint.gguf_reader import GGUFFiles
 
     qtype = getattr(Q, kind)
     rng = np.random.default_rng(0)
@@ -465,8 +466,8 @@ def test_a_gguf_brings_its_tokenizer_and_one_without_a_vocabulary_takes_token_id
 def test_tiermoe_decodes_gguf_blocks_bit_for_bit_as_the_gguf_package(kind):
     """The C++ decoder (20x the numpy one: BENCHMARKS.md) against gguf.quants on random codes, with normal,
     subnormal and negative half-precision scales, over thread splits of the block range."""
+    from tiermoe.checkpoint.gguf_dequant import dequantize_into
     from tiermoe.experts.kernels import native_library
-    from tiermoe.model.gguf_dequant import dequantize_into
 
     if native_library() is None:
         pytest.skip("tiermoe's C++ kernels are not built on this machine")

@@ -16,9 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tiermoe.arch import detect, load_config
-from tiermoe.errors import TiermoeError
-from tiermoe.experts.quant import FORMATS, expert_in_layout, kernels_take_shape, quantize
-from tiermoe.model.expert_cache import (
+from tiermoe.checkpoint.expert_cache import (
     MANIFEST,
     VERSION,
     StreamingLayerWriter,
@@ -27,17 +25,17 @@ from tiermoe.model.expert_cache import (
     matrix_meta,
     source_fingerprint,
 )
-from tiermoe.model.expert_source import find_expert_source, read_expert
-from tiermoe.model.fp8 import fp8_block_size
+from tiermoe.checkpoint.fp8 import fp8_block_size
+from tiermoe.errors import TiermoeError
+from tiermoe.experts.kernels import load_kernels
+from tiermoe.experts.quant import FORMATS, expert_in_layout, kernels_take_shape, quantize
+from tiermoe.model.expert_source import LAYERS_PREFIX, find_expert_source, read_expert
 from tiermoe.model.gguf_checkpoint import open_checkpoint, weight_files
-
-LAYERS_PREFIX = "model.layers"
 
 
 def kernel_layout(fmt: str, spec) -> bool:
     """Whether the native CPU tier of this machine computes these experts from the "blocked" layout (the rule
     NativeCPUExperts applies: kernels available, SiLU-GLU experts, and bf16 only for shapes in multiples of 32)."""
-    from tiermoe.experts.kernels import load_kernels
 
     if spec.activation != "silu_glu" or load_kernels() is None:
         return False

@@ -14,19 +14,24 @@ are of memory. Shapes: E experts per layer, H hidden, I expert intermediate size
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tiermoe.arch import ArchSpec, detect, text_config
+from tiermoe.arch import ArchSpec, detect, load_gguf_config, text_config
+from tiermoe.checkpoint.expert_cache import find_cache
+from tiermoe.checkpoint.gguf_reader import gguf_files
 from tiermoe.errors import TiermoeError
-from tiermoe.experts.fp8_blocks import DEFAULT_BLOCK
+from tiermoe.experts.fp8_blocks import DEFAULT_BLOCK, scale_shape
 from tiermoe.experts.fp8_tier import fp8_expert_bytes
+from tiermoe.model.fp8_write import is_fp8_quantised
+from tiermoe.model.held_bytes import ROUTED_EXPERT_NAME, bytes_from_headers
+from tiermoe.model.skeleton import build_skeleton
+from tiermoe.models import resolve_model
 from tiermoe.placement.budget import GIB, kv_bytes_per_token
+from tiermoe.placement.plan import PlacementPlan
 
-_ROUTED = re.compile(r"\.experts\.")
 # What config.json alone may be told the weights are (`tiermoe fit --dtype`): compute dtype, and whether the
 # decoder's Linear weights are FP8 (the released FP8 layout: routers, norms, embeddings and lm_head stay bf16).
 CONFIG_DTYPES = {"bf16": (torch.bfloat16, False), "fp16": (torch.float16, False), "fp32": (torch.float32, False),
@@ -82,15 +87,12 @@ class ModelBytes:
 
 def _non_expert_from_config(cfg, dtype: torch.dtype, fp8: bool) -> int:
     """Non-expert bytes from the module tree alone (meta skeleton: no memory), in the released layout."""
-    from tiermoe.experts.fp8_blocks import scale_shape
-    from tiermoe.model.fp8_write import is_fp8_quantised
-    from tiermoe.model.skeleton import build_skeleton
 
     model = build_skeleton(copy.deepcopy(cfg), dtype)  # a copy: building sets the config's dtype
     tied = getattr(text_config(cfg), "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False)
     total = 0
     for name, t in model.state_dict().items():
-        if _ROUTED.search(name) or (tied and name == "lm_head.weight"):
+        if ROUTED_EXPERT_NAME.search(name) or (tied and name == "lm_head.weight"):
             continue
         if fp8 and is_fp8_quantised(name, tuple(t.shape)):
             nb, kb = scale_shape(tuple(t.shape), DEFAULT_BLOCK)
@@ -98,27 +100,6 @@ def _non_expert_from_config(cfg, dtype: torch.dtype, fp8: bool) -> int:
         else:
             total += t.numel() * t.element_size()
     return total
-
-
-def bytes_from_headers(model_dir: Path, dtype: torch.dtype, cfg, spec: ArchSpec) -> tuple[int, int]:
-    """(non-expert bytes, bytes of one GPU-tier expert) exactly as the loader allocates them, from one read of
-    the headers. Non-expert: each tensor the model needs, in the dtype the skeleton gives it (`dtype`, or fp32
-    where transformers keeps routers in fp32), except Linear weights the checkpoint stores FP8 with block scales,
-    which stay as stored; names are looked up as the loader does. GPU expert: `loader.gpu_expert_bytes`.
-    The --gpu-memory-gb planner counts with it too (tiermoe.model.placement_target), so the two agree."""
-    from tiermoe.model.fp8 import fp8_block_size
-    from tiermoe.model.gguf_checkpoint import open_checkpoint
-    from tiermoe.model.loader import gpu_expert_bytes, held_nbytes
-    from tiermoe.model.skeleton import build_skeleton
-
-    tied = getattr(text_config(cfg), "tie_word_embeddings", False)
-    with open_checkpoint(model_dir, cfg, fp8_block_size(cfg)) as ckpt:
-        non_expert = 0
-        for name, t in build_skeleton(copy.deepcopy(cfg), dtype).state_dict().items():  # copy: it sets cfg.dtype
-            if _ROUTED.search(name) or (tied and name == "lm_head.weight"):
-                continue
-            non_expert += held_nbytes(name, t, spec, ckpt)
-        return non_expert, gpu_expert_bytes(ckpt, spec, dtype)
 
 
 def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: str | None = None) -> ModelBytes:
@@ -129,11 +110,8 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
     path = Path(model)
     if not path.exists():
         raise TiermoeError(f"model path '{path}' does not exist")
-    from tiermoe.model.gguf_reader import gguf_files
 
     if gguf_files(path):
-        from tiermoe.arch import load_gguf_config
-
         cfg = load_gguf_config(path)
         spec = detect(cfg)
         compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
@@ -147,7 +125,6 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
     except (ValueError, KeyError, TypeError, OSError) as err:
         raise TiermoeError(f"{config_file} could not be read as a transformers config: {err}") from None
     spec = detect(cfg)
-    from tiermoe.model.expert_cache import find_cache
 
     cache = find_cache(config_file.parent)
     if cache is not None:  # a `tiermoe convert` output: its format, the source's non-expert weights
@@ -308,28 +285,20 @@ def available_ram() -> int | None:
     return None
 
 
-def check_before_loading(model, placement, gpu_device: str, kv_tokens: int, prefill_buffer_gb: float = 0.0,
-                         cpu_expert_dtype: str | None = None) -> FitReport:
-    """The check `serve` and `generate` run before loading: raise TiermoeError (one line) when the placement
-    will not fit the GPU memory the user gave (--gpu-memory-gb) or this machine's available RAM.
+def check_before_loading(model, plan: PlacementPlan, gpu_device: str, kv_tokens: int,
+                         prefill_buffer_gb: float = 0.0, cpu_expert_dtype: str | None = None) -> FitReport:
+    """The check `serve` and `generate` run before loading: raise TiermoeError (one line) when `plan` will not
+    fit the GPU memory the user gave (--gpu-memory-gb, recorded in the plan's budget) or this machine's
+    available RAM.
 
     Headers only: costs well under a second even for checkpoints of hundreds of GB."""
-    from tiermoe.config import PlacementConfig
-    from tiermoe.model.placement_target import resolve_mask
-    from tiermoe.models import resolve_model
-
     model_dir = resolve_model(model)
     bytes_ = model_bytes(model_dir, cpu_expert_dtype=cpu_expert_dtype)
-    if isinstance(placement, PlacementConfig) and placement.gpu_memory_gb == "auto":
-        placement_gpu = None  # sized from the device's free memory by the planner itself
-    elif isinstance(placement, PlacementConfig):
-        placement_gpu = placement.gpu_memory_gb
-    else:
-        placement_gpu = None
-    mask = resolve_mask(placement, model_dir, bytes_.spec, gpu_device)
-    gpu_experts = int(mask.sum()) if mask is not None else 0
-    # Only limits the user gave: the KV cache grows with use, so a device's free memory is no hard limit here.
-    gpu_memory = placement_gpu
+    gpu_experts = int(plan.mask.sum())
+    # Only limits the user gave ("auto" was sized from the device's free memory by the planner itself): the KV
+    # cache grows with use, so a device's free memory is no hard limit here.
+    gpu_memory = plan.budget.get("gpu_memory_gb")
+    gpu_memory = None if gpu_memory == "auto" else gpu_memory
     ram = available_ram()
     report = fit_report(bytes_, gpu_experts, kv_tokens, prefill_buffer_gb, gpu_memory,
                         None if ram is None else ram / GIB)

@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tiermoe.cli.main import run_as_command
+from tiermoe.cli.serve_cmd import run
+from tiermoe.cli.serve_flags import add_serve_flags
+
 
 def build_parser() -> argparse.ArgumentParser:
-    from tiermoe.cli.serve_cmd import add_serve_flags
-
     parser = argparse.ArgumentParser(
         prog="python -m tiermoe.serve",
         description="tiermoe serve as a module (for torchrun): one rank per GPU; rank 0 serves HTTP.")
@@ -22,9 +24,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tiermoe.cli.main import run_as_command
-    from tiermoe.cli.serve_cmd import run
-
     return run_as_command(run, build_parser().parse_args(argv))
 
 

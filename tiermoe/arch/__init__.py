@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 from tiermoe.arch import deepseek, gpt_oss, mixtral, olmoe, qwen
+from tiermoe.arch.gguf_config import config_fields_from_gguf
 from tiermoe.arch.spec import ArchSpec, ExpertDiskLayout
+from tiermoe.checkpoint.gguf_reader import GGUFFiles
 from tiermoe.errors import TiermoeError
 
 BUILDERS = {
@@ -76,9 +78,6 @@ def load_gguf_config(path: str | Path):
 
     GGUF weights are converted at load, so the compute dtype is bf16 unless the caller asks for another."""
     from transformers import AutoConfig
-
-    from tiermoe.arch.gguf_config import config_fields_from_gguf
-    from tiermoe.model.gguf_reader import GGUFFiles  # the reader lives with the other checkpoint readers
 
     files = GGUFFiles(path)
     fields = config_fields_from_gguf(files.metadata, set(files.tensors))

@@ -7,6 +7,10 @@ import sys
 
 from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
 from tiermoe.cli.flags import add_command, non_negative_float, positive_int
+from tiermoe.config import check_device
+from tiermoe.engine.llm import LLM
+from tiermoe.engine.sampling import SamplingParams
+from tiermoe.errors import TiermoeError
 
 HELP = "/quit (or Ctrl-D) leaves, /clear forgets the conversation, /history shows it, /help shows this"
 
@@ -34,16 +38,11 @@ def add_parser(sub) -> None:
 
 class LocalChat:
     def __init__(self, args):
-        from tiermoe.config import check_device
-        from tiermoe.engine.llm import LLM
-
         self.llm = LLM(args.model, gpu_device=check_device(args.gpu_device), progress=sys.stderr.isatty(),
                        cpu=cpu_from_args(args))
         self.args = args
 
     def reply(self, messages):
-        from tiermoe.engine.sampling import SamplingParams
-
         sampling = SamplingParams(max_tokens=self.args.max_tokens, temperature=self.args.temperature)
         yield from self.llm.stream(self.llm.chat_prompt_ids(messages), sampling)
 
@@ -62,7 +61,6 @@ class RemoteChat:
     def reply(self, messages):
         import httpx
 
-        from tiermoe.errors import TiermoeError
 
         body = {"model": "default", "messages": messages, "stream": True, "max_tokens": self.args.max_tokens,
                 "temperature": self.args.temperature}

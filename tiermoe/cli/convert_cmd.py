@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tiermoe.cli.flags import add_command, dtype_flag
+from tiermoe.convert import convert_cpu_experts
 
 
 def add_parser(sub) -> None:
@@ -24,8 +25,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from tiermoe.convert import convert_cpu_experts
-
     out = convert_cpu_experts(args.model, args.cpu_expert_dtype, args.out, args.dtype)
     print(f"converted CPU-tier experts written to {out}; load them with --model {out}")
     return 0

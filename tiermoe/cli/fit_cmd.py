@@ -8,6 +8,7 @@ from tiermoe.cli.flags import (
     non_negative_int,
     positive_int,
 )
+from tiermoe.fit import fit_report, model_bytes
 
 
 def add_parser(sub) -> None:
@@ -37,8 +38,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from tiermoe.fit import fit_report, model_bytes
-
     model = model_bytes(args.model, args.dtype, args.cpu_expert_dtype)
     report = fit_report(model, args.gpu_experts, args.max_total_tokens, args.gpu_prefill_buffer_gb,
                         args.gpu_memory_gb, args.ram_gb)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from tiermoe.arch import detect, load_config
 from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
 from tiermoe.cli.flags import (
     add_command,
@@ -17,9 +18,14 @@ from tiermoe.cli.placement_flags import (
     add_placement_flags,
     check_fit_from_args,
     dynamic_from_args,
-    placement_from_args,
+    plan_from_args,
 )
 from tiermoe.cli.recorder_flags import add_recorder_flags, recorder_from_args
+from tiermoe.config import check_device
+from tiermoe.engine.llm import LLM
+from tiermoe.engine.sampling import SamplingParams
+from tiermoe.models import resolve_model
+from tiermoe.stats.io import dump_recorder
 
 
 def add_parser(sub) -> None:
@@ -61,20 +67,13 @@ def add_sampling_flags(p) -> None:
 
 
 def run(args) -> int:
-    from tiermoe.arch import detect, load_config
-    from tiermoe.config import check_device
-    from tiermoe.engine.llm import LLM
-    from tiermoe.engine.sampling import SamplingParams
-    from tiermoe.models import resolve_model
-    from tiermoe.stats.io import dump_recorder
-
     device = check_device(args.gpu_device)
     recorder = recorder_from_args(args, detect(load_config(resolve_model(args.model))))
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed)
-    placement = placement_from_args(args)
-    check_fit_from_args(args, placement, device)
-    with LLM(args.model, gpu_device=device, placement=placement,
+    plan = plan_from_args(args, device)
+    check_fit_from_args(args, plan, device)
+    with LLM(args.model, gpu_device=device, placement=plan,
              dynamic=dynamic_from_args(args), recorder=recorder, cpu=cpu_from_args(args)) as llm:
         use_chat = not args.raw and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)
         if use_chat:

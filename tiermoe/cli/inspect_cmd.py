@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 from tiermoe.cli.flags import add_command
+from tiermoe.model.inspect import format_summary, summarize
+from tiermoe.models import resolve_model
 
 
 def add_parser(sub) -> None:
@@ -23,9 +25,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from tiermoe.model.inspect import format_summary, summarize
-    from tiermoe.models import resolve_model
-
     summary = summarize(resolve_model(args.model_dir))
     print(json.dumps(summary.as_dict(), indent=2) if args.json else format_summary(summary))
     return 0

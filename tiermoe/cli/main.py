@@ -9,6 +9,8 @@ import argparse
 import importlib
 import sys
 
+from tiermoe.errors import TiermoeError
+
 # subcommand -> module with add_parser(subparsers) and run(args)
 COMMANDS = {
     "bench": "tiermoe.cli.bench_cmd",
@@ -47,7 +49,6 @@ def run_as_command(run, args) -> int:
     (no traceback), Ctrl-C as status 130. Shared by `tiermoe` and `python -m tiermoe.serve`."""
     import warnings
 
-    from tiermoe.errors import TiermoeError
 
     warnings.showwarning = _one_line_warning  # a CLI user wants the message, not our source line
     try:

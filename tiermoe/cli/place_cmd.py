@@ -5,7 +5,15 @@ from __future__ import annotations
 import json
 
 from tiermoe.cli.flags import add_command, non_negative_int, positive_int
-from tiermoe.cli.placement_flags import add_placement_flags
+from tiermoe.cli.placement_flags import add_placement_flags, placement_config_from_args
+from tiermoe.errors import TiermoeError
+from tiermoe.model.plan_source import placement_target
+from tiermoe.models import resolve_model
+from tiermoe.placement.metrics import hit_rate
+from tiermoe.placement.plan import PlacementPlan
+from tiermoe.placement.planner import PlacementTarget, make_plan
+from tiermoe.placement.report import format_plan, plan_rows, plot_plan
+from tiermoe.stats.io import load_counts
 
 
 def add_parser(sub) -> None:
@@ -34,8 +42,6 @@ def add_parser(sub) -> None:
 
 
 def parse_layers(text: str, num_layers: int) -> tuple[int, ...]:
-    from tiermoe.errors import TiermoeError
-
     layers = set()
     try:
         for part in text.split(","):
@@ -54,11 +60,6 @@ def parse_layers(text: str, num_layers: int) -> tuple[int, ...]:
 
 
 def _target(args):
-    from tiermoe.errors import TiermoeError
-    from tiermoe.model.placement_target import placement_target
-    from tiermoe.models import resolve_model
-    from tiermoe.placement.planner import PlacementTarget
-
     if args.num_layers is None and args.num_experts is None:
         return placement_target(resolve_model(args.model))
     if args.model:
@@ -73,26 +74,14 @@ def _target(args):
 
 
 def run(args) -> int:
-    from tiermoe.config import PlacementConfig
-    from tiermoe.placement.metrics import hit_rate
-    from tiermoe.placement.plan import PlacementPlan
-    from tiermoe.placement.planner import make_plan
-    from tiermoe.placement.report import format_plan, plan_rows, plot_plan
-    from tiermoe.stats.io import load_counts
-
     target = _target(args)
-    if args.plan:
-        plan = PlacementPlan.load(args.plan)
-    else:
-        config = PlacementConfig(
-            strategy=args.strategy, num_gpu_experts=args.num_gpu_experts, gpu_experts_ratio=args.gpu_experts_ratio,
-            gpu_memory_gb=args.gpu_memory_gb, init_expert_location=args.init_expert_location,
-            seed=args.placement_seed, num_gpus=args.num_gpus, gpu_split=args.gpu_split,
-            kv_cache_tokens=args.max_total_tokens)
-        plan = make_plan(config, target, args.gpu_device)
     counts = None
     if args.init_expert_location:
         counts = load_counts(args.init_expert_location, target.num_layers, target.num_experts)
+    if args.plan:
+        plan = PlacementPlan.load(args.plan)
+    else:
+        plan = make_plan(placement_config_from_args(args), target, counts, args.gpu_device)
     if args.json:
         out = {"rows": plan_rows(plan, target.moe_layers, counts, target.bytes_per_expert), "plan": plan.to_dict()}
         if counts is not None:

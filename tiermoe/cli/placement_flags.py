@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import argparse
 
+from tiermoe.arch import detect, load_config
+from tiermoe.cli.cpu_flags import cpu_from_args
 from tiermoe.cli.flags import non_negative_int, positive_int
-from tiermoe.config import GPU_SPLIT_METHODS, PLACEMENT_STRATEGIES, PlacementConfig
+from tiermoe.config import GPU_SPLIT_METHODS, PLACEMENT_STRATEGIES, DynamicPlacementConfig, PlacementConfig
+from tiermoe.fit import check_before_loading
+from tiermoe.model.plan_source import resolve_plan
+from tiermoe.models import resolve_model
+from tiermoe.placement.plan import PlacementPlan
 
 
 def ratio(value: str) -> float:
@@ -80,7 +86,6 @@ def dynamic_from_args(args):
     """A DynamicPlacementConfig from the flags, or None when nothing dynamic was asked for."""
     import warnings
 
-    from tiermoe.config import DynamicPlacementConfig
 
     policy = args.placement_policy or ("kt-dynamic" if args.kt_dynamic else "static")
     if args.kt_dynamic and policy == "adaptive":
@@ -91,18 +96,22 @@ def dynamic_from_args(args):
 
 
 def placement_from_args(args):
-    """A PlacementPlan (from --plan), a PlacementConfig (from the flags), or None (no GPU experts asked for)."""
-    from tiermoe.placement.plan import PlacementPlan
-
+    """What the flags ask for, before it meets a model: a PlacementPlan (from --plan), a PlacementConfig (from
+    the flags), or None (no GPU experts asked for). `plan_from_args` turns it into the plan."""
     if args.plan:
         return PlacementPlan.load(args.plan)
-    config = PlacementConfig(
+    config = placement_config_from_args(args)
+    return config if config.sized or config.strategy != "uniform" else None
+
+
+def placement_config_from_args(args) -> PlacementConfig:
+    """The PlacementConfig the placement flags describe (whether or not they size a GPU tier)."""
+    return PlacementConfig(
         strategy=args.strategy, num_gpu_experts=args.num_gpu_experts, gpu_experts_ratio=args.gpu_experts_ratio,
         gpu_memory_gb=args.gpu_memory_gb, init_expert_location=args.init_expert_location, seed=args.placement_seed,
         num_gpus=args.num_gpus, gpu_split=args.gpu_split, kv_cache_tokens=args.max_total_tokens,
         prefill_buffer_gb=prefill_buffer_from_args(args),
     )
-    return config if config.sized or config.strategy != "uniform" else None
 
 
 def prefill_buffer_from_args(args) -> float:
@@ -110,11 +119,15 @@ def prefill_buffer_from_args(args) -> float:
     return args.prefill_buffer_gb if getattr(args, "prefill_threshold", None) else 0.0
 
 
-def check_fit_from_args(args, placement, device) -> None:
-    """Stop with a clear message, before a weight is read, when the flags' placement will not fit
-    (tiermoe.fit.check_before_loading: headers only)."""
-    from tiermoe.cli.cpu_flags import cpu_from_args
-    from tiermoe.fit import check_before_loading
+def plan_from_args(args, device: str) -> PlacementPlan:
+    """The one PlacementPlan of a single-process command (generate, serve, record): the flags' placement planned
+    against --model once; the fit check and the loader both take it."""
+    model_dir = resolve_model(args.model)
+    return resolve_plan(placement_from_args(args), model_dir, detect(load_config(model_dir)), 1, device)
 
-    check_before_loading(args.model, placement, device, args.max_total_tokens, prefill_buffer_from_args(args),
+
+def check_fit_from_args(args, plan: PlacementPlan, device) -> None:
+    """Stop with a clear message, before a weight is read, when the plan will not fit
+    (tiermoe.fit.check_before_loading: headers only)."""
+    check_before_loading(args.model, plan, device, args.max_total_tokens, prefill_buffer_from_args(args),
                          cpu_from_args(args).expert_dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
+from tiermoe.arch import detect, load_config
 from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
 from tiermoe.cli.flags import (
     add_command,
@@ -13,14 +14,20 @@ from tiermoe.cli.flags import (
     non_negative_int,
     positive_int,
 )
-from tiermoe.cli.placement_flags import add_placement_flags
-from tiermoe.cli.recorder_flags import add_recorder_flags
+from tiermoe.cli.placement_flags import add_placement_flags, placement_from_args
+from tiermoe.cli.recorder_flags import add_recorder_flags, recorder_from_args
+from tiermoe.config import check_device
+from tiermoe.data import load_prompts, select
 from tiermoe.data.prompts import SPLITS
+from tiermoe.data.registry import DATASETS
+from tiermoe.engine.llm import LLM
+from tiermoe.engine.sampling import SamplingParams
+from tiermoe.errors import TiermoeError
+from tiermoe.models import resolve_model
+from tiermoe.stats.io import dump_recorder
 
 
 def add_parser(sub) -> None:
-    from tiermoe.data.registry import DATASETS
-
     p = add_command(
         sub, "record",
         "Run prompts from a dataset through a hybrid model (batched, chat template applied when the tokenizer has "
@@ -69,17 +76,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from tiermoe.arch import detect, load_config
-    from tiermoe.cli.placement_flags import placement_from_args
-    from tiermoe.cli.recorder_flags import recorder_from_args
-    from tiermoe.config import check_device
-    from tiermoe.data import load_prompts, select
-    from tiermoe.engine.llm import LLM
-    from tiermoe.engine.sampling import SamplingParams
-    from tiermoe.errors import TiermoeError
-    from tiermoe.models import resolve_model
-    from tiermoe.stats.io import dump_recorder
-
     if args.heldout_fraction > 1:
         raise TiermoeError(f"--heldout-fraction must be between 0 and 1, got {args.heldout_fraction}")
     device = check_device(args.gpu_device)
@@ -118,7 +114,6 @@ def run(args) -> int:
 
 def encode_prompts(llm, candidates, num: int, max_tokens: int, raw: bool):
     """The first `num` candidates that fit in `max_tokens`: (prompts, their token ids, how many were skipped)."""
-    from tiermoe.errors import TiermoeError
 
     if llm.tokenizer is None:
         raise TiermoeError(f"{llm.model_dir} has no tokenizer; `tiermoe record` needs one to encode prompts")

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from tiermoe.stats.recorders import MODES, SGLANG_DEFAULT_BUFFER_SIZE
+from tiermoe.stats.model_shape import ModelShape
+from tiermoe.stats.recorders import MODES, SGLANG_DEFAULT_BUFFER_SIZE, make_recorder
 
 
 def buffer_size(value: str) -> int:
@@ -46,8 +47,6 @@ def add_recorder_flags(p: argparse.ArgumentParser, mode_flags: tuple[str, ...] =
 
 def recorder_from_args(args, spec):
     """The recorder these flags ask for; `spec` is the model's ArchSpec (or a tiermoe.stats ModelShape)."""
-    from tiermoe.stats.model_shape import ModelShape
-    from tiermoe.stats.recorders import make_recorder
 
     shape = spec if isinstance(spec, ModelShape) else ModelShape.of(spec)
     return make_recorder(args.recorder_mode, shape, args.recorder_buffer_size, args.record_gpu_masks)

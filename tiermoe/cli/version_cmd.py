@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import tiermoe
 from tiermoe.cli.flags import add_command
+from tiermoe.experts.kernels import supported_isa
 
 
 def add_parser(sub) -> None:
@@ -15,8 +17,6 @@ def run(args) -> int:
     import torch
     import transformers
 
-    import tiermoe
-    from tiermoe.experts.kernels import supported_isa
 
     isa = supported_isa()
     cuda = f"yes ({torch.cuda.device_count()} device(s))" if torch.cuda.is_available() else "no"

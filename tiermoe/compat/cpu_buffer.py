@@ -28,9 +28,12 @@ from typing import NamedTuple
 import torch
 
 from tiermoe.arch import detect, load_config
+from tiermoe.checkpoint.fp8 import fp8_block_size
 from tiermoe.distributed.shm_store import SHM_DIR, SharedExpertStore
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.weights import ExpertWeights
+from tiermoe.model.expert_source import LAYERS_PREFIX, find_expert_source, read_expert
+from tiermoe.model.gguf_checkpoint import open_checkpoint
 
 
 class StagingBuffers(NamedTuple):
@@ -79,10 +82,6 @@ class KExpertsCPUBuffer:
                         pin: bool | None = None, directory: str | Path = SHM_DIR) -> KExpertsCPUBuffer:
         """A buffer holding the CPU experts of `gpu_experts_mask` (False positions of MoE layers), read from the
         checkpoint (safetensors, FP8 or GGUF, opened as the loader opens it) in tiermoe's canonical layout."""
-        from tiermoe.model.expert_source import find_expert_source, read_expert
-        from tiermoe.model.fp8 import fp8_block_size
-        from tiermoe.model.gguf_checkpoint import open_checkpoint
-        from tiermoe.model.loader import LAYERS_PREFIX
 
         buffer = cls.create(model_dir, dtype, gpu_experts_mask, pin=pin, directory=directory)
         try:

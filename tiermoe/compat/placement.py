@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-
 import torch
 from torch import nn
 
-from tiermoe.errors import TiermoeError
+from tiermoe.model.plan_source import ENV_NUM_GPU_EXPERTS, num_gpu_experts_from_env  # noqa: F401  (re-exported)
 from tiermoe.placement.masks import generate_gpu_experts_masks  # noqa: F401  (re-exported)
 from tiermoe.placement.plan import PlacementPlan
-
-ENV_NUM_GPU_EXPERTS = ("TIERMOE_NUM_GPU_EXPERTS", "ACCELERATE_KT_NUM_GPU_EXPERTS")
 
 
 def build_device_map(mask, gpu_device: str = "cuda:0") -> dict[tuple[int, int], str]:
@@ -24,23 +19,6 @@ def build_device_map(mask, gpu_device: str = "cuda:0") -> dict[tuple[int, int], 
     mask = torch.as_tensor(mask).bool()
     return {(layer, e): (gpu_device if on else "cpu")
             for layer, row in enumerate(mask.tolist()) for e, on in enumerate(row)}
-
-
-def num_gpu_experts_from_env(environ: Mapping[str, str] | None = None) -> int:
-    """GPU experts per MoE layer for scripts and trainers: TIERMOE_NUM_GPU_EXPERTS (or KTransformers'
-    ACCELERATE_KT_NUM_GPU_EXPERTS); 0 when unset (every expert on the CPU tier)."""
-    environ = os.environ if environ is None else environ
-    for name in ENV_NUM_GPU_EXPERTS:
-        value = environ.get(name)
-        if value not in (None, ""):
-            try:
-                number = int(value)
-            except ValueError:
-                raise TiermoeError(f"{name}={value!r} is not an integer (GPU experts per MoE layer)") from None
-            if number < 0:
-                raise TiermoeError(f"{name}={number} must be >= 0")
-            return number
-    return 0
 
 
 def move_non_experts_to_gpu(model: nn.Module, device: str | torch.device = "cuda:0") -> int:

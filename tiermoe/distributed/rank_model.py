@@ -1,8 +1,8 @@
 """This rank's part of a multi-rank model: rank 0 gets the LLM API and the scheduler, other ranks a follower.
 
 Start-up, on every rank of an initialised RankGroup:
-1. rank 0 turns the placement into an assignment [L, E] (-1 CPU, r GPU rank r) for exactly `world_size` GPUs
-   and creates the shared-memory store for the CPU experts; it broadcasts both (or the error, so every rank
+1. rank 0 turns the placement into a PlacementPlan (tiermoe.model.plan_source.resolve_plan: assignment [L, E],
+   -1 CPU, r GPU rank r) for exactly `world_size` GPUs and creates the shared-memory store for the CPU experts; it broadcasts both (or the error, so every rank
    fails with the same one-line message);
 2. ranks on rank 0's host attach the store (mapped lazily, when a swap needs a slot);
 3. every rank loads its share: non-expert weights, its own GPU experts; rank 0 also the CPU experts, into the
@@ -17,38 +17,19 @@ from __future__ import annotations
 import torch
 
 from tiermoe.arch import detect, load_config
-from tiermoe.config import CPUConfig, PlacementConfig
+from tiermoe.config import CPUConfig
 from tiermoe.distributed.follower import follow
-from tiermoe.distributed.group import RankGroup, check_world
+from tiermoe.distributed.group import RankGroup
 from tiermoe.distributed.share import ExpertShare
 from tiermoe.distributed.shm_store import SHM_DIR, SharedExpertStore
 from tiermoe.distributed.step_plan import Leader
+from tiermoe.engine.engine import Engine, EngineConfig
+from tiermoe.engine.llm import LLM
 from tiermoe.errors import TiermoeError
+from tiermoe.model.loader import load_hybrid_model
+from tiermoe.model.plan_source import resolve_plan
 from tiermoe.models import resolve_model
-from tiermoe.placement.plan import PlacementPlan
 from tiermoe.stats.recording import NO_RECORDER
-
-
-def resolve_assignment(placement, model_dir, spec, num_ranks: int, gpu_device: str = "cpu") -> torch.Tensor:
-    """int64 [L, E] for `num_ranks` GPUs from a PlacementPlan, a PlacementConfig, an integer assignment, or None
-    (every expert on the CPU tier). The plan's GPU count must equal the number of ranks."""
-    from tiermoe.model.placement_target import placement_target
-    from tiermoe.placement.planner import make_plan
-
-    if placement is None:
-        return torch.full((spec.num_layers, spec.num_experts), -1, dtype=torch.int64)
-    if isinstance(placement, PlacementConfig):
-        check_world(placement.num_gpus, num_ranks)
-        placement = make_plan(placement, placement_target(model_dir), gpu_device)
-    elif not isinstance(placement, PlacementPlan):
-        tensor = torch.as_tensor(placement)
-        if tensor.dtype == torch.bool:
-            raise TiermoeError("a bool mask places experts on one GPU; with several ranks give a PlacementPlan, a "
-                               "PlacementConfig with num_gpus, or an integer assignment (-1 CPU, r GPU rank r)")
-        placement = PlacementPlan(tensor, num_gpus=num_ranks)
-    check_world(placement.num_gpus, num_ranks, "the plan's num_gpus")
-    placement.check_model(spec)
-    return placement.assignment
 
 
 class RankModel:
@@ -74,11 +55,11 @@ class RankModel:
             store = self._store
             if group.rank != 0 and hosts[group.rank] == hosts[0]:  # 2.
                 store = SharedExpertStore.attach(setup["store"], spec, expert_dtype, shm_dir)
-            self.share = ExpertShare(group, setup["assignment"], store, hosts)
+            self.share = ExpertShare(group, store, hosts)
             error = None
             try:  # 3.
-                self._load(dtype, setup["max_running"], prefill_chunk, max_total_tokens, cpu, recorder, dynamic,
-                           progress)
+                self._load(setup["plan"], dtype, setup["max_running"], prefill_chunk, max_total_tokens, cpu,
+                           recorder, dynamic, progress)
             except Exception as err:  # noqa: BLE001 - every rank must learn that this one failed
                 error = str(err) if isinstance(err, TiermoeError) else f"{type(err).__name__}: {err}"
             errors = group.gather_after_load(error)
@@ -97,12 +78,11 @@ class RankModel:
         setup = None
         if group.rank == 0:
             try:
-                assignment = resolve_assignment(placement, self.model_dir, spec, group.world_size,
-                                                str(group.device))
-                cpu_experts = int(((assignment == -1) & spec.moe_row_mask()[:, None]).sum())
+                plan = resolve_plan(placement, self.model_dir, spec, group.world_size, str(group.device))
+                cpu_experts = int(((plan.assignment == -1) & spec.moe_row_mask()[:, None]).sum())
                 needed = cpu_experts * spec.bytes_per_expert(expert_dtype)
                 self._store = SharedExpertStore.create(spec, expert_dtype, needed, shm_dir)
-                setup = {"assignment": assignment, "store": self._store.name, "max_running": max_running}
+                setup = {"plan": plan, "store": self._store.name, "max_running": max_running}
             except TiermoeError as err:
                 setup = {"error": str(err)}
         setup = group.broadcast(setup, what="start-up")
@@ -110,21 +90,18 @@ class RankModel:
             raise TiermoeError(setup["error"])
         return setup
 
-    def _load(self, dtype, max_running, prefill_chunk, max_total_tokens, cpu, recorder, dynamic, progress) -> None:
-        from tiermoe.engine.engine import Engine, EngineConfig
-        from tiermoe.engine.llm import LLM
-        from tiermoe.model.loader import load_hybrid_model
-
+    def _load(self, plan, dtype, max_running, prefill_chunk, max_total_tokens, cpu, recorder, dynamic,
+              progress) -> None:
         device = str(self.group.device)
         if self.group.rank == 0:
-            self.llm = LLM(self.model_dir, gpu_device=device, dtype=dtype, max_running=max_running,
+            self.llm = LLM(self.model_dir, gpu_device=device, placement=plan, dtype=dtype, max_running=max_running,
                            prefill_chunk=prefill_chunk, max_total_tokens=max_total_tokens, cpu=cpu,
                            recorder=recorder, dynamic=dynamic, progress=progress, share=self.share)
             self.hybrid, self.engine = self.llm.hybrid, self.llm.engine
             self.leader = self.share.leader = self.engine.leader = Leader(self.share, self.hybrid)
         else:
             # followers batch exactly what rank 0 batches: as many sequence threads as its max_running
-            self.hybrid = load_hybrid_model(self.model_dir, gpu_device=device, dtype=dtype, cpu=cpu,
+            self.hybrid = load_hybrid_model(self.model_dir, plan, gpu_device=device, dtype=dtype, cpu=cpu,
                                             progress=False, share=self.share)
             self.engine = Engine(self.hybrid, config=EngineConfig(max_running=max_running))
 

@@ -1,7 +1,7 @@
 """One rank's share of a multi-rank model: which experts it holds, where the CPU tier lives, how outputs meet.
 
-The assignment [L, E] (-1 = CPU tier, r >= 0 = GPU rank r) is the same on every rank. Rank r's GPU tier holds
-exactly the experts assigned to r (its mask counts only its own experts), rank 0 alone holds and computes the CPU
+The plan's assignment [L, E] (-1 = CPU tier, r >= 0 = GPU rank r) is the same on every rank. Rank r's GPU tier
+holds exactly the experts assigned to r, rank 0 alone holds and computes the CPU
 tier, and every MoE layer sums the ranks' partial outputs with one all-reduce. The loader and the HybridMoE blocks
 see this object through the loader's RankShare protocol; the leader (rank 0) and the swap queue ride along.
 
@@ -24,12 +24,10 @@ from tiermoe.placement.policies import Swap
 
 
 class ExpertShare:
-    def __init__(self, group: RankGroup, assignment_LE: torch.Tensor, store: SharedExpertStore | None,
-                 hosts: list[int]):
+    def __init__(self, group: RankGroup, store: SharedExpertStore | None, hosts: list[int]):
         self.group = group
         self.rank = group.rank
         self.num_ranks = group.world_size
-        self.assignment_LE = assignment_LE.to(torch.int64)
         self.holds_cpu_tier = group.rank == 0  # exactly one process computes the CPU experts
         self.store = store  # rank 0: the creator; ranks of its host: attached; None on other hosts
         self.hosts = hosts  # node (host) of every rank, by rank

@@ -11,7 +11,7 @@ ranks apply them before that step's forwards. Experts cross between processes th
 2. barrier; the GPU rank copies `expert_in` from its slot (or the checkpoint) to its GPU and drops `expert_out`;
 3. barrier; rank 0's CPU tier takes `expert_out` from its slot (re-read from the checkpoint when the GPU rank is
    on another host) and drops `expert_in`; the slots it no longer computes from are released; every rank
-   updates its owner table.
+   updates its assignment.
 The step stalls for the copies (a few ms per expert on PCIe): simpler than overlapping them, and exact.
 """
 
@@ -19,12 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tiermoe.checkpoint.fp8 import fp8_block_size
+from tiermoe.checkpoint.safetensors import Checkpoint
 from tiermoe.experts.weights import ExpertWeights
-from tiermoe.model.checkpoint import Checkpoint
-from tiermoe.model.expert_source import find_expert_source, read_expert
-from tiermoe.model.fp8 import fp8_block_size
+from tiermoe.model.expert_source import LAYERS_PREFIX, find_expert_source, read_expert
 from tiermoe.model.gguf_checkpoint import open_checkpoint
-from tiermoe.model.loader import LAYERS_PREFIX
 from tiermoe.placement.policies import Swap
 
 
@@ -39,7 +38,7 @@ class RankSwap:
 def assign_swaps(hybrid, swaps: list[Swap]) -> list[RankSwap]:
     """Give each swap the GPU rank that holds its `expert_out`; drop swaps that no longer fit the owners
     (an expert named twice, or already moved)."""
-    owners = {layer: block.owner_E.clone() for layer, block in hybrid.blocks.items()}
+    owners = {layer: block.host_assignment_E for layer, block in hybrid.blocks.items()}
     out = []
     for s in swaps:
         row = owners.get(s.layer)
@@ -85,8 +84,8 @@ def apply_swaps(hybrid, share, swaps: list[RankSwap]) -> None:
                     store.release(s.layer, s.expert_out)
     for s in swaps:
         block = hybrid.blocks[s.layer]
-        block.set_owner(s.expert_in, s.rank)
-        block.set_owner(s.expert_out, -1)
+        block.assign(s.expert_in, s.rank)
+        block.assign(s.expert_out, -1)
     hybrid.swap_stats.swaps += 2 * len(swaps)
     hybrid.swap_stats.bytes += 2 * len(swaps) * spec.bytes_per_expert(hybrid.expert_dtype)
 

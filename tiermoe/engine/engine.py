@@ -33,8 +33,8 @@ from tiermoe.engine.moe_batcher import MoEBatcher
 from tiermoe.engine.sampling import SamplingParams, new_generator, sample
 from tiermoe.engine.sequence import Sequence
 from tiermoe.errors import TiermoeError
-from tiermoe.stats.recording import NO_RECORDER, ExpertRecorder, PassInfo
 from tiermoe.stats.recorders import RecorderGroup
+from tiermoe.stats.recording import NO_RECORDER, ExpertRecorder, PassInfo
 
 
 @dataclass(frozen=True)

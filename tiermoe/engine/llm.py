@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from tiermoe.arch import detect, load_config
+from tiermoe.checkpoint.gguf_reader import gguf_files
 from tiermoe.config import CPUConfig, DynamicPlacementConfig
 from tiermoe.engine.dynamic import enable_dynamic_placement
 from tiermoe.engine.engine import Engine, EngineConfig
@@ -20,7 +21,7 @@ from tiermoe.engine.sampling import SamplingParams
 from tiermoe.engine.text_stream import TextStream
 from tiermoe.errors import TiermoeError
 from tiermoe.model.loader import load_hybrid_model
-from tiermoe.model.placement_target import resolve_mask
+from tiermoe.model.plan_source import resolve_plan
 from tiermoe.models import resolve_model
 from tiermoe.stats.recording import NO_RECORDER, ExpertRecorder
 
@@ -39,12 +40,13 @@ class LLM:
     """A hybrid model ready to generate.
 
     model: checkpoint directory (None = the bundled demo model). gpu_device: "cuda:0", or "cpu" to run the GPU
-    tier on the host. placement: a bool tensor [num_layers, num_experts] (True = GPU tier), a PlacementPlan, a
-    PlacementConfig (planned against this checkpoint), or None for all experts on the CPU tier. cpu: the CPU
-    tier's backend, expert format and threads. recorder: sees every pass's routed experts (tiermoe.stats).
-    dynamic: layerwise GPU prefill and placement that follows the workload (None = static placement).
-    share: rank 0's part of a multi-rank run (tiermoe.distributed.RankModel builds it); its assignment replaces
-    `placement`.
+    tier on the host. placement: a PlacementPlan, a bool tensor [num_layers, num_experts] (True = GPU tier), a
+    PlacementConfig (planned against this checkpoint), or None (a mask the checkpoint carries, the KT
+    environment variables, else all experts on the CPU tier); turned into a plan once, here
+    (tiermoe.model.plan_source.resolve_plan). cpu: the CPU tier's backend, expert format and threads. recorder:
+    sees every pass's routed experts (tiermoe.stats). dynamic: layerwise GPU prefill and placement that follows
+    the workload (None = static placement). share: rank 0's part of a multi-rank run (tiermoe.distributed.
+    RankModel builds it, and passes the plan for all ranks as `placement`).
     """
 
     def __init__(self, model: str | Path | None = None, gpu_device: str = "cpu", placement=None,
@@ -54,8 +56,9 @@ class LLM:
                  progress: bool = True, share=None):
         self.model_dir = resolve_model(model)
         spec = detect(load_config(self.model_dir))
-        mask = resolve_mask(placement, self.model_dir, spec, gpu_device) if share is None else None
-        self.hybrid = load_hybrid_model(self.model_dir, mask, gpu_device=gpu_device, dtype=dtype, cpu=cpu,
+        num_gpus = 1 if share is None else share.num_ranks
+        plan = resolve_plan(placement, self.model_dir, spec, num_gpus, gpu_device)
+        self.hybrid = load_hybrid_model(self.model_dir, plan, gpu_device=gpu_device, dtype=dtype, cpu=cpu,
                                         progress=progress, share=share)
         self.tokenizer = _load_tokenizer(self.model_dir)
         detokenize = None
@@ -68,7 +71,7 @@ class LLM:
 
     @property
     def placement(self) -> torch.Tensor:
-        """The current GPU-tier mask [num_layers, num_experts]."""
+        """The current GPU-tier mask [num_layers, num_experts] (`self.hybrid.plan`: the same as a plan)."""
         return self.hybrid.mask
 
     def close(self) -> None:
@@ -148,7 +151,6 @@ def _load_tokenizer(model_dir: Path):
 
     if any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    from tiermoe.model.gguf_reader import gguf_files
 
     files = gguf_files(model_dir)
     if not files:

@@ -1,7 +1,6 @@
 """Expert weight formats of the CPU tier: quantise once at load, pack for the kernels, and give weights back.
 
 A matrix W [N, K] (N outputs, K inputs; gate_up is [2I, D], down [D, I]) is stored in one of three formats:
-
   bf16  w as bf16.                                                                   2 bytes / param
   int8  per output row, symmetric: w = scale[n] * q, q in [-127, 127].              1 byte / param + 4 per row
   int4  groups of 32 along K, asymmetric with an integer zero point:
@@ -22,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+
+from tiermoe.experts.kernels import native_library
 
 FORMATS = ("bf16", "int8", "int4")
 FORMAT_CODES = {"bf16": 0, "int8": 1, "int4": 2}
@@ -85,8 +86,6 @@ def _quantize_int4(w: torch.Tensor, refits: int = 2, native: bool = True) -> QMa
     30x faster); this torch version is the reference and the fallback."""
     n, k = w.shape
     if native:
-        from tiermoe.experts.kernels import native_library
-
         lib = native_library()
         if lib is not None:
             return _quantize_int4_native(lib, w, refits)

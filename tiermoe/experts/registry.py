@@ -14,6 +14,8 @@ import torch
 from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.ffn import ExpertActivation
+from tiermoe.experts.kt import KtCPUExperts
+from tiermoe.experts.native import NativeCPUExperts
 from tiermoe.experts.threads import default_threads
 from tiermoe.experts.tiers import CPUExpertBackend, CPUWorker, TorchCPUExperts
 
@@ -32,11 +34,8 @@ def make_cpu_tier(config: CPUConfig, worker: CPUWorker, act: ExpertActivation, p
     if config.backend == "native":
         if fmt is None:
             return TorchCPUExperts(worker, act, pin=pin)
-        from tiermoe.experts.native import NativeCPUExperts
 
         return NativeCPUExperts(worker, act, fmt, checkpoint_dtype, threads, pin=pin)
     if config.backend == "kt":
-        from tiermoe.experts.kt import KtCPUExperts
-
         return KtCPUExperts(worker, act, fmt or "bf16", checkpoint_dtype, threads, pin=pin)
     raise TiermoeError(f"cpu backend '{config.backend}' is unknown")

@@ -6,8 +6,8 @@ attribute names (so checkpoint names and routing stay exactly transformers'); on
 dropped. Legend: T tokens, D hidden, K top-k, E experts.
 
 With several ranks (tiermoe.distributed) every rank runs the block on the same tokens: its GPU tier computes
-only its own experts (`rank_mask_E`), the CPU tier exists on one rank only, and `reduce` sums the partial routed
-outputs of all ranks before the (replicated) shared experts are added, so they are counted once.
+only its own experts (`assignment_E == rank`), the CPU tier exists on one rank only, and `reduce` sums the
+partial routed outputs of all ranks before the (replicated) shared experts are added, so they are counted once.
 """
 
 from __future__ import annotations
@@ -33,14 +33,10 @@ class HybridMoE(nn.Module):
         self.layer = layer
         self.gpu_tier = gpu_tier
         self.cpu_tier = cpu_tier
-        # The mask lives where each side needs it: on the GPU device to split ids without a host round trip,
-        # and on the host for bookkeeping. All of them flip together in set_owner.
-        self.gpu_mask_E = torch.zeros(spec.num_experts, dtype=torch.bool, device=gpu_tier.device)  # any GPU rank
-        self.host_mask_E = torch.zeros(spec.num_experts, dtype=torch.bool)
-        self.owner_E = torch.full((spec.num_experts,), -1, dtype=torch.int64)  # -1 CPU tier, r >= 0 GPU rank r
-        # This rank's GPU experts: with one rank the very same tensor as gpu_mask_E (join_ranks splits them).
-        self.rank_mask_E = self.gpu_mask_E
-        self.rank = 0
+        # Where each expert is computed: -1 the CPU tier, r >= 0 GPU rank r's tier. The one record of ownership,
+        # kept on the GPU device so a forward splits ids without a host round trip; masks derive from it.
+        self.assignment_E = torch.full((spec.num_experts,), -1, dtype=torch.int64, device=gpu_tier.device)
+        self.rank = 0  # this process's GPU rank (join_ranks sets it)
         # Several ranks: sums the partial routed outputs [T, D] of all ranks (set by join_ranks).
         self.reduce = None
         # Set by the engine: joins the per-sequence forwards of one step so experts run once for all tokens.
@@ -60,18 +56,15 @@ class HybridMoE(nn.Module):
         """
         self.rank = rank
         self.reduce = reduce
-        self.rank_mask_E = torch.zeros_like(self.gpu_mask_E)
 
-    def set_owner(self, expert: int, owner: int) -> None:
-        """Where `expert` is computed: -1 = the CPU tier, r >= 0 = GPU rank r's tier. Every mask flips together."""
-        self.owner_E[expert] = owner
-        self.gpu_mask_E[expert] = owner >= 0
-        self.host_mask_E[expert] = owner >= 0
-        if self.rank_mask_E is not self.gpu_mask_E:
-            self.rank_mask_E[expert] = owner == self.rank
+    def assign(self, expert: int, rank: int) -> None:
+        """Where `expert` is computed from now on: -1 = the CPU tier, r >= 0 = GPU rank r's tier."""
+        self.assignment_E[expert] = rank
 
-    def set_on_gpu(self, expert: int, on_gpu: bool) -> None:
-        self.set_owner(expert, self.rank if on_gpu else -1)
+    @property
+    def host_assignment_E(self) -> torch.Tensor:
+        """int64 [E] on the host (a copy), for bookkeeping off the forward path."""
+        return self.assignment_E.to("cpu")
 
     def forward(self, hidden: torch.Tensor):
         if self.batcher is not None and self.batcher.participating():
@@ -84,9 +77,10 @@ class HybridMoE(nn.Module):
         x_TD = hidden.reshape(-1, shape[-1])
         _, weights_TK, ids_TK = self._router()(x_TD)
         if self.recorder.enabled:
-            self.recorder.record(self.layer, ids_TK, self.gpu_mask_E)
-        on_gpu_TK = self.gpu_mask_E[ids_TK]  # on any GPU rank: not the CPU tier's
-        mine_TK = on_gpu_TK if self.rank_mask_E is self.gpu_mask_E else self.rank_mask_E[ids_TK]
+            self.recorder.record(self.layer, ids_TK, self.assignment_E >= 0)
+        rank_TK = self.assignment_E[ids_TK]
+        on_gpu_TK = rank_TK >= 0  # on any GPU rank: not the CPU tier's
+        mine_TK = on_gpu_TK if self.reduce is None else rank_TK == self.rank
 
         streamer = self.prefill_streamer
         layerwise = streamer is not None and streamer.applies(x_TD.shape[0])
@@ -128,17 +122,17 @@ class HybridMoE(nn.Module):
             raise ValueError(f"layer {self.layer} expert {expert} is not on the {source} tier, so it cannot leave it")
 
     def start_move(self, expert: int, to_gpu: bool, copier):
-        """Begin copying `expert` to the other tier (asynchronously); the mask does not change yet."""
+        """Begin copying `expert` to the other tier (asynchronously); its assignment does not change yet."""
         self.check_movable(expert, to_gpu)
         src, dst = self._tiers(to_gpu)
         return copier.start(src.get(expert), dst.device, pin=dst.pin)
 
     def finish_move(self, expert: int, to_gpu: bool, landed) -> int:
-        """The copy has landed: the destination takes it, the mask flips, the source releases its copy.
+        """The copy has landed: the destination takes it, the assignment changes, the source releases its copy.
         Returns the bytes the source released."""
         src, dst = self._tiers(to_gpu)
         dst.add(expert, landed)
-        self.set_on_gpu(expert, to_gpu)
+        self.assign(expert, self.rank if to_gpu else -1)
         before = src.nbytes
         src.pop(expert)
         return before - src.nbytes
@@ -146,8 +140,8 @@ class HybridMoE(nn.Module):
     def move_experts(self, experts: Iterable[int], to_gpu: bool) -> int:
         """Move experts between tiers now; returns the bytes the source tier released.
 
-        Per expert: copy into the destination tier, flip the mask once the copy has landed, then release the
-        source copy, so at every moment the mask names a tier that holds the weights.
+        Per expert: copy into the destination tier, reassign once the copy has landed, then release the
+        source copy, so at every moment the assignment names a tier that holds the weights.
         """
         moved = 0
         for e in experts:

@@ -13,12 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from tiermoe.arch.spec import ArchSpec
+from tiermoe.checkpoint.fp8 import is_block_fp8, scale_name
+from tiermoe.checkpoint.safetensors import Checkpoint
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.fp8_blocks import scale_shape
 from tiermoe.experts.fp8_tier import FP8ExpertWeights
 from tiermoe.experts.weights import ExpertWeights
-from tiermoe.model.checkpoint import Checkpoint
-from tiermoe.model.fp8 import is_block_fp8, scale_name
+
+LAYERS_PREFIX = "model.layers"  # where transformers' decoder layers (and the checkpoint's names) start
 
 
 @dataclass(frozen=True)

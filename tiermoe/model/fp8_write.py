@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from tiermoe.checkpoint.fp8 import scale_name
+from tiermoe.checkpoint.safetensors import Checkpoint
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.fp8_blocks import DEFAULT_BLOCK, quantize_fp8
-from tiermoe.model.checkpoint import Checkpoint
-from tiermoe.model.fp8 import scale_name
 
 # Linear weights of decoder layers, not the router (`.mlp.gate.weight`, Mixtral's `.block_sparse_moe.gate.`)
 _QUANTISED = re.compile(r"^model\.layers\.\d+\..*\.weight$")

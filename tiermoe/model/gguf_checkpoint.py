@@ -23,9 +23,11 @@ from pathlib import Path
 import torch
 
 from tiermoe.arch import load_config
+from tiermoe.checkpoint.expert_cache import find_cache
+from tiermoe.checkpoint.gguf_reader import GGUFFiles, gguf_files
+from tiermoe.checkpoint.safetensors import Checkpoint, TensorIndex, checkpoint_files
 from tiermoe.errors import TiermoeError
-from tiermoe.model.checkpoint import TensorIndex
-from tiermoe.model.gguf_reader import GGUFFiles, gguf_files
+from tiermoe.model.skeleton import build_skeleton
 
 _FUSED = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
 
@@ -59,7 +61,6 @@ class GGUFCheckpoint(TensorIndex):
     def __init__(self, path: str | Path, config=None):
         import gguf
 
-        from tiermoe.model.skeleton import build_skeleton
 
         self.model_dir = Path(path)
         self.fp8_block = None
@@ -133,7 +134,6 @@ class GGUFCheckpoint(TensorIndex):
 
 def weight_files(path: str | Path) -> list[Path]:
     """The files holding a model's weights: its GGUF files, else its safetensors files."""
-    from tiermoe.model.checkpoint import checkpoint_files
 
     return gguf_files(path) or checkpoint_files(Path(path))
 
@@ -141,8 +141,6 @@ def weight_files(path: str | Path) -> list[Path]:
 def open_checkpoint(path: str | Path, config=None, fp8_block: tuple[int, int] | None = None):
     """A Checkpoint for a safetensors directory, a GGUFCheckpoint for a GGUF file or directory; for a
     `tiermoe convert` cache, the checkpoint of the source it was converted from."""
-    from tiermoe.model.checkpoint import Checkpoint
-    from tiermoe.model.expert_cache import find_cache
 
     cache = find_cache(path)
     if cache is not None:

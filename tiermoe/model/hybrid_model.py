@@ -1,7 +1,9 @@
 """A loaded hybrid model: the transformers model with HybridMoE blocks, and the tiers behind them.
 
-In a multi-rank run (`share` set, see tiermoe.distributed) `mask` is the GPU tier as a whole (any rank) and
-`rank_mask` this rank's own experts; tier swaps then go through the share, applied by all ranks together.
+Placement is read from the blocks' assignments (the one record of it): `assignment` [L, E] (-1 CPU tier, r GPU
+rank r), `plan` the same as a PlacementPlan, and the masks derived from it. In a multi-rank run (`share` set, see
+tiermoe.distributed) `mask` is the GPU tier as a whole (any rank) and `rank_mask` this rank's own experts; tier
+swaps then go through the share, applied by all ranks together.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from tiermoe.errors import TiermoeError
 from tiermoe.experts.tiers import CPUWorker
 from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.placement.mask import validate_mask
+from tiermoe.placement.plan import PlacementPlan
 
 
 @dataclass(frozen=True)
@@ -64,20 +67,23 @@ class HybridModel:
             return self.model(*args, **kwargs)
 
     @property
-    def mask(self) -> torch.Tensor:
-        """[L, E] bool, True = on the GPU tier (a copy: change placement with `move_experts` / `apply_mask`)."""
-        mask = torch.zeros(self.spec.num_layers, self.spec.num_experts, dtype=torch.bool)
-        for layer, block in self.blocks.items():
-            mask[layer] = block.host_mask_E
-        return mask
-
-    @property
     def assignment(self) -> torch.Tensor:
         """[L, E] int64: -1 = CPU tier, r >= 0 = GPU rank r (a copy; dense layers' rows are -1)."""
-        owners = torch.full((self.spec.num_layers, self.spec.num_experts), -1, dtype=torch.int64)
+        assignment = torch.full((self.spec.num_layers, self.spec.num_experts), -1, dtype=torch.int64)
         for layer, block in self.blocks.items():
-            owners[layer] = block.owner_E
-        return owners
+            assignment[layer] = block.host_assignment_E
+        return assignment
+
+    @property
+    def plan(self) -> PlacementPlan:
+        """The current placement as a PlacementPlan (what `tiermoe place` writes and every command reads)."""
+        num_gpus = 1 if self.share is None else self.share.num_ranks
+        return PlacementPlan(self.assignment, num_gpus=num_gpus, strategy="current", model_type=self.spec.model_type)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[L, E] bool, True = on the GPU tier (a copy: change placement with `move_experts` / `apply_mask`)."""
+        return self.assignment >= 0
 
     @property
     def rank_mask(self) -> torch.Tensor:

@@ -7,16 +7,17 @@
 5. read each routed expert once, straight into its tier: GPU-tier experts pass through a host buffer of one
    expert; CPU-tier experts are read into their final host tensors (pinned when CUDA is present).
 
-FP8 block-quantised checkpoints (tiermoe.model.fp8): Linear weights stored FP8 become FP8Linear modules on the
+FP8 block-quantised checkpoints (tiermoe.checkpoint.fp8): Linear weights stored FP8 become FP8Linear modules on the
 main device (about 1 byte per parameter); GPU-tier experts keep their codes and scales too (FP8ExpertSet, read
 as stored); CPU-tier experts are dequantised one at a time as they stream in and take the CPU tier's format
 (--cpu-expert-dtype), so host memory peaks at the CPU tier plus one expert.
-GGUF files read the same way through GGUFCheckpoint. A `tiermoe convert` directory (tiermoe.model.expert_cache)
+GGUF files read the same way through GGUFCheckpoint. A `tiermoe convert` directory (tiermoe.checkpoint.expert_cache)
 takes its CPU-tier experts memory-mapped from the cache and everything else from the source it names.
 
-With several ranks (`share`, see tiermoe.distributed) the placement is an assignment [L, E] (-1 CPU tier, r GPU
-rank r): this rank reads only its own GPU experts, and only the rank that holds the CPU tier reads the CPU
-experts, into host memory the share provides (shared memory, one copy per host whatever the number of ranks).
+The placement is a PlacementPlan, whose assignment [L, E] says where each expert goes (-1 CPU tier, r GPU rank
+r); one process is a plan with one GPU rank. With several ranks (`share`, see tiermoe.distributed) this rank
+reads only its own GPU experts, and only the rank that holds the CPU tier reads the CPU experts, into host memory
+the share provides (shared memory, one copy per host whatever the number of ranks).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tiermoe.arch import detect, load_config
+from tiermoe.checkpoint.expert_cache import ExpertCache, find_cache
+from tiermoe.checkpoint.fp8 import FP8Linear, fp8_block_size, is_block_fp8, scale_name
+from tiermoe.checkpoint.safetensors import Checkpoint
 from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.ffn import ExpertActivation
@@ -40,14 +44,19 @@ from tiermoe.experts.registry import make_cpu_tier
 from tiermoe.experts.tiers import CPUWorker, ExpertSet
 from tiermoe.experts.weights import ExpertWeights
 from tiermoe.layers.hybrid_moe import HybridMoE
-from tiermoe.model.checkpoint import Checkpoint
-from tiermoe.model.expert_cache import ExpertCache, find_cache
-from tiermoe.model.expert_source import ExpertSource, find_expert_source, keeps_fp8, read_expert, read_fp8_expert
-from tiermoe.model.fp8 import FP8Linear, fp8_block_size, is_block_fp8, scale_name
+from tiermoe.model.expert_source import (
+    LAYERS_PREFIX,
+    ExpertSource,
+    find_expert_source,
+    keeps_fp8,
+    read_expert,
+    read_fp8_expert,
+)
 from tiermoe.model.gguf_checkpoint import open_checkpoint, weight_files
+from tiermoe.model.held_bytes import disk_name, held_nbytes
 from tiermoe.model.hybrid_model import HybridModel
+from tiermoe.model.plan_source import resolve_plan
 from tiermoe.model.skeleton import build_skeleton, decoder_layers, moe_block_attr
-from tiermoe.placement.mask import validate_mask
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +65,7 @@ class RankShare(Protocol):
     """What the loader needs from a multi-rank run (tiermoe.distributed.share.ExpertShare implements it)."""
 
     rank: int
-    assignment_LE: torch.Tensor  # int64 [L, E]: -1 CPU tier, r >= 0 GPU rank r
+    num_ranks: int
     holds_cpu_tier: bool  # this process computes the CPU experts (exactly one process does)
 
     def reduce(self, y_TD: torch.Tensor) -> torch.Tensor: ...
@@ -66,20 +75,17 @@ class RankShare(Protocol):
     def cpu_added(self, layer: int, expert: int, tier) -> None: ...  # the CPU tier took it (kept or converted)
 
 
-LAYERS_PREFIX = "model.layers"
-# Checkpoints of models that wrap the language model (configs with a nested text_config) prefix its names.
-_WRAPPER_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
-
-
-def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | torch.device = "cpu",
+def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str | torch.device = "cpu",
                       dtype: torch.dtype | None = None, cpu: CPUConfig = CPUConfig(),
                       progress: bool = True, share: RankShare | None = None) -> HybridModel:
-    """Load `model_dir` with routed experts placed by `mask` ([L, E] bool, True = GPU tier; None = all CPU).
+    """Load `model_dir` with routed experts placed by `placement`: a PlacementPlan (what the edge hands on), or
+    anything `tiermoe.model.plan_source.resolve_plan` turns into one (a bool mask [L, E], True = GPU tier; a
+    PlacementConfig; None = the checkpoint's own mask, the environment, or all CPU).
 
     `gpu_device` is the main device (non-expert weights and GPU-tier experts): "cuda:0" in production, "cpu"
     to run every path without CUDA. `dtype` defaults to the checkpoint's dtype. `cpu` chooses the CPU tier's
-    backend, expert format and threads. `share`: this process's part of a multi-rank run (its assignment
-    replaces `mask`, which must then be None).
+    backend, expert format and threads. `share`: this process's part of a multi-rank run (the plan then has one
+    GPU rank per process).
     """
     model_dir = Path(model_dir)
     weights_dir, cache = model_dir, find_cache(model_dir)
@@ -89,12 +95,9 @@ def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | tor
         cpu, cache = _usable_cache(cache, cpu)
     config = load_config(model_dir)
     spec = detect(config)
-    if share is None:
-        owner_LE = torch.where(validate_mask(mask, spec), 0, -1)
-    else:
-        if mask is not None:
-            raise ValueError("pass either a mask or a share, not both: the share's assignment places the experts")
-        owner_LE = _checked_assignment(share.assignment_LE, spec)
+    rank, num_ranks = (0, 1) if share is None else (share.rank, share.num_ranks)
+    plan = resolve_plan(placement, model_dir, spec, num_ranks, str(gpu_device))
+    assignment_LE = plan.assignment
     gpu_device = torch.device(gpu_device)
     dtype = dtype or spec.dtype
     # Shared-memory CPU experts cannot come from the pinned allocator; their copies take the pageable path.
@@ -109,17 +112,16 @@ def load_hybrid_model(model_dir: str | Path, mask=None, *, gpu_device: str | tor
         fp8_layers = {layer for layer, src in sources.items() if keeps_fp8(ckpt, src)}
         blocks = _inject_hybrid_blocks(model, spec, gpu_device, act, worker, pin, cpu, dtype, fp8_layers,
                                        ckpt.fp8_block)
-        rank = 0 if share is None else share.rank
         if share is not None:
             for block in blocks.values():
                 block.join_ranks(rank, share.reduce)
-        reads = _reads(owner_LE, spec, rank, share is None or share.holds_cpu_tier)
-        total = _non_expert_bytes(model, ckpt, spec) + _expert_bytes(reads, owner_LE == rank, fp8_layers, spec,
-                                                                      dtype, ckpt.fp8_block)
+        reads = _reads(assignment_LE, spec, rank, share is None or share.holds_cpu_tier)
+        total = _non_expert_bytes(model, ckpt, spec) + _expert_bytes(reads, assignment_LE == rank, fp8_layers,
+                                                                      spec, dtype, ckpt.fp8_block)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {model_dir.name}", disable=not progress) as bar:
             _load_fp8_linears(model, ckpt, spec, gpu_device, bar)
             _load_non_experts(model, ckpt, spec, gpu_device, bar)
-            _load_experts(blocks, sources, ckpt, spec, owner_LE, reads, rank, share, dtype, pin, bar, cache)
+            _load_experts(blocks, sources, ckpt, spec, assignment_LE, reads, rank, share, dtype, pin, bar, cache)
     _tie_and_check(model, config)
     return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share)
 
@@ -135,18 +137,10 @@ def _usable_cache(cache: ExpertCache, cpu: CPUConfig) -> tuple[CPUConfig, Expert
     return cpu, None
 
 
-def _checked_assignment(assignment_LE, spec) -> torch.Tensor:
-    a = torch.as_tensor(assignment_LE).to("cpu", torch.int64)
-    if tuple(a.shape) != (spec.num_layers, spec.num_experts):
-        raise TiermoeError(f"placement assignment has shape {list(a.shape)}, expected "
-                           f"[{spec.num_layers}, {spec.num_experts}] for this model")
-    return torch.where(spec.moe_row_mask()[:, None], a, -1)  # dense layers hold no routed experts
-
-
-def _reads(owner_LE: torch.Tensor, spec, rank: int, holds_cpu_tier: bool) -> torch.Tensor:
+def _reads(assignment_LE: torch.Tensor, spec, rank: int, holds_cpu_tier: bool) -> torch.Tensor:
     """bool [L, E]: the experts this process reads (its own GPU experts, and the CPU tier's if it holds it)."""
     moe = spec.moe_row_mask()[:, None]
-    return moe & ((owner_LE == rank) | ((owner_LE == -1) & holds_cpu_tier))
+    return moe & ((assignment_LE == rank) | ((assignment_LE == -1) & holds_cpu_tier))
 
 
 def _expert_bytes(reads_LE, on_gpu_LE, fp8_layers, spec, dtype, block) -> int:
@@ -195,33 +189,6 @@ def _non_expert_bytes(model: nn.Module, ckpt, spec) -> int:
     return sum(held_nbytes(name, t, spec, ckpt) for name, _, _, t, _ in _meta_tensors(model))
 
 
-def held_nbytes(name: str, t: torch.Tensor, spec, ckpt: Checkpoint) -> int:
-    """Bytes model tensor `name` (`t`: its meta tensor, in the dtype the skeleton gives it) takes once loaded:
-    block-FP8 tensors as stored with their scales, every other tensor in `t`'s dtype."""
-    disk = disk_name(name, spec, ckpt)
-    if is_block_fp8(ckpt, disk):
-        return ckpt.entries[disk].nbytes + ckpt.entries[scale_name(disk)].nbytes
-    return t.numel() * t.element_size()
-
-
-def gpu_expert_bytes(ckpt: Checkpoint, spec, dtype: torch.dtype) -> int:
-    """Bytes one GPU-tier expert takes once loaded: as stored (codes and block scales) where the checkpoint keeps
-    its experts block-FP8 (FP8ExpertSet), else in `dtype`."""
-    src = find_expert_source(ckpt, spec, LAYERS_PREFIX, spec.moe_layers[0])
-    return fp8_expert_bytes(spec, ckpt.fp8_block) if keeps_fp8(ckpt, src) else spec.bytes_per_expert(dtype)
-
-
-def disk_name(name: str, spec, ckpt: Checkpoint) -> str | None:
-    """The checkpoint's name for model tensor `name` (the block renamed for Mixtral, wrapper prefixes tried)."""
-    candidates = [name]
-    if spec.disk.block != "mlp":
-        candidates.append(name.replace(".mlp.", f".{spec.disk.block}."))
-    for base in list(candidates):
-        if base.startswith("model."):
-            candidates += [p + base.removeprefix("model.") for p in _WRAPPER_PREFIXES]
-    return next((c for c in candidates if c in ckpt), None)
-
-
 def _load_fp8_linears(model: nn.Module, ckpt: Checkpoint, spec, gpu_device, bar) -> None:
     """Swap every nn.Linear whose weight the checkpoint stores as block-scaled FP8 for an FP8Linear on the
     main device (its bias, if any, read alongside); other FP8 tensors are dequantised by `_load_non_experts`."""
@@ -260,12 +227,12 @@ def _load_non_experts(model: nn.Module, ckpt: Checkpoint, spec, gpu_device, bar)
         bar.update(value.numel() * value.element_size())
 
 
-def _load_experts(blocks, sources: dict[int, ExpertSource], ckpt, spec, owner_LE, reads_LE, rank, share, dtype,
-                  pin, bar, cache: ExpertCache | None = None) -> None:
+def _load_experts(blocks, sources: dict[int, ExpertSource], ckpt, spec, assignment_LE, reads_LE, rank, share,
+                  dtype, pin, bar, cache: ExpertCache | None = None) -> None:
     for layer, block in blocks.items():
         for e in range(spec.num_experts):
-            owner = int(owner_LE[layer, e])
-            block.set_owner(e, owner)
+            owner = int(assignment_LE[layer, e])
+            block.assign(e, owner)
             if not reads_LE[layer, e]:
                 continue  # another rank's GPU expert, or a CPU expert the CPU tier's rank holds
             on_gpu = owner == rank

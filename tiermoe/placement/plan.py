@@ -41,6 +41,11 @@ class PlacementPlan:
         object.__setattr__(self, "assignment", a)
 
     @classmethod
+    def all_cpu(cls, num_layers: int, num_experts: int, **kwargs) -> PlacementPlan:
+        """Every routed expert on the CPU tier."""
+        return cls(torch.full((num_layers, num_experts), -1, dtype=torch.int64), **kwargs)
+
+    @classmethod
     def from_mask(cls, mask: torch.Tensor, **kwargs) -> PlacementPlan:
         mask = torch.as_tensor(mask).bool()
         return cls(torch.where(mask, 0, -1).to(torch.int64), **kwargs)

@@ -1,9 +1,8 @@
 """From a PlacementConfig and a model's shape to a PlacementPlan.
 
-1. load the statistics, if any, checked against the model's layers and experts;
-2. size the GPU tier: a ratio, a per-layer count, or GPU memory and the model's real bytes;
-3. choose the experts with the strategy;
-4. split them across GPUs.
+1. size the GPU tier: a ratio, a per-layer count, or GPU memory and the model's real bytes;
+2. choose the experts with the strategy (statistics, if any, loaded by the caller);
+3. split them across GPUs.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from tiermoe.placement.budget import GIB, MemoryBudget, auto_gpu_memory, total_g
 from tiermoe.placement.partition import split_across_gpus
 from tiermoe.placement.plan import PlacementPlan
 from tiermoe.placement.strategies import place
-from tiermoe.stats.io import load_counts
 
 
 @dataclass(frozen=True)
@@ -58,10 +56,13 @@ def memory_budget(config: PlacementConfig, target: PlacementTarget, gpu_device: 
     return MemoryBudget(gpu_memory, target.non_expert_bytes, kv, int(config.prefill_buffer_gb * GIB), margin)
 
 
-def make_plan(config: PlacementConfig, target: PlacementTarget, gpu_device: str | None = None) -> PlacementPlan:
-    counts = None
-    if config.init_expert_location:
-        counts = load_counts(config.init_expert_location, target.num_layers, target.num_experts)
+def make_plan(config: PlacementConfig, target: PlacementTarget, counts: torch.Tensor | None = None,
+              gpu_device: str | None = None) -> PlacementPlan:
+    """The plan `config` asks for on `target`. counts: activation counts [L, E] (the statistics file
+    `config.init_expert_location` names, loaded by the caller), needed by the frequency and balanced strategies."""
+    if counts is not None and tuple(counts.shape) != (target.num_layers, target.num_experts):
+        raise TiermoeError(f"activation counts have shape {list(counts.shape)}, expected "
+                           f"[{target.num_layers}, {target.num_experts}] for this model")
     num_moe = len(target.moe_layers)
     budget: dict = {}
     if config.gpu_experts_ratio is not None or config.num_gpu_experts is not None:

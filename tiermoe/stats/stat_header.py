@@ -6,6 +6,7 @@ stat dumps carry `rank` and `logical_count`; tiermoe keeps those names and adds 
 
 from __future__ import annotations
 
+from tiermoe import __version__
 from tiermoe.stats.model_shape import ModelShape
 
 DUMP_FORMAT = "tiermoe-expert-distribution"
@@ -13,7 +14,5 @@ DUMP_VERSION = 1
 
 
 def dump_header(mode: str, shape: ModelShape, buffer_size: int) -> dict:
-    from tiermoe import __version__
-
     return {"format": DUMP_FORMAT, "format_version": DUMP_VERSION, "mode": mode, "rank": 0,
             **shape.metadata(), "buffer_size": buffer_size, "tiermoe_version": __version__}

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
+from tiermoe.checkpoint.safetensors import SAFETENSORS_DTYPES, read_header
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.quant import QMatrix
-from tiermoe.model.checkpoint import SAFETENSORS_DTYPES, read_header
 
 MANIFEST = "tiermoe-cpu-experts.json"
 VERSION = 1

@@ -3,7 +3,7 @@
 A model is one `.gguf` file or a directory of split files (`name-00001-of-00003.gguf`, ...); the gguf
 package memory-maps each file, and a tensor is dequantised only when asked for, in row chunks (or one expert
 slice of a merged `[E, ...]` expert tensor), so memory stays bounded whatever the file size.
-Supported tensor types: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K (decoded by tiermoe.model.gguf_dequant).
+Supported tensor types: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K (decoded by tiermoe.checkpoint.gguf_dequant).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
+from tiermoe.checkpoint.gguf_dequant import dequantize_into
 from tiermoe.errors import TiermoeError
-from tiermoe.model.gguf_dequant import dequantize_into
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 _CHUNK_BYTES = 64 << 20  # fp32 rows dequantised at once

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
+from tiermoe.checkpoint.fp8 import scale_name
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.fp8_blocks import DEFAULT_BLOCK, FP8_DTYPES, dequantize_fp8
-from tiermoe.model.fp8 import scale_name
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,

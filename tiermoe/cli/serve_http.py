@@ -1,0 +1,75 @@
+"""One process serving HTTP: the server state built from the flags (or around rank 0's LLM), and the uvicorn loop
+that drains on Ctrl-C / SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+
+import uvicorn
+
+from tiermoe.cli.cpu_flags import cpu_from_args
+from tiermoe.cli.placement_flags import check_fit_from_args, dynamic_from_args, plan_from_args
+from tiermoe.cli.recorder_flags import recorder_from_args
+from tiermoe.config import ServerConfig, check_device
+from tiermoe.engine.llm import LLM
+from tiermoe.server.app import create_app
+from tiermoe.server.engine_service import EngineService
+from tiermoe.server.metrics import ServerMetrics
+from tiermoe.server.state import ServerState
+from tiermoe.stats.control import RecorderControl
+from tiermoe.stats.tier_hits import TierHitCounter
+
+
+def build_state(args, llm=None):
+    config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                          api_key=args.api_key, max_running_requests=args.max_running_requests,
+                          max_total_tokens=args.max_total_tokens, chunked_prefill_size=args.chunked_prefill_size,
+                          default_max_tokens=args.default_max_tokens)
+    if llm is None:
+        device = check_device(args.gpu_device)
+        plan = plan_from_args(args, device)
+        check_fit_from_args(args, plan, device)
+        llm = LLM(args.model, gpu_device=device, placement=plan,
+                  dynamic=dynamic_from_args(args), max_running=config.max_running_requests,
+                  prefill_chunk=config.chunked_prefill_size, max_total_tokens=config.max_total_tokens,
+                  cpu=cpu_from_args(args))
+    hits = TierHitCounter(llm.hybrid.spec.num_layers, llm.hybrid.gpu_device)
+    llm.engine.add_recorder(hits)
+    control = None
+    if getattr(args, "recorder_mode", None):
+        recorder = recorder_from_args(args, llm.hybrid.spec)
+        llm.engine.add_recorder(recorder)
+        control = RecorderControl(recorder)  # starts stopped, as in SGLang: /start_expert_distribution_record
+    metrics = ServerMetrics()
+    detokenize = llm.engine.detokenize
+    service = EngineService(llm.engine, detokenize, metrics)
+    name = config.served_model_name or llm.model_dir.name
+    return ServerState(llm=llm, config=config, service=service, metrics=metrics, hits=hits, model_name=name,
+                       recorder_control=control)
+
+
+def serve(state) -> None:
+    """Serve HTTP until Ctrl-C / SIGTERM (then drain), or until the engine fails for good (then raise that)."""
+
+
+    class DrainingServer(uvicorn.Server):
+        """Ctrl-C / SIGTERM: stop accepting, let running requests finish, exit with status 0. (uvicorn re-raises
+        the signal after its graceful shutdown, which would end the process as killed by it.)"""
+
+        def handle_exit(self, sig, frame) -> None:
+            self.force_exit = self.should_exit and sig == signal.SIGINT  # a second Ctrl-C stops at once
+            self.should_exit = True
+
+    print(f"serving {state.model_name} on http://{state.config.host}:{state.config.port} "
+          f"(OpenAI: /v1, Ollama: /api, metrics: /metrics)", flush=True)
+    config = uvicorn.Config(create_app(state), host=state.config.host, port=state.config.port, log_level="info",
+                            timeout_graceful_shutdown=60)
+    server = DrainingServer(config)
+
+    def stop_serving(err) -> None:  # called from the engine thread: uvicorn polls should_exit
+        server.should_exit = True
+
+    state.service.on_fatal = stop_serving
+    server.run()
+    if state.service.fatal_error is not None:
+        raise state.service.fatal_error
