@@ -16,9 +16,9 @@ from tiermoe.errors import TiermoeError
 from tiermoe.experts.fp8_blocks import dequantize_fp8, quantize_fp8
 from tiermoe.model.checkpoint import Checkpoint
 from tiermoe.model.fp8 import FP8Linear, scale_name
-from tiermoe.model.fp8_write import write_fp8_checkpoint
 from tiermoe.model.loader import load_hybrid_model
-from tiermoe.model.presets import make_config
+from tiermoe.testing.fp8_write import write_fp8_checkpoint
+from tiermoe.testing.presets import make_config
 
 TOL = 1e-3
 # Shapes that are not multiples of the 128 block, so partial blocks are exercised.

@@ -83,7 +83,7 @@ class ModelBytes:
 def _non_expert_from_config(cfg, dtype: torch.dtype, fp8: bool) -> int:
     """Non-expert bytes from the module tree alone (meta skeleton: no memory), in the released layout."""
     from tiermoe.experts.fp8_blocks import scale_shape
-    from tiermoe.model.fp8_write import is_fp8_quantised
+    from tiermoe.model.fp8 import is_fp8_quantised
     from tiermoe.model.skeleton import build_skeleton
 
     model = build_skeleton(copy.deepcopy(cfg), dtype)  # a copy: building sets the config's dtype

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from tiermoe.arch import SUPPORTED_MODEL_TYPES
 from tiermoe.cli.flags import add_command, dtype_flag, non_negative_int, positive_int
-from tiermoe.model.presets import PRESETS
+from tiermoe.testing.make_model import make_model
+from tiermoe.testing.presets import PRESETS
 
 
 def add_parser(sub) -> None:
@@ -26,8 +27,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from tiermoe.model.make_model import make_model
-
     out = make_model(args.arch, args.out, preset=args.preset, layers=args.layers, dtype=args.dtype, seed=args.seed,
                      shard_bytes=int(args.shard_gb * 1e9))
     print(f"wrote {out}")
