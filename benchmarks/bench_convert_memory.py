@@ -76,7 +76,7 @@ def main() -> None:
     if not (fp8 / "config.json").exists():  # in a child, so this process stays small while it measures
         shutil.rmtree(fp8, ignore_errors=True)
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import sys; from tiermoe.model.fp8_write import write_fp8_checkpoint; "
+        subprocess.run([sys.executable, "-c", "import sys; from tiermoe.testing.fp8_write import write_fp8_checkpoint; "
                         "write_fp8_checkpoint(sys.argv[1], sys.argv[2])", str(src), str(fp8)], check=True)
         print(f"wrote FP8 copy in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     shutil.rmtree(cache, ignore_errors=True)

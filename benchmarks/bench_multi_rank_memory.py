@@ -22,7 +22,7 @@ PROMPT = [[5, 6, 7, 8, 9, 10, 11, 12]]
 
 
 def make_checkpoint(model_dir: Path, layers: int) -> None:
-    from tiermoe.model.make_model import make_model
+    from tiermoe.testing.make_model import make_model
 
     # Qwen3-30B-A3B's experts (128 per layer, 9 MiB each in bf16) with a small vocabulary, so the non-expert
     # weights every rank replicates stay small next to the experts.

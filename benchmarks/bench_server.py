@@ -26,7 +26,7 @@ import httpx
 import psutil
 
 from tiermoe.models import resolve_model
-from tiermoe.server.launch import ServerProcess
+from tiermoe.testing.server_process import ServerProcess
 
 
 def complete(url: str, prompt: str, max_tokens: int) -> int:

@@ -14,7 +14,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest
 import torch
 
-from tiermoe.model.presets import TINY, make_config
+from tiermoe.testing.presets import TINY, make_config
 
 ARCHS = tuple(TINY)
 

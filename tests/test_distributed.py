@@ -263,7 +263,7 @@ def two_rank_run(tmp_path_factory):
         cache = convert_cpu_experts(path, "int8", tmp_path_factory.mktemp("cache") / "int8", progress=False)
         add(cache, "dynamic, int8 conversion cache", three_per_layer, dynamic=True, cpu_dtype="int8")
     # FP8: GPU-tier experts stay FP8 on each rank; swaps requantise what arrives from the CPU tier's slots
-    from tiermoe.model.fp8_write import write_fp8_checkpoint
+    from tiermoe.testing.fp8_write import write_fp8_checkpoint
 
     add(write_fp8_checkpoint(path, tmp_path_factory.mktemp("fp8") / "m"), "dynamic, fp8", three_per_layer, dynamic=True)
     tmp = tmp_path_factory.mktemp("two-ranks")
@@ -418,7 +418,7 @@ def test_serve_with_num_gpus_launches_the_ranks_and_answers_like_one_process(cha
     from tiermoe.config import PlacementConfig
     from tiermoe.engine.llm import LLM
     from tiermoe.engine.sampling import SamplingParams
-    from tiermoe.server.launch import ServerProcess
+    from tiermoe.testing.server_process import ServerProcess
 
     with LLM(chat_model, placement=PlacementConfig(num_gpu_experts=4), progress=False) as llm:
         expected = llm.generate("hello there", SamplingParams(max_tokens=10))[0].text

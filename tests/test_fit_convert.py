@@ -13,7 +13,7 @@ from conftest import run_cli
 from tiermoe.config import CPUConfig
 from tiermoe.fit import fit_report, model_bytes
 from tiermoe.model.loader import load_hybrid_model
-from tiermoe.model.presets import PRESETS, make_config
+from tiermoe.testing.presets import PRESETS, make_config
 
 GIB = 1 << 30
 
@@ -93,7 +93,7 @@ def test_fit_cli_from_config_alone_prints_every_part_and_fails_when_it_will_not_
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_fit_bytes_equal_what_a_load_really_holds(tmp_path, fmt):
-    from tiermoe.model.make_model import make_model
+    from tiermoe.testing.make_model import make_model
 
     path = make_model("qwen3_moe", tmp_path / "m", progress=False, config_overrides=dict(
         hidden_size=128, moe_intermediate_size=64, head_dim=32))
@@ -119,7 +119,7 @@ def test_generate_stops_before_loading_when_the_gpu_limit_cannot_hold_the_model(
 # ---- tiermoe convert: the CPU-tier cache ----
 
 def _tiny_aligned(tmp_path, name="src"):
-    from tiermoe.model.make_model import make_model
+    from tiermoe.testing.make_model import make_model
 
     return make_model("qwen3_moe", tmp_path / name, progress=False, config_overrides=dict(
         hidden_size=128, moe_intermediate_size=64, head_dim=32))
@@ -183,7 +183,7 @@ def test_a_stale_or_mismatched_cache_is_refused_or_bypassed_with_a_message(tmp_p
 
 def test_convert_streams_an_fp8_source(tmp_path):
     from tiermoe.convert import convert_cpu_experts
-    from tiermoe.model.fp8_write import write_fp8_checkpoint
+    from tiermoe.testing.fp8_write import write_fp8_checkpoint
 
     fp8 = write_fp8_checkpoint(_tiny_aligned(tmp_path), tmp_path / "fp8")
     cache = convert_cpu_experts(fp8, "int8", tmp_path / "c", progress=False)

@@ -16,9 +16,9 @@ from tiermoe.checkpoint.safetensors import Checkpoint
 from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.fp8_blocks import dequantize_fp8, quantize_fp8
-from tiermoe.model.fp8_write import write_fp8_checkpoint
 from tiermoe.model.loader import load_hybrid_model
-from tiermoe.model.presets import make_config
+from tiermoe.testing.fp8_write import write_fp8_checkpoint
+from tiermoe.testing.presets import make_config
 
 TOL = 1e-3
 # Shapes that are not multiples of the 128 block, so partial blocks are exercised.
@@ -152,10 +152,9 @@ def _codes(w) -> list[torch.Tensor]:
 
 
 def test_gpu_tier_experts_stay_fp8_with_the_checkpoints_own_codes(fp8_case):
-    from tiermoe.model.plan_source import placement_target
-
     from tiermoe.experts.fp8_tier import FP8ExpertWeights
     from tiermoe.fit import model_bytes
+    from tiermoe.model.plan_source import placement_target
 
     fp8_dir, *_ = fp8_case
     spec = detect(load_config(fp8_dir))

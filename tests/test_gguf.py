@@ -13,7 +13,7 @@ from tiermoe.errors import TiermoeError
 from tiermoe.model.gguf_checkpoint import GGUFCheckpoint
 from tiermoe.model.inspect import summarize
 from tiermoe.model.loader import load_hybrid_model
-from tiermoe.model.presets import make_config
+from tiermoe.testing.presets import make_config
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType

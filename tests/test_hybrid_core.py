@@ -144,7 +144,7 @@ def test_tier_swap_keeps_logits_exact_and_releases_the_source(arch, tiny_dir):
 
 
 def test_bf16_checkpoint_keeps_its_dtype(tmp_path):
-    from tiermoe.model.make_model import make_model
+    from tiermoe.testing.make_model import make_model
 
     path = make_model("mixtral", tmp_path / "bf16", dtype=torch.bfloat16, progress=False)
     with load_hybrid_model(path, None, progress=False) as hybrid:

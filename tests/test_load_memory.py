@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tiermoe.model.make_model import make_model
+from tiermoe.testing.make_model import make_model
 
 CHILD = r"""
 import json, resource, sys, torch

@@ -14,7 +14,7 @@ from conftest import save_char_tokenizer, save_tiny
 
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
-from tiermoe.server.launch import ServerProcess
+from tiermoe.testing.server_process import ServerProcess
 
 KEY = "test-key"
 PROMPTS = ["hello there", "what is the sea?", "a", "tell me a story about a dog and a cat"]

@@ -21,11 +21,11 @@ import torch
 
 from tiermoe.arch import ArchSpec, detect, load_gguf_config, text_config
 from tiermoe.checkpoint.expert_cache import find_cache
+from tiermoe.checkpoint.fp8 import is_fp8_quantised
 from tiermoe.checkpoint.gguf_reader import gguf_files
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.fp8_blocks import DEFAULT_BLOCK, scale_shape
 from tiermoe.experts.fp8_tier import fp8_expert_bytes
-from tiermoe.model.fp8_write import is_fp8_quantised
 from tiermoe.model.held_bytes import ROUTED_EXPERT_NAME, bytes_from_headers
 from tiermoe.model.skeleton import build_skeleton
 from tiermoe.models import resolve_model

@@ -104,7 +104,7 @@ def environment() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from tiermoe.engine.llm import LLM
-    from tiermoe.model.make_model import make_model
+    from tiermoe.testing.make_model import make_model
 
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results", help="directory for gpu_check.json (and the profile)")

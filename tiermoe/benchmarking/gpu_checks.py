@@ -225,7 +225,7 @@ def check_fp8_gpu_tier(ckpt: Path, device: str, work_dir: Path, token_counts=(1,
     the CPU tier and back through the asynchronous copier (on CUDA: a side stream reading a transient dequantised
     copy) keeping its codes, and what the per-call dequantisation costs against a bf16 GPU tier."""
     from tiermoe.experts.copier import AsyncCopier
-    from tiermoe.model.fp8_write import write_fp8_checkpoint
+    from tiermoe.testing.fp8_write import write_fp8_checkpoint
     from tiermoe.model.loader import load_hybrid_model
 
     fp8 = write_fp8_checkpoint(ckpt, work_dir / "fp8")

@@ -14,6 +14,8 @@ dequantised one at a time while they stream from disk (see `Checkpoint.read`), t
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +24,15 @@ from tiermoe.errors import TiermoeError
 from tiermoe.experts.fp8_blocks import FP8_DTYPES, dequantize_fp8
 
 SCALE_SUFFIX = "_scale_inv"
+
+# Linear weights of decoder layers, not the router (`.mlp.gate.weight`, Mixtral's `.block_sparse_moe.gate.`)
+_QUANTISED = re.compile(r"^model\.layers\.\d+\..*\.weight$")
+_KEPT = re.compile(r"(norm|\.gate\.weight$|shared_expert_gate\.weight$)")
+
+
+def is_fp8_quantised(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether the released FP8 layout stores tensor `name` as FP8 (2-D decoder Linear weights, routers aside)."""
+    return len(shape) == 2 and bool(_QUANTISED.match(name)) and not _KEPT.search(name)
 
 
 def fp8_block_size(config) -> tuple[int, int] | None:

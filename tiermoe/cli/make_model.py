@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from tiermoe.arch import SUPPORTED_MODEL_TYPES
 from tiermoe.cli.flags import add_command, dtype_flag, non_negative_int, positive_int
-from tiermoe.model.make_model import make_model
-from tiermoe.model.presets import PRESETS
+from tiermoe.testing.make_model import make_model
+from tiermoe.testing.presets import PRESETS
 
 
 def add_parser(sub) -> None:

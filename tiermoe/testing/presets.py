@@ -90,10 +90,6 @@ TINY: dict[str, dict] = {
 }
 
 
-def preset_names(arch: str | None = None) -> list[str]:
-    return [name for name, (model_type, _) in PRESETS.items() if arch is None or model_type == arch]
-
-
 def make_config(arch: str, preset: str | None = None, layers: int | None = None, **overrides):
     """A transformers config for `arch`: a real preset's shapes, or the tiny debug config when `preset` is None."""
     from transformers import AutoConfig

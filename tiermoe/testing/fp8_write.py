@@ -9,25 +9,15 @@ lm_head, norms, routers (`mlp.gate`) and biases stay in the source dtype. config
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from tiermoe.checkpoint.fp8 import scale_name
+from tiermoe.checkpoint.fp8 import is_fp8_quantised, scale_name
 from tiermoe.checkpoint.safetensors import Checkpoint
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.fp8_blocks import DEFAULT_BLOCK, quantize_fp8
-
-# Linear weights of decoder layers, not the router (`.mlp.gate.weight`, Mixtral's `.block_sparse_moe.gate.`)
-_QUANTISED = re.compile(r"^model\.layers\.\d+\..*\.weight$")
-_KEPT = re.compile(r"(norm|\.gate\.weight$|shared_expert_gate\.weight$)")
-
-
-def is_fp8_quantised(name: str, shape: tuple[int, ...]) -> bool:
-    """Whether the released FP8 layout stores tensor `name` as FP8 (2-D decoder Linear weights, routers aside)."""
-    return len(shape) == 2 and bool(_QUANTISED.match(name)) and not _KEPT.search(name)
 
 
 def write_fp8_checkpoint(src: str | Path, out: str | Path, block: tuple[int, int] = DEFAULT_BLOCK,

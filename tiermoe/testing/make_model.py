@@ -18,8 +18,8 @@ from tqdm.auto import tqdm
 
 from tiermoe.arch import detect
 from tiermoe.errors import TiermoeError
-from tiermoe.model.presets import make_config
 from tiermoe.model.skeleton import build_skeleton
+from tiermoe.testing.presets import make_config
 
 DEFAULT_SHARD_BYTES = 1 << 30
 
