@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from tiermoe.arch import ArchSpec, detect, load_gguf_config, text_config
 from tiermoe.checkpoint.expert_cache import find_cache
@@ -105,7 +106,6 @@ def _non_expert_from_config(cfg, dtype: torch.dtype, fp8: bool) -> int:
 def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: str | None = None) -> ModelBytes:
     """Memory of `model`: a checkpoint directory (safetensors headers), a GGUF file or directory, or a
     config.json (or a directory holding only one) with `dtype` (bf16, fp16, fp32 or fp8) naming its weights."""
-    from transformers import AutoConfig
 
     path = Path(model)
     if not path.exists():

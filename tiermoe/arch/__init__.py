@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from transformers import AutoConfig
+
 from tiermoe.arch import deepseek, gpt_oss, mixtral, olmoe, qwen
 from tiermoe.arch.gguf_config import config_fields_from_gguf
 from tiermoe.arch.spec import ArchSpec, ExpertDiskLayout
@@ -77,7 +79,6 @@ def load_gguf_config(path: str | Path):
     """The transformers config of a GGUF model (one file, or a directory of split files), from its metadata.
 
     GGUF weights are converted at load, so the compute dtype is bf16 unless the caller asks for another."""
-    from transformers import AutoConfig
 
     files = GGUFFiles(path)
     fields = config_fields_from_gguf(files.metadata, set(files.tensors))
@@ -86,7 +87,6 @@ def load_gguf_config(path: str | Path):
 
 def load_config(model_dir: str | Path):
     """Read `model_dir/config.json` into a transformers config, with one-line errors for every bad input."""
-    from transformers import AutoConfig  # imported here: keeps `tiermoe.arch` importable without a model load
 
     path = Path(model_dir)
     if not path.exists():

@@ -11,6 +11,7 @@ import ctypes
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, quants
 
 from tiermoe.experts.kernels import native_library
 
@@ -25,8 +26,6 @@ def dequantize_into(raw: np.ndarray, qtype, out: torch.Tensor, native: bool = Tr
     kind = NATIVE_TYPES.get(qtype.name)
     lib = native_library() if native and kind is not None else None
     if lib is None:
-        from gguf import quants
-
         # a copy: for F32 tensors the package returns the read-only file mapping itself
         values = np.array(quants.dequantize(np.ascontiguousarray(raw), qtype), dtype=np.float32)
         return out.copy_(torch.from_numpy(values.reshape(out.shape)))
@@ -43,7 +42,5 @@ def dequantize_into(raw: np.ndarray, qtype, out: torch.Tensor, native: bool = Tr
 
 
 def _block_size(qtype) -> tuple[int, int]:
-    from gguf import GGML_QUANT_SIZES
-
     values, nbytes = GGML_QUANT_SIZES[qtype]
     return nbytes, values

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from gguf import GGUFReader, GGUFValueType
 
 from tiermoe.checkpoint.gguf_dequant import dequantize_into
 from tiermoe.errors import TiermoeError
@@ -31,7 +32,6 @@ def gguf_files(path: str | Path) -> list[Path]:
 
 def _scalar(field):
     """A metadata field's value when it is a scalar or a string (arrays are left out, except their length)."""
-    from gguf import GGUFValueType
 
     if not field.types:
         return None
@@ -47,8 +47,6 @@ class GGUFFiles:
     """Metadata and tensors of one GGUF model (all its split files), by GGUF name."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
-
         self.path = Path(path)
         files = gguf_files(self.path)
         if not files:

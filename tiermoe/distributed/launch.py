@@ -10,13 +10,12 @@ collectives fail); whatever is left after a grace period is killed.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import time
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gguf import GGUFReader
+from transformers import AutoTokenizer
 
 from tiermoe.arch import detect, load_config
 from tiermoe.checkpoint.gguf_reader import gguf_files
@@ -147,7 +149,6 @@ class LLM:
 def _load_tokenizer(model_dir: Path):
     """The checkpoint's tokenizer: its tokenizer files, or for GGUF the vocabulary in the (first) file's metadata
     (converted by transformers); None when there is none (prompts must then be token ids)."""
-    from transformers import AutoTokenizer
 
     if any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
@@ -156,7 +157,6 @@ def _load_tokenizer(model_dir: Path):
     if not files:
         return None
     first = files[0]  # split files carry the tokenizer in the first one
-    from gguf import GGUFReader
 
     if "tokenizer.ggml.model" not in GGUFReader(str(first)).fields:
         return None

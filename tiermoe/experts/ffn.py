@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers.activations import ACT2FN
 
 from tiermoe.experts.weights import ExpertWeights
 
@@ -38,7 +39,6 @@ class ExpertActivation:
             gate = gate.clamp(max=self.limit)
             up = up.clamp(min=-self.limit, max=self.limit)
             return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        from transformers.activations import ACT2FN
 
         return ACT2FN[self.hidden_act](gate) * up
 

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import torch
 
 from tiermoe.arch import load_config
@@ -59,9 +60,6 @@ class GGUFCheckpoint(TensorIndex):
     to close: the gguf package's memory maps close with its reader objects."""
 
     def __init__(self, path: str | Path, config=None):
-        import gguf
-
-
         self.model_dir = Path(path)
         self.fp8_block = None
         self.files = GGUFFiles(path)

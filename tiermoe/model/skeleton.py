@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 
 def build_skeleton(cfg, dtype: torch.dtype) -> nn.Module:
     """AutoModelForCausalLM for `cfg` with meta parameters and real (CPU) non-persistent buffers."""
-    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)

@@ -6,6 +6,8 @@ every structural feature of the family (dense first layers, groups, shared exper
 
 from __future__ import annotations
 
+from transformers import AutoConfig
+
 from tiermoe.errors import TiermoeError
 
 PRESETS: dict[str, tuple[str, dict]] = {
@@ -92,7 +94,6 @@ TINY: dict[str, dict] = {
 
 def make_config(arch: str, preset: str | None = None, layers: int | None = None, **overrides):
     """A transformers config for `arch`: a real preset's shapes, or the tiny debug config when `preset` is None."""
-    from transformers import AutoConfig
 
     if preset is not None:
         if preset not in PRESETS:
