@@ -83,9 +83,6 @@ class GGUFFiles:
         """The tensor's shape in torch order (GGUF lists dimensions innermost first)."""
         return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
 
-    def type_name(self, name: str) -> str:
-        return self.tensors[name].tensor_type.name
-
     def nbytes(self, name: str) -> int:
         return int(self.tensors[name].n_bytes)
 

@@ -34,12 +34,12 @@ async def metrics(request: Request):
 async def placement(request: Request):
     state = _state(request)
     hybrid = state.llm.hybrid
-    mask = hybrid.mask
+    plan = hybrid.plan  # read once: dynamic placement may move experts between two reads
     swaps = hybrid.swap_stats
-    return {"model_type": hybrid.spec.model_type, "num_layers": hybrid.spec.num_layers,
-            "num_experts": hybrid.spec.num_experts, "moe_layers": list(hybrid.spec.moe_layers),
-            "gpu_experts_per_layer": mask.sum(dim=1).tolist(), "num_gpu_experts": int(mask.sum()),
-            "assignment": hybrid.assignment.tolist(),
+    return {"model_type": hybrid.spec.model_type, "num_layers": plan.num_layers,
+            "num_experts": plan.num_experts, "moe_layers": list(hybrid.spec.moe_layers),
+            "gpu_experts_per_layer": plan.gpu_experts_per_layer(), "num_gpu_experts": int(plan.mask.sum()),
+            "num_gpus": plan.num_gpus, "assignment": plan.assignment.tolist(),
             "gpu_hit_rate": state.hits.hit_rate(), "per_layer_gpu_hit_rate": state.hits.layer_hit_rates(),
             "swaps": swaps.swaps, "bytes_copied": swaps.bytes}
 
