@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -16,11 +15,7 @@ import time
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tiermoe.distributed.launch import free_port
 
 
 class ServerProcess:
