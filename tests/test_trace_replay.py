@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from tiermoe.analysis.trace_replay import replay, trace_passes
 from tiermoe.placement.cost import BandwidthCostModel
 from tiermoe.placement.masks import generate_gpu_experts_masks
 from tiermoe.placement.metrics import hit_rate
 from tiermoe.placement.policies import AdaptiveSettings
-from tiermoe.stats.replay import replay, trace_passes
 
 E, K = 8, 2
 COST = BandwidthCostModel(bytes_per_expert=1 << 20, cpu_read_bandwidth=20e9, gpu_read_bandwidth=1e12,

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from tiermoe.benchmarking.placement_runner import RunTiming, make_engine, run_workload
-from tiermoe.benchmarking.placement_traffic import DYNAMIC_STRATEGIES, strategy_mask
-from tiermoe.benchmarking.placement_workload import Workload
+from tiermoe.analysis.placement_traffic import DYNAMIC_STRATEGIES, strategy_mask
+from tiermoe.analysis.placement_workload import Workload
+from tiermoe.analysis.workload_runs import RunTiming, make_engine, run_workload
 from tiermoe.config import DynamicPlacementConfig
 from tiermoe.engine.dynamic import enable_dynamic_placement
 from tiermoe.placement.cost import BandwidthCostModel

@@ -3,7 +3,7 @@
 Routing does not depend on placement (any placement gives the reference logits), so one trace of the held-out
 workload fixes every pass's batch and routed experts; a placement only decides, per pass and MoE layer, which
 tier computes each distinct expert. Static strategies are one mask for all passes (vectorised). The dynamic
-policies follow the rules of `tiermoe.stats.replay` and the live engine: `dynamic` (KTransformers') runs
+policies follow the rules of `tiermoe.analysis.trace_replay` and the live engine: `dynamic` (KTransformers') runs
 prefill passes of at least `prefill_threshold` tokens wholly on the GPU, streaming the CPU-tier experts they
 route to, and then keeps each layer's most-used experts; `adaptive` swaps asynchronously, a copy landing (the
 mask flipping) only after the copy time has passed in pass time; swaps chosen after a layerwise pass are copied
@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tiermoe.analysis.trace_replay import CopiesInFlight, trace_passes
 from tiermoe.errors import TiermoeError
 from tiermoe.placement.budget import total_gpu_experts
 from tiermoe.placement.cost import BandwidthCostModel
 from tiermoe.placement.policies import AdaptivePolicy, AdaptiveSettings, KTDynamicPolicy
 from tiermoe.placement.strategies import NEEDS_STATISTICS, place
-from tiermoe.stats.replay import CopiesInFlight, trace_passes
 
 DYNAMIC_STRATEGIES = ("dynamic", "adaptive")
 BENCH_STRATEGIES = ("random", "uniform", "front-loading", "frequency", "balanced") + DYNAMIC_STRATEGIES
@@ -138,7 +138,7 @@ def static_traffic(shapes: PassShapes, mask_ME: torch.Tensor) -> Traffic:
 def start_strategy(strategy: str, has_statistics: bool) -> str:
     """The static strategy a bench strategy places with first. `dynamic` starts where KTransformers' tutorial
     starts it (frequency with statistics, else its default, uniform); `adaptive` where its policy starts it
-    (frequency, else uniform; tiermoe.placement.policies.AdaptivePolicy, as tiermoe.stats.replay does)."""
+    (frequency, else uniform; tiermoe.placement.policies.AdaptivePolicy, as tiermoe.analysis.trace_replay does)."""
     if strategy not in BENCH_STRATEGIES:
         raise TiermoeError(f"unknown strategy '{strategy}'; choose from {', '.join(BENCH_STRATEGIES)}")
     base = {"dynamic": "frequency", "adaptive": "frequency"}.get(strategy, strategy)

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tiermoe.analysis.trace_replay import ORACLES, REPLAY_POLICIES, TracePasses, replay
 from tiermoe.placement.cost import BandwidthCostModel
 from tiermoe.placement.profiles import GPUProfile
 from tiermoe.placement.strategies import NEEDS_STATISTICS
-from tiermoe.stats.replay import ORACLES, REPLAY_POLICIES, TracePasses, replay
 
 DEFAULT_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 

@@ -8,15 +8,15 @@ Per pass p (sequences s, MoE layers m):
                   + combine( CPU tier: a d_c + b p_c + c (+ hidden rows over PCIe),
                              GPU tier: dispatch(d_g ops_expert) (+) roofline(d_g expert bytes, p_g pair flops) ) ]
         + copies that block (layerwise prefill streaming; on one CPU also swap copies)
-- The CPU tier (a, b, c) is measured on this machine's CPU backend (tier_fit).
+- The CPU tier (a, b, c) is measured on this machine's CPU backend (tier_time_fit).
 - The GPU tier, the non-expert device work and copies come from a GPUProfile (bandwidth, flops, PCIe, launch).
   With this-cpu the profile is this CPU's microbenchmarks (device_profile) and the GPU tier's experts are timed
   directly like the CPU tier's (`gpu_tier`: a d_g + b p_g): the tier's own expert loop does not run at the rate
   of one large matrix, and the rest of the forward does not run at the rate of the expert loop.
 - Host costs are measured on this machine and carried to the estimate (the GPU machine's host runs the same
-  Python): t_op per op dispatched in the MoE blocks, from the experts' loop timed on tiny experts (host_fit);
+  Python): t_op per op dispatched in the MoE blocks, from the experts' loop timed on tiny experts (host_cost_fit);
   t_step per step and t_seq per sequence forward (its dispatch and thread hand-offs), fitted on timed runs
-  (host_fit).
+  (host_cost_fit).
 - With a GPU beside the CPU (`device_is_host` False) the device runs behind the host, so host (+) device is
   max(host seconds, kernels x launch + roofline). With the GPU tier on the host CPU (this-cpu) the caller thread
   computes it itself, so host and device time add up, the layerwise streamer copies nothing (the weights are
@@ -24,7 +24,7 @@ Per pass p (sequences s, MoE layers m):
 - `tiers_overlap`: beside a GPU the CPU tier computes while the GPU tier does (combine = max). On one CPU they
   take turns (combine = sum: they share cores, caches and memory bandwidth), and a layer in which both compute
   pays `both_tiers_seconds` more (the caller and the CPU tier's worker contend for the GIL and the caches);
-  host_fit measures it on a timed run at a split no validation uses. (A term scaled by the smaller tier's time,
+  host_cost_fit measures it on a timed run at a split no validation uses. (A term scaled by the smaller tier's time,
   lambda x min(cpu, gpu), was tried and fitted worse: +13 to +24% at the validation ratios, native backend.)
 Legend: P passes, M MoE layers, S (pass, sequence) rows.
 """
@@ -35,16 +35,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tiermoe.benchmarking.model_costs import ModelCosts, OpCount
-from tiermoe.benchmarking.placement_traffic import PassShapes, Traffic
-from tiermoe.benchmarking.tier_fit import TierFit
+from tiermoe.analysis.model_op_count import ModelCosts, OpCount
+from tiermoe.analysis.placement_traffic import PassShapes, Traffic
+from tiermoe.analysis.tier_time_fit import TierFit
 from tiermoe.placement.cost import BandwidthCostModel
 from tiermoe.placement.profiles import GPUProfile
 
 
 @dataclass(frozen=True)
 class HostCosts:
-    """Host-side seconds, fitted on timed runs of this machine (see host_fit)."""
+    """Host-side seconds, fitted on timed runs of this machine (see host_cost_fit)."""
 
     op_seconds: float  # per framework op dispatched in a MoE block (Python, dispatcher, small-tensor kernels)
     step_seconds: float  # per engine step

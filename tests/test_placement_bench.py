@@ -14,19 +14,19 @@ import torch
 from conftest import run_cli as cli
 from conftest import save_char_tokenizer, save_tiny
 
-from tiermoe.benchmarking.host_fit import fit_host_costs, measure_op_seconds
-from tiermoe.benchmarking.model_costs import ModelCosts, OpCount, measure_model_costs
-from tiermoe.benchmarking.pass_cost import HostCosts, PassCostModel, ttft_seconds
-from tiermoe.benchmarking.placement import PlacementBenchConfig, run_placement_bench
-from tiermoe.benchmarking.placement_live import measure_configuration
-from tiermoe.benchmarking.placement_runner import make_engine, record_trace
-from tiermoe.benchmarking.placement_traffic import pass_shapes, placement_traffic, static_traffic, strategy_mask
-from tiermoe.benchmarking.placement_workload import WorkloadSpec, build_workloads
-from tiermoe.benchmarking.tier_fit import TierFit, fit_abc
+from tiermoe.analysis.host_cost_fit import fit_host_costs, measure_op_seconds
+from tiermoe.analysis.model_op_count import ModelCosts, OpCount, measure_model_costs
+from tiermoe.analysis.pass_cost import HostCosts, PassCostModel, ttft_seconds
+from tiermoe.analysis.placement_bench import PlacementBenchConfig, run_placement_bench
+from tiermoe.analysis.placement_live import measure_configuration
+from tiermoe.analysis.placement_traffic import pass_shapes, placement_traffic, static_traffic, strategy_mask
+from tiermoe.analysis.placement_workload import WorkloadSpec, build_workloads
+from tiermoe.analysis.tier_time_fit import TierFit, fit_abc
+from tiermoe.analysis.trace_replay import TracePasses, replay
+from tiermoe.analysis.workload_runs import make_engine, record_trace
 from tiermoe.engine.llm import LLM
 from tiermoe.placement.cost import BandwidthCostModel
 from tiermoe.placement.profiles import GPUProfile, load_profile, save_profile
-from tiermoe.stats.replay import TracePasses, replay
 
 REPO = Path(__file__).resolve().parent.parent
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
@@ -276,7 +276,7 @@ def test_this_cpu_validates_the_cost_model_against_a_measurement(model_dir, work
 
 
 def test_without_memory_for_model_copies_the_runs_are_timed_one_after_another(model_dir, workloads, monkeypatch):
-    from tiermoe.benchmarking import placement_lockstep
+    from tiermoe.analysis import placement_lockstep
 
     monkeypatch.setattr(placement_lockstep, "_available_memory", lambda: 0)
     config = PlacementBenchConfig(spec_of("unused"), model=model_dir, ratios=(0.5,), strategies=("uniform",),

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from tiermoe.benchmarking.device_profile import synchronizer
+from tiermoe.analysis.device_profile import synchronizer
 
 
 @dataclass(frozen=True)

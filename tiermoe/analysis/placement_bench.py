@@ -2,14 +2,14 @@
 
 1. Load the model once (every expert on the CPU tier) and build two workloads from one dataset: a calibration
    split, whose routing statistics feed frequency / balanced / dynamic / adaptive, and a held-out split to serve,
-   `concurrency` requests in flight (placement_workload, placement_runner).
-2. Measure the CPU tier's backend on the model's real experts: a x distinct + b x pairs + c (tier_fit).
+   `concurrency` requests in flight (placement_workload, workload_runs).
+2. Measure the CPU tier's backend on the model's real experts: a x distinct + b x pairs + c (tier_time_fit).
 3. With CUDA: serve the held-out workload end to end for every (strategy, ratio) (placement_live). Done.
 4. Without CUDA: record one per_token trace of the held-out workload (routing does not depend on placement),
    so every placement's hit rate, CPU expert reads and copies are exact (placement_traffic); count the model's
-   work per pass (model_costs); measure this CPU as a device (device_profile), the host's cost per dispatched op
-   (host_fit) and the GPU tier on this CPU (tier_fit); fit the host's per-step and per-sequence costs on timed
-   runs at the calibration ratios (host_fit); then estimate every cell's time with the cost model (pass_cost)
+   work per pass (model_op_count); measure this CPU as a device (device_profile), the host's cost per dispatched op
+   (host_cost_fit) and the GPU tier on this CPU (tier_time_fit); fit the host's per-step and per-sequence costs on timed
+   runs at the calibration ratios (host_cost_fit); then estimate every cell's time with the cost model (pass_cost)
    and the chosen GPU profile. With `this-cpu` the GPU tier really is this CPU: one more calibration run at a
    split (contention_ratio) measures what a layer costs beyond its two tiers when both compute on this CPU, the
    configurations at the validation ratios are served and timed beside the calibration runs (placement_lockstep),
@@ -25,23 +25,15 @@ from pathlib import Path
 
 import torch
 
-from tiermoe.benchmarking.core_split import caller_threads, core_split
-from tiermoe.benchmarking.device_profile import measure_profile
-from tiermoe.benchmarking.host_fit import fit_host_costs, measure_op_seconds
-from tiermoe.benchmarking.model_costs import measure_model_costs
-from tiermoe.benchmarking.pass_cost import HostCosts, PassCostModel, ttft_seconds
-from tiermoe.benchmarking.placement_live import measure_configuration
-from tiermoe.benchmarking.placement_lockstep import time_configurations
-from tiermoe.benchmarking.placement_result import Cell, PlacementBenchResult
-from tiermoe.benchmarking.placement_runner import (
-    RunTiming,
-    make_engine,
-    record_statistics,
-    record_trace,
-    ttft_summary,
-    warm_up,
-)
-from tiermoe.benchmarking.placement_traffic import (
+from tiermoe.analysis.core_split import caller_threads, core_split
+from tiermoe.analysis.device_profile import measure_profile
+from tiermoe.analysis.host_cost_fit import fit_host_costs, measure_op_seconds
+from tiermoe.analysis.model_op_count import measure_model_costs
+from tiermoe.analysis.pass_cost import HostCosts, PassCostModel, ttft_seconds
+from tiermoe.analysis.placement_live import measure_configuration
+from tiermoe.analysis.placement_lockstep import time_configurations
+from tiermoe.analysis.placement_result import Cell, PlacementBenchResult
+from tiermoe.analysis.placement_traffic import (
     BENCH_STRATEGIES,
     DYNAMIC_STRATEGIES,
     PassShapes,
@@ -51,9 +43,18 @@ from tiermoe.benchmarking.placement_traffic import (
     static_traffic,
     strategy_mask,
 )
-from tiermoe.benchmarking.placement_workload import Workload, WorkloadSpec, build_workloads, prompt_encoder
-from tiermoe.benchmarking.tier_fit import TierFit, measure_cpu_tier, measure_gpu_tier
+from tiermoe.analysis.placement_workload import Workload, WorkloadSpec, build_workloads, prompt_encoder
+from tiermoe.analysis.tier_time_fit import TierFit, measure_cpu_tier, measure_gpu_tier
+from tiermoe.analysis.workload_runs import (
+    RunTiming,
+    make_engine,
+    record_statistics,
+    record_trace,
+    ttft_summary,
+    warm_up,
+)
 from tiermoe.config import CPUConfig
+from tiermoe.engine.llm import LLM
 from tiermoe.errors import TiermoeError
 from tiermoe.placement.cost import BandwidthCostModel
 from tiermoe.placement.profiles import load_profile
@@ -79,7 +80,7 @@ class PlacementBenchConfig:
     prefill_threshold: int | None = 512
     repeats: int = 3
     calibration_ratios: tuple[float, ...] = (0.0, 1.0)
-    contention_ratio: float = 0.75  # the calibration split that measures the both-tiers cost (host_fit)
+    contention_ratio: float = 0.75  # the calibration split that measures the both-tiers cost (host_cost_fit)
     validation_ratios: tuple[float, ...] = (0.25, 0.5)
     validation_strategies: tuple[str, ...] = ("uniform", "frequency")
     tolerance: float = 0.15
@@ -116,7 +117,6 @@ def run_placement_bench(config: PlacementBenchConfig, log=_stderr,
                         workloads: tuple[Workload, Workload] | None = None) -> PlacementBenchResult:
     """Run the benchmark. workloads: (calibration, held-out) token-id workloads to use instead of the dataset's
     (for models without a tokenizer, e.g. make-model checkpoints)."""
-    from tiermoe.engine.llm import LLM
 
     this_cpu = config.gpu_profile == THIS_CPU
     target = None if this_cpu else load_profile(config.gpu_profile)

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.experts.ffn import routed_experts_forward
+from tiermoe.experts.weights import ExpertWeights
 from tiermoe.placement.budget import kv_bytes_per_token
 
 
@@ -74,8 +75,6 @@ class _OpCounter(TorchDispatchMode):
 
 def count_expert_ops(act, hidden: int = 8, inter: int = 4) -> OpCount:
     """Ops per distinct expert of the tiers' feed-forward: 2 experts minus 1 (shapes do not change the count)."""
-    from tiermoe.experts.weights import ExpertWeights
-
     experts = {e: ExpertWeights(torch.randn(2 * inter, hidden), torch.randn(hidden, inter)) for e in range(2)}
     x = torch.randn(2, hidden)
     weights = torch.ones(2, 1)
