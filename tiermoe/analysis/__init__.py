@@ -1,5 +1,6 @@
 """Analysis above the core: everything that replays, sweeps, benchmarks and fits, and the `tiermoe bench ...`
-commands' engines (tables and plots). Nothing in the core imports it.
+commands' engines (tables and plots). Nothing in the core imports it. The one cost model they all time with, and
+that the adaptive policy decides with, is core: tiermoe.placement.pass_cost; here are only its measurements and fits.
 
 - trace_replay.py: a recorded per_token trace replayed pass by pass through a placement policy;
   dynamic_bench.py: `tiermoe bench dynamic` (every policy at every GPU ratio).

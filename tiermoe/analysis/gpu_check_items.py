@@ -24,7 +24,6 @@ from tiermoe.engine.llm import LLM
 from tiermoe.experts.copier import AsyncCopier
 from tiermoe.model.loader import load_hybrid_model
 from tiermoe.model.placement_target import placement_target
-from tiermoe.placement.cost import BandwidthCostModel
 from tiermoe.placement.planner import make_plan
 from tiermoe.placement.profiles import save_profile
 
@@ -163,13 +162,10 @@ def check_layerwise_prefill(ckpt: Path, device: str, threshold: int) -> dict:
 
 
 def check_serving(llm, workload: Workload, ratios, concurrency: int) -> dict:
-    spec = llm.hybrid.spec
-    bpe = spec.bytes_per_expert(llm.hybrid.expert_dtype)
-    cost = BandwidthCostModel(bpe)
     rows = {}
-    measure_configuration(llm, workload, "uniform", ratios[0], None, concurrency, 512, None, cost)  # warm-up
+    measure_configuration(llm, workload, "uniform", ratios[0], None, concurrency, 512, None)  # warm-up
     for ratio in ratios:
-        timing, traffic = measure_configuration(llm, workload, "uniform", ratio, None, concurrency, 512, None, cost)
+        timing, traffic = measure_configuration(llm, workload, "uniform", ratio, None, concurrency, 512, None)
         rows[f"{ratio:g}"] = {"output_tokens_per_s": timing.output_tokens_per_s,
                               "total_tokens_per_s": timing.total_tokens_per_s,
                               "ttft_mean_ms": 1e3 * timing.ttft_summary()["mean"],

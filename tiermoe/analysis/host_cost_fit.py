@@ -1,4 +1,5 @@
-"""The host's costs on this machine: one dispatched op, and per engine step and per sequence forward.
+"""The host's costs on this machine, measured and curve-fitted (tiermoe.placement.pass_cost.HostCosts): one
+dispatched op, and per engine step and per sequence forward.
 
 1. t_op (measure_op_seconds): the tiers' expert loop timed on tiny experts, where nothing but dispatch costs
    time (Python, the dispatcher, launching): seconds per op. Not fitted on runs: a pass's ops grow with its
@@ -26,10 +27,10 @@ import torch
 
 from tiermoe.analysis.device_profile import synchronizer
 from tiermoe.analysis.model_op_count import count_expert_ops
-from tiermoe.analysis.pass_cost import HostCosts, PassCostModel
-from tiermoe.analysis.placement_traffic import PassShapes, Traffic
 from tiermoe.experts.ffn import routed_experts_forward
 from tiermoe.experts.weights import ExpertWeights
+from tiermoe.placement.pass_cost import HostCosts, PassCostModel
+from tiermoe.placement.pass_traffic import PassShapes, Traffic
 
 
 def fit_host_costs(model: PassCostModel, shapes: PassShapes, runs: list[tuple[str, Traffic, list[float]]]
