@@ -16,9 +16,9 @@ Per pass p (sequences s, MoE layers m):
         + copies that block (layerwise prefill streaming; on one CPU also swap copies)
 - The CPU tier (a, b, c) is measured on this machine's CPU backend (tiermoe.analysis.tier_time_fit).
 - The GPU tier, the non-expert device work and copies come from a GPUProfile (bandwidth, flops, PCIe, launch).
-  With this-cpu the profile is this CPU's microbenchmarks (tiermoe.analysis.device_profile) and the GPU tier's experts are timed
-  directly like the CPU tier's (`gpu_tier`: a d_g + b p_g): the tier's own expert loop does not run at the rate
-  of one large matrix, and the rest of the forward does not run at the rate of the expert loop.
+  With this-cpu the profile is this CPU's microbenchmarks (tiermoe.analysis.device_profile) and the GPU tier's
+  experts are timed directly like the CPU tier's (`gpu_tier`: a d_g + b p_g): the tier's own expert loop does not
+  run at the rate of one large matrix, and the rest of the forward does not run at the rate of the expert loop.
 - Host costs are measured on this machine and carried to the estimate (the GPU machine's host runs the same
   Python): t_op per op dispatched in the MoE blocks, from the experts' loop timed on tiny experts; t_step per
   step and t_seq per sequence forward (its dispatch and thread hand-offs), fitted on timed runs
