@@ -20,7 +20,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from tqdm.auto import tqdm
 
-from tiermoe.benchmarking.device_profile import best_time, synchronizer
+from tiermoe.analysis.device_profile import best_time, synchronizer
 from tiermoe.checkpoint.gguf_dequant import NATIVE_TYPES, dequantize_into
 
 # Where each type keeps its half-precision scales (d, and dmin for the K-quants that have one).

@@ -2,7 +2,7 @@
 # One call on a GPU machine (PyTorch and transformers preinstalled, no network), under 10 minutes:
 #   1. make tiermoe importable from this working tree without fetching anything
 #      (pip install --no-deps --no-index --no-build-isolation -e ., else PYTHONPATH);
-#   2. python -m tiermoe.benchmarking.gpu_check: on a make-model checkpoint, check and time CUDA hybrid inference
+#   2. python -m tiermoe.analysis.gpu_check: on a make-model checkpoint, check and time CUDA hybrid inference
 #      at several GPU ratios (exactness against the CPU path, CPU/GPU overlap, pinned asynchronous copies, the
 #      `auto` memory budget, layerwise GPU prefill, FP8 GPU-tier experts), calibrate the cost model (a measured GPU profile, and the
 #      CPU-only estimate against the measurement), and write OUT_DIR/gpu_check.json (+ gpu_profile.json).
@@ -35,4 +35,4 @@ fi
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 "$PYTHON" -c 'import torch; print(f"[gpu-check] torch {torch.__version__}, CUDA {torch.cuda.is_available()}" + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""))' >&2
-exec "$PYTHON" -m tiermoe.benchmarking.gpu_check --out "$OUT_DIR" "$@"
+exec "$PYTHON" -m tiermoe.analysis.gpu_check --out "$OUT_DIR" "$@"

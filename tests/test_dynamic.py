@@ -15,7 +15,7 @@ from tiermoe.engine.dynamic import enable_dynamic_placement
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.experts.copier import AsyncCopier, plain_copy
-from tiermoe.placement.cost import BandwidthCostModel
+from tiermoe.placement.pass_cost import expert_cost_model
 from tiermoe.placement.policies import AdaptivePolicy, AdaptiveSettings, KTDynamicPolicy
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -124,7 +124,7 @@ def _feed(policy, shares, passes, tokens=4, seed=0):
 
 
 def test_adaptive_policy_swaps_only_on_a_shift_that_persists():
-    cost = BandwidthCostModel(bytes_per_expert=1 << 20)
+    cost = expert_cost_model(1 << 20, 0.0)
     settings = AdaptiveSettings(half_life_tokens=50, replan_every=1, horizon_tokens=100, margin=2.0)
     mask = torch.tensor([[True, True, False, False]])
     idle = torch.zeros(1, 4, dtype=torch.bool)
@@ -142,17 +142,25 @@ def test_adaptive_policy_swaps_only_on_a_shift_that_persists():
 
 
 def test_adaptive_saving_follows_the_cost_model():
-    cost = BandwidthCostModel(bytes_per_expert=1 << 20)
-    policy = AdaptivePolicy(1, 4, cost, AdaptiveSettings())
-    policy.observe(torch.tensor([[64, 64, 64, 64]]), 128, False)  # memory-bound, every expert touched
-    saving = policy.saving_per_token(torch.tensor([[0.9, 0.5, 0.4, 0.2]], dtype=torch.float64))
+    rates = torch.tensor([[0.9, 0.5, 0.4, 0.2]], dtype=torch.float64)
+    reads_only = expert_cost_model(1 << 20, 0.0)  # no per-pair cost: an expert costs its read
+    policy = AdaptivePolicy(1, 4, reads_only, AdaptiveSettings())
+    policy.observe(torch.tensor([[64, 64, 64, 64]]), 128, False)  # every expert touched
+    saving = policy.saving_per_token(rates)
     # a pass reads a touched expert once, however many of its tokens route to it: hot and warm save the same
     assert abs(float(saving[0, 0] - saving[0, 1])) < 1e-3 * float(saving[0, 0])
-    small = AdaptivePolicy(1, 4, cost, AdaptiveSettings())
+    small = AdaptivePolicy(1, 4, reads_only, AdaptiveSettings())
     small.observe(torch.tensor([[1, 0, 1, 0]]), 1, False)  # one-token decode: the saving is the touch rate
-    saving = small.saving_per_token(torch.tensor([[0.9, 0.5, 0.4, 0.2]], dtype=torch.float64))
-    read = cost.cpu_expert_seconds() - cost.gpu_expert_seconds()
-    assert torch.allclose(saving, torch.tensor([[0.9, 0.5, 0.4, 0.2]], dtype=torch.float64) * read)
+    one = torch.ones((), dtype=torch.float64)
+    read = reads_only.expert_seconds(False, one, 0 * one) - reads_only.expert_seconds(True, one, 0 * one)
+    assert torch.allclose(small.saving_per_token(rates), rates * read)
+    # with math per routed pair (2 flops per weight), a one-token pass saves the touch rate x (read + math)
+    model = expert_cost_model(1 << 20, 2.0 * (1 << 19))
+    with_math = AdaptivePolicy(1, 4, model, AdaptiveSettings())
+    with_math.observe(torch.tensor([[1, 0, 1, 0]]), 1, False)
+    per_touch = model.expert_seconds(False, one, one) - model.expert_seconds(True, one, one)
+    assert torch.allclose(with_math.saving_per_token(rates), rates * per_touch)
+    assert float(per_touch) > float(read)
 
 
 def test_kt_policy_ignores_decode_and_small_batches():

@@ -3,16 +3,35 @@ GPU-expert-ratio table, measured on CUDA and estimated elsewhere)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from pathlib import Path
 
+import torch
+
+from tiermoe.analysis.dynamic_bench import (
+    DEFAULT_RATIOS,
+    format_table,
+    plot_bench,
+    replay_cost_model,
+    run_dynamic_bench,
+)
+from tiermoe.analysis.placement_bench import PlacementBenchConfig, run_placement_bench
+from tiermoe.analysis.placement_report import markdown, plot
+from tiermoe.analysis.placement_traffic import BENCH_STRATEGIES
+from tiermoe.analysis.placement_workload import WorkloadSpec
+from tiermoe.analysis.trace_replay import trace_passes
+from tiermoe.arch import detect, load_config
 from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
 from tiermoe.cli.flags import add_command, positive_int
+from tiermoe.errors import TiermoeError
+from tiermoe.models import resolve_model
+from tiermoe.placement.profiles import load_profile
+from tiermoe.stats.io import load_counts
 
 
 def ratio_list(text: str) -> list[float]:
-    import argparse
-
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -23,10 +42,6 @@ def ratio_list(text: str) -> list[float]:
 
 
 def strategy_list(text: str) -> list[str]:
-    import argparse
-
-    from tiermoe.benchmarking.placement_traffic import BENCH_STRATEGIES
-
     values = [x.strip() for x in text.split(",") if x.strip()]
     unknown = [v for v in values if v not in BENCH_STRATEGIES]
     if not values or unknown:
@@ -65,8 +80,6 @@ def add_parser(sub) -> None:
 
 
 def add_placement_parser(benches) -> None:
-    from tiermoe.benchmarking.placement_traffic import BENCH_STRATEGIES
-
     p = add_command(
         benches, "placement",
         "The placement table KTransformers publishes, for your model, machine and prompts: for every strategy and "
@@ -124,10 +137,6 @@ def run(args) -> int:
 
 
 def run_placement(args) -> int:
-    from tiermoe.benchmarking.placement import PlacementBenchConfig, run_placement_bench
-    from tiermoe.benchmarking.placement_report import markdown, plot
-    from tiermoe.benchmarking.placement_workload import WorkloadSpec
-
     workload = WorkloadSpec(args.dataset, args.num_prompts, args.calibration_prompts, args.output_len,
                             args.max_prompt_tokens, args.heldout_fraction, args.seed)
     options = {k: v for k, v in (("ratios", args.ratios), ("strategies", args.strategies)) if v}
@@ -141,8 +150,6 @@ def run_placement(args) -> int:
     text = markdown(result)
     print(text)
     if args.markdown:
-        from pathlib import Path
-
         Path(args.markdown).write_text(text)
     if args.out:
         result.write_json(args.out)
@@ -157,22 +164,6 @@ def run_placement(args) -> int:
 
 
 def run_dynamic(args) -> int:
-    import torch
-
-    from tiermoe.arch import detect, load_config
-    from tiermoe.benchmarking.dynamic import (
-        DEFAULT_RATIOS,
-        format_table,
-        plot_bench,
-        replay_cost_model,
-        run_dynamic_bench,
-    )
-    from tiermoe.errors import TiermoeError
-    from tiermoe.models import resolve_model
-    from tiermoe.placement.profiles import load_profile
-    from tiermoe.stats.io import load_counts
-    from tiermoe.stats.replay import trace_passes
-
     def load_trace(path):
         try:
             return torch.load(path, map_location="cpu", weights_only=True)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import json
 
+from tiermoe.analysis.strategy_sweep import strategy_hit_rate_report
 from tiermoe.cli.flags import add_command, non_negative_int
+from tiermoe.errors import TiermoeError
+from tiermoe.placement.plan import PlacementPlan
+from tiermoe.stats.io import load_stats
+from tiermoe.stats.plot import plot_report
+from tiermoe.stats.summary import format_report, report
 
 
 def add_parser(sub) -> None:
@@ -30,12 +36,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from tiermoe.errors import TiermoeError
-    from tiermoe.placement.plan import PlacementPlan
-    from tiermoe.stats.io import load_stats
-    from tiermoe.stats.plot import plot_report
-    from tiermoe.stats.summary import format_report, report
-
     stats = load_stats(args.files)
     eval_stats = load_stats(args.eval, stats.num_layers, stats.num_experts) if args.eval else None
     plan_mask = None
@@ -48,7 +48,7 @@ def run(args) -> int:
             raise TiermoeError(f"--plan checks GPU-tier snapshots, but {', '.join(stats.sources)} has none "
                                "(record with --record-kt-gpu-expert-distribution)")
         plan_mask = plan.mask
-    result = report(stats, eval_stats, plan_mask, seed=args.placement_seed)
+    result = report(stats, plan_mask, strategy_hit_rate_report(stats, eval_stats, args.placement_seed))
     print(json.dumps(result) if args.json else format_report(result))
     if args.plot:
         plot_report(result, args.plot)

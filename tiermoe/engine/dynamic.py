@@ -9,11 +9,11 @@ from tiermoe.engine.placement_manager import PlacementManager, warn_if_never_fir
 from tiermoe.experts.copier import AsyncCopier
 from tiermoe.layers.prefill_streamer import PrefillStreamer
 from tiermoe.placement.budget import GIB
-from tiermoe.placement.cost import BandwidthCostModel
+from tiermoe.placement.pass_cost import PassCostModel, expert_cost_model
 from tiermoe.placement.policies import AdaptivePolicy, AdaptiveSettings, KTDynamicPolicy
 
 
-def make_policy(config: DynamicPlacementConfig, num_layers: int, num_experts: int, cost: BandwidthCostModel,
+def make_policy(config: DynamicPlacementConfig, num_layers: int, num_experts: int, cost: PassCostModel,
                 calibration_LE: torch.Tensor | None = None):
     if config.policy == "kt-dynamic":
         return KTDynamicPolicy(config.prefill_threshold)
@@ -24,10 +24,12 @@ def make_policy(config: DynamicPlacementConfig, num_layers: int, num_experts: in
     return None
 
 
-def enable_dynamic_placement(engine, config: DynamicPlacementConfig, cost: BandwidthCostModel | None = None,
+def enable_dynamic_placement(engine, config: DynamicPlacementConfig, cost: PassCostModel | None = None,
                              copier: AsyncCopier | None = None,
                              calibration_LE: torch.Tensor | None = None) -> PlacementManager | None:
-    """Attach the prefill streamer to every MoE block and a placement manager to the engine (None if static)."""
+    """Attach the prefill streamer to every MoE block and a placement manager to the engine (None if static).
+    cost: what the adaptive policy decides with (default: the cost model with assumed figures for this model's
+    experts, tiermoe.placement.pass_cost.expert_cost_model)."""
     hybrid = engine.hybrid
     spec = hybrid.spec
     warn_if_never_fires(config.policy == "kt-dynamic", config.prefill_threshold)
@@ -37,7 +39,7 @@ def enable_dynamic_placement(engine, config: DynamicPlacementConfig, cost: Bandw
                                    bytes_per_expert)
         for block in hybrid.blocks.values():
             block.prefill_streamer = streamer
-    cost = cost or BandwidthCostModel(bytes_per_expert)
+    cost = cost or expert_cost_model(bytes_per_expert, 2.0 * spec.params_per_expert)
     policy = make_policy(config, spec.num_layers, spec.num_experts, cost, calibration_LE)
     if policy is None:
         return None

@@ -1,8 +1,8 @@
-"""Placement policies: static, KTransformers' dynamic update, and tiermoe's adaptive policy.
+"""Placement policies: KTransformers' dynamic update and tiermoe's adaptive policy ("static" is no policy at all).
 
 A policy sees per-pass routing counts and proposes swaps; it never touches weights. The same objects drive the
-live engine (engine/placement_manager.py, with asynchronous copies) and trace replay (stats/replay.py, with
-the cost model's copy times), so what the benchmark measures is what serving does.
+live engine (engine/placement_manager.py, with asynchronous copies) and trace replay (tiermoe.analysis.trace_replay
+and placement_traffic, with the cost model's copy times), so what the benchmark measures is what serving does.
 Legend: L layers, E experts; counts_LE are routed (token, expert) pairs of one pass; mask_LE True = GPU tier.
 """
 
@@ -12,10 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tiermoe.placement.cost import BandwidthCostModel
 from tiermoe.placement.masks import top_k_positions
-
-POLICIES = ("static", "kt-dynamic", "adaptive")
+from tiermoe.placement.pass_cost import PassCostModel
 
 
 @dataclass(frozen=True)
@@ -25,16 +23,6 @@ class Swap:
     layer: int
     expert_in: int
     expert_out: int
-
-
-class StaticPolicy:
-    name = "static"
-
-    def observe(self, counts_LE: torch.Tensor, num_tokens: int, is_prefill: bool) -> None:
-        pass
-
-    def propose(self, mask_LE: torch.Tensor, busy_LE: torch.Tensor) -> list[Swap]:
-        return []
 
 
 def _layer_swaps(layer: int, mask_E: torch.Tensor, want_E: torch.Tensor) -> list[Swap]:
@@ -122,10 +110,12 @@ class AdaptivePolicy:
        This replaces the old rule (raw decayed counts, the prior forgotten after a half-life, a z-test on the
        busiest-CPU vs idlest-GPU pair), which on near-uniform routing mistook noise and per-prompt correlation
        for hot experts: the extremes of a handful of noisy counts always differ "significantly".
-    2. The value of a swap is the cost model's: over the recent mix of passes, an expert on the GPU tier saves its
-       CPU read in a memory-bound pass only when the pass touches it (1 - (1 - r)^n for n tokens at rate r), and
-       its math in a compute-bound one (n r pairs). In large decode batches, where every expert of a layer is
-       touched anyway, a swap saves nothing and the policy does not swap.
+    2. The value of a swap is the cost model's (tiermoe.placement.pass_cost, the model `tiermoe bench placement`
+       validates), read per expert: over the recent mix of pass sizes, an expert costs a pass of n tokens its
+       per-expert time on its tier when the pass touches it (1 - (1 - r)^n at rate r) plus its per-pair time for
+       its n r pairs (on a profiled GPU tier: its read or its math, whichever is slower). The difference between
+       the tiers is what being on the GPU tier saves. In large decode batches, where every expert of a layer is
+       touched anyway, only the pairs' share differs, and a swap seldom pays for its copies.
     3. A swap happens only when the expected saving over `horizon_tokens` exceeds `margin` x its copy cost (the
        promotion and the demotion both cross PCIe), at most `max_swaps_in_flight` at once, never on experts whose
        copy is in flight.
@@ -133,7 +123,7 @@ class AdaptivePolicy:
 
     name = "adaptive"
 
-    def __init__(self, num_layers: int, num_experts: int, cost: BandwidthCostModel,
+    def __init__(self, num_layers: int, num_experts: int, cost: PassCostModel,
                  settings: AdaptiveSettings | None = None, initial_counts_LE: torch.Tensor | None = None):
         self.cost = cost
         self.settings = settings or AdaptiveSettings()
@@ -150,7 +140,7 @@ class AdaptivePolicy:
         self.prior_share_LE = torch.where(totals > 0, prior / totals.clamp(min=1e-300), 1.0 / num_experts)
         self._open: list | None = None  # the forecast awaiting its horizon: [m - p, x - m, p, counts, tokens]
         self._shift, self._locality = _PersistenceFit(), _PersistenceFit()
-        self._mix: dict[tuple[int, bool, bool], float] = {}  # decayed weight of recent passes by (tokens, regimes)
+        self._mix: dict[int, float] = {}  # decayed weight of recent passes by their tokens
         self._passes = 0
 
     @property
@@ -177,8 +167,7 @@ class AdaptivePolicy:
             self._mix[key] *= decay
             if self._mix[key] < 1e-6:
                 del self._mix[key]
-        key = (num_tokens, *self._regimes(counts))
-        self._mix[key] = self._mix.get(key, 0.0) + 1.0
+        self._mix[num_tokens] = self._mix.get(num_tokens, 0.0) + 1.0
         self._passes += 1
         if self._passes % self.settings.replan_every == 0 and self._open is None:
             # one forecast open at a time: overlapping ones would share their outcome and overstate the evidence
@@ -204,14 +193,6 @@ class AdaptivePolicy:
         per_layer_k = self.load_LE.sum(dim=1, keepdim=True) / max(self._tokens, 1e-300)
         return (self.prior_share_LE * per_layer_k).clamp(max=1.0)
 
-    def _regimes(self, counts_LE: torch.Tensor) -> tuple[bool, bool]:
-        """Whether this pass is compute-bound on each tier (the cost model's max(reads, math) with every expert
-        on that tier): then an expert's saving is its math, otherwise its one read."""
-        distinct, pairs = int((counts_LE > 0).sum()), int(counts_LE.sum())
-        c = self.cost
-        return (c.cpu_pass_seconds(distinct, pairs) > distinct * c.cpu_expert_seconds(),
-                c.gpu_pass_seconds(distinct, pairs) > distinct * c.gpu_expert_seconds())
-
     def rates(self) -> torch.Tensor:
         """Forecast routed pairs per token [L, E] over the horizon."""
         prior = self._prior()
@@ -223,16 +204,13 @@ class AdaptivePolicy:
 
     def saving_per_token(self, rate_LE: torch.Tensor) -> torch.Tensor:
         """Expected seconds saved per token [L, E] by having each expert on the GPU tier, over the recent passes."""
-        c = self.cost
-        cpu_read, gpu_read = c.cpu_expert_seconds(), c.gpu_expert_seconds()
-        cpu_math, gpu_math = c.flops_per_pair / c.cpu_flops, c.flops_per_pair / c.gpu_flops
         total = torch.zeros_like(rate_LE)
         tokens = 0.0
-        for (n, cpu_bound, gpu_bound), weight in self._mix.items():
+        for n, weight in self._mix.items():
             touched = 1.0 - (1.0 - rate_LE.clamp(0.0, 1.0)) ** n
-            cpu = n * rate_LE * cpu_math if cpu_bound else touched * cpu_read
-            gpu = n * rate_LE * gpu_math if gpu_bound else touched * gpu_read
-            total += weight * (cpu - gpu)
+            pairs = n * rate_LE
+            total += weight * (self.cost.expert_seconds(False, touched, pairs)
+                               - self.cost.expert_seconds(True, touched, pairs))
             tokens += weight * n
         return total / tokens if tokens else total
 

@@ -7,6 +7,7 @@
 - control.py: SGLang's start / stop / dump semantics for the server.
 - io.py: load_counts (placement planner), load_stats / save_stats / dump_recorder, the output directory;
   expert_stats.py: one ExpertStats from tiermoe's, SGLang's and KTransformers' files, merging.
-- summary.py, placement_sweep.py, plot.py, routing_summary.py: what `tiermoe stats` reports.
+- summary.py, plot.py, routing_summary.py: what `tiermoe stats` reports (the strategies' hit rates it shows come
+  from tiermoe.analysis.strategy_sweep: statistics record and read, they do not place).
 See docs/statistics.md.
 """

@@ -1,6 +1,7 @@
-"""What `tiermoe stats` reports about an ExpertStats: per-layer skew, dead experts, prefill vs decode, and the
-hit rate each placement strategy would get. Pure functions: statistics in, a plain dict (the --json output) out;
-`format_report` turns that dict into text.
+"""What `tiermoe stats` reports about an ExpertStats: per-layer skew, dead experts, prefill vs decode, and (when
+the caller computed them: tiermoe.analysis.strategy_sweep runs the placement strategies, which statistics do not)
+the hit rate each placement strategy would get. Pure functions: statistics in, a plain dict (the --json output)
+out; `format_report` turns that dict into text.
 
 Per MoE layer: routed pairs, Gini coefficient, share of the layer's routed pairs served by its busiest 10% and
 20% of experts, dead experts (never routed to), and with a prefill/decode split the Gini of each phase and the
@@ -12,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from tiermoe.stats.expert_stats import ExpertStats
-from tiermoe.stats.placement_sweep import RATIOS, strategy_hit_rates
 from tiermoe.stats.routing_summary import gini, top_share
 
 
@@ -57,9 +57,9 @@ def snapshot_check(masks_PLE: torch.Tensor, plan_mask_LE: torch.Tensor) -> dict:
     return out
 
 
-def report(stats: ExpertStats, eval_stats: ExpertStats | None = None, plan_mask_LE: torch.Tensor | None = None,
-           seed: int = 42) -> dict:
-    """Everything `tiermoe stats` shows, as plain values (the --json output)."""
+def report(stats: ExpertStats, plan_mask_LE: torch.Tensor | None = None, hit_rates: dict | None = None) -> dict:
+    """Everything `tiermoe stats` shows, as plain values (the --json output). hit_rates: the strategies' expected
+    hit rates (tiermoe.analysis.strategy_sweep.strategy_hit_rate_report), shown when given."""
     rows = layer_rows(stats)
     M = len(stats.moe_layers)
     out = {
@@ -76,12 +76,8 @@ def report(stats: ExpertStats, eval_stats: ExpertStats | None = None, plan_mask_
     tokens = (stats.num_prefill_tokens or 0) + (stats.num_decode_tokens or 0)
     if stats.top_k and tokens and M:
         out["routed_per_token_per_layer"] = out["routed"] / (tokens * M)
-    eval_counts = None if eval_stats is None else eval_stats.counts_LE
-    out["hit_rates"] = {
-        "ratios": list(RATIOS),
-        "evaluated_on": list(eval_stats.sources) if eval_stats is not None else "the same statistics (in-sample)",
-        "strategies": strategy_hit_rates(stats.counts_LE, stats.moe_rows_L, eval_counts, seed=seed),
-    }
+    if hit_rates is not None:
+        out["hit_rates"] = hit_rates
     if stats.gpu_masks_PLE is not None:
         masks = stats.gpu_masks_PLE
         out["gpu_masks"] = {"passes": int(masks.shape[0]),
@@ -119,13 +115,8 @@ def format_report(r: dict) -> str:
     if split and m["gini"] is not None:
         line += f"  {m['prefill_gini']:12.3f}  {m['decode_gini']:11.3f}  {m['prefill_decode_tv']:17.3f}"
     lines.append(line)
-    hits = r["hit_rates"]
-    where = hits["evaluated_on"] if isinstance(hits["evaluated_on"], str) else ", ".join(hits["evaluated_on"])
-    lines += ["", "expected GPU hit rate by share of routed experts on the GPU tier",
-              f"(placements from these statistics, hit rates measured on {where}):",
-              f"{'strategy':<14}" + "".join(f"{int(100 * x):>7}%" for x in hits["ratios"])]
-    for name, rates in hits["strategies"].items():
-        lines.append(f"{name:<14}" + "".join(f"{100 * v:>7.1f}%" for v in rates))
+    if "hit_rates" in r:
+        lines += _hit_rate_lines(r["hit_rates"])
     if "gpu_masks" in r:
         g = r["gpu_masks"]
         lines += ["", f"GPU-tier snapshots: {g['passes']} passes, {g['distinct_masks']} distinct masks, "
@@ -136,3 +127,13 @@ def format_report(r: dict) -> str:
                          + (f"; first mismatch {check['first_mismatch']}" if "first_mismatch" in check else ""))
     lines += [f"note: {n}" for n in r["notes"]]
     return "\n".join(lines)
+
+
+def _hit_rate_lines(hits: dict) -> list[str]:
+    where = hits["evaluated_on"] if isinstance(hits["evaluated_on"], str) else ", ".join(hits["evaluated_on"])
+    lines = ["", "expected GPU hit rate by share of routed experts on the GPU tier",
+             f"(placements from these statistics, hit rates measured on {where}):",
+             f"{'strategy':<14}" + "".join(f"{int(100 * x):>7}%" for x in hits["ratios"])]
+    for name, rates in hits["strategies"].items():
+        lines.append(f"{name:<14}" + "".join(f"{100 * v:>7.1f}%" for v in rates))
+    return lines

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from tiermoe.placement.cost import BandwidthCostModel
+from tiermoe.analysis.trace_replay import replay, trace_passes
 from tiermoe.placement.masks import generate_gpu_experts_masks
 from tiermoe.placement.metrics import hit_rate
+from tiermoe.placement.pass_cost import expert_cost_model
 from tiermoe.placement.policies import AdaptiveSettings
-from tiermoe.stats.replay import replay, trace_passes
+from tiermoe.placement.profiles import GPUProfile
+from tiermoe.placement.tier_time import assumed_cpu_tier
 
 E, K = 8, 2
-COST = BandwidthCostModel(bytes_per_expert=1 << 20, cpu_read_bandwidth=20e9, gpu_read_bandwidth=1e12,
-                          copy_bandwidth=25e9, flops_per_pair=6 * 64 * 32, cpu_flops=4e11, gpu_flops=1e14)
+FLOPS_PER_PAIR = 6 * 64 * 32
+COST = expert_cost_model(1 << 20, FLOPS_PER_PAIR, GPUProfile("test", 1e12, 1e14, 25e9, 0.0),
+                         assumed_cpu_tier(1 << 20, FLOPS_PER_PAIR, read_bandwidth=20e9, flops=4e11))
 
 
 def make_trace(phases, seed=0, prefill_tokens=0):

@@ -2,18 +2,19 @@
 
 1. Load the model once (every expert on the CPU tier) and build two workloads from one dataset: a calibration
    split, whose routing statistics feed frequency / balanced / dynamic / adaptive, and a held-out split to serve,
-   `concurrency` requests in flight (placement_workload, placement_runner).
-2. Measure the CPU tier's backend on the model's real experts: a x distinct + b x pairs + c (tier_fit).
+   `concurrency` requests in flight (placement_workload, workload_runs).
+2. Measure the CPU tier's backend on the model's real experts: a x distinct + b x pairs + c (tier_time_fit).
 3. With CUDA: serve the held-out workload end to end for every (strategy, ratio) (placement_live). Done.
 4. Without CUDA: record one per_token trace of the held-out workload (routing does not depend on placement),
    so every placement's hit rate, CPU expert reads and copies are exact (placement_traffic); count the model's
-   work per pass (model_costs); measure this CPU as a device (device_profile), the host's cost per dispatched op
-   (host_fit) and the GPU tier on this CPU (tier_fit); fit the host's per-step and per-sequence costs on timed
-   runs at the calibration ratios (host_fit); then estimate every cell's time with the cost model (pass_cost)
-   and the chosen GPU profile. With `this-cpu` the GPU tier really is this CPU: one more calibration run at a
-   split (contention_ratio) measures what a layer costs beyond its two tiers when both compute on this CPU, the
-   configurations at the validation ratios are served and timed beside the calibration runs (placement_lockstep),
-   and estimate and measurement are compared (nothing is fitted on them: the check can fail).
+   work per pass (model_op_count); measure this CPU as a device (device_profile), the host's cost per dispatched op
+   (host_cost_fit) and the GPU tier on this CPU (tier_time_fit); fit the host's per-step and per-sequence costs on
+   timed runs at the calibration ratios (host_cost_fit); then estimate every cell's time with the cost model
+   (tiermoe.placement.pass_cost, which the adaptive strategy also decides with) and the chosen GPU profile.
+   With `this-cpu` the GPU tier really is this CPU: one more calibration run at a split (contention_ratio)
+   measures what a layer costs beyond its two tiers when both compute on this CPU, the configurations at the
+   validation ratios are served and timed beside the calibration runs (placement_lockstep), and estimate and
+   measurement are compared (nothing is fitted on them: the check can fail).
 """
 
 from __future__ import annotations
@@ -25,15 +26,23 @@ from pathlib import Path
 
 import torch
 
-from tiermoe.benchmarking.core_split import caller_threads, core_split
-from tiermoe.benchmarking.device_profile import measure_profile
-from tiermoe.benchmarking.host_fit import fit_host_costs, measure_op_seconds
-from tiermoe.benchmarking.model_costs import measure_model_costs
-from tiermoe.benchmarking.pass_cost import HostCosts, PassCostModel, ttft_seconds
-from tiermoe.benchmarking.placement_live import measure_configuration
-from tiermoe.benchmarking.placement_lockstep import time_configurations
-from tiermoe.benchmarking.placement_result import Cell, PlacementBenchResult
-from tiermoe.benchmarking.placement_runner import (
+from tiermoe.analysis.core_split import caller_threads, core_split
+from tiermoe.analysis.device_profile import measure_profile
+from tiermoe.analysis.host_cost_fit import fit_host_costs, measure_op_seconds
+from tiermoe.analysis.model_op_count import measure_model_costs
+from tiermoe.analysis.placement_live import measure_configuration
+from tiermoe.analysis.placement_lockstep import time_configurations
+from tiermoe.analysis.placement_result import Cell, PlacementBenchResult
+from tiermoe.analysis.placement_traffic import (
+    BENCH_STRATEGIES,
+    DYNAMIC_STRATEGIES,
+    pass_shapes,
+    placement_traffic,
+    strategy_mask,
+)
+from tiermoe.analysis.placement_workload import Workload, WorkloadSpec, build_workloads, prompt_encoder
+from tiermoe.analysis.tier_time_fit import measure_cpu_tier, measure_gpu_tier
+from tiermoe.analysis.workload_runs import (
     RunTiming,
     make_engine,
     record_statistics,
@@ -41,22 +50,13 @@ from tiermoe.benchmarking.placement_runner import (
     ttft_summary,
     warm_up,
 )
-from tiermoe.benchmarking.placement_traffic import (
-    BENCH_STRATEGIES,
-    DYNAMIC_STRATEGIES,
-    PassShapes,
-    Traffic,
-    pass_shapes,
-    placement_traffic,
-    static_traffic,
-    strategy_mask,
-)
-from tiermoe.benchmarking.placement_workload import Workload, WorkloadSpec, build_workloads, prompt_encoder
-from tiermoe.benchmarking.tier_fit import TierFit, measure_cpu_tier, measure_gpu_tier
 from tiermoe.config import CPUConfig
+from tiermoe.engine.llm import LLM
 from tiermoe.errors import TiermoeError
-from tiermoe.placement.cost import BandwidthCostModel
+from tiermoe.placement.pass_cost import HostCosts, PassCostModel, expert_cost_model
+from tiermoe.placement.pass_traffic import PassShapes, static_traffic
 from tiermoe.placement.profiles import load_profile
+from tiermoe.placement.tier_time import TierFit
 
 THIS_CPU = "this-cpu"
 DEFAULT_RATIOS = tuple(i / 10 for i in range(11))
@@ -79,7 +79,7 @@ class PlacementBenchConfig:
     prefill_threshold: int | None = 512
     repeats: int = 3
     calibration_ratios: tuple[float, ...] = (0.0, 1.0)
-    contention_ratio: float = 0.75  # the calibration split that measures the both-tiers cost (host_fit)
+    contention_ratio: float = 0.75  # the calibration split that measures the both-tiers cost (host_cost_fit)
     validation_ratios: tuple[float, ...] = (0.25, 0.5)
     validation_strategies: tuple[str, ...] = ("uniform", "frequency")
     tolerance: float = 0.15
@@ -116,7 +116,6 @@ def run_placement_bench(config: PlacementBenchConfig, log=_stderr,
                         workloads: tuple[Workload, Workload] | None = None) -> PlacementBenchResult:
     """Run the benchmark. workloads: (calibration, held-out) token-id workloads to use instead of the dataset's
     (for models without a tokenizer, e.g. make-model checkpoints)."""
-    from tiermoe.engine.llm import LLM
 
     this_cpu = config.gpu_profile == THIS_CPU
     target = None if this_cpu else load_profile(config.gpu_profile)
@@ -169,7 +168,7 @@ def _estimate_all(llm, workload: Workload, calibration_LE, config: PlacementBenc
     calibration = [("uniform", r) for r in (*config.calibration_ratios, *split)]
     validation_configs = [(s, r) for s in config.validation_strategies for r in config.validation_ratios]
     timed = time_configurations(llm, workload, calibration + (validation_configs if target is None else []),
-                          calibration_LE, config, on_host.bandwidth_model(), log)
+                          calibration_LE, config, on_host, log)
     runs = []
     for strategy, ratio in calibration:
         timing = timed[(strategy, ratio)]  # per-pass fastest times
@@ -220,21 +219,22 @@ def _time_gpu_tier(hybrid) -> TierFit:
 def estimate_cell(model: PassCostModel, shapes: PassShapes, workload: Workload, strategy: str, ratio: float,
                   calibration_LE, config: PlacementBenchConfig) -> Cell:
     """One cell from the trace and the cost model."""
-    fixed_P = model.fixed_seconds_P(shapes)
-
-    def pass_seconds(p: int, row: Traffic) -> float:
-        return float(fixed_P[p] + model.moe_seconds_P(row, shapes.tokens_P[p:p + 1])[0])
-
     threshold = config.prefill_threshold if strategy == "dynamic" else None
-    traffic = placement_traffic(shapes, strategy, ratio, calibration_LE, pass_seconds, model.bandwidth_model(),
-                                threshold, seed=config.seed)
-    seconds_P = fixed_P + model.moe_seconds_P(traffic, shapes.tokens_P)
+    traffic = placement_traffic(shapes, strategy, ratio, calibration_LE, model, threshold, seed=config.seed)
+    seconds_P = model.pass_seconds_P(shapes, traffic)
     seconds = float(seconds_P.sum())
     bpe = model.model.bytes_per_expert
     return Cell(strategy, ratio, True, traffic.hit_rate, traffic.cpu_expert_reads() * bpe / workload.output_tokens,
                 traffic.copied_experts() * bpe, traffic.swaps(), seconds, workload.output_tokens / seconds,
                 (workload.prompt_tokens + workload.output_tokens) / seconds,
                 ttft_summary(ttft_seconds(shapes, seconds_P)))
+
+
+def ttft_seconds(shapes: PassShapes, seconds_P: torch.Tensor) -> list[float]:
+    """Per request: from the start of its first pass to the end of the pass that samples its first token."""
+    end = torch.cumsum(seconds_P, 0)
+    start = end - seconds_P
+    return (end[shapes.first_token_pass_R] - start[shapes.first_pass_R]).tolist()
 
 
 def _compare(model: PassCostModel, shapes, workload, strategy, ratio, timing: RunTiming, calibration_LE, config,
@@ -261,9 +261,7 @@ def _compare(model: PassCostModel, shapes, workload, strategy, ratio, timing: Ru
 def _measure_all(llm, workload, calibration_LE, config, profile, cpu_fit: TierFit, log) -> list[Cell]:
     spec = llm.hybrid.spec
     bpe = spec.bytes_per_expert(llm.hybrid.expert_dtype)
-    cost = BandwidthCostModel(bpe, cpu_read_bandwidth=bpe / max(cpu_fit.per_expert, 1e-12),
-                              gpu_read_bandwidth=profile.memory_bandwidth, copy_bandwidth=profile.pcie_bandwidth,
-                              flops_per_pair=2.0 * spec.params_per_expert, gpu_flops=profile.compute_flops)
+    cost = expert_cost_model(bpe, 2.0 * spec.params_per_expert, profile, cpu_fit)  # what adaptive decides with
     cells = []
     for ratio in config.ratios:
         for strategy in config.strategies:

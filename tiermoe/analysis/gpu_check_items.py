@@ -1,4 +1,4 @@
-"""The individual checks of `benchmarks/gpu_check.sh` (run by tiermoe.benchmarking.gpu_check).
+"""The individual checks of `benchmarks/gpu_check.sh` (run by tiermoe.analysis.gpu_check).
 
 Each takes a checkpoint or a loaded model and the device, and returns a dict: status pass / fail / info /
 skipped (with a reason), and its figures. CUDA-only ones say "skipped: no CUDA" on a CPU-only machine; the rest
@@ -13,13 +13,19 @@ from pathlib import Path
 
 import torch
 
-from tiermoe.benchmarking.device_profile import best_time, measure_profile, synchronizer
-from tiermoe.benchmarking.placement import THIS_CPU, PlacementBenchConfig, run_placement_bench
-from tiermoe.benchmarking.placement_live import measure_configuration
-from tiermoe.benchmarking.placement_traffic import strategy_mask
-from tiermoe.benchmarking.placement_workload import Workload, WorkloadSpec
-from tiermoe.placement.cost import BandwidthCostModel
+from tiermoe.analysis.device_profile import best_time, measure_profile, synchronizer
+from tiermoe.analysis.placement_bench import THIS_CPU, PlacementBenchConfig, run_placement_bench
+from tiermoe.analysis.placement_live import measure_configuration
+from tiermoe.analysis.placement_traffic import strategy_mask
+from tiermoe.analysis.placement_workload import Workload, WorkloadSpec
+from tiermoe.arch import detect, load_config
+from tiermoe.config import DynamicPlacementConfig, PlacementConfig
+from tiermoe.engine.llm import LLM
+from tiermoe.experts.copier import AsyncCopier
+from tiermoe.model.loader import load_hybrid_model
+from tiermoe.model.plan_source import plan_from_config
 from tiermoe.placement.profiles import save_profile
+from tiermoe.testing.fp8_write import write_fp8_checkpoint
 
 EXACT_TOLERANCE = 1e-3  # max |a - ref| / max |ref| of fp32 logits
 
@@ -46,8 +52,6 @@ def _logits(llm, ids: torch.Tensor) -> torch.Tensor:
 
 
 def check_exactness(ckpt: Path, device: str, ratios) -> dict:
-    from tiermoe.engine.llm import LLM
-
     ids = torch.randint(3, 200, (1, 24), generator=torch.Generator().manual_seed(1))
     with LLM(ckpt, gpu_device="cpu", dtype=torch.float32, progress=False) as ref_llm:
         ref = _logits(ref_llm, ids)
@@ -72,7 +76,7 @@ def check_overlap(llm, tokens: int) -> dict:
     with torch.inference_mode():
         x = torch.randn(tokens, spec.hidden_size, device=device).to(hybrid.expert_dtype)
         _, weights, ids = getattr(block, spec.router_attr)(x)
-        on_gpu = block.gpu_mask_E[ids]
+        on_gpu = block.assignment_E[ids] >= 0
         cpu_ids, gpu_ids = ids.masked_fill(on_gpu, -1), ids.masked_fill(~on_gpu, -1)
 
         def cpu_only():
@@ -92,8 +96,6 @@ def check_overlap(llm, tokens: int) -> dict:
 
 
 def check_pinned_copies(llm) -> dict:
-    from tiermoe.experts.copier import AsyncCopier
-
     hybrid = llm.hybrid
     device = hybrid.gpu_device
     if device.type != "cuda":
@@ -130,16 +132,11 @@ def check_pinned_copies(llm) -> dict:
 
 
 def check_auto_budget(ckpt: Path, device: str) -> dict:
-    from tiermoe.config import PlacementConfig
-    from tiermoe.engine.llm import LLM
-    from tiermoe.model.placement_target import placement_target
-    from tiermoe.placement.planner import make_plan
-
     if not device.startswith("cuda"):
         return {"status": "skipped", "reason": "no CUDA (--gpu-memory-gb auto reads free CUDA memory)"}
     config = PlacementConfig(strategy="uniform", gpu_memory_gb="auto")
-    plan = make_plan(config, placement_target(ckpt), device)
-    with LLM(ckpt, gpu_device=device, placement=config, progress=False) as llm:
+    plan = plan_from_config(config, ckpt, device)
+    with LLM(ckpt, gpu_device=device, placement=plan, progress=False) as llm:
         on_gpu = int(llm.placement.sum())
         gpu_bytes = llm.hybrid.tier_bytes().gpu_experts
     free, total = torch.cuda.mem_get_info(torch.device(device))
@@ -149,9 +146,6 @@ def check_auto_budget(ckpt: Path, device: str) -> dict:
 
 
 def check_layerwise_prefill(ckpt: Path, device: str, threshold: int) -> dict:
-    from tiermoe.config import DynamicPlacementConfig
-    from tiermoe.engine.llm import LLM
-
     ids = torch.randint(3, 200, (1, 2 * threshold), generator=torch.Generator().manual_seed(2))
     with LLM(ckpt, gpu_device="cpu", dtype=torch.float32, progress=False) as ref_llm:
         ref = _logits(ref_llm, ids)
@@ -168,13 +162,10 @@ def check_layerwise_prefill(ckpt: Path, device: str, threshold: int) -> dict:
 
 
 def check_serving(llm, workload: Workload, ratios, concurrency: int) -> dict:
-    spec = llm.hybrid.spec
-    bpe = spec.bytes_per_expert(llm.hybrid.expert_dtype)
-    cost = BandwidthCostModel(bpe)
     rows = {}
-    measure_configuration(llm, workload, "uniform", ratios[0], None, concurrency, 512, None, cost)  # warm-up
+    measure_configuration(llm, workload, "uniform", ratios[0], None, concurrency, 512, None)  # warm-up
     for ratio in ratios:
-        timing, traffic = measure_configuration(llm, workload, "uniform", ratio, None, concurrency, 512, None, cost)
+        timing, traffic = measure_configuration(llm, workload, "uniform", ratio, None, concurrency, 512, None)
         rows[f"{ratio:g}"] = {"output_tokens_per_s": timing.output_tokens_per_s,
                               "total_tokens_per_s": timing.total_tokens_per_s,
                               "ttft_mean_ms": 1e3 * timing.ttft_summary()["mean"],
@@ -185,8 +176,6 @@ def check_serving(llm, workload: Workload, ratios, concurrency: int) -> dict:
 
 def check_calibration(ckpt: Path, device: str, out_dir: Path, workloads, ratios, quick: bool) -> dict:
     """Measure this device's profile, then estimate (GPU tier on the CPU, this profile) vs measure (on the device)."""
-    from tiermoe.arch import detect, load_config
-
     spec = detect(load_config(ckpt))
     bench = dict(workload=WorkloadSpec("token-ids"), model=ckpt, ratios=tuple(ratios),
                  strategies=("uniform", "frequency"), concurrency=4 if quick else 8, repeats=1,
@@ -224,9 +213,6 @@ def check_fp8_gpu_tier(ckpt: Path, device: str, work_dir: Path, token_counts=(1,
     against the same checkpoint dequantised on the CPU, bytes per parameter, every expert of one layer moved to
     the CPU tier and back through the asynchronous copier (on CUDA: a side stream reading a transient dequantised
     copy) keeping its codes, and what the per-call dequantisation costs against a bf16 GPU tier."""
-    from tiermoe.experts.copier import AsyncCopier
-    from tiermoe.testing.fp8_write import write_fp8_checkpoint
-    from tiermoe.model.loader import load_hybrid_model
 
     fp8 = write_fp8_checkpoint(ckpt, work_dir / "fp8")
     ids = torch.randint(3, 200, (1, 24), generator=torch.Generator().manual_seed(1))
@@ -259,8 +245,6 @@ def check_fp8_gpu_tier(ckpt: Path, device: str, work_dir: Path, token_counts=(1,
 
 def _gpu_tier_times(checkpoints: dict, mask, device: str, token_counts) -> dict:
     """ms of one layer's GPU tier (bf16 compute, all its experts there) per checkpoint and token count."""
-    from tiermoe.model.loader import load_hybrid_model
-
     sync = synchronizer(device)
     times = {}
     for name, path in checkpoints.items():

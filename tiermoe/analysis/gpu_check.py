@@ -1,4 +1,4 @@
-"""`python -m tiermoe.benchmarking.gpu_check`: what `benchmarks/gpu_check.sh` runs on a GPU machine in one call.
+"""`python -m tiermoe.analysis.gpu_check`: what `benchmarks/gpu_check.sh` runs on a GPU machine in one call.
 
 On a make-model checkpoint (random weights, a real MoE layout) it checks and times CUDA hybrid inference:
 1. exactness: fp32 logits at several GPU ratios against the all-CPU path;
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from tiermoe.benchmarking.gpu_checks import (
+from tiermoe.analysis.gpu_check_items import (
     check_auto_budget,
     check_calibration,
     check_exactness,
@@ -43,6 +43,9 @@ from tiermoe.benchmarking.gpu_checks import (
     check_serving,
     token_workload,
 )
+from tiermoe.arch import detect, load_config
+from tiermoe.engine.llm import LLM
+from tiermoe.testing.make_model import make_model
 
 # make-model config overrides of qwen3_moe (on top of the tiny debug config)
 SIZES = {
@@ -103,8 +106,6 @@ def environment() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tiermoe.engine.llm import LLM
-    from tiermoe.testing.make_model import make_model
 
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results", help="directory for gpu_check.json (and the profile)")
@@ -129,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tiermoe-gpu-check-") as tmp:
         ckpt = make_model("qwen3_moe", Path(tmp) / "ckpt", config_overrides=SIZES["quick" if quick else "full"],
                           progress=False)
-        from tiermoe.arch import detect, load_config
 
         spec = detect(load_config(ckpt))
         report["checkpoint"] = {"moe_layers": spec.num_moe_layers, "experts": spec.num_experts, "top_k": spec.top_k,

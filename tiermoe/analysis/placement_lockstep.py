@@ -7,7 +7,7 @@ placement puts them: moving experts between steps would cost more than the steps
 advance in turn, one engine step each (the order rotated every pass): pass p of every configuration is timed
 within a fraction of a second of the others, under the same load. Over `repeats` rounds each pass keeps its
 fastest time, so a burst of load that slows some passes of one round is dropped, for every configuration alike.
-Each run's clock is the sum of its own steps (placement_runner.WorkloadRun), so TTFT and totals are its own.
+Each run's clock is the sum of its own steps (workload_runs.WorkloadRun), so TTFT and totals are its own.
 Without memory for the copies (half the available memory), whole runs are interleaved in rotating rounds on the
 one model instead, with the same per-pass minima.
 """
@@ -19,11 +19,14 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import replace
 
-from tiermoe.benchmarking.placement_live import measure_configuration
-from tiermoe.benchmarking.placement_runner import RunTiming, WorkloadRun, make_engine, warm_up
-from tiermoe.benchmarking.placement_traffic import strategy_mask
-from tiermoe.benchmarking.placement_workload import Workload
+from tiermoe.analysis.placement_live import measure_configuration
+from tiermoe.analysis.placement_traffic import strategy_mask
+from tiermoe.analysis.placement_workload import Workload
+from tiermoe.analysis.workload_runs import RunTiming, WorkloadRun, make_engine, warm_up
+from tiermoe.engine.llm import LLM
 from tiermoe.errors import TiermoeError
+from tiermoe.fit import available_ram
+from tiermoe.model.gguf_checkpoint import weight_files
 
 
 def time_configurations(llm, workload: Workload, configs: list[tuple[str, float]], calibration_LE, config, cost,
@@ -41,7 +44,6 @@ def time_configurations(llm, workload: Workload, configs: list[tuple[str, float]
         return _timed_rounds(llm, workload, configs, calibration_LE, config, cost, log)
     log(f"[placement] timing {len(configs)} configurations in lockstep ({config.repeats} rounds; "
         f"loading {copies} more copies of the model)")
-    from tiermoe.engine.llm import LLM
 
     spec = llm.hybrid.spec
     with ExitStack() as stack:
@@ -57,14 +59,10 @@ def time_configurations(llm, workload: Workload, configs: list[tuple[str, float]
 
 
 def _model_bytes(model_dir) -> int:
-    from tiermoe.model.gguf_checkpoint import weight_files
-
     return sum(f.stat().st_size for f in weight_files(model_dir))
 
 
 def _available_memory() -> int:
-    from tiermoe.fit import available_ram
-
     ram = available_ram()  # MemAvailable; where /proc has none, the free physical pages
     return ram if ram is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 

@@ -5,7 +5,8 @@ through the policy with its real rules: static strategies never move; KT-compati
 prefill passes of at least `prefill_threshold` tokens (those passes run all their experts on the GPU, the CPU-
 tier ones streamed over PCIe); adaptive swaps asynchronously, its copies landing only after the time they take.
 For every pass: GPU hit rate, CPU expert bytes read, bytes copied, swaps, and an estimated time from the cost
-model that charges the copies in full. Oracles for comparison: the static top-k of the trace itself, and the
+model (tiermoe.placement.pass_cost: each MoE layer's two tiers, the streamed copies) that also charges the swap
+copies in full. Oracles for comparison: the static top-k of the trace itself, and the
 best placement of every window of passes (hindsight, copies free: an upper bound).
 Legend: P passes, M MoE layers, E experts, K top-k.
 """
@@ -18,8 +19,9 @@ import torch
 
 from tiermoe.errors import TiermoeError
 from tiermoe.placement.budget import total_gpu_experts
-from tiermoe.placement.cost import BandwidthCostModel
 from tiermoe.placement.masks import generate_gpu_experts_masks
+from tiermoe.placement.pass_cost import PassCostModel
+from tiermoe.placement.pass_traffic import masked_traffic, pass_traffic
 from tiermoe.placement.policies import AdaptivePolicy, AdaptiveSettings, KTDynamicPolicy
 from tiermoe.placement.strategies import STRATEGIES, place
 
@@ -149,7 +151,7 @@ class CopiesInFlight:
         return busy
 
 
-def replay(trace: dict | TracePasses, policy: str, gpu_ratio: float, cost_model: BandwidthCostModel,
+def replay(trace: dict | TracePasses, policy: str, gpu_ratio: float, cost_model: PassCostModel,
            calibration_LE: torch.Tensor | None = None, prefill_threshold: int | None = None,
            adaptive: AdaptiveSettings | None = None, window: int = 32, seed: int = 42) -> ReplayResult:
     """Replay `trace` pass by pass through `policy` at `gpu_ratio` of the routed experts on the GPU tier.
@@ -163,55 +165,74 @@ def replay(trace: dict | TracePasses, policy: str, gpu_ratio: float, cost_model:
     m, e = len(passes.moe_layers), passes.num_experts
     total = total_gpu_experts(m, e, ratio=gpu_ratio)
     mask_ME = _initial_mask(policy, passes, total, calibration_LE, seed)
+    if policy in DYNAMIC:
+        return _replay_dynamic(passes, policy, gpu_ratio, mask_ME, cost_model, calibration_LE, prefill_threshold,
+                               adaptive)
+    return _replay_static(passes, policy, gpu_ratio, mask_ME, cost_model, total, window)
+
+
+def _replay_static(passes: TracePasses, policy: str, gpu_ratio: float, mask_ME: torch.Tensor,
+                   cost_model: PassCostModel, total: int, window: int) -> ReplayResult:
+    """A placement that copies nothing: a static strategy, or an oracle (oracle-window re-places for free every
+    `window` passes). All passes at once."""
+    num_p = passes.num_passes
+    mask_PME = mask_ME[None].expand(num_p, -1, -1).clone()
+    if policy == "oracle-window":
+        for start in range(0, num_p, window):
+            upcoming = passes.counts_PME[start:start + window].sum(dim=0).double()
+            mask_PME[start:start + window] = generate_gpu_experts_masks(upcoming, total)
+    traffic = masked_traffic(passes.counts_PME, mask_PME)
+    pairs_P = (traffic.cpu_pairs_PM + traffic.gpu_pairs_PM).sum(-1)
+    gpu_pairs_P = traffic.gpu_pairs_PM.sum(-1)
     result = ReplayResult(policy, gpu_ratio)
-    dyn = None
+    result.hit_rate_P = (gpu_pairs_P.double() / pairs_P.clamp(min=1).double()).tolist()
+    result.cpu_bytes_P = (traffic.cpu_distinct_PM.sum(-1) * cost_model.model.bytes_per_expert).tolist()
+    result.copied_bytes_P = [0] * num_p
+    result.swaps_P = [0] * num_p
+    result.time_P = cost_model.moe_seconds_P(traffic, passes.tokens_P).tolist()
+    result.pairs, result.gpu_pairs = int(pairs_P.sum()), int(gpu_pairs_P.sum())
+    result.output_tokens = int(passes.decode_tokens_P.sum()) + int(passes.prefill_P.sum())
+    return result
+
+
+def _replay_dynamic(passes: TracePasses, policy: str, gpu_ratio: float, mask_ME: torch.Tensor,
+                    cost_model: PassCostModel, calibration_LE: torch.Tensor | None, prefill_threshold: int | None,
+                    adaptive: AdaptiveSettings | None) -> ReplayResult:
+    """kt-dynamic or adaptive, pass by pass: copies land once the passes after their start have taken as long."""
+    result = ReplayResult(policy, gpu_ratio)
     if policy == "kt-dynamic":
         dyn = KTDynamicPolicy(prefill_threshold)
-    elif policy == "adaptive":
+    else:
         prior = calibration_LE[list(passes.moe_layers)] if calibration_LE is not None else None
-        dyn = AdaptivePolicy(m, e, cost_model, adaptive or AdaptiveSettings(), prior)
+        dyn = AdaptivePolicy(len(passes.moe_layers), passes.num_experts, cost_model, adaptive or AdaptiveSettings(),
+                             prior)
     in_flight = CopiesInFlight()
-    bpe = cost_model.bytes_per_expert
+    bpe = cost_model.model.bytes_per_expert
     for p in range(passes.num_passes):
         counts_ME = passes.counts_PME[p]
-        if policy == "oracle-window" and p % window == 0:
-            upcoming = passes.counts_PME[p:p + window].sum(dim=0).double()
-            mask_ME = generate_gpu_experts_masks(upcoming, total)
-        touched_ME = counts_ME > 0
         tokens = int(passes.tokens_P[p])
-        layerwise = dyn is not None and prefill_threshold is not None and bool(passes.prefill_P[p]) \
-            and tokens >= prefill_threshold
-        cpu_ME = touched_ME & ~mask_ME
-        cpu_distinct, cpu_pairs = int(cpu_ME.sum()), int(counts_ME[~mask_ME].sum())
-        gpu_distinct, gpu_pairs = int((touched_ME & mask_ME).sum()), int(counts_ME[mask_ME].sum())
-        copied = 0
-        if layerwise:  # every CPU-tier expert the pass routes to crosses PCIe and runs on the GPU
-            copied += cpu_distinct * bpe
-            seconds = cost_model.copy_seconds(cpu_distinct) + cost_model.gpu_pass_seconds(
-                cpu_distinct + gpu_distinct, cpu_pairs + gpu_pairs)
-            result.gpu_pairs += cpu_pairs + gpu_pairs
-            cpu_read = 0
-        else:
-            seconds = max(cost_model.cpu_pass_seconds(cpu_distinct, cpu_pairs),
-                          cost_model.gpu_pass_seconds(gpu_distinct, gpu_pairs))
-            result.gpu_pairs += gpu_pairs
-            cpu_read = cpu_distinct * bpe
+        layerwise = prefill_threshold is not None and bool(passes.prefill_P[p]) and tokens >= prefill_threshold
+        # layerwise: every CPU-tier expert the pass routes to crosses PCIe and runs on the GPU
+        traffic = pass_traffic(counts_ME, mask_ME, layerwise)
+        seconds = float(cost_model.moe_seconds_P(traffic, passes.tokens_P[p:p + 1])[0])
+        cpu_pairs, gpu_pairs = int(traffic.cpu_pairs_PM.sum()), int(traffic.gpu_pairs_PM.sum())
+        copied = int(traffic.streamed_P.sum()) * bpe
+        result.gpu_pairs += gpu_pairs
         result.pairs += cpu_pairs + gpu_pairs
         result.output_tokens += int(passes.decode_tokens_P[p]) + int(bool(passes.prefill_P[p]))
         swaps = 0
-        if dyn is not None:
-            in_flight.advance(seconds, mask_ME)
-            dyn.observe(counts_ME, tokens, bool(passes.prefill_P[p]))
-            for swap in dyn.propose(mask_ME, in_flight.busy(mask_ME)):
-                swaps += 1
-                if layerwise:  # KT: the chosen experts are already on the GPU in the streamed layer
-                    mask_ME[swap.layer, swap.expert_in], mask_ME[swap.layer, swap.expert_out] = True, False
-                    continue
-                copied += 2 * bpe
-                seconds += cost_model.copy_seconds(2)  # charged in full, although it overlaps compute
-                in_flight.start(swap, cost_model.copy_seconds())
+        in_flight.advance(seconds, mask_ME)
+        dyn.observe(counts_ME, tokens, bool(passes.prefill_P[p]))
+        for swap in dyn.propose(mask_ME, in_flight.busy(mask_ME)):
+            swaps += 1
+            if layerwise:  # KT: the chosen experts are already on the GPU in the streamed layer
+                mask_ME[swap.layer, swap.expert_in], mask_ME[swap.layer, swap.expert_out] = True, False
+                continue
+            copied += 2 * bpe
+            seconds += cost_model.copy_seconds(2)  # charged in full, although it overlaps compute
+            in_flight.start(swap, cost_model.copy_seconds())
         result.hit_rate_P.append(gpu_pairs / max(1, cpu_pairs + gpu_pairs) if not layerwise else 1.0)
-        result.cpu_bytes_P.append(cpu_read)
+        result.cpu_bytes_P.append(int(traffic.cpu_distinct_PM.sum()) * bpe)
         result.copied_bytes_P.append(copied)
         result.swaps_P.append(swaps)
         result.time_P.append(seconds)

@@ -59,9 +59,3 @@ class PlacementBenchResult:
 
     def write_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.as_dict(), indent=2) + "\n")
-
-    @classmethod
-    def from_dict(cls, data: dict) -> PlacementBenchResult:
-        """Back from as_dict() (e.g. to redraw a plot from a results file)."""
-        return cls(data["mode"], data["ratios"], data["strategies"], [Cell(**c) for c in data["cells"]],
-                   data["setup"], data["gpu_profile"], data.get("calibration", {}), data.get("validation", []))

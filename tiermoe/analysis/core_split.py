@@ -6,7 +6,7 @@ tier's native / kt team is pinned to the cores the caller does not use (tiermoe.
 intra-op pool would otherwise spread the caller's ops over every core, its parallel regions would wait for the
 pinned CPU-tier thread, and a layer with both tiers would run far slower than the two alone. So while measuring,
 the caller keeps to the cores left over. (The tiers still share caches and memory bandwidth: how their times
-combine on one CPU is measured, see pass_cost and host_fit.) The torch backend computes the CPU tier in torch's
+combine on one CPU is measured, see pass_cost and host_cost_fit.) The torch backend computes the CPU tier in torch's
 own pool: nothing to split.
 """
 

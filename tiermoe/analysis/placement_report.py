@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tiermoe.benchmarking.placement_result import Cell, PlacementBenchResult
+from tiermoe.analysis.placement_result import Cell, PlacementBenchResult
 
 # (title, how the figure was obtained: "throughput" figures are estimates in estimated mode, "traffic" ones are
 # exact replays of the measured workload), the value, its format

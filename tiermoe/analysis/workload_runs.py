@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiermoe.benchmarking.device_profile import synchronizer
-from tiermoe.benchmarking.placement_workload import Workload
+from tiermoe.analysis.device_profile import synchronizer
+from tiermoe.analysis.placement_workload import Workload
 from tiermoe.engine.engine import Engine, EngineConfig
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.stats.model_shape import ModelShape

@@ -1,4 +1,5 @@
-"""A tier's time, measured: seconds = a x distinct experts + b x (token, expert) pairs + c per call.
+"""A tier's time, measured and fitted: seconds = a x distinct experts + b x (token, expert) pairs + c per call
+(tiermoe.placement.tier_time.TierFit, a curve fit of timed calls, not a memory fit).
 
 Timed calls of a tier on the model's real expert weights, rotating over the MoE layers as a forward pass does:
 - the CPU tier through its backend's submit/sync protocol (whatever `CPUConfig` chose): this is the CPU share of
@@ -16,28 +17,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from tiermoe.benchmarking.device_profile import synchronizer
-
-
-@dataclass(frozen=True)
-class TierFit:
-    per_expert: float  # a, seconds per distinct expert
-    per_pair: float  # b, seconds per routed (token, expert) pair
-    per_call: float  # c, seconds per call
-    mean_relative_error: float  # of the fit on its own samples
-    samples: int
-    backend: str = ""  # the tier class measured
-
-    def seconds(self, distinct, pairs, called):
-        """Tensor-friendly: a x distinct + b x pairs + c x called."""
-        return self.per_expert * distinct + self.per_pair * pairs + self.per_call * called
-
-    def as_dict(self) -> dict:
-        return asdict(self)
+from tiermoe.analysis.device_profile import synchronizer
+from tiermoe.placement.tier_time import TierFit
 
 
 def _ids(distinct: int, pairs: int, top_k: int, experts: list[int]) -> torch.Tensor:

@@ -1,4 +1,10 @@
-"""The cost model that turns a pass's traffic into seconds: measured CPU tier, profiled GPU tier, host overhead.
+"""THE cost model: what a forward pass costs under a placement, and what one expert and one copy cost, from one
+set of parameters (measured CPU tier, profiled GPU tier, host overhead).
+
+`tiermoe bench placement` estimates every cell with it and validates it against measured runs (`--gpu-profile
+this-cpu`, within 15%); `tiermoe bench dynamic` replays traces with it; the adaptive policy decides swaps with its
+per-expert reading (`expert_seconds`, `copy_seconds`), so what the benchmark checks is what serving decides with.
+Where nothing was measured, `expert_cost_model` fills the parameters with assumed figures.
 
 Per pass p (sequences s, MoE layers m):
     T_p = t_step                                                            host: engine bookkeeping, sampling
@@ -8,15 +14,15 @@ Per pass p (sequences s, MoE layers m):
                   + combine( CPU tier: a d_c + b p_c + c (+ hidden rows over PCIe),
                              GPU tier: dispatch(d_g ops_expert) (+) roofline(d_g expert bytes, p_g pair flops) ) ]
         + copies that block (layerwise prefill streaming; on one CPU also swap copies)
-- The CPU tier (a, b, c) is measured on this machine's CPU backend (tier_fit).
+- The CPU tier (a, b, c) is measured on this machine's CPU backend (tiermoe.analysis.tier_time_fit).
 - The GPU tier, the non-expert device work and copies come from a GPUProfile (bandwidth, flops, PCIe, launch).
-  With this-cpu the profile is this CPU's microbenchmarks (device_profile) and the GPU tier's experts are timed
-  directly like the CPU tier's (`gpu_tier`: a d_g + b p_g): the tier's own expert loop does not run at the rate
-  of one large matrix, and the rest of the forward does not run at the rate of the expert loop.
+  With this-cpu the profile is this CPU's microbenchmarks (tiermoe.analysis.device_profile) and the GPU tier's
+  experts are timed directly like the CPU tier's (`gpu_tier`: a d_g + b p_g): the tier's own expert loop does not
+  run at the rate of one large matrix, and the rest of the forward does not run at the rate of the expert loop.
 - Host costs are measured on this machine and carried to the estimate (the GPU machine's host runs the same
-  Python): t_op per op dispatched in the MoE blocks, from the experts' loop timed on tiny experts (host_fit);
-  t_step per step and t_seq per sequence forward (its dispatch and thread hand-offs), fitted on timed runs
-  (host_fit).
+  Python): t_op per op dispatched in the MoE blocks, from the experts' loop timed on tiny experts; t_step per
+  step and t_seq per sequence forward (its dispatch and thread hand-offs), fitted on timed runs
+  (tiermoe.analysis.host_cost_fit).
 - With a GPU beside the CPU (`device_is_host` False) the device runs behind the host, so host (+) device is
   max(host seconds, kernels x launch + roofline). With the GPU tier on the host CPU (this-cpu) the caller thread
   computes it itself, so host and device time add up, the layerwise streamer copies nothing (the weights are
@@ -24,8 +30,11 @@ Per pass p (sequences s, MoE layers m):
 - `tiers_overlap`: beside a GPU the CPU tier computes while the GPU tier does (combine = max). On one CPU they
   take turns (combine = sum: they share cores, caches and memory bandwidth), and a layer in which both compute
   pays `both_tiers_seconds` more (the caller and the CPU tier's worker contend for the GIL and the caches);
-  host_fit measures it on a timed run at a split no validation uses. (A term scaled by the smaller tier's time,
+  host_cost_fit measures it on a timed run at a split no validation uses. (A term scaled by the smaller tier's time,
   lambda x min(cpu, gpu), was tried and fitted worse: +13 to +24% at the validation ratios, native backend.)
+- One expert (what a dynamic policy weighs): the same tier terms read for one expert: on the CPU tier a when a
+  pass touches it plus b per routed pair; on the GPU tier its dispatch and its own roofline (or the timed a, b).
+  Per-call terms (c, the rows' PCIe round trip, t_both) do not change with one expert and are left out.
 Legend: P passes, M MoE layers, S (pass, sequence) rows.
 """
 
@@ -35,16 +44,17 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tiermoe.benchmarking.model_costs import ModelCosts, OpCount
-from tiermoe.benchmarking.placement_traffic import PassShapes, Traffic
-from tiermoe.benchmarking.tier_fit import TierFit
-from tiermoe.placement.cost import BandwidthCostModel
-from tiermoe.placement.profiles import GPUProfile
+from tiermoe.placement.model_costs import ModelCosts, OpCount
+from tiermoe.placement.pass_traffic import PassShapes, Traffic
+from tiermoe.placement.profiles import PRESETS, GPUProfile
+from tiermoe.placement.tier_time import TierFit, assumed_cpu_tier
+
+DEFAULT_GPU = "rtx4090"  # the GPU profile assumed where none is given
 
 
 @dataclass(frozen=True)
 class HostCosts:
-    """Host-side seconds, fitted on timed runs of this machine (see host_fit)."""
+    """Host-side seconds, fitted on timed runs of this machine (see tiermoe.analysis.host_cost_fit)."""
 
     op_seconds: float  # per framework op dispatched in a MoE block (Python, dispatcher, small-tensor kernels)
     step_seconds: float  # per engine step
@@ -61,7 +71,7 @@ class PassCostModel:
     model: ModelCosts
     cpu: TierFit
     host: HostCosts
-    device_is_host: bool  # the GPU tier runs on the host CPU (this-cpu), in the caller thread
+    device_is_host: bool = False  # the GPU tier runs on the host CPU (this-cpu), in the caller thread
     tiers_overlap: bool = True  # the CPU tier computes while the GPU tier does (a device of its own)
     both_tiers_seconds: float = 0.0  # extra per layer call in which both tiers compute (one CPU), measured
     gpu_tier: TierFit | None = None  # this-cpu: the GPU tier as timed (a, b) instead of the profile's roofline
@@ -104,10 +114,8 @@ class PassCostModel:
         cpu, gpu, host_cpu_call = self._tiers_PM(traffic, tokens_P)
         both = ((traffic.cpu_distinct_PM > 0) & (traffic.gpu_distinct_PM > 0)).double() * self.both_tiers_seconds
         layers = (host_cpu_call + self._combine(cpu, gpu) + both).sum(-1)
-        copy = self.model.bytes_per_expert / self.profile.pcie_bandwidth
-        blocking = traffic.swap_copies_P.double() * copy if self.device_is_host else \
-            traffic.streamed_P.double() * copy
-        return layers + blocking
+        copies = traffic.swap_copies_P if self.device_is_host else traffic.streamed_P
+        return layers + copies.double() * self.copy_seconds()
 
     def _tiers_PM(self, traffic: Traffic, tokens_P: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(CPU tier, GPU tier, host cost of calling the CPU tier) seconds per pass and MoE layer."""
@@ -116,35 +124,44 @@ class PassCostModel:
         cpu = self.cpu.seconds(traffic.cpu_distinct_PM.double(), traffic.cpu_pairs_PM.double(), called)
         if not self.device_is_host:  # the rows go to host memory and come back
             cpu = cpu + called * tokens_P.double()[:, None] * 2 * mc.hidden_bytes / self.profile.pcie_bandwidth
-        gpu_d, gpu_p = traffic.gpu_distinct_PM.double(), traffic.gpu_pairs_PM.double()
-        if self.gpu_tier is not None:  # timed like the CPU tier; its call overhead is in the block's own ops
-            gpu = self.gpu_tier.per_expert * gpu_d + self.gpu_tier.per_pair * gpu_p
-        else:
-            gpu = self._dispatch(mc.per_expert, gpu_d, self._roofline(gpu_d * mc.bytes_per_expert,
-                                                                       gpu_p * mc.flops_per_pair))
+        gpu_d = traffic.gpu_distinct_PM.double()
+        gpu = self.gpu_tier_seconds(gpu_d, traffic.gpu_pairs_PM.double())
         gpu = torch.where(gpu_d > 0, gpu, torch.zeros_like(gpu))
         return cpu, gpu, called * self.host.op_seconds * mc.per_cpu_call.ops
 
     def pass_seconds_P(self, shapes: PassShapes, traffic: Traffic) -> torch.Tensor:
         return self.fixed_seconds_P(shapes) + self.moe_seconds_P(traffic, shapes.tokens_P)
 
-    def bandwidth_model(self) -> BandwidthCostModel:
-        """The simple model the adaptive policy decides with, filled in from the measured figures."""
-        mc = self.model
-        gpu_read, gpu_flops = self.profile.memory_bandwidth, self.profile.compute_flops
+    def gpu_tier_seconds(self, distinct: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+        """The GPU tier's compute for `distinct` experts and `pairs` routed pairs: timed like the CPU tier (this-cpu;
+        its call overhead is in the block's own ops), else its ops dispatched by the host and its bytes and flops
+        on the profile's roofline."""
         if self.gpu_tier is not None:
-            gpu_read = mc.bytes_per_expert / max(self.gpu_tier.per_expert, 1e-12)
-            gpu_flops = mc.flops_per_pair / max(self.gpu_tier.per_pair, 1e-15)
-        return BandwidthCostModel(
-            bytes_per_expert=mc.bytes_per_expert,
-            cpu_read_bandwidth=mc.bytes_per_expert / max(self.cpu.per_expert, 1e-12),
-            gpu_read_bandwidth=gpu_read, copy_bandwidth=self.profile.pcie_bandwidth,
-            flops_per_pair=mc.flops_per_pair, cpu_flops=mc.flops_per_pair / max(self.cpu.per_pair, 1e-15),
-            gpu_flops=gpu_flops)
+            return self.gpu_tier.per_expert * distinct + self.gpu_tier.per_pair * pairs
+        mc = self.model
+        return self._dispatch(mc.per_expert, distinct, self._roofline(distinct * mc.bytes_per_expert,
+                                                                      pairs * mc.flops_per_pair))
+
+    # ---- one expert, one copy: what the dynamic policies decide with -------------------------------------
+    def expert_seconds(self, on_gpu: bool, touched: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+        """Seconds one expert costs a pass on a tier: `touched` is 1 when the pass routes to it (or the chance
+        that it does), `pairs` its routed pairs. The CPU tier's a x touched + b x pairs; the GPU tier's own terms
+        for one expert."""
+        if on_gpu:
+            return self.gpu_tier_seconds(touched, pairs)
+        return self.cpu.per_expert * touched + self.cpu.per_pair * pairs
+
+    def copy_seconds(self, experts: int = 1) -> float:
+        """Moving `experts` experts between the tiers (one direction each)."""
+        return experts * self.model.bytes_per_expert / self.profile.pcie_bandwidth
 
 
-def ttft_seconds(shapes: PassShapes, seconds_P: torch.Tensor) -> list[float]:
-    """Per request: from the start of its first pass to the end of the pass that samples its first token."""
-    end = torch.cumsum(seconds_P, 0)
-    start = end - seconds_P
-    return (end[shapes.first_token_pass_R] - start[shapes.first_pass_R]).tolist()
+def expert_cost_model(bytes_per_expert: int, flops_per_pair: float, gpu: GPUProfile | None = None,
+                      cpu: TierFit | None = None) -> PassCostModel:
+    """The cost model with only what placement changes: the routed experts on each tier and copies between them.
+    gpu: the GPU tier and copies (default: the rtx4090 preset); cpu: the CPU tier as measured (default:
+    assumed_cpu_tier). No host or non-expert costs: they are the same for every placement. What the live adaptive
+    policy decides with unless it is given a measured model, and what `tiermoe bench dynamic` replays with."""
+    cpu = cpu or assumed_cpu_tier(bytes_per_expert, flops_per_pair)
+    return PassCostModel(gpu or PRESETS[DEFAULT_GPU], ModelCosts.experts_only(bytes_per_expert, flops_per_pair), cpu,
+                         HostCosts(0.0, 0.0, 0.0))

@@ -14,6 +14,7 @@ import torch
 from tiermoe.placement.budget import total_gpu_experts
 from tiermoe.placement.metrics import hit_rate
 from tiermoe.placement.strategies import DEFAULT_RANDOM_SEED, STRATEGIES, place
+from tiermoe.stats.expert_stats import ExpertStats
 
 RATIOS = tuple(round(0.1 * i, 1) for i in range(1, 10))
 
@@ -38,3 +39,15 @@ def strategy_hit_rates(plan_counts_LE: torch.Tensor, moe_rows_L: torch.Tensor,
             mask_LE = place(strategy, moe_rows_L, num_experts, total, plan_counts_LE, seed)
             rates[strategy].append(hit_rate(mask_LE, eval_counts_LE))
     return rates
+
+
+def strategy_hit_rate_report(stats: ExpertStats, eval_stats: ExpertStats | None = None,
+                             seed: int = DEFAULT_RANDOM_SEED) -> dict:
+    """The hit-rate section of `tiermoe stats` (tiermoe.stats.summary.report's `hit_rates`): placements from
+    `stats`, hit rates measured on `eval_stats` (default: in-sample)."""
+    eval_counts = None if eval_stats is None else eval_stats.counts_LE
+    return {
+        "ratios": list(RATIOS),
+        "evaluated_on": list(eval_stats.sources) if eval_stats is not None else "the same statistics (in-sample)",
+        "strategies": strategy_hit_rates(stats.counts_LE, stats.moe_rows_L, eval_counts, seed=seed),
+    }

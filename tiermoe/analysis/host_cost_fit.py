@@ -1,4 +1,5 @@
-"""The host's costs on this machine: one dispatched op, and per engine step and per sequence forward.
+"""The host's costs on this machine, measured and curve-fitted (tiermoe.placement.pass_cost.HostCosts): one
+dispatched op, and per engine step and per sequence forward.
 
 1. t_op (measure_op_seconds): the tiers' expert loop timed on tiny experts, where nothing but dispatch costs
    time (Python, the dispatcher, launching): seconds per op. Not fitted on runs: a pass's ops grow with its
@@ -24,10 +25,12 @@ from dataclasses import replace
 
 import torch
 
-from tiermoe.benchmarking.device_profile import synchronizer
-from tiermoe.benchmarking.model_costs import count_expert_ops
-from tiermoe.benchmarking.pass_cost import HostCosts, PassCostModel
-from tiermoe.benchmarking.placement_traffic import PassShapes, Traffic
+from tiermoe.analysis.device_profile import synchronizer
+from tiermoe.analysis.model_op_count import count_expert_ops
+from tiermoe.experts.ffn import routed_experts_forward
+from tiermoe.experts.weights import ExpertWeights
+from tiermoe.placement.pass_cost import HostCosts, PassCostModel
+from tiermoe.placement.pass_traffic import PassShapes, Traffic
 
 
 def fit_host_costs(model: PassCostModel, shapes: PassShapes, runs: list[tuple[str, Traffic, list[float]]]
@@ -65,9 +68,6 @@ def fit_host_costs(model: PassCostModel, shapes: PassShapes, runs: list[tuple[st
 def measure_op_seconds(act, device="cpu", experts: int = 8, repeats: int = 20) -> float:
     """Seconds per op the host spends dispatching the tiers' expert loop: `experts` tiny experts against one,
     divided by the ops that adds (on CUDA this is host dispatch or launch, whichever is slower)."""
-    from tiermoe.experts.ffn import routed_experts_forward
-    from tiermoe.experts.weights import ExpertWeights
-
     device = torch.device(device)
     sync = synchronizer(device)
     weights = {e: ExpertWeights(torch.randn(8, 8, device=device), torch.randn(8, 4, device=device))

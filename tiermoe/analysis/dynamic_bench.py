@@ -10,22 +10,23 @@ from dataclasses import dataclass
 
 import torch
 
-from tiermoe.placement.cost import BandwidthCostModel
+from tiermoe.analysis.trace_replay import ORACLES, REPLAY_POLICIES, TracePasses, replay
+from tiermoe.placement.pass_cost import PassCostModel, expert_cost_model
 from tiermoe.placement.profiles import GPUProfile
 from tiermoe.placement.strategies import NEEDS_STATISTICS
-from tiermoe.stats.replay import ORACLES, REPLAY_POLICIES, TracePasses, replay
+from tiermoe.placement.tier_time import DEFAULT_CPU_FLOPS, DEFAULT_CPU_READ_BANDWIDTH, assumed_cpu_tier
 
 DEFAULT_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
-def replay_cost_model(spec, gpu: GPUProfile, cpu_bandwidth: float = 25e9, cpu_flops: float = 400e9
-                      ) -> BandwidthCostModel:
-    """The cost model replays are timed with: bf16 experts of `spec`, the GPU tier and copies from the `gpu`
-    profile, the CPU tier at `cpu_bandwidth` bytes/s and `cpu_flops` (3 matrices of H x I, 2 flops per weight)."""
-    return BandwidthCostModel(bytes_per_expert=spec.bytes_per_expert(torch.bfloat16), cpu_read_bandwidth=cpu_bandwidth,
-                              gpu_read_bandwidth=gpu.memory_bandwidth, copy_bandwidth=gpu.pcie_bandwidth,
-                              flops_per_pair=6 * spec.hidden_size * spec.expert_intermediate_size,
-                              cpu_flops=cpu_flops, gpu_flops=gpu.compute_flops)
+def replay_cost_model(spec, gpu: GPUProfile, cpu_bandwidth: float = DEFAULT_CPU_READ_BANDWIDTH,
+                      cpu_flops: float = DEFAULT_CPU_FLOPS) -> PassCostModel:
+    """The cost model (tiermoe.placement.pass_cost) with `tiermoe bench dynamic`'s assumptions: bf16 experts of
+    `spec`, the GPU tier and copies from the `gpu` profile, the CPU tier reading at `cpu_bandwidth` bytes/s and
+    computing at `cpu_flops` (2 flops per expert weight and routed pair)."""
+    bytes_per_expert, flops_per_pair = spec.bytes_per_expert(torch.bfloat16), 2.0 * spec.params_per_expert
+    return expert_cost_model(bytes_per_expert, flops_per_pair, gpu,
+                             assumed_cpu_tier(bytes_per_expert, flops_per_pair, cpu_bandwidth, cpu_flops))
 
 
 @dataclass
@@ -38,7 +39,7 @@ class DynamicBenchResult:
         return next(r for r in self.rows if r["policy"] == policy and abs(r["gpu_ratio"] - ratio) < 1e-9)
 
 
-def run_dynamic_bench(passes: TracePasses, cost: BandwidthCostModel, ratios=DEFAULT_RATIOS,
+def run_dynamic_bench(passes: TracePasses, cost: PassCostModel, ratios=DEFAULT_RATIOS,
                       calibration_LE: torch.Tensor | None = None, prefill_threshold: int | None = None,
                       policies=REPLAY_POLICIES, progress=None) -> DynamicBenchResult:
     chosen = [p for p in policies if calibration_LE is not None or p not in NEEDS_STATISTICS]

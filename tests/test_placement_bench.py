@@ -14,19 +14,21 @@ import torch
 from conftest import run_cli as cli
 from conftest import save_char_tokenizer, save_tiny
 
-from tiermoe.benchmarking.host_fit import fit_host_costs, measure_op_seconds
-from tiermoe.benchmarking.model_costs import ModelCosts, OpCount, measure_model_costs
-from tiermoe.benchmarking.pass_cost import HostCosts, PassCostModel, ttft_seconds
-from tiermoe.benchmarking.placement import PlacementBenchConfig, run_placement_bench
-from tiermoe.benchmarking.placement_live import measure_configuration
-from tiermoe.benchmarking.placement_runner import make_engine, record_trace
-from tiermoe.benchmarking.placement_traffic import pass_shapes, placement_traffic, static_traffic, strategy_mask
-from tiermoe.benchmarking.placement_workload import WorkloadSpec, build_workloads
-from tiermoe.benchmarking.tier_fit import TierFit, fit_abc
+from tiermoe.analysis.host_cost_fit import fit_host_costs, measure_op_seconds
+from tiermoe.analysis.model_op_count import measure_model_costs
+from tiermoe.analysis.placement_bench import PlacementBenchConfig, run_placement_bench, ttft_seconds
+from tiermoe.analysis.placement_live import measure_configuration
+from tiermoe.analysis.placement_traffic import pass_shapes, placement_traffic, strategy_mask
+from tiermoe.analysis.placement_workload import WorkloadSpec, build_workloads
+from tiermoe.analysis.tier_time_fit import fit_abc
+from tiermoe.analysis.trace_replay import TracePasses, replay
+from tiermoe.analysis.workload_runs import make_engine, record_trace
 from tiermoe.engine.llm import LLM
-from tiermoe.placement.cost import BandwidthCostModel
+from tiermoe.placement.model_costs import ModelCosts, OpCount
+from tiermoe.placement.pass_cost import HostCosts, PassCostModel, expert_cost_model
+from tiermoe.placement.pass_traffic import static_traffic
 from tiermoe.placement.profiles import GPUProfile, load_profile, save_profile
-from tiermoe.stats.replay import TracePasses, replay
+from tiermoe.placement.tier_time import TierFit
 
 REPO = Path(__file__).resolve().parent.parent
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
@@ -107,7 +109,7 @@ def test_static_traffic_matches_trace_replay(shapes, strategy):
         traffic = static_traffic(shapes, mask[list(shapes.moe_layers)])
         passes = TracePasses(shapes.counts_PME, shapes.tokens_P, shapes.prefill_P, shapes.tokens_P * 0,
                              shapes.moe_layers, shapes.num_layers, shapes.num_experts)
-        expected = replay(passes, strategy, ratio, BandwidthCostModel(1 << 20), calibration_LE)
+        expected = replay(passes, strategy, ratio, expert_cost_model(1 << 20, 0.0), calibration_LE)
         assert traffic.hit_rate == pytest.approx(expected.hit_rate, abs=1e-12)
         assert traffic.cpu_expert_reads() * (1 << 20) == sum(expected.cpu_bytes_P)
     assert static_traffic(shapes, torch.ones(len(shapes.moe_layers), shapes.num_experts, dtype=torch.bool)
@@ -116,9 +118,8 @@ def test_static_traffic_matches_trace_replay(shapes, strategy):
 
 def test_the_live_path_counts_exactly_what_the_replay_predicts(llm, workloads, shapes):
     calibration, heldout = workloads
-    cost = BandwidthCostModel(llm.hybrid.spec.bytes_per_expert(llm.hybrid.expert_dtype))
     for strategy, ratio in (("uniform", 0.5), ("front-loading", 0.25)):
-        timing, traffic = measure_configuration(llm, heldout, strategy, ratio, None, 4, 512, None, cost)
+        timing, traffic = measure_configuration(llm, heldout, strategy, ratio, None, 4, 512, None)
         mask = strategy_mask(strategy, shapes.moe_rows_L, shapes.num_experts, ratio, None)
         predicted = static_traffic(shapes, mask[list(shapes.moe_layers)])
         assert traffic["pairs"] == predicted.pairs
@@ -130,13 +131,12 @@ def test_the_live_path_counts_exactly_what_the_replay_predicts(llm, workloads, s
 
 def test_dynamic_policies_stream_and_swap_in_the_replay(shapes):
     calibration_LE = torch.ones(shapes.num_layers, shapes.num_experts, dtype=torch.float64)
-    cost = BandwidthCostModel(1 << 20, copy_bandwidth=1e15)  # copies land at once
-    dynamic = placement_traffic(shapes, "dynamic", 0.25, calibration_LE, lambda p, row: 1e-3, cost,
-                                prefill_threshold=8)
+    cost = expert_cost_model(1 << 20, 0.0, GPUProfile("copies land at once", 1e12, 1e14, 1e15, 0.0))
+    dynamic = placement_traffic(shapes, "dynamic", 0.25, calibration_LE, cost, prefill_threshold=8)
     assert bool(dynamic.layerwise_P.any()) and int(dynamic.streamed_P.sum()) > 0
     assert dynamic.hit_rate > static_traffic(shapes, strategy_mask(
         "frequency", shapes.moe_rows_L, shapes.num_experts, 0.25, calibration_LE)[list(shapes.moe_layers)]).hit_rate
-    adaptive = placement_traffic(shapes, "adaptive", 0.25, None, lambda p, row: 1e-3, cost)
+    adaptive = placement_traffic(shapes, "adaptive", 0.25, None, cost)
     assert adaptive.swaps() * 2 == int(adaptive.swap_copies_P.sum())
     assert not bool(adaptive.layerwise_P.any())
 
@@ -202,8 +202,25 @@ def test_a_timed_gpu_tier_costs_exactly_what_was_timed(shapes):
     traffic = static_traffic(shapes, ones)
     expected = (gpu.per_expert * traffic.gpu_distinct_PM + gpu.per_pair * traffic.gpu_pairs_PM).sum(-1).double()
     assert torch.allclose(model.moe_seconds_P(traffic, shapes.tokens_P), expected)
-    decide = model.bandwidth_model()  # what the adaptive policy decides with on this CPU
-    assert decide.gpu_read_bandwidth == pytest.approx((1 << 20) / 3e-4)
+    one = torch.ones((), dtype=torch.float64)  # what the adaptive policy decides with on this CPU: the same a, b
+    assert float(model.expert_seconds(True, one, 10 * one)) == pytest.approx(3e-4 + 10 * 2e-6)
+
+
+def test_the_policies_weigh_an_expert_as_the_pass_estimate_charges_it(shapes):
+    """Moving one expert to the GPU tier changes the estimate by exactly what expert_seconds says it saves."""
+    profile = GPUProfile("this-cpu", 1e9, 1e11, 1e10, 1e-6)
+    model = PassCostModel(profile, small_costs(), TierFit(1e-4, 1e-6, 2e-5, 0.0, 0), HostCosts(0.0, 0.0, 0.0), True,
+                          False, gpu_tier=TierFit(3e-4, 2e-6, 5e-5, 0.0, 0))
+    mask = strategy_mask("uniform", shapes.moe_rows_L, shapes.num_experts, 0.25, None)[list(shapes.moe_layers)]
+    expert = int((~mask[0]).nonzero()[0])
+    moved = mask.clone()
+    moved[0, expert] = True
+    saved = (model.moe_seconds_P(static_traffic(shapes, mask), shapes.tokens_P)
+             - model.moe_seconds_P(static_traffic(shapes, moved), shapes.tokens_P)).sum()
+    pairs_P = shapes.counts_PME[:, 0, expert].double()
+    touched_P = (pairs_P > 0).double()
+    expected = (model.expert_seconds(False, touched_P, pairs_P) - model.expert_seconds(True, touched_P, pairs_P)).sum()
+    assert float(saved) == pytest.approx(float(expected), rel=1e-9)
 
 
 def test_dispatch_cost_is_measured_per_op():
@@ -276,7 +293,7 @@ def test_this_cpu_validates_the_cost_model_against_a_measurement(model_dir, work
 
 
 def test_without_memory_for_model_copies_the_runs_are_timed_one_after_another(model_dir, workloads, monkeypatch):
-    from tiermoe.benchmarking import placement_lockstep
+    from tiermoe.analysis import placement_lockstep
 
     monkeypatch.setattr(placement_lockstep, "_available_memory", lambda: 0)
     config = PlacementBenchConfig(spec_of("unused"), model=model_dir, ratios=(0.5,), strategies=("uniform",),

@@ -1,4 +1,5 @@
-"""What one forward pass of a loaded model costs in work, counted on the model itself (no timing).
+"""What one forward pass of a loaded model costs in work (tiermoe.placement.model_costs.ModelCosts), counted on the
+model itself (no timing).
 
 The cost model needs, per pass: framework ops the host dispatches and kernels a device runs (small models are
 bound by these, not by bytes), weight bytes read and flops. They are counted once, structurally:
@@ -12,49 +13,14 @@ bound by these, not by bytes), weight bytes read and flops. They are counted onc
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.experts.ffn import routed_experts_forward
+from tiermoe.experts.weights import ExpertWeights
 from tiermoe.placement.budget import kv_bytes_per_token
-
-
-@dataclass(frozen=True)
-class OpCount:
-    ops: float  # aten ops the host dispatches
-    kernels: float  # of which not views (a GPU launches a kernel for each)
-
-    def __add__(self, other: OpCount) -> OpCount:
-        return OpCount(self.ops + other.ops, self.kernels + other.kernels)
-
-    def scaled(self, factor: float) -> OpCount:
-        return OpCount(self.ops * factor, self.kernels * factor)
-
-
-@dataclass(frozen=True)
-class ModelCosts:
-    """Work of one pass, by the unit it scales with. Bytes and flops are per call of that unit."""
-
-    per_sequence: OpCount  # non-expert forward of one sequence (attention, norms, LM head, sampling)
-    per_layer: OpCount  # one MoE block call, routed experts aside (router, split, combine, empty tier calls)
-    per_cpu_call: OpCount  # extra ops of a block whose CPU tier holds experts (submit, copies, sync, add)
-    per_expert: OpCount  # one distinct expert computed by the GPU tier
-    sequence_bytes: int  # non-expert weights read per sequence per pass
-    sequence_flops: float  # LM head flops per sequence per pass
-    token_flops: float  # non-expert flops per token (attention projections, router, shared experts)
-    attention_flops_per_context: float  # per token and context position (QK^T and PV)
-    kv_bytes_per_token: int  # KV cache bytes per context token (all layers)
-    bytes_per_expert: int
-    flops_per_pair: float  # one token through one expert
-    hidden_bytes: int  # one token's hidden state (a row crossing PCIe to and from the CPU tier)
-    num_moe_layers: int
-    num_experts: int
-
-    def as_dict(self) -> dict:
-        return asdict(self)
+from tiermoe.placement.model_costs import ModelCosts, OpCount
 
 
 class _OpCounter(TorchDispatchMode):
@@ -74,8 +40,6 @@ class _OpCounter(TorchDispatchMode):
 
 def count_expert_ops(act, hidden: int = 8, inter: int = 4) -> OpCount:
     """Ops per distinct expert of the tiers' feed-forward: 2 experts minus 1 (shapes do not change the count)."""
-    from tiermoe.experts.weights import ExpertWeights
-
     experts = {e: ExpertWeights(torch.randn(2 * inter, hidden), torch.randn(hidden, inter)) for e in range(2)}
     x = torch.randn(2, hidden)
     weights = torch.ones(2, 1)

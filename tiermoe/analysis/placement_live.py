@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from tiermoe.benchmarking.placement_runner import RunTiming, make_engine, run_workload
-from tiermoe.benchmarking.placement_traffic import DYNAMIC_STRATEGIES, strategy_mask
-from tiermoe.benchmarking.placement_workload import Workload
+from tiermoe.analysis.placement_traffic import DYNAMIC_STRATEGIES, strategy_mask
+from tiermoe.analysis.placement_workload import Workload
+from tiermoe.analysis.workload_runs import RunTiming, make_engine, run_workload
 from tiermoe.config import DynamicPlacementConfig
 from tiermoe.engine.dynamic import enable_dynamic_placement
-from tiermoe.placement.cost import BandwidthCostModel
+from tiermoe.placement.pass_cost import PassCostModel
 from tiermoe.stats.recording import PassInfo
 
 
@@ -60,9 +60,11 @@ class TierTrafficRecorder:
 
 def measure_configuration(llm, workload: Workload, strategy: str, ratio: float, calibration_LE,
                           concurrency: int, prefill_chunk: int, prefill_threshold: int | None,
-                          cost: BandwidthCostModel, seed: int = 42, on_step=None) -> tuple[RunTiming, dict]:
+                          cost: PassCostModel | None = None, seed: int = 42, on_step=None
+                          ) -> tuple[RunTiming, dict]:
     """Serve `workload` with `strategy` at `ratio`; returns its timing and traffic (the tier split it had).
-    `prefill_threshold` turns on layerwise GPU prefill for `dynamic` (whose update follows such batches)."""
+    `prefill_threshold` turns on layerwise GPU prefill for `dynamic` (whose update follows such batches); `cost`
+    is what `adaptive` decides with (default: tiermoe.engine.dynamic's, assumed figures)."""
     hybrid = llm.hybrid
     spec = hybrid.spec
     hybrid.apply_mask(strategy_mask(strategy, spec.moe_row_mask(), spec.num_experts, ratio, calibration_LE, seed))

@@ -1,1 +1,0 @@
-"""The `tiermoe bench ...` commands' engines: measurements and estimates that print tables and plots."""
