@@ -196,9 +196,8 @@ def test_gguf_experts_convert_to_int4_on_the_cpu_tier(gguf_case):
 
 
 def test_fit_reads_gguf_headers(gguf_case):
-    from tiermoe.model.plan_source import placement_target
-
     from tiermoe.fit import model_bytes
+    from tiermoe.model.plan_source import placement_target
 
     path, *_ = gguf_case
     m = model_bytes(path)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tiermoe.config import PlacementConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.placement.budget import MemoryBudget, total_gpu_experts
-from tiermoe.placement.masks import generate_gpu_experts_masks
+from tiermoe.placement.global_topk import generate_gpu_experts_masks
 from tiermoe.placement.metrics import cpu_bytes_per_pass, hit_rate
 from tiermoe.placement.partition import load_per_gpu, split_across_gpus
 from tiermoe.placement.plan import PlacementPlan

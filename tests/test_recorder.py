@@ -11,7 +11,7 @@ from tiermoe.arch import detect, load_config
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
-from tiermoe.stats.gpu_masks import GpuMaskRecorder
+from tiermoe.stats.gpu_mask_recorder import GpuMaskRecorder
 from tiermoe.stats.model_shape import ModelShape
 from tiermoe.stats.per_pass_recorder import PerPassRecorder
 from tiermoe.stats.recorders import RecorderGroup, make_recorder

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import save_char_tokenizer, save_tiny
+
 from tiermoe.cli.main import main
 from tiermoe.errors import TiermoeError
 from tiermoe.stats.io import load_counts, load_stats, recorder_output_dir, save_stats

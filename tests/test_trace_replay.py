@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tiermoe.analysis.trace_replay import replay, trace_passes
-from tiermoe.placement.masks import generate_gpu_experts_masks
+from tiermoe.placement.global_topk import generate_gpu_experts_masks
 from tiermoe.placement.metrics import hit_rate
 from tiermoe.placement.pass_cost import expert_cost_model
 from tiermoe.placement.policies import AdaptiveSettings

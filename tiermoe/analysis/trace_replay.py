@@ -19,7 +19,7 @@ import torch
 
 from tiermoe.errors import TiermoeError
 from tiermoe.placement.budget import total_gpu_experts
-from tiermoe.placement.masks import generate_gpu_experts_masks
+from tiermoe.placement.global_topk import generate_gpu_experts_masks
 from tiermoe.placement.pass_cost import PassCostModel
 from tiermoe.placement.pass_traffic import masked_traffic, pass_traffic
 from tiermoe.placement.policies import AdaptivePolicy, AdaptiveSettings, KTDynamicPolicy

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tiermoe.model.plan_source import ENV_NUM_GPU_EXPERTS, num_gpu_experts_from_env  # noqa: F401  (re-exported)
-from tiermoe.placement.masks import generate_gpu_experts_masks  # noqa: F401  (re-exported)
+from tiermoe.placement.global_topk import generate_gpu_experts_masks  # noqa: F401  (re-exported)
 from tiermoe.placement.plan import PlacementPlan
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiermoe.placement.masks import top_k_positions
+from tiermoe.placement.global_topk import top_k_positions
 from tiermoe.placement.pass_cost import PassCostModel
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from tiermoe.errors import TiermoeError
-from tiermoe.placement.masks import clean_counts, generate_gpu_experts_masks, top_k_positions
+from tiermoe.placement.global_topk import clean_counts, generate_gpu_experts_masks, top_k_positions
 
 COMPATIBLE_STRATEGIES = ("uniform", "front-loading", "random", "frequency")
 STRATEGIES = COMPATIBLE_STRATEGIES + ("balanced",)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from tiermoe.errors import TiermoeError
-from tiermoe.stats.gpu_masks import GpuMaskRecorder
+from tiermoe.stats.gpu_mask_recorder import GpuMaskRecorder
 from tiermoe.stats.model_shape import ModelShape
 from tiermoe.stats.per_pass_recorder import PerPassRecorder
 from tiermoe.stats.recording import NO_RECORDER, PassInfo
