@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiermoe.analysis.trace_replay import ORACLES, REPLAY_POLICIES, TracePasses, replay
+from tiermoe.analysis.trace_replay import REPLAY_POLICIES, TracePasses, replay
 from tiermoe.placement.pass_cost import PassCostModel, expert_cost_model
 from tiermoe.placement.profiles import GPUProfile
 from tiermoe.placement.strategies import NEEDS_STATISTICS
@@ -63,26 +63,3 @@ def format_table(bench: DynamicBenchResult, field: str, fmt: str, title: str) ->
             cells.append(f"{(fmt.format(value) if value is not None else '-'):>{width}}")
         lines.append(f"{ratio:<6.2f}" + "".join(cells))
     return "\n".join(lines)
-
-
-def plot_bench(bench: DynamicBenchResult, path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    for policy in bench.policies:
-        style = ":" if policy in ORACLES else "-"
-        ys = [bench.get(policy, r) for r in bench.ratios]
-        ax1.plot(bench.ratios, [100 * y["hit_rate"] for y in ys], style, marker="o", label=policy)
-        ax2.plot(bench.ratios, [y["estimated_output_tokens_per_s"] or 0 for y in ys], style, marker="o", label=policy)
-    ax1.set(xlabel="GPU expert ratio", ylabel="GPU hit rate (%)", title="hit rate (measured on the trace)")
-    ax2.set(xlabel="GPU expert ratio", ylabel="output tokens/s (estimate)", title="throughput (cost-model estimate)")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-    ax2.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

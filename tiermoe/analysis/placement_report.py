@@ -63,33 +63,3 @@ def markdown(result: PlacementBenchResult) -> str:
     if check:
         parts.append(check)
     return "\n\n".join(parts) + "\n"
-
-
-def plot(result: PlacementBenchResult, path: str) -> None:
-    """Output tokens/s against ratio per strategy, and hit rate beside it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    xs = [100 * r for r in result.ratios]
-    for strategy in result.strategies:
-        cells = [result.get(strategy, r) for r in result.ratios]
-        style = "--" if strategy in ("dynamic", "adaptive") else "-"
-        ax1.plot(xs, [c.output_tokens_per_s for c in cells], style, marker="o", label=strategy)
-        ax2.plot(xs, [100 * c.hit_rate for c in cells], style, marker="o", label=strategy)
-    estimate = " (ESTIMATE)" if result.estimated else " (measured)"
-    ax1.set(xlabel="GPU expert ratio (%)", ylabel="output tokens/s" + estimate, title="throughput" + estimate)
-    ax2.set(xlabel="GPU expert ratio (%)", ylabel="GPU-tier hit rate (%)", title="GPU-tier hit rate (exact)")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.set_ylim(bottom=0)  # differences drawn to scale
-    ax1.legend(fontsize=8)
-    setup = result.setup
-    fig.suptitle(f"tiermoe bench placement: {setup.get('model_name', '?')}, {setup.get('dataset', '?')}, "
-                 f"GPU profile {result.gpu_profile.get('name', '?')}" + (" - throughput is a cost-model ESTIMATE"
-                                                                          if result.estimated else ""))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -13,18 +13,18 @@ import torch
 from tiermoe.analysis.dynamic_bench import (
     DEFAULT_RATIOS,
     format_table,
-    plot_bench,
     replay_cost_model,
     run_dynamic_bench,
 )
 from tiermoe.analysis.placement_bench import PlacementBenchConfig, run_placement_bench
-from tiermoe.analysis.placement_report import markdown, plot
+from tiermoe.analysis.placement_report import markdown
 from tiermoe.analysis.placement_traffic import BENCH_STRATEGIES
 from tiermoe.analysis.placement_workload import WorkloadSpec
 from tiermoe.analysis.trace_replay import trace_passes
 from tiermoe.arch import detect, load_config
 from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
 from tiermoe.cli.flags import add_command, positive_int
+from tiermoe.cli.plots import plot_bench, plot_placement_bench
 from tiermoe.errors import TiermoeError
 from tiermoe.models import resolve_model
 from tiermoe.placement.profiles import load_profile
@@ -154,7 +154,7 @@ def run_placement(args) -> int:
     if args.out:
         result.write_json(args.out)
     if args.plot:
-        plot(result, args.plot)
+        plot_placement_bench(result, args.plot)
     passed = result.validation_passed()
     if passed is False:
         print(f"cost-model validation FAILED: estimate and measurement differ by more than {args.tolerance:.0%}",

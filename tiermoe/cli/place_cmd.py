@@ -6,13 +6,14 @@ import json
 
 from tiermoe.cli.flags import add_command, non_negative_int, positive_int
 from tiermoe.cli.placement_flags import add_placement_flags, placement_config_from_args
+from tiermoe.cli.plots import plot_plan
 from tiermoe.errors import TiermoeError
 from tiermoe.model.plan_source import placement_target
 from tiermoe.models import resolve_model
 from tiermoe.placement.metrics import hit_rate
 from tiermoe.placement.plan import PlacementPlan
 from tiermoe.placement.planner import PlacementTarget, make_plan
-from tiermoe.placement.report import format_plan, plan_rows, plot_plan
+from tiermoe.placement.report import format_plan, plan_rows
 from tiermoe.stats.io import load_counts
 
 

@@ -6,10 +6,10 @@ import json
 
 from tiermoe.analysis.strategy_sweep import strategy_hit_rate_report
 from tiermoe.cli.flags import add_command, non_negative_int
+from tiermoe.cli.plots import plot_report
 from tiermoe.errors import TiermoeError
 from tiermoe.placement.plan import PlacementPlan
 from tiermoe.stats.io import load_stats
-from tiermoe.stats.plot import plot_report
 from tiermoe.stats.summary import format_report, report
 
 

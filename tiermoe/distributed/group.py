@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from tiermoe.errors import TiermoeError
 
@@ -89,8 +90,6 @@ class RankGroup:
     """The initialised process group of this rank. Use as a context manager (or call close())."""
 
     def __init__(self, env: RankEnv, device: torch.device, timeout_s: float = DEFAULT_DIST_TIMEOUT_S):
-        import torch.distributed as dist
-
         if timeout_s <= 0:
             raise TiermoeError(f"--dist-timeout must be > 0 seconds, got {timeout_s}")
         self.env = env
@@ -139,7 +138,6 @@ class RankGroup:
 
     def all_reduce_sum(self, y: torch.Tensor) -> torch.Tensor:
         """Sum `y` over all ranks (in place on a contiguous tensor, which is returned)."""
-        import torch.distributed as dist
 
         y = y.contiguous()
         try:
@@ -150,7 +148,6 @@ class RankGroup:
 
     def broadcast(self, obj=None, what: str = "a broadcast from rank 0"):
         """Rank 0 sends `obj` (any picklable object); every rank returns it."""
-        import torch.distributed as dist
 
         box = [obj if self.rank == 0 else None]
         try:
@@ -160,16 +157,12 @@ class RankGroup:
         return box[0]
 
     def barrier(self, what: str = "a barrier") -> None:
-        import torch.distributed as dist
-
         try:
             dist.barrier(group=self.control)
         except RuntimeError as err:
             raise self._fail(what, err) from None
 
     def all_gather(self, obj, what: str = "an all-gather") -> list:
-        import torch.distributed as dist
-
         out = [None] * self.world_size
         try:
             dist.all_gather_object(out, obj, group=self.control)
@@ -179,7 +172,6 @@ class RankGroup:
 
     def gather_after_load(self, obj) -> list:
         """Every rank's `obj` once all have loaded (a long timeout: loading a large model takes minutes)."""
-        import torch.distributed as dist
 
         out = [None] * self.world_size
         try:
@@ -191,7 +183,6 @@ class RankGroup:
     def close(self) -> None:
         """Leave the process group. After a failure it is only dropped: a collective teardown with a dead peer
         could itself wait for the timeout."""
-        import torch.distributed as dist
 
         if self._closed:
             return

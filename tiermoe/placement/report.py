@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
-
 from tiermoe.placement.metrics import hit_rate, layer_coverage
 from tiermoe.placement.plan import PlacementPlan
 
@@ -52,37 +48,3 @@ def format_plan(plan: PlacementPlan, moe_layers, counts=None, bytes_per_expert: 
     if counts is not None:
         lines.append(f"expected GPU hit rate (on these statistics): {100 * hit_rate(plan.mask, counts):.1f}%")
     return "\n".join(lines)
-
-
-def plot_plan(plan: PlacementPlan, path: str | Path, counts=None, title: str = "") -> Path:
-    """Heatmap layers x experts: colour = share of the layer's activations (or 1 without statistics);
-    GPU experts outlined (coloured per GPU rank when there are several)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if counts is not None:
-        counts = torch.as_tensor(counts, dtype=torch.float64)
-        share = counts / counts.sum(dim=1, keepdim=True).clamp(min=1e-300)
-    else:
-        share = torch.zeros(plan.num_layers, plan.num_experts, dtype=torch.float64)
-    width = min(18, 3 + plan.num_experts * 0.12)
-    height = min(14, 2 + plan.num_layers * 0.25)
-    fig, ax = plt.subplots(figsize=(width, height))
-    image = ax.imshow(share.numpy(), aspect="auto", cmap="viridis", interpolation="nearest")
-    fig.colorbar(image, ax=ax, label="share of the layer's routed tokens" if counts is not None else "no statistics")
-    colours = plt.get_cmap("tab10")
-    for rank in range(plan.num_gpus):
-        layers, experts = (plan.assignment == rank).nonzero(as_tuple=True)
-        ax.scatter(experts.numpy(), layers.numpy(), marker="s", s=12, facecolors="none",
-                   edgecolors=[colours(rank % 10)], linewidths=0.8,
-                   label=f"GPU {rank}" if plan.num_gpus > 1 else "GPU tier")
-    ax.set_xlabel("expert")
-    ax.set_ylabel("layer")
-    ax.set_title(title or f"{plan.strategy}: {int(plan.mask.sum())} GPU experts")
-    ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
