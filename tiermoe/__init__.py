@@ -5,6 +5,8 @@ Importing the package is cheap; the heavy parts (torch models, transformers) loa
 
 from __future__ import annotations
 
+import importlib
+
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -21,8 +23,6 @@ def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'tiermoe' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(module), name)
 
 

@@ -31,6 +31,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import transformers
 
 from tiermoe.analysis.gpu_check_items import (
     check_auto_budget,
@@ -94,8 +95,6 @@ def environment() -> dict:
     env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.cuda.is_available(),
            "cpu_threads": torch.get_num_threads()}
     try:
-        import transformers
-
         env["transformers"] = transformers.__version__
     except ImportError:
         env["transformers"] = None
@@ -106,7 +105,6 @@ def environment() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results", help="directory for gpu_check.json (and the profile)")
     parser.add_argument("--quick", action="store_true", help="tiny model and workloads (the default without CUDA)")
