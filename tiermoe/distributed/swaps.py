@@ -38,10 +38,10 @@ class RankSwap:
 def assign_swaps(hybrid, swaps: list[Swap]) -> list[RankSwap]:
     """Give each swap the GPU rank that holds its `expert_out`; drop swaps that no longer fit the owners
     (an expert named twice, or already moved)."""
-    owners = {layer: block.host_assignment_E for layer, block in hybrid.blocks.items()}
+    assignment_LE = hybrid.assignment  # a copy, updated as swaps are given ranks
     out = []
     for s in swaps:
-        row = owners.get(s.layer)
+        row = assignment_LE[s.layer] if s.layer in hybrid.blocks else None
         if row is None or int(row[s.expert_in]) != -1 or int(row[s.expert_out]) < 0:
             continue
         rank = int(row[s.expert_out])

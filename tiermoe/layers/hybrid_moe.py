@@ -61,11 +61,6 @@ class HybridMoE(nn.Module):
         """Where `expert` is computed from now on: -1 = the CPU tier, r >= 0 = GPU rank r's tier."""
         self.assignment_E[expert] = rank
 
-    @property
-    def host_assignment_E(self) -> torch.Tensor:
-        """int64 [E] on the host (a copy), for bookkeeping off the forward path."""
-        return self.assignment_E.to("cpu")
-
     def forward(self, hidden: torch.Tensor):
         if self.batcher is not None and self.batcher.participating():
             return self.batcher.exchange(self.forward_tokens, hidden)

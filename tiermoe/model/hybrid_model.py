@@ -70,8 +70,9 @@ class HybridModel:
     def assignment(self) -> torch.Tensor:
         """[L, E] int64: -1 = CPU tier, r >= 0 = GPU rank r (a copy; dense layers' rows are -1)."""
         assignment = torch.full((self.spec.num_layers, self.spec.num_experts), -1, dtype=torch.int64)
-        for layer, block in self.blocks.items():
-            assignment[layer] = block.host_assignment_E
+        if self.blocks:  # one device-to-host copy for all layers (read between steps by dynamic placement)
+            rows = torch.stack([block.assignment_E for block in self.blocks.values()]).to("cpu")
+            assignment[list(self.blocks)] = rows
         return assignment
 
     @property
