@@ -2,8 +2,8 @@
 
 Start-up, on every rank of an initialised RankGroup:
 1. rank 0 turns the placement into a PlacementPlan (tiermoe.model.plan_source.resolve_plan: assignment [L, E],
-   -1 CPU, r GPU rank r) for exactly `world_size` GPUs and creates the shared-memory store for the CPU experts; it broadcasts both (or the error, so every rank
-   fails with the same one-line message);
+   -1 CPU, r GPU rank r) for exactly `world_size` GPUs and creates the shared-memory store for the CPU experts;
+   it broadcasts both (or the error, so every rank fails with the same one-line message);
 2. ranks on rank 0's host attach the store (mapped lazily, when a swap needs a slot);
 3. every rank loads its share: non-expert weights, its own GPU experts; rank 0 also the CPU experts, into the
    store; then all ranks report to each other, so one rank's failure to load fails them all;

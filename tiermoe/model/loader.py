@@ -118,7 +118,8 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         reads = _reads(assignment_LE, spec, rank, share is None or share.holds_cpu_tier)
         total = _non_expert_bytes(model, ckpt, spec) + _expert_bytes(reads, assignment_LE == rank, fp8_layers,
                                                                       spec, dtype, ckpt.fp8_block)
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {model_dir.name}", disable=not progress) as bar:
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {model_dir.name}",
+                  disable=not progress) as bar:
             _load_fp8_linears(model, ckpt, spec, gpu_device, bar)
             _load_non_experts(model, ckpt, spec, gpu_device, bar)
             _load_experts(blocks, sources, ckpt, spec, assignment_LE, reads, rank, share, dtype, pin, bar, cache)
