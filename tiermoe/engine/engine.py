@@ -11,10 +11,18 @@ The MoE blocks of all of those forwards run once per layer for the whole step (M
 prompt is complete samples one token.
 The engine sees token ids only; text (stop strings) is reached through the `detokenize` function it is given.
 
+One sequence's failure ends that sequence only (finish_reason "error", `seq.error`): a prompt id outside the
+vocabulary is refused by `add`; a failed sampling or stop check fails its own sequence; a failed forward is
+found again by re-running the step's sequences in halves on caches rolled back to where the step began
+(tiermoe.engine.cache_rollback), down to the sequence(s) that fail alone. That does not depend on how a step
+groups its sequences into forwards (one forward for all of them fails as a whole): the other sequences end the
+step as if it had not failed, with the tokens they get alone.
+
 With several ranks (tiermoe.distributed) rank 0's engine has a `leader`: every step it first publishes what it
 is about to feed (sequence ids and tokens), and the other ranks run the same forwards with their own caches
 (`forward_batch`, which groups the sequences the same way on every rank, so the MoE tokens line up); only rank 0
-samples.
+samples. A failed forward there leaves the ranks out of step for good (the leader raises a fatal error); a failed
+sampling still fails its own sequence only.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from tiermoe.engine.batched_decode import batched_decode_forward, can_join, decode_groups, supports_batched_decode
+from tiermoe.engine.cache_rollback import mark, roll_back
 from tiermoe.engine.moe_batcher import MoEBatcher
 from tiermoe.engine.sampling import SamplingParams, new_generator, sample
 from tiermoe.engine.sequence import Sequence
@@ -61,6 +70,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
         self.max_context = getattr(hybrid.config, "max_position_embeddings", None)
+        self.vocab_size = _vocab_size(self.model)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._ids = itertools.count()
@@ -97,11 +107,21 @@ class Engine:
             block.recorder = NO_RECORDER
         self._batcher.close()
 
+    def check_token_ids(self, ids: list[int], field: str = "prompt") -> None:
+        """Refuse ids outside the model's vocabulary (on a GPU such an id would break the whole CUDA context)."""
+        if self.vocab_size is None:
+            return
+        for position, token in enumerate(ids):
+            if not 0 <= token < self.vocab_size:
+                raise TiermoeError(f"{field}: token id {token} at position {position} is outside the model's "
+                                   f"vocabulary (0 to {self.vocab_size - 1})")
+
     def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request; returns its Sequence (filled in as steps run)."""
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise TiermoeError("a prompt needs at least one token")
+        self.check_token_ids(prompt_ids)
         if self.max_context is not None and len(prompt_ids) >= self.max_context:
             raise TiermoeError(f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}")
         if params.stop and self.detokenize is None:
@@ -152,32 +172,82 @@ class Engine:
         return batch
 
     def step(self) -> list[Sequence]:
-        """One forward pass for every scheduled sequence; returns those that produced a token this step."""
+        """One forward pass for every scheduled sequence; returns those that produced a token this step, and those
+        that failed in it (finish_reason "error")."""
         self._admit()
         scheduled = self._schedule()
         if not scheduled:
             return []
         batch = [seq for seq, _ in scheduled]
         inputs = [tokens for _, tokens in scheduled]
-        if self.leader is None:
-            logits = self._recorded_forward(batch, inputs)
-        else:
-            with self.leader.step([s.seq_id for s in batch], inputs, [s.seq_id for s in self.running]):
-                logits = self._recorded_forward(batch, inputs)
+        logits, errors = self._forward_isolating(batch, inputs)
         for hook in self.after_step_hooks:
             hook()
         produced = []
-        for seq, fed, logits_V in zip(batch, inputs, logits):
+        for i, (seq, fed) in enumerate(zip(batch, inputs)):
+            if i in errors:
+                self._fail(seq, errors[i])
+                produced.append(seq)
+                continue
             seq.num_fed += len(fed)
             if seq.prefilling:
                 continue
-            seq.output_ids.append(sample(logits_V, seq.params, seq.generator))
-            self._check_stop(seq)
+            before = len(seq.output_ids)
+            try:
+                seq.output_ids.append(sample(logits[i], seq.params, seq.generator))
+                self._check_stop(seq)
+            except Exception as err:  # noqa: BLE001 - this sequence's sampling or stop check: it alone fails
+                del seq.output_ids[before:]
+                self._fail(seq, err)
             produced.append(seq)
-            if seq.finished:
+            if seq.finished and seq in self.running:
                 self.running.remove(seq)
                 seq.release()
         return produced
+
+    def _fail(self, seq: Sequence, err: BaseException) -> None:
+        seq.fail(err)
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.release()
+
+    def _forward_isolating(self, batch: list[Sequence],
+                           inputs: list[list[int]]) -> tuple[list[torch.Tensor | None], dict[int, BaseException]]:
+        """The step's forwards: (each sequence's logits, {index: error} of the sequences that failed).
+
+        When the step fails, its sequences' caches are rolled back and they are re-run in halves, recursively,
+        until each either has its logits or fails alone (or cannot be rolled back: it fails with the step's error).
+        """
+        if self.leader is not None:  # the other ranks ran this step's forwards: no re-running it on rank 0 alone
+            with self.leader.step([s.seq_id for s in batch], inputs, [s.seq_id for s in self.running]):
+                return self._recorded_forward(batch, inputs), {}
+        marks = [mark(seq.cache) for seq in batch]
+        logits: list[torch.Tensor | None] = [None] * len(batch)
+        errors: dict[int, BaseException] = {}
+
+        def run(rows: list[int]) -> None:
+            try:
+                for i, row_logits in zip(rows, self._recorded_forward([batch[i] for i in rows],
+                                                                      [inputs[i] for i in rows])):
+                    logits[i] = row_logits
+                return
+            except Exception as err:  # noqa: BLE001 - found below: which sequence(s) it belongs to
+                failure = err
+            restored = []
+            for i in rows:
+                if roll_back(batch[i], marks[i]):
+                    restored.append(i)
+                else:
+                    errors[i] = failure
+            if len(rows) == 1:
+                errors[rows[0]] = failure
+            elif restored:
+                half = (len(restored) + 1) // 2
+                run(restored[:half])
+                run(restored[half:])
+
+        run(list(range(len(batch))))
+        return logits, errors
 
     def _recorded_forward(self, batch: list[Sequence], inputs: list[list[int]]) -> list[torch.Tensor]:
         groups = self._groups(batch, inputs)
@@ -188,10 +258,11 @@ class Engine:
                 request_ids=tuple(batch[i].seq_id for i in order), num_tokens=tuple(len(inputs[i]) for i in order),
                 start_positions=tuple(batch[i].num_fed for i in order),
                 is_prefill=tuple(batch[i].prefilling for i in order)))
-        logits = self._forward_groups(batch, inputs, *groups)
-        if self.recorder.enabled:
-            self.recorder.end_pass()
-        return logits
+        try:
+            return self._forward_groups(batch, inputs, *groups)
+        finally:
+            if self.recorder.enabled:
+                self.recorder.end_pass()
 
     def forward_batch(self, seqs: list, inputs: list[list[int]]) -> list[torch.Tensor]:
         """Feed inputs[i] to seqs[i] (each on its own cache, `seq.cache`); MoE blocks run once for all of them.
@@ -265,6 +336,13 @@ def decode_batches(seqs: list, inputs: list[list[int]]) -> list[list[int]]:
     if len(rows) < 2:
         return []
     return [[rows[j] for j in group] for group in decode_groups([seqs[i].cache.get_seq_length() for i in rows])]
+
+
+def _vocab_size(model) -> int | None:
+    """Rows of the input embedding (the ids a forward can look up); None when the model does not say."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    return int(rows) if rows is not None else getattr(getattr(model, "config", None), "vocab_size", None)
 
 
 def _row_order(batches: list[list[int]], alone: list[int]) -> list[int]:

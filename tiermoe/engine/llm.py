@@ -30,12 +30,14 @@ from tiermoe.stats.recording import NO_RECORDER, ExpertRecorder
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """One prompt's result: the generated part only (`text` ends before a matched stop string)."""
+    """One prompt's result: the generated part only (`text` ends before a matched stop string). A sequence that
+    failed has finish_reason "error", the tokens it produced before, and `error` saying what failed."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
     finish_reason: str
+    error: str | None = None
 
 
 class LLM:
@@ -119,6 +121,8 @@ class LLM:
                     delta = text.delta(seq.output_ids, seq.finished, seq.stop_text_end)
                     if delta:
                         yield delta
+            if seq.finish_reason == "error":
+                raise (TiermoeError if seq.error_from_request else RuntimeError)(f"generation failed: {seq.error}")
         finally:
             if not seq.finished:
                 self.engine.abort(seq)
@@ -143,7 +147,7 @@ class LLM:
             text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
             if seq.stop_text_end is not None:
                 text = text[:seq.stop_text_end]
-        return RequestOutput(seq.prompt_ids, list(seq.output_ids), text, seq.finish_reason)
+        return RequestOutput(seq.prompt_ids, list(seq.output_ids), text, seq.finish_reason, seq.error)
 
 
 def _load_tokenizer(model_dir: Path):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
@@ -45,6 +45,9 @@ class MoEBatcher:
         with self._cond:
             self._parties, self._inputs, self._outputs, self._error = len(jobs), {}, {}, None
         futures = [self._pool.submit(self._participate, i, job) for i, job in enumerate(jobs)]
+        # every job ends (a failed one stops the others at their next MoE block) before the next run() resets the
+        # shared state; then the first failure, if any, is raised
+        wait(futures)
         return [f.result() for f in futures]
 
     def _participate(self, index: int, job: Callable[[], object]) -> object:

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from tiermoe.errors import TiermoeError
 
+# Below this temperature sampling is greedy (as in vLLM): logits / temperature would overflow fp32 for tiny
+# temperatures (1e-40 turns every logit into inf and the probabilities into NaN), and the distribution is one-hot
+# long before that anyway.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled and when it stops.
 
-    temperature 0 is greedy. top_k 0 and top_p 1.0 disable those filters. With a seed the sampled tokens are
+    temperature 0 is greedy, and so is any temperature below GREEDY_BELOW (1e-5). top_k 0 and top_p 1.0 disable
+    those filters; top_p always keeps the most likely token, however small it is. With a seed the sampled tokens are
     reproducible. Generation stops at an EOS token (unless ignore_eos), a token of stop_token_ids, a stop string
     (the returned text ends before it), or after exactly max_tokens tokens.
     """
@@ -34,8 +41,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise TiermoeError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise TiermoeError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise TiermoeError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise TiermoeError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -45,7 +52,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def new_generator(seed: int | None) -> torch.Generator:
@@ -72,6 +79,7 @@ def sample(logits_V: torch.Tensor, params: SamplingParams, gen: torch.Generator)
         sorted_p, order = torch.sort(probs_V, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= params.top_p
+        drop[0] = False  # a top_p below fp32's smallest value compares as 0 and would drop it too
         sorted_p[drop] = 0
         probs_V = torch.zeros_like(probs_V).scatter_(0, order, sorted_p)
     return int(torch.multinomial(probs_V, 1, generator=gen))

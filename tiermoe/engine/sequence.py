@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tiermoe.engine.sampling import SamplingParams
+from tiermoe.errors import TiermoeError
 
 
 @dataclass
@@ -18,8 +19,10 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_fed: int = 0  # tokens of prompt + output already through the model (in the KV cache)
     cache: object | None = None  # the transformers cache object, created by the first forward
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_text_end: int | None = None  # where the returned text ends when a stop string matched
+    error: str | None = None  # finish_reason "error": what failed, one line
+    error_from_request: bool = False  # the error is the request's own fault (a TiermoeError): a 4xx, not a 5xx
 
     @property
     def finished(self) -> bool:
@@ -38,6 +41,12 @@ class Sequence:
         if self.prefilling:
             return self.prompt_ids[self.num_fed:self.num_fed + chunk]
         return [self.output_ids[-1]]
+
+    def fail(self, err: BaseException) -> None:
+        """End with finish_reason "error" (the caller drops it from the running batch and releases it)."""
+        self.finish_reason = "error"
+        self.error_from_request = isinstance(err, TiermoeError)
+        self.error = str(err) if self.error_from_request else f"{type(err).__name__}: {err}"
 
     def release(self) -> None:
         """Drop the KV cache (finished or aborted)."""
