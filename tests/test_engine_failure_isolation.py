@@ -139,8 +139,8 @@ def test_an_id_outside_the_vocabulary_that_reaches_a_step_ends_only_its_sequence
 @pytest.mark.parametrize("prompt, fragment", [
     ([7, 256, 8], "prompt: token id 256 at position 1 is outside the model's vocabulary (0 to 255)"),
     ([-1], "prompt: token id -1 at position 0 is outside the model's vocabulary (0 to 255)"),
-    ([10 ** 30], "prompt: token id 1000000000000000000000000000000 at position 0 is outside"),
-])
+    ([10 ** 5000], "prompt: token id beyond 64 bits at position 0 is outside"),
+], ids=["above", "negative", "huge"])
 def test_prompt_ids_outside_the_vocabulary_are_refused_when_added(llm, prompt, fragment):
     with pytest.raises(TiermoeError, match="^" + fragment.replace("(", r"\(").replace(")", r"\)")):
         llm.engine.add(prompt, greedy())
@@ -156,7 +156,7 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(llm, solo, temperature):
     assert_others_are_exact(seqs, solo)
 
 
-@pytest.mark.parametrize("top_p", [1e-9, 1e-50, 5e-324])
+@pytest.mark.parametrize("top_p", [1e-50, 5e-324])
 def test_a_top_p_smaller_than_any_probability_keeps_the_most_likely_token(llm, solo, top_p):
     seqs = run(llm, SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, top_p=top_p, seed=3))
     assert seqs[VICTIM].finish_reason == "length" and seqs[VICTIM].output_ids == solo[VICTIM]

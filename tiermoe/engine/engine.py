@@ -113,7 +113,8 @@ class Engine:
             return
         for position, token in enumerate(ids):
             if not 0 <= token < self.vocab_size:
-                raise TiermoeError(f"{field}: token id {token} at position {position} is outside the model's "
+                shown = token if abs(token) < 2 ** 63 else "beyond 64 bits"  # str() of 5000 digits fails
+                raise TiermoeError(f"{field}: token id {shown} at position {position} is outside the model's "
                                    f"vocabulary (0 to {self.vocab_size - 1})")
 
     def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:

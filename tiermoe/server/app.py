@@ -56,7 +56,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(GenerationFailed)
     async def generation_failed(request: Request, err: GenerationFailed):
-        return openai_error(500, f"generation failed: {err}", "server_error")
+        kind = "invalid_request_error" if err.status < 500 else "server_error"
+        return openai_error(err.status, f"generation failed: {err}", kind)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):

@@ -4,7 +4,9 @@ Handlers never touch the Engine: they post commands (add, abort) to a queue that
 between steps, and read token events from a per-request asyncio queue that the engine thread fills with
 `call_soon_threadsafe`. So the event loop is never blocked by a forward pass, and the engine needs no locks.
 
-A failed step fails its requests and the service goes on, unless the error is fatal (`fatal = True` somewhere in
+A sequence that fails inside a step (the engine isolates it: tiermoe.engine.engine) ends its request with an
+error event; the others go on. A step that fails as a whole fails its requests and the service goes on, unless
+the error is fatal (`fatal = True` somewhere in
 its cause chain, e.g. a rank of a multi-rank run died): then every request fails, the engine thread stops, and
 `on_fatal(err)` lets the server exit with that error instead of serving from a broken process group.
 """
@@ -21,17 +23,20 @@ from dataclasses import dataclass, field
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.engine.sequence import Sequence
 from tiermoe.engine.text_stream import TextStream
+from tiermoe.errors import TiermoeError
 from tiermoe.server.metrics import ServerMetrics
 
 
 @dataclass
 class Event:
-    """A piece of one request's output: new text (and ids); `finish_reason` set on the last event."""
+    """A piece of one request's output: new text (and ids); `finish_reason` set on the last event. An error
+    ends the request with finish_reason "error"; `client_error` when the request's own values caused it."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    client_error: bool = False
 
 
 @dataclass
@@ -160,7 +165,7 @@ class EngineService:
             handle.seq = self.engine.add(handle.prompt_ids, handle.params)
         except Exception as err:  # noqa: BLE001 - reported to the client as an error event
             handle.done = True
-            handle.push(Event("", [], "error", error=str(err)))
+            handle.push(Event("", [], "error", error=str(err), client_error=isinstance(err, TiermoeError)))
             self.metrics.add(requests_failed=1)
             return
         handle.stream = TextStream(self.detokenize, handle.params.stop) if self.detokenize else None
@@ -178,9 +183,11 @@ class EngineService:
         handle.sent_ids = len(seq.output_ids)
         self.metrics.observe_tokens(len(new_ids))
         text = handle.stream.delta(seq.output_ids, seq.finished, seq.stop_text_end) if handle.stream else ""
-        handle.push(Event(text, new_ids, seq.finish_reason))
+        handle.push(Event(text, new_ids, seq.finish_reason, error=seq.error, client_error=seq.error_from_request))
         if seq.finished:
             self._finish(handle)
+            if seq.error is not None:
+                self.metrics.add(requests_failed=1)
 
     def _finish(self, handle: RequestHandle) -> None:
         handle.done = True

@@ -14,7 +14,11 @@ from tiermoe.server.state import ServerState
 
 
 class GenerationFailed(RuntimeError):
-    """The engine reported an error for this request."""
+    """The engine reported an error for this request: a 400 when its own values caused it, else a 500."""
+
+    def __init__(self, message: str, client_error: bool = False):
+        super().__init__(message)
+        self.status = 400 if client_error else 500
 
 
 @dataclass
@@ -26,8 +30,9 @@ class Collected:
 
 async def stream_events(state: ServerState, request: Request, prompt_ids: list[int],
                         params: SamplingParams) -> AsyncIterator[Event]:
-    """Events until the last one. If the client goes away (the consumer is cancelled, or the connection
-    closes while we wait), the request is aborted at once and its slot freed."""
+    """Events until the last one (an error is an event too: `error` set, finish_reason "error"; a stream says so
+    to its client). If the client goes away (the consumer is cancelled, or the connection closes while we wait),
+    the request is aborted at once and its slot freed."""
     handle = state.service.submit(prompt_ids, params)
     try:
         while True:
@@ -37,8 +42,6 @@ async def stream_events(state: ServerState, request: Request, prompt_ids: list[i
                 if await request.is_disconnected():
                     return
                 continue
-            if event.error is not None:
-                raise GenerationFailed(event.error)
             yield event
             if event.finish_reason is not None:
                 return
@@ -49,6 +52,8 @@ async def stream_events(state: ServerState, request: Request, prompt_ids: list[i
 async def collect(state: ServerState, request: Request, prompt_ids: list[int], params: SamplingParams) -> Collected:
     text, ids, reason = [], [], "abort"
     async for event in stream_events(state, request, prompt_ids, params):
+        if event.error is not None:
+            raise GenerationFailed(event.error, event.client_error)
         text.append(event.text)
         ids.extend(event.token_ids)
         reason = event.finish_reason or reason

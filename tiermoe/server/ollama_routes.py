@@ -1,4 +1,9 @@
-"""Ollama-compatible endpoints: /api/generate, /api/chat (NDJSON streams by default, as Ollama), /api/tags."""
+"""Ollama-compatible endpoints: /api/generate, /api/chat (NDJSON streams by default, as Ollama), /api/tags.
+
+A request that fails while it generates gets Ollama's error body, {"error": "..."} (400 when its own values
+caused it, else 500); a stream that fails ends with a final line that has done true, done_reason "error" and
+the error: never a silent truncation.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,10 @@ import time
 from datetime import datetime, timezone
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from tiermoe.server.body import read_body
-from tiermoe.server.generation import collect, stream_events
+from tiermoe.server.generation import GenerationFailed, collect, stream_events
 from tiermoe.server.protocol import OllamaChatRequest, OllamaGenerateRequest
 from tiermoe.server.state import ServerState
 
@@ -29,7 +34,7 @@ def _params(state: ServerState, options, prompt_ids: list[int]):
 
 def _final(state: ServerState, prompt_len: int, generated: int, reason: str, started: float) -> dict:
     return {"model": state.model_name, "created_at": _now(), "done": True,
-            "done_reason": "length" if reason == "length" else "stop",
+            "done_reason": reason if reason in ("length", "error") else "stop",
             "total_duration": int((time.monotonic() - started) * 1e9), "prompt_eval_count": prompt_len,
             "eval_count": generated}
 
@@ -47,18 +52,23 @@ async def tags(request: Request):
 async def _respond(state: ServerState, request: Request, prompt_ids, params, stream: bool, wrap):
     started = time.monotonic()
     if not stream:
-        out = await collect(state, request, prompt_ids, params)
+        try:
+            out = await collect(state, request, prompt_ids, params)
+        except GenerationFailed as err:
+            return JSONResponse(status_code=err.status, content={"error": f"generation failed: {err}"})
         return {**wrap(out.text), **_final(state, len(prompt_ids), len(out.token_ids), out.finish_reason, started)}
 
     async def lines():
-        generated, reason = 0, "stop"
+        generated, reason, failed = 0, "stop", {}
         async for event in stream_events(state, request, prompt_ids, params):
             generated += len(event.token_ids)
             reason = event.finish_reason or reason
+            if event.error is not None:
+                failed = {"error": f"generation failed: {event.error}"}
             if event.text:
                 yield json.dumps({"model": state.model_name, "created_at": _now(), **wrap(event.text),
                                   "done": False}) + "\n"
-        yield json.dumps({**wrap(""), **_final(state, len(prompt_ids), generated, reason, started)}) + "\n"
+        yield json.dumps({**wrap(""), **_final(state, len(prompt_ids), generated, reason, started), **failed}) + "\n"
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 

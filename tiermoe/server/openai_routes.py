@@ -1,6 +1,9 @@
 """OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions (streaming over SSE and not), /v1/models.
 
-Like SGLang, any `model` name in a request is served by the one loaded model.
+Like SGLang, any `model` name in a request is served by the one loaded model. A request that fails while it
+generates gets an error response (400 when its own values caused it, else 500); a stream that fails ends with a
+chunk whose finish_reason is "error" and that carries an `error` object (the openai client raises it), then
+[DONE]: never a silent truncation.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ def _usage(prompt: int, completion: int) -> dict:
 
 def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def _error_object(event) -> dict:
+    status = 400 if event.client_error else 500
+    kind = "invalid_request_error" if event.client_error else "server_error"
+    return {"message": f"generation failed: {event.error}", "type": kind, "param": None, "code": status}
 
 
 def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
@@ -73,7 +82,9 @@ async def chat_completions(request: Request):
         async for event in stream_events(state, request, prompt_ids, params):
             generated += len(event.token_ids)
             delta = {"content": event.text} if event.text else {}
-            yield _sse({**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": event.finish_reason}]})
+            failed = {"error": _error_object(event)} if event.error is not None else {}
+            yield _sse({**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": event.finish_reason}],
+                        **failed})
         if include_usage:
             yield _sse({**chunk, "choices": [], "usage": _usage(len(prompt_ids), generated)})
         yield _sse("[DONE]")
@@ -103,8 +114,9 @@ async def completions(request: Request):
             yield _sse({**head, "choices": [{"index": 0, "text": prefix, "finish_reason": None, "logprobs": None}]})
         async for event in stream_events(state, request, prompt_ids, params):
             generated += len(event.token_ids)
+            failed = {"error": _error_object(event)} if event.error is not None else {}
             yield _sse({**head, "choices": [{"index": 0, "text": event.text, "finish_reason": event.finish_reason,
-                                             "logprobs": None}]})
+                                             "logprobs": None}], **failed})
         if include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(len(prompt_ids), generated)})
         yield _sse("[DONE]")

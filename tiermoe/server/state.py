@@ -35,6 +35,7 @@ class ServerState:
         if self.context_length is not None and len(prompt_ids) >= self.context_length:
             raise TiermoeError(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
                                f"{self.context_length} tokens")
+        self.llm.engine.check_token_ids(prompt_ids)
 
     def sampling(self, prompt_ids: list[int], max_tokens: int | None, **kwargs) -> SamplingParams:
         """SamplingParams for a request, with max_tokens checked against the context and the token budget."""
