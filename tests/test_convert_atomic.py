@@ -15,8 +15,8 @@ from tiermoe.checkpoint.expert_cache import MANIFEST
 def source(tmp_path):
     from tiermoe.testing.make_model import make_model
 
-    return make_model("qwen3_moe", tmp_path / "src", progress=False, config_overrides=dict(
-        hidden_size=128, moe_intermediate_size=64, head_dim=32))
+    return make_model("qwen3_moe", tmp_path / "src", progress=False, config_overrides={
+        "hidden_size": 128, "moe_intermediate_size": 64, "head_dim": 32})
 
 
 def convert(source, out):
