@@ -11,6 +11,7 @@ import struct
 import pytest
 from conftest import run_cli, save_char_tokenizer, save_tiny
 
+from tiermoe.checkpoint.expert_cache import MANIFEST
 from tiermoe.checkpoint.safetensors import read_header
 from tiermoe.errors import TiermoeError
 
@@ -201,13 +202,30 @@ def test_the_valid_gguf_still_opens(tiny_gguf):
     assert run_cli("inspect", str(tiny_gguf)).returncode == 0
 
 
-def test_a_converted_cache_with_a_bad_layer_header_is_refused(tiny_safetensors, tmp_path):
+@pytest.fixture
+def converted(tiny_safetensors, tmp_path):
     model = tmp_path / "m"
     shutil.copytree(tiny_safetensors, model)
     cache = tmp_path / "cache"
     assert run_cli("convert", "--model", str(model), "--cpu-expert-dtype", "int8", "--out", str(cache)).returncode == 0
+    return cache
+
+
+def test_a_converted_cache_with_a_bad_layer_header_is_refused(converted):
+    cache = converted
     layer = cache / "layer-000.safetensors"
     rewrite_header(layer, lambda h: {**h, "1.down.codes": {**h["1.down.codes"], "data_offsets": h["0.down.codes"][
         "data_offsets"]}})
     result = run_cli("generate", "--model", str(cache), "--prompt", "hi", "--gpu-device", "cpu", "--max-tokens", "2")
     assert_refused(result, str(layer), "1.down.codes", "overlap")
+
+
+def test_a_converted_cache_with_a_damaged_manifest_is_refused(converted):
+    manifest_file = converted / MANIFEST
+    manifest = json.loads(manifest_file.read_text())
+    del manifest["matrices"]["down"]["segments"]
+    manifest["source"] = 3
+    manifest_file.write_text(json.dumps(manifest))
+    for argv in (("inspect", str(converted)), ("fit", "--model", str(converted)),
+                 ("generate", "--model", str(converted), "--prompt", "hi", "--gpu-device", "cpu")):
+        assert_refused(run_cli(*argv), str(manifest_file), "matrices.down.segments, source", "convert` again")
