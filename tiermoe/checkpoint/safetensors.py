@@ -85,11 +85,13 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
 
 
 def _refuse_duplicates(pairs: list[tuple]) -> dict:
-    names = [name for name, _ in pairs]
-    twice = sorted({name for name in names if names.count(name) > 1}) if len(set(names)) != len(names) else []
-    if twice:
-        raise ValueError(f"tensor {twice[0]} is named twice in the header")
-    return dict(pairs)
+    """A JSON object without repeated keys (json.loads would keep the last one silently)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"'{key}' appears twice in the header")
+        out[key] = value
+    return out
 
 
 def _entry(file: Path, name: str, info, data_start: int, data_size: int) -> TensorEntry:
