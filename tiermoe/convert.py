@@ -3,12 +3,15 @@
 The experts stream from the source (safetensors in any dtype, FP8 block-quantised, or GGUF) one at a time:
 read (dequantised to the compute dtype), quantised to `fmt` (tiermoe.experts.quant, the CPU tier's own code),
 laid out for the native kernels when this machine has them, and written, so memory stays about one expert
-whatever the model size. The manifest is written last: an interrupted conversion is never taken for a cache.
+whatever the model size. Everything is written into a temporary directory beside `out`, renamed to `out` only
+once complete: a failed or interrupted conversion (Ctrl-C included) removes it and leaves `out` as it was, so the
+rerun starts clean.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -59,16 +62,32 @@ def convert_cpu_experts(model: str | Path, fmt: str, out: str | Path, dtype: tor
     src, out = Path(model).resolve(), Path(out)
     if fmt not in FORMATS:
         raise TiermoeError(f"--cpu-expert-dtype '{fmt}' is unknown; choose one of: {', '.join(FORMATS)}")
+    if out.exists() and not out.is_dir():
+        raise TiermoeError(f"output '{out}' exists and is not a directory; choose a new directory")
     if out.exists() and any(out.iterdir()):
         raise TiermoeError(f"output directory '{out}' exists and is not empty; choose a new one")
     if (src / MANIFEST).is_file():
         raise TiermoeError(f"'{src}' is already a converted cache; convert from the original checkpoint")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"  # beside `out`: same filesystem, so rename works
+    shutil.rmtree(partial, ignore_errors=True)  # left by a killed run of an earlier process with this id
+    partial.mkdir()
+    try:
+        _write_cache(src, fmt, partial, dtype, progress)
+        os.replace(partial, out)  # atomic; replaces `out` only when it is an empty directory
+    except BaseException:  # a failure or Ctrl-C: nothing half-written stays behind
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_cache(src: Path, fmt: str, out: Path, dtype: torch.dtype | None, progress: bool) -> None:
+    """The whole cache of `src` written into the (empty) directory `out`."""
     config = load_config(src)
     spec = detect(config)
     dtype = dtype or spec.dtype
     layout = "blocked" if kernel_layout(fmt, spec) else "rows"
     files = weight_files(src)
-    out.mkdir(parents=True, exist_ok=True)
     metas = None
     total = spec.total_routed_experts
     with open_checkpoint(src, config, fp8_block_size(config)) as ckpt, \
@@ -94,4 +113,3 @@ def convert_cpu_experts(model: str | Path, fmt: str, out: str | Path, dtype: tor
                 "source_fingerprint": source_fingerprint(files), "model_type": spec.model_type,
                 "moe_layers": list(spec.moe_layers), "num_experts": spec.num_experts, "matrices": metas}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return out

@@ -160,7 +160,29 @@ def find_cache(model_dir: str | Path) -> ExpertCache | None:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise TiermoeError(f"{path} is not valid JSON ({err}); run `tiermoe convert` again") from None
+    if not isinstance(manifest, dict):
+        raise TiermoeError(f"{path} is not a JSON object; run `tiermoe convert` again")
     if manifest.get("version") != VERSION:
         raise TiermoeError(f"{path} is a cache of version {manifest.get('version')}, this tiermoe reads {VERSION}; "
                            "run `tiermoe convert` again")
+    _check_manifest(path, manifest)
     return ExpertCache(Path(model_dir), manifest)
+
+
+_MANIFEST_FIELDS = {"format": str, "source": str, "source_fingerprint": list, "matrices": dict}
+_MATRIX_FIELDS = {"fmt": str, "layout": str, "n": int, "k": int, "segments": list, "segment_rows": (int, type(None))}
+
+
+def _check_manifest(path: Path, manifest: dict) -> None:
+    """Every field a load reads, of its type: an edited or damaged manifest is one line, not a KeyError later."""
+    wrong = [key for key, kind in _MANIFEST_FIELDS.items() if not isinstance(manifest.get(key), kind)]
+    matrices = manifest.get("matrices") if isinstance(manifest.get("matrices"), dict) else {}
+    for which in ("gate_up", "down"):
+        meta = matrices.get(which)
+        if not isinstance(meta, dict):
+            wrong.append(f"matrices.{which}")
+            continue
+        wrong += [f"matrices.{which}.{key}" for key, kind in _MATRIX_FIELDS.items()
+                  if not isinstance(meta.get(key), kind)]
+    if wrong:
+        raise TiermoeError(f"{path} lacks or mistypes {', '.join(sorted(set(wrong)))}; run `tiermoe convert` again")

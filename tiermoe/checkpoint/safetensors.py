@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,29 +59,82 @@ class TensorEntry:
 
 
 def read_header(file: Path) -> dict[str, TensorEntry]:
-    """Tensor entries of one safetensors file, from its header alone."""
+    """Tensor entries of one safetensors file, from its header alone, every entry checked against the file: a
+    known dtype, a shape of non-negative integers, `data_offsets` inside the data section whose length is the
+    shape's bytes, and no two tensors sharing bytes. A bad entry is refused (one line naming the file and the
+    tensor): trusted, it would load silently wrong weights."""
     try:
         with open(file, "rb") as f:
+            file_size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) != 8:
                 raise ValueError("shorter than 8 bytes")
             (length,) = struct.unpack("<Q", head)
-            if length > _MAX_HEADER_BYTES:
-                raise ValueError(f"header length {length} is implausible")
-            header = json.loads(f.read(length))
-    except (OSError, ValueError, UnicodeDecodeError) as err:
+            if length > min(_MAX_HEADER_BYTES, file_size - 8):
+                raise ValueError(f"header length {length} is larger than the file ({file_size} bytes) allows")
+            header = json.loads(f.read(length), object_pairs_hook=_refuse_duplicates)
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as err:
         raise TiermoeError(f"{file} is not a valid safetensors file ({err})") from None
-    data_start = 8 + length
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise TiermoeError(f"{file}: tensor {name} has unsupported dtype {info.get('dtype')}")
-        begin, end = info["data_offsets"]
-        entries[name] = TensorEntry(file, dtype, tuple(info["shape"]), data_start + begin, end - begin)
+    if not isinstance(header, dict):
+        raise TiermoeError(f"{file} is not a valid safetensors file (its header is not a JSON object)")
+    data_size = file_size - 8 - length
+    entries = {name: _entry(file, name, info, 8 + length, data_size)
+               for name, info in header.items() if name != "__metadata__"}
+    _check_no_overlap(file, entries)
     return entries
+
+
+def _refuse_duplicates(pairs: list[tuple]) -> dict:
+    """A JSON object without repeated keys (json.loads would keep the last one silently)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"'{key}' appears twice in the header")
+        out[key] = value
+    return out
+
+
+def _entry(file: Path, name: str, info, data_start: int, data_size: int) -> TensorEntry:
+    """One header entry, checked: what is wrong is named with the file and the tensor."""
+    def bad(what: str) -> TiermoeError:
+        return TiermoeError(f"{file}: tensor {name} {what}; the file is corrupt or not safetensors")
+
+    if not isinstance(info, dict):
+        raise bad("is not a JSON object with dtype, shape and data_offsets")
+    dtype = SAFETENSORS_DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+    if dtype is None:
+        raise TiermoeError(f"{file}: tensor {name} has unsupported dtype {info.get('dtype')!r}; tiermoe reads "
+                           f"{', '.join(SAFETENSORS_DTYPES)}")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise bad(f"has shape {shape!r}, expected a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+        raise bad(f"has data_offsets {offsets!r}, expected [begin, end] integers")
+    begin, end = offsets
+    if begin < 0 or end < begin:
+        raise bad(f"has data_offsets [{begin}, {end}]: negative or reversed")
+    if end > data_size:
+        raise bad(f"has data_offsets [{begin}, {end}] past the end of the data section ({data_size} bytes)")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if end - begin != nbytes:
+        raise bad(f"holds {end - begin} bytes, but shape {shape} of {info['dtype']} is {nbytes} bytes")
+    return TensorEntry(file, dtype, tuple(shape), data_start + begin, nbytes)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_no_overlap(file: Path, entries: dict[str, TensorEntry]) -> None:
+    """Two tensors sharing bytes: one of them (at least) reads the other's weights."""
+    previous = None
+    for name, entry in sorted(entries.items(), key=lambda item: (item[1].offset, item[1].nbytes)):
+        if entry.nbytes == 0:
+            continue
+        if previous is not None and entry.offset < previous[1].offset + previous[1].nbytes:
+            raise TiermoeError(f"{file}: tensor {name} overlaps tensor {previous[0]} in the data section; "
+                               "the file is corrupt")
+        previous = (name, entry)
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -135,7 +189,11 @@ class Checkpoint(TensorIndex):
         self.fp8_block = fp8_block or DEFAULT_BLOCK  # weight_block_size of FP8 tensors (config.json)
         self.entries: dict[str, TensorEntry] = {}
         for file in checkpoint_files(self.model_dir):
-            self.entries.update(read_header(file))
+            for name, entry in read_header(file).items():
+                if name in self.entries:
+                    raise TiermoeError(f"{file}: tensor {name} is also in {self.entries[name].file.name}; "
+                                       "a checkpoint holds each tensor once")
+                self.entries[name] = entry
         self._handles: dict[Path, object] = {}
 
     def close(self) -> None:

@@ -62,8 +62,8 @@ def run_as_command(run, args) -> int:
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
         return 0
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as stop:  # a message, when the command says what the interruption cut short
+        print(f"interrupted: {stop}" if str(stop) else "interrupted", file=sys.stderr, flush=True)
         return 130
 
 

@@ -1,8 +1,9 @@
 """One process serving HTTP: the server state built from the flags (or around rank 0's LLM), and the uvicorn loop
-that drains on Ctrl-C / SIGTERM."""
+that drains on Ctrl-C / SIGTERM; a second Ctrl-C stops at once and exits with status 130."""
 
 from __future__ import annotations
 
+import logging
 import signal
 
 import uvicorn
@@ -48,8 +49,24 @@ def build_state(args, llm=None):
                        recorder_control=control)
 
 
+FORCED_STOP = "a second Ctrl-C stopped the server at once; the requests still running were cut off"
+
+
+class _QuietAfterForcedStop(logging.Filter):
+    """Once a second Ctrl-C has stopped the server at once, the requests and the application lifespan it cut off
+    end cancelled, and uvicorn logs each as an error with its traceback: they are the stop asked for, not errors."""
+
+    def __init__(self, server):
+        super().__init__()
+        self.server = server
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (self.server.force_exit and record.levelno >= logging.ERROR)
+
+
 def serve(state) -> None:
-    """Serve HTTP until Ctrl-C / SIGTERM (then drain), or until the engine fails for good (then raise that)."""
+    """Serve HTTP until Ctrl-C / SIGTERM (then drain), or until the engine fails for good (then raise that).
+    A second Ctrl-C while draining stops at once: KeyboardInterrupt (status 130, one line), no traceback."""
 
 
     class DrainingServer(uvicorn.Server):
@@ -57,7 +74,8 @@ def serve(state) -> None:
         the signal after its graceful shutdown, which would end the process as killed by it.)"""
 
         def handle_exit(self, sig, frame) -> None:
-            self.force_exit = self.should_exit and sig == signal.SIGINT  # a second Ctrl-C stops at once
+            # a second Ctrl-C stops at once, and stays a forced stop whatever signal comes next
+            self.force_exit = self.force_exit or (self.should_exit and sig == signal.SIGINT)
             self.should_exit = True
 
     print(f"serving {state.model_name} on http://{state.config.host}:{state.config.port} "
@@ -70,6 +88,14 @@ def serve(state) -> None:
         server.should_exit = True
 
     state.service.on_fatal = stop_serving
-    server.run()
+    quiet = _QuietAfterForcedStop(server)
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addFilter(quiet)
+    try:
+        server.run()
+    finally:
+        uvicorn_log.removeFilter(quiet)
+    if server.force_exit:
+        raise KeyboardInterrupt(FORCED_STOP)
     if state.service.fatal_error is not None:
         raise state.service.fatal_error
