@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from tiermoe.arch import SUPPORTED_MODEL_TYPES
-from tiermoe.cli.flags import add_command, dtype_flag, non_negative_int, positive_int
+from tiermoe.cli.flags import (
+    add_command,
+    dtype_flag,
+    output_dir,
+    positive_float,
+    positive_int,
+    seed_int,
+)
 from tiermoe.testing.make_model import make_model
 from tiermoe.testing.presets import PRESETS
 
@@ -21,9 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), help="a released model's shapes (must match --arch)")
     p.add_argument("--layers", type=positive_int, help="keep only the first N decoder layers")
     p.add_argument("--dtype", type=dtype_flag, default="bf16", help="bf16 (default), fp32 or fp16")
-    p.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0)")
-    p.add_argument("--shard-gb", type=float, default=1.0, help="maximum shard size in GB (default 1)")
-    p.add_argument("--out", required=True, help="output directory (must be new or empty)")
+    p.add_argument("--seed", type=seed_int, default=0, help="random seed (default 0)")
+    p.add_argument("--shard-gb", type=positive_float, default=1.0, help="maximum shard size in GB (default 1)")
+    p.add_argument("--out", type=output_dir, required=True, help="output directory (must be new or empty)")
 
 
 def run(args) -> int:

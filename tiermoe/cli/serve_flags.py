@@ -4,6 +4,7 @@ the rank launcher (which hands rank 0's flags on to the other ranks)."""
 from __future__ import annotations
 
 import argparse
+import math
 
 from tiermoe.cli.cpu_flags import add_cpu_flags
 from tiermoe.cli.flags import positive_int
@@ -19,8 +20,8 @@ def seconds(value: str) -> float:
         number = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{value}' is not a number of seconds") from None
-    if not number > 0:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {value}")
+    if not 0 < number < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {value}")
     return number
 
 
