@@ -74,3 +74,22 @@ def test_place_refuses_a_shape_larger_than_the_available_memory(two_cpus, monkey
 def test_place_refuses_an_absurd_gpu_count():
     assert_one_line_error(run_cli("place", "--num-layers", "4", "--num-experts", "4", "--num-gpu-experts", "2",
                                   "--num-gpus", "100000"), "num_gpus")
+
+
+def test_place_moe_layer_ranges_are_checked_before_they_are_built():
+    assert_one_line_error(run_cli("place", "--num-layers", "4", "--num-experts", "4", "--moe-layers",
+                                  "0-100000000000"), "not a range within 0..3")
+
+
+def test_make_model_layers_are_bounded(tmp_path):
+    assert_one_line_error(run_cli("make-model", "--arch", "qwen3_moe", "--layers", "1000000000", "--out",
+                                  str(tmp_path / "m")), "at most 128 layers")
+    assert_one_line_error(run_cli("make-model", "--arch", "qwen3_moe", "--preset", "qwen3-30b-a3b", "--layers", "49",
+                                  "--out", str(tmp_path / "m")), "preset qwen3-30b-a3b has 48 layers")
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_recorder_buffer_larger_than_memory_is_refused():
+    result = run_cli("generate", "--prompt", "hi", "--expert-distribution-recorder-mode", "per_pass",
+                     "--expert-distribution-recorder-buffer-size", str(10**15))
+    assert_one_line_error(result, "GiB available")

@@ -11,6 +11,7 @@ from tiermoe.cli.flags import (
     positive_int,
     seed_int,
 )
+from tiermoe.errors import TiermoeError
 from tiermoe.testing.make_model import make_model
 from tiermoe.testing.presets import PRESETS
 
@@ -33,7 +34,14 @@ def add_parser(sub) -> None:
     p.add_argument("--out", type=output_dir, required=True, help="output directory (must be new or empty)")
 
 
+MAX_TINY_LAYERS = 128  # a debug model deeper than any released one is a typo (and a billion layers fill memory)
+
+
 def run(args) -> int:
+    limit = PRESETS[args.preset][1]["num_hidden_layers"] if args.preset in PRESETS else MAX_TINY_LAYERS
+    if args.layers is not None and args.layers > limit:
+        what = f"preset {args.preset} has {limit} layers" if args.preset else f"at most {limit} layers"
+        raise TiermoeError(f"--layers {args.layers}: {what} (--layers keeps the first N)")
     out = make_model(args.arch, args.out, preset=args.preset, layers=args.layers, dtype=args.dtype, seed=args.seed,
                      shard_bytes=int(args.shard_gb * 1e9))
     print(f"wrote {out}")

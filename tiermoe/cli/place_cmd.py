@@ -50,21 +50,22 @@ def add_parser(sub) -> None:
 
 
 def parse_layers(text: str, num_layers: int) -> tuple[int, ...]:
-    layers = set()
+    spans = []  # (lo, hi) inclusive
     try:
         for part in text.split(","):
             part = part.strip()
             if "-" in part:
                 lo, hi = part.split("-")
-                layers.update(range(int(lo), int(hi) + 1))
+                spans.append((int(lo), int(hi)))
             elif part:
-                layers.add(int(part))
+                spans.append((int(part), int(part)))
     except ValueError:
         raise TiermoeError(f"--moe-layers '{text}' is not a list of layers like '3-60' or '1,2,5'") from None
-    bad = sorted(x for x in layers if not 0 <= x < num_layers)
-    if bad:
-        raise TiermoeError(f"--moe-layers {bad} outside 0..{num_layers - 1}")
-    return tuple(sorted(layers))
+    for lo, hi in spans:  # before range(): '0-100000000000' would build a set of 10**11 layers
+        if not 0 <= lo <= hi < num_layers:
+            what = f"{lo}-{hi}" if lo != hi else str(lo)
+            raise TiermoeError(f"--moe-layers {what} is not a range within 0..{num_layers - 1}")
+    return tuple(sorted({layer for lo, hi in spans for layer in range(lo, hi + 1)}))
 
 
 def _target(args):
