@@ -241,3 +241,11 @@ def test_bench_dynamic_on_a_file_torch_cannot_read(tmp_path):
     result = run_cli("bench", "dynamic", "--trace", str(path))
     assert_one_line_error(result, "cannot load trace")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("url, fragment", [("http://[::1", "not a URL"), ("notaurl", "expected http://"),
+                                           ("ftp://x", "expected http://")])
+def test_chat_url_is_checked_before_the_chat_starts(url, fragment):
+    result = run_cli("chat", "--url", url)
+    assert_one_line_error(result, fragment)
+    assert "you>" not in result.stdout
