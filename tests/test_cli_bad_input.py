@@ -173,7 +173,8 @@ def test_counts_that_are_negative_nan_or_infinite_are_refused(counts, kind):
 def test_counts_of_a_tiermoe_dump_are_checked_too(tmp_path):
     path = tmp_path / "dump.pt"
     torch.save({"format": "tiermoe-expert-distribution", "mode": "stat", "num_layers": 2, "num_experts": 2,
-                "logical_count": torch.tensor([[[1, 2], [3, 4]]]), "logical_count_prefill": torch.tensor([[1, -2], [0, 0]]),
+                "logical_count": torch.tensor([[[1, 2], [3, 4]]]),
+                "logical_count_prefill": torch.tensor([[1, -2], [0, 0]]),
                 "logical_count_decode": torch.tensor([[0, 4], [3, 4]])}, path)
     with pytest.raises(TiermoeError, match="negative"):
         load_stats(path)

@@ -81,8 +81,10 @@ def add_parser(sub) -> None:
     d.add_argument("--prefill-threshold", type=positive_int, default=None,
                    help="layerwise GPU prefill threshold for the dynamic policies (default: none)")
     d.add_argument("--gpu-profile", default="rtx4090", help="rtx4090 (default), h200, or a JSON file")
-    d.add_argument("--cpu-bandwidth-gbs", type=positive_float, default=25.0, help="CPU read bandwidth, GB/s (default 25)")
-    d.add_argument("--cpu-gflops", type=positive_float, default=400.0, help="CPU expert GFLOP/s at prefill (default 400)")
+    d.add_argument("--cpu-bandwidth-gbs", type=positive_float, default=25.0,
+                   help="CPU read bandwidth, GB/s (default 25)")
+    d.add_argument("--cpu-gflops", type=positive_float, default=400.0,
+                   help="CPU expert GFLOP/s at prefill (default 400)")
     d.add_argument("--json", action="store_true", help="print JSON with every figure")
     d.add_argument("--plot", type=plot_file, help="write hit rate and estimated tokens/s against ratio to this PNG")
     add_placement_parser(benches)
@@ -131,7 +133,8 @@ def add_placement_parser(benches) -> None:
     p.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt tokens per step (default 512)")
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="timed runs per measured configuration on this machine, best taken (default 3)")
-    p.add_argument("--tolerance", type=positive_float, default=0.15, help="this-cpu validation tolerance (default 0.15)")
+    p.add_argument("--tolerance", type=positive_float, default=0.15,
+                   help="this-cpu validation tolerance (default 0.15)")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the prompt sample and split (default 0)")
     p.add_argument("--out", type=output_file, help="write every figure as JSON")
     p.add_argument("--markdown", type=output_file, help="also write the tables as markdown to this file")

@@ -71,7 +71,8 @@ def api_key_from_args(args, environ=None) -> str | None:
         try:
             lines = Path(path).read_text().splitlines()
         except (OSError, UnicodeDecodeError) as err:
-            raise TiermoeError(f"cannot read --api-key-file '{path}': {getattr(err, 'strerror', None) or err}") from None
+            reason = getattr(err, "strerror", None) or err
+            raise TiermoeError(f"cannot read --api-key-file '{path}': {reason}") from None
         key = lines[0].strip() if lines else ""
         if not key:
             raise TiermoeError(f"--api-key-file '{path}' is empty; expected the key on its first line")

@@ -33,7 +33,8 @@ def add_parser(sub) -> None:
     p.add_argument("--plan", help="check the file's GPU-tier snapshots against this plan.json")
     p.add_argument("--placement-seed", type=seed_int, default=42, help="seed of the random strategy")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--plot", type=plot_file, help="draw hit rate vs GPU ratio per strategy and per-layer skew to this PNG")
+    p.add_argument("--plot", type=plot_file,
+                   help="draw hit rate vs GPU ratio per strategy and per-layer skew to this PNG")
 
 
 def run(args) -> int:
