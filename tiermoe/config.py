@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +27,15 @@ def check_device(device: str) -> str:
     if index >= torch.cuda.device_count():
         raise TiermoeError(f"--gpu-device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return f"cuda:{index}"
+
+
+MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes
+MAX_GPUS = 4096  # GPUs one plan may name: beyond any cluster a CPU tier serves, few enough to print a plan
+
+
+def machine_cpus() -> int:
+    """Logical CPUs of this machine (the bound of every count of threads or processes on it)."""
+    return os.cpu_count() or 1
 
 
 PLACEMENT_STRATEGIES = ("uniform", "front-loading", "random", "frequency", "balanced")
@@ -64,14 +75,18 @@ class PlacementConfig:
         if self.gpu_experts_ratio is not None and not 0.0 <= self.gpu_experts_ratio <= 1.0:
             raise TiermoeError(f"gpu_experts_ratio must be between 0.0 and 1.0, got {self.gpu_experts_ratio}")
         if self.gpu_memory_gb is not None and self.gpu_memory_gb != "auto":
-            if not isinstance(self.gpu_memory_gb, (int, float)) or self.gpu_memory_gb < 0:
-                raise TiermoeError(f"gpu_memory_gb must be a number of GB >= 0 or 'auto', got {self.gpu_memory_gb!r}")
-        if self.num_gpus < 1:
-            raise TiermoeError(f"num_gpus must be >= 1, got {self.num_gpus}")
+            memory = self.gpu_memory_gb
+            if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not math.isfinite(memory) \
+                    or memory < 0:
+                raise TiermoeError(f"gpu_memory_gb must be a finite number of GB >= 0 or 'auto', got {memory!r}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise TiermoeError(f"the placement seed must be between 0 and 2**64 - 1, got {self.seed}")
+        if not 1 <= self.num_gpus <= MAX_GPUS:
+            raise TiermoeError(f"num_gpus must be between 1 and {MAX_GPUS}, got {self.num_gpus}")
         if self.gpu_split not in GPU_SPLIT_METHODS:
             raise TiermoeError(f"gpu_split '{self.gpu_split}' is unknown; choose one of: {', '.join(GPU_SPLIT_METHODS)}")
-        if self.kv_cache_tokens < 0 or self.prefill_buffer_gb < 0:
-            raise TiermoeError("kv_cache_tokens and prefill_buffer_gb must be >= 0")
+        if self.kv_cache_tokens < 0 or not 0 <= self.prefill_buffer_gb < math.inf:
+            raise TiermoeError("kv_cache_tokens and prefill_buffer_gb must be finite and >= 0")
 
     @property
     def sized(self) -> bool:
@@ -80,6 +95,7 @@ class PlacementConfig:
 
 CPU_BACKENDS = ("native", "torch", "kt")  # native: tiermoe's kernels (tiermoe.experts.native), the default
 CPU_EXPERT_DTYPES = ("bf16", "int8", "int4")
+THREADS_PER_CPU = 4
 
 
 @dataclass(frozen=True)
@@ -87,7 +103,9 @@ class CPUConfig:
     """The CPU tier: which backend computes it, the format its experts are stored in, and its threads.
 
     expert_dtype None keeps the checkpoint's dtype. threads None: physical cores less one for the caller (at
-    least 1); see tiermoe.experts.threads and docs/cpu-backends.md.
+    least 1); see tiermoe.experts.threads and docs/cpu-backends.md. At most THREADS_PER_CPU per logical CPU:
+    a few more threads than cores is a measurement (tests check results do not depend on the team size), a
+    thousand is a typo that starts a thousand threads (100000 aborts in the native pool).
     """
 
     backend: str = "native"  # --cpu-backend
@@ -102,6 +120,10 @@ class CPUConfig:
                                f"{', '.join(CPU_EXPERT_DTYPES)}")
         if self.threads is not None and self.threads < 1:
             raise TiermoeError(f"cpu threads must be >= 1, got {self.threads}")
+        limit = THREADS_PER_CPU * machine_cpus()
+        if self.threads is not None and self.threads > limit:
+            raise TiermoeError(f"cpu threads {self.threads}: this machine has {machine_cpus()} CPUs; at most {limit} "
+                               f"({THREADS_PER_CPU} per CPU; the default, one per physical core less one, is fastest)")
 
 
 @dataclass(frozen=True)

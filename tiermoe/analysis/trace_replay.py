@@ -51,20 +51,64 @@ class TracePasses:
         return out
 
 
+RECORD_ONE = "record one with `tiermoe record --mode per_token`"
+
+
+def _tensor(trace: dict, key: str, dims: int, integer: bool = True) -> torch.Tensor:
+    value = trace[key]
+    if not isinstance(value, torch.Tensor) or value.dim() != dims or value.is_complex() or (
+            integer and (value.is_floating_point() or value.dtype == torch.bool)):
+        kind = "integer" if integer else "boolean"
+        got = f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise TiermoeError(f"not a per_token trace: {key} must be a {dims}-D {kind} tensor, got {got}")
+    return value
+
+
+def _count(trace: dict, key: str) -> int:
+    value = trace[key]
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TiermoeError(f"not a per_token trace: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _checked_trace(trace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...], int, int]:
+    """The fields replay reads, each checked against the format (a file that is not a trace is one line)."""
+    if not isinstance(trace, dict):
+        raise TiermoeError(f"not a per_token trace: the file holds a {type(trace).__name__}, not a dict; {RECORD_ONE}")
+    try:
+        pass_N = _tensor(trace, "token_pass", 1).long()
+        ids_NMK = _tensor(trace, "topk_ids", 3).long()
+        prefill_N = _tensor(trace, "token_is_prefill", 1, integer=False).bool()
+        layers = trace["moe_layers"]
+        num_layers, num_experts = _count(trace, "num_layers"), _count(trace, "num_experts")
+    except KeyError as err:
+        raise TiermoeError(f"not a per_token trace: missing {err}; {RECORD_ONE}") from None
+    try:
+        moe_layers = tuple(int(x) for x in layers)
+    except (TypeError, ValueError):
+        raise TiermoeError("not a per_token trace: moe_layers must be a list of layer indices") from None
+    n, m = ids_NMK.shape[0], ids_NMK.shape[1]
+    if pass_N.shape[0] != n or prefill_N.shape[0] != n:
+        raise TiermoeError(f"not a per_token trace: token_pass [{pass_N.shape[0]}], token_is_prefill "
+                           f"[{prefill_N.shape[0]}] and topk_ids [{n}, ...] must have one row per token")
+    if len(moe_layers) != m or any(not 0 <= layer < num_layers for layer in moe_layers):
+        raise TiermoeError(f"not a per_token trace: moe_layers {list(moe_layers)[:8]} must name topk_ids' {m} MoE "
+                           f"layers, each in 0..{num_layers - 1}")
+    if n and (int(ids_NMK.min()) < -1 or int(ids_NMK.max()) >= num_experts):
+        raise TiermoeError(f"not a per_token trace: topk_ids hold {int(ids_NMK.min())}..{int(ids_NMK.max())}; "
+                           f"expected expert ids 0..{num_experts - 1} (or -1)")
+    return pass_N, ids_NMK, prefill_N, moe_layers, num_layers, num_experts
+
+
 def trace_passes(trace: dict) -> TracePasses:
     """Per-pass routing of a per_token trace (tiermoe.stats.traces format)."""
-    try:
-        pass_N = trace["token_pass"].long()
-        ids_NMK = trace["topk_ids"].long()
-        prefill_N = trace["token_is_prefill"].bool()
-        moe_layers = tuple(int(x) for x in trace["moe_layers"])
-        num_layers, num_experts = int(trace["num_layers"]), int(trace["num_experts"])
-    except KeyError as err:
-        raise TiermoeError(f"not a per_token trace: missing {err}; record one with `tiermoe record --mode per_token`"
-                           ) from None
+    pass_N, ids_NMK, prefill_N, moe_layers, num_layers, num_experts = _checked_trace(trace)
     if pass_N.numel() == 0:
         raise TiermoeError("the trace holds no tokens")
-    pass_N = pass_N - pass_N.min()
+    # passes numbered 0.. in order; a recorded trace has no gaps, and a forged one cannot make the tables huge
+    pass_N = torch.unique(pass_N, return_inverse=True)[1]
     num_passes, m = int(pass_N.max()) + 1, ids_NMK.shape[1]
     valid = ids_NMK >= 0
     flat = (pass_N[:, None, None] * m + torch.arange(m)[None, :, None]) * num_experts + ids_NMK.clamp(min=0)

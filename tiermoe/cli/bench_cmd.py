@@ -23,7 +23,16 @@ from tiermoe.analysis.placement_workload import WorkloadSpec
 from tiermoe.analysis.trace_replay import trace_passes
 from tiermoe.arch import detect, load_config
 from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
-from tiermoe.cli.flags import add_command, positive_int
+from tiermoe.cli.flags import (
+    add_command,
+    fraction,
+    non_negative_int,
+    output_file,
+    plot_file,
+    positive_float,
+    positive_int,
+    seed_int,
+)
 from tiermoe.cli.plots import plot_bench, plot_placement_bench
 from tiermoe.errors import TiermoeError
 from tiermoe.models import resolve_model
@@ -72,10 +81,12 @@ def add_parser(sub) -> None:
     d.add_argument("--prefill-threshold", type=positive_int, default=None,
                    help="layerwise GPU prefill threshold for the dynamic policies (default: none)")
     d.add_argument("--gpu-profile", default="rtx4090", help="rtx4090 (default), h200, or a JSON file")
-    d.add_argument("--cpu-bandwidth-gbs", type=float, default=25.0, help="CPU read bandwidth, GB/s (default 25)")
-    d.add_argument("--cpu-gflops", type=float, default=400.0, help="CPU expert GFLOP/s at prefill (default 400)")
+    d.add_argument("--cpu-bandwidth-gbs", type=positive_float, default=25.0,
+                   help="CPU read bandwidth, GB/s (default 25)")
+    d.add_argument("--cpu-gflops", type=positive_float, default=400.0,
+                   help="CPU expert GFLOP/s at prefill (default 400)")
     d.add_argument("--json", action="store_true", help="print JSON with every figure")
-    d.add_argument("--plot", help="write hit rate and estimated tokens/s against ratio to this PNG")
+    d.add_argument("--plot", type=plot_file, help="write hit rate and estimated tokens/s against ratio to this PNG")
     add_placement_parser(benches)
 
 
@@ -114,19 +125,20 @@ def add_placement_parser(benches) -> None:
     p.add_argument("--output-len", type=positive_int, default=64,
                    help="output tokens per request: each gets between half and all of it, seeded (default 64)")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=512, help="skip longer prompts (default 512)")
-    p.add_argument("--heldout-fraction", type=float, default=0.1,
+    p.add_argument("--heldout-fraction", type=fraction, default=0.1,
                    help="share of conversations in the held-out split (default 0.1)")
-    p.add_argument("--prefill-threshold", type=int, default=512,
+    p.add_argument("--prefill-threshold", type=non_negative_int, default=512,
                    help="layerwise GPU prefill threshold of `dynamic`, tokens (its update follows such batches); "
                         "0 = off (default 512, KTransformers' tutorial value)")
     p.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt tokens per step (default 512)")
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="timed runs per measured configuration on this machine, best taken (default 3)")
-    p.add_argument("--tolerance", type=float, default=0.15, help="this-cpu validation tolerance (default 0.15)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompt sample and split (default 0)")
-    p.add_argument("--out", help="write every figure as JSON")
-    p.add_argument("--markdown", help="also write the tables as markdown to this file")
-    p.add_argument("--plot", help="write tokens/s and hit rate against ratio per strategy to this PNG")
+    p.add_argument("--tolerance", type=positive_float, default=0.15,
+                   help="this-cpu validation tolerance (default 0.15)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the prompt sample and split (default 0)")
+    p.add_argument("--out", type=output_file, help="write every figure as JSON")
+    p.add_argument("--markdown", type=output_file, help="also write the tables as markdown to this file")
+    p.add_argument("--plot", type=plot_file, help="write tokens/s and hit rate against ratio per strategy to this PNG")
     add_cpu_flags(p)  # the CPU tier whose time is measured
 
 
@@ -167,8 +179,11 @@ def run_dynamic(args) -> int:
     def load_trace(path):
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError, ValueError) as err:
-            raise TiermoeError(f"cannot load trace '{path}': {str(err).splitlines()[0][:200]}") from None
+        except OSError as err:
+            raise TiermoeError(f"cannot load trace '{path}': {err.strerror or err}") from None
+        except Exception as err:  # noqa: BLE001 - any unpickling failure is a file that is not a trace
+            raise TiermoeError(f"cannot load trace '{path}': not a .pt file torch loads safely "
+                               f"({type(err).__name__})") from None
 
     passes = trace_passes(load_trace(args.trace))
     spec = detect(load_config(resolve_model(args.model)))

@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
 
 from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
 from tiermoe.cli.flags import add_command, non_negative_float, positive_int
+from tiermoe.cli.serve_flags import API_KEY_VARIABLE
 from tiermoe.config import check_device
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
 
 HELP = "/quit (or Ctrl-D) leaves, /clear forgets the conversation, /history shows it, /help shows this"
+
+
+def server_url(value: str) -> str:
+    """--url: an http(s) URL with a host, checked before the chat starts."""
+    import httpx
+
+    try:
+        url = httpx.URL(value)
+    except httpx.InvalidURL as err:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a URL ({err})") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise argparse.ArgumentTypeError(f"expected http://HOST:PORT or https://..., got '{value}'")
+    return value
 
 
 def add_parser(sub) -> None:
@@ -26,8 +42,8 @@ def add_parser(sub) -> None:
         "tiermoe chat --url http://127.0.0.1:30000 --system 'You are terse.'",
         "printf 'Hello\\nWhat is an ocean?\\n' | tiermoe chat --max-tokens 40",
     )
-    p.add_argument("--url", help="base URL of a running server, e.g. http://127.0.0.1:30000")
-    p.add_argument("--api-key", help="API key for --url servers started with --api-key")
+    p.add_argument("--url", type=server_url, help="base URL of a running server, e.g. http://127.0.0.1:30000")
+    p.add_argument("--api-key", help=f"API key for --url servers that require one (default: ${API_KEY_VARIABLE})")
     p.add_argument("--model", "--model-path", dest="model", help="checkpoint directory for in-process chat")
     p.add_argument("--gpu-device", default="cpu", help="in-process: cuda, cuda:N or cpu (default cpu)")
     p.add_argument("--system", help="system message")
@@ -54,7 +70,8 @@ class RemoteChat:
     def __init__(self, args):
         import httpx
 
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        key = args.api_key or os.environ.get(API_KEY_VARIABLE)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.client = httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=None)
         self.args = args
 

@@ -24,6 +24,16 @@ def kt_method(value: str) -> str:
     return fmt
 
 
+def cpu_threads(value: str) -> int:
+    """--cpu-threads: a positive integer within what this machine's CPUs can run (CPUConfig's bound)."""
+    number = positive_int(value)
+    try:
+        CPUConfig(threads=number)
+    except TiermoeError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return number
+
+
 def add_cpu_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("CPU tier (docs/cpu-backends.md)")
     g.add_argument("--cpu-backend", choices=CPU_BACKENDS, default=CPUConfig().backend,
@@ -34,7 +44,7 @@ def add_cpu_flags(p: argparse.ArgumentParser) -> None:
                         "(default: the checkpoint's dtype)")
     g.add_argument("--kt-method", dest="kt_method", type=kt_method, default=None,
                    help="SGLang-kt spelling of the format: AMXINT4 = int4, AMXINT8 = int8, BF16 = bf16")
-    g.add_argument("--cpu-threads", "--kt-cpuinfer", dest="cpu_threads", type=positive_int, default=None,
+    g.add_argument("--cpu-threads", "--kt-cpuinfer", dest="cpu_threads", type=cpu_threads, default=None,
                    help="threads computing the CPU tier (default: physical cores less one)")
 
 

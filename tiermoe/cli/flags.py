@@ -1,8 +1,15 @@
-"""Flag types shared by commands: parse, check, and say what is expected when a value is wrong."""
+"""Flag types shared by commands: parse, check, and say what is expected when a value is wrong.
+
+Numbers are finite and fit in 64 bits (a value that does not would fail later, inside torch or C++, with a
+traceback); output files are checked before any work starts, so a long run never fails at its last step
+because its --out or --plot names a missing directory.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+from pathlib import Path
 
 import torch
 
@@ -15,23 +22,41 @@ def dtype_flag(value: str) -> torch.dtype:
     return DTYPES[value]
 
 
-def positive_int(value: str) -> int:
+MAX_INT = 2**63 - 1  # what torch and the C++ kernels take; anything that large is a typo
+MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes
+
+
+def _int(value: str) -> int:
     try:
         number = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{value}' is not an integer") from None
+    if number > MAX_INT:
+        raise argparse.ArgumentTypeError(f"expected an integer at most 2**63 - 1, got {value}")
+    return number
+
+
+def positive_int(value: str) -> int:
+    number = _int(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {number}")
     return number
 
 
 def non_negative_int(value: str) -> int:
+    number = _int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {number}")
+    return number
+
+
+def seed_int(value: str) -> int:
     try:
         number = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"'{value}' is not an integer") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {number}")
+        raise argparse.ArgumentTypeError(f"'{value}' is not an integer seed") from None
+    if not 0 <= number <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected a seed between 0 and 2**64 - 1, got {value}")
     return number
 
 
@@ -44,21 +69,90 @@ def add_command(sub, name: str, help_text: str, *example_lines: str) -> argparse
                           formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def non_negative_float(value: str) -> float:
+def finite_float(value: str) -> float:
     try:
         number = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{value}' is not a number") from None
-    if not number >= 0:
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {value}")
+    return number
+
+
+def non_negative_float(value: str) -> float:
+    number = finite_float(value)
+    if number < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
     return number
 
 
+def positive_float(value: str) -> float:
+    number = finite_float(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return number
+
+
 def unit_float(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{value}' is not a number") from None
+    number = finite_float(value)
     if not 0 < number <= 1:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
     return number
+
+
+def fraction(value: str) -> float:
+    number = finite_float(value)
+    if not 0 <= number <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {value}")
+    return number
+
+
+def output_file(value: str) -> str:
+    """A file to write: its directory exists and it is not itself a directory."""
+    path = Path(value)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"'{value}' is a directory; expected a file name")
+    parent = path.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist (create it first)"
+        raise argparse.ArgumentTypeError(f"directory '{parent}' {what}")
+    return value
+
+
+def output_file_new_dirs(value: str) -> str:
+    """A file to write whose missing directories are created: nothing on its way is a file, it is no directory."""
+    path = Path(value)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"'{value}' is a directory; expected a file name")
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise argparse.ArgumentTypeError(f"'{ancestor}' is not a directory")
+    return value
+
+
+# what matplotlib writes (a name without an extension is written as PNG)
+PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "webp", "tif", "tiff", "eps", "ps", "pgf", "raw", "rgba")
+
+
+def plot_file(value: str) -> str:
+    """An image file to draw: an output_file whose extension matplotlib can write."""
+    output_file(value)
+    suffix = Path(value).suffix.lower().lstrip(".")
+    if suffix and suffix not in PLOT_FORMATS:
+        raise argparse.ArgumentTypeError(f"cannot draw '{value}': expected one of .{', .'.join(PLOT_FORMATS)}")
+    return value
+
+
+def output_dir(value: str) -> str:
+    """A directory to create (or an existing one): not a file, and nothing on its way is a file."""
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"'{value}' exists and is not a directory")
+    ancestor = path
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise argparse.ArgumentTypeError(f"'{ancestor}' is not a directory")
+    return value

@@ -11,6 +11,7 @@ from tiermoe.cli.flags import (
     non_negative_float,
     non_negative_int,
     positive_int,
+    seed_int,
     unit_float,
 )
 from tiermoe.cli.placement_flags import (
@@ -63,7 +64,7 @@ def add_sampling_flags(p) -> None:
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=unit_float, default=1.0, help="nucleus sampling mass, (0, 1] (default 1)")
     p.add_argument("--top-k", type=non_negative_int, default=0, help="sample among the k likeliest (0 = off)")
-    p.add_argument("--seed", type=non_negative_int, default=None, help="random seed for reproducible sampling")
+    p.add_argument("--seed", type=seed_int, default=None, help="random seed for reproducible sampling")
 
 
 def run(args) -> int:

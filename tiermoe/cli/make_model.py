@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from tiermoe.arch import SUPPORTED_MODEL_TYPES
-from tiermoe.cli.flags import add_command, dtype_flag, non_negative_int, positive_int
+from tiermoe.cli.flags import (
+    add_command,
+    dtype_flag,
+    output_dir,
+    positive_float,
+    positive_int,
+    seed_int,
+)
+from tiermoe.errors import TiermoeError
 from tiermoe.testing.make_model import make_model
 from tiermoe.testing.presets import PRESETS
 
@@ -21,12 +29,19 @@ def add_parser(sub) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), help="a released model's shapes (must match --arch)")
     p.add_argument("--layers", type=positive_int, help="keep only the first N decoder layers")
     p.add_argument("--dtype", type=dtype_flag, default="bf16", help="bf16 (default), fp32 or fp16")
-    p.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0)")
-    p.add_argument("--shard-gb", type=float, default=1.0, help="maximum shard size in GB (default 1)")
-    p.add_argument("--out", required=True, help="output directory (must be new or empty)")
+    p.add_argument("--seed", type=seed_int, default=0, help="random seed (default 0)")
+    p.add_argument("--shard-gb", type=positive_float, default=1.0, help="maximum shard size in GB (default 1)")
+    p.add_argument("--out", type=output_dir, required=True, help="output directory (must be new or empty)")
+
+
+MAX_TINY_LAYERS = 128  # a debug model deeper than any released one is a typo (and a billion layers fill memory)
 
 
 def run(args) -> int:
+    limit = PRESETS[args.preset][1]["num_hidden_layers"] if args.preset in PRESETS else MAX_TINY_LAYERS
+    if args.layers is not None and args.layers > limit:
+        what = f"preset {args.preset} has {limit} layers" if args.preset else f"at most {limit} layers"
+        raise TiermoeError(f"--layers {args.layers}: {what} (--layers keeps the first N)")
     out = make_model(args.arch, args.out, preset=args.preset, layers=args.layers, dtype=args.dtype, seed=args.seed,
                      shard_bytes=int(args.shard_gb * 1e9))
     print(f"wrote {out}")

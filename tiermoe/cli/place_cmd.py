@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import json
 
-from tiermoe.cli.flags import add_command, non_negative_int, positive_int
+from tiermoe.cli.flags import (
+    add_command,
+    non_negative_int,
+    output_file,
+    plot_file,
+    positive_int,
+)
 from tiermoe.cli.placement_flags import add_placement_flags, placement_config_from_args
 from tiermoe.cli.plots import plot_plan
 from tiermoe.errors import TiermoeError
+from tiermoe.fit import available_ram
 from tiermoe.model.plan_source import placement_target
 from tiermoe.models import resolve_model
 from tiermoe.placement.metrics import hit_rate
@@ -37,27 +44,28 @@ def add_parser(sub) -> None:
     p.add_argument("--first-k-dense", type=non_negative_int, help="model-free plan: the first K layers are dense")
     add_placement_flags(p, seed_flags=("--seed", "--placement-seed"))
     p.add_argument("--gpu-device", default=None, help="CUDA device for --gpu-memory-gb auto (default cuda:0)")
-    p.add_argument("--out", help="write the plan here (plan.json)")
-    p.add_argument("--plot", help="draw a heatmap (layers x experts, GPU experts marked) to this PNG")
+    p.add_argument("--out", type=output_file, help="write the plan here (plan.json)")
+    p.add_argument("--plot", type=plot_file, help="draw a heatmap (layers x experts, GPU experts marked) to this PNG")
     p.add_argument("--json", action="store_true", help="print JSON (rows, hit rate, plan) instead of a table")
 
 
 def parse_layers(text: str, num_layers: int) -> tuple[int, ...]:
-    layers = set()
+    spans = []  # (lo, hi) inclusive
     try:
         for part in text.split(","):
             part = part.strip()
             if "-" in part:
                 lo, hi = part.split("-")
-                layers.update(range(int(lo), int(hi) + 1))
+                spans.append((int(lo), int(hi)))
             elif part:
-                layers.add(int(part))
+                spans.append((int(part), int(part)))
     except ValueError:
         raise TiermoeError(f"--moe-layers '{text}' is not a list of layers like '3-60' or '1,2,5'") from None
-    bad = sorted(x for x in layers if not 0 <= x < num_layers)
-    if bad:
-        raise TiermoeError(f"--moe-layers {bad} outside 0..{num_layers - 1}")
-    return tuple(sorted(layers))
+    for lo, hi in spans:  # before range(): '0-100000000000' would build a set of 10**11 layers
+        if not 0 <= lo <= hi < num_layers:
+            what = f"{lo}-{hi}" if lo != hi else str(lo)
+            raise TiermoeError(f"--moe-layers {what} is not a range within 0..{num_layers - 1}")
+    return tuple(sorted({layer for lo, hi in spans for layer in range(lo, hi + 1)}))
 
 
 def _target(args):
@@ -74,8 +82,17 @@ def _target(args):
     return PlacementTarget(args.num_layers, args.num_experts, moe)
 
 
+def check_memory(target: PlacementTarget) -> None:
+    """Planning holds a few [layers, experts] tensors: refuse a shape this machine's free memory cannot hold."""
+    free = available_ram()
+    if free is not None and target.planning_bytes > free:
+        raise TiermoeError(f"planning {target.num_layers} layers x {target.num_experts} experts needs about "
+                           f"{target.planning_bytes / 2**20:,.0f} MiB; {free / 2**20:,.0f} MiB are available")
+
+
 def run(args) -> int:
     target = _target(args)
+    check_memory(target)
     counts = None
     if args.init_expert_location:
         counts = load_counts(args.init_expert_location, target.num_layers, target.num_experts)
@@ -83,6 +100,8 @@ def run(args) -> int:
         plan = PlacementPlan.load(args.plan)
     else:
         plan = make_plan(placement_config_from_args(args), target, counts, args.gpu_device)
+    if counts is not None and not bool(counts.any()):
+        counts = None  # no routed tokens: no hit rate to show (the planner said so)
     if args.json:
         out = {"rows": plan_rows(plan, target.moe_layers, counts, target.bytes_per_expert), "plan": plan.to_dict()}
         if counts is not None:

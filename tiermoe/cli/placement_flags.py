@@ -7,11 +7,18 @@ line works unchanged.
 from __future__ import annotations
 
 import argparse
+import math
+import warnings
 
 from tiermoe.arch import detect, load_config
 from tiermoe.cli.cpu_flags import cpu_from_args
-from tiermoe.cli.flags import non_negative_int, positive_int
-from tiermoe.config import GPU_SPLIT_METHODS, PLACEMENT_STRATEGIES, DynamicPlacementConfig, PlacementConfig
+from tiermoe.cli.flags import non_negative_int, positive_float, positive_int, seed_int
+from tiermoe.config import (
+    GPU_SPLIT_METHODS,
+    PLACEMENT_STRATEGIES,
+    DynamicPlacementConfig,
+    PlacementConfig,
+)
 from tiermoe.fit import check_before_loading
 from tiermoe.model.plan_source import resolve_plan
 from tiermoe.models import resolve_model
@@ -35,8 +42,8 @@ def memory_gb(value: str):
         number = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{value}' is neither a number of GB nor 'auto'") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected GB >= 0, got {value}")
+    if not math.isfinite(number) or number < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of GB >= 0 or 'auto', got {value}")
     return number
 
 
@@ -59,7 +66,7 @@ def add_placement_flags(p: argparse.ArgumentParser, seed_flags=("--placement-see
                    help="KV cache tokens reserved by --gpu-memory-gb (default 8192)")
     g.add_argument("--init-expert-location", "--kt-init-expert-location", dest="init_expert_location",
                    help="activation statistics .pt (SGLang logical_count [buf, L, E], [L, E], or tiermoe record output)")
-    g.add_argument(*seed_flags, dest="placement_seed", type=non_negative_int, default=42,
+    g.add_argument(*seed_flags, dest="placement_seed", type=seed_int, default=42,
                    help="seed of the random strategy (default 42, as SGLang-kt)")
     g.add_argument("--num-gpus", dest="num_gpus", type=positive_int, default=1, help="GPUs to split the plan over")
     g.add_argument("--gpu-split", dest="gpu_split", choices=GPU_SPLIT_METHODS, default="balanced",
@@ -72,7 +79,7 @@ def add_dynamic_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kt-gpu-prefill-token-threshold", "--gpu-prefill-token-threshold", dest="prefill_threshold",
                    type=positive_int, help="prefill batches of at least this many tokens run all their experts on "
                    "the GPU, CPU-tier experts streamed through two buffers (this flag alone turns it on)")
-    g.add_argument("--gpu-prefill-buffer-gb", dest="prefill_buffer_gb", type=float, default=1.0,
+    g.add_argument("--gpu-prefill-buffer-gb", dest="prefill_buffer_gb", type=positive_float, default=1.0,
                    help="GPU memory for those two streaming buffers (default 1 GB; counted by --gpu-memory-gb)")
     g.add_argument("--kt-enable-dynamic-expert-update", dest="kt_dynamic", action="store_true",
                    help="after such a batch, keep its most-used experts of each layer on the GPU (SGLang-kt)")
@@ -84,9 +91,6 @@ def add_dynamic_flags(p: argparse.ArgumentParser) -> None:
 
 def dynamic_from_args(args):
     """A DynamicPlacementConfig from the flags, or None when nothing dynamic was asked for."""
-    import warnings
-
-
     policy = args.placement_policy or ("kt-dynamic" if args.kt_dynamic else "static")
     if args.kt_dynamic and policy == "adaptive":
         warnings.warn("--placement-policy adaptive replaces --kt-enable-dynamic-expert-update", stacklevel=2)

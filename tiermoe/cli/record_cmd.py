@@ -10,9 +10,12 @@ from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
 from tiermoe.cli.flags import (
     add_command,
     dtype_flag,
+    fraction,
     non_negative_float,
     non_negative_int,
+    output_file_new_dirs,
     positive_int,
+    seed_int,
 )
 from tiermoe.cli.placement_flags import add_placement_flags, placement_from_args
 from tiermoe.cli.recorder_flags import add_recorder_flags, recorder_from_args
@@ -53,10 +56,10 @@ def add_parser(sub) -> None:
     p.add_argument("--dataset", required=True, help=f"{', '.join(DATASETS)}, or a .json / .jsonl file")
     p.add_argument("--num-prompts", type=positive_int, required=True, help="prompts to run")
     p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens to generate per prompt (default 128)")
-    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the prompt sample and split (default 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the prompt sample and split (default 0)")
     p.add_argument("--split", choices=SPLITS, default="all",
                    help="all prompts (default), or the train / heldout part of a seeded split by conversation")
-    p.add_argument("--heldout-fraction", type=non_negative_float, default=0.1,
+    p.add_argument("--heldout-fraction", type=fraction, default=0.1,
                    help="share of conversations in the heldout part (default 0.1)")
     p.add_argument("--min-chars", type=non_negative_int, default=1, help="skip prompts shorter than this")
     p.add_argument("--max-chars", type=positive_int, default=None, help="skip prompts longer than this")
@@ -69,15 +72,14 @@ def add_parser(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--raw", action="store_true", help="feed prompts as plain text, without the chat template")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.add_argument("--out", help="the statistics file to write (.pt)")
+    p.add_argument("--out", type=output_file_new_dirs,
+                   help="the statistics file to write (.pt; missing directories are created)")
     add_recorder_flags(p, mode_flags=("--mode",), default_mode="stat", default_buffer_size=-1)
     add_placement_flags(p)
     add_cpu_flags(p)
 
 
 def run(args) -> int:
-    if args.heldout_fraction > 1:
-        raise TiermoeError(f"--heldout-fraction must be between 0 and 1, got {args.heldout_fraction}")
     device = check_device(args.gpu_device)
     model_dir = resolve_model(args.model)
     spec = detect(load_config(model_dir))

@@ -8,11 +8,11 @@ N - 1 ranks itself and becomes rank 0 (tiermoe.distributed). Rank 0 serves HTTP,
 from __future__ import annotations
 
 from tiermoe.cli.flags import add_command
-from tiermoe.cli.serve_flags import add_serve_flags
+from tiermoe.cli.serve_flags import add_serve_flags, api_key_from_args
 from tiermoe.cli.serve_http import build_state, serve
 from tiermoe.cli.serve_ranks import serve_rank, serve_with_local_ranks
 from tiermoe.cli.sglang_flags import report_ignored
-from tiermoe.distributed.group import RankEnv, check_world
+from tiermoe.distributed.group import RankEnv, check_local_ranks, check_world
 from tiermoe.placement.plan import PlacementPlan
 from tiermoe.server.malloc_arenas import limit_malloc_arenas
 
@@ -47,12 +47,15 @@ def run(args) -> int:
     env = RankEnv.from_env()
     if env is None or env.rank == 0:
         report_ignored(args)
+        api_key_from_args(args)  # a key file that cannot be read fails now, not after minutes of loading
     gpus = requested_gpus(args)
+    what = "--num-gpus" if not args.plan else "the plan's num_gpus"
     if env is not None:  # started by torchrun (or by our own launcher)
-        check_world(gpus, env.world_size, "--num-gpus" if not args.plan else "the plan's num_gpus")
+        check_world(gpus, env.world_size, what, args.gpu_device, env.local_world_size)
     if env is not None and env.world_size > 1:
         return serve_rank(args, env)
     if env is None and gpus > 1:
+        check_local_ranks(gpus, args.gpu_device, f"{what} {gpus} starts {gpus} ranks")  # before starting any
         return serve_with_local_ranks(args, gpus)
     state = build_state(args)
     try:

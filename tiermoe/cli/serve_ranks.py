@@ -25,14 +25,19 @@ from tiermoe.distributed.group import RankEnv, RankGroup, rank_device
 from tiermoe.distributed.launch import free_port, rank_env, reap, spawn_ranks
 from tiermoe.distributed.rank_model import RankModel
 
+# Never on a child's command line: any user can read it (`ps`). Only rank 0 serves HTTP, so the other ranks need
+# no key at all (nor the file it is in).
+SECRET_FLAGS = ("api_key", "api_key_file")
+
 
 def rank_flags(args: argparse.Namespace) -> list[str]:
-    """The command line that gives `python -m tiermoe.serve` the same settings as `args` (non-defaults only)."""
+    """The command line that gives `python -m tiermoe.serve` the same settings as `args` (non-defaults only),
+    without the API key (SECRET_FLAGS)."""
     parser = argparse.ArgumentParser(add_help=False)
     add_serve_flags(parser)
     flags = []
     for action in parser._actions:
-        if not action.option_strings or not hasattr(args, action.dest):
+        if not action.option_strings or not hasattr(args, action.dest) or action.dest in SECRET_FLAGS:
             continue
         value = getattr(args, action.dest)
         if value == action.default:

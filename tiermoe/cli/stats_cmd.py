@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 from tiermoe.analysis.strategy_sweep import strategy_hit_rate_report
-from tiermoe.cli.flags import add_command, non_negative_int
+from tiermoe.cli.flags import add_command, plot_file, seed_int
 from tiermoe.cli.plots import plot_report
 from tiermoe.errors import TiermoeError
 from tiermoe.placement.plan import PlacementPlan
@@ -30,9 +31,10 @@ def add_parser(sub) -> None:
     p.add_argument("--eval", nargs="+", metavar="FILE",
                    help="measure the hit rates on these statistics instead (e.g. a held-out split)")
     p.add_argument("--plan", help="check the file's GPU-tier snapshots against this plan.json")
-    p.add_argument("--placement-seed", type=non_negative_int, default=42, help="seed of the random strategy")
+    p.add_argument("--placement-seed", type=seed_int, default=42, help="seed of the random strategy")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--plot", help="draw hit rate vs GPU ratio per strategy and per-layer skew to this PNG")
+    p.add_argument("--plot", type=plot_file,
+                   help="draw hit rate vs GPU ratio per strategy and per-layer skew to this PNG")
 
 
 def run(args) -> int:
@@ -48,10 +50,21 @@ def run(args) -> int:
             raise TiermoeError(f"--plan checks GPU-tier snapshots, but {', '.join(stats.sources)} has none "
                                "(record with --record-kt-gpu-expert-distribution)")
         plan_mask = plan.mask
-    result = report(stats, plan_mask, strategy_hit_rate_report(stats, eval_stats, args.placement_seed))
+    result = report(stats, plan_mask, _hit_rates(stats, eval_stats, args.placement_seed))
     print(json.dumps(result) if args.json else format_report(result))
     if args.plot:
         plot_report(result, args.plot)
         if not args.json:
             print(f"wrote {args.plot}")
     return 0
+
+
+def _hit_rates(stats, eval_stats, seed: int) -> dict | None:
+    """The strategies' expected hit rates, or None (with a warning) when the statistics hold no routed token to
+    place by or to measure on: a hit rate of nothing is no figure, and 0/0 would print as nan%."""
+    for which, s in (("", stats), ("--eval ", eval_stats)):
+        if s is not None and not bool(s.counts_LE.any()):
+            warnings.warn(f"the counts of {which}{', '.join(s.sources)} are all zero (no routed tokens): no hit "
+                          "rates to show", stacklevel=2)
+            return None
+    return strategy_hit_rate_report(stats, eval_stats, seed)

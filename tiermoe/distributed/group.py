@@ -60,12 +60,39 @@ class RankEnv:
         return cls(rank, world, local_rank, local_world, node_rank)
 
 
-def check_world(num_gpus: int, world_size: int, what: str = "--num-gpus") -> None:
-    """The plan's GPU count and the number of processes started must agree: one rank per GPU."""
+def check_world(num_gpus: int, world_size: int, what: str = "--num-gpus", gpu_device: str | None = None,
+                local_world_size: int | None = None) -> None:
+    """The plan's GPU count and the number of processes started must agree: one rank per GPU. With
+    `gpu_device`, the ranks on this node (`local_world_size`, default all) must also fit this machine
+    (check_local_ranks)."""
     if num_gpus != world_size:
         raise TiermoeError(f"{what} is {num_gpus} but {world_size} processes were started (one rank per GPU): "
                            f"pass {what} {world_size}, or start {num_gpus} processes "
                            f"(torchrun --nproc-per-node {num_gpus})")
+    if gpu_device is not None:
+        local = world_size if local_world_size is None else local_world_size
+        check_local_ranks(local, gpu_device, f"{local} ranks run on this node" if local != num_gpus else
+                          f"{what} {num_gpus} starts {num_gpus} ranks")
+
+
+def check_local_ranks(ranks: int, gpu_device: str, what: str) -> None:
+    """Ranks on one machine are bounded by what it has: one CUDA device each, or with the GPU tier on the host
+    (--gpu-device cpu) one logical CPU each. `what` names the request in the message ("--num-gpus 8 starts
+    8 ranks")."""
+    try:
+        on_host = torch.device(gpu_device).type == "cpu"
+    except (RuntimeError, TypeError):
+        raise TiermoeError(f"--gpu-device '{gpu_device}' is not a device; expected cpu or cuda") from None
+    if on_host:
+        cpus = os.cpu_count() or 1
+        if ranks > cpus:
+            raise TiermoeError(f"{what}, but this machine has {cpus} CPUs (with --gpu-device cpu each rank is a "
+                               f"process with its own CPU tier); use at most {cpus}")
+        return
+    devices = torch.cuda.device_count()
+    if ranks > devices:
+        raise TiermoeError(f"{what}, one per GPU, but this machine has {devices} CUDA devices"
+                           + (f"; use at most {devices}" if devices else "; use --gpu-device cpu"))
 
 
 def rank_device(gpu_device: str, env: RankEnv) -> torch.device:

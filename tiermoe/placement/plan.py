@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from tiermoe.config import MAX_GPUS
 from tiermoe.errors import TiermoeError
 
 PLAN_FORMAT = "tiermoe-placement-plan"
@@ -33,8 +34,8 @@ class PlacementPlan:
             raise TiermoeError(f"a plan's assignment must be an integer matrix [layers, experts], got "
                                f"{a.dtype} of shape {list(a.shape)}")
         a = a.to("cpu", torch.int64)
-        if self.num_gpus < 1:
-            raise TiermoeError(f"num_gpus must be >= 1, got {self.num_gpus}")
+        if isinstance(self.num_gpus, bool) or not isinstance(self.num_gpus, int) or not 1 <= self.num_gpus <= MAX_GPUS:
+            raise TiermoeError(f"a plan's num_gpus must be an integer between 1 and {MAX_GPUS}, got {self.num_gpus!r}")
         if a.numel() and (int(a.min()) < -1 or int(a.max()) >= self.num_gpus):
             raise TiermoeError(f"plan assignment values must be -1 (CPU) or a GPU rank 0..{self.num_gpus - 1}, "
                                f"found {int(a.min())}..{int(a.max())}")
@@ -82,7 +83,10 @@ class PlacementPlan:
         path = Path(path)
         rows = ",\n    ".join(json.dumps(r) for r in self.assignment.tolist())
         head = json.dumps({k: v for k, v in self.to_dict().items() if k != "assignment"}, indent=2)[:-2]
-        path.write_text(f"{head},\n  \"assignment\": [\n    {rows}\n  ]\n}}\n")
+        try:
+            path.write_text(f"{head},\n  \"assignment\": [\n    {rows}\n  ]\n}}\n")
+        except OSError as err:
+            raise TiermoeError(f"cannot write the plan to '{path}': {err.strerror or err}") from None
         return path
 
     @classmethod
@@ -96,11 +100,9 @@ class PlacementPlan:
             raise TiermoeError(f"plan file '{path}' is not valid JSON ({err})") from None
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT or "assignment" not in data:
             raise TiermoeError(f"'{path}' is not a tiermoe plan (expected format '{PLAN_FORMAT}' with 'assignment')")
-        try:
-            assignment = torch.tensor(data["assignment"], dtype=torch.int64)
-        except (TypeError, ValueError) as err:
-            raise TiermoeError(f"plan file '{path}': assignment is not a rectangular integer matrix ({err})") from None
-        plan = cls(assignment, num_gpus=int(data.get("num_gpus", 1)), strategy=data.get("strategy", "custom"),
+        _check_fields(data, path)
+        assignment = _assignment(data["assignment"], path)
+        plan = cls(assignment, num_gpus=data.get("num_gpus", 1), strategy=data.get("strategy", "custom"),
                    budget=data.get("budget") or {}, gpu_split=data.get("gpu_split"), model_type=data.get("model_type"))
         if (plan.num_layers, plan.num_experts) != (data.get("num_layers"), data.get("num_experts")):
             raise TiermoeError(f"plan file '{path}': assignment shape {list(assignment.shape)} does not match "
@@ -117,3 +119,40 @@ class PlacementPlan:
         if bool(self.mask[dense].any()):
             raise TiermoeError("plan puts GPU experts in dense (non-MoE) layers "
                                f"{dense.nonzero().flatten().tolist()}")
+
+
+# plan.json field -> (the types JSON may give it, what the message says is expected); absent fields take defaults
+_FIELDS = {
+    "num_gpus": ((int,), f"an integer between 1 and {MAX_GPUS}"),
+    "strategy": ((str,), "a string"),
+    "budget": ((dict, type(None)), "an object"),
+    "gpu_split": ((str, type(None)), "a string or null"),
+    "model_type": ((str, type(None)), "a string or null"),
+}
+
+
+def _check_fields(data: dict, path: Path) -> None:
+    """Each recorded field has its JSON type (bool is no integer: `true` is not one GPU)."""
+    for name, (types, expected) in _FIELDS.items():
+        if name in data:
+            value = data[name]
+            if isinstance(value, bool) or not isinstance(value, types):
+                raise TiermoeError(f"plan file '{path}': {name} must be {expected}, got {json.dumps(value)}")
+    num_gpus = data.get("num_gpus", 1)
+    if not 1 <= num_gpus <= MAX_GPUS:
+        raise TiermoeError(f"plan file '{path}': num_gpus must be {_FIELDS['num_gpus'][1]}, got {num_gpus}")
+
+
+def _assignment(rows, path: Path) -> torch.Tensor:
+    """The assignment as int64 [L, E]: JSON integers only (0.9 is not rank 0, true is not rank 1), in rows of
+    one length. Checked element by element before torch sees it, which would truncate floats."""
+    if not isinstance(rows, list) or not all(isinstance(row, list) for row in rows):
+        raise TiermoeError(f"plan file '{path}': assignment must be a list of rows [layers][experts]")
+    for i, row in enumerate(rows):
+        for j, value in enumerate(row):
+            if type(value) is not int or not -1 <= value < 2**63:
+                raise TiermoeError(f"plan file '{path}': assignment[{i}][{j}] is {json.dumps(value)}; expected an "
+                                   "integer, -1 (CPU) or a GPU rank")
+    if len({len(row) for row in rows}) > 1:
+        raise TiermoeError(f"plan file '{path}': assignment rows differ in length; expected [layers][experts]")
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), len(rows[0]) if rows else 0)

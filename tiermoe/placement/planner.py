@@ -7,16 +7,28 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from tiermoe.config import PlacementConfig
 from tiermoe.errors import TiermoeError
-from tiermoe.placement.budget import GIB, MemoryBudget, auto_gpu_memory, total_gpu_experts
+from tiermoe.placement.budget import (
+    GIB,
+    MemoryBudget,
+    auto_gpu_memory,
+    total_gpu_experts,
+)
 from tiermoe.placement.partition import split_across_gpus
 from tiermoe.placement.plan import PlacementPlan
-from tiermoe.placement.strategies import place
+from tiermoe.placement.strategies import NEEDS_STATISTICS, place
+
+# Layers x experts one plan may hold: 268 x DeepSeek-V3's 61 x 256, and 32 MiB per [L, E] int64 tensor. A
+# larger shape is a typo (100000 x 100000 would allocate 80 GB per tensor).
+MAX_CELLS = 1 << 22
+# Bytes planning takes per (layer, expert) cell, generously: counts, sort keys and indices, masks, the assignment.
+BYTES_PER_CELL = 64
 
 
 @dataclass(frozen=True)
@@ -34,9 +46,17 @@ class PlacementTarget:
     def __post_init__(self):
         if self.num_layers < 1 or self.num_experts < 1:
             raise TiermoeError(f"a model needs >= 1 layer and >= 1 expert, got {self.num_layers} x {self.num_experts}")
+        if self.num_layers * self.num_experts > MAX_CELLS:
+            raise TiermoeError(f"{self.num_layers} layers x {self.num_experts} experts is more than any model has; "
+                               f"tiermoe plans at most {MAX_CELLS} (layer, expert) pairs (DeepSeek-V3: 61 x 256)")
         bad = [layer for layer in self.moe_layers if not 0 <= layer < self.num_layers]
         if bad:
             raise TiermoeError(f"MoE layers {bad} are outside 0..{self.num_layers - 1}")
+
+    @property
+    def planning_bytes(self) -> int:
+        """Memory planning this shape takes, about (BYTES_PER_CELL per cell)."""
+        return self.num_layers * self.num_experts * BYTES_PER_CELL
 
     @property
     def moe_rows(self) -> torch.Tensor:
@@ -63,6 +83,13 @@ def make_plan(config: PlacementConfig, target: PlacementTarget, counts: torch.Te
     if counts is not None and tuple(counts.shape) != (target.num_layers, target.num_experts):
         raise TiermoeError(f"activation counts have shape {list(counts.shape)}, expected "
                            f"[{target.num_layers}, {target.num_experts}] for this model")
+    strategy = config.strategy
+    if counts is not None and not bool(torch.as_tensor(counts)[list(target.moe_layers)].any()):
+        # nothing to rank by: frequency would fill the first layers (every count ties), a split by load divides 0
+        fallback = "uniform" if strategy in NEEDS_STATISTICS else strategy
+        warnings.warn(f"the activation statistics of {config.init_expert_location or 'this plan'} are all zero "
+                      f"(no routed tokens): planned without them (strategy {fallback})", stacklevel=2)
+        counts, strategy = None, fallback
     num_moe = len(target.moe_layers)
     budget: dict = {}
     if config.gpu_experts_ratio is not None or config.num_gpu_experts is not None:
@@ -77,7 +104,7 @@ def make_plan(config: PlacementConfig, target: PlacementTarget, counts: torch.Te
     else:
         total = 0
     budget["total_gpu_experts"] = total
-    mask = place(config.strategy, target.moe_rows, target.num_experts, total, counts, config.seed)
+    mask = place(strategy, target.moe_rows, target.num_experts, total, counts, config.seed)
     assignment = split_across_gpus(mask, config.num_gpus, config.gpu_split, counts)
-    return PlacementPlan(assignment, num_gpus=config.num_gpus, strategy=config.strategy, budget=budget,
+    return PlacementPlan(assignment, num_gpus=config.num_gpus, strategy=strategy, budget=budget,
                          gpu_split=config.gpu_split if config.num_gpus > 1 else None, model_type=target.model_type)

@@ -78,15 +78,33 @@ def stats_from_data(data, source: str) -> ExpertStats:
     raise TiermoeError(f"'{source}' is a dict without 'logical_count' or 'activation_counts' (keys: {keys})")
 
 
-def _as_counts(t: torch.Tensor, source: str) -> torch.Tensor:
-    if t.is_complex() or t.dtype == torch.bool:
-        raise TiermoeError(f"'{source}' counts have dtype {t.dtype}; expected integers or floats")
+def check_counts(t: torch.Tensor, source: str, name: str = "counts") -> None:
+    """Counts are routed-token tallies: finite and >= 0. NaN, infinity or a negative count is a corrupted (or
+    hand-made) file, and any of them would make every share and hit rate computed from it meaningless."""
+    if not isinstance(t, torch.Tensor) or t.is_complex() or t.dtype == torch.bool:
+        kind = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TiermoeError(f"'{source}' {name} have dtype {kind}; expected integers or floats")
+    if t.is_floating_point():
+        for bad, what in ((torch.isnan(t), "NaN"), (torch.isinf(t), "infinite")):
+            if bool(bad.any()):
+                where = bad.nonzero()[0].tolist()
+                raise TiermoeError(f"'{source}' holds {what} {name} (first at index {where}); activation counts are "
+                                   "finite numbers >= 0")
+    negative = t < 0
+    if bool(negative.any()):
+        where = negative.nonzero()[0].tolist()
+        raise TiermoeError(f"'{source}' holds negative {name} ({t[tuple(where)].item():g} at index {where}); "
+                           "activation counts are >= 0")
+
+
+def _as_counts(t: torch.Tensor, source: str, name: str = "counts") -> torch.Tensor:
+    check_counts(t, source, name)
     if t.dim() == 3:
         t = t.sum(dim=0)
     elif t.dim() != 2:
         raise TiermoeError(f"'{source}' holds counts of shape {list(t.shape)}; expected [buf, layers, experts] "
                            "or [layers, experts]")
-    return t.to("cpu", torch.float64).nan_to_num(0.0)
+    return t.to("cpu", torch.float64)
 
 
 def _plain(counts_LE: torch.Tensor, source: str, kind: str) -> ExpertStats:
@@ -105,7 +123,10 @@ def _tiermoe(data: dict, source: str) -> ExpertStats:
     notes: tuple[str, ...] = ()
     n_prefill, n_decode = data.get("num_prefill_tokens"), data.get("num_decode_tokens")
     if "logical_count_prefill" in data:
-        prefill, decode = data["logical_count_prefill"].double(), data["logical_count_decode"].double()
+        prefill = _as_counts(data["logical_count_prefill"], source, "prefill counts")
+        decode = _as_counts(data.get("logical_count_decode"), source, "decode counts")
+        if prefill.shape != (L, E) or decode.shape != (L, E):
+            raise TiermoeError(f"'{source}' is inconsistent: its prefill/decode counts are not [{L}, {E}]")
     elif mode == "per_token":
         select = data["token_is_prefill"]
         prefill = counts_from_trace(data, L, E, select).double()

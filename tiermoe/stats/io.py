@@ -24,7 +24,13 @@ from pathlib import Path
 import torch
 
 from tiermoe.errors import TiermoeError
-from tiermoe.stats.expert_stats import ExpertStats, check_shape, merge, stats_from_data
+from tiermoe.stats.expert_stats import (
+    ExpertStats,
+    check_counts,
+    check_shape,
+    merge,
+    stats_from_data,
+)
 
 OUTPUT_DIR_VARIABLES = ("TIERMOE_EXPERT_DISTRIBUTION_RECORDER_DIR", "SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR")
 
@@ -34,6 +40,7 @@ def load_counts(path: str | Path, num_layers: int, num_experts: int) -> torch.Te
     path = Path(path)
     data = _load_file(path)
     counts = _counts_tensor(data, path)
+    check_counts(counts, str(path))
     expected = f"[buf, {num_layers}, {num_experts}] or [{num_layers}, {num_experts}]"
     if counts.dim() == 3:
         if tuple(counts.shape[1:]) != (num_layers, num_experts):
@@ -46,8 +53,6 @@ def load_counts(path: str | Path, num_layers: int, num_experts: int) -> torch.Te
                                "(num_hidden_layers x experts of this model)")
     else:
         raise TiermoeError(f"'{path}' holds a {counts.dim()}-D tensor of shape {list(counts.shape)}; expected {expected}")
-    if counts.is_complex() or counts.dtype == torch.bool:
-        raise TiermoeError(f"'{path}' counts have dtype {counts.dtype}; expected integers or floats")
     return counts.to(torch.float64)
 
 
