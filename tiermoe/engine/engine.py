@@ -37,10 +37,10 @@ from dataclasses import dataclass
 import torch
 
 from tiermoe.engine.batched_decode import batched_decode_forward, can_join, decode_groups, supports_batched_decode
-from tiermoe.engine.cache_rollback import mark, roll_back
 from tiermoe.engine.moe_batcher import MoEBatcher
 from tiermoe.engine.sampling import SamplingParams, new_generator, sample
 from tiermoe.engine.sequence import Sequence
+from tiermoe.engine.step_isolation import forward_isolating
 from tiermoe.errors import TiermoeError
 from tiermoe.stats.recorders import RecorderGroup
 from tiermoe.stats.recording import NO_RECORDER, ExpertRecorder, PassInfo
@@ -214,41 +214,12 @@ class Engine:
 
     def _forward_isolating(self, batch: list[Sequence],
                            inputs: list[list[int]]) -> tuple[list[torch.Tensor | None], dict[int, BaseException]]:
-        """The step's forwards: (each sequence's logits, {index: error} of the sequences that failed).
-
-        When the step fails, its sequences' caches are rolled back and they are re-run in halves, recursively,
-        until each either has its logits or fails alone (or cannot be rolled back: it fails with the step's error).
-        """
+        """The step's forwards: (each sequence's logits, {index: error} of the sequences that failed); a failed
+        step is traced to its sequences by tiermoe.engine.step_isolation."""
         if self.leader is not None:  # the other ranks ran this step's forwards: no re-running it on rank 0 alone
             with self.leader.step([s.seq_id for s in batch], inputs, [s.seq_id for s in self.running]):
                 return self._recorded_forward(batch, inputs), {}
-        marks = [mark(seq.cache) for seq in batch]
-        logits: list[torch.Tensor | None] = [None] * len(batch)
-        errors: dict[int, BaseException] = {}
-
-        def run(rows: list[int]) -> None:
-            try:
-                for i, row_logits in zip(rows, self._recorded_forward([batch[i] for i in rows],
-                                                                      [inputs[i] for i in rows])):
-                    logits[i] = row_logits
-                return
-            except Exception as err:  # noqa: BLE001 - found below: which sequence(s) it belongs to
-                failure = err
-            restored = []
-            for i in rows:
-                if roll_back(batch[i], marks[i]):
-                    restored.append(i)
-                else:
-                    errors[i] = failure
-            if len(rows) == 1:
-                errors[rows[0]] = failure
-            elif restored:
-                half = (len(restored) + 1) // 2
-                run(restored[:half])
-                run(restored[half:])
-
-        run(list(range(len(batch))))
-        return logits, errors
+        return forward_isolating(self._recorded_forward, batch, inputs)
 
     def _recorded_forward(self, batch: list[Sequence], inputs: list[list[int]]) -> list[torch.Tensor]:
         groups = self._groups(batch, inputs)
