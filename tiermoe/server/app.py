@@ -1,4 +1,4 @@
-"""The FastAPI app around one loaded model: routes, API-key check, OpenAI-style errors, engine lifetime."""
+"""The FastAPI app around one loaded model: routes, API-key check, errors in each API's format, engine lifetime."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tiermoe.errors import TiermoeError
 from tiermoe.server import admin_routes, ollama_routes, openai_routes
+from tiermoe.server.error_format import api_error
 from tiermoe.server.generation import GenerationFailed
-from tiermoe.server.openai_routes import openai_error
 from tiermoe.server.state import ServerState
 
 OPEN_PATHS = ("/health",)
@@ -36,8 +36,8 @@ def create_app(state: ServerState) -> FastAPI:
         if key and request.url.path not in OPEN_PATHS:
             given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
             if not hmac.compare_digest(given.encode(), key.encode()):
-                return openai_error(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
-                                    "authentication_error")
+                return api_error(request.url.path, 401,
+                                 "missing or wrong API key (send 'Authorization: Bearer KEY')", "authentication_error")
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
@@ -48,20 +48,20 @@ def create_app(state: ServerState) -> FastAPI:
             message = "the request body is not valid JSON"
         else:
             message = f"{where}: {first.get('msg', 'invalid value')}" if where else first.get("msg", "invalid request")
-        return openai_error(400, message, param=where or None)
+        return api_error(request.url.path, 400, message, param=where or None)
 
     @app.exception_handler(TiermoeError)
     async def user_error(request: Request, err: TiermoeError):
-        return openai_error(400, str(err))
+        return api_error(request.url.path, 400, str(err))
 
     @app.exception_handler(GenerationFailed)
     async def generation_failed(request: Request, err: GenerationFailed):
         kind = "invalid_request_error" if err.status < 500 else "server_error"
-        return openai_error(err.status, f"generation failed: {err}", kind)
+        return api_error(request.url.path, err.status, f"generation failed: {err}", kind)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return openai_error(err.status_code, str(err.detail), kind)
+        return api_error(request.url.path, err.status_code, str(err.detail), kind)
 
     return app

@@ -1,8 +1,15 @@
-"""Reading a JSON request body whatever its Content-Type says (curl -d and some Ollama clients send none)."""
+"""Reading a JSON request body whatever its Content-Type says (curl -d and some Ollama clients send none).
+
+The body is untrusted: JSON that Python's parser takes but the server cannot use is refused here with a 400
+(TiermoeError), never left to fail later as a 500: nesting deeper than MAX_DEPTH (Python's parser would recurse
+until RecursionError), integers longer than Python converts (ValueError), and strings holding a lone UTF-16
+surrogate ("\\ud800": not text, so the tokenizer and the JSON encoder of an error message would both fail).
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -10,16 +17,59 @@ from pydantic import BaseModel, ValidationError
 
 from tiermoe.errors import TiermoeError
 
+MAX_DEPTH = 32  # the deepest body of the API nests 5 levels (messages, a message, its content parts, a part)
 
-async def read_body(request: Request, model: type[BaseModel]):
-    raw = await request.body()
+
+def parse_json(raw: bytes) -> dict:
     try:
         data = json.loads(raw or b"{}")
+    except RecursionError:
+        raise TiermoeError(f"the request body nests deeper than {MAX_DEPTH} levels") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise TiermoeError("the request body is not valid JSON") from None
+    except ValueError:  # an integer longer than Python converts (sys.get_int_max_str_digits)
+        raise TiermoeError(f"the request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                           "digits") from None
     if not isinstance(data, dict):
         raise TiermoeError("the request body must be a JSON object")
+    _check_values(data)
+    return data
+
+
+def _check_values(data: dict) -> None:
+    """Depth and text of every value, walked with a stack (not recursion: the walk must not be the thing that
+    overflows)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise TiermoeError(f"the request body nests deeper than {MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key)
+                stack.append((item, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1) for item in value)
+        elif isinstance(value, str):
+            _check_text(value)
+
+
+def _check_text(text: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise TiermoeError("the request body holds a lone UTF-16 surrogate (e.g. \\ud800) in a string; "
+                           "expected text (a surrogate only as half of a pair)") from None
+
+
+def validate(data: dict, model: type[BaseModel]):
     try:
         return model.model_validate(data)
     except ValidationError as err:
         raise RequestValidationError(err.errors()) from None
+
+
+async def read_body(request: Request, model: type[BaseModel]):
+    return validate(parse_json(await request.body()), model)

@@ -13,7 +13,7 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from tiermoe.server.body import read_body
 from tiermoe.server.generation import collect, stream_events
@@ -123,7 +123,3 @@ async def completions(request: Request):
 
     return StreamingResponse(chunks(), media_type="text/event-stream")
 
-
-def openai_error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
-                                                               "code": status}})

@@ -8,6 +8,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
+MAX_COUNT = 2**31 - 1  # token counts and top_k: far beyond any context, small enough for every kernel
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+
+
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -33,11 +37,11 @@ class StreamOptions(_Lenient):
 
 class _SamplingFields(_Lenient):
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    seed: int | None = None
+    top_k: int = Field(default=0, ge=-1, le=MAX_COUNT)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
@@ -61,7 +65,7 @@ class _SamplingFields(_Lenient):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT)
 
 
 class CompletionRequest(_SamplingFields):
@@ -83,9 +87,9 @@ class CompletionRequest(_SamplingFields):
 class OllamaOptions(_Lenient):
     temperature: float = Field(default=0.8, ge=0.0, le=2.0)
     top_p: float = Field(default=0.9, gt=0.0, le=1.0)
-    top_k: int = Field(default=40, ge=0)
-    num_predict: int | None = Field(default=None, ge=-2)
-    seed: int | None = None
+    top_k: int = Field(default=40, ge=0, le=MAX_COUNT)
+    num_predict: int | None = Field(default=None, ge=-2, le=MAX_COUNT)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: list[str] | None = None
 
 

@@ -1,0 +1,49 @@
+"""A tiermoe server in this process (uvicorn on a thread) around a tiny fp32 model: the tests can reach into
+its state (metrics, engine) and its log records reach pytest's caplog (uvicorn's own logging config is off)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+import torch
+import uvicorn
+from conftest import save_char_tokenizer, save_tiny
+
+from tiermoe.config import ServerConfig
+from tiermoe.distributed.launch import free_port
+from tiermoe.engine.llm import LLM
+from tiermoe.server.app import create_app
+from tiermoe.server.engine_service import EngineService
+from tiermoe.server.metrics import ServerMetrics
+from tiermoe.server.state import ServerState
+from tiermoe.stats.tier_hits import TierHitCounter
+
+
+@contextmanager
+def server_thread(tmp_dir, step_sleep: float = 0.0, **config):
+    """Yields (url, state). `step_sleep` seconds after every engine step make generation slow enough to watch."""
+    path = save_tiny("qwen3_moe", tmp_dir)
+    save_char_tokenizer(path)
+    llm = LLM(path, dtype=torch.float32, prefill_chunk=16, max_running=8, progress=False)
+    if step_sleep:
+        llm.engine.after_step_hooks.append(lambda: time.sleep(step_sleep))
+    server_config = ServerConfig(port=free_port(), **config)
+    metrics = ServerMetrics()
+    state = ServerState(llm=llm, config=server_config, metrics=metrics, model_name="tiny",
+                        service=EngineService(llm.engine, llm.engine.detokenize, metrics),
+                        hits=TierHitCounter(llm.hybrid.spec.num_layers))
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=server_config.port,
+                                           log_config=None, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server_config.port}", state
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        llm.close()
