@@ -126,6 +126,10 @@ class CPUConfig:
                                f"({THREADS_PER_CPU} per CPU; the default, one per physical core less one, is fastest)")
 
 
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # 8 MiB: a prompt of a million tokens and more
+MAX_REQUEST_BYTES_CAP = 1 << 30  # a body is parsed in memory several times over: 1 GiB is already a lot
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """`tiermoe serve`: where it listens, who may call it, and how much it batches."""
@@ -138,6 +142,7 @@ class ServerConfig:
     max_total_tokens: int | None = None
     chunked_prefill_size: int = 512
     default_max_tokens: int = 256  # when a request gives no max_tokens
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a longer body is a 413, never read whole
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -147,6 +152,9 @@ class ServerConfig:
                 raise TiermoeError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise TiermoeError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
+        if not 0 < self.max_request_bytes <= MAX_REQUEST_BYTES_CAP:
+            raise TiermoeError(f"max_request_bytes must be 1-{MAX_REQUEST_BYTES_CAP} (1 GiB), got "
+                               f"{self.max_request_bytes}")
 
 
 PLACEMENT_POLICIES = ("static", "kt-dynamic", "adaptive")

@@ -14,6 +14,7 @@ from tiermoe.cli.generate_cmd import add_model_flags
 from tiermoe.cli.placement_flags import add_dynamic_flags, add_placement_flags
 from tiermoe.cli.recorder_flags import add_recorder_flags
 from tiermoe.cli.sglang_flags import add_sglang_compat_flags
+from tiermoe.config import DEFAULT_MAX_REQUEST_BYTES
 from tiermoe.distributed.group import DEFAULT_DIST_TIMEOUT_S
 from tiermoe.errors import TiermoeError
 
@@ -46,6 +47,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens prefilled per step over all requests (default 512)")
     p.add_argument("--default-max-tokens", type=positive_int, default=256,
                    help="max_tokens of requests that give none (default 256)")
+    p.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="a request body longer than this is refused with 413 before it is read whole "
+                        f"(default {DEFAULT_MAX_REQUEST_BYTES >> 20} MiB, at most 1 GiB)")
     add_placement_flags(p)
     add_dynamic_flags(p)
     add_cpu_flags(p)

@@ -26,7 +26,7 @@ def build_state(args, llm=None):
     config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                           api_key=api_key_from_args(args), max_running_requests=args.max_running_requests,
                           max_total_tokens=args.max_total_tokens, chunked_prefill_size=args.chunked_prefill_size,
-                          default_max_tokens=args.default_max_tokens)
+                          default_max_tokens=args.default_max_tokens, max_request_bytes=args.max_request_bytes)
     if llm is None:
         device = check_device(args.gpu_device)
         plan = plan_from_args(args, device)

@@ -1,4 +1,5 @@
-"""Reading a JSON request body whatever its Content-Type says (curl -d and some Ollama clients send none).
+"""Reading a JSON request body whatever its Content-Type says (curl -d and some Ollama clients send none), at
+most --max-request-bytes of it (a 413 beyond, found while reading: a huge body is never held whole).
 
 The body is untrusted: JSON that Python's parser takes but the server cannot use is refused here with a 400
 (TiermoeError), never left to fail later as a 500: nesting deeper than MAX_DEPTH (Python's parser would recurse
@@ -14,6 +15,8 @@ import sys
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from tiermoe.errors import TiermoeError
 
@@ -71,5 +74,27 @@ def validate(data: dict, model: type[BaseModel]):
         raise RequestValidationError(err.errors()) from None
 
 
-async def read_body(request: Request, model: type[BaseModel]):
-    return validate(parse_json(await request.body()), model)
+async def read_bytes(request: Request, limit: int) -> bytes:
+    """The body, read chunk by chunk and refused (413) as soon as it is longer than `limit`: a huge body is never
+    held whole, and a Content-Length beyond the limit is refused before any of it is read."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> HTTPException:
+    return HTTPException(413, f"the request body is longer than this server takes ({limit} bytes; "
+                              "--max-request-bytes)")
+
+
+async def read_body(request: Request, model: type[BaseModel], limit: int):
+    """The body as `model`; the JSON parsed and checked on a worker thread (an 8 MiB body takes a while)."""
+    raw = await read_bytes(request, limit)
+    return await run_in_threadpool(lambda: validate(parse_json(raw), model))

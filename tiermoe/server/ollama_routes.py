@@ -76,12 +76,14 @@ async def _respond(state: ServerState, request: Request, prompt_ids, params, str
 @router.post("/api/generate")
 async def generate(request: Request):
     state: ServerState = request.app.state.tiermoe
-    body = await read_body(request, OllamaGenerateRequest)
+    body = await read_body(request, OllamaGenerateRequest, state.config.max_request_bytes)
     if body.raw or not getattr(state.llm.tokenizer, "chat_template", None):
-        prompt_ids = state.llm.encode(body.prompt)
+        prompt_ids = await state.tokenize(len(body.prompt), lambda: state.llm.encode(body.prompt))
     else:
         messages = ([{"role": "system", "content": body.system}] if body.system else [])
-        prompt_ids = state.llm.chat_prompt_ids(messages + [{"role": "user", "content": body.prompt}])
+        messages.append({"role": "user", "content": body.prompt})
+        prompt_ids = await state.tokenize(len(body.prompt) + len(body.system or ""),
+                                          lambda: state.llm.chat_prompt_ids(messages))
     params = _params(state, body.options, prompt_ids)
     return await _respond(state, request, prompt_ids, params, body.stream, lambda text: {"response": text})
 
@@ -89,8 +91,10 @@ async def generate(request: Request):
 @router.post("/api/chat")
 async def chat(request: Request):
     state: ServerState = request.app.state.tiermoe
-    body = await read_body(request, OllamaChatRequest)
-    prompt_ids = state.llm.chat_prompt_ids([{"role": m.role, "content": m.text()} for m in body.messages])
+    body = await read_body(request, OllamaChatRequest, state.config.max_request_bytes)
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    prompt_ids = await state.tokenize(sum(len(m["content"]) for m in messages),
+                                      lambda: state.llm.chat_prompt_ids(messages))
     params = _params(state, body.options, prompt_ids)
     return await _respond(state, request, prompt_ids, params, body.stream,
                           lambda text: {"message": {"role": "assistant", "content": text}})

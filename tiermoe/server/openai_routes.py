@@ -41,9 +41,16 @@ def _error_object(event) -> dict:
     return {"message": f"generation failed: {event.error}", "type": kind, "param": None, "code": status}
 
 
-def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+async def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    return state.llm.chat_prompt_ids(messages)
+    return await state.tokenize(sum(len(m["content"]) for m in messages),
+                                lambda: state.llm.chat_prompt_ids(messages))
+
+
+async def completion_prompt_ids(state: ServerState, body: CompletionRequest) -> list[int]:
+    if not isinstance(body.prompt, str):
+        return body.prompt
+    return await state.tokenize(len(body.prompt), lambda: state.llm.encode(body.prompt))
 
 
 def _sampling(state: ServerState, body, prompt_ids: list[int], max_tokens: int | None):
@@ -61,8 +68,8 @@ async def models(request: Request):
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     state = _state(request)
-    body = await read_body(request, ChatCompletionRequest)
-    prompt_ids = chat_prompt_ids(state, body)
+    body = await read_body(request, ChatCompletionRequest, state.config.max_request_bytes)
+    prompt_ids = await chat_prompt_ids(state, body)
     params = _sampling(state, body, prompt_ids, body.max_completion_tokens or body.max_tokens)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": state.model_name}
@@ -95,8 +102,8 @@ async def chat_completions(request: Request):
 @router.post("/v1/completions")
 async def completions(request: Request):
     state = _state(request)
-    body = await read_body(request, CompletionRequest)
-    prompt_ids = state.llm.encode(body.prompt)
+    body = await read_body(request, CompletionRequest, state.config.max_request_bytes)
+    prompt_ids = await completion_prompt_ids(state, body)
     params = _sampling(state, body, prompt_ids, body.max_tokens)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}

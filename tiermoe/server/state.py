@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
+
+from starlette.concurrency import run_in_threadpool
 
 from tiermoe.config import ServerConfig
 from tiermoe.engine.llm import LLM
@@ -24,10 +29,39 @@ class ServerState:
     model_name: str
     recorder_control: object | None = None  # start/stop/dump of the expert distribution recorder
     started: float = field(default_factory=time.time)
+    # one tokenisation at a time: a fast tokenizer's settings are not safe to touch from two threads at once
+    _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def context_length(self) -> int | None:
         return self.llm.engine.max_context
+
+    @cached_property
+    def max_token_chars(self) -> int | None:
+        """Characters one token of text covers at most: the longest vocabulary entry (a byte-level or
+        sentencepiece entry has at least one character per character of text it stands for), times 4 since a
+        normaliser (NFC, NFKC) can fold several characters into one."""
+        vocab = self.llm.tokenizer.get_vocab() if self.llm.tokenizer is not None else None
+        return 4 * max(map(len, vocab), default=1) if vocab else None
+
+    def check_prompt_chars(self, chars: int) -> None:
+        """Refuse a prompt whose text cannot fit the context however it tokenises, before tokenising it (a 50 MB
+        prompt would take a core for a minute and gigabytes of memory to find out)."""
+        per_token = self.max_token_chars
+        if self.context_length is None or per_token is None or chars <= self.context_length * per_token:
+            return
+        raise TiermoeError(f"the prompt has {chars} characters; this model's context of {self.context_length} tokens "
+                           f"holds at most {self.context_length * per_token} (it was not tokenised)")
+
+    async def tokenize(self, chars: int, encode: Callable[[], list[int]]) -> list[int]:
+        """`encode()` (tokenising, a chat template) on a worker thread, so the event loop keeps serving /health
+        and the other clients meanwhile; refused first if `chars` characters cannot fit the context."""
+        def work() -> list[int]:
+            self.check_prompt_chars(chars)
+            with self._tokenizer_lock:
+                return encode()
+
+        return await run_in_threadpool(work)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
