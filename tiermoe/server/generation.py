@@ -31,22 +31,32 @@ class Collected:
 async def stream_events(state: ServerState, request: Request, prompt_ids: list[int],
                         params: SamplingParams) -> AsyncIterator[Event]:
     """Events until the last one (an error is an event too: `error` set, finish_reason "error"; a stream says so
-    to its client). If the client goes away (the consumer is cancelled, or the connection closes while we wait),
-    the request is aborted at once and its slot freed."""
+    to its client). If the client goes away (the connection closes, or the consumer is cancelled), the request
+    is aborted at once, streaming or not: the engine frees its slot between the next two steps."""
     handle = state.service.submit(prompt_ids, params)
+    watcher = asyncio.create_task(_on_disconnect(request, lambda: handle.events.put_nowait(DISCONNECTED)))
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(handle.events.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return
-                continue
+            event = await handle.events.get()
+            if event is DISCONNECTED:
+                return
             yield event
             if event.finish_reason is not None:
                 return
     finally:
+        watcher.cancel()
         state.service.abort(handle)
+
+
+DISCONNECTED = object()  # put in a request's event queue when its client has gone
+
+
+async def _on_disconnect(request: Request, then) -> None:
+    """Wait for the client to go away, then call `then()`. The body has been read, so the only message left to
+    receive is the disconnect (a non-streaming request has nothing else that would notice it)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    then()
 
 
 async def collect(state: ServerState, request: Request, prompt_ids: list[int], params: SamplingParams) -> Collected:
