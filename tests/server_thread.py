@@ -20,6 +20,14 @@ from tiermoe.server.metrics import ServerMetrics
 from tiermoe.server.state import ServerState
 from tiermoe.stats.tier_hits import TierHitCounter
 
+# A small good request for each POST endpoint (two tokens, not streamed).
+GOOD_BODIES = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+    "/api/chat": {"messages": [{"role": "user", "content": "hi"}], "stream": False, "options": {"num_predict": 2}},
+    "/api/generate": {"prompt": "hi", "stream": False, "options": {"num_predict": 2}},
+}
+
 
 @contextmanager
 def server_thread(tmp_dir, step_sleep: float = 0.0, **config):

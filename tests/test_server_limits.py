@@ -9,22 +9,17 @@ import time
 
 import httpx
 import pytest
-from server_thread import server_thread
+from server_thread import GOOD_BODIES, server_thread
 
 LIMIT = 16 << 10
-OPENAI = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-          "/v1/completions": {"prompt": "hi", "max_tokens": 2}}
-OLLAMA = {"/api/chat": {"messages": [{"role": "user", "content": "hi"}], "stream": False,
-                        "options": {"num_predict": 2}},
-          "/api/generate": {"prompt": "hi", "stream": False, "options": {"num_predict": 2}}}
-ENDPOINTS = {**OPENAI, **OLLAMA}
+ENDPOINTS = GOOD_BODIES
 TOKENIZING = {"/v1/chat/completions": "chat_prompt_ids", "/v1/completions": "encode", "/api/chat": "chat_prompt_ids",
               "/api/generate": "chat_prompt_ids"}
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    with server_thread(tmp_path_factory.mktemp("limits"), **({} if "max_request_bytes" not in __import__("tiermoe.config").config.ServerConfig.__dataclass_fields__ else {"max_request_bytes": LIMIT})) as (url, state):
+    with server_thread(tmp_path_factory.mktemp("limits"), max_request_bytes=LIMIT) as (url, state):
         yield url, state
 
 
@@ -38,7 +33,7 @@ def _with_text(path: str, text: str) -> dict:
 def _assert_format(path: str, r: httpx.Response, status: int, fragment: str) -> None:
     assert r.status_code == status, r.text
     error = r.json()["error"]
-    message = error["message"] if path in OPENAI else error
+    message = error["message"] if path.startswith("/v1/") else error
     assert fragment in message, message
 
 
