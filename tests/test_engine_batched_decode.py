@@ -51,7 +51,7 @@ def decode_together(engine, caches, tokens):
 
 
 def decode_alone(engine, cache, token):
-    return engine._forward(_Seq(cache), [token])
+    return engine._forward(_Seq(cache), [token])[-1]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

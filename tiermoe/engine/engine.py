@@ -10,6 +10,8 @@ prefill chunks (and every sequence of a model that does not allow it) run one fo
 The MoE blocks of all of those forwards run once per layer for the whole step (MoEBatcher). A sequence whose
 prompt is complete samples one token.
 The engine sees token ids only; text (stop strings) is reached through the `detokenize` function it is given.
+Log-probabilities (tiermoe.engine.logprobs) come from the same logits: a sequence that asks for the prompt's keeps
+every prefill position's logits, the others only the last.
 
 One sequence's failure ends that sequence only (finish_reason "error", `seq.error`): a prompt id outside the
 vocabulary is refused by `add`; a failed sampling or stop check fails its own sequence; a failed forward is
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from tiermoe.engine.batched_decode import batched_decode_forward, can_join, decode_groups, supports_batched_decode
+from tiermoe.engine.logprobs import logprobs_at
 from tiermoe.engine.moe_batcher import MoEBatcher
 from tiermoe.engine.sampling import SamplingParams, new_generator, sample
 from tiermoe.engine.sequence import Sequence
@@ -190,21 +193,38 @@ class Engine:
                 self._fail(seq, errors[i])
                 produced.append(seq)
                 continue
-            seq.num_fed += len(fed)
-            if seq.prefilling:
-                continue
-            before = len(seq.output_ids)
+            start, seq.num_fed = seq.num_fed, seq.num_fed + len(fed)
             try:
-                seq.output_ids.append(sample(logits[i], seq.params, seq.generator))
-                self._check_stop(seq)
-            except Exception as err:  # noqa: BLE001 - this sequence's sampling or stop check: it alone fails
-                del seq.output_ids[before:]
+                if seq.params.prompt_logprobs is not None and start < len(seq.prompt_ids):
+                    # row r of the chunk's logits predicts prompt token start + r + 1
+                    scored = seq.prompt_ids[start + 1:start + len(fed) + 1]
+                    seq.prompt_logprobs += logprobs_at(logits[i], scored, seq.params.prompt_logprobs)
+                if seq.prefilling:
+                    continue
+                self._next_token(seq, logits[i][-1])
+            except Exception as err:  # noqa: BLE001 - this sequence's scoring, sampling or stop check: it alone fails
                 self._fail(seq, err)
             produced.append(seq)
             if seq.finished and seq in self.running:
                 self.running.remove(seq)
                 seq.release()
         return produced
+
+    def _next_token(self, seq: Sequence, logits_V: torch.Tensor) -> None:
+        """Sample the sequence's next token (with its logprob when asked) and check whether it stops there; on an
+        error the sequence is left as it was."""
+        if seq.params.max_tokens == 0:  # the prompt only was to be scored
+            seq.finish_reason = "length"
+            return
+        token = sample(logits_V, seq.params, seq.generator)
+        scored = [] if seq.params.logprobs is None else logprobs_at(logits_V[None], [token], seq.params.logprobs)
+        seq.output_ids.append(token)
+        seq.output_logprobs += scored
+        try:
+            self._check_stop(seq)
+        except BaseException:
+            del seq.output_ids[-1], seq.output_logprobs[len(seq.output_ids):]
+            raise
 
     def _fail(self, seq: Sequence, err: BaseException) -> None:
         seq.fail(err)
@@ -231,7 +251,8 @@ class Engine:
                 start_positions=tuple(batch[i].num_fed for i in order),
                 is_prefill=tuple(batch[i].prefilling for i in order)))
         try:
-            return self._forward_groups(batch, inputs, *groups)
+            return self._forward_groups(batch, inputs, *groups, every_row={i for i, s in enumerate(batch)
+                                                                           if s.scores_prompt})
         finally:
             if self.recorder.enabled:
                 self.recorder.end_pass()
@@ -241,14 +262,16 @@ class Engine:
 
         Sequences feeding one token share batched forwards (when the model allows it; rows of similar cache
         lengths together, see decode_groups); the rest run one forward each. Returns each sequence's last-position
-        logits [V], in order. Does not advance `num_fed` (the caller does).
+        logits [1, V], in order. Does not advance `num_fed` (the caller does).
         """
         return self._forward_groups(seqs, inputs, *self._groups(seqs, inputs))
 
-    def _forward_groups(self, seqs: list, inputs: list[list[int]], batches: list[list[int]],
-                        alone: list[int]) -> list[torch.Tensor]:
+    def _forward_groups(self, seqs: list, inputs: list[list[int]], batches: list[list[int]], alone: list[int],
+                        every_row: set[int] = frozenset()) -> list[torch.Tensor]:
+        """Each sequence's logits [T, V]: T = 1 (the last position), or every fed position for the rows of
+        `every_row` (prompt logprobs)."""
         jobs = [lambda b=b: self._forward_decode([seqs[i] for i in b], [inputs[i][0] for i in b]) for b in batches]
-        jobs += [lambda i=i: [self._forward(seqs[i], inputs[i])] for i in alone]
+        jobs += [lambda i=i: [self._forward(seqs[i], inputs[i], every_row=i in every_row)] for i in alone]
         results = [logits for job_logits in self._batcher.run(jobs) for logits in job_logits]
         logits_in_order: list[torch.Tensor] = [None] * len(seqs)  # type: ignore[list-item]
         for i, logits in zip(_row_order(batches, alone), results):
@@ -269,19 +292,22 @@ class Engine:
             if on_step is not None:
                 on_step(produced)
 
-    def _forward(self, seq, tokens: list[int]) -> torch.Tensor:
+    def _forward(self, seq, tokens: list[int], every_row: bool = False) -> torch.Tensor:
+        """Feed `tokens` to one sequence; its logits [T, V]: the last position's, or every position's."""
         device = self.hybrid.gpu_device
         ids = torch.tensor([tokens], dtype=torch.long, device=device)
         with torch.inference_mode(), _on_device(device):
-            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kwarg: seq.cache})
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=0 if every_row else 1,
+                             **{self._cache_kwarg: seq.cache})
         seq.cache = out["cache"] if "cache" in out else out["past_key_values"]
-        return out.logits[0, -1]
+        return out.logits[0]
 
     def _forward_decode(self, seqs: list, tokens: list[int]) -> list[torch.Tensor]:
         """One forward for all `seqs`, one token each; each sequence's cache grows in place."""
         device = self.hybrid.gpu_device
         with torch.inference_mode(), _on_device(device):
-            return batched_decode_forward(self.model, [s.cache for s in seqs], tokens, device, self._cache_kwarg)
+            rows = batched_decode_forward(self.model, [s.cache for s in seqs], tokens, device, self._cache_kwarg)
+        return [logits_V[None] for logits_V in rows]  # [V] -> [1, V], as every forward returns
 
     def _check_stop(self, seq: Sequence) -> None:
         token, params = seq.output_ids[-1], seq.params

@@ -19,6 +19,7 @@ from tiermoe.checkpoint.gguf_reader import gguf_files
 from tiermoe.config import CPUConfig, DynamicPlacementConfig
 from tiermoe.engine.dynamic import enable_dynamic_placement
 from tiermoe.engine.engine import Engine, EngineConfig
+from tiermoe.engine.logprobs import TokenLogprob
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.engine.text_stream import TextStream
 from tiermoe.errors import TiermoeError
@@ -31,13 +32,16 @@ from tiermoe.stats.recording import NO_RECORDER, ExpertRecorder
 @dataclass(frozen=True)
 class RequestOutput:
     """One prompt's result: the generated part only (`text` ends before a matched stop string). A sequence that
-    failed has finish_reason "error", the tokens it produced before, and `error` saying what failed."""
+    failed has finish_reason "error", the tokens it produced before, and `error` saying what failed. `logprobs`
+    (one per token id) and `prompt_logprobs` (one per prompt id but the first) when the sampling asked for them."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
     finish_reason: str
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class LLM:
@@ -147,7 +151,10 @@ class LLM:
             text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
             if seq.stop_text_end is not None:
                 text = text[:seq.stop_text_end]
-        return RequestOutput(seq.prompt_ids, list(seq.output_ids), text, seq.finish_reason, seq.error)
+        params = seq.params
+        return RequestOutput(seq.prompt_ids, list(seq.output_ids), text, seq.finish_reason, seq.error,
+                             list(seq.output_logprobs) if params.logprobs is not None else None,
+                             list(seq.prompt_logprobs) if params.prompt_logprobs is not None else None)
 
 
 def _load_tokenizer(model_dir: Path):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiermoe.engine.logprobs import MAX_TOP_LOGPROBS
 from tiermoe.errors import TiermoeError
 
 # Below this temperature sampling is greedy (as in vLLM): logits / temperature would overflow fp32 for tiny
@@ -23,6 +24,10 @@ class SamplingParams:
     those filters; top_p always keeps the most likely token, however small it is. With a seed the sampled tokens are
     reproducible. Generation stops at an EOS token (unless ignore_eos), a token of stop_token_ids, a stop string
     (the returned text ends before it), or after exactly max_tokens tokens.
+
+    logprobs N returns each generated token's log-probability with the N most likely alternatives (0: none);
+    prompt_logprobs N the same for every prompt token but the first. max_tokens 0 only scores the prompt (it needs
+    prompt_logprobs): what an evaluation harness asks with echo and max_tokens 0.
     """
 
     max_tokens: int = 64
@@ -33,14 +38,22 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise TiermoeError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise TiermoeError(f"max_tokens must be an integer >= 1 (0 only to score the prompt, with prompt "
+                               f"logprobs), got {self.max_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_TOP_LOGPROBS):
+                raise TiermoeError(f"{name} must be an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per "
+                                   f"token), got {value!r}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise TiermoeError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiermoe.engine.logprobs import TokenLogprob
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
 
@@ -23,6 +24,8 @@ class Sequence:
     stop_text_end: int | None = None  # where the returned text ends when a stop string matched
     error: str | None = None  # finish_reason "error": what failed, one line
     error_from_request: bool = False  # the error is the request's own fault (a TiermoeError): a 4xx, not a 5xx
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id (params.logprobs set)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt ids 1.. (params.prompt_logprobs set)
 
     @property
     def finished(self) -> bool:
@@ -31,6 +34,11 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.num_fed < len(self.prompt_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The next forward must keep every prompt position's logits (prompt logprobs asked, prefill not done)."""
+        return self.params.prompt_logprobs is not None and self.prefilling
 
     @property
     def num_tokens(self) -> int:

@@ -47,7 +47,8 @@ def create_app(state: ServerState) -> FastAPI:
         if first.get("type") == "json_invalid":
             message = "the request body is not valid JSON"
         else:
-            message = f"{where}: {first.get('msg', 'invalid value')}" if where else first.get("msg", "invalid request")
+            said = first.get("msg", "invalid value").removeprefix("Value error, ")  # a validator's own message
+            message = f"{where}: {said}" if where else said
         return api_error(request.url.path, 400, message, param=where or None)
 
     @app.exception_handler(TiermoeError)

@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from tiermoe.engine.logprobs import TokenLogprob
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.engine.sequence import Sequence
 from tiermoe.engine.text_stream import TextStream
@@ -30,13 +31,16 @@ from tiermoe.server.metrics import ServerMetrics
 @dataclass
 class Event:
     """A piece of one request's output: new text (and ids); `finish_reason` set on the last event. An error
-    ends the request with finish_reason "error"; `client_error` when the request's own values caused it."""
+    ends the request with finish_reason "error"; `client_error` when the request's own values caused it.
+    `logprobs`: one per new id, when the request asked; `prompt_logprobs` on the first event, when asked."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None
     client_error: bool = False
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -176,14 +180,18 @@ class EngineService:
         handle = self._handles.get(seq.seq_id)
         if handle is None:
             return
-        if handle.first_token_at is None:
+        first = handle.first_token_at is None
+        if first:
             handle.first_token_at = time.monotonic()
             self.metrics.observe_ttft(handle.first_token_at - handle.created)
-        new_ids = seq.output_ids[handle.sent_ids:]
+        sent = handle.sent_ids
+        new_ids = seq.output_ids[sent:]
         handle.sent_ids = len(seq.output_ids)
         self.metrics.observe_tokens(len(new_ids))
         text = handle.stream.delta(seq.output_ids, seq.finished, seq.stop_text_end) if handle.stream else ""
-        handle.push(Event(text, new_ids, seq.finish_reason, error=seq.error, client_error=seq.error_from_request))
+        prompt_scores = list(seq.prompt_logprobs) if first and seq.params.prompt_logprobs is not None else None
+        handle.push(Event(text, new_ids, seq.finish_reason, error=seq.error, client_error=seq.error_from_request,
+                          logprobs=seq.output_logprobs[sent:], prompt_logprobs=prompt_scores))
         if seq.finished:
             self._finish(handle)
             if seq.error is not None:

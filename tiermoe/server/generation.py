@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from tiermoe.engine.logprobs import TokenLogprob
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.server.engine_service import Event
 from tiermoe.server.state import ServerState
@@ -26,6 +27,8 @@ class Collected:
     text: str
     token_ids: list[int]
     finish_reason: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # when asked
 
 
 async def stream_events(state: ServerState, request: Request, prompt_ids: list[int],
@@ -60,11 +63,13 @@ async def _on_disconnect(request: Request, then) -> None:
 
 
 async def collect(state: ServerState, request: Request, prompt_ids: list[int], params: SamplingParams) -> Collected:
-    text, ids, reason = [], [], "abort"
+    out = Collected("", [], "abort")
     async for event in stream_events(state, request, prompt_ids, params):
         if event.error is not None:
             raise GenerationFailed(event.error, event.client_error)
-        text.append(event.text)
-        ids.extend(event.token_ids)
-        reason = event.finish_reason or reason
-    return Collected("".join(text), ids, reason)
+        out.text += event.text
+        out.token_ids += event.token_ids
+        out.logprobs += event.logprobs
+        out.prompt_logprobs = event.prompt_logprobs if event.prompt_logprobs is not None else out.prompt_logprobs
+        out.finish_reason = event.finish_reason or out.finish_reason
+    return out

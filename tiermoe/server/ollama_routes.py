@@ -2,7 +2,8 @@
 
 A request that fails while it generates gets Ollama's error body, {"error": "..."} (400 when its own values
 caused it, else 500); a stream that fails ends with a final line that has done true, done_reason "error" and
-the error: never a silent truncation.
+the error: never a silent truncation. `logprobs`/`top_logprobs` (Ollama 0.12.11 and later) are answered in its
+shape, a list of {token, logprob, bytes, top_logprobs} on each line.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from datetime import datetime, timezone
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tiermoe.server.body import read_body
+from tiermoe.server.body import openapi_body, read_body
 from tiermoe.server.generation import GenerationFailed, collect, stream_events
+from tiermoe.server.logprob_format import chat_logprobs
 from tiermoe.server.protocol import OllamaChatRequest, OllamaGenerateRequest
 from tiermoe.server.state import ServerState
 
@@ -26,10 +28,12 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
-def _params(state: ServerState, options, prompt_ids: list[int]):
+def _params(state: ServerState, body, prompt_ids: list[int]):
+    options = body.options
     max_tokens = options.num_predict if options.num_predict and options.num_predict > 0 else None
     return state.sampling(prompt_ids, max_tokens, temperature=options.temperature, top_p=options.top_p,
-                          top_k=options.top_k, seed=options.seed, stop=tuple(options.stop or ()))
+                          top_k=options.top_k, seed=options.seed, stop=tuple(options.stop or ()),
+                          logprobs=body.logprobs_asked())
 
 
 def _final(state: ServerState, prompt_len: int, generated: int, reason: str, started: float) -> dict:
@@ -49,31 +53,39 @@ async def tags(request: Request):
                         "details": {"format": "safetensors", "family": state.llm.hybrid.spec.model_type}}]}
 
 
-async def _respond(state: ServerState, request: Request, prompt_ids, params, stream: bool, wrap):
+async def _respond(state: ServerState, request: Request, prompt_ids, params, body, wrap):
     started = time.monotonic()
-    if not stream:
+
+    def logprobs(scored) -> dict:
+        return {"logprobs": chat_logprobs(state.token_text, scored)} if body.logprobs else {}
+
+    if not body.stream:
         try:
             out = await collect(state, request, prompt_ids, params)
         except GenerationFailed as err:
             return JSONResponse(status_code=err.status, content={"error": f"generation failed: {err}"})
-        return {**wrap(out.text), **_final(state, len(prompt_ids), len(out.token_ids), out.finish_reason, started)}
+        return {**wrap(out.text), **_final(state, len(prompt_ids), len(out.token_ids), out.finish_reason, started),
+                **logprobs(out.logprobs)}
 
     async def lines():
-        generated, reason, failed = 0, "stop", {}
+        generated, reason, failed, held = 0, "stop", {}, []
         async for event in stream_events(state, request, prompt_ids, params):
             generated += len(event.token_ids)
             reason = event.finish_reason or reason
+            held += event.logprobs
             if event.error is not None:
                 failed = {"error": f"generation failed: {event.error}"}
-            if event.text:
+            if event.text:  # scores of tokens whose text is held back go out with the next text
                 yield json.dumps({"model": state.model_name, "created_at": _now(), **wrap(event.text),
-                                  "done": False}) + "\n"
-        yield json.dumps({**wrap(""), **_final(state, len(prompt_ids), generated, reason, started), **failed}) + "\n"
+                                  "done": False, **logprobs(held)}) + "\n"
+                held = []
+        yield json.dumps({**wrap(""), **_final(state, len(prompt_ids), generated, reason, started), **failed,
+                          **(logprobs(held) if held else {})}) + "\n"
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
-@router.post("/api/generate")
+@router.post("/api/generate", openapi_extra=openapi_body(OllamaGenerateRequest))
 async def generate(request: Request):
     state: ServerState = request.app.state.tiermoe
     body = await read_body(request, OllamaGenerateRequest, state.config.max_request_bytes)
@@ -84,17 +96,17 @@ async def generate(request: Request):
         messages.append({"role": "user", "content": body.prompt})
         prompt_ids = await state.tokenize(len(body.prompt) + len(body.system or ""),
                                           lambda: state.llm.chat_prompt_ids(messages))
-    params = _params(state, body.options, prompt_ids)
-    return await _respond(state, request, prompt_ids, params, body.stream, lambda text: {"response": text})
+    params = _params(state, body, prompt_ids)
+    return await _respond(state, request, prompt_ids, params, body, lambda text: {"response": text})
 
 
-@router.post("/api/chat")
+@router.post("/api/chat", openapi_extra=openapi_body(OllamaChatRequest))
 async def chat(request: Request):
     state: ServerState = request.app.state.tiermoe
     body = await read_body(request, OllamaChatRequest, state.config.max_request_bytes)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [m.for_template() for m in body.messages]
     prompt_ids = await state.tokenize(sum(len(m["content"]) for m in messages),
                                       lambda: state.llm.chat_prompt_ids(messages))
-    params = _params(state, body.options, prompt_ids)
-    return await _respond(state, request, prompt_ids, params, body.stream,
+    params = _params(state, body, prompt_ids)
+    return await _respond(state, request, prompt_ids, params, body,
                           lambda text: {"message": {"role": "assistant", "content": text}})

@@ -3,7 +3,8 @@
 Like SGLang, any `model` name in a request is served by the one loaded model. A request that fails while it
 generates gets an error response (400 when its own values caused it, else 500); a stream that fails ends with a
 chunk whose finish_reason is "error" and that carries an `error` object (the openai client raises it), then
-[DONE]: never a silent truncation.
+[DONE]: never a silent truncation. `logprobs`/`top_logprobs` and `echo` (with max_tokens 0 to score a text, as
+evaluation harnesses do) are answered in the API's shapes (tiermoe.server.logprob_format).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from tiermoe.server.body import read_body
+from tiermoe.server.body import openapi_body, read_body
 from tiermoe.server.generation import collect, stream_events
+from tiermoe.server.logprob_format import chat_logprobs, completion_logprobs
 from tiermoe.server.protocol import ChatCompletionRequest, CompletionRequest
 from tiermoe.server.state import ServerState
 
@@ -42,7 +44,7 @@ def _error_object(event) -> dict:
 
 
 async def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [m.for_template() for m in body.messages]
     return await state.tokenize(sum(len(m["content"]) for m in messages),
                                 lambda: state.llm.chat_prompt_ids(messages))
 
@@ -53,9 +55,11 @@ async def completion_prompt_ids(state: ServerState, body: CompletionRequest) -> 
     return await state.tokenize(len(body.prompt), lambda: state.llm.encode(body.prompt))
 
 
-def _sampling(state: ServerState, body, prompt_ids: list[int], max_tokens: int | None):
+def _sampling(state: ServerState, body, prompt_ids: list[int], max_tokens: int | None, logprobs: int | None,
+              prompt_logprobs: int | None = None):
     return state.sampling(prompt_ids, max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=max(0, body.top_k), seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+                          top_k=max(0, body.top_k), seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 @router.get("/v1/models")
@@ -65,19 +69,23 @@ async def models(request: Request):
                                         "owned_by": "tiermoe", "max_model_len": state.context_length}]}
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
 async def chat_completions(request: Request):
     state = _state(request)
     body = await read_body(request, ChatCompletionRequest, state.config.max_request_bytes)
     prompt_ids = await chat_prompt_ids(state, body)
-    params = _sampling(state, body, prompt_ids, body.max_completion_tokens or body.max_tokens)
+    params = _sampling(state, body, prompt_ids, body.max_completion_tokens or body.max_tokens, body.logprobs_asked())
+
+    def logprobs(scored) -> dict | None:
+        return {"content": chat_logprobs(state.token_text, scored)} if body.logprobs else None
+
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": state.model_name}
     if not body.stream:
         out = await collect(state, request, prompt_ids, params)
         return {**head, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                             "finish_reason": out.finish_reason, "logprobs": None}],
+                             "finish_reason": out.finish_reason, "logprobs": logprobs(out.logprobs)}],
                 "usage": _usage(len(prompt_ids), len(out.token_ids))}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -90,8 +98,8 @@ async def chat_completions(request: Request):
             generated += len(event.token_ids)
             delta = {"content": event.text} if event.text else {}
             failed = {"error": _error_object(event)} if event.error is not None else {}
-            yield _sse({**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": event.finish_reason}],
-                        **failed})
+            yield _sse({**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": event.finish_reason,
+                                              "logprobs": logprobs(event.logprobs)}], **failed})
         if include_usage:
             yield _sse({**chunk, "choices": [], "usage": _usage(len(prompt_ids), generated)})
         yield _sse("[DONE]")
@@ -99,34 +107,60 @@ async def chat_completions(request: Request):
     return StreamingResponse(chunks(), media_type="text/event-stream")
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
 async def completions(request: Request):
     state = _state(request)
     body = await read_body(request, CompletionRequest, state.config.max_request_bytes)
     prompt_ids = await completion_prompt_ids(state, body)
-    params = _sampling(state, body, prompt_ids, body.max_tokens)
+    # echo with logprobs scores the prompt too; max_tokens 0 (echo alone) has only the prompt to score
+    scored_prompt = body.logprobs if body.echo and body.logprobs is not None else None
+    if body.max_tokens == 0 and scored_prompt is None:
+        scored_prompt = 0
+    params = _sampling(state, body, prompt_ids, body.max_tokens, body.logprobs, scored_prompt)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
-    prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+
+    def choice(text: str, token_ids: list[int], scored: list, offset: int, finish_reason: str | None) -> dict:
+        logprobs = None if body.logprobs is None else completion_logprobs(state.token_text, token_ids, scored, offset)
+        return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+
+    def echoed(prompt_scores: list | None) -> tuple[str, list[int], list]:
+        """The echoed prompt: its text, ids and scores (its first token has nothing before it to score it)."""
+        return _prompt_text(state, body), prompt_ids, [None, *(prompt_scores or ())]
+
     if not body.stream:
         out = await collect(state, request, prompt_ids, params)
-        return {**head, "choices": [{"index": 0, "text": prefix + out.text, "finish_reason": out.finish_reason,
-                                     "logprobs": None}],
+        text, ids, scored = echoed(out.prompt_logprobs) if body.echo else ("", [], [])
+        return {**head, "choices": [choice(text + out.text, ids + out.token_ids, scored + out.logprobs, 0,
+                                           out.finish_reason)],
                 "usage": _usage(len(prompt_ids), len(out.token_ids))}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def chunks():
-        generated = 0
-        if prefix:
-            yield _sse({**head, "choices": [{"index": 0, "text": prefix, "finish_reason": None, "logprobs": None}]})
+        generated, offset, echo_pending = 0, 0, body.echo
         async for event in stream_events(state, request, prompt_ids, params):
+            if echo_pending:  # with the first event, which brings the prompt's scores
+                text, ids, scored = echoed(event.prompt_logprobs)
+                yield _sse({**head, "choices": [choice(text, ids, scored, 0, None)]})
+                offset, echo_pending = _pieces_length(state, ids), False
             generated += len(event.token_ids)
             failed = {"error": _error_object(event)} if event.error is not None else {}
-            yield _sse({**head, "choices": [{"index": 0, "text": event.text, "finish_reason": event.finish_reason,
-                                             "logprobs": None}], **failed})
+            yield _sse({**head, "choices": [choice(event.text, event.token_ids, event.logprobs, offset,
+                                                   event.finish_reason)], **failed})
+            offset += _pieces_length(state, event.token_ids)
         if include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(len(prompt_ids), generated)})
         yield _sse("[DONE]")
 
     return StreamingResponse(chunks(), media_type="text/event-stream")
 
+
+def _prompt_text(state: ServerState, body: CompletionRequest) -> str:
+    if isinstance(body.prompt, str):
+        return body.prompt
+    return state.llm.tokenizer.decode(body.prompt) if state.llm.tokenizer is not None else ""
+
+
+def _pieces_length(state: ServerState, token_ids: list[int]) -> int:
+    """Characters the tokens' texts cover in logprobs' text_offset."""
+    return sum(len(state.token_text(t)) for t in token_ids)

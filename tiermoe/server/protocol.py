@@ -1,14 +1,24 @@
-"""Request bodies of the OpenAI and Ollama APIs, validated by pydantic (unknown fields are ignored, as the
-OpenAI server does for fields it does not implement)."""
+"""Request bodies of the OpenAI and Ollama APIs, validated by pydantic; the routes declare them in the OpenAPI
+schema (tiermoe.server.body.openapi_body).
+
+Every field of the two APIs that changes the answer is either implemented or accepted only at its neutral value
+(tiermoe.server.unsupported: a 400 otherwise). Fields that cannot change it are accepted: `user` and `metadata`
+(labels), Ollama's `keep_alive` (the model stays loaded) and its load-time options (num_gpu, num_thread, ...: set
+by the server's own flags). Names neither API has are ignored, as vLLM and SGLang do (SDKs send extras).
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tiermoe.engine.logprobs import MAX_TOP_LOGPROBS
+from tiermoe.server.unsupported import only
 
 MAX_COUNT = 2**31 - 1  # token counts and top_k: far beyond any context, small enough for every kernel
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0), only(0.0)]
 
 
 class _Lenient(BaseModel):
@@ -16,18 +26,36 @@ class _Lenient(BaseModel):
 
 
 class ContentPart(_Lenient):
-    type: str = "text"
+    type: Literal["text"] = Field("text", description="text only: this server's models read text")
     text: str = ""
 
 
 class ChatMessage(_Lenient):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = ""
+    name: str | None = None  # handed to the chat template, which may show it
+    tool_calls: Annotated[list[Any] | None, only(None, [])] = None
+    images: Annotated[list[str] | None, only(None, [])] = None  # Ollama
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value):
+        # said here: a union's error would name its first branch ("should be a valid string")
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type", "text") if isinstance(part, dict) else "text"
+            if kind != "text":
+                raise ValueError(f"a content part of type {str(kind)[:40]!r} is not supported by this server "
+                                 "(its models read parts of type 'text')")
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content if part.type == "text")
+            return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as a chat template takes it."""
+        return {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
 
 
 class StreamOptions(_Lenient):
@@ -46,6 +74,10 @@ class _SamplingFields(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    user: str | None = None
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    logit_bias: Annotated[dict[str, float] | None, only(None, {})] = None
 
     @field_validator("stop")
     @classmethod
@@ -65,11 +97,47 @@ class _SamplingFields(_Lenient):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Annotated[list[Any] | None, only(None, [])] = None
+    tool_choice: Annotated[str | dict | None, only(None, "none", "auto")] = None
+    parallel_tool_calls: bool | None = None  # about tools, which must be absent
+    functions: Annotated[list[Any] | None, only(None, [])] = None
+    function_call: Annotated[str | dict | None, only(None, "none", "auto")] = None
+    response_format: Annotated[dict | None, only(None, {"type": "text"})] = None
+    modalities: Annotated[list[str] | None, only(None, ["text"])] = None
+    audio: Annotated[dict | None, only(None)] = None
+    prediction: Annotated[dict | None, only(None)] = None
+    reasoning_effort: Annotated[str | None, only(None)] = None
+    web_search_options: Annotated[dict | None, only(None)] = None
+    service_tier: Annotated[str | None, only(None, "auto", "default")] = None
+    store: Annotated[bool | None, only(None, False)] = None
+    metadata: dict[str, str] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def logprobs_asked(self) -> int | None:
+        """Alternatives per generated token (SamplingParams.logprobs), None when no logprobs are asked."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str]
+    max_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT, description="0 (with echo) scores the prompt")
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: Annotated[int | None, only(None, 1)] = None
+    suffix: Annotated[str | None, only(None, "")] = None
+
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo: true (it returns the prompt, scored with logprobs)")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -84,25 +152,48 @@ class CompletionRequest(_SamplingFields):
 
 
 class OllamaOptions(_Lenient):
+    """Ollama's sampling options; its load-time ones (num_ctx, num_gpu, num_thread, use_mmap, ...) configure its
+    own runner and are ignored here like names it does not know (the server's flags size this one)."""
+
     temperature: float = Field(default=0.8, ge=0.0, le=2.0)
     top_p: float = Field(default=0.9, gt=0.0, le=1.0)
     top_k: int = Field(default=40, ge=0, le=MAX_COUNT)
     num_predict: int | None = Field(default=None, ge=-2, le=MAX_COUNT)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: list[str] | None = None
+    repeat_penalty: Annotated[float | None, only(None, 1.0)] = None
+    presence_penalty: Annotated[float | None, only(None, 0.0)] = None
+    frequency_penalty: Annotated[float | None, only(None, 0.0)] = None
+    min_p: Annotated[float | None, only(None, 0.0)] = None
+    typical_p: Annotated[float | None, only(None, 1.0)] = None
+    tfs_z: Annotated[float | None, only(None, 1.0)] = None
+    mirostat: Annotated[int | None, only(None, 0)] = None
 
 
-class OllamaGenerateRequest(_Lenient):
+class _OllamaFields(_Lenient):
     model: str | None = None
+    stream: bool = True
+    options: OllamaOptions = Field(default_factory=OllamaOptions)
+    keep_alive: str | int | float | None = None  # the model stays loaded
+    format: Annotated[str | dict | None, only(None, "")] = None
+    think: Annotated[bool | str | None, only(None, False)] = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class OllamaGenerateRequest(_OllamaFields):
     prompt: str = ""
     system: str | None = None
     raw: bool = False
-    stream: bool = True
-    options: OllamaOptions = Field(default_factory=OllamaOptions)
+    suffix: Annotated[str | None, only(None, "")] = None
+    images: Annotated[list[str] | None, only(None, [])] = None
+    template: Annotated[str | None, only(None, "")] = None
+    context: Annotated[list[int] | None, only(None, [])] = None
 
 
-class OllamaChatRequest(_Lenient):
-    model: str | None = None
+class OllamaChatRequest(_OllamaFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    stream: bool = True
-    options: OllamaOptions = Field(default_factory=OllamaOptions)
+    tools: Annotated[list[Any] | None, only(None, [])] = None

@@ -15,6 +15,7 @@ from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
 from tiermoe.server.engine_service import EngineService
+from tiermoe.server.logprob_format import TokenText, token_text_of
 from tiermoe.server.metrics import ServerMetrics
 from tiermoe.stats.tier_hits import TierHitCounter
 
@@ -43,6 +44,11 @@ class ServerState:
         normaliser (NFC, NFKC) can fold several characters into one."""
         vocab = self.llm.tokenizer.get_vocab() if self.llm.tokenizer is not None else None
         return 4 * max(map(len, vocab), default=1) if vocab else None
+
+    @cached_property
+    def token_text(self) -> TokenText:
+        """One token id's text, as logprobs show it."""
+        return token_text_of(self.llm.tokenizer)
 
     def check_prompt_chars(self, chars: int) -> None:
         """Refuse a prompt whose text cannot fit the context however it tokenises, before tokenising it (a 50 MB

@@ -1,0 +1,87 @@
+"""Log-probabilities: the generated tokens' and the prompt's equal log_softmax of the unmodified transformers model's
+logits (fp32), whatever the batch, the prefill chunking or the sampling settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import load_reference
+
+from tiermoe.engine.llm import LLM
+from tiermoe.engine.logprobs import MAX_TOP_LOGPROBS, logprobs_at
+from tiermoe.engine.sampling import SamplingParams
+from tiermoe.errors import TiermoeError
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21], [30, 31, 32, 33, 34]]
+
+
+def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log_softmax of the transformers model's logits at every position of `ids` [T, V]."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+@pytest.fixture(scope="module")
+def run(tiny_dir):
+    path = tiny_dir("qwen3_moe")
+    ref = load_reference(path)
+    mask = torch.rand(3, 8, generator=torch.Generator().manual_seed(3)) < 0.5
+    # chunks of 4 split the long prompt; two running at a time leave the third waiting
+    with LLM(path, placement=mask, dtype=torch.float32, max_running=2, prefill_chunk=4, progress=False) as llm:
+        yield llm, ref
+
+
+def test_generated_and_prompt_logprobs_equal_transformers(run):
+    llm, ref = run
+    params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
+        expected = reference_logprobs(ref, prompt + out.token_ids)
+        assert [lp.token_id for lp in out.logprobs] == out.token_ids
+        for t, lp in enumerate(out.logprobs):
+            row = expected[len(prompt) - 1 + t]
+            assert lp.logprob == pytest.approx(float(row[lp.token_id]), abs=1e-5)
+            assert [i for i, _ in lp.top] == row.topk(3).indices.tolist()
+            assert lp.top[0][0] == lp.token_id  # greedy: the chosen token is the most likely
+        assert [lp.token_id for lp in out.prompt_logprobs] == prompt[1:]
+        for t, lp in enumerate(out.prompt_logprobs):
+            assert lp.logprob == pytest.approx(float(expected[t, prompt[t + 1]]), abs=1e-5)
+            assert len(lp.top) == 2
+
+
+def test_logprobs_do_not_depend_on_sampling_settings(run):
+    llm, _ = run
+    greedy = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, ignore_eos=True, logprobs=0))[0]
+    hot = llm.generate(PROMPTS[0], SamplingParams(max_tokens=1, ignore_eos=True, logprobs=0, temperature=1.9,
+                                                  top_k=2, top_p=0.5, seed=1))[0]
+    forced = logprobs_at(reference_logprobs(run[1], PROMPTS[0])[-1:], hot.token_ids, 0)[0]
+    assert hot.logprobs[0].logprob == pytest.approx(forced.logprob, abs=1e-5)  # the model's, not the filtered
+    assert greedy.logprobs[0].top == ()  # logprobs 0: the chosen token only
+
+
+def test_max_tokens_zero_scores_the_prompt_only(run):
+    llm, ref = run
+    out = llm.generate(PROMPTS[2], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    assert out.token_ids == [] and out.finish_reason == "length"
+    expected = reference_logprobs(ref, PROMPTS[2])
+    assert [lp.logprob for lp in out.prompt_logprobs] == pytest.approx(
+        [float(expected[t, PROMPTS[2][t + 1]]) for t in range(len(PROMPTS[2]) - 1)], abs=1e-5)
+
+
+def test_requests_without_logprobs_get_none(run):
+    out = run[0].generate(PROMPTS[1], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+    assert out.logprobs is None and out.prompt_logprobs is None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"logprobs": MAX_TOP_LOGPROBS + 1}, "logprobs must be an integer from 0 to 20"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs must be an integer from 0 to 20"),
+    ({"max_tokens": 0}, "0 only to score the prompt"),
+])
+def test_bad_logprob_settings_are_refused(kwargs, message):
+    with pytest.raises(TiermoeError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_ties_come_in_token_id_order():
+    lp = logprobs_at(torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.5]]), [2], top=3)[0]
+    assert [i for i, _ in lp.top] == [1, 2, 3]
