@@ -117,8 +117,8 @@ def main() -> None:
           f"experts, top-{shape.top_k}); device {args.gpu_device}; batch {args.batch}, prompts of "
           f"{args.prompt_tokens} tokens, {args.runs} runs x {args.decode_steps} decode steps alternating on/off; "
           f"torch threads {torch.get_num_threads()}")
-    print(f"| mode | median step off (ms) | median step on (ms) | on/off (medians) | on/off (median of neighbour "
-          f"pairs) | steps each | recorder calls per step (us) | calls / step off |")
+    print("| mode | median step off (ms) | median step on (ms) | on/off (medians) | on/off (median of neighbour "
+          "pairs) | steps each | recorder calls per step (us) | calls / step off |")
     print("|---|---|---|---|---|---|---|---|")
     for mode, off, on, paired, n, calls_us in rows:
         print(f"| {mode} | {off:.3f} | {on:.3f} | {on / off:.3f} | {paired:.3f} | {n} | {calls_us:.1f} | "
