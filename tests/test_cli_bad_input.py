@@ -4,6 +4,7 @@ numbers that are not finite or do not fit, statistics with impossible counts, fi
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 import torch
@@ -250,3 +251,37 @@ def test_chat_url_is_checked_before_the_chat_starts(url, fragment):
     result = run_cli("chat", "--url", url)
     assert_one_line_error(result, fragment)
     assert "you>" not in result.stdout
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"num_experts_per_tok": 99}, "num_experts_per_tok"),
+    ({"num_experts_per_tok": 0}, "top_k"),
+    ({"num_local_experts": -4}, "num_experts"),
+    ({"hidden_size": 0}, "hidden_size"),
+])
+def test_a_config_with_impossible_moe_sizes_is_refused(tiny_dir, tmp_path, changes, fragment):
+    model, good = tmp_path / "model", tiny_dir("qwen3_moe")
+    model.mkdir()
+    for weights in good.glob("*.safetensors"):
+        (model / weights.name).symlink_to(weights)
+    config = json.loads((good / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **changes}))
+    assert_one_line_error(run_cli("inspect", str(model)), fragment)
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '{"memory_bandwidth": -1, "compute_flops": 1, "pcie_bandwidth": 1}',
+                                     '{"memory_bandwidth": 1e400, "compute_flops": 1, "pcie_bandwidth": 1}', "null"])
+def test_a_gpu_profile_file_that_is_not_a_profile_is_refused(tmp_path, content):
+    profile = tmp_path / "profile.json"
+    profile.write_text(content)
+    result = run_cli("bench", "dynamic", "--trace", str(tmp_path / "t.pt"), "--gpu-profile", str(profile))
+    assert_one_line_error(result, "GPU profile")
+
+
+def test_serve_refuses_a_host_or_port_it_cannot_listen_on_before_loading():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert_one_line_error(run_cli("serve", "--port", port), f"port {port} on 127.0.0.1 is in use")
+    assert_one_line_error(run_cli("serve", "--host", "no-such-host.invalid"), "--host 'no-such-host.invalid'")

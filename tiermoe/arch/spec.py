@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tiermoe.errors import TiermoeError
+
 # How the routed output is combined with the shared experts:
 #   "none":  no shared experts
 #   "plain": out = routed + shared_experts(x)                        (DeepSeek-V2/V3, GLM4-MoE)
@@ -65,8 +67,23 @@ class ArchSpec:
             raise ValueError(f"shared_kind must be one of {SHARED_KINDS}, got {self.shared_kind!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        self._check_config_values()
         if not self.moe_layers:
             raise ValueError("an ArchSpec needs at least one MoE layer")
+
+    def _check_config_values(self) -> None:
+        """The sizes come from a config.json (or a GGUF header) someone wrote: refuse what no model can have, before
+        it sizes a tensor or indexes one."""
+        for name in ("num_layers", "num_experts", "top_k", "hidden_size", "expert_intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise TiermoeError(f"the model's config gives {name} = {value!r}; expected an integer >= 1")
+        if self.top_k > self.num_experts:
+            raise TiermoeError(f"the model's config routes each token to {self.top_k} experts "
+                               f"(num_experts_per_tok) but a layer has only {self.num_experts}")
+        if not all(0 <= layer < self.num_layers for layer in self.moe_layers):
+            raise TiermoeError(f"the model's config puts MoE layers at {list(self.moe_layers)}, outside its "
+                               f"{self.num_layers} layers")
 
     @property
     def num_moe_layers(self) -> int:

@@ -185,13 +185,13 @@ def run_dynamic(args) -> int:
             raise TiermoeError(f"cannot load trace '{path}': not a .pt file torch loads safely "
                                f"({type(err).__name__})") from None
 
+    gpu = load_profile(args.gpu_profile)  # a flag: checked before the trace is read
     passes = trace_passes(load_trace(args.trace))
     spec = detect(load_config(resolve_model(args.model)))
     if (spec.num_layers, spec.num_experts) != (passes.num_layers, passes.num_experts):
         raise TiermoeError(f"the trace is of a {passes.num_layers} x {passes.num_experts} model, --model is "
                            f"{spec.num_layers} x {spec.num_experts}")
     calibration = load_counts(args.calibration, passes.num_layers, passes.num_experts) if args.calibration else None
-    gpu = load_profile(args.gpu_profile)
     cost = replay_cost_model(spec, gpu, args.cpu_bandwidth_gbs * 1e9, args.cpu_gflops * 1e9)
     bench = run_dynamic_bench(passes, cost, args.ratios or DEFAULT_RATIOS, calibration, args.prefill_threshold)
     if args.json:

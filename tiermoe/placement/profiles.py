@@ -9,6 +9,7 @@ printed. `this-cpu` is not a preset: `tiermoe bench placement` measures it on th
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,11 +48,17 @@ def load_profile(name_or_file: str) -> GPUProfile:
     if not path.is_file():
         raise TiermoeError(f"--gpu-profile '{name_or_file}' is neither a preset ({', '.join(PRESETS)}) nor a file"
                            " (`tiermoe bench placement` also takes this-cpu)")
+    expected = ("expected a JSON object with memory_bandwidth, compute_flops, pcie_bandwidth (finite numbers > 0) "
+                "and optionally launch_overhead (>= 0) and name")
     try:
         data = json.loads(path.read_text())
-        return GPUProfile(name=data.get("name", path.stem), memory_bandwidth=float(data["memory_bandwidth"]),
-                          compute_flops=float(data["compute_flops"]), pcie_bandwidth=float(data["pcie_bandwidth"]),
-                          launch_overhead=float(data.get("launch_overhead", 5e-6)))
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-        raise TiermoeError(f"GPU profile file '{path}' is malformed ({err}); expected JSON with memory_bandwidth, "
-                           "compute_flops, pcie_bandwidth (and optionally launch_overhead, name)") from None
+        if not isinstance(data, dict):
+            raise TypeError(f"it holds a JSON {type(data).__name__}, not an object")
+        rates = {key: float(data[key]) for key in ("memory_bandwidth", "compute_flops", "pcie_bandwidth")}
+        overhead = float(data.get("launch_overhead", 5e-6))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError) as err:
+        raise TiermoeError(f"GPU profile file '{path}' is malformed ({err}); {expected}") from None
+    if not all(math.isfinite(v) and v > 0 for v in rates.values()) or not (math.isfinite(overhead) and overhead >= 0):
+        raise TiermoeError(f"GPU profile file '{path}' has a value out of range ({rates}, launch_overhead "
+                           f"{overhead}); {expected}")
+    return GPUProfile(name=str(data.get("name", path.stem)), launch_overhead=overhead, **rates)
