@@ -88,8 +88,9 @@ def test_a_sequence_whose_sampling_fails_ends_with_an_error_and_the_others_run_o
     assert_others_are_exact(seqs, solo)
 
 
-def test_a_decode_forward_that_fails_for_all_is_bisected_to_the_failing_sequence(llm, solo, monkeypatch):
-    # the victim's third token is POISON: the decode step that feeds it fails, and it is one forward for all four
+def run_with_a_poisoned_decode(llm, monkeypatch):
+    """The victim's third token is POISON: the decode step that feeds it fails, and it is one forward for all
+    four. Returns (the sequences, the rows of each forward that raised)."""
     def poisoning_sample(logits_V, params, gen):
         token = sample(logits_V, params, gen)
         if params.seed == MARK:
@@ -101,10 +102,14 @@ def test_a_decode_forward_that_fails_for_all_is_bisected_to_the_failing_sequence
     monkeypatch.setattr(engine_module, "sample", poisoning_sample)
     failed_rows, handles = poison(llm)
     try:
-        seqs = run(llm, greedy(seed=MARK))
+        return run(llm, greedy(seed=MARK)), failed_rows
     finally:
         for h in handles:
             h.remove()
+
+
+def test_a_decode_forward_that_fails_for_all_is_bisected_to_the_failing_sequence(llm, solo, monkeypatch):
+    seqs, failed_rows = run_with_a_poisoned_decode(llm, monkeypatch)
     assert failed_rows[0] == len(PROMPTS) and failed_rows[-1] == 1  # one forward for all; then found alone
     victim = seqs[VICTIM]
     assert victim.finish_reason == "error" and victim.error == "ValueError: poisoned token"
@@ -185,3 +190,34 @@ def test_the_python_api_reports_the_error_of_a_failed_sequence(llm, solo, monkey
     monkeypatch.setattr(engine_module, "sample", failing_sample)
     results = llm.generate(PROMPTS[:2], greedy(seed=MARK))
     assert [(r.finish_reason, r.error) for r in results] == [("error", "RuntimeError: sampler broke")] * 2
+
+
+class RowsPerLayer:
+    """Counts the rows each MoE layer records, and the passes that end."""
+
+    enabled = True
+
+    def __init__(self):
+        self.rows, self.passes = {}, 0
+
+    def begin_pass(self, info):
+        pass
+
+    def record(self, layer, ids_TK, gpu_mask_E):
+        self.rows[layer] = self.rows.get(layer, 0) + ids_TK.shape[0]
+
+    def end_pass(self):
+        self.passes += 1
+
+
+def test_a_failed_forward_and_its_failed_reruns_are_not_recorded(llm, solo, monkeypatch):
+    counter = RowsPerLayer()
+    llm.engine.set_recorder(counter)
+    try:
+        seqs, failed_rows = run_with_a_poisoned_decode(llm, monkeypatch)
+    finally:
+        llm.engine.set_recorder(engine_module.NO_RECORDER)
+    assert len(failed_rows) >= 2  # the step failed, and so did a re-run part
+    fed = sum(s.num_fed for s in seqs)  # the tokens that went through a forward that succeeded
+    assert counter.rows == {layer: fed for layer in llm.hybrid.spec.moe_layers}
+    assert_others_are_exact(seqs, solo)

@@ -45,6 +45,7 @@ from tiermoe.engine.sampling import SamplingParams, new_generator, sample
 from tiermoe.engine.sequence import Sequence
 from tiermoe.engine.step_isolation import forward_isolating
 from tiermoe.errors import TiermoeError
+from tiermoe.stats.pass_transaction import PassTransaction
 from tiermoe.stats.recorders import RecorderGroup
 from tiermoe.stats.recording import NO_RECORDER, ExpertRecorder, PassInfo
 
@@ -89,10 +90,12 @@ class Engine:
         self.batched_decode = supports_batched_decode(self.model)
 
     def set_recorder(self, recorder: ExpertRecorder) -> None:
-        """Route every pass's routed experts to `recorder` (call between steps)."""
+        """Route every pass's routed experts to `recorder` (call between steps); a pass that fails is not recorded
+        (its re-run parts are)."""
         self.recorder = recorder
+        self._pass = PassTransaction(recorder)
         for block in self.hybrid.blocks.values():
-            block.recorder = recorder
+            block.recorder = self._pass
 
     def add_recorder(self, recorder: ExpertRecorder) -> None:
         """Add a recorder beside the current one(s)."""
@@ -246,16 +249,19 @@ class Engine:
         if self.recorder.enabled:
             # the MoE blocks see the rows in the groups' order (batched decodes first): the pass lists them so
             order = _row_order(*groups)
-            self.recorder.begin_pass(PassInfo(
+            self._pass.begin_pass(PassInfo(
                 request_ids=tuple(batch[i].seq_id for i in order), num_tokens=tuple(len(inputs[i]) for i in order),
                 start_positions=tuple(batch[i].num_fed for i in order),
                 is_prefill=tuple(batch[i].prefilling for i in order)))
         try:
-            return self._forward_groups(batch, inputs, *groups, every_row={i for i, s in enumerate(batch)
-                                                                           if s.scores_prompt})
-        finally:
-            if self.recorder.enabled:
-                self.recorder.end_pass()
+            logits = self._forward_groups(batch, inputs, *groups, every_row={i for i, s in enumerate(batch)
+                                                                             if s.scores_prompt})
+        except BaseException:
+            self._pass.discard()
+            raise
+        if self.recorder.enabled:
+            self._pass.commit()
+        return logits
 
     def forward_batch(self, seqs: list, inputs: list[list[int]]) -> list[torch.Tensor]:
         """Feed inputs[i] to seqs[i] (each on its own cache, `seq.cache`); MoE blocks run once for all of them.

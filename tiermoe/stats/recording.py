@@ -3,7 +3,8 @@
 A recorder is passed in (Engine(recorder=...)), never a global. Per forward pass the engine calls
 begin_pass(PassInfo) with the batch's rows in order, every MoE block calls record(layer, ids_TK, gpu_mask_E)
 with the routed expert ids of those same rows, and the engine calls end_pass(). When `enabled` is False,
-nobody calls anything and no tensor work is done.
+nobody calls anything and no tensor work is done. The tensors handed to record() are never changed afterwards (a
+recorder may keep them), and a pass reaches a recorder only once it succeeded (tiermoe.stats.pass_transaction).
 """
 
 from __future__ import annotations
