@@ -8,7 +8,7 @@ N - 1 ranks itself and becomes rank 0 (tiermoe.distributed). Rank 0 serves HTTP,
 from __future__ import annotations
 
 from tiermoe.cli.flags import add_command
-from tiermoe.cli.serve_flags import add_serve_flags, api_key_from_args
+from tiermoe.cli.serve_flags import add_serve_flags, server_config_from_args
 from tiermoe.cli.serve_http import build_state, serve
 from tiermoe.cli.serve_ranks import serve_rank, serve_with_local_ranks
 from tiermoe.cli.sglang_flags import report_ignored
@@ -47,7 +47,7 @@ def run(args) -> int:
     env = RankEnv.from_env()
     if env is None or env.rank == 0:
         report_ignored(args)
-        api_key_from_args(args)  # a key file that cannot be read fails now, not after minutes of loading
+        server_config_from_args(args)  # a bad setting or unreadable key file fails now, not after minutes of loading
     gpus = requested_gpus(args)
     what = "--num-gpus" if not args.plan else "the plan's num_gpus"
     if env is not None:  # started by torchrun (or by our own launcher)

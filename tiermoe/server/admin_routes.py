@@ -25,6 +25,7 @@ async def metrics(request: Request):
     state = _state(request)
     swaps = state.llm.hybrid.swap_stats
     gauges = {"queue_length": state.service.queue_length, "running_requests": state.service.running,
+              "requests_in_flight": state.admission.in_flight,
               "gpu_tier_hit_rate": state.hits.hit_rate(), "expert_swaps_total": swaps.swaps,
               "expert_bytes_copied_total": swaps.bytes}
     return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")

@@ -1,4 +1,5 @@
-"""The FastAPI app around one loaded model: routes, API-key check, errors in each API's format, engine lifetime."""
+"""The FastAPI app around one loaded model: routes, the checks every request passes (outermost first: the API key;
+room for it, tiermoe.server.admission), errors in each API's format, engine lifetime."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tiermoe.errors import TiermoeError
 from tiermoe.server import admin_routes, ollama_routes, openai_routes
+from tiermoe.server.admission import AdmissionMiddleware
 from tiermoe.server.error_format import api_error
 from tiermoe.server.generation import GenerationFailed
 from tiermoe.server.state import ServerState
@@ -29,6 +31,10 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.tiermoe = state
     for module in (openai_routes, ollama_routes, admin_routes):
         app.include_router(module.router)
+
+    # Each middleware added wraps the ones before it: admission is the innermost (a request refused for its key
+    # never takes a slot).
+    app.add_middleware(AdmissionMiddleware, admission=state.admission, metrics=state.metrics)
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
