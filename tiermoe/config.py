@@ -6,6 +6,7 @@ import math
 import os
 import resource
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import torch
 
@@ -157,6 +158,28 @@ def connection_room() -> int:
     return max(1, open_files_limit() - FILE_DESCRIPTORS_KEPT)
 
 
+def normalise_origin(value: str) -> str:
+    """One web origin of --allowed-origins as a browser sends it in `Origin`: scheme://host[:port], lower case,
+    no path, no default port. `*` and `null` are refused: a wildcard lets every page the browser opens drive the
+    server and read its answers, and `null` is the origin of every sandboxed frame and local file alike."""
+    text = value.strip().lower().removesuffix("/")
+    if text in ("*", "null"):
+        raise TiermoeError(f"--allowed-origins '{text}' is not accepted: it would let any web page the browser opens "
+                           "use this server; list each origin (e.g. http://localhost:3000)")
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query \
+            or parts.fragment or parts.username is not None:
+        raise TiermoeError(f"--allowed-origins '{value}' is not an origin; expected scheme://host[:port] with "
+                           "scheme http or https and no path (e.g. http://localhost:3000)")
+    default_port = {"http": 80, "https": 443}[parts.scheme]
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{parts.scheme}://{host}" + (f":{port}" if port not in (None, default_port) else "")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """`tiermoe serve`: where it listens, who may call it, and how much it batches and queues."""
@@ -172,6 +195,7 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a longer body is a 413, never read whole
     max_queued_requests: int | None = None  # waiting beyond the running ones; None: see queue_limit
     request_timeout: float | None = None  # seconds a request may spend in the engine; None: no limit
+    allowed_origins: tuple[str, ...] = ()  # web pages (besides the server's own) that may call it (CORS)
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -187,6 +211,7 @@ class ServerConfig:
         self._check_load_bounds()
         if self.request_timeout is not None and not 0 < self.request_timeout < math.inf:
             raise TiermoeError(f"request_timeout must be a finite number of seconds > 0, got {self.request_timeout}")
+        object.__setattr__(self, "allowed_origins", tuple(normalise_origin(o) for o in self.allowed_origins))
 
     def _check_load_bounds(self) -> None:
         running, queued = self.max_running_requests, self.max_queued_requests

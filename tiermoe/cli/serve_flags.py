@@ -21,6 +21,7 @@ from tiermoe.config import (
     MIN_KV_TOKENS_PER_REQUEST,
     QUEUED_BATCHES,
     ServerConfig,
+    normalise_origin,
 )
 from tiermoe.distributed.group import DEFAULT_DIST_TIMEOUT_S
 from tiermoe.errors import TiermoeError
@@ -38,6 +39,14 @@ def seconds(value: str) -> float:
     return number
 
 
+def origins(value: str) -> list[str]:
+    """--allowed-origins: a comma-separated list of web origins (the flag may also be repeated)."""
+    try:
+        return [normalise_origin(origin) for origin in value.split(",") if origin.strip()]
+    except TiermoeError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
     """Every flag of `tiermoe serve` (also parsed by `python -m tiermoe.serve`, the torchrun entry point)."""
     add_model_flags(p)
@@ -48,6 +57,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    f"can read a command line in `ps`: prefer --api-key-file or ${API_KEY_VARIABLE})")
     p.add_argument("--api-key-file", metavar="PATH",
                    help=f"read the API key from this file (its first line); else ${API_KEY_VARIABLE} is used if set")
+    p.add_argument("--allowed-origins", type=origins, action="extend", default=None, metavar="ORIGIN[,ORIGIN...]",
+                   help="web pages (origins, e.g. http://localhost:3000) that may call the server from a browser, "
+                        "besides its own: they get CORS headers for their origin; a request from any other page is "
+                        "refused (403). '*' is not accepted: any page the browser opens could then use the server")
     p.add_argument("--max-running-requests", type=running_count, default=None,
                    help=f"requests decoded together at most; more wait in a queue (default "
                         f"{DEFAULT_MAX_RUNNING_REQUESTS}; at most {MAX_RUNNING_REQUESTS}, and --max-total-tokens / "
@@ -92,7 +105,7 @@ def server_config_from_args(args) -> ServerConfig:
                         api_key=api_key_from_args(args), max_running_requests=running, max_total_tokens=budget,
                         chunked_prefill_size=args.chunked_prefill_size, default_max_tokens=args.default_max_tokens,
                         max_request_bytes=args.max_request_bytes, max_queued_requests=args.max_queued_requests,
-                        request_timeout=args.request_timeout)
+                        request_timeout=args.request_timeout, allowed_origins=tuple(args.allowed_origins or ()))
 
 
 def api_key_from_args(args, environ=None) -> str | None:

@@ -42,6 +42,8 @@ def rank_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, action.dest)
         if value == action.default:
             continue
+        if isinstance(value, list):  # --allowed-origins: one comma-separated value
+            value = ",".join(value)
         if action.nargs == 0:  # store_true and friends
             if value == action.const:
                 flags.append(action.option_strings[0])
