@@ -34,7 +34,8 @@ def server_thread(tmp_dir, step_sleep: float = 0.0, **config):
     """Yields (url, state). `step_sleep` seconds after every engine step make generation slow enough to watch."""
     path = save_tiny("qwen3_moe", tmp_dir)
     save_char_tokenizer(path)
-    llm = LLM(path, dtype=torch.float32, prefill_chunk=16, max_running=8, progress=False)
+    llm = LLM(path, dtype=torch.float32, prefill_chunk=16, max_running=config.get("max_running_requests", 8),
+              progress=False)
     if step_sleep:
         llm.engine.after_step_hooks.append(lambda: time.sleep(step_sleep))
     server_config = ServerConfig(port=free_port(), **config)

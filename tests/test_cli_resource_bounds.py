@@ -3,6 +3,7 @@ with one line saying so, before anything is started or allocated."""
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import pytest
@@ -10,7 +11,9 @@ import torch
 from conftest import run_cli
 from test_cli_bad_input import MISSING_MODEL, assert_one_line_error
 
-from tiermoe.config import CPUConfig
+from tiermoe import config, fit
+from tiermoe.config import CPUConfig, ServerConfig
+from tiermoe.engine.engine import EngineConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.placement.plan import PlacementPlan
 from tiermoe.placement.planner import PlacementTarget
@@ -93,3 +96,49 @@ def test_a_recorder_buffer_larger_than_memory_is_refused():
     result = run_cli("generate", "--prompt", "hi", "--expert-distribution-recorder-mode", "per_pass",
                      "--expert-distribution-recorder-buffer-size", str(10**15))
     assert_one_line_error(result, "GiB available")
+
+
+def _serve_config(*flags: str) -> ServerConfig:
+    from tiermoe.cli.serve_flags import add_serve_flags, server_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_flags(parser)
+    return server_config_from_args(parser.parse_args(list(flags)))
+
+
+def test_max_running_requests_is_bounded_by_the_kv_cache_it_needs():
+    assert_one_line_error(run_cli("serve", *MISSING_MODEL, "--max-running-requests", "5000"),
+                          "argument --max-running-requests: expected at most 4096 sequences at once")
+    assert_one_line_error(run_cli("serve", *MISSING_MODEL, "--max-running-requests", "100",
+                                  "--max-total-tokens", "100"),
+                          "--max-running-requests 100: --max-total-tokens 100 holds at most 50 running requests (each "
+                          "holds at least 2 tokens of KV cache)")
+    with pytest.raises(TiermoeError, match="--max-running-requests 5000: at most 4096 requests run at once"):
+        ServerConfig(max_running_requests=5000)
+    with pytest.raises(TiermoeError, match="max_running must be 1-4096 sequences, got 5000"):
+        EngineConfig(max_running=5000)
+    assert _serve_config().max_running_requests == 32
+    assert _serve_config("--max-total-tokens", "40").max_running_requests == 20  # the default follows the budget
+
+
+def test_requests_in_flight_are_bounded_by_the_open_file_limit(monkeypatch):
+    monkeypatch.setattr(config, "open_files_limit", lambda: 512)  # 256 of them for connections
+    assert (ServerConfig().queue_limit, ServerConfig().in_flight_limit) == (128, 160)  # 4 batches by default
+    assert ServerConfig(max_running_requests=200).queue_limit == 56  # the default shrinks to what the files allow
+    assert ServerConfig(max_queued_requests=0).in_flight_limit == 32
+    assert_one_line_error(run_cli("serve", *MISSING_MODEL, "--max-queued-requests", "1000"),
+                          "--max-queued-requests: 1032 requests in flight hold as many connections, but this process "
+                          "may open 512 files (ulimit -n), 256 of them kept for the rest: at most 256 in flight")
+    assert_one_line_error(run_cli("serve", *MISSING_MODEL, "--max-running-requests", "300"),
+                          "--max-running-requests: 300 requests in flight")
+    assert_one_line_error(run_cli("serve", *MISSING_MODEL, "--max-queued-requests", "-1"),
+                          "argument --max-queued-requests: expected an integer >= 0")
+
+
+def test_record_batch_size_is_bounded_by_the_kv_cache_it_needs(monkeypatch):
+    record = ("record", "--dataset", "missing.jsonl", "--num-prompts", "1")
+    assert_one_line_error(run_cli(*record, "--batch-size", "5000"),
+                          "argument --batch-size/--max-running: expected at most 4096 sequences at once")
+    monkeypatch.setattr(fit, "available_ram", lambda: 2**20)
+    assert_one_line_error(run_cli(*record, "--batch-size", "4096"),
+                          "--batch-size 4096: each running sequence holds at least 2 tokens of KV cache")

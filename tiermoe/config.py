@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import torch
 
@@ -129,20 +131,71 @@ class CPUConfig:
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # 8 MiB: a prompt of a million tokens and more
 MAX_REQUEST_BYTES_CAP = 1 << 30  # a body is parsed in memory several times over: 1 GiB is already a lot
 
+# Requests one engine runs at once, at most. Each running request holds a KV cache of at least
+# MIN_KV_TOKENS_PER_REQUEST tokens (a prompt token and a generated one), so --max-total-tokens T holds at most
+# T // 2 of them (SGLang's own default is that, max_total_tokens // 2, within a request pool of at most 4096).
+# Without batched decode each running request is also one forward on its own thread every step: past a few
+# thousand, per-sequence overhead (threads, cache objects, Python bookkeeping) outweighs what batching saves.
+MAX_RUNNING_REQUESTS = 4096
+MIN_KV_TOKENS_PER_REQUEST = 2
+DEFAULT_MAX_RUNNING_REQUESTS = 32
+# The wait queue by default: this many batches of --max-running-requests. A request waits at most about that many
+# request lifetimes; beyond it, a 503 that says when to retry serves the client better than an unbounded wait.
+QUEUED_BATCHES = 4
+# Every request in flight holds a connection, a file descriptor; this many are kept for the rest (model files,
+# CUDA, logs, the ranks' sockets) when the open-file limit (ulimit -n) bounds the requests in flight.
+FILE_DESCRIPTORS_KEPT = 256
+
+
+def open_files_limit() -> int:
+    """Files this process may open (the soft RLIMIT_NOFILE, `ulimit -n`)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 2**31 if soft == resource.RLIM_INFINITY else soft
+
+
+def connection_room() -> int:
+    """Requests that may be in flight at once: one connection (file descriptor) each."""
+    return max(1, open_files_limit() - FILE_DESCRIPTORS_KEPT)
+
+
+def normalise_origin(value: str) -> str:
+    """One web origin of --allowed-origins as a browser sends it in `Origin`: scheme://host[:port], lower case,
+    no path, no default port. `*` and `null` are refused: a wildcard lets every page the browser opens drive the
+    server and read its answers, and `null` is the origin of every sandboxed frame and local file alike."""
+    text = value.strip().lower().removesuffix("/")
+    if text in ("*", "null"):
+        raise TiermoeError(f"--allowed-origins '{text}' is not accepted: it would let any web page the browser opens "
+                           "use this server; list each origin (e.g. http://localhost:3000)")
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query \
+            or parts.fragment or parts.username is not None:
+        raise TiermoeError(f"--allowed-origins '{value}' is not an origin; expected scheme://host[:port] with "
+                           "scheme http or https and no path (e.g. http://localhost:3000)")
+    default_port = {"http": 80, "https": 443}[parts.scheme]
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{parts.scheme}://{host}" + (f":{port}" if port not in (None, default_port) else "")
+
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """`tiermoe serve`: where it listens, who may call it, and how much it batches."""
+    """`tiermoe serve`: where it listens, who may call it, and how much it batches and queues."""
 
     host: str = "127.0.0.1"
     port: int = 30000
     served_model_name: str | None = None
     api_key: str | None = None
-    max_running_requests: int = 32
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     max_total_tokens: int | None = None
     chunked_prefill_size: int = 512
     default_max_tokens: int = 256  # when a request gives no max_tokens
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a longer body is a 413, never read whole
+    max_queued_requests: int | None = None  # waiting beyond the running ones; None: see queue_limit
+    request_timeout: float | None = None  # seconds a request may spend in the engine; None: no limit
+    allowed_origins: tuple[str, ...] = ()  # web pages (besides the server's own) that may call it (CORS)
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -155,6 +208,40 @@ class ServerConfig:
         if not 0 < self.max_request_bytes <= MAX_REQUEST_BYTES_CAP:
             raise TiermoeError(f"max_request_bytes must be 1-{MAX_REQUEST_BYTES_CAP} (1 GiB), got "
                                f"{self.max_request_bytes}")
+        self._check_load_bounds()
+        if self.request_timeout is not None and not 0 < self.request_timeout < math.inf:
+            raise TiermoeError(f"request_timeout must be a finite number of seconds > 0, got {self.request_timeout}")
+        object.__setattr__(self, "allowed_origins", tuple(normalise_origin(o) for o in self.allowed_origins))
+
+    def _check_load_bounds(self) -> None:
+        running, queued = self.max_running_requests, self.max_queued_requests
+        if running > MAX_RUNNING_REQUESTS:
+            raise TiermoeError(f"--max-running-requests {running}: at most {MAX_RUNNING_REQUESTS} requests run at once")
+        if self.max_total_tokens is not None and running > self.max_total_tokens // MIN_KV_TOKENS_PER_REQUEST:
+            raise TiermoeError(f"--max-running-requests {running}: --max-total-tokens {self.max_total_tokens} holds "
+                               f"at most {self.max_total_tokens // MIN_KV_TOKENS_PER_REQUEST} running requests (each "
+                               f"holds at least {MIN_KV_TOKENS_PER_REQUEST} tokens of KV cache)")
+        if queued is not None and queued < 0:
+            raise TiermoeError(f"--max-queued-requests must be >= 0, got {queued}")
+        room = connection_room()
+        if running + (queued or 0) > room:
+            flag = "--max-running-requests" if queued is None else "--max-queued-requests"
+            raise TiermoeError(f"{flag}: {running + (queued or 0)} requests in flight hold as many connections, but "
+                               f"this process may open {open_files_limit()} files (ulimit -n), "
+                               f"{FILE_DESCRIPTORS_KEPT} of them kept for the rest: at most {room} in flight")
+
+    @property
+    def queue_limit(self) -> int:
+        """Requests that may wait beyond the running ones: --max-queued-requests, else QUEUED_BATCHES batches
+        (within what the open-file limit leaves)."""
+        if self.max_queued_requests is not None:
+            return self.max_queued_requests
+        return min(QUEUED_BATCHES * self.max_running_requests, connection_room() - self.max_running_requests)
+
+    @property
+    def in_flight_limit(self) -> int:
+        """Generation requests the server holds at once (running, queued, or being read and tokenised)."""
+        return self.max_running_requests + self.queue_limit
 
 
 PLACEMENT_POLICIES = ("static", "kt-dynamic", "adaptive")

@@ -24,6 +24,7 @@ from tiermoe.arch import ArchSpec, detect, load_gguf_config, text_config
 from tiermoe.checkpoint.expert_cache import find_cache
 from tiermoe.checkpoint.fp8 import is_fp8_quantised
 from tiermoe.checkpoint.gguf_reader import gguf_files
+from tiermoe.config import MIN_KV_TOKENS_PER_REQUEST
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.fp8_blocks import DEFAULT_BLOCK, scale_shape
 from tiermoe.experts.fp8_tier import fp8_expert_bytes
@@ -283,6 +284,26 @@ def available_ram() -> int | None:
     except OSError:
         return None
     return None
+
+
+def device_free_bytes(device: str) -> int | None:
+    """Bytes that can still be allocated on `device`: free memory of a CUDA device, available RAM for the host."""
+    parsed = torch.device(device)
+    if parsed.type == "cuda":
+        return torch.cuda.mem_get_info(parsed)[0]
+    return available_ram()
+
+
+def check_running_kv(sequences: int, flag: str, cfg, dtype: torch.dtype, device: str) -> None:
+    """Refuse running `sequences` sequences at once (`flag` names the setting) when even the least KV cache they
+    hold, MIN_KV_TOKENS_PER_REQUEST tokens each, does not fit what `device` has free (before loading)."""
+    per_sequence = MIN_KV_TOKENS_PER_REQUEST * kv_bytes_per_token(text_config(cfg), dtype.itemsize)
+    free = device_free_bytes(device)
+    if free is None or per_sequence == 0 or sequences * per_sequence <= free:
+        return
+    raise TiermoeError(f"{flag} {sequences}: each running sequence holds at least {MIN_KV_TOKENS_PER_REQUEST} tokens "
+                       f"of KV cache ({per_sequence:,} bytes), and {device} has {free / GIB:,.2f} GiB free: at most "
+                       f"{free // per_sequence}")
 
 
 def check_before_loading(model, plan: PlacementPlan, gpu_device: str, kv_tokens: int,

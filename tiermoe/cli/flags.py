@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from tiermoe.config import MAX_RUNNING_REQUESTS
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -47,6 +49,16 @@ def non_negative_int(value: str) -> int:
     number = _int(value)
     if number < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {number}")
+    return number
+
+
+def running_count(value: str) -> int:
+    """Sequences run together (serve --max-running-requests, record --batch-size): a positive integer up to
+    MAX_RUNNING_REQUESTS (tiermoe.config says why)."""
+    number = positive_int(value)
+    if number > MAX_RUNNING_REQUESTS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_RUNNING_REQUESTS} sequences at once (each holds a KV "
+                                         f"cache and its share of every step), got {number}")
     return number
 
 

@@ -15,6 +15,7 @@ from tiermoe.cli.flags import (
     non_negative_int,
     output_file_new_dirs,
     positive_int,
+    running_count,
     seed_int,
 )
 from tiermoe.cli.placement_flags import add_placement_flags, placement_from_args
@@ -26,6 +27,7 @@ from tiermoe.data.registry import DATASETS
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
+from tiermoe.fit import check_running_kv
 from tiermoe.models import resolve_model
 from tiermoe.stats.io import dump_recorder
 
@@ -66,8 +68,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                    help="skip prompts with more tokens (default: the context length less --max-tokens; at most "
                         "the context length less one)")
-    p.add_argument("--batch-size", "--max-running", dest="batch_size", type=positive_int, default=16,
-                   help="sequences advanced together in one step (default 16)")
+    p.add_argument("--batch-size", "--max-running", dest="batch_size", type=running_count, default=16,
+                   help="sequences advanced together in one step (default 16; at most 4096, and as many as the "
+                        "device's free memory holds 2 tokens of KV cache each)")
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--raw", action="store_true", help="feed prompts as plain text, without the chat template")
@@ -82,7 +85,9 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     device = check_device(args.gpu_device)
     model_dir = resolve_model(args.model)
-    spec = detect(load_config(model_dir))
+    config = load_config(model_dir)
+    spec = detect(config)
+    check_running_kv(args.batch_size, "--batch-size", config, args.dtype or spec.dtype, device)
     candidates = select(load_prompts(args.dataset), None, args.seed, args.min_chars, args.max_chars, args.split,
                         args.heldout_fraction)
     recorder = recorder_from_args(args, spec)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tiermoe.cli.flags import add_command
 from tiermoe.cli.listen_address import check_listen_address
-from tiermoe.cli.serve_flags import add_serve_flags, api_key_from_args
+from tiermoe.cli.serve_flags import add_serve_flags, server_config_from_args
 from tiermoe.cli.serve_http import build_state, serve
 from tiermoe.cli.serve_ranks import serve_rank, serve_with_local_ranks
 from tiermoe.cli.sglang_flags import report_ignored
@@ -48,7 +48,7 @@ def run(args) -> int:
     env = RankEnv.from_env()
     if env is None or env.rank == 0:
         report_ignored(args)
-        api_key_from_args(args)  # a key file that cannot be read fails now, not after minutes of loading
+        server_config_from_args(args)  # a bad setting or unreadable key file fails now, not after minutes of loading
         check_listen_address(args.host, args.port)  # so does a host or a port it cannot listen on
     gpus = requested_gpus(args)
     what = "--num-gpus" if not args.plan else "the plan's num_gpus"

@@ -9,12 +9,20 @@ import os
 from pathlib import Path
 
 from tiermoe.cli.cpu_flags import add_cpu_flags
-from tiermoe.cli.flags import positive_int
+from tiermoe.cli.flags import non_negative_int, positive_int, running_count
 from tiermoe.cli.generate_cmd import add_model_flags
 from tiermoe.cli.placement_flags import add_dynamic_flags, add_placement_flags
 from tiermoe.cli.recorder_flags import add_recorder_flags
 from tiermoe.cli.sglang_flags import add_sglang_compat_flags
-from tiermoe.config import DEFAULT_MAX_REQUEST_BYTES
+from tiermoe.config import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    MAX_RUNNING_REQUESTS,
+    MIN_KV_TOKENS_PER_REQUEST,
+    QUEUED_BATCHES,
+    ServerConfig,
+    normalise_origin,
+)
 from tiermoe.distributed.group import DEFAULT_DIST_TIMEOUT_S
 from tiermoe.errors import TiermoeError
 
@@ -31,6 +39,14 @@ def seconds(value: str) -> float:
     return number
 
 
+def origins(value: str) -> list[str]:
+    """--allowed-origins: a comma-separated list of web origins (the flag may also be repeated)."""
+    try:
+        return [normalise_origin(origin) for origin in value.split(",") if origin.strip()]
+    except TiermoeError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
     """Every flag of `tiermoe serve` (also parsed by `python -m tiermoe.serve`, the torchrun entry point)."""
     add_model_flags(p)
@@ -41,8 +57,23 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    f"can read a command line in `ps`: prefer --api-key-file or ${API_KEY_VARIABLE})")
     p.add_argument("--api-key-file", metavar="PATH",
                    help=f"read the API key from this file (its first line); else ${API_KEY_VARIABLE} is used if set")
-    p.add_argument("--max-running-requests", type=positive_int, default=32,
-                   help="requests decoded together at most; more wait in a queue (default 32)")
+    p.add_argument("--allowed-origins", type=origins, action="extend", default=None, metavar="ORIGIN[,ORIGIN...]",
+                   help="web pages (origins, e.g. http://localhost:3000) that may call the server from a browser, "
+                        "besides its own: they get CORS headers for their origin; a request from any other page is "
+                        "refused (403). '*' is not accepted: any page the browser opens could then use the server")
+    p.add_argument("--max-running-requests", type=running_count, default=None,
+                   help=f"requests decoded together at most; more wait in a queue (default "
+                        f"{DEFAULT_MAX_RUNNING_REQUESTS}; at most {MAX_RUNNING_REQUESTS}, and --max-total-tokens / "
+                        f"{MIN_KV_TOKENS_PER_REQUEST}: each holds that many tokens of KV cache at least)")
+    p.add_argument("--max-queued-requests", type=non_negative_int, default=None,
+                   help="requests that may wait beyond the running ones; more are refused at once with 503 and "
+                        f"Retry-After, costing the server nothing (default {QUEUED_BATCHES} x "
+                        f"--max-running-requests: a wait of about {QUEUED_BATCHES} request lifetimes, beyond which "
+                        "retrying later or elsewhere serves a client better; 0: no queue). Each request in "
+                        "flight holds a connection: running + queued stay within the open-file limit (ulimit -n)")
+    p.add_argument("--request-timeout", type=seconds, default=None, metavar="SECONDS",
+                   help="stop a request that has been queued and generating for longer (the engine frees its "
+                        "slot within a step): a 504, or a stream that ends with an error event (default: no limit)")
     p.add_argument("--chunked-prefill-size", type=positive_int, default=512,
                    help="prompt tokens prefilled per step over all requests (default 512)")
     p.add_argument("--default-max-tokens", type=positive_int, default=256,
@@ -60,6 +91,21 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds a rank waits for the others in one collective before it gives up with an error "
                         "(a rank died or hangs); idle ranks exchange heartbeats, so idleness never trips it "
                         f"(default {DEFAULT_DIST_TIMEOUT_S:g})")
+
+
+def server_config_from_args(args) -> ServerConfig:
+    """The ServerConfig the flags ask for (checked before the model loads). Without --max-running-requests: 32, or
+    as many as --max-total-tokens holds if fewer."""
+    budget = args.max_total_tokens
+    running = args.max_running_requests
+    if running is None:
+        running = DEFAULT_MAX_RUNNING_REQUESTS if budget is None else \
+            max(1, min(DEFAULT_MAX_RUNNING_REQUESTS, budget // MIN_KV_TOKENS_PER_REQUEST))
+    return ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                        api_key=api_key_from_args(args), max_running_requests=running, max_total_tokens=budget,
+                        chunked_prefill_size=args.chunked_prefill_size, default_max_tokens=args.default_max_tokens,
+                        max_request_bytes=args.max_request_bytes, max_queued_requests=args.max_queued_requests,
+                        request_timeout=args.request_timeout, allowed_origins=tuple(args.allowed_origins or ()))
 
 
 def api_key_from_args(args, environ=None) -> str | None:

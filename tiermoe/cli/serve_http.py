@@ -11,8 +11,8 @@ import uvicorn
 from tiermoe.cli.cpu_flags import cpu_from_args
 from tiermoe.cli.placement_flags import check_fit_from_args, dynamic_from_args, plan_from_args
 from tiermoe.cli.recorder_flags import recorder_from_args
-from tiermoe.cli.serve_flags import api_key_from_args
-from tiermoe.config import ServerConfig, check_device
+from tiermoe.cli.serve_flags import server_config_from_args
+from tiermoe.config import check_device
 from tiermoe.engine.llm import LLM
 from tiermoe.server.app import create_app
 from tiermoe.server.engine_service import EngineService
@@ -23,10 +23,7 @@ from tiermoe.stats.tier_hits import TierHitCounter
 
 
 def build_state(args, llm=None):
-    config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                          api_key=api_key_from_args(args), max_running_requests=args.max_running_requests,
-                          max_total_tokens=args.max_total_tokens, chunked_prefill_size=args.chunked_prefill_size,
-                          default_max_tokens=args.default_max_tokens, max_request_bytes=args.max_request_bytes)
+    config = server_config_from_args(args)
     if llm is None:
         device = check_device(args.gpu_device)
         plan = plan_from_args(args, device)

@@ -19,7 +19,7 @@ import threading
 
 from tiermoe.cli.cpu_flags import cpu_from_args
 from tiermoe.cli.placement_flags import dynamic_from_args, placement_from_args
-from tiermoe.cli.serve_flags import add_serve_flags
+from tiermoe.cli.serve_flags import add_serve_flags, server_config_from_args
 from tiermoe.cli.serve_http import build_state, serve
 from tiermoe.distributed.group import RankEnv, RankGroup, rank_device
 from tiermoe.distributed.launch import free_port, rank_env, reap, spawn_ranks
@@ -42,6 +42,8 @@ def rank_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, action.dest)
         if value == action.default:
             continue
+        if isinstance(value, list):  # --allowed-origins: one comma-separated value
+            value = ",".join(value)
         if action.nargs == 0:  # store_true and friends
             if value == action.const:
                 flags.append(action.option_strings[0])
@@ -91,7 +93,8 @@ def serve_rank(args, env: RankEnv, on_group=None) -> int:
     group = RankGroup(env, device, args.dist_timeout)
     if on_group is not None:
         on_group()
-    with group, RankModel(group, args.model, placement_from_args(args), max_running=args.max_running_requests,
+    max_running = server_config_from_args(args).max_running_requests
+    with group, RankModel(group, args.model, placement_from_args(args), max_running=max_running,
                          prefill_chunk=args.chunked_prefill_size, max_total_tokens=args.max_total_tokens,
                          dynamic=dynamic_from_args(args) if leads else None, progress=leads,
                          cpu=cpu_from_args(args)) as ranked:

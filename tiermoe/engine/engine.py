@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiermoe.config import MAX_RUNNING_REQUESTS
 from tiermoe.engine.batched_decode import batched_decode_forward, can_join, decode_groups, supports_batched_decode
 from tiermoe.engine.logprobs import logprobs_at
 from tiermoe.engine.moe_batcher import MoEBatcher
@@ -57,8 +58,8 @@ class EngineConfig:
     max_total_tokens: int | None = None  # KV tokens the running sequences may reserve (--max-total-tokens)
 
     def __post_init__(self):
-        if self.max_running < 1:
-            raise TiermoeError(f"max_running must be >= 1, got {self.max_running}")
+        if not 1 <= self.max_running <= MAX_RUNNING_REQUESTS:  # the bound's reasons: tiermoe.config
+            raise TiermoeError(f"max_running must be 1-{MAX_RUNNING_REQUESTS} sequences, got {self.max_running}")
         if self.prefill_chunk < 1:
             raise TiermoeError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from tiermoe.errors import TiermoeError
+from tiermoe.server.error_format import api_error
 from tiermoe.server.state import ServerState
 
 router = APIRouter()
@@ -25,6 +26,7 @@ async def metrics(request: Request):
     state = _state(request)
     swaps = state.llm.hybrid.swap_stats
     gauges = {"queue_length": state.service.queue_length, "running_requests": state.service.running,
+              "requests_in_flight": state.admission.in_flight,
               "gpu_tier_hit_rate": state.hits.hit_rate(), "expert_swaps_total": swaps.swaps,
               "expert_bytes_copied_total": swaps.bytes}
     return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
@@ -52,21 +54,38 @@ def _recorder(state: ServerState):
 
 
 # The recorder is touched only between engine steps, on the engine thread, so a pass is never half recorded.
-@router.api_route("/start_expert_distribution_record", methods=["GET", "POST"])
+# POST only: SGLang takes GET too, but a GET is what any web page can send with an <img src> (no Origin header,
+# and older browsers send no Sec-Fetch-Site either), while a page's POST carries its Origin (in every browser of
+# the last years), which tiermoe.server.origin_check refuses. SGLang's own clients POST
+# (docs/coming-from-ktransformers.md).
+RECORDER_PATHS = ("/start_expert_distribution_record", "/stop_expert_distribution_record",
+                  "/dump_expert_distribution_record")
+
+
+async def recorder_by_get(request: Request):
+    return api_error(request.url.path, 405, f"{request.url.path} takes POST only (a GET could come from any web "
+                                            "page's <img> tag)", headers={"Allow": "POST"})
+
+
+for _path in RECORDER_PATHS:
+    router.add_api_route(_path, recorder_by_get, methods=["GET"], include_in_schema=False)
+
+
+@router.post("/start_expert_distribution_record")
 async def start_record(request: Request):
     state = _state(request)
     await state.service.between_steps(_recorder(state).start)
     return {"message": "expert distribution recording started"}
 
 
-@router.api_route("/stop_expert_distribution_record", methods=["GET", "POST"])
+@router.post("/stop_expert_distribution_record")
 async def stop_record(request: Request):
     state = _state(request)
     await state.service.between_steps(_recorder(state).stop)
     return {"message": "expert distribution recording stopped"}
 
 
-@router.api_route("/dump_expert_distribution_record", methods=["GET", "POST"])
+@router.post("/dump_expert_distribution_record")
 async def dump_record(request: Request):
     state = _state(request)
     paths = await state.service.between_steps(_recorder(state).dump)

@@ -1,4 +1,6 @@
-"""The FastAPI app around one loaded model: routes, API-key check, errors in each API's format, engine lifetime."""
+"""The FastAPI app around one loaded model: routes, the checks every request passes (outermost first: which web
+page sent it, tiermoe.server.origin_check; the API key; room for it, tiermoe.server.admission), errors in each
+API's format, engine lifetime."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tiermoe.errors import TiermoeError
 from tiermoe.server import admin_routes, ollama_routes, openai_routes
+from tiermoe.server.admission import AdmissionMiddleware
 from tiermoe.server.error_format import api_error
 from tiermoe.server.generation import GenerationFailed
+from tiermoe.server.origin_check import OriginCheck
 from tiermoe.server.state import ServerState
 
 OPEN_PATHS = ("/health",)
@@ -30,6 +34,11 @@ def create_app(state: ServerState) -> FastAPI:
     for module in (openai_routes, ollama_routes, admin_routes):
         app.include_router(module.router)
 
+    # Each middleware added wraps the ones before it: admission is the innermost (a request refused for its
+    # origin or its key never takes a slot), the origin check the outermost (it answers CORS preflights, which
+    # carry no key, and puts CORS headers on every answer to an allowed page, a 401 included).
+    app.add_middleware(AdmissionMiddleware, admission=state.admission, metrics=state.metrics)
+
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
         key = state.config.api_key
@@ -39,6 +48,8 @@ def create_app(state: ServerState) -> FastAPI:
                 return api_error(request.url.path, 401,
                                  "missing or wrong API key (send 'Authorization: Bearer KEY')", "authentication_error")
         return await call_next(request)
+
+    app.add_middleware(OriginCheck, config=state.config, open_paths=OPEN_PATHS)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, err: RequestValidationError):

@@ -31,8 +31,9 @@ from tiermoe.server.metrics import ServerMetrics
 @dataclass
 class Event:
     """A piece of one request's output: new text (and ids); `finish_reason` set on the last event. An error
-    ends the request with finish_reason "error"; `client_error` when the request's own values caused it.
-    `logprobs`: one per new id, when the request asked; `prompt_logprobs` on the first event, when asked."""
+    ends the request with finish_reason "error"; `client_error` when the request's own values caused it, `status`
+    when another HTTP status says what happened (504: --request-timeout). `logprobs`: one per new id, when the
+    request asked; `prompt_logprobs` on the first event, when asked."""
 
     text: str
     token_ids: list[int]
@@ -41,6 +42,12 @@ class Event:
     client_error: bool = False
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None
+    status: int | None = None
+
+    @property
+    def error_status(self) -> int:
+        """The HTTP status of an error: `status`, else 400 when the request caused it, else 500."""
+        return self.status or (400 if self.client_error else 500)
 
 
 @dataclass
@@ -55,6 +62,7 @@ class RequestHandle:
     sent_ids: int = 0
     first_token_at: float | None = None
     done: bool = False
+    timed_out: bool = False  # stopped by --request-timeout (counted as that, not as aborted by its client)
 
     def push(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -102,7 +110,8 @@ class EngineService:
         self._commands.put(("call", (fn, future)))
         return await asyncio.wrap_future(future)
 
-    def abort(self, handle: RequestHandle) -> None:
+    def abort(self, handle: RequestHandle, timed_out: bool = False) -> None:
+        handle.timed_out = handle.timed_out or timed_out  # set before the command: the engine thread reads it
         if not handle.done:
             self._commands.put(("abort", handle))
 
@@ -158,7 +167,8 @@ class EngineService:
             elif handle.seq is not None and not handle.done:
                 self.engine.abort(handle.seq)
                 self._finish(handle)
-                self.metrics.add(requests_aborted=1)
+                if not handle.timed_out:
+                    self.metrics.add(requests_aborted=1)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:

@@ -1,8 +1,15 @@
-"""Running one request through the engine service: as a stream of events, or collected into one result."""
+"""Running one request through the engine service: as a stream of events, or collected into one result.
+
+With --request-timeout, a request that has been in the engine (queued or generating) that long is stopped: the
+engine aborts it between two steps and its client gets an error, 504 Gateway Timeout (the server's own
+generation, behind the HTTP front, did not answer in time; 408 Request Timeout would say the client was too slow
+to send its request), or, once streaming, an error event with finish_reason "error" like any failed generation.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -15,11 +22,11 @@ from tiermoe.server.state import ServerState
 
 
 class GenerationFailed(RuntimeError):
-    """The engine reported an error for this request: a 400 when its own values caused it, else a 500."""
+    """The engine reported an error for this request, with its HTTP status (Event.error_status)."""
 
-    def __init__(self, message: str, client_error: bool = False):
+    def __init__(self, message: str, status: int = 500):
         super().__init__(message)
-        self.status = 400 if client_error else 500
+        self.status = status
 
 
 @dataclass
@@ -35,12 +42,22 @@ async def stream_events(state: ServerState, request: Request, prompt_ids: list[i
                         params: SamplingParams) -> AsyncIterator[Event]:
     """Events until the last one (an error is an event too: `error` set, finish_reason "error"; a stream says so
     to its client). If the client goes away (the connection closes, or the consumer is cancelled), the request
-    is aborted at once, streaming or not: the engine frees its slot between the next two steps."""
+    is aborted at once, streaming or not: the engine frees its slot between the next two steps. Past
+    --request-timeout it is aborted the same way, and the last event is an error with status 504."""
     handle = state.service.submit(prompt_ids, params)
+    timeout = state.config.request_timeout
+    deadline = None if timeout is None else handle.created + timeout
     watcher = asyncio.create_task(_on_disconnect(request, lambda: handle.events.put_nowait(DISCONNECTED)))
     try:
         while True:
-            event = await handle.events.get()
+            try:
+                event = await _next_event(handle.events, deadline)
+            except TimeoutError:
+                state.service.abort(handle, timed_out=True)
+                state.metrics.add(requests_timed_out=1)
+                yield Event("", [], "error", status=504, error=f"the request took longer than the server's "
+                            f"--request-timeout ({timeout:g} s) and was stopped")
+                return
             if event is DISCONNECTED:
                 return
             yield event
@@ -52,6 +69,13 @@ async def stream_events(state: ServerState, request: Request, prompt_ids: list[i
 
 
 DISCONNECTED = object()  # put in a request's event queue when its client has gone
+
+
+async def _next_event(events: asyncio.Queue, deadline: float | None):
+    """The next event, or TimeoutError once `deadline` (time.monotonic) has passed."""
+    if deadline is None:
+        return await events.get()
+    return await asyncio.wait_for(events.get(), max(0.0, deadline - time.monotonic()))
 
 
 async def _on_disconnect(request: Request, then) -> None:
@@ -66,7 +90,7 @@ async def collect(state: ServerState, request: Request, prompt_ids: list[int], p
     out = Collected("", [], "abort")
     async for event in stream_events(state, request, prompt_ids, params):
         if event.error is not None:
-            raise GenerationFailed(event.error, event.client_error)
+            raise GenerationFailed(event.error, event.error_status)
         out.text += event.text
         out.token_ids += event.token_ids
         out.logprobs += event.logprobs

@@ -16,6 +16,8 @@ class ServerMetrics:
         self.requests_total = 0
         self.requests_failed = 0
         self.requests_aborted = 0
+        self.requests_refused = 0
+        self.requests_timed_out = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.ttft_sum = 0.0
@@ -58,6 +60,10 @@ class ServerMetrics:
         metric("requests_total", "counter", "Requests received.", self.requests_total)
         metric("requests_failed_total", "counter", "Requests that ended in an error.", self.requests_failed)
         metric("requests_aborted_total", "counter", "Requests whose client went away.", self.requests_aborted)
+        metric("requests_refused_total", "counter", "Requests refused on arrival (503): the running and queued "
+               "ones filled --max-running-requests + --max-queued-requests.", self.requests_refused)
+        metric("requests_timed_out_total", "counter", "Requests stopped by --request-timeout.",
+               self.requests_timed_out)
         metric("prompt_tokens_total", "counter", "Prompt tokens processed.", self.prompt_tokens)
         metric("generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens)
         metric("generation_tokens_per_second", "gauge", "Tokens generated per second over the last 10 s.",

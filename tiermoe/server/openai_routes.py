@@ -38,8 +38,8 @@ def _sse(payload: dict | str) -> str:
 
 
 def _error_object(event) -> dict:
-    status = 400 if event.client_error else 500
-    kind = "invalid_request_error" if event.client_error else "server_error"
+    status = event.error_status
+    kind = "invalid_request_error" if status < 500 else "server_error"
     return {"message": f"generation failed: {event.error}", "type": kind, "param": None, "code": status}
 
 

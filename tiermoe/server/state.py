@@ -14,6 +14,7 @@ from tiermoe.config import ServerConfig
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
+from tiermoe.server.admission import Admission
 from tiermoe.server.engine_service import EngineService
 from tiermoe.server.logprob_format import TokenText, token_text_of
 from tiermoe.server.metrics import ServerMetrics
@@ -32,6 +33,11 @@ class ServerState:
     started: float = field(default_factory=time.time)
     # one tokenisation at a time: a fast tokenizer's settings are not safe to touch from two threads at once
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    admission: Admission = field(init=False)  # generation requests in flight, bounded (--max-queued-requests)
+
+    def __post_init__(self):
+        config = self.config
+        self.admission = Admission(config.in_flight_limit, config.max_running_requests, config.queue_limit)
 
     @property
     def context_length(self) -> int | None:
