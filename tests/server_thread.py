@@ -30,10 +30,13 @@ GOOD_BODIES = {
 
 
 @contextmanager
-def server_thread(tmp_dir, step_sleep: float = 0.0, **config):
-    """Yields (url, state). `step_sleep` seconds after every engine step make generation slow enough to watch."""
-    path = save_tiny("qwen3_moe", tmp_dir)
-    save_char_tokenizer(path)
+def server_thread(tmp_dir, step_sleep: float = 0.0, model_dir=None, **config):
+    """Yields (url, state). `step_sleep` seconds after every engine step make generation slow enough to watch;
+    `model_dir` serves that model (in fp32) instead of a tiny one with a character tokenizer."""
+    path = model_dir
+    if path is None:
+        path = save_tiny("qwen3_moe", tmp_dir)
+        save_char_tokenizer(path)
     llm = LLM(path, dtype=torch.float32, prefill_chunk=16, max_running=config.get("max_running_requests", 8),
               progress=False)
     if step_sleep:

@@ -1,8 +1,8 @@
 """Schema-driven fuzzing: bodies drawn from each POST endpoint's request schema in the server's own OpenAPI
 document (valid ones, and ones with the schema's field names holding values of any JSON type), sent while long
 greedy streams run. No body may get a 5xx or leave a traceback in the log, a stream that is answered must end
-properly, and every long stream's text must equal the same request's text run alone (fp32: batching with the
-fuzz requests cannot flip a tie).
+properly, and every long stream's text must equal the same request's text run alone (the bundled demo model in
+fp32: batching with the fuzz requests cannot flip a tie).
 
 The default run sends 200 bodies per POST endpoint; `-m slow` runs test_fuzz_long with 2000.
 """
@@ -19,6 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schema_strategy import from_schema
 from server_thread import server_thread
+
+from tiermoe.models import resolve_model
 
 LONG_STREAM = {"prompt": [40, 41, 42, 43], "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
 JSON_VALUES = st.recursive(
@@ -44,7 +46,8 @@ def server(tmp_path_factory):
     errors = _LogErrors()
     logging.getLogger().addHandler(errors)
     # a small token budget keeps every body the schema allows cheap: beyond it, a 400
-    with server_thread(tmp_path_factory.mktemp("fuzz"), max_total_tokens=64, default_max_tokens=4) as (url, _):
+    with server_thread(tmp_path_factory.mktemp("fuzz"), model_dir=resolve_model(None), max_total_tokens=64,
+                       default_max_tokens=4) as (url, _):
         client = httpx.Client(base_url=url, timeout=60)
         alone = stream_text(client)
         yield client, alone, errors
