@@ -65,7 +65,7 @@ def test_requests_beyond_the_bound_get_503_with_retry_after_and_the_taken_ones_f
     for r in answers:
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == alone and r.json()["usage"]["completion_tokens"] == 40
-    assert state.admission.in_flight == 0
+    assert _wait_for(lambda: state.admission.in_flight == 0, 10.0)  # the slot frees just after the last byte
     metrics = httpx.get(url + "/metrics", timeout=10).text
     assert f"tiermoe_requests_refused_total {state.metrics.requests_refused}" in metrics
     assert "tiermoe_requests_in_flight 0" in metrics
@@ -86,4 +86,4 @@ def test_a_slot_frees_however_its_request_ends(served):
     assert _wait_for(lambda: state.service.running == 0 and state.admission.in_flight == 0, 10.0)  # loaded CI
     # every slot is free again: exactly RUNNING + QUEUED requests are taken, and they finish
     assert all(r.status_code == 200 for r in _fill_then_refuse(url, state))
-    assert state.admission.in_flight == 0
+    assert _wait_for(lambda: state.admission.in_flight == 0, 10.0)  # the slot frees just after the last byte
