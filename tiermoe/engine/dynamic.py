@@ -36,7 +36,7 @@ def enable_dynamic_placement(engine, config: DynamicPlacementConfig, cost: PassC
     bytes_per_expert = spec.bytes_per_expert(hybrid.expert_dtype)
     if config.prefill_threshold:
         streamer = PrefillStreamer(hybrid.gpu_device, config.prefill_threshold, int(config.prefill_buffer_gb * GIB),
-                                   bytes_per_expert)
+                                   bytes_per_expert, spec.num_experts)
         for block in hybrid.blocks.values():
             block.prefill_streamer = streamer
     cost = cost or expert_cost_model(bytes_per_expert, 2.0 * spec.params_per_expert)

@@ -46,8 +46,10 @@ class MoEBatcher:
             self._parties, self._inputs, self._outputs, self._error = len(jobs), {}, {}, None
         futures = [self._pool.submit(self._participate, i, job) for i, job in enumerate(jobs)]
         # every job ends (a failed one stops the others at their next MoE block) before the next run() resets the
-        # shared state; then the first failure, if any, is raised
+        # shared state; then the first failure, if any, is raised: the real error, not the BatchAborted it caused
         wait(futures)
+        if self._error is not None:
+            raise self._error
         return [f.result() for f in futures]
 
     def _participate(self, index: int, job: Callable[[], object]) -> object:

@@ -7,7 +7,7 @@ the GPU part meanwhile. The worker is owned by the loaded model (one per model, 
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Protocol
 
 import torch
@@ -21,6 +21,7 @@ class CPUExpertBackend(Protocol):
 
     submit(x_TD, ids_TK, weights_TK): start computing, for each token, the weighted sum of its routed experts
     whose id is >= 0 (ids -1 belong to the GPU tier); inputs are host tensors. sync() -> y_TD waits and returns it.
+    drain() ends a submitted job without its result: the caller's own work failed between submit and sync.
     add(e, weights) takes an expert in tiermoe's canonical layout and stores it in the backend's own format
     (quantising if that format is int8/int4); get(e) gives it back in the canonical layout (dequantised), so an
     expert can move to the GPU tier; pop(e) also releases it. nbytes counts what the backend really holds.
@@ -32,6 +33,8 @@ class CPUExpertBackend(Protocol):
     def submit(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None: ...
 
     def sync(self) -> torch.Tensor: ...
+
+    def drain(self) -> None: ...
 
     def add(self, expert: int, weights: ExpertWeights) -> None: ...
 
@@ -124,6 +127,13 @@ class ComputedOnWorker:
         if pending is None:
             raise RuntimeError("sync called without submit")
         return pending.result()
+
+    def drain(self) -> None:
+        """End the submitted job, if any, and drop its result (and its error: the caller's is the one to report).
+        Waits for a job already running, so nothing of a failed forward still runs when the next one starts."""
+        pending, self._pending = self._pending, None
+        if pending is not None and not pending.cancel():
+            wait([pending])
 
 
 class TorchCPUExperts(ComputedOnWorker, ExpertSet):

@@ -83,13 +83,18 @@ class HybridMoE(nn.Module):
         if use_cpu:
             cpu_ids_TK = ids_TK.masked_fill(on_gpu_TK, -1)
             self.cpu_tier.submit(x_TD.to("cpu"), cpu_ids_TK.to("cpu"), weights_TK.to("cpu"))
-
-        y_TD = self.gpu_tier.forward(x_TD, ids_TK.masked_fill(~mine_TK, -1), weights_TK)
-        if layerwise and len(self.cpu_tier) > 0:
-            y_TD = y_TD + streamer.forward(self.cpu_tier, x_TD, ids_TK.masked_fill(on_gpu_TK, -1), weights_TK,
-                                           self.gpu_tier.act)
-        shared_TD = self._shared(x_TD)
-
+        try:
+            y_TD = self.gpu_tier.forward(x_TD, ids_TK.masked_fill(~mine_TK, -1), weights_TK)
+            if layerwise and len(self.cpu_tier) > 0:
+                y_TD = y_TD + streamer.forward(self.cpu_tier, x_TD, ids_TK.masked_fill(on_gpu_TK, -1), weights_TK,
+                                               self.gpu_tier.act)
+            shared_TD = self._shared(x_TD)
+        except BaseException:
+            # A CUDA OOM or device error in the GPU part: without this the CPU job stays pending, and every later
+            # forward of this layer fails with "submit called twice" instead of running (and hides this error).
+            if use_cpu:
+                self.cpu_tier.drain()
+            raise
         if use_cpu:
             y_TD = y_TD + self.cpu_tier.sync().to(y_TD.device)
         if self.reduce is not None:

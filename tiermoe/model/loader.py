@@ -3,7 +3,7 @@
 1. read config.json and detect the architecture;
 2. build the transformers skeleton with meta parameters;
 3. swap every MoE block for a HybridMoE (router and shared experts kept, fused experts dropped);
-4. read non-expert weights onto `gpu_device`, with the checkpoint's own names;
+4. read non-expert weights onto `gpu_device`, with the checkpoint's own names, and move every buffer there too;
 5. read each routed expert once, straight into its tier: GPU-tier experts pass through a host buffer of one
    expert; CPU-tier experts are read into their final host tensors (pinned when CUDA is present).
 
@@ -56,7 +56,7 @@ from tiermoe.model.gguf_checkpoint import open_checkpoint, weight_files
 from tiermoe.model.held_bytes import disk_name, held_nbytes
 from tiermoe.model.hybrid_model import HybridModel
 from tiermoe.model.plan_source import resolve_plan
-from tiermoe.model.skeleton import build_skeleton, decoder_layers, moe_block_attr
+from tiermoe.model.skeleton import build_skeleton, decoder_layers, moe_block_attr, move_buffers
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
                   disable=not progress) as bar:
             _load_fp8_linears(model, ckpt, spec, gpu_device, bar)
             _load_non_experts(model, ckpt, spec, gpu_device, bar)
+            move_buffers(model, gpu_device)  # the non-persistent ones the checkpoint does not hold, too
             _load_experts(blocks, sources, ckpt, spec, assignment_LE, reads, rank, share, dtype, pin, bar, cache)
     _tie_and_check(model, config)
     return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share)

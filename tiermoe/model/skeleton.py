@@ -2,7 +2,8 @@
 
 Parameters stay on the meta device until the loader fills them from the checkpoint. Non-persistent buffers
 (rotary inverse frequencies) are not in checkpoints, so they are recomputed on the host by the model's own
-`_init_weights`, exactly as `from_pretrained` does.
+`_init_weights`, exactly as `from_pretrained` does; `move_buffers` then puts them on the main device with the
+rest (left on the host, every forward would copy them over and wait for it).
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ def _materialise_non_persistent_buffers(model: nn.Module) -> None:
     with torch.no_grad():
         for module in owners:
             model._init_weights(module)
+
+
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Every buffer of `model`, persistent or not, onto `device` (dtype and persistence unchanged)."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

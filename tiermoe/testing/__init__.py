@@ -1,1 +1,2 @@
-"""Test tooling (random real-shaped checkpoints, FP8 writer, `tiermoe serve` process); core packages never import it."""
+"""Test tooling (random real-shaped checkpoints, FP8 writer, `tiermoe serve` process, would-be host sync counter);
+core packages never import it."""
