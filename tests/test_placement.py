@@ -253,7 +253,8 @@ def test_statistics_of_another_model_are_refused(tmp_path):
 def test_memory_budget_counts_real_bytes():
     target = PlacementTarget(4, 8, (0, 1, 2, 3), bytes_per_expert=1 << 20, non_expert_bytes=3 << 20,
                              kv_bytes_per_token=1024)
-    plan = make_plan(PlacementConfig(gpu_memory_gb=10 / 1024, kv_cache_tokens=1024), target)
+    # the GPU tier on the host: no cuBLAS workspaces (tests/test_fit_budget_extras.py counts those)
+    plan = make_plan(PlacementConfig(gpu_memory_gb=10 / 1024, kv_cache_tokens=1024), target, gpu_device="cpu")
     assert plan.budget["total_gpu_experts"] == 10 - 3 - 1  # MiB: 10 total, 3 weights, 1 KV cache
     budget = MemoryBudget(100, 30, 10, 5, 5)
     assert budget.experts == 50 and budget.experts_that_fit(7, 100) == 7

@@ -65,6 +65,7 @@ class PlacementConfig:
     gpu_split: str = "balanced"
     kv_cache_tokens: int = 8192  # KV cache reserved by --gpu-memory-gb
     prefill_buffer_gb: float = 0.0  # layerwise-prefill buffer reserved by --gpu-memory-gb
+    max_running: int = 16  # sequences at once: each runs on its own thread, whose cuBLAS workspace is reserved
 
     def __post_init__(self):
         strategy = self.strategy.replace("_", "-")
@@ -89,6 +90,8 @@ class PlacementConfig:
             raise TiermoeError(f"gpu_split '{self.gpu_split}' is unknown; choose one of: {', '.join(GPU_SPLIT_METHODS)}")
         if self.kv_cache_tokens < 0 or not 0 <= self.prefill_buffer_gb < math.inf:
             raise TiermoeError("kv_cache_tokens and prefill_buffer_gb must be finite and >= 0")
+        if self.max_running < 1:
+            raise TiermoeError(f"max_running must be >= 1, got {self.max_running}")
 
     @property
     def sized(self) -> bool:

@@ -4,7 +4,9 @@ Where the bytes go (what the loader really allocates):
   GPU (main device): non-expert weights (as the skeleton types them; FP8 Linear weights stay FP8: 1 byte per
     parameter plus one fp32 scale per 128x128 block; everything else in the compute dtype), GPU-tier experts (FP8
     as stored in FP8 checkpoints, else the compute dtype), the KV cache at the token budget, the layerwise-prefill
-    buffer.
+    buffer, the cuBLAS workspaces of the threads that run forwards (the engine's and one per running sequence,
+    tiermoe.placement.budget.cublas_workspace_bytes) and the transient copies FP8 weights are dequantised into
+    (tiermoe.placement.budget.fp8_transient_bytes).
   Host: CPU-tier experts in the --cpu-expert-dtype format (bf16 2 bytes/param, int8 1 byte + 4 per row, int4
     0.547 bytes + 4 per row, see tiermoe.experts.quant), plus one expert of streaming buffer while loading.
 A checkpoint on disk may be larger (fp32) or smaller (FP8, GGUF) than what it becomes in memory; these counts
@@ -14,7 +16,7 @@ are of memory. Shapes: E experts per layer, H hidden, I expert intermediate size
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,12 +28,18 @@ from tiermoe.checkpoint.fp8 import is_fp8_quantised
 from tiermoe.checkpoint.gguf_reader import gguf_files
 from tiermoe.config import MIN_KV_TOKENS_PER_REQUEST
 from tiermoe.errors import TiermoeError
-from tiermoe.experts.fp8_blocks import DEFAULT_BLOCK, scale_shape
+from tiermoe.experts.fp8_blocks import DEFAULT_BLOCK, dequant_bytes, scale_shape
 from tiermoe.experts.fp8_tier import fp8_expert_bytes
-from tiermoe.model.held_bytes import ROUTED_EXPERT_NAME, bytes_from_headers
+from tiermoe.model.held_bytes import ROUTED_EXPERT_NAME, HeldBytes, fp8_expert_dequant_bytes, held_from_headers
 from tiermoe.model.skeleton import build_skeleton
 from tiermoe.models import resolve_model
-from tiermoe.placement.budget import GIB, kv_bytes_per_token
+from tiermoe.placement.budget import (
+    GIB,
+    cublas_workspace_bytes,
+    forward_threads,
+    fp8_transient_bytes,
+    kv_bytes_per_token,
+)
 from tiermoe.placement.plan import PlacementPlan
 
 # What config.json alone may be told the weights are (`tiermoe fit --dtype`): compute dtype, and whether the
@@ -81,27 +89,31 @@ class ModelBytes:
     cpu_format: str
     kv_bytes_per_token: int
     source: str  # "safetensors headers", "config.json (fp8)", "GGUF headers"
+    fp8_matrix: int = 0  # the largest FP8 non-expert weight, dequantised (a transient per forward thread)
+    fp8_expert: int = 0  # one FP8 GPU-tier expert, dequantised (a transient of the MoE block)
 
     @property
     def total_experts(self) -> int:
         return self.spec.total_routed_experts
 
 
-def _non_expert_from_config(cfg, dtype: torch.dtype, fp8: bool) -> int:
-    """Non-expert bytes from the module tree alone (meta skeleton: no memory), in the released layout."""
+def _non_expert_from_config(cfg, dtype: torch.dtype, fp8: bool) -> tuple[int, int]:
+    """(non-expert bytes, the largest FP8 weight dequantised) from the module tree alone (meta skeleton: no
+    memory), in the released layout."""
 
     model = build_skeleton(copy.deepcopy(cfg), dtype)  # a copy: building sets the config's dtype
     tied = getattr(text_config(cfg), "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False)
-    total = 0
+    total = fp8_matrix = 0
     for name, t in model.state_dict().items():
         if ROUTED_EXPERT_NAME.search(name) or (tied and name == "lm_head.weight"):
             continue
         if fp8 and is_fp8_quantised(name, tuple(t.shape)):
             nb, kb = scale_shape(tuple(t.shape), DEFAULT_BLOCK)
             total += t.numel() + 4 * nb * kb
+            fp8_matrix = max(fp8_matrix, dequant_bytes(tuple(t.shape), DEFAULT_BLOCK, dtype))
         else:
             total += t.numel() * t.element_size()
-    return total
+    return total, fp8_matrix
 
 
 def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: str | None = None) -> ModelBytes:
@@ -116,7 +128,7 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
         cfg = load_gguf_config(path)
         spec = detect(cfg)
         compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
-        return _bytes(path.name, spec, cfg, *bytes_from_headers(path, compute, cfg, spec), compute,
+        return _bytes(path.name, spec, cfg, held_from_headers(path, compute, cfg, spec), compute,
                       cpu_expert_dtype, "GGUF headers (converted at load)")
     config_file = path if path.is_file() else path / "config.json"
     if config_file.name != "config.json" or not config_file.is_file():
@@ -133,7 +145,7 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
     has_weights = cache is not None or any(config_file.parent.glob("*.safetensors"))
     if has_weights:
         compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
-        non_expert, gpu_expert = bytes_from_headers(config_file.parent, compute, cfg, spec)
+        held = held_from_headers(config_file.parent, compute, cfg, spec)
         source = "safetensors headers"
     else:
         if dtype is None:
@@ -141,19 +153,22 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
         if dtype not in CONFIG_DTYPES:
             raise TiermoeError(f"--dtype '{dtype}' is unknown; choose one of: {', '.join(CONFIG_DTYPES)}")
         compute, fp8 = CONFIG_DTYPES[dtype]
-        non_expert = _non_expert_from_config(cfg, compute, fp8)
+        non_expert, fp8_matrix = _non_expert_from_config(cfg, compute, fp8)
         gpu_expert = fp8_expert_bytes(spec, DEFAULT_BLOCK) if fp8 else spec.bytes_per_expert(compute)
+        fp8_expert = fp8_expert_dequant_bytes(spec, DEFAULT_BLOCK, compute) if fp8 else 0
+        held = HeldBytes(non_expert, gpu_expert, fp8_matrix, fp8_expert)
         source = f"config.json ({dtype})"
-    return _bytes(config_file.parent.name, spec, cfg, non_expert, gpu_expert, compute, cpu_expert_dtype, source)
+    return _bytes(config_file.parent.name, spec, cfg, held, compute, cpu_expert_dtype, source)
 
 
-def _bytes(name, spec, cfg, non_expert, gpu_expert, compute, cpu_expert_dtype, source) -> ModelBytes:
+def _bytes(name, spec, cfg, held: HeldBytes, compute, cpu_expert_dtype, source) -> ModelBytes:
     fmt = cpu_format(cpu_expert_dtype, compute)
     return ModelBytes(
-        name=name, spec=spec, non_expert=non_expert, gpu_bytes_per_expert=gpu_expert,
+        name=name, spec=spec, non_expert=held.non_expert, gpu_bytes_per_expert=held.gpu_expert,
         cpu_bytes_per_expert=cpu_expert_bytes(spec, fmt, compute), load_buffer=spec.bytes_per_expert(compute),
         cpu_format=fmt,
-        kv_bytes_per_token=kv_bytes_per_token(text_config(cfg), compute.itemsize), source=source)
+        kv_bytes_per_token=kv_bytes_per_token(text_config(cfg), compute.itemsize), source=source,
+        fp8_matrix=held.fp8_matrix, fp8_expert=held.fp8_expert)
 
 
 @dataclass(frozen=True)
@@ -166,15 +181,32 @@ class FitReport:
     prefill_buffer: int
     gpu_memory: int | None = None  # limits, bytes (None: not given)
     ram: int | None = None
+    max_running: int = 16  # sequences at once: each runs its forwards on its own thread
+    cuda: bool = True  # the GPU tier is a CUDA device (gpu_device "cpu": no cuBLAS workspaces)
 
     @property
     def kv_cache(self) -> int:
         return self.kv_tokens * self.model.kv_bytes_per_token
 
     @property
-    def gpu_total(self) -> int:
+    def workspaces(self) -> int:
+        """cuBLAS workspaces of the threads that run forwards (tiermoe.placement.budget)."""
+        return forward_threads(self.max_running) * cublas_workspace_bytes() if self.cuda else 0
+
+    @property
+    def fp8_transients(self) -> int:
         m = self.model
-        return m.non_expert + self.gpu_experts * m.gpu_bytes_per_expert + self.kv_cache + self.prefill_buffer
+        return fp8_transient_bytes(forward_threads(self.max_running), m.fp8_matrix, m.fp8_expert)
+
+    @property
+    def fixed_gpu(self) -> int:
+        """Everything on the GPU but the experts."""
+        return (self.model.non_expert + self.kv_cache + self.prefill_buffer + self.workspaces
+                + self.fp8_transients)
+
+    @property
+    def gpu_total(self) -> int:
+        return self.fixed_gpu + self.gpu_experts * self.model.gpu_bytes_per_expert
 
     @property
     def cpu_experts(self) -> int:
@@ -191,7 +223,7 @@ class FitReport:
         if self.gpu_memory is None:
             return None
         m = self.model
-        left = self.gpu_memory - m.non_expert - self.kv_cache - self.prefill_buffer
+        left = self.gpu_memory - self.fixed_gpu
         return max(0, min(m.total_experts, left // m.gpu_bytes_per_expert)) if left > 0 else 0
 
     @property
@@ -207,8 +239,8 @@ class FitReport:
         """Why this placement does not fit the limits (empty when it does)."""
         out = []
         if self.gpu_memory is not None and self.gpu_total > self.gpu_memory:
-            fixed = self.gpu_total - self.gpu_experts * self.model.gpu_bytes_per_expert
-            what = ("the non-expert weights, KV cache and prefill buffer alone need "
+            fixed = self.fixed_gpu
+            what = ("the non-expert weights, KV cache, prefill buffer and compute reserves alone need "
                     f"{_gib(fixed)}" if fixed > self.gpu_memory else
                     f"{self.gpu_experts} GPU experts need {_gib(self.gpu_total)} in all; at most "
                     f"{self.max_gpu_experts} fit")
@@ -233,6 +265,10 @@ class FitReport:
                               f"{_gib(self.gpu_experts * m.gpu_bytes_per_expert)}")),
             ("GPU: KV cache", f"{self.kv_tokens} tokens x {m.kv_bytes_per_token} B = {_gib(self.kv_cache)}"),
             ("GPU: prefill buffer", _gib(self.prefill_buffer)),
+            ("GPU: cuBLAS workspaces", (f"{forward_threads(self.max_running)} threads x "
+                                        f"{_mib(cublas_workspace_bytes())} = {_gib(self.workspaces)}"
+                                        if self.cuda else "none (the GPU tier is the host)")),
+            ("GPU: FP8 transients", _gib(self.fp8_transients) if self.fp8_transients else "none (no FP8 weights)"),
             ("GPU: total", _gib(self.gpu_total) + (f" of {_gib(self.gpu_memory)}" if self.gpu_memory else "")),
             ("host: CPU-tier experts", (f"{m.total_experts - self.gpu_experts} x {_mib(m.cpu_bytes_per_expert)} "
                                         f"({m.cpu_format}) = {_gib(self.cpu_experts)}")),
@@ -263,16 +299,16 @@ _mib = _gib
 
 def fit_report(model: ModelBytes, gpu_experts: int | None = None, kv_tokens: int = 8192,
                prefill_buffer_gb: float = 0.0, gpu_memory_gb: float | None = None,
-               ram_gb: float | None = None) -> FitReport:
+               ram_gb: float | None = None, max_running: int = 16, cuda: bool = True) -> FitReport:
     """A FitReport for `gpu_experts` GPU-tier experts (None: the largest count that fits, 0 without a limit)."""
     gpu_memory = int(gpu_memory_gb * GIB) if gpu_memory_gb is not None else None
     ram = int(ram_gb * GIB) if ram_gb is not None else None
-    report = FitReport(model, 0, kv_tokens, int(prefill_buffer_gb * GIB), gpu_memory, ram)
+    report = FitReport(model, 0, kv_tokens, int(prefill_buffer_gb * GIB), gpu_memory, ram, max_running, cuda)
     if gpu_experts is None:
         gpu_experts = report.max_gpu_experts or 0
     if not 0 <= gpu_experts <= model.total_experts:
         raise TiermoeError(f"{gpu_experts} GPU experts is outside 0..{model.total_experts} for this model")
-    return FitReport(model, gpu_experts, kv_tokens, int(prefill_buffer_gb * GIB), gpu_memory, ram)
+    return replace(report, gpu_experts=gpu_experts)
 
 
 def available_ram() -> int | None:
@@ -307,7 +343,8 @@ def check_running_kv(sequences: int, flag: str, cfg, dtype: torch.dtype, device:
 
 
 def check_before_loading(model, plan: PlacementPlan, gpu_device: str, kv_tokens: int,
-                         prefill_buffer_gb: float = 0.0, cpu_expert_dtype: str | None = None) -> FitReport:
+                         prefill_buffer_gb: float = 0.0, cpu_expert_dtype: str | None = None,
+                         max_running: int = 16) -> FitReport:
     """The check `serve` and `generate` run before loading: raise TiermoeError (one line) when `plan` will not
     fit the GPU memory the user gave (--gpu-memory-gb, recorded in the plan's budget) or this machine's
     available RAM.
@@ -321,11 +358,11 @@ def check_before_loading(model, plan: PlacementPlan, gpu_device: str, kv_tokens:
     gpu_memory = plan.budget.get("gpu_memory_gb")
     gpu_memory = None if gpu_memory == "auto" else gpu_memory
     ram = available_ram()
+    on_host = str(gpu_device) == "cpu"
     report = fit_report(bytes_, gpu_experts, kv_tokens, prefill_buffer_gb, gpu_memory,
-                        None if ram is None else ram / GIB)
-    if str(gpu_device) == "cpu" and ram is not None:  # the "GPU" tier is host memory too
-        report = FitReport(bytes_, gpu_experts, kv_tokens, report.prefill_buffer, report.gpu_memory,
-                           max(0, ram - report.gpu_total))
+                        None if ram is None else ram / GIB, max_running, cuda=not on_host)
+    if on_host and ram is not None:  # the "GPU" tier is host memory too
+        report = replace(report, ram=max(0, ram - report.gpu_total))
     problems = report.problems()
     if problems:
         raise TiermoeError(f"{model_dir.name} will not fit: {'; '.join(problems)} (details: tiermoe fit --model "

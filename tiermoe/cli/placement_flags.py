@@ -114,8 +114,13 @@ def placement_config_from_args(args) -> PlacementConfig:
         strategy=args.strategy, num_gpu_experts=args.num_gpu_experts, gpu_experts_ratio=args.gpu_experts_ratio,
         gpu_memory_gb=args.gpu_memory_gb, init_expert_location=args.init_expert_location, seed=args.placement_seed,
         num_gpus=args.num_gpus, gpu_split=args.gpu_split, kv_cache_tokens=args.max_total_tokens,
-        prefill_buffer_gb=prefill_buffer_from_args(args),
+        prefill_buffer_gb=prefill_buffer_from_args(args), max_running=max_running_from_args(args),
     )
+
+
+def max_running_from_args(args) -> int:
+    """Sequences the command runs at once (serve's --max-running-requests, record's --batch-size; else LLM's 16)."""
+    return getattr(args, "max_running_requests", None) or getattr(args, "batch_size", None) or 16
 
 
 def prefill_buffer_from_args(args) -> float:
@@ -134,4 +139,4 @@ def check_fit_from_args(args, plan: PlacementPlan, device) -> None:
     """Stop with a clear message, before a weight is read, when the plan will not fit
     (tiermoe.fit.check_before_loading: headers only)."""
     check_before_loading(args.model, plan, device, args.max_total_tokens, prefill_buffer_from_args(args),
-                         cpu_from_args(args).expert_dtype)
+                         cpu_from_args(args).expert_dtype, max_running_from_args(args))

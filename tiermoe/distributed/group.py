@@ -90,27 +90,37 @@ def check_local_ranks(ranks: int, gpu_device: str, what: str) -> None:
                                f"process with its own CPU tier); use at most {cpus}")
         return
     devices = torch.cuda.device_count()
-    if ranks > devices:
-        raise TiermoeError(f"{what}, one per GPU, but this machine has {devices} CUDA devices"
-                           + (f"; use at most {devices}" if devices else "; use --gpu-device cpu"))
+    first = first_gpu(gpu_device)
+    if first + ranks > devices:
+        start = f" from cuda:{first} on" if first else ""
+        hint = ("; use --gpu-device cpu" if not devices else f"; use at most {devices - first}" if devices > first
+                else f"; --gpu-device cuda:{first} does not exist")
+        raise TiermoeError(f"{what}, one per GPU{start}, but this machine has {devices} CUDA devices{hint}")
+
+
+def first_gpu(gpu_device: str) -> int:
+    """The CUDA device local rank 0 uses: N of --gpu-device cuda:N, 0 for plain "cuda"."""
+    return torch.device(gpu_device).index or 0
 
 
 def rank_device(gpu_device: str, env: RankEnv) -> torch.device:
-    """This rank's GPU tier: "cpu" for every rank, or each rank's own CUDA device cuda:LOCAL_RANK."""
+    """This rank's GPU tier: "cpu" for every rank, or a CUDA device per local rank, counted from the one asked
+    for: --gpu-device cuda:K gives local rank r the device cuda:K+r (one rank: cuda:K itself; plain "cuda" is
+    cuda:0). Refused, in one line, when this machine has too few devices from cuda:K on for its ranks."""
     device = torch.device(gpu_device)
     if device.type == "cpu":
         return device
     if device.type != "cuda":
         raise TiermoeError(f"--gpu-device '{gpu_device}' is not supported; expected cpu or cuda")
-    if device.index is not None and env.world_size > 1:
-        raise TiermoeError(f"--gpu-device {gpu_device}: with several ranks each rank uses cuda:LOCAL_RANK; pass "
-                           "--gpu-device cuda (choose the GPUs with CUDA_VISIBLE_DEVICES)")
     if not torch.cuda.is_available():
         raise TiermoeError("--gpu-device cuda: CUDA is not available on this machine; use --gpu-device cpu")
-    if env.local_rank >= torch.cuda.device_count():
-        raise TiermoeError(f"local rank {env.local_rank} has no GPU: this machine has {torch.cuda.device_count()} "
-                           f"CUDA device(s) for {env.local_world_size} ranks")
-    return torch.device("cuda", env.local_rank)
+    first, count = first_gpu(gpu_device), torch.cuda.device_count()
+    if first + env.local_world_size > count:
+        last = first + env.local_world_size - 1
+        wanted = f"cuda:{first}" if first == last else f"cuda:{first}..cuda:{last}"
+        raise TiermoeError(f"--gpu-device {gpu_device}: {env.local_world_size} rank(s) on this machine need "
+                           f"{wanted}, but it has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+    return torch.device("cuda", first + env.local_rank)
 
 
 class RankGroup:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from tiermoe.arch import detect, load_config
-from tiermoe.config import CPUConfig
+from tiermoe.config import CPUConfig, PlacementConfig
 from tiermoe.distributed.follower import follow
 from tiermoe.distributed.group import RankGroup
 from tiermoe.distributed.share import ExpertShare
@@ -29,6 +29,7 @@ from tiermoe.errors import TiermoeError
 from tiermoe.model.loader import load_hybrid_model
 from tiermoe.model.plan_source import resolve_plan
 from tiermoe.models import resolve_model
+from tiermoe.placement.budget import auto_gpu_memory
 from tiermoe.stats.recording import NO_RECORDER
 
 
@@ -54,7 +55,7 @@ class RankModel:
             hosts = group.all_gather(group.env.node_rank, what="exchanging hosts")
             store = self._store
             if group.rank != 0 and hosts[group.rank] == hosts[0]:  # 2.
-                store = SharedExpertStore.attach(setup["store"], spec, expert_dtype, shm_dir)
+                store = SharedExpertStore.attach(setup["store"], spec, expert_dtype, shm_dir, pin=_pins(group))
             self.share = ExpertShare(group, store, hosts)
             error = None
             try:  # 3.
@@ -76,12 +77,18 @@ class RankModel:
     def _setup(self, placement, spec, expert_dtype, max_running, shm_dir) -> dict:
         group = self.group
         setup = None
+        # --gpu-memory-gb auto sizes every rank's share by what its own GPU has free, not by rank 0's
+        own = own_gpu_memory(placement, group.device)
+        measured = group.all_gather(own, what="measuring GPU memory") if own is not None else None
         if group.rank == 0:
             try:
-                plan = resolve_plan(placement, self.model_dir, spec, group.world_size, str(group.device))
+                errors = [m for m in measured or () if isinstance(m, str)]
+                if errors:
+                    raise TiermoeError(errors[0])
+                plan = resolve_plan(placement, self.model_dir, spec, group.world_size, str(group.device), measured)
                 cpu_experts = int(((plan.assignment == -1) & spec.moe_row_mask()[:, None]).sum())
                 needed = cpu_experts * spec.bytes_per_expert(expert_dtype)
-                self._store = SharedExpertStore.create(spec, expert_dtype, needed, shm_dir)
+                self._store = SharedExpertStore.create(spec, expert_dtype, needed, shm_dir, pin=_pins(group))
                 setup = {"plan": plan, "store": self._store.name, "max_running": max_running}
             except TiermoeError as err:
                 setup = {"error": str(err)}
@@ -135,3 +142,21 @@ class RankModel:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def own_gpu_memory(placement, device: torch.device) -> tuple[int, int] | str | None:
+    """This rank's (free bytes, margin) on its own GPU when `placement` sizes the GPU tier by --gpu-memory-gb auto
+    (the error's line where it cannot be measured, so rank 0 fails every rank with it); None otherwise. Every
+    rank decides alike: they all get the same placement."""
+    if not (isinstance(placement, PlacementConfig) and placement.gpu_memory_gb == "auto"):
+        return None
+    try:
+        return auto_gpu_memory(str(device))
+    except TiermoeError as err:
+        return str(err)
+
+
+def _pins(group: RankGroup) -> bool:
+    """Page-lock the shared expert slots this process copies to or from its GPU (cudaHostRegister, slot by slot),
+    so swap copies are not pageable: only when the GPU tier is on CUDA."""
+    return group.device.type == "cuda"

@@ -50,12 +50,12 @@ class ExpertShare:
 
     def cpu_slot(self, layer: int, expert: int) -> ExpertWeights:
         """Where the loader reads a CPU-tier expert: its slot in the shared store (views of shared memory)."""
-        return self.store.slot(layer, expert)
+        return self.store.slot(layer, expert, lock=False)  # locked once a swap copies it to a GPU
 
     def cpu_added(self, layer: int, expert: int, tier) -> None:
         """The CPU tier took `expert` from its slot: keep the slot if the tier computes from it, else release it."""
         if layer not in self._kept:  # the same backend decides the same way for every expert of a layer
-            slot = {t.data_ptr() for t in self.store.slot(layer, expert).tensors()}
+            slot = {t.data_ptr() for t in self.store.slot(layer, expert, lock=False).tensors()}
             self._kept[layer] = all(t.data_ptr() in slot for t in tier.get(expert).tensors())
         if not self._kept[layer]:
             self.store.release(layer, expert)

@@ -9,8 +9,9 @@ promote it to their GPU), so the pages exist once whatever the number of ranks, 
 (PSS) is split between the processes that map them. A slot whose expert left the CPU tier is released (its pages
 punched out of the file). The creator removes the files when it closes, on error too; files left behind by a
 process that was killed are removed by the next run that starts on the host.
-With `pin` (only where CUDA is present) each slot a process touches is page-locked in that process with
-cudaHostRegister, slot by slot rather than file by file: registering a whole sparse file would allocate all of it.
+With `pin` (when the ranks' GPU tiers are on CUDA) each slot a process copies to or from its GPU is page-locked
+in that process with cudaHostRegister, slot by slot rather than file by file: registering a whole sparse file
+would allocate all of it. Slots the loader reads for the CPU tier are locked only once a swap copies them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from tiermoe.errors import TiermoeError
+from tiermoe.experts.host_slab import expert_shapes, register_host, unregister_host
 from tiermoe.experts.weights import ExpertWeights
 
 log = logging.getLogger(__name__)
@@ -32,15 +34,6 @@ SHM_DIR = Path("/dev/shm")
 FILE_PREFIX = "tiermoe-experts-"
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
-
-
-def expert_shapes(spec) -> list[tuple[int, ...]]:
-    """The canonical tensors of one expert: gate_up [2I, H], down [H, I], (gate_up_bias [2I], down_bias [H])."""
-    h, i = spec.hidden_size, spec.expert_intermediate_size
-    shapes = [(2 * i, h), (h, i)]
-    if spec.expert_bias:
-        shapes += [(2 * i,), (h,)]
-    return shapes
 
 
 class SharedExpertStore:
@@ -103,7 +96,7 @@ class SharedExpertStore:
         """Drop this process's mappings (tensors still viewing them keep them alive); the creator removes the
         files, so the memory goes back to the host once the last mapping is gone."""
         for address in self._pinned.values():
-            _host_unregister(address)
+            unregister_host(address)
         self._pinned.clear()
         self._maps.clear()
         if self.owner:
@@ -135,17 +128,18 @@ class SharedExpertStore:
             self._maps[layer] = flat
         return flat
 
-    def slot(self, layer: int, expert: int) -> ExpertWeights:
-        """Views of expert `expert`'s slot (whatever it holds: write it first)."""
+    def slot(self, layer: int, expert: int, lock: bool = True) -> ExpertWeights:
+        """Views of expert `expert`'s slot (whatever it holds: write it first). `lock`: page-lock it in this
+        process if the store pins (False where no GPU copy reads it, e.g. an expert a converting backend takes)."""
         flat = self._map(layer)
         base, views = expert * self.slot_elems, []
         for shape in self.shapes:
             n = _numel(shape)
             views.append(flat[base:base + n].view(shape))
             base += n
-        if self.pin and (layer, expert) not in self._pinned:
+        if lock and self.pin and (layer, expert) not in self._pinned:
             address = flat[expert * self.slot_elems:].data_ptr()
-            _host_register(address, self.slot_elems * self.dtype.itemsize)
+            register_host(address, self.slot_elems * self.dtype.itemsize)
             self._pinned[(layer, expert)] = address
         return ExpertWeights(*views)
 
@@ -160,7 +154,7 @@ class SharedExpertStore:
         """Give a slot's memory back to the host (the expert left the CPU tier). Best effort."""
         address = self._pinned.pop((layer, expert), None)
         if address is not None:  # unlock before the pages go: a locked page cannot be punched out
-            _host_unregister(address)
+            unregister_host(address)
         offset = expert * self.slot_elems * self.dtype.itemsize
         length = self.slot_elems * self.dtype.itemsize
         if not _punch_hole(self.path(layer), offset, length):
@@ -207,19 +201,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _host_register(address: int, nbytes: int) -> None:
-    """Page-lock [address, address + nbytes) for fast, asynchronous copies to the GPU (cudaHostRegister)."""
-    portable = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process, not just the current
-    code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, portable))
-    if code != 0:
-        raise TiermoeError(f"could not pin {nbytes} bytes of shared expert memory (cudaHostRegister error {code}); "
-                           "the locked-memory limit (ulimit -l) may be too low")
-
-
-def _host_unregister(address: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(address)
 
 
 def _punch_hole(path: Path, offset: int, length: int) -> bool:

@@ -8,7 +8,8 @@ ranks apply them before that step's forwards. Experts cross between processes th
 (or, for a rank on another host than rank 0, through the checkpoint, which every host has):
 1. the GPU rank writes `expert_out` into its slot; rank 0 writes `expert_in` into its slot unless the CPU tier
    already computes from it there (a backend that converts experts keeps its own copy);
-2. barrier; the GPU rank copies `expert_in` from its slot (or the checkpoint) to its GPU and drops `expert_out`;
+2. barrier; the GPU rank drops `expert_out` and then copies `expert_in` from its slot (or the checkpoint) to its
+   GPU, one swap at a time, so its GPU never holds more experts than before;
 3. barrier; rank 0's CPU tier takes `expert_out` from its slot (re-read from the checkpoint when the GPU rank is
    on another host) and drops `expert_in`; the slots it no longer computes from are released; every rank
    updates its assignment.
@@ -67,8 +68,10 @@ def apply_swaps(hybrid, share, swaps: list[RankSwap]) -> None:
                 continue
             gpu = hybrid.blocks[s.layer].gpu_tier
             host = store.slot(s.layer, s.expert_in) if share.store_on_this_host else disk.read(s.layer, s.expert_in)
-            gpu.add(s.expert_in, host.to(gpu.device))  # always a copy: never alias a slot that 3. releases
+            # free before allocating, one swap at a time: the GPU never holds more experts than it did (its
+            # memory was sized for them); no forward runs until every rank has applied the swaps
             gpu.pop(s.expert_out)
+            gpu.add(s.expert_in, host.to(gpu.device))  # always a copy: never alias a slot that 3. releases
         share.group.barrier("an expert swap (reading slots)")
         if share.holds_cpu_tier:  # 3.
             for s in swaps:

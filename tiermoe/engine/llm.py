@@ -54,7 +54,8 @@ class LLM:
     (tiermoe.model.plan_source.resolve_plan). cpu: the CPU tier's backend, expert format and threads. recorder:
     sees every pass's routed experts (tiermoe.stats). dynamic: layerwise GPU prefill and placement that follows
     the workload (None = static placement). share: rank 0's part of a multi-rank run (tiermoe.distributed.
-    RankModel builds it, and passes the plan for all ranks as `placement`).
+    RankModel builds it, and passes the plan for all ranks as `placement`). max_total_tokens: KV tokens the
+    running sequences may reserve; None = the KV cache the plan reserved when GPU memory sized it, else no bound.
     """
 
     def __init__(self, model: str | Path | None = None, gpu_device: str = "cpu", placement=None,
@@ -66,6 +67,9 @@ class LLM:
         spec = detect(load_config(self.model_dir))
         num_gpus = 1 if share is None else share.num_ranks
         plan = resolve_plan(placement, self.model_dir, spec, num_gpus, gpu_device)
+        # a plan sized by GPU memory reserved KV for this many tokens: without a budget of its own the engine keeps
+        # to it, so the KV cache cannot grow into the memory the GPU experts were given
+        max_total_tokens = max_total_tokens or plan.budget.get("kv_cache_tokens")
         self.hybrid = load_hybrid_model(self.model_dir, plan, gpu_device=gpu_device, dtype=dtype, cpu=cpu,
                                         progress=progress, share=share)
         self.tokenizer = _load_tokenizer(self.model_dir)

@@ -1,10 +1,20 @@
 """Dynamic placement while serving: a policy watches routing, copies run asynchronously, masks flip on landing.
 
 The manager is a recorder (it sees every pass's routed ids) and, after every engine step, a scheduler of
-copies: it finishes the copies that have landed (flipping the mask of just those experts), then asks the policy
-for new swaps and starts their copies. A step never waits for a copy. During a swap both copies exist for a
-while: the promoted expert serves from the GPU tier once its copy lands, the demoted one keeps serving from the
-GPU tier until its host copy lands; so every pass computes each expert from exactly one tier and stays exact.
+copies: it finishes the copies that have landed (flipping the assignment of just those experts), queues the
+policy's new swaps, and starts as many queued copies as the in-flight budget allows. A step never waits for a
+copy, and every pass computes each expert from exactly one tier that holds it, so outputs stay exact.
+
+A swap runs in two copies, in this order, so it never needs more GPU memory than it frees:
+1. demote `expert_out`: copy it to the CPU tier; once landed the CPU tier computes it and the GPU tier frees it;
+2. promote `expert_in`: only then copy it to the GPU tier (its destination can take the block just freed);
+   once landed the GPU tier computes it and the CPU tier releases it.
+Between the two both experts are computed on the CPU tier. A burst of swaps (kt-dynamic after a large prefill
+proposes hundreds) is started a few copies at a time: at most `max_bytes_in_flight` of copies run at once
+(default SWAP_EXPERTS_IN_FLIGHT experts' worth), which bounds the transients a copy holds (an FP8 GPU tier
+dequantises each demoted expert on the GPU, the native CPU tier each promoted one on the host) and the host
+buffers of demotions waiting for their promotion. Experts of a queued or running swap are busy: the policy is
+told so, and a proposal that touches one is dropped.
 
 With several ranks (hybrid.share set) the manager runs on rank 0 only (routing is the same on every rank, so
 its counts are the global counts, counted once), and its swaps are not copied asynchronously: they are queued
@@ -14,6 +24,7 @@ on the share and applied synchronously by all ranks at the next step boundary (t
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +33,16 @@ from tiermoe.experts.copier import AsyncCopier, CopyTicket
 from tiermoe.placement.policies import Swap
 from tiermoe.stats.recording import PassInfo
 
+# Copies at once, in experts: one copy of one expert already runs PCIe at its full rate (a Qwen3-30B expert,
+# 9 MiB, takes about 0.4 ms at 25 GB/s, far less than a decode step), so more at once would not swap faster, only
+# hold more transients. Four keep a demotion and a promotion of two swaps overlapping; their transients (at most
+# four experts: 336 MiB at DeepSeek-V3's 84 MiB bf16 experts) stay below the 512 MiB floor of the `auto` margin.
+SWAP_EXPERTS_IN_FLIGHT = 4
+
 
 @dataclass
 class _InFlight:
-    layer: int
+    swap: Swap
     expert: int
     to_gpu: bool
     ticket: CopyTicket
@@ -34,13 +51,18 @@ class _InFlight:
 class PlacementManager:
     enabled = True
 
-    def __init__(self, hybrid, policy, copier: AsyncCopier | None = None):
+    def __init__(self, hybrid, policy, copier: AsyncCopier | None = None, max_bytes_in_flight: int | None = None):
         self.hybrid = hybrid
         self.policy = policy
         self.copier = copier or AsyncCopier()
         spec = hybrid.spec
+        # what one copy moves: the expert in the canonical layout and the model's dtype
+        self.copy_bytes = spec.bytes_per_expert(hybrid.expert_dtype)
+        self.max_bytes_in_flight = max_bytes_in_flight or SWAP_EXPERTS_IN_FLIGHT * self.copy_bytes
         self.counts_LE = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.int64, device=hybrid.gpu_device)
         self._info: PassInfo | None = None
+        self.queued: deque[Swap] = deque()  # proposed, nothing copied yet
+        self.demoted: deque[Swap] = deque()  # expert_out landed on the CPU tier; expert_in waits to be promoted
         self.in_flight: list[_InFlight] = []
         self.swaps_started = 0
         self.copies_landed = 0
@@ -58,7 +80,7 @@ class PlacementManager:
         info = self._info
         self.policy.observe(self.counts_LE, info.total_tokens, any(info.is_prefill))
 
-    # --- between steps: land copies, start new ones ----------------------------------------------------------
+    # --- between steps: land copies, queue swaps, start copies within the budget -------------------------------
     def after_step(self) -> None:
         share = self.hybrid.share
         if share is not None:
@@ -69,37 +91,68 @@ class PlacementManager:
             self.swaps_started += len(swaps)
             return
         self._land()
-        busy = torch.zeros(self.hybrid.spec.num_layers, self.hybrid.spec.num_experts, dtype=torch.bool)
-        for c in self.in_flight:
-            busy[c.layer, c.expert] = True
+        busy = self.busy()
         for swap in self.policy.propose(self.hybrid.mask, busy):
-            self._start(swap)
+            if not (busy[swap.layer, swap.expert_in] or busy[swap.layer, swap.expert_out]):
+                busy[swap.layer, swap.expert_in] = busy[swap.layer, swap.expert_out] = True
+                self.queued.append(swap)
+        self._start_within_budget()
 
-    def _start(self, swap: Swap) -> None:
-        block = self.hybrid.blocks[swap.layer]
-        self.in_flight.append(_InFlight(swap.layer, swap.expert_in, True,
-                                        block.start_move(swap.expert_in, True, self.copier)))
-        self.in_flight.append(_InFlight(swap.layer, swap.expert_out, False,
-                                        block.start_move(swap.expert_out, False, self.copier)))
-        self.swaps_started += 1
+    def busy(self) -> torch.Tensor:
+        """[L, E] bool: experts of a swap queued, half done or copying."""
+        busy = torch.zeros(self.hybrid.spec.num_layers, self.hybrid.spec.num_experts, dtype=torch.bool)
+        for s in (*self.queued, *self.demoted, *(c.swap for c in self.in_flight)):
+            busy[s.layer, s.expert_in] = busy[s.layer, s.expert_out] = True
+        return busy
+
+    @property
+    def bytes_in_flight(self) -> int:
+        return len(self.in_flight) * self.copy_bytes
+
+    def _room(self) -> bool:
+        # one copy always may run, whatever the budget, so an expert larger than it still moves
+        return not self.in_flight or self.bytes_in_flight + self.copy_bytes <= self.max_bytes_in_flight
+
+    def _start_within_budget(self) -> None:
+        # promotions first: each finishes a swap whose demotion already freed its GPU memory
+        while self.demoted and self._room():
+            swap = self.demoted.popleft()
+            self._start(swap, swap.expert_in, True)
+        while self.queued and self._room():
+            swap = self.queued.popleft()
+            gpu, cpu = self.hybrid.blocks[swap.layer].gpu_tier, self.hybrid.blocks[swap.layer].cpu_tier
+            if swap.expert_out in gpu and swap.expert_in in cpu:  # else the placement moved on since
+                self._start(swap, swap.expert_out, False)
+                self.swaps_started += 1
+
+    def _start(self, swap: Swap, expert: int, to_gpu: bool) -> None:
+        ticket = self.hybrid.blocks[swap.layer].start_move(expert, to_gpu, self.copier)
+        self.in_flight.append(_InFlight(swap, expert, to_gpu, ticket))
 
     def _land(self) -> None:
+        """Finish the copies that have landed. Their tickets (which hold the source copies) are dropped when this
+        returns, so a demoted expert's GPU memory is free before any promotion that follows allocates."""
         still = []
         for c in self.in_flight:
-            if c.ticket.landed():
-                moved = self.hybrid.blocks[c.layer].finish_move(c.expert, c.to_gpu, c.ticket.result())
-                self.hybrid.swap_stats.swaps += 1
-                self.hybrid.swap_stats.bytes += moved
-                self.copies_landed += 1
-            else:
+            if not c.ticket.landed():
                 still.append(c)
+                continue
+            moved = self.hybrid.blocks[c.swap.layer].finish_move(c.expert, c.to_gpu, c.ticket.result())
+            self.hybrid.swap_stats.swaps += 1
+            self.hybrid.swap_stats.bytes += moved
+            self.copies_landed += 1
+            if not c.to_gpu:
+                self.demoted.append(c.swap)
         self.in_flight = still
 
     def drain(self) -> None:
-        """Wait for every copy in flight and land it (shutdown, tests)."""
-        for c in self.in_flight:
-            c.ticket.result()
-        self._land()
+        """Run every queued swap to the end, waiting for each copy (shutdown, tests)."""
+        self._start_within_budget()
+        while self.in_flight:
+            for c in self.in_flight:
+                c.ticket.result()
+            self._land()
+            self._start_within_budget()
 
     def close(self) -> None:
         self.drain()

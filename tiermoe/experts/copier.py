@@ -1,15 +1,27 @@
 """Asynchronous expert copies between tiers: serving never waits for one.
 
 `start(weights, device)` returns a ticket at once; `ticket.landed()` says (without blocking) whether the copy is
-complete, and only then may the caller flip the mask. On CUDA the copy runs on its own stream from pinned host
-memory and is tracked with an event; on a CPU gpu_device it runs on a worker thread. `copy_fn` can be replaced
-to slow copies down in tests.
+complete, and only then may the caller flip the mask. On CUDA the copy runs on a side stream, tracked with an
+event; on a CPU gpu_device it runs on a worker thread. `copy_fn` can be replaced to slow copies down in tests.
+
+Stream rules on CUDA (what makes a copy safe while the compute stream keeps running):
+- the destination is allocated on the compute stream (the caller's current one), never on the side stream: the
+  caching allocator hands out a block only to the stream it belongs to, so a copy allocated on the side stream
+  would, once freed, return to a pool the compute stream never reuses, and a block the compute stream freed
+  (a demoted expert) could never take a promoted one;
+- the side stream waits for the compute stream before copying, so it never writes a block the compute stream
+  may still read (a freed expert that queued kernels use) nor reads a source compute work still writes;
+- both tensors are marked used by the side stream (record_stream), so freeing either before the copy lands
+  cannot hand its memory to anyone while the copy runs.
+The stream operations go through a `CudaStreams` object; tests give a recorder with the same methods.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from dataclasses import fields
 
 import torch
 
@@ -42,39 +54,91 @@ def plain_copy(weights: ExpertWeights, device: torch.device, pin: bool) -> Exper
     return weights.to(device, pin=pin)
 
 
+class CudaStreams:
+    """The stream operations a copy needs, on one CUDA device (see the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._side = None
+
+    def compute(self):
+        return torch.cuda.current_stream(self.device)
+
+    def side(self):
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=self.device)
+        return self._side
+
+    def on(self, stream) -> AbstractContextManager:
+        return torch.cuda.stream(stream)
+
+    def empty(self, like: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+        """A destination like `like` on `device`, allocated on the current stream."""
+        if device.type == "cpu":
+            return torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
+        return torch.empty(like.shape, dtype=like.dtype, device=device)
+
+    def wait(self, waiter, waited) -> None:
+        waiter.wait_stream(waited)
+
+    def event(self):
+        return torch.cuda.Event()
+
+    def used_by(self, t: torch.Tensor, stream) -> None:
+        if t.is_cuda:
+            t.record_stream(stream)
+
+
 class AsyncCopier:
-    def __init__(self, copy_fn: Callable[[ExpertWeights, torch.device, bool], ExpertWeights] = plain_copy):
+    """streams: where CUDA copies run (default: CudaStreams of the device involved); given, every copy takes the
+    stream path, which lets tests check its ordering on the CPU."""
+
+    def __init__(self, copy_fn: Callable[[ExpertWeights, torch.device, bool], ExpertWeights] = plain_copy,
+                 streams=None):
         self.copy_fn = copy_fn
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-copy")
-        self._stream = None
+        self._streams = streams
 
-    def start(self, weights: ExpertWeights, device: torch.device, pin: bool = False) -> CopyTicket:
+    def start(self, weights: ExpertWeights, device: torch.device, pin: bool = False,
+              out: ExpertWeights | None = None) -> CopyTicket:
+        """Copy `weights` to `device` (host copies pinned when `pin`), into `out` when given (a destination the
+        tier provides, e.g. a free slot of its pinned slab)."""
         device = torch.device(device)
         uses_cuda = device.type == "cuda" or weights.device.type == "cuda"
-        if uses_cuda and self.copy_fn is plain_copy:
-            cuda_device = device if device.type == "cuda" else weights.device
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(device=cuda_device)
-            self._stream.wait_stream(torch.cuda.current_stream(cuda_device))
-            with torch.cuda.stream(self._stream):
-                landed = _non_blocking_copy(weights, device, pin)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            return CopyTicket(landed, event=event, source=weights)
-        return CopyTicket(future=self._pool.submit(self.copy_fn, weights, device, pin))
+        if self._streams is not None or (uses_cuda and self.copy_fn is plain_copy):
+            if self._streams is None:
+                self._streams = CudaStreams(device if device.type == "cuda" else weights.device)
+            return self._start_on_streams(weights, device, pin, out)
+        return CopyTicket(future=self._pool.submit(_copy_into, self.copy_fn, weights, device, pin, out))
+
+    def _start_on_streams(self, weights: ExpertWeights, device: torch.device, pin: bool,
+                          out: ExpertWeights | None) -> CopyTicket:
+        ops = self._streams
+        compute, side = ops.compute(), ops.side()
+        dest = out if out is not None else _map(weights, lambda t: ops.empty(t, device, pin))  # compute stream
+        ops.wait(side, compute)
+        with ops.on(side):
+            for d, s in zip(dest.tensors(), weights.tensors()):
+                d.copy_(s, non_blocking=True)
+            event = ops.event()
+            event.record(side)
+        for t in (*dest.tensors(), *weights.tensors()):
+            ops.used_by(t, side)
+        return CopyTicket(dest, event=event, source=weights)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
 
-def _non_blocking_copy(weights: ExpertWeights, device: torch.device, pin: bool) -> ExpertWeights:
-    def move(t):
-        if t is None:
-            return None
-        if device.type == "cpu":
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            return out.copy_(t, non_blocking=True)
-        return t.to(device, non_blocking=True)
+def _map(weights: ExpertWeights, fn) -> ExpertWeights:
+    return ExpertWeights(*(None if t is None else fn(t) for t in (getattr(weights, f.name) for f in fields(weights))))
 
-    return ExpertWeights(*(move(t) for t in (weights.gate_up, weights.down, weights.gate_up_bias,
-                                                weights.down_bias)))
+
+def _copy_into(copy_fn, weights: ExpertWeights, device: torch.device, pin: bool,
+               out: ExpertWeights | None) -> ExpertWeights:
+    if out is None:
+        return copy_fn(weights, device, pin)
+    landed = weights if copy_fn is plain_copy else copy_fn(weights, device, pin)  # a slow copy_fn still runs
+    for d, s in zip(out.tensors(), landed.tensors()):
+        d.copy_(s)
+    return out

@@ -46,6 +46,18 @@ def dequantize_fp8(q_NK: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
     return out
 
 
+def dequant_bytes(shape_NK: tuple[int, int], block: tuple[int, int], dtype: torch.dtype) -> int:
+    """Memory `dequantize_fp8` holds at its peak for W [N, K]: the output in `dtype`, and where the blocks do not
+    divide W, the fp32 scale matrix it expands to W's shape (two steps: [N/bn*bn, K/bk] then [N, K/bk*bk])."""
+    n, k = shape_NK
+    bn, bk = block
+    nb, kb = scale_shape((n, k), block)
+    out = n * k * dtype.itemsize
+    if n % bn == 0 and k % bk == 0:
+        return out
+    return out + 4 * (nb * bn * kb + n * kb * bk)
+
+
 def quantize_fp8(w_NK: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes [N, K], scale_inv fp32 [N/bn, K/bk]): each block's max maps to e4m3's largest value, 448.
 

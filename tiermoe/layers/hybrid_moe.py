@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiermoe.arch.spec import ArchSpec
+from tiermoe.experts.host_slab import copy_to_tier, slab_destination
 from tiermoe.experts.tiers import CPUExpertBackend, ExpertSet
 from tiermoe.stats.recording import NO_RECORDER
 
@@ -125,7 +126,7 @@ class HybridMoE(nn.Module):
         """Begin copying `expert` to the other tier (asynchronously); its assignment does not change yet."""
         self.check_movable(expert, to_gpu)
         src, dst = self._tiers(to_gpu)
-        return copier.start(src.get(expert), dst.device, pin=dst.pin)
+        return copier.start(src.get(expert), dst.device, pin=dst.pin, out=slab_destination(dst, expert))
 
     def finish_move(self, expert: int, to_gpu: bool, landed) -> int:
         """The copy has landed: the destination takes it, the assignment changes, the source releases its copy.
@@ -147,5 +148,5 @@ class HybridMoE(nn.Module):
         for e in experts:
             self.check_movable(e, to_gpu)
             dst = self._tiers(to_gpu)[1]
-            moved += self.finish_move(e, to_gpu, self._tiers(to_gpu)[0].get(e).to(dst.device, pin=dst.pin))
+            moved += self.finish_move(e, to_gpu, copy_to_tier(self._tiers(to_gpu)[0].get(e), dst, e))
         return moved

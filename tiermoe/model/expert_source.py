@@ -93,16 +93,13 @@ def read_fp8_expert(ckpt: Checkpoint, src: ExpertSource, expert: int, spec: Arch
     return FP8ExpertWeights(*parts, ckpt.fp8_block)
 
 
-def _alloc(shape, dtype, pin: bool) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, pin_memory=pin)
-
-
-def read_expert(ckpt: Checkpoint, src: ExpertSource, expert: int, spec: ArchSpec, dtype: torch.dtype,
-                pin: bool = False) -> ExpertWeights:
-    """Expert `expert` of `src.layer` as host tensors in `dtype` (pinned when `pin`), canonical layout."""
+def read_expert(ckpt: Checkpoint, src: ExpertSource, expert: int, spec: ArchSpec,
+                dtype: torch.dtype) -> ExpertWeights:
+    """Expert `expert` of `src.layer` as new host tensors in `dtype`, canonical layout (never pinned one by one:
+    the loader reads page-locked experts into slots of a slab, tiermoe.experts.host_slab)."""
     h, i = spec.hidden_size, spec.expert_intermediate_size
-    gate_up = _alloc((2 * i, h), dtype, pin)
-    down = _alloc((h, i), dtype, pin)
+    gate_up = torch.empty((2 * i, h), dtype=dtype)
+    down = torch.empty((h, i), dtype=dtype)
     if src.fused is None:
         gate_key, up_key, down_key = src.per_expert_keys(expert)
         ckpt.read(gate_key, gate_up[:i])
@@ -124,8 +121,8 @@ def read_expert(ckpt: Checkpoint, src: ExpertSource, expert: int, spec: ArchSpec
     down.copy_(w_IH.T)
     del w_IH
     b_2I = ckpt.read(gate_up_bias_key, torch.empty(2 * i, dtype=dtype), index=expert)
-    gate_up_bias = _alloc((2 * i,), dtype, pin)
+    gate_up_bias = torch.empty((2 * i,), dtype=dtype)
     gate_up_bias[:i].copy_(b_2I[0::2])
     gate_up_bias[i:].copy_(b_2I[1::2])
-    down_bias = ckpt.read(down_bias_key, _alloc((h,), dtype, pin), index=expert)
+    down_bias = ckpt.read(down_bias_key, torch.empty((h,), dtype=dtype), index=expert)
     return ExpertWeights(gate_up, down, gate_up_bias, down_bias)

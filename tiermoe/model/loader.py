@@ -5,7 +5,9 @@
 3. swap every MoE block for a HybridMoE (router and shared experts kept, fused experts dropped);
 4. read non-expert weights onto `gpu_device`, with the checkpoint's own names, and move every buffer there too;
 5. read each routed expert once, straight into its tier: GPU-tier experts pass through a host buffer of one
-   expert; CPU-tier experts are read into their final host tensors (pinned when CUDA is present).
+   expert; CPU-tier experts are read into their final host tensors: when the GPU tier is on CUDA and the CPU
+   tier computes from the tensors it is given, views of one page-locked slab per layer
+   (tiermoe.experts.host_slab), else plain memory.
 
 FP8 block-quantised checkpoints (tiermoe.checkpoint.fp8): Linear weights stored FP8 become FP8Linear modules on the
 main device (about 1 byte per parameter); GPU-tier experts keep their codes and scales too (FP8ExpertSet, read
@@ -40,6 +42,7 @@ from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.ffn import ExpertActivation
 from tiermoe.experts.fp8_tier import FP8ExpertSet, fp8_expert_bytes
+from tiermoe.experts.host_slab import HostSlab, expert_shapes, pins_host_memory
 from tiermoe.experts.registry import make_cpu_tier
 from tiermoe.experts.tiers import CPUWorker, ExpertSet
 from tiermoe.experts.weights import ExpertWeights
@@ -100,8 +103,9 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     assignment_LE = plan.assignment
     gpu_device = torch.device(gpu_device)
     dtype = dtype or spec.dtype
-    # Shared-memory CPU experts cannot come from the pinned allocator; their copies take the pageable path.
-    pin = torch.cuda.is_available() and share is None
+    # Host copies are worth page-locking only when the GPU tier is on CUDA; shared-memory CPU experts are
+    # page-locked by their store (tiermoe.distributed.shm_store), slot by slot, not here.
+    pin = pins_host_memory(gpu_device) and share is None
 
     fp8_block = fp8_block_size(config)
     with open_checkpoint(weights_dir, config, fp8_block) as ckpt:
@@ -116,6 +120,8 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
             for block in blocks.values():
                 block.join_ranks(rank, share.reduce)
         reads = _reads(assignment_LE, spec, rank, share is None or share.holds_cpu_tier)
+        if pin and cache is None:
+            _give_slabs(blocks, reads & (assignment_LE == -1), spec, dtype)
         total = _non_expert_bytes(model, ckpt, spec) + _expert_bytes(reads, assignment_LE == rank, fp8_layers,
                                                                       spec, dtype, ckpt.fp8_block)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {model_dir.name}",
@@ -251,16 +257,28 @@ def _load_experts(blocks, sources: dict[int, ExpertSource], ckpt, spec, assignme
                 tier.add(e, fp8 if tier.device.type == "cpu" else fp8.to(tier.device))
                 bar.update(fp8.nbytes)
                 continue
+            slab = None if on_gpu else getattr(tier, "host_slab", None)
             if share is not None and not on_gpu:
                 # the one host copy, read straight into memory every rank of this host can map
                 host = _read_expert_into(ckpt, sources[layer], e, spec, dtype, share.cpu_slot(layer, e))
+            elif slab is not None:  # straight into its slot of the layer's page-locked slab
+                host = _read_expert_into(ckpt, sources[layer], e, spec, dtype, slab.take(e, tier))
             else:
-                host = read_expert(ckpt, sources[layer], e, spec, dtype, pin=pin and not on_gpu)
+                host = read_expert(ckpt, sources[layer], e, spec, dtype)
             # On a CPU gpu_device this is the same tensor; on CUDA the host buffer is freed right after.
             tier.add(e, host if tier.device.type == "cpu" else host.to(tier.device))
             if share is not None and not on_gpu:
                 share.cpu_added(layer, e, tier)
             bar.update(host.nbytes)
+
+
+def _give_slabs(blocks, cpu_reads_LE: torch.Tensor, spec, dtype: torch.dtype) -> None:
+    """One page-locked slab per layer for the CPU experts it will read, on tiers that hold what they are given
+    (an ExpertSet); a backend that converts experts copies them away, so pinning them would be wasted."""
+    for layer, block in blocks.items():
+        n = int(cpu_reads_LE[layer].sum())
+        if n and isinstance(block.cpu_tier, ExpertSet):
+            block.cpu_tier.host_slab = HostSlab(expert_shapes(spec), dtype, n, pin=True)
 
 
 def _read_expert_into(ckpt: Checkpoint, src: ExpertSource, expert: int, spec, dtype,

@@ -19,7 +19,7 @@ from tiermoe.arch import ArchSpec, detect, load_config, text_config
 from tiermoe.config import PlacementConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.model.gguf_checkpoint import open_checkpoint
-from tiermoe.model.held_bytes import bytes_from_headers
+from tiermoe.model.held_bytes import held_from_headers
 from tiermoe.placement.budget import kv_bytes_per_token
 from tiermoe.placement.mask import validate_mask
 from tiermoe.placement.plan import PlacementPlan
@@ -38,11 +38,12 @@ def placement_target(model_dir: str | Path, dtype: torch.dtype | None = None) ->
     config = load_config(model_dir)
     spec = detect(config)
     dtype = dtype or spec.dtype
-    non_expert, per_expert = bytes_from_headers(Path(model_dir), dtype, config, spec)
+    held = held_from_headers(Path(model_dir), dtype, config, spec)
     return PlacementTarget(
         num_layers=spec.num_layers, num_experts=spec.num_experts, moe_layers=spec.moe_layers,
-        model_type=spec.model_type, bytes_per_expert=per_expert, non_expert_bytes=non_expert,
+        model_type=spec.model_type, bytes_per_expert=held.gpu_expert, non_expert_bytes=held.non_expert,
         kv_bytes_per_token=kv_bytes_per_token(text_config(config), dtype.itemsize),
+        fp8_dequant_matrix=held.fp8_matrix, fp8_dequant_expert=held.fp8_expert,
     )
 
 
@@ -74,19 +75,22 @@ def default_placement(model_dir: str | Path):
     return PlacementConfig(num_gpu_experts=per_layer) if per_layer else None
 
 
-def plan_from_config(config: PlacementConfig, model_dir: str | Path, gpu_device: str | None = None) -> PlacementPlan:
-    """Plan `config` against the checkpoint: its shape, its real bytes, and the statistics file it names."""
+def plan_from_config(config: PlacementConfig, model_dir: str | Path, gpu_device: str | None = None,
+                     gpu_memory: list[tuple[int, int]] | None = None) -> PlacementPlan:
+    """Plan `config` against the checkpoint: its shape, its real bytes, and the statistics file it names.
+    gpu_memory: --gpu-memory-gb auto's (free bytes, margin) of every GPU, each measured by its own rank."""
     target = placement_target(model_dir)
     counts = None
     if config.init_expert_location:
         counts = load_counts(config.init_expert_location, target.num_layers, target.num_experts)
-    return make_plan(config, target, counts, gpu_device)
+    return make_plan(config, target, counts, gpu_device, gpu_memory)
 
 
 def resolve_plan(placement, model_dir: str | Path, spec: ArchSpec, num_gpus: int = 1,
-                 gpu_device: str = "cpu") -> PlacementPlan:
+                 gpu_device: str = "cpu", gpu_memory: list[tuple[int, int]] | None = None) -> PlacementPlan:
     """The PlacementPlan for `num_gpus` GPU ranks from any placement a user may give (see the module docstring),
-    checked against the model: its shape, no GPU experts in dense layers, and exactly `num_gpus` GPUs."""
+    checked against the model: its shape, no GPU experts in dense layers, and exactly `num_gpus` GPUs.
+    gpu_memory: see plan_from_config (several ranks measure their own GPUs; one process measures `gpu_device`)."""
     if placement is None:
         placement = default_placement(model_dir)
     if placement is None:
@@ -96,7 +100,7 @@ def resolve_plan(placement, model_dir: str | Path, spec: ArchSpec, num_gpus: int
     elif isinstance(placement, PlacementConfig):
         if placement.num_gpus != num_gpus:
             raise TiermoeError(f"the placement asks for {placement.num_gpus} GPU(s) but {num_gpus} rank(s) run")
-        plan = plan_from_config(placement, model_dir, gpu_device)
+        plan = plan_from_config(placement, model_dir, gpu_device, gpu_memory)
     else:
         plan = _plan_from_tensor(placement, spec, num_gpus)
     if plan.num_gpus != num_gpus:

@@ -3,12 +3,17 @@
 KTransformers' flags: --kt-num-gpu-experts N is per MoE layer (total N x MoE layers, over all GPUs together);
 --kt-gpu-experts-ratio R gives floor(R x MoE layers x E) and wins when both are given. Dense layers hold no
 routed experts. --gpu-memory-gb G is tiermoe's own: the GPU memory tiermoe may use in total; the GPU tier gets
-what is left after the non-expert weights, the KV cache reservation and the layerwise-prefill buffer.
+what is left after the non-expert weights, the KV cache reservation (which the engine then enforces as its token
+budget), the layerwise-prefill buffer, the cuBLAS workspaces of the threads that run forwards, and the transient
+bf16 copies FP8 weights are dequantised into.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +59,46 @@ def kv_bytes_per_token(cfg, dtype_bytes: int) -> int:
     return layers * per_layer * dtype_bytes
 
 
+# cuBLAS workspaces. PyTorch binds a workspace to every (cuBLAS handle, stream) pair that runs a matmul, one handle
+# per thread, allocated from the caching allocator on first use and kept for the life of the process
+# (aten/src/ATen/cuda/CublasHandlePool.cpp): CUBLAS_WORKSPACE_CONFIG's ":SIZE_KiB:COUNT" pairs summed, by default
+# 32 MiB on Hopper (sm90, what NVIDIA recommends there) and 4096 KiB x 2 + 16 KiB x 8 = 8.125 MiB elsewhere; plus a
+# cuBLASLt workspace per pair (CUBLASLT_WORKSPACE_SIZE KiB, default 1024, at most the cuBLAS one). The budget counts
+# Hopper's default, the largest: 33 MiB per thread, 561 MiB for the engine thread and 16 sequence threads.
+HOPPER_CUBLAS_WORKSPACE = 32 << 20
+OTHER_CUBLAS_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
+CUBLASLT_WORKSPACE = 1 << 20
+_WORKSPACE_PAIR = re.compile(r":([0-9]+):([0-9]+)")
+
+
+def cublas_workspace_bytes(environ: Mapping[str, str] | None = None, hopper: bool = True) -> int:
+    """GPU memory one thread's cuBLAS and cuBLASLt workspaces take on one stream, as PyTorch sizes them."""
+    env = os.environ if environ is None else environ
+    cublas = HOPPER_CUBLAS_WORKSPACE if hopper else OTHER_CUBLAS_WORKSPACE
+    pairs = _WORKSPACE_PAIR.findall(env.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    if pairs:
+        cublas = sum(int(size) * 1024 * int(count) for size, count in pairs)
+    try:
+        lt = int(env.get("CUBLASLT_WORKSPACE_SIZE", "")) * 1024
+    except ValueError:
+        lt = CUBLASLT_WORKSPACE
+    return cublas + min(lt, cublas)
+
+
+def forward_threads(max_running: int) -> int:
+    """Threads that run the model's forwards on the GPU: the engine's own, and one per running sequence (the MoE
+    batcher runs each sequence's forward on its own thread, so each gets its own cuBLAS handle and workspace)."""
+    return max_running + 1
+
+
+def fp8_transient_bytes(threads: int, fp8_matrix: int, fp8_expert: int) -> int:
+    """GPU memory FP8 weights take while dequantised for a matmul: every forward thread may hold the largest
+    non-expert matrix at once (FP8Linear dequantises per call), and the MoE block one GPU-tier expert at a time
+    (one thread runs a layer's experts for the whole batch). Inputs in bytes as dequantised (see
+    tiermoe.model.held_bytes.fp8_dequant_bytes); 0 for checkpoints without FP8 weights."""
+    return threads * fp8_matrix + fp8_expert
+
+
 @dataclass(frozen=True)
 class MemoryBudget:
     """GPU memory split, in bytes. `experts` is what is left for the GPU tier."""
@@ -63,17 +108,21 @@ class MemoryBudget:
     kv_cache: int
     prefill_buffer: int
     margin: int
+    workspaces: int = 0  # cuBLAS workspaces of the forward threads
+    fp8_transients: int = 0  # FP8 weights dequantised for a matmul
 
     @property
     def experts(self) -> int:
-        return max(0, self.gpu_memory - self.non_expert - self.kv_cache - self.prefill_buffer - self.margin)
+        return max(0, self.gpu_memory - self.non_expert - self.kv_cache - self.prefill_buffer - self.margin
+                   - self.workspaces - self.fp8_transients)
 
     def experts_that_fit(self, bytes_per_expert: int, max_experts: int) -> int:
         return min(max_experts, self.experts // bytes_per_expert) if bytes_per_expert > 0 else max_experts
 
     def describe(self) -> str:
         parts = [("GPU memory", self.gpu_memory), ("non-expert weights", self.non_expert), ("KV cache", self.kv_cache),
-                 ("prefill buffer", self.prefill_buffer), ("margin", self.margin), ("left for experts", self.experts)]
+                 ("prefill buffer", self.prefill_buffer), ("cuBLAS workspaces", self.workspaces),
+                 ("FP8 transients", self.fp8_transients), ("margin", self.margin), ("left for experts", self.experts)]
         return ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in parts)
 
 

@@ -18,6 +18,9 @@ from tiermoe.placement.budget import (
     GIB,
     MemoryBudget,
     auto_gpu_memory,
+    cublas_workspace_bytes,
+    forward_threads,
+    fp8_transient_bytes,
     total_gpu_experts,
 )
 from tiermoe.placement.partition import split_across_gpus
@@ -42,6 +45,8 @@ class PlacementTarget:
     bytes_per_expert: int | None = None
     non_expert_bytes: int | None = None
     kv_bytes_per_token: int | None = None
+    fp8_dequant_matrix: int = 0  # the largest FP8 non-expert weight, dequantised (bytes); 0 without FP8
+    fp8_dequant_expert: int = 0  # one FP8 GPU-tier expert, dequantised (bytes); 0 unless experts stay FP8
 
     def __post_init__(self):
         if self.num_layers < 1 or self.num_experts < 1:
@@ -65,21 +70,51 @@ class PlacementTarget:
         return rows
 
 
-def memory_budget(config: PlacementConfig, target: PlacementTarget, gpu_device: str | None) -> MemoryBudget:
+def memory_budget(config: PlacementConfig, target: PlacementTarget, gpu_device: str | None,
+                  measured: tuple[int, int] | None = None) -> MemoryBudget:
+    """One GPU's split. `measured`: that GPU's (free bytes, margin) for "auto", measured by the process that owns
+    it (default: measured here on `gpu_device`). The cuBLAS workspaces are reserved unless the GPU tier is the
+    host (gpu_device "cpu")."""
     if target.bytes_per_expert is None or target.non_expert_bytes is None:
         raise TiermoeError("--gpu-memory-gb needs a model (its bytes per expert and non-expert weights); pass --model")
     if config.gpu_memory_gb == "auto":
-        gpu_memory, margin = auto_gpu_memory(gpu_device or "cuda:0")
+        gpu_memory, margin = measured or auto_gpu_memory(gpu_device or "cuda:0")
     else:
         gpu_memory, margin = int(float(config.gpu_memory_gb) * GIB), 0
     kv = config.kv_cache_tokens * (target.kv_bytes_per_token or 0)
-    return MemoryBudget(gpu_memory, target.non_expert_bytes, kv, int(config.prefill_buffer_gb * GIB), margin)
+    threads = forward_threads(config.max_running)
+    on_cuda = str(gpu_device or "cuda") != "cpu"
+    workspaces = threads * cublas_workspace_bytes() if on_cuda else 0
+    fp8 = fp8_transient_bytes(threads, target.fp8_dequant_matrix, target.fp8_dequant_expert)
+    return MemoryBudget(gpu_memory, target.non_expert_bytes, kv, int(config.prefill_buffer_gb * GIB), margin,
+                        workspaces, fp8)
+
+
+def gpu_budgets(config: PlacementConfig, target: PlacementTarget, gpu_device: str | None,
+                measured: list[tuple[int, int]] | None = None) -> list[MemoryBudget]:
+    """The split of every GPU of the plan. For "auto" each GPU's own free memory counts: `measured` (one entry per
+    rank, each measured by its rank), else measured here on the devices the ranks of one machine take
+    (gpu_device's index + r, see tiermoe.distributed.group.rank_device). A number of GB is the same for all."""
+    if config.gpu_memory_gb != "auto" or (config.num_gpus == 1 and measured is None):
+        return [memory_budget(config, target, gpu_device)]
+    if measured is None:
+        device = torch.device(gpu_device or "cuda:0")
+        first, n = device.index or 0, config.num_gpus
+        if device.type != "cuda" or first + n > torch.cuda.device_count():
+            raise TiermoeError(f"--gpu-memory-gb auto for {n} GPUs measures cuda:{first}..cuda:{first + n - 1}, "
+                               "which this machine does not have; plan where the ranks run (tiermoe serve "
+                               "--num-gpus measures each rank's own GPU) or give a number of GB")
+        measured = [auto_gpu_memory(f"cuda:{first + r}") for r in range(n)]
+    if len(measured) != config.num_gpus:
+        raise TiermoeError(f"--gpu-memory-gb auto: {len(measured)} GPU(s) measured for a plan of {config.num_gpus}")
+    return [memory_budget(config, target, gpu_device, m) for m in measured]
 
 
 def make_plan(config: PlacementConfig, target: PlacementTarget, counts: torch.Tensor | None = None,
-              gpu_device: str | None = None) -> PlacementPlan:
+              gpu_device: str | None = None, gpu_memory: list[tuple[int, int]] | None = None) -> PlacementPlan:
     """The plan `config` asks for on `target`. counts: activation counts [L, E] (the statistics file
-    `config.init_expert_location` names, loaded by the caller), needed by the frequency and balanced strategies."""
+    `config.init_expert_location` names, loaded by the caller), needed by the frequency and balanced strategies.
+    gpu_memory: for --gpu-memory-gb auto, every GPU's (free bytes, margin), each measured by its own rank."""
     if counts is not None and tuple(counts.shape) != (target.num_layers, target.num_experts):
         raise TiermoeError(f"activation counts have shape {list(counts.shape)}, expected "
                            f"[{target.num_layers}, {target.num_experts}] for this model")
@@ -96,11 +131,14 @@ def make_plan(config: PlacementConfig, target: PlacementTarget, counts: torch.Te
         total = total_gpu_experts(num_moe, target.num_experts, config.num_gpu_experts, config.gpu_experts_ratio)
         budget = {"num_gpu_experts_per_layer": config.num_gpu_experts, "gpu_experts_ratio": config.gpu_experts_ratio}
     elif config.gpu_memory_gb is not None:
-        mem = memory_budget(config, target, gpu_device)
+        # the split gives every GPU the same count: the GPU with the least room sizes them all
+        mem = min(gpu_budgets(config, target, gpu_device, gpu_memory), key=lambda b: b.experts)
         per_gpu = mem.experts_that_fit(target.bytes_per_expert, num_moe * target.num_experts)
         total = min(per_gpu * config.num_gpus, num_moe * target.num_experts)
+        # kv_cache_tokens: what the engine enforces as its token budget when none is given (tiermoe.engine.llm)
         budget = {"gpu_memory_gb": config.gpu_memory_gb, "bytes_per_expert": target.bytes_per_expert,
-                  "experts_bytes_per_gpu": mem.experts, "memory": mem.describe()}
+                  "experts_bytes_per_gpu": mem.experts, "kv_cache_tokens": config.kv_cache_tokens,
+                  "memory": mem.describe()}
     else:
         total = 0
     budget["total_gpu_experts"] = total
