@@ -1,38 +1,98 @@
 #!/usr/bin/env bash
-# One call on a GPU machine (PyTorch and transformers preinstalled, no network), under 10 minutes:
-#   1. make tiermoe importable from this working tree without fetching anything
-#      (pip install --no-deps --no-index --no-build-isolation -e ., else PYTHONPATH);
-#   2. python -m tiermoe.analysis.gpu_check: on a make-model checkpoint, check and time CUDA hybrid inference
-#      at several GPU ratios (exactness against the CPU path, CPU/GPU overlap, pinned asynchronous copies, the
-#      `auto` memory budget, layerwise GPU prefill, FP8 GPU-tier experts), calibrate the cost model (a measured GPU profile, and the
-#      CPU-only estimate against the measurement), and write OUT_DIR/gpu_check.json (+ gpu_profile.json).
-# Without CUDA it runs end to end too: CUDA-only checks say "skipped: no CUDA", the rest uses the CPU device.
+# The one GPU run of tiermoe (issue 20): what a rarely lent GPU machine can tell us, in ONE device call.
 #
-#   benchmarks/gpu_check.sh [OUT_DIR] [--quick]      # OUT_DIR default: $OUT if set, else benchmarks/results
-# Exit status: 0 when no check failed.
-set -euo pipefail
+# A session whose task has a device machine (the `status` tool: can_start_another true) does exactly this:
+#   1. here, where the package registry is reachable:   benchmarks/gpu_wheels.sh
+#      (downloads the cp312 wheels the machine's image lacks into benchmarks/gpu_wheels/, git-ignored, ~14 MiB);
+#   2. one call of the run tool:
+#        run(command="bash benchmarks/gpu_check.sh", carry=["benchmarks/gpu_wheels"], timeout_s=600)
+#   3. reads what comes back from $OUT: gpu_check.json (the report), gpu_check.jsonl (a line per check as it
+#      ended), gpu_check.log (everything printed, hang stacks included), decode_profile.txt, gpu_profile.json;
+#      then give_back, unless a second call follows at once for a few checks: `benchmarks/gpu_check.sh --only a,b`.
+#
+# On the machine (Python 3.12, torch 2.11 cu130, transformers 5.17 in its image, no network) it prints the
+# versions first, installs the carried wheels with `pip install --no-index --no-deps --target` into a folder put
+# first on PYTHONPATH (tiermoe itself comes from this tree through PYTHONPATH), then runs the checks of
+# tiermoe/analysis/gpu_check_plan.py in the order of their value (environment -> exactness -> syncs/overlap ->
+# serving -> memory -> layerwise -> FP8 -> profile), each in its own process within its own time budget (stacks
+# dumped to the log when one overruns), every result written as soon as its check ends, all of it under a
+# `timeout` of the plan's limit (540 s), well inside the call's 600 s. Without CUDA every check is reported
+# "skipped: no CUDA".
+#
+#   benchmarks/gpu_check.sh --dry-run        # the plan, the wheels it would carry, each check's budget; runs nothing
+#   benchmarks/gpu_check.sh [--only a,b] [--quick] [--rehearse]   # --rehearse: no CUDA, GPU tier on the CPU device
+# Environment: OUT (results folder; default benchmarks/results), PYTHON (default python3),
+# GPU_CHECK_WHEELS (default benchmarks/gpu_wheels). Exit status: 0 when no check failed or timed out.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
+PY="${PYTHON:-python3}"
 OUT_DIR="${OUT:-benchmarks/results}"
-if [[ $# -gt 0 && "$1" != --* ]]; then
-  OUT_DIR="$1"
-  shift
-fi
-PYTHON="${PYTHON:-python}"
+WHEELS="${GPU_CHECK_WHEELS:-benchmarks/gpu_wheels}"
+SITE="${TMPDIR:-/tmp}/tiermoe-gpu-check-site"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONUNBUFFERED=1 PIP_ROOT_USER_ACTION=ignore
 
-# tiermoe from this tree: already installed from it (a dev checkout), else installed without any download, else
-# put on the path (works as long as torch, transformers, safetensors and tqdm are installed). The check runs
-# from / because `python -c` puts the current directory on sys.path, which would always find the tree here.
-here="$(cd / && "$PYTHON" -c 'import os, tiermoe; print(os.path.dirname(os.path.dirname(os.path.abspath(tiermoe.__file__))))' 2>/dev/null || true)"
-if [[ "$here" != "$REPO" ]]; then
-  echo "[gpu-check] installing tiermoe from $REPO (no dependencies, no index)" >&2
-  mkdir -p "$OUT_DIR"
-  if ! "$PYTHON" -m pip install --no-deps --no-index --no-build-isolation -e "$REPO" >"$OUT_DIR/pip_install.log" 2>&1; then
-    echo "[gpu-check] pip could not install it offline (see $OUT_DIR/pip_install.log); using PYTHONPATH=$REPO" >&2
+for arg in "$@"; do
+  if [[ "$arg" == --dry-run ]]; then
+    exec "$PY" -m tiermoe.analysis.gpu_check --wheels "$WHEELS" "$@"
   fi
-  export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-fi
+done
 
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
-"$PYTHON" -c 'import torch; print(f"[gpu-check] torch {torch.__version__}, CUDA {torch.cuda.is_available()}" + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""))' >&2
-exec "$PYTHON" -m tiermoe.analysis.gpu_check --out "$OUT_DIR" "$@"
+LIMIT_S="$("$PY" -c 'from tiermoe.analysis.gpu_check_plan import LIMIT_S; print(LIMIT_S)')" || exit 2
+
+versions() {
+  "$PY" - "$1" <<'EOF'
+import platform, sys
+from importlib import metadata
+
+def version(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "-"
+
+names = ("torch", "transformers", "huggingface_hub", "tokenizers", "safetensors", "gguf", "numpy", "regex")
+print(f"[gpu-check] versions ({sys.argv[1]}): python {platform.python_version()}, "
+      + ", ".join(f"{n} {version(n)}" for n in names), flush=True)
+EOF
+}
+
+install_wheels() {
+  shopt -s nullglob
+  local wheels=("$WHEELS"/*.whl)
+  shopt -u nullglob
+  if (( ${#wheels[@]} == 0 )); then
+    echo "[gpu-check] no wheels in $WHEELS (benchmarks/gpu_wheels.sh downloads them): using this Python's packages"
+    return
+  fi
+  rm -rf "$SITE"
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"; then
+    export PYTHONPATH="$SITE:$PYTHONPATH"
+    echo "[gpu-check] installed ${#wheels[@]} wheel(s) into $SITE (first on PYTHONPATH): ${wheels[*]##*/}"
+  else
+    echo "[gpu-check] the wheels did not install (see above): using this Python's packages"
+  fi
+}
+
+main() {
+  echo "[gpu-check] $(date -u '+%Y-%m-%dT%H:%M:%SZ') on ${HOSTNAME:-?}, limit ${LIMIT_S} s, results in $OUT_DIR"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used \
+    --format=csv,noheader | sed 's/^/[gpu-check] nvidia-smi: /'
+  versions "this Python's own"
+  install_wheels
+  versions "in use"
+  local left=$((LIMIT_S - SECONDS))
+  timeout -k 5 "$left" "$PY" -m tiermoe.analysis.gpu_check --out "$OUT_DIR" --limit $((left - 5)) \
+    --setup-seconds "$SECONDS" "$@"
+  local code=$?
+  if (( code == 124 || code == 137 )); then
+    echo "[gpu-check] stopped by the outer timeout after ${SECONDS} s: what ended before is in $OUT_DIR/gpu_check.jsonl"
+  fi
+  return "$code"
+}
+
+mkdir -p "$OUT_DIR"
+: >"$OUT_DIR/gpu_check.log"
+main "$@" 2>&1 | tee -a "$OUT_DIR/gpu_check.log"
+exit "${PIPESTATUS[0]}"

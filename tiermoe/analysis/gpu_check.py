@@ -1,160 +1,122 @@
 """`python -m tiermoe.analysis.gpu_check`: what `benchmarks/gpu_check.sh` runs on a GPU machine in one call.
 
-On a make-model checkpoint (random weights, a real MoE layout) it checks and times CUDA hybrid inference:
-1. exactness: fp32 logits at several GPU ratios against the all-CPU path;
-2. CPU/GPU overlap: one MoE layer with both tiers busy against each tier alone;
-3. pinned asynchronous copies: CPU-tier experts pinned, copies that return before they land, pinned vs pageable;
-4. the `auto` memory budget (--gpu-memory-gb auto);
-5. layerwise GPU prefill (DynamicPlacementConfig(prefill_threshold=...)): taken, and exact;
-6. FP8 GPU-tier experts (an FP8 copy of the checkpoint): exact against its dequantised values, about 1 byte per
-   parameter, codes kept through moves to the CPU tier and back, and the per-call dequantisation's time against a
-   bf16 GPU tier;
-7. serving throughput and time to first token at several ratios;
-8. cost-model calibration: this GPU's profile measured with the GPU tier's own kernels (written as a JSON file for
-   `tiermoe bench placement --gpu-profile FILE`), and the estimate a CPU-only machine would make with it,
-   against the measurement.
-Without CUDA every check that needs it says "skipped: no CUDA" and the rest runs on the CPU device (item 8 is
-then the this-cpu validation), so the script is tested on CPU-only machines. Each check records pass / fail /
-info / skipped and its figures; a failing check does not stop the others. Results: OUT/gpu_check.json.
+The plan (tiermoe.analysis.gpu_check_plan) in the value order environment -> exactness -> syncs/overlap ->
+serving -> memory -> layerwise -> FP8 -> profile, each check in its own process within its own budget
+(tiermoe.analysis.gpu_check_runner), on make-model checkpoints (random weights, real layouts; one with a real
+layer's shapes). Results: OUT/gpu_check.jsonl (a line per check as it ends) and OUT/gpu_check.json (the report,
+rewritten after each check), OUT/decode_profile.txt and OUT/gpu_profile.json.
+
+Without CUDA every check is reported "skipped: no CUDA". `--rehearse` runs them anyway with the GPU tier on
+the CPU device and tiny models (the CUDA-only parts then say skipped), so their code is tested on machines
+without a GPU; `--dry-run` prints the plan, the wheels carried and the budgets, and runs nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
+import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
-import traceback
+from importlib import metadata
 from pathlib import Path
 
 import torch
-import transformers
 
-from tiermoe.analysis.gpu_check_items import (
-    check_auto_budget,
-    check_calibration,
-    check_exactness,
-    check_fp8_gpu_tier,
-    check_layerwise_prefill,
-    check_overlap,
-    check_pinned_copies,
-    check_serving,
-    token_workload,
+from tiermoe.analysis.gpu_check_plan import (
+    LIMIT_S,
+    SETUP_S,
+    CheckContext,
+    check_plan,
+    plan_text,
+    read_requirements,
+    select,
+    wheel_files,
 )
-from tiermoe.arch import detect, load_config
-from tiermoe.engine.llm import LLM
-from tiermoe.testing.make_model import make_model
+from tiermoe.analysis.gpu_check_runner import ResultLog, run_plan
 
-# make-model config overrides of qwen3_moe (on top of the tiny debug config)
-SIZES = {
-    "quick": {},  # the tiny debug model: 2 MoE layers x 8 experts, hidden 64
-    "full": dict(hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512, num_hidden_layers=4,
-                 mlp_only_layers=[], num_experts=64, num_experts_per_tok=8, num_attention_heads=8,
-                 num_key_value_heads=4, head_dim=128, vocab_size=8192, max_position_embeddings=2048),
-}
+VERSIONED = ("torch", "transformers", "huggingface_hub", "tokenizers", "safetensors", "gguf", "numpy", "regex",
+             "accelerate")
 
 
-class Checker:
-    """Runs named checks, records their outcome, never lets one failure stop the rest, and skips what would not
-    finish within the time budget (the whole script must fit in one 10-minute call)."""
-
-    def __init__(self, log, budget_seconds: float):
-        self.log = log
-        self.results: dict[str, dict] = {}
-        self.deadline = time.perf_counter() + budget_seconds
-
-    def run(self, name: str, fn, *args) -> None:
-        if time.perf_counter() > self.deadline:
-            self.results[name] = {"status": "skipped", "reason": "time budget spent"}
-            self.log(f"[gpu-check] {name}: skipped (time budget spent)")
-            return
-        self.log(f"[gpu-check] {name} ...")
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        start = time.perf_counter()
+def versions() -> dict:
+    found = {"python": platform.python_version()}
+    for name in VERSIONED:
         try:
-            result = fn(*args)
-        except Exception as err:  # a check that crashes is a failed check, reported, not fatal
-            result = {"status": "fail", "error": f"{type(err).__name__}: {err}",
-                      "traceback": traceback.format_exc(limit=6)}
-        result["seconds"] = round(time.perf_counter() - start, 2)
-        self.results[name] = result
-        self.log(f"[gpu-check] {name}: {result['status']}" + (f" ({result['reason']})" if "reason" in result else "")
-                 + (f" - {result['error']}" if "error" in result else ""))
-
-    @property
-    def failed(self) -> list[str]:
-        return [k for k, v in self.results.items() if v["status"] == "fail"]
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
 
 
-def environment() -> dict:
-    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.cuda.is_available(),
-           "cpu_threads": torch.get_num_threads()}
-    try:
-        env["transformers"] = transformers.__version__
-    except ImportError:
-        env["transformers"] = None
+def cuda_summary() -> dict:
+    if not torch.cuda.is_available():
+        return {"cuda": False, "torch_cuda": torch.version.cuda}
+    return {"cuda": True, "torch_cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
+            "capability": ".".join(map(str, torch.cuda.get_device_capability(0)))}
+
+
+def no_cuda_reason() -> str | None:
     if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(0)
-        env["cuda_version"] = torch.version.cuda
-    return env
+        return None
+    return f"no CUDA (torch {torch.__version__} sees no CUDA device: torch.cuda.is_available() is False)"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results", help="directory for gpu_check.json (and the profile)")
-    parser.add_argument("--quick", action="store_true", help="tiny model and workloads (the default without CUDA)")
-    parser.add_argument("--budget-minutes", type=float, default=8.0,
-                        help="start no check after this many minutes (default 8: the call must end within 10)")
+    parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results",
+                        help="folder for the results (default $OUT, else benchmarks/results)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan, the wheels and the budgets; run nothing")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="without CUDA: run the checks with the GPU tier on the CPU device and tiny models")
+    parser.add_argument("--quick", action="store_true", help="tiny models (implied by --rehearse)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run the checks in this process (no isolation, overruns only reported)")
+    parser.add_argument("--only", help="comma-separated check names (default: all, in plan order)")
+    parser.add_argument("--limit", type=float, default=LIMIT_S - SETUP_S,
+                        help="seconds this run may take (the shell passes what its set-up left)")
+    parser.add_argument("--setup-seconds", type=float, default=None, help="what the shell's set-up took (report)")
+    parser.add_argument("--wheels", default="benchmarks/gpu_wheels", help="the carried wheels' folder")
+    parser.add_argument("--requirements", default="benchmarks/gpu_wheels.txt", help="the carried wheels' pins")
     args = parser.parse_args(argv)
+    try:
+        checks = select(args.only)
+    except ValueError as err:
+        parser.error(str(err))
+    check_plan()
+    skip = None if args.rehearse else no_cuda_reason()
+    if args.dry_run:
+        pins = read_requirements(Path(args.requirements))
+        print(plan_text(checks, LIMIT_S, SETUP_S, pins, wheel_files(pins, Path(args.wheels)), skip))
+        return 0
 
     def log(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+        print(message, flush=True)
 
-    cuda = torch.cuda.is_available()
-    quick = args.quick or not cuda
-    device = "cuda:0" if cuda else "cpu"
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    report = {"environment": environment(), "size": "quick" if quick else "full", "device": device}
-    if not cuda:
-        log("[gpu-check] no CUDA: CUDA-only checks are skipped; the rest runs with the GPU tier on the CPU")
-    checker = Checker(log, 60 * args.budget_minutes - (time.perf_counter() - started))
-    with tempfile.TemporaryDirectory(prefix="tiermoe-gpu-check-") as tmp:
-        ckpt = make_model("qwen3_moe", Path(tmp) / "ckpt", config_overrides=SIZES["quick" if quick else "full"],
-                          progress=False)
-
-        spec = detect(load_config(ckpt))
-        report["checkpoint"] = {"moe_layers": spec.num_moe_layers, "experts": spec.num_experts, "top_k": spec.top_k,
-                                "hidden": spec.hidden_size, "expert_intermediate": spec.expert_intermediate_size,
-                                "bytes_per_expert_bf16": spec.bytes_per_expert(torch.bfloat16)}
-        vocab = int(load_config(ckpt).vocab_size)
-        n, plen, olen = (8, 24, 8) if quick else (24, 128, 48)
-        workloads = (token_workload("calibration", n, plen, olen, vocab, 1),
-                     token_workload("held-out", n, plen, olen, vocab, 2))
-        ratios = (0.0, 0.5, 1.0) if quick else (0.0, 0.25, 0.5, 0.75, 1.0)
-        checker.run("exactness", check_exactness, ckpt, device, ratios)
-        checker.run("layerwise_prefill", check_layerwise_prefill, ckpt, device, 16 if quick else 64)
-        checker.run("auto_memory_budget", check_auto_budget, ckpt, device)
-        checker.run("fp8_gpu_tier", check_fp8_gpu_tier, ckpt, device, Path(tmp))
-        with LLM(ckpt, gpu_device=device, progress=False) as llm:
-            checker.run("pinned_async_copies", check_pinned_copies, llm)
-            checker.run("cpu_gpu_overlap", check_overlap, llm, 16 if quick else 128)
-            checker.run("serving", check_serving, llm, workloads[1], ratios, 4 if quick else 8)
-        checker.run("cost_model_calibration", check_calibration, ckpt, device, out_dir, workloads,
-                    (0.25, 0.5, 0.75) if not quick else (0.5,), quick)
-    report["checks"] = checker.results
-    report["failed"] = checker.failed
-    report["seconds"] = round(time.perf_counter() - started, 1)
-    path = out_dir / "gpu_check.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    log(f"[gpu-check] wrote {path}: " + ", ".join(f"{k} {v['status']}" for k, v in checker.results.items()))
-    return 1 if checker.failed else 0
+    started = time.time()
+    device = "cuda:0" if torch.cuda.is_available() and not args.rehearse else "cpu"
+    header = {"versions": versions(), **cuda_summary(), "device": device, "rehearsal": args.rehearse,
+              "limit_s": args.limit, "setup_seconds": args.setup_seconds,
+              "plan": [{"name": c.name, "stage": c.stage, "budget_s": c.budget_s} for c in checks]}
+    log("[gpu-check] " + ", ".join(f"{k} {v}" for k, v in header["versions"].items() if v) + f"; device {device}"
+        + (f" ({header['gpu']}, capability {header['capability']})" if header.get("gpu") else ""))
+    if skip:
+        log(f"[gpu-check] {skip}: every check is skipped")
+    work_dir = tempfile.mkdtemp(prefix="tiermoe-gpu-check-")
+    try:
+        base = CheckContext(device, str(Path(args.out).resolve()), work_dir, args.quick or args.rehearse, 0.0)
+        report = run_plan(checks, base, ResultLog(Path(args.out), header), started + args.limit, skip,
+                          args.in_process, log)
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    counts = {}
+    for result in report["checks"].values():
+        counts[result["status"]] = counts.get(result["status"], 0) + 1
+    log(f"[gpu-check] done in {time.time() - started:.0f} s: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+        + (f"; failed: {', '.join(report['failed'])}" if report["failed"] else ""))
+    return 1 if report["failed"] else 0
 
 
 if __name__ == "__main__":
