@@ -21,12 +21,13 @@
 #
 #   benchmarks/gpu_check.sh --dry-run        # the plan, the wheels it would carry, each check's budget; runs nothing
 #   benchmarks/gpu_check.sh [--only a,b] [--quick] [--rehearse]   # --rehearse: no CUDA, GPU tier on the CPU device
-# Environment: OUT (results folder; default benchmarks/results), PYTHON (default python3),
+# Environment: OUT (results folder; default benchmarks/results), PYTHON (default .venv/bin/python if any, else python3),
 # GPU_CHECK_WHEELS (default benchmarks/gpu_wheels). Exit status: 0 when no check failed or timed out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
-PY="${PYTHON:-python3}"
+# the checkout's own environment when it has one (this machine); the image's python3 on the device machine
+if [[ -z "${PYTHON:-}" && -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY="${PYTHON:-python3}"; fi
 OUT_DIR="${OUT:-benchmarks/results}"
 WHEELS="${GPU_CHECK_WHEELS:-benchmarks/gpu_wheels}"
 SITE="${TMPDIR:-/tmp}/tiermoe-gpu-check-site"
