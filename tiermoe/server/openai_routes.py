@@ -125,8 +125,10 @@ async def completions(request: Request):
         return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
 
     def echoed(prompt_scores: list | None) -> tuple[str, list[int], list]:
-        """The echoed prompt: its text, ids and scores (its first token has nothing before it to score it)."""
-        return _prompt_text(state, body), prompt_ids, [None, *(prompt_scores or ())]
+        """The echoed prompt: its text, ids and scores (its first token has nothing before it to score it; none
+        is scored when the request failed before its prompt was)."""
+        scores = [None, *(prompt_scores or ())]
+        return _prompt_text(state, body), prompt_ids, scores + [None] * (len(prompt_ids) - len(scores))
 
     if not body.stream:
         out = await collect(state, request, prompt_ids, params)
