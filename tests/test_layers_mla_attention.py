@@ -16,8 +16,16 @@ from tiermoe.arch import detect, load_config
 from tiermoe.engine.batched_decode import batched_decode_forward
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
+from tiermoe.layers import mla_math
 from tiermoe.layers.mla_attention import MLAAttention
-from tiermoe.layers.mla_math import absorbed_attention, absorbing_is_cheaper, causal_mask
+from tiermoe.layers.mla_math import (
+    absorbed_attention,
+    absorbing_is_cheaper,
+    attend_expanded,
+    causal_mask,
+    group_kv_b_rows,
+    split_kv_b,
+)
 from tiermoe.model.plan_source import placement_target
 from tiermoe.placement.budget import kv_bytes_per_token
 from tiermoe.testing.presets import make_config
@@ -104,17 +112,29 @@ def test_absorbed_attention_equals_expanded_attention_for_every_mask_form():
     pads[1, :3] = False  # row 1 left-padded
     allowed = causal_mask(Q, L, CPU) & pads[:, None, None, :]
     additive = torch.zeros(B, 1, Q, L).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    w_uk, w_uv = split_kv_b(w_kv_b, H, N)
+    grouped = w_kv_b.clone()
+    group_kv_b_rows(grouped, H, N)  # rows [W_UK; W_UV]: the same halves, contiguous
+    assert all(torch.equal(a, b) and b.is_contiguous() for a, b in zip((w_uk, w_uv), split_kv_b(grouped, H, N, True)))
     for mask, want_allowed in ((None, causal_mask(Q, L, CPU)), (allowed, allowed), (additive, allowed)):
         want = torch.nn.functional.scaled_dot_product_attention(query, key, kv[..., N:], attn_mask=want_allowed,
                                                                 scale=0.3)
-        got = absorbed_attention(q_nope, q_pe, latent, k_pe, w_kv_b, 0.3, mask)
+        got = absorbed_attention(q_nope, q_pe, latent, k_pe, w_uk, w_uv, 0.3, mask)
         assert got.shape == (B, H, Q, V) and rel_err(got, want) <= FP32_TOL
+        # query positions in blocks (scores of 2 queries at a time): the same result
+        blocked = absorbed_attention(q_nope, q_pe, latent, k_pe, w_uk, w_uv, 0.3, mask,
+                                     max_score_bytes=2 * B * H * L * 4)
+        assert rel_err(blocked, want) <= FP32_TOL
 
 
-def test_absorbing_is_chosen_for_decode_and_short_chunks_only():
+def test_only_long_chunks_over_a_short_past_expand_it():
     # DeepSeek-V3 / V2-Lite shapes (R 512, N = V = 128): absorbing costs less up to 170 queries per forward
     assert absorbing_is_cheaper(1, 512, 128, 128) and absorbing_is_cheaper(170, 512, 128, 128)
     assert not absorbing_is_cheaper(171, 512, 128, 128)
+    v3 = dict(num_heads=128, kv_lora_rank=512, nope_dim=128, rope_dim=64, v_dim=128, itemsize=2)
+    assert not attend_expanded(1, 100, **v3) and not attend_expanded(170, 4096, **v3)  # decode, short chunks
+    assert attend_expanded(512, 4096, **v3)  # 448 MiB of K/V for this forward
+    assert not attend_expanded(512, 8192, **v3)  # 896 MiB: attends from the latent, in blocks of queries
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -126,7 +146,7 @@ def test_chunked_prefill_and_batched_decode_logits_equal_transformers(name, vari
         engine = llm.engine
         assert llm.engine.batched_decode
         attn = [layer.self_attn for layer in llm.hybrid.model.model.layers]
-        assert all(type(a) is MLAAttention for a in attn)
+        assert all(type(a) is MLAAttention and a.kv_b_grouped for a in attn)
         seqs, ids = [], []
         for prompt in PROMPTS:
             seq, chunk = _Seq(), 40 if len(prompt) == 40 else 4
@@ -190,6 +210,26 @@ def test_decode_never_expands_the_past(tiny_dir):
         finally:
             for hook in hooks:
                 hook.remove()
+
+
+def test_a_long_chunk_whose_expansion_would_be_too_big_attends_from_the_latent_in_blocks(tiny_dir, monkeypatch):
+    path = tiny_dir("deepseek_v2")
+    prompt = list(range(5, 85))
+    with torch.no_grad():
+        want = load_reference(path)(torch.tensor([prompt])).logits[0]
+    monkeypatch.setattr(mla_math, "MAX_EXPANSION_BYTES", 1)  # no expansion fits
+    monkeypatch.setattr(mla_math, "MAX_SCORE_BYTES", 4 * 4 * 80 * 7)  # float32 scores of 4 heads: 7-14 queries
+    with LLM(path, dtype=torch.float32, progress=False) as llm:
+        expanded = []
+        hooks = [layer.self_attn.kv_b_proj.register_forward_hook(lambda *a: expanded.append(1))
+                 for layer in llm.hybrid.model.model.layers]
+        seq = _Seq()
+        for start in (0, 40):  # chunks of 40 queries: long enough to be worth expanding
+            got = llm.engine._forward(seq, prompt[start:start + 40], every_row=True)
+            assert rel_err(got, want[start:start + 40]) <= FP32_TOL
+        for hook in hooks:
+            hook.remove()
+        assert expanded == []
 
 
 def _v2_lite_shaped(path, layers: int = 2):
