@@ -6,6 +6,7 @@ and attends with sdpa); the absorbed form sums in another order. Observed on the
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from conftest import MASKS, load_reference, make_mask, rel_err, run_cli
 
 from tiermoe.arch import detect, load_config
+from tiermoe.engine import cache_rollback
 from tiermoe.engine.batched_decode import batched_decode_forward
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
@@ -230,6 +232,22 @@ def test_a_long_chunk_whose_expansion_would_be_too_big_attends_from_the_latent_i
         for hook in hooks:
             hook.remove()
         assert expanded == []
+
+
+def test_a_latent_cache_rolls_back_like_any_plain_cache(tiny_dir):
+    """A step that fails part-way is undone by cutting each cache layer back (tiermoe.engine.cache_rollback)."""
+    with LLM(tiny_dir("deepseek_v2"), dtype=torch.float32, progress=False) as llm:
+        seq = _Seq()
+        llm.engine._forward(seq, [5, 6, 7, 8])
+        untouched = copy.deepcopy(seq.cache)
+        marked = cache_rollback.mark(seq.cache)
+        llm.engine._forward(seq, [9])
+        assert marked.length == 4 and cache_rollback.roll_back(seq, marked)
+        for layer, ref in zip(seq.cache.layers, untouched.layers):
+            assert torch.equal(layer.keys, ref.keys) and torch.equal(layer.values, ref.values)
+        never_stepped = _Seq()
+        never_stepped.cache = untouched
+        assert torch.equal(llm.engine._forward(seq, [10]), llm.engine._forward(never_stepped, [10]))
 
 
 def _v2_lite_shaped(path, layers: int = 2):
