@@ -69,7 +69,7 @@ def test_fit_counts_deepseek_v3_fp8_bytes_by_hand(tmp_path):
     assert m.non_expert == expected
     assert m.gpu_bytes_per_expert == 2 * _fp8(moe_inter, h) + _fp8(h, moe_inter)  # GPU-tier experts stay FP8
     assert m.load_buffer == 3 * h * moe_inter * 2  # a CPU-tier expert streams through a bf16 buffer
-    assert m.kv_bytes_per_token == layers * 128 * (128 + 64 + 128) * 2  # MLA as transformers caches it
+    assert m.kv_bytes_per_token == layers * (512 + 64) * 2  # the MLA latent (tiermoe.layers.mla_attention)
     assert m.total_experts == (layers - dense) * experts
     # sanity in round numbers: ~17 B non-expert parameters, 1.85 B of them bf16 embeddings -> ~19 GB
     assert 18e9 < m.non_expert < 20e9

@@ -2,7 +2,8 @@
 
 1. read config.json and detect the architecture;
 2. build the transformers skeleton with meta parameters;
-3. swap every MoE block for a HybridMoE (router and shared experts kept, fused experts dropped);
+3. swap every MoE block for a HybridMoE (router and shared experts kept, fused experts dropped), and every
+   MLA attention (DeepSeek V2/V3) for an MLAAttention that caches the latent (tiermoe.layers.mla_attention);
 4. read non-expert weights onto `gpu_device`, with the checkpoint's own names, and move every buffer there too;
 5. read each routed expert once, straight into its tier: GPU-tier experts pass through a host buffer of one
    expert; CPU-tier experts are read into their final host tensors: when the GPU tier is on CUDA and the CPU
@@ -47,6 +48,7 @@ from tiermoe.experts.registry import make_cpu_tier
 from tiermoe.experts.tiers import CPUWorker, ExpertSet
 from tiermoe.experts.weights import ExpertWeights
 from tiermoe.layers.hybrid_moe import HybridMoE
+from tiermoe.layers.mla_attention import group_kv_b_rows_of, replace_mla_attention
 from tiermoe.model.expert_source import (
     LAYERS_PREFIX,
     ExpertSource,
@@ -111,6 +113,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     with open_checkpoint(weights_dir, config, fp8_block) as ckpt:
         sources = {layer: find_expert_source(ckpt, spec, LAYERS_PREFIX, layer) for layer in spec.moe_layers}
         model = build_skeleton(config, dtype)
+        replace_mla_attention(decoder_layers(model))  # MLA caches its latent (before the weights load into it)
         worker = CPUWorker()
         act = ExpertActivation.from_config(spec.activation, config)
         fp8_layers = {layer for layer, src in sources.items() if keeps_fp8(ckpt, src)}
@@ -131,6 +134,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
             move_buffers(model, gpu_device)  # the non-persistent ones the checkpoint does not hold, too
             _load_experts(blocks, sources, ckpt, spec, assignment_LE, reads, rank, share, dtype, pin, bar, cache)
     _tie_and_check(model, config)
+    group_kv_b_rows_of(decoder_layers(model))  # MLA's one re-layout, now that kv_b_proj holds the checkpoint's rows
     return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share)
 
 

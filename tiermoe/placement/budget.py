@@ -41,18 +41,19 @@ def total_gpu_experts(num_moe_layers: int, num_experts: int, num_gpu_experts: in
 
 
 def kv_bytes_per_token(cfg, dtype_bytes: int) -> int:
-    """KV cache bytes one token adds across all layers, as transformers' caches store it.
+    """KV cache bytes one token adds across all layers, as tiermoe's caches store it.
 
-    Standard attention: K and V of num_key_value_heads x head_dim per attention layer. DeepSeek's MLA as
-    transformers implements it caches full per-head keys (nope + rope) and values. Linear-attention layers
-    (Qwen3-Next) keep a fixed-size state and add nothing per token.
+    Standard attention: K and V of num_key_value_heads x head_dim per attention layer. MLA (DeepSeek V2/V3,
+    tiermoe.layers.mla_attention) caches one latent per layer, shared by all heads: the compressed KV
+    (kv_lora_rank) and the roped key part (qk_rope_head_dim). Linear-attention layers (Qwen3-Next) keep a
+    fixed-size state and add nothing per token.
     """
     layers = cfg.num_hidden_layers
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types:
         layers = sum(1 for t in layer_types if "linear" not in t)
     if getattr(cfg, "kv_lora_rank", None):
-        per_layer = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+        per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     else:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         per_layer = 2 * (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * head_dim

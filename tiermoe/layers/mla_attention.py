@@ -1,0 +1,143 @@
+"""MLAAttention: DeepSeek V2/V3 attention that caches the latent and attends from it (tiermoe.layers.mla_math).
+
+The loader puts one in place of every DeepseekV2Attention / DeepseekV3Attention (as HybridMoE replaces the MoE
+blocks), before the weights are read: it takes over the original's projections and norms under the same names,
+so the checkpoint's tensors (FP8-stored ones included) load into it unchanged, and it keeps no copy of any
+weight: W_UK and W_UV are views of kv_b_proj's weight, whose rows the loader regroups once, in place, from per
+head to [W_UK; W_UV] (group_kv_b_rows) so both views are contiguous.
+
+Per token and layer the cache holds only the normalised compressed KV [.., kv_lora_rank] (as a cache layer's
+"keys", [B, 1, L, R]) and the roped key part [.., qk_rope_head_dim] ("values", [B, 1, L, P]): a plain
+DynamicCache layer of one head, so the engine's per-sequence caches, the left-padded batched decode
+(StackedDecodeCache), cache rollback and transformers' attention masks work on it unchanged. Decode attends with
+W_UK folded into the query and W_UV applied after the sum, so the past is read as cached and never expanded; a
+prefill chunk long enough for the expansion to be cheaper (mla_math.attend_expanded: and the past short enough
+for its expansion to stay small) expands the past for that forward only, and attends with the model's attention
+implementation, exactly as transformers does.
+
+Rope stays the model's own function: complex rotation in V2, cos/sin (interleaved or not, `rope_interleave`) in
+V3; the softmax scale is the original's (yarn's mscale included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import transformers.models.deepseek_v2.modeling_deepseek_v2 as deepseek_v2
+import transformers.models.deepseek_v3.modeling_deepseek_v3 as deepseek_v3
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from tiermoe.layers.mla_math import absorbed_attention, attend_expanded, group_kv_b_rows, split_kv_b
+
+# What the forward needs of the original module besides its submodules.
+_ATTRIBUTES = ("config", "layer_idx", "num_heads", "q_lora_rank", "qk_rope_head_dim", "kv_lora_rank", "v_head_dim",
+               "qk_nope_head_dim", "qk_head_dim", "num_key_value_groups", "is_causal", "scaling", "attention_dropout")
+
+
+def _rope_v2(module, q_pe, k_pe, position_embeddings):
+    return deepseek_v2.apply_rotary_emb(q_pe, k_pe, position_embeddings.to(q_pe.device))
+
+
+def _rope_v3(module, q_pe, k_pe, position_embeddings):
+    cos, sin = position_embeddings
+    if module.config.rope_interleave:
+        return deepseek_v3.apply_rotary_pos_emb_interleave(q_pe, k_pe, cos, sin)
+    return deepseek_v3.apply_rotary_pos_emb(q_pe, k_pe, cos, sin)
+
+
+# transformers' MLA attention classes -> (their rope, their eager attention)
+_MLA_CLASSES: dict[type, tuple[Callable, Callable]] = {
+    deepseek_v2.DeepseekV2Attention: (_rope_v2, deepseek_v2.eager_attention_forward),
+    deepseek_v3.DeepseekV3Attention: (_rope_v3, deepseek_v3.eager_attention_forward),
+}
+
+
+class MLAAttention(nn.Module):
+    """Replaces a transformers MLA attention module, taking its weights; caches [latent | k_pe] per token."""
+
+    def __init__(self, original: nn.Module):
+        super().__init__()
+        self._rope, self._eager = _MLA_CLASSES[type(original)]
+        for name in _ATTRIBUTES:
+            setattr(self, name, getattr(original, name))
+        for name, child in original.named_children():  # the same names: the checkpoint's tensors load as they are
+            self.add_module(name, child)
+        self.kv_b_grouped = False  # kv_b_proj's rows: per head as stored, until group_kv_b_rows
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask: torch.Tensor | None = None,
+                cache=None, past_key_values=None, **kwargs) -> tuple[torch.Tensor, None]:
+        cache = cache if cache is not None else past_key_values
+        B, Q = hidden_states.shape[:-1]
+        N, P, R = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden_states)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q_nope, q_pe = q.view(B, Q, -1, self.qk_head_dim).transpose(1, 2).split([N, P], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([R, P], dim=-1)
+        latent = self.kv_a_layernorm(latent).view(B, 1, Q, R)
+        q_pe, k_pe = self._rope(self, q_pe, k_pe.view(B, 1, Q, P), position_embeddings)
+        if cache is not None:
+            latent, k_pe = cache.update(latent, k_pe, self.layer_idx)  # the past and this forward's: [B, 1, L, *]
+        if attend_expanded(Q, latent.shape[2], self.num_heads, R, N, P, self.v_head_dim, q.element_size()):
+            out_BQHV = self._expanded_attention(q_nope, q_pe, latent, k_pe, attention_mask, **kwargs)
+        else:
+            w_uk, w_uv = self._kv_b_halves(q.dtype)
+            out_BHQV = absorbed_attention(q_nope, q_pe, latent[:, 0], k_pe[:, 0], w_uk, w_uv, self.scaling,
+                                          attention_mask)
+            out_BQHV = out_BHQV.transpose(1, 2)
+        return self.o_proj(out_BQHV.reshape(B, Q, -1)), None
+
+    def _expanded_attention(self, q_nope, q_pe, latent_B1LR, k_pe_B1LP, attention_mask, **kwargs) -> torch.Tensor:
+        """transformers' own computation: every past position expanded to per-head K/V for this forward only."""
+        B, _, L, _ = latent_B1LR.shape
+        H, N, V = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
+        kv = self.kv_b_proj(latent_B1LR[:, 0])  # [B, L, H * (N + V)]
+        if self.kv_b_grouped:
+            k_nope, value = (x.view(B, L, H, -1).transpose(1, 2) for x in kv.split([H * N, H * V], dim=-1))
+        else:
+            k_nope, value = kv.view(B, L, H, N + V).transpose(1, 2).split([N, V], dim=-1)
+        key = torch.cat((k_nope, k_pe_B1LP.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
+        query = torch.cat((q_nope, q_pe), dim=-1)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager)
+        out_BQHV, _ = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        return out_BQHV
+
+    def group_kv_b_rows(self) -> None:
+        """The one re-layout, once the weights are in: kv_b_proj's rows grouped [W_UK; W_UV] in place, so both
+        halves are contiguous views (quantised projections keep their stored layout)."""
+        proj = self.kv_b_proj
+        if self.kv_b_grouped or type(proj) is not nn.Linear or proj.bias is not None or proj.weight.is_meta:
+            return
+        with torch.no_grad():
+            group_kv_b_rows(proj.weight, self.num_heads, self.qk_nope_head_dim)
+        self.kv_b_grouped = True
+
+    def _kv_b_halves(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, N, R], W_UV [H, V, R]) in `dtype`: views of kv_b_proj's weight, or of its dequantisation
+        for this call (FP8Linear does the same on every forward)."""
+        proj = self.kv_b_proj
+        dequantized = getattr(proj, "dequantized", None)
+        weight = dequantized(dtype) if dequantized is not None else proj.weight.to(dtype)
+        return split_kv_b(weight, self.num_heads, self.qk_nope_head_dim, self.kv_b_grouped)
+
+
+def group_kv_b_rows_of(layers: nn.ModuleList) -> None:
+    """Once the weights are loaded: every MLAAttention's one re-layout (MLAAttention.group_kv_b_rows)."""
+    for layer in layers:
+        attention = getattr(layer, "self_attn", None)
+        if isinstance(attention, MLAAttention):
+            attention.group_kv_b_rows()
+
+
+def replace_mla_attention(layers: nn.ModuleList) -> int:
+    """Put an MLAAttention in place of every decoder layer's transformers MLA attention; returns how many."""
+    replaced = 0
+    for layer in layers:
+        original = getattr(layer, "self_attn", None)
+        if type(original) in _MLA_CLASSES:
+            layer.self_attn = MLAAttention(original)
+            replaced += 1
+    return replaced
