@@ -3,8 +3,10 @@
 Where the bytes go (what the loader really allocates):
   GPU (main device): non-expert weights (as the skeleton types them; FP8 Linear weights stay FP8: 1 byte per
     parameter plus one fp32 scale per 128x128 block; everything else in the compute dtype), GPU-tier experts (FP8
-    as stored in FP8 checkpoints, else the compute dtype), the KV cache at the token budget, the layerwise-prefill
-    buffer, the cuBLAS workspaces of the threads that run forwards (the engine's and one per running sequence,
+    as stored in FP8 checkpoints, else the compute dtype), the KV cache at the token budget (full-attention
+    layers per token; sliding-window layers up to their window and linear-attention layers a fixed state, per
+    running sequence: tiermoe.placement.kv_layout), the layerwise-prefill buffer, the cuBLAS workspaces of the
+    threads that run forwards (the engine's and one per running sequence,
     tiermoe.placement.budget.cublas_workspace_bytes) and the transient copies FP8 weights are dequantised into
     (tiermoe.placement.budget.fp8_transient_bytes).
   Host: CPU-tier experts in the --cpu-expert-dtype format (bf16 2 bytes/param, int8 1 byte + 4 per row, int4
@@ -38,8 +40,8 @@ from tiermoe.placement.budget import (
     cublas_workspace_bytes,
     forward_threads,
     fp8_transient_bytes,
-    kv_bytes_per_token,
 )
+from tiermoe.placement.kv_layout import KVLayout, kv_layout
 from tiermoe.placement.plan import PlacementPlan
 
 # What config.json alone may be told the weights are (`tiermoe fit --dtype`): compute dtype, and whether the
@@ -87,7 +89,7 @@ class ModelBytes:
     cpu_bytes_per_expert: int
     load_buffer: int  # the loader's one-expert host buffer (an expert in the compute dtype)
     cpu_format: str
-    kv_bytes_per_token: int
+    kv: KVLayout  # cache bytes by layer kind (full attention per token, sliding windows, linear-attention states)
     source: str  # "safetensors headers", "config.json (fp8)", "GGUF headers"
     fp8_matrix: int = 0  # the largest FP8 non-expert weight, dequantised (a transient per forward thread)
     fp8_expert: int = 0  # one FP8 GPU-tier expert, dequantised (a transient of the MoE block)
@@ -95,6 +97,11 @@ class ModelBytes:
     @property
     def total_experts(self) -> int:
         return self.spec.total_routed_experts
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes per token of the full-attention layers (the only ones that grow with every token)."""
+        return self.kv.full_per_token
 
 
 def _non_expert_from_config(cfg, dtype: torch.dtype, fp8: bool) -> tuple[int, int]:
@@ -167,7 +174,7 @@ def _bytes(name, spec, cfg, held: HeldBytes, compute, cpu_expert_dtype, source) 
         name=name, spec=spec, non_expert=held.non_expert, gpu_bytes_per_expert=held.gpu_expert,
         cpu_bytes_per_expert=cpu_expert_bytes(spec, fmt, compute), load_buffer=spec.bytes_per_expert(compute),
         cpu_format=fmt,
-        kv_bytes_per_token=kv_bytes_per_token(text_config(cfg), compute.itemsize), source=source,
+        kv=kv_layout(text_config(cfg), compute.itemsize), source=source,
         fp8_matrix=held.fp8_matrix, fp8_expert=held.fp8_expert)
 
 
@@ -186,7 +193,8 @@ class FitReport:
 
     @property
     def kv_cache(self) -> int:
-        return self.kv_tokens * self.model.kv_bytes_per_token
+        """The most max_running sequences holding kv_tokens tokens in all keep (tiermoe.placement.kv_layout)."""
+        return self.model.kv.bytes(self.kv_tokens, self.max_running)
 
     @property
     def workspaces(self) -> int:
@@ -263,7 +271,7 @@ class FitReport:
             ("GPU: non-expert weights", _gib(m.non_expert)),
             ("GPU: experts", (f"{self.gpu_experts} x {_mib(m.gpu_bytes_per_expert)} = "
                               f"{_gib(self.gpu_experts * m.gpu_bytes_per_expert)}")),
-            ("GPU: KV cache", f"{self.kv_tokens} tokens x {m.kv_bytes_per_token} B = {_gib(self.kv_cache)}"),
+            ("GPU: KV cache", f"{m.kv.describe(self.kv_tokens, self.max_running)} = {_gib(self.kv_cache)}"),
             ("GPU: prefill buffer", _gib(self.prefill_buffer)),
             ("GPU: cuBLAS workspaces", (f"{forward_threads(self.max_running)} threads x "
                                         f"{_mib(cublas_workspace_bytes())} = {_gib(self.workspaces)}"
@@ -333,7 +341,7 @@ def device_free_bytes(device: str) -> int | None:
 def check_running_kv(sequences: int, flag: str, cfg, dtype: torch.dtype, device: str) -> None:
     """Refuse running `sequences` sequences at once (`flag` names the setting) when even the least KV cache they
     hold, MIN_KV_TOKENS_PER_REQUEST tokens each, does not fit what `device` has free (before loading)."""
-    per_sequence = MIN_KV_TOKENS_PER_REQUEST * kv_bytes_per_token(text_config(cfg), dtype.itemsize)
+    per_sequence = kv_layout(text_config(cfg), dtype.itemsize).bytes(MIN_KV_TOKENS_PER_REQUEST, 1)
     free = device_free_bytes(device)
     if free is None or per_sequence == 0 or sequences * per_sequence <= free:
         return

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.experts.ffn import routed_experts_forward
 from tiermoe.experts.weights import ExpertWeights
-from tiermoe.placement.budget import kv_bytes_per_token
+from tiermoe.placement.kv_layout import kv_layout
 from tiermoe.placement.model_costs import ModelCosts, OpCount
 
 
@@ -115,10 +115,12 @@ def _bytes_and_flops(llm) -> dict:
     heads = getattr(text, "num_attention_heads", 0)
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // max(1, heads))
     itemsize = embed.element_size()
+    kv = kv_layout(text, itemsize)
     return {
         "sequence_bytes": int(sequence_bytes), "sequence_flops": 2.0 * head_numel, "token_flops": 2.0 * layer_numel,
         "attention_flops_per_context": 4.0 * heads * head_dim * spec.num_layers,
-        "kv_bytes_per_token": kv_bytes_per_token(text, itemsize),
+        # the cost model reads every attention layer's K/V per context token (sliding windows not capped yet)
+        "kv_bytes_per_token": kv.full_per_token + kv.sliding_per_token,
         "bytes_per_expert": spec.bytes_per_expert(hybrid.expert_dtype),
         "flops_per_pair": 2.0 * spec.params_per_expert, "hidden_bytes": spec.hidden_size * itemsize,
         "num_moe_layers": spec.num_moe_layers, "num_experts": spec.num_experts,

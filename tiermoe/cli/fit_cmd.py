@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--gpu-memory-gb", type=non_negative_float, help="GPU memory tiermoe may use, GiB")
     p.add_argument("--ram-gb", type=non_negative_float, help="host memory tiermoe may use, GiB")
     p.add_argument("--max-total-tokens", type=positive_int, default=8192, help="KV cache token budget (default 8192)")
+    p.add_argument("--max-running-requests", type=positive_int, default=16,
+                   help="sequences at once (default 16, as serve's): each keeps its sliding windows and "
+                        "linear-attention state, and a forward thread with its cuBLAS workspace")
     p.add_argument("--gpu-prefill-buffer-gb", type=non_negative_float, default=0.0,
                    help="layerwise-prefill buffer (with --kt-gpu-prefill-token-threshold; default 0)")
     p.add_argument("--cpu-expert-dtype", choices=("bf16", "int8", "int4"),
@@ -40,6 +43,6 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     model = model_bytes(args.model, args.dtype, args.cpu_expert_dtype)
     report = fit_report(model, args.gpu_experts, args.max_total_tokens, args.gpu_prefill_buffer_gb,
-                        args.gpu_memory_gb, args.ram_gb)
+                        args.gpu_memory_gb, args.ram_gb, args.max_running_requests)
     print(report.describe())
     return 0 if not report.problems() else 1

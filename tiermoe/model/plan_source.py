@@ -20,7 +20,7 @@ from tiermoe.config import PlacementConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.model.gguf_checkpoint import open_checkpoint
 from tiermoe.model.held_bytes import held_from_headers
-from tiermoe.placement.budget import kv_bytes_per_token
+from tiermoe.placement.kv_layout import kv_layout
 from tiermoe.placement.mask import validate_mask
 from tiermoe.placement.plan import PlacementPlan
 from tiermoe.placement.planner import PlacementTarget, make_plan
@@ -39,10 +39,11 @@ def placement_target(model_dir: str | Path, dtype: torch.dtype | None = None) ->
     spec = detect(config)
     dtype = dtype or spec.dtype
     held = held_from_headers(Path(model_dir), dtype, config, spec)
+    kv = kv_layout(text_config(config), dtype.itemsize)
     return PlacementTarget(
         num_layers=spec.num_layers, num_experts=spec.num_experts, moe_layers=spec.moe_layers,
         model_type=spec.model_type, bytes_per_expert=held.gpu_expert, non_expert_bytes=held.non_expert,
-        kv_bytes_per_token=kv_bytes_per_token(text_config(config), dtype.itemsize),
+        kv_bytes_per_token=kv.full_per_token, kv_layout=kv,
         fp8_dequant_matrix=held.fp8_matrix, fp8_dequant_expert=held.fp8_expert,
     )
 

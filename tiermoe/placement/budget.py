@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tiermoe.errors import TiermoeError
+from tiermoe.placement.kv_layout import kv_layout
 
 GIB = 1 << 30
 
@@ -41,23 +42,11 @@ def total_gpu_experts(num_moe_layers: int, num_experts: int, num_gpu_experts: in
 
 
 def kv_bytes_per_token(cfg, dtype_bytes: int) -> int:
-    """KV cache bytes one token adds across all layers, as tiermoe's caches store it.
+    """KV cache bytes one token adds to every sequence for as long as it runs: full-attention layers only.
 
-    Standard attention: K and V of num_key_value_heads x head_dim per attention layer. MLA (DeepSeek V2/V3,
-    tiermoe.layers.mla_attention) caches one latent per layer, shared by all heads: the compressed KV
-    (kv_lora_rank) and the roped key part (qk_rope_head_dim). Linear-attention layers (Qwen3-Next) keep a
-    fixed-size state and add nothing per token.
-    """
-    layers = cfg.num_hidden_layers
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types:
-        layers = sum(1 for t in layer_types if "linear" not in t)
-    if getattr(cfg, "kv_lora_rank", None):
-        per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    else:
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        per_layer = 2 * (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * head_dim
-    return layers * per_layer * dtype_bytes
+    Sliding-window layers stop growing at their window and linear-attention layers keep a fixed state per
+    sequence: tiermoe.placement.kv_layout counts those from the tokens and sequences (kv_cache_bytes)."""
+    return kv_layout(cfg, dtype_bytes).full_per_token
 
 
 # cuBLAS workspaces. PyTorch binds a workspace to every (cuBLAS handle, stream) pair that runs a matmul, one handle

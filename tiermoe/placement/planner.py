@@ -23,6 +23,7 @@ from tiermoe.placement.budget import (
     fp8_transient_bytes,
     total_gpu_experts,
 )
+from tiermoe.placement.kv_layout import KVLayout
 from tiermoe.placement.partition import split_across_gpus
 from tiermoe.placement.plan import PlacementPlan
 from tiermoe.placement.strategies import NEEDS_STATISTICS, place
@@ -44,7 +45,8 @@ class PlacementTarget:
     model_type: str | None = None
     bytes_per_expert: int | None = None
     non_expert_bytes: int | None = None
-    kv_bytes_per_token: int | None = None
+    kv_bytes_per_token: int | None = None  # full-attention layers (all KV when kv_layout is None)
+    kv_layout: KVLayout | None = None  # every layer kind: sliding windows and linear-attention states too
     fp8_dequant_matrix: int = 0  # the largest FP8 non-expert weight, dequantised (bytes); 0 without FP8
     fp8_dequant_expert: int = 0  # one FP8 GPU-tier expert, dequantised (bytes); 0 unless experts stay FP8
 
@@ -81,7 +83,10 @@ def memory_budget(config: PlacementConfig, target: PlacementTarget, gpu_device: 
         gpu_memory, margin = measured or auto_gpu_memory(gpu_device or "cuda:0")
     else:
         gpu_memory, margin = int(float(config.gpu_memory_gb) * GIB), 0
-    kv = config.kv_cache_tokens * (target.kv_bytes_per_token or 0)
+    if target.kv_layout is not None:  # the most any max_running sequences holding kv_cache_tokens in all keep
+        kv = target.kv_layout.bytes(config.kv_cache_tokens, config.max_running)
+    else:
+        kv = config.kv_cache_tokens * (target.kv_bytes_per_token or 0)
     threads = forward_threads(config.max_running)
     on_cuda = str(gpu_device or "cuda") != "cpu"
     workspaces = threads * cublas_workspace_bytes() if on_cuda else 0
