@@ -48,6 +48,7 @@ from tiermoe.experts.registry import make_cpu_tier
 from tiermoe.experts.tiers import CPUWorker, ExpertSet
 from tiermoe.experts.weights import ExpertWeights
 from tiermoe.layers.hybrid_moe import HybridMoE
+from tiermoe.layers.lm_head import use_rows_lm_head
 from tiermoe.layers.mla_attention import group_kv_b_rows_of, replace_mla_attention
 from tiermoe.model.expert_source import (
     LAYERS_PREFIX,
@@ -134,6 +135,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
             move_buffers(model, gpu_device)  # the non-persistent ones the checkpoint does not hold, too
             _load_experts(blocks, sources, ckpt, spec, assignment_LE, reads, rank, share, dtype, pin, bar, cache)
     _tie_and_check(model, config)
+    use_rows_lm_head(model)  # the head on the sampled rows as one 2-D matmul: no copy of its weight per prefill
     group_kv_b_rows_of(decoder_layers(model))  # MLA's one re-layout, now that kv_b_proj holds the checkpoint's rows
     return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share)
 

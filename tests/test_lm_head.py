@@ -1,0 +1,101 @@
+"""The LM head is one contiguous 2-D matmul over the rows that are sampled (issue 22).
+
+transformers hands the head a strided [1, 1, D] slice when a prompt has more than one token (`logits_to_keep=1`);
+torch computes a Linear on it as a bmm that, in bf16 on the CPU, first copies the whole [D, V] weight (a 2-token
+prompt took 3.3 s against 49 ms for one token at Qwen3's vocabulary). The profiler shows the copy; no timing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHS, load_reference
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM
+
+from tiermoe.engine.llm import LLM
+from tiermoe.engine.sampling import SamplingParams
+from tiermoe.testing.presets import make_config
+
+VOCAB = 16384  # with the tiny hidden size 64, a bf16 head of 2 MiB: a copy of it is above the 1 MB allowed
+MAX_COPY_BYTES = 1 << 20
+_ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4}
+
+
+def _large_vocab_checkpoint(arch: str, out, tied: bool = False):
+    cfg = make_config(arch, initializer_range=0.1, vocab_size=VOCAB, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(out)
+    return out
+
+
+def _profile(run) -> list:
+    """The profiler's events while `run()` runs (ops of this thread: run one forward job at a time, as a single
+    sequence's prefill or one batched decode does, so the engine does not hand it to its worker threads)."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        run()
+    return prof.events()
+
+
+def _large_copies(events) -> list[tuple[list, str]]:
+    """(shape, dtype) of every `copy_` of more than MAX_COPY_BYTES."""
+    large = []
+    for event in events:
+        if event.name != "aten::copy_" or not event.input_shapes or not event.input_shapes[0]:
+            continue
+        shape, dtype = event.input_shapes[0], event.input_dtypes[0]
+        if torch.Size(shape).numel() * _ELEMENT_BYTES.get(dtype, 8) > MAX_COPY_BYTES:
+            large.append((shape, dtype))
+    return large
+
+
+def _head_inputs(events) -> list[list[int]]:
+    """Shapes of the hidden rows the LM head's Linear was given (so a test cannot pass by not seeing the head)."""
+    return [e.input_shapes[0] for e in events
+            if e.name == "aten::linear" and len(e.input_shapes) > 1 and e.input_shapes[1] == [VOCAB, 64]]
+
+
+@pytest.mark.parametrize("arch, tied", [(arch, False) for arch in ARCHS] + [("qwen3_moe", True)])
+def test_a_two_token_prefill_copies_no_weight(arch, tied, tmp_path):
+    with LLM(_large_vocab_checkpoint(arch, tmp_path, tied), progress=False) as llm:
+        assert llm.hybrid.model.lm_head.weight.dtype == torch.bfloat16
+        one = SamplingParams(max_tokens=1)
+        llm.generate([3, 4], one)  # warm up: the first pass's one-time allocations are not the point
+        events = _profile(lambda: llm.generate([8, 9], one))
+        assert _large_copies(events) == []
+        assert _head_inputs(events) == [[1, 64]]  # the sampled row alone, as a contiguous 2-D matrix
+        events = _profile(lambda: llm.generate([13, 14, 15], SamplingParams(max_tokens=1, prompt_logprobs=1)))
+        assert _large_copies(events) == []
+        assert _head_inputs(events) == [[3, 64]]  # every prompt row is scored
+
+
+def test_a_batched_decode_runs_the_head_once_on_its_rows(tmp_path):
+    with LLM(_large_vocab_checkpoint("qwen3_moe", tmp_path), progress=False) as llm:
+        seqs = [llm.engine.add(p, SamplingParams(max_tokens=3, ignore_eos=True)) for p in ([3, 4], [5, 6, 7])]
+        llm.engine.step()  # the two prefills
+        events = _profile(llm.engine.step)  # one batched decode: one forward for both
+        assert all(len(s.output_ids) == 2 for s in seqs)
+        assert _large_copies(events) == []
+        assert _head_inputs(events) == [[2, 64]]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_last_row_logits_equal_transformers(arch, tiny_dir):
+    """The head on the last row of a 3-token prompt (a strided slice) and on every row: transformers' logits."""
+    path = tiny_dir(arch)
+    ids = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        ref = load_reference(path)(input_ids=ids).logits
+    with LLM(path, dtype=torch.float32, progress=False) as llm:
+        last = llm.hybrid(input_ids=ids, logits_to_keep=1).logits
+        every = llm.hybrid(input_ids=ids, logits_to_keep=0).logits
+    assert last.shape == (1, 1, ref.shape[-1])
+    torch.testing.assert_close(last, ref[:, -1:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(every, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_head_keeps_its_parameter_names_and_its_tie(tmp_path):
+    with LLM(_large_vocab_checkpoint("qwen3_moe", tmp_path, tied=True), progress=False) as llm:
+        model = llm.hybrid.model
+        assert "lm_head.weight" in dict(model.named_parameters(remove_duplicate=False))
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
