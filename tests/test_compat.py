@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import ARCHS, save_tiny
 
+from tiermoe.arch import detect, load_config
 from tiermoe.checkpoint.safetensors import Checkpoint
 from tiermoe.compat import (
     MOEArchNotSupportedError,
@@ -21,6 +22,8 @@ from tiermoe.compat import (
     num_gpu_experts_from_env,
 )
 from tiermoe.engine.llm import LLM
+from tiermoe.errors import TiermoeError
+from tiermoe.model.plan_source import resolve_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -271,3 +274,59 @@ def test_staging_buffers_follow_kt_kernel(tiny_dir):
         assert buffer.get_buffer(x, 4).weights_cpu[0].shape == (3, 4)  # a new top-k: new buffers, not stale ones
         buffer.clear_buffer_cache()
         assert buffer.get_buffer(torch.zeros(3, 64, dtype=torch.float16), 2) is not captured
+
+
+def test_move_non_experts_takes_ktransformers_three_argument_form(tiny_dir):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tiny_dir("qwen2_moe")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    cfg = get_moe_arch_config(AutoConfig.from_pretrained(path))
+    experts = {n for n, _ in model.named_parameters() if ".mlp.experts." in n}
+    assert move_non_experts_to_gpu(model, cfg, "meta") > 0
+    assert {n for n, p in model.named_parameters() if not p.is_meta} == experts
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert move_non_experts_to_gpu(model, None, device="meta") > 0  # KT's keywords, config inferred
+    assert move_non_experts_to_gpu(model, "meta") == 0  # the two-argument form still works (nothing left)
+
+
+def _spec(path):
+    return detect(load_config(path))
+
+
+def test_a_ktransformers_device_map_is_a_placement(tiny_dir):
+    path = tiny_dir("qwen3_moe")  # 3 layers x 8 experts, layer 1 dense
+    spec = _spec(path)
+    mask = torch.zeros(3, 8, dtype=torch.bool)
+    mask[0, [1, 4]] = True
+    mask[2, 7] = True
+    plan = resolve_plan(build_device_map(mask, "cuda"), path, spec)
+    assert torch.equal(plan.mask, mask)
+    # The Hugging Face device_map KTransformers' fine-tuning loader builds: module names, the first n experts of
+    # every layer on the GPU (dense layers have no expert modules: ignored), non-expert modules ignored.
+    hf_map = {"model.embed_tokens": "cuda:0", "lm_head": "cuda:0"}
+    for layer in range(3):
+        hf_map[f"model.layers.{layer}"] = "cuda:0"
+        for expert in range(8):
+            hf_map[f"model.layers.{layer}.mlp.experts.{expert}"] = "cuda:0" if expert < 2 else "cpu"
+    plan = resolve_plan(hf_map, path, spec)
+    assert plan.gpu_experts_per_layer() == [2, 0, 2]
+    two = resolve_plan({(0, 0): "cuda:0", (2, 3): 1, (2, 4): "cpu"}, path, spec, num_gpus=2)
+    assert two.assignment[0, 0] == 0 and two.assignment[2, 3] == 1 and int((two.assignment >= 0).sum()) == 2
+
+
+@pytest.mark.parametrize("device_map, message", [
+    ({(0, 1): "meta"}, "unknown device 'meta'"),
+    ({(0, 1): "gpu"}, "unknown device 'gpu'"),
+    ({(5, 1): "cuda"}, r"\(layer 5, expert 1\) is outside the model"),
+    ({(0, 8): "cuda"}, r"\(layer 0, expert 8\) is outside the model"),
+    ({(1, 0): "cuda"}, "layer 1 is dense"),
+    ({"layer0": "cuda"}, "names no routed expert"),
+    ({(0, 0, 0): "cuda"}, "neither \\(layer, expert\\) nor a module name"),
+    ({(0, 0): "cuda:0", (2, 0): "cuda:1"}, "uses cuda:1 but 1 GPU rank"),
+])
+def test_a_malformed_device_map_is_one_clear_line(tiny_dir, device_map, message):
+    path = tiny_dir("qwen3_moe")
+    with pytest.raises(TiermoeError, match=message) as error:
+        resolve_plan(device_map, path, _spec(path))
+    assert "\n" not in str(error.value)

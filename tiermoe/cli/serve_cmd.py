@@ -10,7 +10,7 @@ from __future__ import annotations
 from tiermoe.cli.flags import add_command
 from tiermoe.cli.listen_address import check_listen_address
 from tiermoe.cli.serve_flags import add_serve_flags, server_config_from_args
-from tiermoe.cli.serve_http import build_state, serve
+from tiermoe.cli.serve_http import build_state, serve, show_tiermoe_logs
 from tiermoe.cli.serve_ranks import serve_rank, serve_with_local_ranks
 from tiermoe.cli.sglang_flags import report_ignored
 from tiermoe.distributed.group import RankEnv, check_local_ranks, check_world
@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
     p = add_command(
         sub, "serve",
         "Serve a hybrid model over HTTP: OpenAI /v1/chat/completions, /v1/completions, /v1/models; Ollama "
-        "/api/chat, /api/generate, /api/tags; /health, /metrics, /placement and SGLang's expert distribution "
+        "/api/chat, /api/generate, /api/tags, /api/show; /health, /metrics, /placement and SGLang's expert distribution "
         "recorder endpoints. Concurrent requests share forward passes (continuous batching). Without --model, "
         "the bundled demo model. SGLang-kt spellings (--model-path, --kt-gpu-device, --kt-...) are accepted.",
         "tiermoe serve",
@@ -45,6 +45,7 @@ def requested_gpus(args) -> int:
 
 def run(args) -> int:
     limit_malloc_arenas()  # before any thread starts: keeps RSS flat after bursts of requests
+    show_tiermoe_logs()  # dynamic expert updates and the like, one INFO line each
     env = RankEnv.from_env()
     if env is None or env.rank == 0:
         report_ignored(args)

@@ -62,6 +62,21 @@ class _QuietAfterForcedStop(logging.Filter):
         return not (self.server.force_exit and record.levelno >= logging.ERROR)
 
 
+def show_tiermoe_logs() -> logging.Handler | None:
+    """Print the `tiermoe` logger's INFO lines (dynamic expert updates, ...) on stderr the way uvicorn prints its
+    own, unless logging is already set up (a handler on the root or the tiermoe logger): Python's default shows
+    WARNING and above only. Returns the handler added, if any."""
+    logger = logging.getLogger("tiermoe")
+    if logger.handlers or logging.getLogger().handlers:
+        return None
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+        logger.setLevel(logging.INFO)
+    return handler
+
+
 def serve(state) -> None:
     """Serve HTTP until Ctrl-C / SIGTERM (then drain), or until the engine fails for good (then raise that).
     A second Ctrl-C while draining stops at once: KeyboardInterrupt (status 130, one line), no traceback."""

@@ -18,10 +18,12 @@ The step stalls for the copies (a few ms per expert on PCIe): simpler than overl
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from tiermoe.checkpoint.fp8 import fp8_block_size
 from tiermoe.checkpoint.safetensors import Checkpoint
+from tiermoe.engine.update_log import log_update
 from tiermoe.experts.weights import ExpertWeights
 from tiermoe.model.expert_source import LAYERS_PREFIX, find_expert_source, read_expert
 from tiermoe.model.gguf_checkpoint import open_checkpoint
@@ -55,6 +57,7 @@ def apply_swaps(hybrid, share, swaps: list[RankSwap]) -> None:
     """Every rank calls this with the same swaps (from the step plan); see the module docstring."""
     if not swaps:
         return
+    started = time.monotonic()
     spec, rank, store = hybrid.spec, share.rank, share.store
     with _CheckpointReader(hybrid) as disk:
         for s in swaps:  # 1.
@@ -89,8 +92,12 @@ def apply_swaps(hybrid, share, swaps: list[RankSwap]) -> None:
         block = hybrid.blocks[s.layer]
         block.assign(s.expert_in, s.rank)
         block.assign(s.expert_out, -1)
+    moved = 2 * len(swaps) * spec.bytes_per_expert(hybrid.expert_dtype)
     hybrid.swap_stats.swaps += 2 * len(swaps)
-    hybrid.swap_stats.bytes += 2 * len(swaps) * spec.bytes_per_expert(hybrid.expert_dtype)
+    hybrid.swap_stats.bytes += moved
+    if rank == 0:  # every rank applies the same swaps: one line for the update
+        log_update("every rank, synchronously", [s.layer for s in swaps], len(swaps), moved,
+                   time.monotonic() - started)
 
 
 class _CheckpointReader:

@@ -14,7 +14,8 @@ proposes hundreds) is started a few copies at a time: at most `max_bytes_in_flig
 (default SWAP_EXPERTS_IN_FLIGHT experts' worth), which bounds the transients a copy holds (an FP8 GPU tier
 dequantises each demoted expert on the GPU, the native CPU tier each promoted one on the host) and the host
 buffers of demotions waiting for their promotion. Experts of a queued or running swap are busy: the policy is
-told so, and a proposal that touches one is dropped.
+told so, and a proposal that touches one is dropped. When the last swap of one proposal has landed (or been
+dropped), one INFO line reports that update (tiermoe.engine.update_log).
 
 With several ranks (hybrid.share set) the manager runs on rank 0 only (routing is the same on every rank, so
 its counts are the global counts, counted once), and its swaps are not copied asynchronously: they are queued
@@ -23,12 +24,14 @@ on the share and applied synchronously by all ranks at the next step boundary (t
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from tiermoe.engine.update_log import log_update
 from tiermoe.experts.copier import AsyncCopier, CopyTicket
 from tiermoe.placement.policies import Swap
 from tiermoe.stats.recording import PassInfo
@@ -38,6 +41,17 @@ from tiermoe.stats.recording import PassInfo
 # hold more transients. Four keep a demotion and a promotion of two swaps overlapping; their transients (at most
 # four experts: 336 MiB at DeepSeek-V3's 84 MiB bf16 experts) stay below the 512 MiB floor of the `auto` margin.
 SWAP_EXPERTS_IN_FLIGHT = 4
+
+
+@dataclass
+class _Update:
+    """The swaps of one proposal, followed until each has landed or been dropped."""
+
+    pending: int
+    started: float = field(default_factory=time.monotonic)
+    layers: list[int] = field(default_factory=list)  # of the swaps done
+    swaps: int = 0
+    bytes: int = 0
 
 
 @dataclass
@@ -66,6 +80,8 @@ class PlacementManager:
         self.in_flight: list[_InFlight] = []
         self.swaps_started = 0
         self.copies_landed = 0
+        self._updates: dict[Swap, _Update] = {}  # each queued or unfinished swap -> its proposal
+        self.policy_name = getattr(policy, "name", type(policy).__name__)
 
     # --- recorder side: counts of the current pass -----------------------------------------------------------
     def begin_pass(self, info: PassInfo) -> None:
@@ -92,10 +108,15 @@ class PlacementManager:
             return
         self._land()
         busy = self.busy()
+        accepted = []
         for swap in self.policy.propose(self.hybrid.mask, busy):
             if not (busy[swap.layer, swap.expert_in] or busy[swap.layer, swap.expert_out]):
                 busy[swap.layer, swap.expert_in] = busy[swap.layer, swap.expert_out] = True
-                self.queued.append(swap)
+                accepted.append(swap)
+        if accepted:
+            update = _Update(pending=len(accepted))
+            self._updates.update((swap, update) for swap in accepted)
+            self.queued.extend(accepted)
         self._start_within_budget()
 
     def busy(self) -> torch.Tensor:
@@ -124,6 +145,8 @@ class PlacementManager:
             if swap.expert_out in gpu and swap.expert_in in cpu:  # else the placement moved on since
                 self._start(swap, swap.expert_out, False)
                 self.swaps_started += 1
+            else:
+                self._finish(swap, done=False)
 
     def _start(self, swap: Swap, expert: int, to_gpu: bool) -> None:
         ticket = self.hybrid.blocks[swap.layer].start_move(expert, to_gpu, self.copier)
@@ -141,9 +164,22 @@ class PlacementManager:
             self.hybrid.swap_stats.swaps += 1
             self.hybrid.swap_stats.bytes += moved
             self.copies_landed += 1
+            self._updates[c.swap].bytes += moved
             if not c.to_gpu:
                 self.demoted.append(c.swap)
+            else:
+                self._finish(c.swap, done=True)
         self.in_flight = still
+
+    def _finish(self, swap: Swap, done: bool) -> None:
+        """A swap is over (done, or dropped); the last one of its proposal logs the update."""
+        update = self._updates.pop(swap)
+        update.pending -= 1
+        if done:
+            update.swaps += 1
+            update.layers.append(swap.layer)
+        if update.pending == 0 and update.swaps:
+            log_update(self.policy_name, update.layers, update.swaps, update.bytes, time.monotonic() - update.started)
 
     def drain(self) -> None:
         """Run every queued swap to the end, waiting for each copy (shutdown, tests)."""

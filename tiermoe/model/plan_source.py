@@ -2,7 +2,8 @@
 
 The edge (the CLI, `LLM`, `RankModel`, tiermoe.compat) calls `resolve_plan` with what the user gave: a
 PlacementPlan, a PlacementConfig (planned here against the checkpoint's real shape and bytes), a bool mask
-[L, E] (one GPU), an integer assignment [L, E] (-1 CPU tier, r GPU rank r), or None (then a `gpu_expert_mask`
+[L, E] (one GPU), an integer assignment [L, E] (-1 CPU tier, r GPU rank r), a KTransformers-style device map
+(`{(layer, expert): "cuda"|"cpu"}` or module names, tiermoe.placement.device_map), or None (then a `gpu_expert_mask`
 the checkpoint carries, or the KT environment variables, or every expert on the CPU tier). Everything after the
 edge (the fit check, the loader, the ranks, dynamic placement, `/placement`) takes the plan it returns.
 """
@@ -20,6 +21,7 @@ from tiermoe.config import PlacementConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.model.gguf_checkpoint import open_checkpoint
 from tiermoe.model.held_bytes import held_from_headers
+from tiermoe.placement.device_map import assignment_from_device_map
 from tiermoe.placement.kv_layout import kv_layout
 from tiermoe.placement.mask import validate_mask
 from tiermoe.placement.plan import PlacementPlan
@@ -102,6 +104,9 @@ def resolve_plan(placement, model_dir: str | Path, spec: ArchSpec, num_gpus: int
         if placement.num_gpus != num_gpus:
             raise TiermoeError(f"the placement asks for {placement.num_gpus} GPU(s) but {num_gpus} rank(s) run")
         plan = plan_from_config(placement, model_dir, gpu_device, gpu_memory)
+    elif isinstance(placement, Mapping):
+        plan = PlacementPlan(assignment_from_device_map(placement, spec, num_gpus), num_gpus=num_gpus,
+                             strategy="device-map", model_type=spec.model_type)
     else:
         plan = _plan_from_tensor(placement, spec, num_gpus)
     if plan.num_gpus != num_gpus:

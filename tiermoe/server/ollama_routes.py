@@ -1,4 +1,5 @@
-"""Ollama-compatible endpoints: /api/generate, /api/chat (NDJSON streams by default, as Ollama), /api/tags.
+"""Ollama-compatible endpoints: /api/generate, /api/chat (NDJSON streams by default, as Ollama), /api/tags,
+/api/show (404 {"error": "model '...' not found"} for a name the server does not serve, as Ollama).
 
 A request that fails while it generates gets Ollama's error body, {"error": "..."} (400 when its own values
 caused it, else 500); a stream that fails ends with a final line that has done true, done_reason "error" and
@@ -18,7 +19,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tiermoe.server.body import openapi_body, read_body
 from tiermoe.server.generation import GenerationFailed, collect, stream_events
 from tiermoe.server.logprob_format import chat_logprobs
-from tiermoe.server.protocol import OllamaChatRequest, OllamaGenerateRequest
+from tiermoe.server.model_card import details, generation_parameters, model_info, modelfile
+from tiermoe.server.protocol import OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
 from tiermoe.server.state import ServerState
 
 router = APIRouter()
@@ -43,14 +45,34 @@ def _final(state: ServerState, prompt_len: int, generated: int, reason: str, sta
             "eval_count": generated}
 
 
+def _modified_at(state: ServerState) -> str:
+    return datetime.fromtimestamp(state.started, timezone.utc).isoformat()
+
+
 @router.get("/api/tags")
 async def tags(request: Request):
     state: ServerState = request.app.state.tiermoe
     size = state.llm.hybrid.tier_bytes()
-    return {"models": [{"name": state.model_name, "model": state.model_name,
-                        "modified_at": datetime.fromtimestamp(state.started, timezone.utc).isoformat(),
+    return {"models": [{"name": state.model_name, "model": state.model_name, "modified_at": _modified_at(state),
                         "size": size.non_expert + size.gpu_experts + size.cpu_experts,
-                        "details": {"format": "safetensors", "family": state.llm.hybrid.spec.model_type}}]}
+                        "details": details(state.llm)}]}
+
+
+@router.post("/api/show", openapi_extra=openapi_body(OllamaShowRequest))
+async def show(request: Request):
+    state: ServerState = request.app.state.tiermoe
+    body = await read_body(request, OllamaShowRequest, state.config.max_request_bytes)
+    name = body.model or body.name
+    if not name:
+        return JSONResponse(status_code=400, content={"error": "model is required"})
+    if name not in (state.model_name, f"{state.model_name}:latest"):
+        return JSONResponse(status_code=404, content={"error": f"model '{name}' not found"})
+    template = getattr(state.llm.tokenizer, "chat_template", None) or ""
+    template = template if isinstance(template, str) else ""  # several named templates: none is "the" one
+    parameters = generation_parameters(state.llm)
+    return {"modelfile": modelfile(state.llm, template, parameters), "parameters": parameters,
+            "template": template, "details": details(state.llm), "model_info": model_info(state.llm),
+            "capabilities": ["completion"], "modified_at": _modified_at(state)}
 
 
 async def _respond(state: ServerState, request: Request, prompt_ids, params, body, wrap):

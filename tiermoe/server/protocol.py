@@ -197,3 +197,9 @@ class OllamaGenerateRequest(_OllamaFields):
 class OllamaChatRequest(_OllamaFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: Annotated[list[Any] | None, only(None, [])] = None
+
+
+class OllamaShowRequest(_Lenient):
+    model: str | None = None
+    name: str | None = None  # the field's name before Ollama 0.3
+    verbose: bool = False
