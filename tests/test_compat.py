@@ -302,6 +302,9 @@ def test_a_ktransformers_device_map_is_a_placement(tiny_dir):
     mask[2, 7] = True
     plan = resolve_plan(build_device_map(mask, "cuda"), path, spec)
     assert torch.equal(plan.mask, mask)
+    with_dense_row = mask.clone()
+    with_dense_row[1] = True  # KTransformers' convention for a dense layer: its map round-trips
+    assert torch.equal(resolve_plan(build_device_map(with_dense_row, "cuda"), path, spec).mask, mask)
     # The Hugging Face device_map KTransformers' fine-tuning loader builds: module names, the first n experts of
     # every layer on the GPU (dense layers have no expert modules: ignored), non-expert modules ignored.
     hf_map = {"model.embed_tokens": "cuda:0", "lm_head": "cuda:0"}

@@ -41,7 +41,10 @@ def assignment_from_device_map(device_map: dict, spec: ArchSpec, num_gpus: int) 
             raise TiermoeError(f"device map entry (layer {layer}, expert {expert}) is outside the model "
                                f"({spec.num_layers} layers x {spec.num_experts} experts)")
         if layer not in moe_layers:
-            if index >= 0 and (layer, expert) not in from_names:
+            # KTransformers marks a dense layer's whole row True (build_device_map then lists it on the GPU): no
+            # expert to place. Only part of a dense row on a GPU is a mistake worth a word.
+            whole_row = all(entries.get((layer, e), -1) >= 0 for e in range(spec.num_experts))
+            if index >= 0 and (layer, expert) not in from_names and not whole_row:
                 raise TiermoeError(f"device map puts expert {expert} of layer {layer} on a GPU, but layer {layer} is "
                                    f"dense (no routed experts; MoE layers: {sorted(moe_layers)})")
             continue
