@@ -114,7 +114,7 @@ class LongStreams:
 def fuzz(server, examples: int) -> None:
     client, alone, errors = server
     endpoints = post_endpoints(client)
-    generation = ("/v1/chat/completions", "/v1/completions", "/api/chat", "/api/generate")
+    generation = ("/v1/chat/completions", "/v1/completions", "/generate", "/api/chat", "/api/generate")
     assert all(endpoints.get(path) for path in generation), "each generation endpoint declares its body"
     with LongStreams(client) as streams:
         for path, schema in endpoints.items():

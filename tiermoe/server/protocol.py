@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI and Ollama APIs, validated by pydantic; the routes declare them in the OpenAPI
+"""Request bodies of the OpenAI and Ollama APIs and SGLang's native /generate, validated by pydantic; the routes declare them in the OpenAPI
 schema (tiermoe.server.body.openapi_body).
 
 Every field of the two APIs that changes the answer is either implemented or accepted only at its neutral value
@@ -203,3 +203,100 @@ class OllamaShowRequest(_Lenient):
     model: str | None = None
     name: str | None = None  # the field's name before Ollama 0.3
     verbose: bool = False
+
+
+class SGLangSamplingParams(_Lenient):
+    """SGLang's `sampling_params` (sglang.srt.sampling_params.SamplingParams): top_k -1 (or 0) keeps every token;
+    an absent max_new_tokens is the server's --default-max-tokens."""
+
+    max_new_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1, le=MAX_COUNT)
+    sampling_seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_COUNT)]] | None = Field(default=None, max_length=64)
+    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1, le=1)
+    stream_interval: int | None = None  # how often SGLang streams: every token here, the answer is the same
+    spaces_between_special_tokens: bool = True  # special tokens are skipped from the text (below)
+    skip_special_tokens: Annotated[bool, only(True)] = True
+    min_new_tokens: Annotated[int, only(0)] = 0
+    min_p: Annotated[float, only(0.0)] = 0.0
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, only(1.0)] = 1.0
+    no_stop_trim: Annotated[bool, only(False)] = False
+    regex: Annotated[str | None, only(None)] = None
+    json_schema: Annotated[str | None, only(None)] = None
+    ebnf: Annotated[str | None, only(None)] = None
+    structural_tag: Annotated[str | None, only(None)] = None
+    logit_bias: Annotated[dict[str, float] | None, only(None, {})] = None
+    custom_params: Annotated[dict | None, only(None)] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value):
+        return _SamplingFields._stop_strings(value)
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class SGLangGenerateRequest(_Lenient):
+    """SGLang's GenerateReqInput: one prompt (`text`, or `input_ids`) or a batch (a list of either), with one
+    `sampling_params` for all or a list of one per prompt."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False
+    log_metrics: bool = True
+    return_text_in_logprobs: bool = False  # about logprobs, which must be off
+    return_logprob: Annotated[bool | list[bool] | None, only(None, False)] = None
+    logprob_start_len: Annotated[int | list[int] | None, only(None, -1)] = None
+    top_logprobs_num: Annotated[int | list[int] | None, only(None, 0)] = None
+    return_hidden_states: Annotated[bool | None, only(None, False)] = None
+    input_embeds: Annotated[list | None, only(None)] = None
+    image_data: Annotated[Any, only(None)] = None
+    audio_data: Annotated[Any, only(None)] = None
+    video_data: Annotated[Any, only(None)] = None
+    lora_path: Annotated[str | list | None, only(None)] = None
+    session_params: Annotated[dict | None, only(None)] = None
+    custom_logit_processor: Annotated[str | list | None, only(None)] = None
+
+    @model_validator(mode="after")
+    def _one_batch(self):
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("either text or input_ids should be provided (one of them)")
+        prompts = self.prompts()
+        if not prompts or any(isinstance(p, list) and not p for p in prompts):
+            raise ValueError("a prompt must not be empty" if prompts else "the batch of prompts is empty")
+        for name in ("sampling_params", "rid"):
+            value = getattr(self, name)
+            if isinstance(value, list) and (not self.is_batch() or len(value) != len(prompts)):
+                raise ValueError(f"{name} is a list: it needs a batch of prompts of the same length "
+                                 f"({len(value)} given for {len(prompts) if self.is_batch() else 'one prompt'})")
+        return self
+
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text, or its token ids."""
+        prompt = self.text if self.text is not None else self.input_ids
+        return list(prompt) if self.is_batch() else [prompt]
+
+    def params(self, index: int) -> SGLangSamplingParams:
+        value = self.sampling_params
+        if isinstance(value, list):
+            return value[index]
+        return value if value is not None else SGLangSamplingParams()
+
+    def request_id(self, index: int) -> str | None:
+        return self.rid[index] if isinstance(self.rid, list) else (self.rid if not self.is_batch() else None)
