@@ -227,7 +227,7 @@ def test_a_long_chunk_whose_expansion_would_be_too_big_attends_from_the_latent_i
                  for layer in llm.hybrid.model.model.layers]
         seq = _Seq()
         for start in (0, 40):  # chunks of 40 queries: long enough to be worth expanding
-            got = llm.engine._forward(seq, prompt[start:start + 40], every_row=True)
+            got = llm.engine._forward(seq, prompt[start:start + 40], rows="all")
             assert rel_err(got, want[start:start + 40]) <= FP32_TOL
         for hook in hooks:
             hook.remove()

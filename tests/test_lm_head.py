@@ -99,3 +99,21 @@ def test_the_head_keeps_its_parameter_names_and_its_tie(tmp_path):
         model = llm.hybrid.model
         assert "lm_head.weight" in dict(model.named_parameters(remove_duplicate=False))
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_chunks_that_do_not_end_the_prompt_run_no_lm_head_row(arch, tiny_dir):
+    """A 10-token prompt in chunks of 4: the head runs on one row (the last chunk's last), not on one per chunk;
+    the tokens equal an unchunked prefill's, for every architecture."""
+    greedy = SamplingParams(max_tokens=3, ignore_eos=True)
+    with LLM(tiny_dir(arch), dtype=torch.float32, progress=False) as llm:
+        whole = llm.generate(list(range(5, 15)), greedy)[0]
+    with LLM(tiny_dir(arch), dtype=torch.float32, prefill_chunk=4, progress=False) as llm:
+        head_rows = []
+        handle = llm.hybrid.model.get_output_embeddings().register_forward_hook(
+            lambda module, args, out: head_rows.append(args[0].shape[:-1].numel()))
+        out = llm.generate(list(range(5, 15)), greedy)[0]
+        handle.remove()
+        assert head_rows == [0, 0, 1, 1, 1] and out.token_ids == whole.token_ids
+        scored = llm.generate(list(range(5, 15)), SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=0))[0]
+        assert scored.token_ids == whole.token_ids and len(scored.prompt_logprobs) == 9

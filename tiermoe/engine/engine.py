@@ -255,8 +255,8 @@ class Engine:
                 start_positions=tuple(batch[i].num_fed for i in order),
                 is_prefill=tuple(batch[i].prefilling for i in order)))
         try:
-            logits = self._forward_groups(batch, inputs, *groups, every_row={i for i, s in enumerate(batch)
-                                                                             if s.scores_prompt})
+            logits = self._forward_groups(batch, inputs, *groups, rows={i: _rows_needed(s, len(inputs[i]))
+                                                                        for i, s in enumerate(batch)})
         except BaseException:
             self._pass.discard()
             raise
@@ -274,11 +274,12 @@ class Engine:
         return self._forward_groups(seqs, inputs, *self._groups(seqs, inputs))
 
     def _forward_groups(self, seqs: list, inputs: list[list[int]], batches: list[list[int]], alone: list[int],
-                        every_row: set[int] = frozenset()) -> list[torch.Tensor]:
-        """Each sequence's logits [T, V]: T = 1 (the last position), or every fed position for the rows of
-        `every_row` (prompt logprobs)."""
+                        rows: dict[int, str] | None = None) -> list[torch.Tensor]:
+        """Each sequence's logits [T, V]: by `rows` (see _rows_needed; "last" when not given), T = 1 (the last
+        position), every fed position, or none."""
+        rows = rows or {}
         jobs = [lambda b=b: self._forward_decode([seqs[i] for i in b], [inputs[i][0] for i in b]) for b in batches]
-        jobs += [lambda i=i: [self._forward(seqs[i], inputs[i], every_row=i in every_row)] for i in alone]
+        jobs += [lambda i=i: [self._forward(seqs[i], inputs[i], rows.get(i, "last"))] for i in alone]
         results = [logits for job_logits in self._batcher.run(jobs) for logits in job_logits]
         logits_in_order: list[torch.Tensor] = [None] * len(seqs)  # type: ignore[list-item]
         for i, logits in zip(_row_order(batches, alone), results):
@@ -299,13 +300,15 @@ class Engine:
             if on_step is not None:
                 on_step(produced)
 
-    def _forward(self, seq, tokens: list[int], every_row: bool = False) -> torch.Tensor:
-        """Feed `tokens` to one sequence; its logits [T, V]: the last position's, or every position's."""
+    def _forward(self, seq, tokens: list[int], rows: str = "last") -> torch.Tensor:
+        """Feed `tokens` to one sequence; its logits [T, V] for `rows`: "last", "all" or "none" (T = 0)."""
         device = self.hybrid.gpu_device
         ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        keep = {"last": 1, "all": 0}.get(rows)
+        if keep is None:  # an empty index: the LM head runs on no row at all
+            keep = torch.empty(0, dtype=torch.long, device=device)
         with torch.inference_mode(), _on_device(device):
-            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=0 if every_row else 1,
-                             **{self._cache_kwarg: seq.cache})
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{self._cache_kwarg: seq.cache})
         seq.cache = out["cache"] if "cache" in out else out["past_key_values"]
         return out.logits[0]
 
@@ -341,6 +344,17 @@ def decode_batches(seqs: list, inputs: list[list[int]]) -> list[list[int]]:
     if len(rows) < 2:
         return []
     return [[rows[j] for j in group] for group in decode_groups([seqs[i].cache.get_seq_length() for i in rows])]
+
+
+def _rows_needed(seq: Sequence, fed: int) -> str:
+    """The logits a step needs of `seq` feeding `fed` tokens: every row to score the prompt, none for a prefill
+    chunk that does not end the prompt (its last row would be thrown away: a whole LM-head pass, 150k-wide on
+    real vocabularies), else the last row to sample from."""
+    if seq.scores_prompt:
+        return "all"
+    if seq.prefilling and seq.num_fed + fed < len(seq.prompt_ids):
+        return "none"
+    return "last"
 
 
 def _vocab_size(model) -> int | None:
