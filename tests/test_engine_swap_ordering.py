@@ -80,7 +80,7 @@ class StreamRecorder:
         self.gpu_live -= nbytes
         self.log.append(("free", layer, expert))
 
-    def wait(self, waiter, waited):
+    def wait_stream(self, waiter, waited):
         self.log.append(("wait", waiter, waited))
 
     def event(self):

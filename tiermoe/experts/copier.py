@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager
 from dataclasses import fields
 
 import torch
 
+from tiermoe.experts.stream_queues import CudaQueues
 from tiermoe.experts.weights import ExpertWeights
 
 
@@ -54,23 +54,9 @@ def plain_copy(weights: ExpertWeights, device: torch.device, pin: bool) -> Exper
     return weights.to(device, pin=pin)
 
 
-class CudaStreams:
-    """The stream operations a copy needs, on one CUDA device (see the module docstring)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._side = None
-
-    def compute(self):
-        return torch.cuda.current_stream(self.device)
-
-    def side(self):
-        if self._side is None:
-            self._side = torch.cuda.Stream(device=self.device)
-        return self._side
-
-    def on(self, stream) -> AbstractContextManager:
-        return torch.cuda.stream(stream)
+class CudaStreams(CudaQueues):
+    """The stream operations a copy needs, on one CUDA device (see the module docstring): CudaQueues' compute and
+    side streams, plus allocation on the current stream and stream-to-stream ordering."""
 
     def empty(self, like: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
         """A destination like `like` on `device`, allocated on the current stream."""
@@ -78,7 +64,7 @@ class CudaStreams:
             return torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
         return torch.empty(like.shape, dtype=like.dtype, device=device)
 
-    def wait(self, waiter, waited) -> None:
+    def wait_stream(self, waiter, waited) -> None:
         waiter.wait_stream(waited)
 
     def event(self):
@@ -116,7 +102,7 @@ class AsyncCopier:
         ops = self._streams
         compute, side = ops.compute(), ops.side()
         dest = out if out is not None else _map(weights, lambda t: ops.empty(t, device, pin))  # compute stream
-        ops.wait(side, compute)
+        ops.wait_stream(side, compute)
         with ops.on(side):
             for d, s in zip(dest.tensors(), weights.tensors()):
                 d.copy_(s, non_blocking=True)

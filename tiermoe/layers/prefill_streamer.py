@@ -15,7 +15,8 @@ with it, not with one call):
 - chunk k's compute is launched before chunk k + 1 is staged, so the device computes while the host stages;
 - the (token, expert) pairs are grouped by expert with one host read per layer (which experts, how many pairs):
   the launches themselves never wait for the device.
-Streams and events come from `stream_queues` (CUDA, or the host where everything is in order already).
+Streams and events come from `tiermoe.experts.stream_queues` (CUDA, or the host where everything is in order
+already).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from tiermoe.experts.ffn import expert_ffn
+from tiermoe.experts.stream_queues import queues_for
 from tiermoe.experts.weights import ExpertWeights
-from tiermoe.layers.stream_queues import queues_for
 
 
 class StagingBuffer:

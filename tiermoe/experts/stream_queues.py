@@ -2,7 +2,7 @@
 
 The layerwise-prefill streamer issues its copies and computes through this small interface, so one code path
 serves CUDA (two streams, events) and the host (work runs as it is issued: nothing to order), and a test can
-log the order with fakes. A stream here is whatever `compute()` / `side()` return; an event is what `record`
+log the order with fakes. The expert copier's CudaStreams builds on CudaQueues. A stream here is whatever `compute()` / `side()` return; an event is what `record`
 returns and `wait` takes.
 """
 
