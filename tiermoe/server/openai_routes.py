@@ -143,13 +143,14 @@ async def completions(request: Request):
         async for event in stream_events(state, request, prompt_ids, params):
             if echo_pending:  # with the first event, which brings the prompt's scores
                 text, ids, scored = echoed(event.prompt_logprobs)
-                yield _sse({**head, "choices": [choice(text, ids, scored, 0, None)]})
-                offset, echo_pending = _pieces_length(state, ids), False
+                echo_choice = choice(text, ids, scored, 0, None)
+                yield _sse({**head, "choices": [echo_choice]})
+                offset, echo_pending = _end_offset(echo_choice["logprobs"], offset), False
             generated += len(event.token_ids)
             failed = {"error": _error_object(event)} if event.error is not None else {}
-            yield _sse({**head, "choices": [choice(event.text, event.token_ids, event.logprobs, offset,
-                                                   event.finish_reason)], **failed})
-            offset += _pieces_length(state, event.token_ids)
+            event_choice = choice(event.text, event.token_ids, event.logprobs, offset, event.finish_reason)
+            yield _sse({**head, "choices": [event_choice], **failed})
+            offset = _end_offset(event_choice["logprobs"], offset)
         if include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(len(prompt_ids), generated)})
         yield _sse("[DONE]")
@@ -163,6 +164,9 @@ def _prompt_text(state: ServerState, body: CompletionRequest) -> str:
     return state.llm.tokenizer.decode(body.prompt) if state.llm.tokenizer is not None else ""
 
 
-def _pieces_length(state: ServerState, token_ids: list[int]) -> int:
-    """Characters the tokens' texts cover in logprobs' text_offset."""
-    return sum(len(state.token_text(t)) for t in token_ids)
+def _end_offset(logprobs: dict | None, offset: int) -> int:
+    """Where the next chunk's text_offset starts: after this chunk's last token (offsets are only kept when
+    logprobs are asked, so tokens are not decoded one by one otherwise)."""
+    if not logprobs or not logprobs["tokens"]:
+        return offset
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
