@@ -11,10 +11,11 @@ import torch
 from conftest import run_cli
 from test_cli_bad_input import MISSING_MODEL, assert_one_line_error
 
-from tiermoe import config, fit
+from tiermoe import config
 from tiermoe.config import CPUConfig, ServerConfig
 from tiermoe.engine.engine import EngineConfig
 from tiermoe.errors import TiermoeError
+from tiermoe.placement import free_memory
 from tiermoe.placement.plan import PlacementPlan
 from tiermoe.placement.planner import PlacementTarget
 
@@ -139,6 +140,6 @@ def test_record_batch_size_is_bounded_by_the_kv_cache_it_needs(monkeypatch):
     record = ("record", "--dataset", "missing.jsonl", "--num-prompts", "1")
     assert_one_line_error(run_cli(*record, "--batch-size", "5000"),
                           "argument --batch-size/--max-running: expected at most 4096 sequences at once")
-    monkeypatch.setattr(fit, "available_ram", lambda: 2**20)
+    monkeypatch.setattr(free_memory, "available_ram", lambda: 2**20)
     assert_one_line_error(run_cli(*record, "--batch-size", "4096"),
                           "--batch-size 4096: each running sequence holds at least 2 tokens of KV cache")

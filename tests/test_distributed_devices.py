@@ -72,8 +72,8 @@ def test_each_rank_measures_auto_on_its_own_gpu(gpus):
 
 
 def _room_for(target, experts: int, margin: int) -> int:
-    """Free bytes with which exactly `experts` experts fit one GPU (17 forward threads' cuBLAS workspaces)."""
-    fixed = target.non_expert_bytes + 8192 * target.kv_bytes_per_token + 17 * (33 << 20) + margin
+    """Free bytes with which exactly `experts` experts fit one GPU (the forward thread's cuBLAS workspaces)."""
+    fixed = target.non_expert_bytes + 8192 * target.kv_bytes_per_token + (33 << 20) + margin
     return fixed + experts * target.bytes_per_expert
 
 

@@ -150,14 +150,20 @@ def test_a_long_prompt_is_prefilled_in_chunks_without_stalling_decodes(tiny_dir)
         assert steps == -(-97 // 8)
 
 
-def test_max_total_tokens_queues_requests_that_do_not_fit(tiny_dir):
-    with LLM(tiny_dir("olmoe"), dtype=torch.float32, max_total_tokens=30, progress=False) as llm:
+@pytest.mark.parametrize("arch", ["olmoe", "qwen3_next"])
+def test_a_full_pool_preempts_and_seeded_runs_give_the_unconstrained_tokens(arch, tiny_dir):
+    prompts = [[5] * 7, [6, 7, 8], [9] * 5]
+    sampled = [SamplingParams(max_tokens=8, temperature=0.9, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    with LLM(tiny_dir(arch), dtype=torch.float32, progress=False) as llm:
+        free = [llm.engine.add(p, s) for p, s in zip(prompts, sampled)]
+        llm.engine.run_to_completion()
+    # 4 pages of 4 tokens: the three sequences (15 and 11 and 13 tokens at the end) cannot all hold their pages
+    with LLM(tiny_dir(arch), dtype=torch.float32, max_total_tokens=16, page_size=4, progress=False) as llm:
         engine = llm.engine
-        first = engine.add([5] * 10, SamplingParams(max_tokens=10, ignore_eos=True))
-        second = engine.add([6] * 10, SamplingParams(max_tokens=10, ignore_eos=True))
-        engine.step()
-        assert first in engine.running and second in engine.waiting  # 20 + 20 tokens would exceed 30
+        tight = [engine.add(p, s) for p, s in zip(prompts, sampled)]
         engine.run_to_completion()
-        assert len(first.output_ids) == len(second.output_ids) == 10
-        with pytest.raises(TiermoeError, match="exceeds max_total_tokens"):
-            engine.add([7] * 25, SamplingParams(max_tokens=10))
+        assert engine.pool.used_pages()[None] == 0  # every page back
+        with pytest.raises(TiermoeError, match="max_total_tokens"):
+            engine.add([7] * 10, SamplingParams(max_tokens=10))
+    assert sum(s.preemptions for s in tight) >= 1
+    assert [s.output_ids for s in tight] == [s.output_ids for s in free]

@@ -1,7 +1,8 @@
 """One sequence's failure inside Engine.step ends that sequence with an error; the others run on, exactly.
 
-The failing step is found again by re-running subsets of its sequences on caches rolled back to where the step
-began, so this holds when a decode step is one model forward for all sequences (asserted below).
+The failing step is found again by re-running subsets of its sequences (a step writes only K/V its sequences have not
+fed yet, so nothing needs rolling back), so this holds when a step is one model forward for all sequences
+(asserted below).
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ def solo(llm):
 def poison(llm):
     """Make every forward whose input holds POISON raise in its last decoder layer (as an id outside the
     vocabulary would), after the earlier layers have appended the step's keys and values to the caches. Returns
-    (the number of rows of each forward that raised, the hooks' handles)."""
+    (the number of tokens of each forward that raised, the hooks' handles)."""
     failed_rows, local = [], threading.local()
 
     def look(module, args):
-        local.rows = args[0].shape[0] if bool((args[0] == POISON).any()) else 0
+        local.rows = args[0].shape[-1] if bool((args[0] == POISON).any()) else 0
 
     def fail(module, args, kwargs):
         if getattr(local, "rows", 0):
@@ -84,7 +85,7 @@ def test_a_sequence_whose_sampling_fails_ends_with_an_error_and_the_others_run_o
     seqs = run(llm, greedy(seed=MARK))
     victim = seqs[VICTIM]
     assert victim.finish_reason == "error" and victim.error == "RuntimeError: sampler broke"
-    assert victim.output_ids == solo[VICTIM][:2] and victim.cache is None
+    assert victim.output_ids == solo[VICTIM][:2] and not any(victim.pages.tables.values())
     assert_others_are_exact(seqs, solo)
 
 
@@ -113,8 +114,8 @@ def test_a_decode_forward_that_fails_for_all_is_bisected_to_the_failing_sequence
     assert failed_rows[0] == len(PROMPTS) and failed_rows[-1] == 1  # one forward for all; then found alone
     victim = seqs[VICTIM]
     assert victim.finish_reason == "error" and victim.error == "ValueError: poisoned token"
-    assert victim.output_ids == solo[VICTIM][:2] + [POISON] and victim.cache is None
-    assert_others_are_exact(seqs, solo)  # their caches were rolled back to before the failed step, exactly
+    assert victim.output_ids == solo[VICTIM][:2] + [POISON] and not any(victim.pages.tables.values())
+    assert_others_are_exact(seqs, solo)  # their re-runs wrote the step's K/V again, exactly
 
 
 def test_a_prefill_chunk_that_fails_ends_only_its_sequence(llm, solo):
@@ -134,10 +135,10 @@ def test_a_prefill_chunk_that_fails_ends_only_its_sequence(llm, solo):
 def test_an_id_outside_the_vocabulary_that_reaches_a_step_ends_only_its_sequence(llm, solo):
     # Engine.add refuses it (below); a sequence queued past that check still fails alone, with the real error
     seqs = [llm.engine.add(p, greedy()) for p in PROMPTS]
-    bad = Sequence(10_000, [7, 300, 8], greedy(), new_generator(None))
+    bad = Sequence(10_000, [7, 300, 8], greedy(), new_generator(None), pages=llm.engine.pool.new_share())
     llm.engine.waiting.insert(1, bad)
     llm.engine.run_to_completion()
-    assert bad.finish_reason == "error" and bad.error.startswith("IndexError") and bad.cache is None
+    assert bad.finish_reason == "error" and bad.error.startswith("IndexError") and not any(bad.pages.tables.values())
     assert [s.output_ids for s in seqs] == solo and all(s.finish_reason == "length" for s in seqs)
 
 

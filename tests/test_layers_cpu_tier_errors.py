@@ -15,7 +15,6 @@ from conftest import make_mask
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiermoe.arch import detect, load_config
-from tiermoe.engine.moe_batcher import MoEBatcher
 from tiermoe.model.loader import load_hybrid_model
 
 
@@ -102,26 +101,3 @@ def test_interrupt_between_submit_and_sync_leaves_the_tier_free(tiny_dir):
             with pytest.raises(KeyboardInterrupt):
                 block(x)
             assert torch.equal(block(x), ref)
-
-
-def test_batched_path_recovers_after_a_gpu_part_error(tiny_dir):
-    """The MoE batcher runs the block once for several sequences on one of their threads: the error reaches
-    every sequence of that step, and the next step of the same layers is exact."""
-    path = tiny_dir("qwen3_moe")
-    spec = detect(load_config(path))
-    with load_hybrid_model(path, make_mask("random_half", spec), dtype=torch.float32, progress=False) as hybrid:
-        ids = [torch.randint(3, 200, (1, n), generator=torch.Generator().manual_seed(n)) for n in (4, 7)]
-        refs = [hybrid(input_ids=i).logits for i in ids]
-        batcher = MoEBatcher(max_threads=2)
-        try:
-            for block in hybrid.blocks.values():
-                block.batcher = batcher
-            block = next(b for b in hybrid.blocks.values() if len(b.cpu_tier) and len(b.gpu_tier))
-            fail_once_inside(block.gpu_tier, "forward", oom())
-            jobs = [lambda i=i: hybrid(input_ids=i).logits for i in ids]
-            with pytest.raises(torch.OutOfMemoryError, match="simulated"):
-                batcher.run(jobs)
-            outs = batcher.run(jobs)
-        finally:
-            batcher.close()
-        assert all(torch.allclose(o, r, rtol=0, atol=1e-5) for o, r in zip(outs, refs))

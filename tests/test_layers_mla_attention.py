@@ -6,7 +6,6 @@ and attends with sdpa); the absorbed form sums in another order. Observed on the
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -14,8 +13,6 @@ import torch
 from conftest import MASKS, load_reference, make_mask, rel_err, run_cli
 
 from tiermoe.arch import detect, load_config
-from tiermoe.engine import cache_rollback
-from tiermoe.engine.batched_decode import batched_decode_forward
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.layers import mla_math
@@ -70,11 +67,6 @@ def variant_dir(tmp_path_factory):
         return cache[name]
 
     return get
-
-
-class _Seq:
-    def __init__(self):
-        self.cache = None
 
 
 @pytest.fixture(scope="module")
@@ -146,33 +138,29 @@ def test_chunked_prefill_and_batched_decode_logits_equal_transformers(name, vari
     mask = make_mask("random_half", detect(load_config(path)))
     with LLM(path, placement=mask, dtype=torch.float32, progress=False) as llm:
         engine = llm.engine
-        assert llm.engine.batched_decode
         attn = [layer.self_attn for layer in llm.hybrid.model.model.layers]
         assert all(type(a) is MLAAttention and a.kv_b_grouped for a in attn)
         seqs, ids = [], []
         for prompt in PROMPTS:
-            seq, chunk = _Seq(), 40 if len(prompt) == 40 else 4
+            seq, chunk = engine.new_sequence(), 40 if len(prompt) == 40 else 4
             with torch.no_grad():
                 want = ref(torch.tensor([prompt])).logits[0]
             for start in range(0, len(prompt), chunk):
-                got = engine._forward(seq, prompt[start:start + chunk])[-1]
+                got = engine.feed([seq], [prompt[start:start + chunk]])[0][-1]
                 assert rel_err(got, want[min(start + chunk, len(prompt)) - 1]) <= FP32_TOL
             seqs.append(seq)
             ids.append(list(prompt) + [int(want[-1].argmax())])
-        for _ in range(3):  # all 8 rows in one forward, left-padded to the longest
-            with torch.inference_mode():
-                rows = batched_decode_forward(engine.model, [s.cache for s in seqs], [i[-1] for i in ids], CPU,
-                                              engine._cache_kwarg)
+        for _ in range(3):  # all 8 rows in one forward, a padded batch over the pool
+            rows = engine.feed(seqs, [[i[-1]] for i in ids])
             for got, row_ids in zip(rows, ids):
                 with torch.no_grad():
                     want = ref(torch.tensor([row_ids])).logits[0, -1]
-                assert rel_err(got, want) <= FP32_TOL
+                assert rel_err(got[-1], want) <= FP32_TOL
                 row_ids.append(int(want.argmax()))
         cfg = llm.hybrid.config
-        for seq, row_ids in zip(seqs, ids):  # each sequence's own cache: [latent | k_pe], unpadded
-            for layer in seq.cache.layers:
-                assert layer.keys.shape == (1, 1, len(row_ids) - 1, cfg.kv_lora_rank)
-                assert layer.values.shape == (1, 1, len(row_ids) - 1, cfg.qk_rope_head_dim)
+        for i in range(len(attn)):  # the pool's slots: [latent | k_pe] per token, no per-head K/V
+            k_slots, v_slots = engine.pool.pages._slots[i]
+            assert k_slots.shape[1:] == (1, cfg.kv_lora_rank) and v_slots.shape[1:] == (1, cfg.qk_rope_head_dim)
 
 
 @pytest.mark.parametrize("kind", MASKS)
@@ -199,14 +187,14 @@ def test_decode_never_expands_the_past(tiny_dir):
 
         hooks = [layer.self_attn.kv_b_proj.register_forward_hook(record) for layer in llm.hybrid.model.model.layers]
         try:
-            seqs = [_Seq(), _Seq()]
-            engine._forward(seqs[0], list(range(5, 45)))  # a 40-token chunk: worth expanding, for this forward only
+            seqs = [engine.new_sequence(), engine.new_sequence()]
+            engine.feed([seqs[0]], [list(range(5, 45))])  # a 40-token chunk: worth expanding, for this forward only
             long_chunk, expanded[:] = list(expanded), []
-            engine._forward(seqs[1], [7, 8, 9])  # a short chunk attends from the latent
+            engine.feed([seqs[1]], [[7, 8, 9]])  # a short chunk attends from the latent
             short_chunk, expanded[:] = list(expanded), []
-            engine._forward(seqs[0], [50])  # decode alone
-            with torch.inference_mode():  # decode batched
-                batched_decode_forward(engine.model, [s.cache for s in seqs], [51, 52], CPU, engine._cache_kwarg)
+            engine.feed([seqs[0]], [[50]])  # decode alone
+            engine.feed(seqs, [[51], [52]])  # decode batched
+            engine.feed(seqs, [[53], [54, 55, 56]])  # a decode beside a short chunk
             assert expanded == []
             assert short_chunk == [] and long_chunk == [40] * len(hooks)
         finally:
@@ -225,29 +213,13 @@ def test_a_long_chunk_whose_expansion_would_be_too_big_attends_from_the_latent_i
         expanded = []
         hooks = [layer.self_attn.kv_b_proj.register_forward_hook(lambda *a: expanded.append(1))
                  for layer in llm.hybrid.model.model.layers]
-        seq = _Seq()
+        seq = llm.engine.new_sequence()
         for start in (0, 40):  # chunks of 40 queries: long enough to be worth expanding
-            got = llm.engine._forward(seq, prompt[start:start + 40], rows="all")
+            got = llm.engine.feed([seq], [prompt[start:start + 40]], rows=["all"])[0]
             assert rel_err(got, want[start:start + 40]) <= FP32_TOL
         for hook in hooks:
             hook.remove()
         assert expanded == []
-
-
-def test_a_latent_cache_rolls_back_like_any_plain_cache(tiny_dir):
-    """A step that fails part-way is undone by cutting each cache layer back (tiermoe.engine.cache_rollback)."""
-    with LLM(tiny_dir("deepseek_v2"), dtype=torch.float32, progress=False) as llm:
-        seq = _Seq()
-        llm.engine._forward(seq, [5, 6, 7, 8])
-        untouched = copy.deepcopy(seq.cache)
-        marked = cache_rollback.mark(seq.cache)
-        llm.engine._forward(seq, [9])
-        assert marked.length == 4 and cache_rollback.roll_back(seq, marked)
-        for layer, ref in zip(seq.cache.layers, untouched.layers):
-            assert torch.equal(layer.keys, ref.keys) and torch.equal(layer.values, ref.values)
-        never_stepped = _Seq()
-        never_stepped.cache = untouched
-        assert torch.equal(llm.engine._forward(seq, [10]), llm.engine._forward(never_stepped, [10]))
 
 
 def _v2_lite_shaped(path, layers: int = 2):
@@ -270,14 +242,16 @@ def test_cache_holds_exactly_the_reported_bytes_per_token(dtype, tmp_path):
     reported = kv_bytes_per_token(cfg, dtype.itemsize)
     assert reported == 2 * (512 + 64) * dtype.itemsize
     assert placement_target(path, dtype).kv_bytes_per_token == reported  # what --gpu-memory-gb plans with
-    with LLM(path, dtype=dtype, progress=False) as llm:
-        seq = _Seq()
-        llm.engine._forward(seq, list(range(3, 14)))
+    with LLM(path, dtype=dtype, max_total_tokens=64, progress=False) as llm:
+        seq = llm.engine.new_sequence()
+        llm.engine.feed([seq], [list(range(3, 14))])
         for token in (20, 21, 22):
-            llm.engine._forward(seq, [token])
-        tensors = [t for layer in seq.cache.layers for t in (layer.keys, layer.values)]
-        assert {tuple(t.shape) for t in tensors} == {(1, 1, 14, 512), (1, 1, 14, 64)}  # no per-head K/V
-        assert sum(t.nbytes for t in tensors) == 14 * reported
+            llm.engine.feed([seq], [[token]])
+        pages = llm.engine.pool.pages
+        tensors = [t for pair in pages._slots.values() for t in pair]
+        slots = (pages.num_pages[None] + 1) * pages.page_size  # page 0 included
+        assert {tuple(t.shape) for t in tensors} == {(slots, 1, 512), (slots, 1, 64)}  # no per-head K/V
+        assert pages.bytes_per_token() == reported and pages.nbytes() == slots * reported
 
 
 def test_fit_reports_the_latent_for_deepseek_v3_and_gqa_unchanged(tmp_path):

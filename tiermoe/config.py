@@ -139,6 +139,7 @@ MAX_REQUEST_BYTES_CAP = 1 << 30  # a body is parsed in memory several times over
 # T // 2 of them (SGLang's own default is that, max_total_tokens // 2, within a request pool of at most 4096).
 # Without batched decode each running request is also one forward on its own thread every step: past a few
 # thousand, per-sequence overhead (threads, cache objects, Python bookkeeping) outweighs what batching saves.
+DEFAULT_PAGE_SIZE = 16  # tokens per KV page: vLLM's default block size; a sequence wastes less than one page
 MAX_RUNNING_REQUESTS = 4096
 MIN_KV_TOKENS_PER_REQUEST = 2
 DEFAULT_MAX_RUNNING_REQUESTS = 32

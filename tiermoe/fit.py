@@ -41,6 +41,7 @@ from tiermoe.placement.budget import (
     forward_threads,
     fp8_transient_bytes,
 )
+from tiermoe.placement.free_memory import available_ram, device_free_bytes  # noqa: F401 - callers import them here
 from tiermoe.placement.kv_layout import KVLayout, kv_layout
 from tiermoe.placement.plan import PlacementPlan
 
@@ -317,25 +318,6 @@ def fit_report(model: ModelBytes, gpu_experts: int | None = None, kv_tokens: int
     if not 0 <= gpu_experts <= model.total_experts:
         raise TiermoeError(f"{gpu_experts} GPU experts is outside 0..{model.total_experts} for this model")
     return replace(report, gpu_experts=gpu_experts)
-
-
-def available_ram() -> int | None:
-    """Bytes the kernel says can be allocated without swapping (MemAvailable), None where unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def device_free_bytes(device: str) -> int | None:
-    """Bytes that can still be allocated on `device`: free memory of a CUDA device, available RAM for the host."""
-    parsed = torch.device(device)
-    if parsed.type == "cuda":
-        return torch.cuda.mem_get_info(parsed)[0]
-    return available_ram()
 
 
 def check_running_kv(sequences: int, flag: str, cfg, dtype: torch.dtype, device: str) -> None:

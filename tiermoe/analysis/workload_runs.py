@@ -57,9 +57,11 @@ def ttft_summary(ttft: list[float]) -> dict:
 
 
 def make_engine(llm, concurrency: int, prefill_chunk: int, recorder=NO_RECORDER) -> Engine:
-    """A fresh engine on an already loaded model (`tiermoe.LLM`), so each configuration starts clean."""
+    """A fresh engine on an already loaded model (`tiermoe.LLM`), so each configuration starts clean; without
+    prefix reuse, so every configuration computes (and routes) every token of its workload."""
     return Engine(llm.hybrid, llm.engine.eos_token_ids, llm.engine.detokenize,
-                  EngineConfig(max_running=concurrency, prefill_chunk=prefill_chunk), recorder)
+                  EngineConfig(max_running=concurrency, prefill_chunk=prefill_chunk,
+                               max_total_tokens=llm.engine.pool.tokens, prefix_cache=False), recorder)
 
 
 class WorkloadRun:

@@ -74,6 +74,9 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--raw", action="store_true", help="feed prompts as plain text, without the chat template")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="reuse the KV pages of prompt prefixes earlier prompts computed (off by default, so every "
+                        "routed token is recorded once; the dump's run info says which)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--out", type=output_file_new_dirs,
                    help="the statistics file to write (.pt; missing directories are created)")
@@ -94,7 +97,8 @@ def run(args) -> int:
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                               ignore_eos=args.ignore_eos)
     with LLM(model_dir, gpu_device=device, placement=placement_from_args(args), dtype=args.dtype,
-             max_running=args.batch_size, recorder=recorder, progress=args.progress, cpu=cpu_from_args(args)) as llm:
+             max_running=args.batch_size, recorder=recorder, progress=args.progress, cpu=cpu_from_args(args),
+             prefix_cache=args.prefix_cache) as llm:
         context = llm.engine.max_context or 10**9
         # the engine refuses prompts that fill the context; by default leave room for --max-tokens as well
         limit = max(1, context - args.max_tokens)
@@ -111,7 +115,8 @@ def run(args) -> int:
     run_info = {"dataset": args.dataset, "split": args.split, "heldout_fraction": args.heldout_fraction,
                 "seed": args.seed, "num_prompts": len(prompt_ids), "max_tokens": args.max_tokens,
                 "prompt_ids": [p.id for p in chosen], "model_dir": str(model_dir),
-                "generated_tokens": sum(len(o.token_ids) for o in outputs)}
+                "generated_tokens": sum(len(o.token_ids) for o in outputs),
+                "prefix_cache": args.prefix_cache, "prefix_hit_tokens": llm.engine.prefix_hit_tokens}
     path = dump_recorder(recorder, args.out, run_info)
     print(f"wrote {path.resolve()}: mode {args.recorder_mode}, {len(prompt_ids)} prompts, "
           f"{sum(len(ids) for ids in prompt_ids)} prompt + {run_info['generated_tokens']} generated tokens"

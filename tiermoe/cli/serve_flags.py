@@ -17,6 +17,7 @@ from tiermoe.cli.sglang_flags import add_sglang_compat_flags
 from tiermoe.config import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_RUNNING_REQUESTS,
+    DEFAULT_PAGE_SIZE,
     MAX_RUNNING_REQUESTS,
     MIN_KV_TOKENS_PER_REQUEST,
     QUEUED_BATCHES,
@@ -76,6 +77,11 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "slot within a step): a 504, or a stream that ends with an error event (default: no limit)")
     p.add_argument("--chunked-prefill-size", type=positive_int, default=512,
                    help="prompt tokens prefilled per step over all requests (default 512)")
+    p.add_argument("--page-size", type=page_size, default=DEFAULT_PAGE_SIZE,
+                   help=f"tokens per page of the KV pool (default {DEFAULT_PAGE_SIZE}; 1-1024)")
+    p.add_argument("--no-prefix-cache", "--disable-radix-cache", dest="no_prefix_cache", action="store_true",
+                   help="do not reuse the KV pages of a prompt's prefix that earlier requests computed (reuse is on "
+                        "by default for models whose layers are all full attention; /metrics counts the hits)")
     p.add_argument("--default-max-tokens", type=positive_int, default=256,
                    help="max_tokens of requests that give none (default 256)")
     p.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
@@ -91,6 +97,13 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds a rank waits for the others in one collective before it gives up with an error "
                         "(a rank died or hangs); idle ranks exchange heartbeats, so idleness never trips it "
                         f"(default {DEFAULT_DIST_TIMEOUT_S:g})")
+
+
+def page_size(value: str) -> int:
+    size = positive_int(value)
+    if size > 1024:
+        raise argparse.ArgumentTypeError(f"at most 1024 tokens per page, got {size}")
+    return size
 
 
 def server_config_from_args(args) -> ServerConfig:

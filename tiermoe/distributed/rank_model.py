@@ -14,6 +14,8 @@ after it only rank 0 drives. Followers always end in `follow()`: rank 0's close(
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from tiermoe.arch import detect, load_config
@@ -23,7 +25,7 @@ from tiermoe.distributed.group import RankGroup
 from tiermoe.distributed.share import ExpertShare
 from tiermoe.distributed.shm_store import SHM_DIR, SharedExpertStore
 from tiermoe.distributed.step_plan import Leader
-from tiermoe.engine.engine import Engine, EngineConfig
+from tiermoe.engine.engine import Engine
 from tiermoe.engine.llm import LLM
 from tiermoe.errors import TiermoeError
 from tiermoe.model.loader import load_hybrid_model
@@ -106,11 +108,14 @@ class RankModel:
                            recorder=recorder, dynamic=dynamic, progress=progress, share=self.share)
             self.hybrid, self.engine = self.llm.hybrid, self.llm.engine
             self.leader = self.share.leader = self.engine.leader = Leader(self.share, self.hybrid)
+            self.group.broadcast(replace(self.engine.config, max_total_tokens=self.engine.pool.tokens),
+                                 what="sizing the KV pool")
         else:
-            # followers batch exactly what rank 0 batches: as many sequence threads as its max_running
             self.hybrid = load_hybrid_model(self.model_dir, plan, gpu_device=device, dtype=dtype, cpu=cpu,
                                             progress=False, share=self.share)
-            self.engine = Engine(self.hybrid, config=EngineConfig(max_running=max_running))
+            # rank 0's steps carry its page tables: every rank's pool has rank 0's size and page layout
+            leader_config = self.group.broadcast(what="sizing the KV pool")
+            self.engine = Engine(self.hybrid, config=leader_config)
 
     @property
     def rank(self) -> int:

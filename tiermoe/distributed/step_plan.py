@@ -1,9 +1,9 @@
 """Rank 0's side of every step: publish what the step feeds, so the other ranks run the same forwards.
 
-Rank 0 owns the scheduler (and the HTTP server). Before each step's forwards it broadcasts a StepPlan on the
-control group: the sequence ids and the tokens each feeds, the sequences still alive (followers drop the KV
-caches of the others), and the expert swaps to apply first. Followers run the same forwards on their own caches;
-their MoE blocks meet rank 0's in the per-layer all-reduce, and only rank 0 samples.
+Rank 0 owns the scheduler, the page tables (and the HTTP server). Before each step's forward it broadcasts a
+StepPlan on the control group: the sequence ids, the tokens each feeds and its feed (past length and page tables,
+in the forward's row order), and the expert swaps to apply first. Followers run the same forward on their own
+pools; their MoE blocks meet rank 0's in the per-layer all-reduce, and only rank 0 samples.
 
 While idle, rank 0 sends a heartbeat plan every `heartbeat_s` seconds from a thread, so a follower waiting for
 the next step never reaches the collective timeout: the timeout then only fires when rank 0 is really gone.
@@ -22,14 +22,15 @@ from dataclasses import dataclass
 
 from tiermoe.distributed.group import RankFailure, fatal_cause
 from tiermoe.distributed.swaps import RankSwap, apply_swaps, assign_swaps
+from tiermoe.layers.ragged_step import SeqFeed
 
 
 @dataclass(frozen=True)
 class StepPlan:
     kind: str  # "step" | "heartbeat" | "stop"
     seq_ids: tuple[int, ...] = ()
-    inputs: tuple[tuple[int, ...], ...] = ()  # tokens each sequence feeds, in seq_ids order
-    live: tuple[int, ...] = ()  # sequences whose KV caches the followers keep
+    inputs: tuple[tuple[int, ...], ...] = ()  # tokens each sequence feeds, in seq_ids order (the forward's rows)
+    feeds: tuple[SeqFeed, ...] = ()  # each sequence's past and page tables, in seq_ids order
     swaps: tuple[RankSwap, ...] = ()
 
 
@@ -62,14 +63,14 @@ class Leader:
             self._thread.start()
 
     @contextmanager
-    def step(self, seq_ids: list[int], inputs: list[list[int]], live: list[int]):
+    def step(self, seq_ids: list[int], inputs: list[list[int]], feeds: list[SeqFeed]):
         """Publish one step (and apply the queued swaps on every rank); the body runs the step's forwards."""
         if self.failure is not None:
             raise self.failure
         self.start()
         with self._lock:
             swaps = tuple(assign_swaps(self.hybrid, self.share.take_swaps()))
-            plan = StepPlan("step", tuple(seq_ids), tuple(tuple(x) for x in inputs), tuple(live), swaps)
+            plan = StepPlan("step", tuple(seq_ids), tuple(tuple(x) for x in inputs), tuple(feeds), swaps)
             self._send(plan, "publishing a step")
             self._in_step = True
             try:

@@ -1,36 +1,36 @@
-"""The engine: a step function that advances a batch of sequences by one forward pass each.
+"""The engine: a step function that advances a batch of sequences by ONE forward pass over a shared KV pool.
 
-Sequences wait in a queue until admitted: at most `max_running` at once, and (when `max_total_tokens` is set)
-only while the running sequences' prompts plus their max_tokens fit in that many tokens of KV cache. In a step
-every decoding sequence feeds its last token, and prefilling sequences feed prompt chunks, oldest first, sharing
-`prefill_chunk` tokens per step (so a long prompt is prefilled over several steps and never stalls running
-decodes by more than one chunk). Each sequence keeps its own KV cache and positions. Where the model allows it
-(tiermoe.engine.batched_decode), all sequences that feed one token go through ONE model forward as a padded batch;
-prefill chunks (and every sequence of a model that does not allow it) run one forward each, on their own threads.
-The MoE blocks of all of those forwards run once per layer for the whole step (MoEBatcher). A sequence whose
-prompt is complete samples one token.
+Sequences wait in a queue until admitted: at most `max_running` at once, and only while the pool has pages for
+their next tokens. In a step every decoding sequence feeds its last token, and prefilling sequences feed prompt
+chunks, oldest first, sharing `prefill_chunk` tokens per step (so a long prompt is prefilled over several steps
+and never stalls running decodes by more than one chunk). All of them go through one model forward as a ragged
+batch (tiermoe.layers.ragged_step): the decode rows and each chunk's rows side by side, no padding of the batch,
+every new token's K/V written once into the pool (tiermoe.engine.kv_pool) and the past read where it lies. The MoE
+blocks therefore see the whole step's tokens at once. A sequence whose tokens are all through samples one token.
+When the pool has no pages for a step, the most recently admitted sequences are preempted: their pages go back,
+they wait at the head of the queue with their tokens and sampler state, and later recompute their K/V (prompt and
+output so far, as chunks) and go on exactly where they were.
 The engine sees token ids only; text (stop strings) is reached through the `detokenize` function it is given.
 Log-probabilities (tiermoe.engine.logprobs) come from the same logits: a sequence that asks for the prompt's keeps
 every prefill position's logits, the others only the last.
 
 One sequence's failure ends that sequence only (finish_reason "error", `seq.error`): a prompt id outside the
 vocabulary is refused by `add`; a failed sampling or stop check fails its own sequence; a failed forward is
-found again by re-running the step's sequences in halves on caches rolled back to where the step began
-(tiermoe.engine.cache_rollback), down to the sequence(s) that fail alone. That does not depend on how a step
-groups its sequences into forwards (one forward for all of them fails as a whole): the other sequences end the
-step as if it had not failed, with the tokens they get alone.
+found again by re-running the step's sequences in halves (tiermoe.engine.step_isolation), down to the sequence(s)
+that fail alone. Nothing needs rolling back for that: a step writes only positions its sequences have not fed yet,
+and linear-attention states are committed only once the step's forward succeeded.
 
 With several ranks (tiermoe.distributed) rank 0's engine has a `leader`: every step it first publishes what it
-is about to feed (sequence ids and tokens), and the other ranks run the same forwards with their own caches
-(`forward_batch`, which groups the sequences the same way on every rank, so the MoE tokens line up); only rank 0
-samples. A failed forward there leaves the ranks out of step for good (the leader raises a fatal error); a failed
-sampling still fails its own sequence only.
+is about to feed (sequence ids, tokens and their page tables), and the other ranks run the same forward on their
+own pools (`forward_feeds`); only rank 0 samples. A failed forward there leaves the ranks out of step for good (the
+leader raises a fatal error); a failed sampling still fails its own sequence only.
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
@@ -38,24 +38,31 @@ from dataclasses import dataclass
 
 import torch
 
-from tiermoe.config import MAX_RUNNING_REQUESTS
-from tiermoe.engine.batched_decode import batched_decode_forward, can_join, decode_groups, supports_batched_decode
+from tiermoe.config import DEFAULT_PAGE_SIZE, MAX_RUNNING_REQUESTS
+from tiermoe.engine.kv_pool import KVPool
 from tiermoe.engine.logprobs import logprobs_at
-from tiermoe.engine.moe_batcher import MoEBatcher
+from tiermoe.engine.pool_size import auto_pool_tokens
 from tiermoe.engine.sampling import SamplingParams, new_generator, sample
 from tiermoe.engine.sequence import Sequence
 from tiermoe.engine.step_isolation import forward_isolating
 from tiermoe.errors import TiermoeError
+from tiermoe.layers.linear_attention_slots import use_ragged_linear_attention
+from tiermoe.layers.paged_attention import STEP_KWARG, PagedStepCache, layer_windows, use_paged_attention
+from tiermoe.layers.ragged_step import RaggedStep, SeqFeed
 from tiermoe.stats.pass_transaction import PassTransaction
 from tiermoe.stats.recorders import RecorderGroup
 from tiermoe.stats.recording import NO_RECORDER, ExpertRecorder, PassInfo
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     max_running: int = 16  # sequences advanced together in one step (--max-running-requests)
     prefill_chunk: int = 512  # prompt tokens fed per step, over all prefilling sequences (--chunked-prefill-size)
-    max_total_tokens: int | None = None  # KV tokens the running sequences may reserve (--max-total-tokens)
+    max_total_tokens: int | None = None  # tokens the KV pool holds (--max-total-tokens); None: sized from memory
+    page_size: int = DEFAULT_PAGE_SIZE  # tokens per KV page (--page-size)
+    prefix_cache: bool = True  # reuse the pages of a prompt's known prefix (--no-prefix-cache turns it off)
 
     def __post_init__(self):
         if not 1 <= self.max_running <= MAX_RUNNING_REQUESTS:  # the bound's reasons: tiermoe.config
@@ -64,6 +71,8 @@ class EngineConfig:
             raise TiermoeError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise TiermoeError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
+        if not 1 <= self.page_size <= 1024:
+            raise TiermoeError(f"page_size must be 1-1024 tokens, got {self.page_size}")
 
 
 class Engine:
@@ -79,16 +88,27 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._ids = itertools.count()
-        self._batcher = MoEBatcher(config.max_running)
-        for block in hybrid.blocks.values():
-            block.batcher = self._batcher
         self.set_recorder(recorder)
         self.after_step_hooks: list[Callable[[], None]] = []  # e.g. dynamic placement landing its copies
         self.leader = None  # several ranks: publishes each step to the other ranks (tiermoe.distributed)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        # Decided once per model: a padded batch of per-sequence caches is exact for full attention only.
-        self.batched_decode = supports_batched_decode(self.model)
+        try:
+            use_paged_attention(self.model)
+        except ValueError as err:
+            raise TiermoeError(str(err)) from None
+        use_ragged_linear_attention(self.model)
+        windows = layer_windows(self.model.config)
+        device = hybrid.gpu_device
+        tokens = config.max_total_tokens or auto_pool_tokens(self.model.config, self.model.dtype, windows,
+                                                             config.max_running, self.max_context, device)
+        self.pool = KVPool(windows, tokens, config.max_running, device, config.page_size, config.prefill_chunk,
+                           config.prefix_cache)
+        if config.prefix_cache and not self.pool.reuse_possible:
+            log.info("prefix reuse is off for this model: its sliding-window or linear-attention layers keep no "
+                     "state at page boundaries")
+        self.prefix_hit_tokens = 0  # prompt tokens whose K/V came from the pool instead of a forward
+        self.preemptions = 0  # sequences whose pages the pool took back
 
     def set_recorder(self, recorder: ExpertRecorder) -> None:
         """Route every pass's routed experts to `recorder` (call between steps); a pass that fails is not recorded
@@ -110,9 +130,7 @@ class Engine:
 
     def close(self) -> None:
         for block in self.hybrid.blocks.values():
-            block.batcher = None
             block.recorder = NO_RECORDER
-        self._batcher.close()
 
     def check_token_ids(self, ids: list[int], field: str = "prompt") -> None:
         """Refuse ids outside the model's vocabulary (on a GPU such an id would break the whole CUDA context)."""
@@ -134,41 +152,46 @@ class Engine:
             raise TiermoeError(f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}")
         if params.stop and self.detokenize is None:
             raise TiermoeError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
-        budget = self.config.max_total_tokens
-        if budget is not None and len(prompt_ids) + params.max_tokens > budget:
+        capacity = self.pool.tokens
+        if len(prompt_ids) + params.max_tokens > capacity:
             raise TiermoeError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                               f"max_total_tokens ({budget})")
-        seq = Sequence(next(self._ids), prompt_ids, params, new_generator(params.seed))
+                               f"the KV pool's {capacity} tokens (max_total_tokens)")
+        seq = Sequence(next(self._ids), prompt_ids, params, new_generator(params.seed), pages=self.pool.new_share())
         self.waiting.append(seq)
         return seq
 
     def abort(self, seq: Sequence) -> None:
-        """Stop a sequence now and free its cache (a client went away)."""
+        """Stop a sequence now and free its pages (a client went away)."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
         seq.finish_reason = seq.finish_reason or "abort"
-        seq.release()
+        self._release(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def reserved_tokens(self) -> int:
-        return sum(len(s.prompt_ids) + s.params.max_tokens for s in self.running)
-
     def _admit(self) -> None:
-        budget = self.config.max_total_tokens
+        """Admit waiting sequences, oldest first, while a slot is free and the pool has pages for their first
+        chunk (preempted ones come back first: they wait at the head of the queue)."""
         while self.waiting and len(self.running) < self.config.max_running:
-            need = len(self.waiting[0].prompt_ids) + self.waiting[0].params.max_tokens
-            if budget is not None and self.running and self.reserved_tokens() + need > budget:
+            seq = self.waiting[0]
+            if seq.num_fed == 0 and seq.params.prompt_logprobs is None:  # logprobs need every prompt row computed
+                seq.num_fed = self.pool.match(seq.pages, seq.known_ids, seq.num_tokens - 1)
+                self.prefix_hit_tokens += seq.num_fed
+            if not self.pool.reserve(seq.pages, seq.num_fed,
+                                     seq.num_fed + min(seq.num_tokens - seq.num_fed, self.config.prefill_chunk)):
                 break
             self.running.append(self.waiting.popleft())
 
     def _schedule(self) -> list[tuple[Sequence, list[int]]]:
-        """This step's (sequence, tokens to feed): every decode, and prompt chunks within the prefill budget."""
+        """This step's (sequence, tokens to feed): every decode, and prompt chunks within the prefill budget; each
+        with its pages reserved (preempting the most recently admitted sequences when the pool is full)."""
         budget, batch = self.config.prefill_chunk, []
-        for seq in self.running:
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted for an earlier sequence of this step
+                continue
             if seq.prefilling:
                 if budget == 0:
                     continue
@@ -176,8 +199,24 @@ class Engine:
                 budget -= len(tokens)
             else:
                 tokens = seq.next_input(1)
-            batch.append((seq, tokens))
+            while not self.pool.reserve(seq.pages, seq.num_fed, seq.num_fed + len(tokens)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch = [(s, t) for s, t in batch if s is not victim]
+                if victim is seq:
+                    break
+            else:
+                batch.append((seq, tokens))
         return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Give `seq`'s pages back and queue it first; it recomputes its K/V when admitted again."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_fed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
 
     def step(self) -> list[Sequence]:
         """One forward pass for every scheduled sequence; returns those that produced a token this step, and those
@@ -198,12 +237,10 @@ class Engine:
                 produced.append(seq)
                 continue
             start, seq.num_fed = seq.num_fed, seq.num_fed + len(fed)
+            self.pool.trim(seq.pages, seq.num_fed)
             try:
-                if seq.params.prompt_logprobs is not None and start < len(seq.prompt_ids):
-                    # row r of the chunk's logits predicts prompt token start + r + 1
-                    scored = seq.prompt_ids[start + 1:start + len(fed) + 1]
-                    seq.prompt_logprobs += logprobs_at(logits[i], scored, seq.params.prompt_logprobs)
-                if seq.prefilling:
+                self._score_prompt(seq, start, len(fed), logits[i])
+                if seq.num_fed < seq.num_tokens:  # a chunk: its sequence's tokens are not all through yet
                     continue
                 self._next_token(seq, logits[i][-1])
             except Exception as err:  # noqa: BLE001 - this sequence's scoring, sampling or stop check: it alone fails
@@ -211,8 +248,19 @@ class Engine:
             produced.append(seq)
             if seq.finished and seq in self.running:
                 self.running.remove(seq)
-                seq.release()
+                self._release(seq)
         return produced
+
+    def _score_prompt(self, seq: Sequence, start: int, fed: int, logits_TV: torch.Tensor) -> None:
+        """Prompt logprobs of the prompt tokens this chunk predicts that are not scored yet (a preempted sequence
+        recomputes positions it has scored before)."""
+        if seq.params.prompt_logprobs is None:
+            return
+        first = len(seq.prompt_logprobs) + 1  # prompt token the next score is for
+        last = min(start + fed, len(seq.prompt_ids) - 1)  # row r of the chunk predicts token start + r + 1
+        if first <= last and first > start:
+            rows = logits_TV[first - start - 1:last - start]
+            seq.prompt_logprobs += logprobs_at(rows, seq.prompt_ids[first:last + 1], seq.params.prompt_logprobs)
 
     def _next_token(self, seq: Sequence, logits_V: torch.Tensor) -> None:
         """Sample the sequence's next token (with its logprob when asked) and check whether it stops there; on an
@@ -234,90 +282,95 @@ class Engine:
         seq.fail(err)
         if seq in self.running:
             self.running.remove(seq)
-        seq.release()
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Its pages go back to the pool (with prefix reuse, the full ones stay findable by their tokens)."""
+        self.pool.release(seq.pages, seq.known_ids[:seq.num_fed])
 
     def _forward_isolating(self, batch: list[Sequence],
                            inputs: list[list[int]]) -> tuple[list[torch.Tensor | None], dict[int, BaseException]]:
-        """The step's forwards: (each sequence's logits, {index: error} of the sequences that failed); a failed
+        """The step's forward: (each sequence's logits, {index: error} of the sequences that failed); a failed
         step is traced to its sequences by tiermoe.engine.step_isolation."""
-        if self.leader is not None:  # the other ranks ran this step's forwards: no re-running it on rank 0 alone
-            with self.leader.step([s.seq_id for s in batch], inputs, [s.seq_id for s in self.running]):
+        if self.leader is not None:  # the other ranks ran this step's forward: no re-running it on rank 0 alone
+            feeds, order = self._feeds(batch, inputs)
+            with self.leader.step([batch[i].seq_id for i in order], [inputs[i] for i in order], feeds):
                 return self._recorded_forward(batch, inputs), {}
         return forward_isolating(self._recorded_forward, batch, inputs)
 
+    def _feeds(self, batch: list[Sequence], inputs: list[list[int]]) -> tuple[list[SeqFeed], list[int]]:
+        """The step's feeds in row order (decode rows first: one token after a past; then every other feed), and
+        that order as indices into batch."""
+        decode = [i for i, s in enumerate(batch) if len(inputs[i]) == 1 and s.num_fed > 0]
+        order = decode + [i for i in range(len(batch)) if i not in set(decode)]
+        return [self.pool.feed(batch[i].pages, batch[i].num_fed, len(inputs[i])) for i in order], order
+
     def _recorded_forward(self, batch: list[Sequence], inputs: list[list[int]]) -> list[torch.Tensor]:
-        groups = self._groups(batch, inputs)
-        if self.recorder.enabled:
-            # the MoE blocks see the rows in the groups' order (batched decodes first): the pass lists them so
-            order = _row_order(*groups)
+        feeds, order = self._feeds(batch, inputs)
+        if self.recorder.enabled:  # the MoE blocks see the rows in the step's row order: the pass lists them so
             self._pass.begin_pass(PassInfo(
                 request_ids=tuple(batch[i].seq_id for i in order), num_tokens=tuple(len(inputs[i]) for i in order),
                 start_positions=tuple(batch[i].num_fed for i in order),
                 is_prefill=tuple(batch[i].prefilling for i in order)))
         try:
-            logits = self._forward_groups(batch, inputs, *groups, rows={i: _rows_needed(s, len(inputs[i]))
-                                                                        for i, s in enumerate(batch)})
+            logits = self.forward_feeds(feeds, [inputs[i] for i in order],
+                                        [_rows_needed(batch[i], len(inputs[i])) for i in order])
         except BaseException:
             self._pass.discard()
             raise
         if self.recorder.enabled:
             self._pass.commit()
-        return logits
+        return _in_order(logits, order)
 
-    def forward_batch(self, seqs: list, inputs: list[list[int]]) -> list[torch.Tensor]:
-        """Feed inputs[i] to seqs[i] (each on its own cache, `seq.cache`); MoE blocks run once for all of them.
+    def new_sequence(self, prompt_ids: list[int] = (0,)) -> Sequence:
+        """A sequence outside the scheduler, for driving by hand with `feed` (benchmarks, tests); `release` it."""
+        return Sequence(next(self._ids), list(prompt_ids), SamplingParams(), new_generator(None),
+                        pages=self.pool.new_share())
 
-        Sequences feeding one token share batched forwards (when the model allows it; rows of similar cache
-        lengths together, see decode_groups); the rest run one forward each. Returns each sequence's last-position
-        logits [1, V], in order. Does not advance `num_fed` (the caller does).
-        """
-        return self._forward_groups(seqs, inputs, *self._groups(seqs, inputs))
+    def feed(self, seqs: list[Sequence], inputs: list[list[int]], rows: list[str] | None = None) -> list[torch.Tensor]:
+        """Feed inputs[i] to seqs[i] in one forward now, outside the scheduler (pages reserved, `num_fed`
+        advanced); each sequence's logits as `forward_feeds` gives them, in the order given."""
+        for seq, tokens in zip(seqs, inputs):
+            if not self.pool.reserve(seq.pages, seq.num_fed, seq.num_fed + len(tokens)):
+                raise TiermoeError(f"the KV pool has no pages left for {len(tokens)} more tokens")
+        feeds, order = self._feeds(seqs, inputs)
+        rows = rows or ["last"] * len(seqs)
+        logits = self.forward_feeds(feeds, [inputs[i] for i in order], [rows[i] for i in order])
+        for i in order:
+            seqs[i].num_fed += len(inputs[i])
+            self.pool.trim(seqs[i].pages, seqs[i].num_fed)
+        return _in_order(logits, order)
 
-    def _forward_groups(self, seqs: list, inputs: list[list[int]], batches: list[list[int]], alone: list[int],
-                        rows: dict[int, str] | None = None) -> list[torch.Tensor]:
-        """Each sequence's logits [T, V]: by `rows` (see _rows_needed; "last" when not given), T = 1 (the last
-        position), every fed position, or none."""
-        rows = rows or {}
-        jobs = [lambda b=b: self._forward_decode([seqs[i] for i in b], [inputs[i][0] for i in b]) for b in batches]
-        jobs += [lambda i=i: [self._forward(seqs[i], inputs[i], rows.get(i, "last"))] for i in alone]
-        results = [logits for job_logits in self._batcher.run(jobs) for logits in job_logits]
-        logits_in_order: list[torch.Tensor] = [None] * len(seqs)  # type: ignore[list-item]
-        for i, logits in zip(_row_order(batches, alone), results):
-            logits_in_order[i] = logits
-        return logits_in_order
+    def release(self, seq: Sequence) -> None:
+        """Hand a sequence's pages back to the pool."""
+        self.pool.release(seq.pages)
 
-    def _groups(self, seqs: list, inputs: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-        """(batches of indices that share one batched decode forward each, indices that run one forward each).
-        The MoE blocks see the rows in this order: each batch's rows, then each other sequence's. It depends only
-        on the inputs and the cache lengths, so every rank of a multi-rank run groups a step the same way."""
-        batches = decode_batches(seqs, inputs) if self.batched_decode else []
-        batched = {i for b in batches for i in b}
-        return batches, [i for i in range(len(seqs)) if i not in batched]
+    def forward_feeds(self, feeds: list[SeqFeed], inputs: list[list[int]],
+                      rows: list[str] | None = None) -> list[torch.Tensor]:
+        """ONE forward feeding inputs[i] to the sequence of feeds[i] (the decode rows first: one token after a
+        past), on this engine's pool; commits their linear-attention states when it succeeds. Returns each
+        sequence's logits [T_i, V] for `rows[i]` ("last" when not given: T_i = 1; "all": every fed position;
+        "none": T_i = 0). Does not advance any sequence (the caller does)."""
+        device = self.hybrid.gpu_device
+        rows = rows or ["last"] * len(feeds)
+        num_decode = next((i for i, f in enumerate(feeds) if not (f.new == 1 and f.past > 0)), len(feeds))
+        step = RaggedStep(feeds, self.pool.page_size, self.pool.layer_windows, device, self.model.dtype, num_decode)
+        ids = torch.tensor([[t for tokens in inputs for t in tokens]], dtype=torch.long, device=device)
+        keep, spans = _kept_rows(feeds, rows)
+        with torch.inference_mode(), _on_device(device):
+            cache = PagedStepCache(self.pool.pages, step, self.pool.linear)
+            out = self.model(input_ids=ids, position_ids=step.position_ids, attention_mask=_NO_MASK,
+                             use_cache=True, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+                             **{self._cache_kwarg: cache, STEP_KWARG: step})
+        self.pool.commit(feeds)
+        logits = out.logits[0]
+        return [logits[a:b] for a, b in spans]
 
     def run_to_completion(self, on_step: Callable[[list[Sequence]], None] | None = None) -> None:
         while self.has_work():
             produced = self.step()
             if on_step is not None:
                 on_step(produced)
-
-    def _forward(self, seq, tokens: list[int], rows: str = "last") -> torch.Tensor:
-        """Feed `tokens` to one sequence; its logits [T, V] for `rows`: "last", "all" or "none" (T = 0)."""
-        device = self.hybrid.gpu_device
-        ids = torch.tensor([tokens], dtype=torch.long, device=device)
-        keep = {"last": 1, "all": 0}.get(rows)
-        if keep is None:  # an empty index: the LM head runs on no row at all
-            keep = torch.empty(0, dtype=torch.long, device=device)
-        with torch.inference_mode(), _on_device(device):
-            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{self._cache_kwarg: seq.cache})
-        seq.cache = out["cache"] if "cache" in out else out["past_key_values"]
-        return out.logits[0]
-
-    def _forward_decode(self, seqs: list, tokens: list[int]) -> list[torch.Tensor]:
-        """One forward for all `seqs`, one token each; each sequence's cache grows in place."""
-        device = self.hybrid.gpu_device
-        with torch.inference_mode(), _on_device(device):
-            rows = batched_decode_forward(self.model, [s.cache for s in seqs], tokens, device, self._cache_kwarg)
-        return [logits_V[None] for logits_V in rows]  # [V] -> [1, V], as every forward returns
 
     def _check_stop(self, seq: Sequence) -> None:
         token, params = seq.output_ids[-1], seq.params
@@ -337,22 +390,36 @@ class Engine:
             seq.finish_reason = "length"
 
 
-def decode_batches(seqs: list, inputs: list[list[int]]) -> list[list[int]]:
-    """Batches (indices into seqs) of sequences that share one batched decode forward each: one token in, a cache
-    to extend, past lengths close enough for little padding (decode_groups)."""
-    rows = [i for i, (seq, tokens) in enumerate(zip(seqs, inputs)) if len(tokens) == 1 and can_join(seq.cache)]
-    if len(rows) < 2:
-        return []
-    return [[rows[j] for j in group] for group in decode_groups([seqs[i].cache.get_seq_length() for i in rows])]
+# A ready-made 4-D mask: transformers then builds none of its own (each attention part gets the step's masks).
+_NO_MASK = torch.zeros(1, 1, 0, 0)
+
+
+def _in_order(rows: list, order: list[int]) -> list:
+    """rows[k] belongs to index order[k]: the rows by index."""
+    out = [None] * len(rows)
+    for row, i in zip(rows, order):
+        out[i] = row
+    return out
+
+
+def _kept_rows(feeds: list[SeqFeed], rows: list[str]) -> tuple[list[int], list[tuple[int, int]]]:
+    """(the step's rows the LM head runs on, each feed's [start, end) among them)."""
+    keep, spans, first = [], [], 0
+    for feed, wanted in zip(feeds, rows):
+        mine = {"last": [first + feed.new - 1], "all": list(range(first, first + feed.new)), "none": []}[wanted]
+        spans.append((len(keep), len(keep) + len(mine)))
+        keep += mine
+        first += feed.new
+    return keep, spans
 
 
 def _rows_needed(seq: Sequence, fed: int) -> str:
-    """The logits a step needs of `seq` feeding `fed` tokens: every row to score the prompt, none for a prefill
-    chunk that does not end the prompt (its last row would be thrown away: a whole LM-head pass, 150k-wide on
-    real vocabularies), else the last row to sample from."""
+    """The logits a step needs of `seq` feeding `fed` tokens: every row to score the prompt, none for a chunk
+    that does not bring the sequence's tokens to their end (its last row would be thrown away: a whole LM-head
+    pass, 150k-wide on real vocabularies), else the last row to sample from."""
     if seq.scores_prompt:
         return "all"
-    if seq.prefilling and seq.num_fed + fed < len(seq.prompt_ids):
+    if seq.num_fed + fed < seq.num_tokens:
         return "none"
     return "last"
 
@@ -364,12 +431,7 @@ def _vocab_size(model) -> int | None:
     return int(rows) if rows is not None else getattr(getattr(model, "config", None), "vocab_size", None)
 
 
-def _row_order(batches: list[list[int]], alone: list[int]) -> list[int]:
-    """The order the MoE blocks see a step's rows in: each batch's rows, then each other sequence's."""
-    return [i for b in batches for i in b] + alone
-
-
 def _on_device(device: torch.device):
-    # CUDA's current device is per thread, and forwards run on the batcher's threads: make it this model's
-    # (cuda:LOCAL_RANK on rank > 0), so nothing the forward allocates implicitly lands on cuda:0.
+    # CUDA's current device is per thread: make it this model's (cuda:LOCAL_RANK on rank > 0), so nothing the
+    # forward allocates implicitly lands on cuda:0.
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from tiermoe.arch import detect, load_config
 from tiermoe.checkpoint.gguf_reader import gguf_files
-from tiermoe.config import CPUConfig, DynamicPlacementConfig
+from tiermoe.config import DEFAULT_PAGE_SIZE, CPUConfig, DynamicPlacementConfig
 from tiermoe.engine.dynamic import enable_dynamic_placement
 from tiermoe.engine.engine import Engine, EngineConfig
 from tiermoe.engine.logprobs import TokenLogprob
@@ -54,15 +54,17 @@ class LLM:
     (tiermoe.model.plan_source.resolve_plan). cpu: the CPU tier's backend, expert format and threads. recorder:
     sees every pass's routed experts (tiermoe.stats). dynamic: layerwise GPU prefill and placement that follows
     the workload (None = static placement). share: rank 0's part of a multi-rank run (tiermoe.distributed.
-    RankModel builds it, and passes the plan for all ranks as `placement`). max_total_tokens: KV tokens the
-    running sequences may reserve; None = the KV cache the plan reserved when GPU memory sized it, else no bound.
+    RankModel builds it, and passes the plan for all ranks as `placement`). max_total_tokens: tokens the KV pool
+    holds; None = the KV cache the plan reserved when GPU memory sized it, else what free memory allows
+    (tiermoe.engine.pool_size). page_size: tokens per page of the pool. prefix_cache: a prompt that starts with
+    pages already in the pool reuses them (tiermoe.engine.prefix_index).
     """
 
     def __init__(self, model: str | Path | None = None, gpu_device: str = "cpu", placement=None,
                  dtype: torch.dtype | None = None, max_running: int = 16, prefill_chunk: int = 512,
                  max_total_tokens: int | None = None, cpu: CPUConfig = CPUConfig(),
                  recorder: ExpertRecorder = NO_RECORDER, dynamic: DynamicPlacementConfig | None = None,
-                 progress: bool = True, share=None):
+                 progress: bool = True, share=None, page_size: int = DEFAULT_PAGE_SIZE, prefix_cache: bool = True):
         self.model_dir = resolve_model(model)
         spec = detect(load_config(self.model_dir))
         num_gpus = 1 if share is None else share.num_ranks
@@ -78,7 +80,7 @@ class LLM:
             def detokenize(ids):
                 return self.tokenizer.decode(ids, skip_special_tokens=True)
         self.engine = Engine(self.hybrid, eos_token_ids(self.model_dir, self.hybrid.config), detokenize,
-                             EngineConfig(max_running, prefill_chunk, max_total_tokens), recorder)
+                             EngineConfig(max_running, prefill_chunk, max_total_tokens, page_size, prefix_cache), recorder)
         self.placement_manager = enable_dynamic_placement(self.engine, dynamic) if dynamic else None
 
     @property

@@ -1,4 +1,9 @@
-"""One request's state inside the engine: token ids in, token ids out, its own KV cache and generator."""
+"""One request's state inside the engine: token ids in, token ids out, its pages of the KV pool and its generator.
+
+`num_fed` counts the tokens whose K/V are in the pool. A sequence feeds chunks of its known tokens (the prompt;
+after a preemption, the prompt and its output so far) until all are through, then one token per step; it samples
+whenever a step brings `num_fed` to `num_tokens`.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiermoe.engine.kv_pool import SeqPages
 from tiermoe.engine.logprobs import TokenLogprob
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
@@ -18,8 +24,9 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator
     output_ids: list[int] = field(default_factory=list)
-    num_fed: int = 0  # tokens of prompt + output already through the model (in the KV cache)
-    cache: object | None = None  # the transformers cache object, created by the first forward
+    num_fed: int = 0  # tokens of prompt + output already through the model (K/V in the pool)
+    pages: SeqPages | None = None  # its share of the engine's KV pool (tiermoe.engine.kv_pool)
+    preemptions: int = 0  # times the pool took its pages back (it then recomputed them)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_text_end: int | None = None  # where the returned text ends when a stop string matched
     error: str | None = None  # finish_reason "error": what failed, one line
@@ -33,29 +40,34 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        return self.num_fed < len(self.prompt_ids)
+        """Feeding known tokens in chunks: the prompt, or a preempted sequence's prompt and output."""
+        return self.num_fed < len(self.prompt_ids) or self.num_fed < self.num_tokens - 1
 
     @property
     def scores_prompt(self) -> bool:
-        """The next forward must keep every prompt position's logits (prompt logprobs asked, prefill not done)."""
-        return self.params.prompt_logprobs is not None and self.prefilling
+        """The next forward must keep every fed position's logits (prompt logprobs asked, some not scored yet)."""
+        return (self.params.prompt_logprobs is not None and self.num_fed < len(self.prompt_ids)
+                and len(self.prompt_logprobs) < len(self.prompt_ids) - 1)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    @property
+    def known_ids(self) -> list[int]:
+        """The prompt and the output so far."""
+        return self.prompt_ids + self.output_ids
+
     def next_input(self, chunk: int) -> list[int]:
-        """Tokens to feed in the next forward pass: a prompt chunk while prefilling, else the last output token."""
+        """Tokens to feed in the next forward pass: a chunk of the known ones while prefilling, else the last
+        output token."""
         if self.prefilling:
-            return self.prompt_ids[self.num_fed:self.num_fed + chunk]
+            return self.known_ids[self.num_fed:self.num_fed + chunk]
         return [self.output_ids[-1]]
 
     def fail(self, err: BaseException) -> None:
-        """End with finish_reason "error" (the caller drops it from the running batch and releases it)."""
+        """End with finish_reason "error" (the caller drops it from the running batch and frees its pages)."""
         self.finish_reason = "error"
         self.error_from_request = isinstance(err, TiermoeError)
         self.error = str(err) if self.error_from_request else f"{type(err).__name__}: {err}"
 
-    def release(self) -> None:
-        """Drop the KV cache (finished or aborted)."""
-        self.cache = None

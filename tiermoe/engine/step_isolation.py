@@ -1,10 +1,10 @@
 """A failed step, traced to the sequence(s) that caused it: one sequence's failure must not end the others.
 
-When a step's forward raises, every sequence's cache is rolled back to where the step began
-(tiermoe.engine.cache_rollback) and the sequences are re-run in halves, recursively, until each either has its
-logits or fails alone. This does not depend on how the step groups its sequences into forwards: one forward for
-all of them fails as a whole and is split here. A sequence whose cache cannot be rolled back (sliding windows,
-linear-attention state changed in place) fails with the step's error.
+When a step's forward raises, its sequences are re-run in halves, recursively, until each either has its logits
+or fails alone. This does not depend on how the step's forward batches its sequences: one forward for all of them
+fails as a whole and is split here. Re-running needs nothing rolled back: a forward writes K/V only at positions
+its sequences have not fed yet (a re-run writes them again), and linear-attention states are committed only when
+the forward succeeds (tiermoe.layers.linear_attention_slots).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import torch
 
-from tiermoe.engine.cache_rollback import mark, roll_back
 from tiermoe.engine.sequence import Sequence
 
 Forward = Callable[[list[Sequence], list[list[int]]], list[torch.Tensor]]
@@ -22,7 +21,6 @@ Forward = Callable[[list[Sequence], list[list[int]]], list[torch.Tensor]]
 def forward_isolating(forward: Forward, batch: list[Sequence],
                       inputs: list[list[int]]) -> tuple[list[torch.Tensor | None], dict[int, BaseException]]:
     """`forward(batch, inputs)` -> (each sequence's logits, {index: error} of the sequences that failed)."""
-    marks = [mark(seq.cache) for seq in batch]
     logits: list[torch.Tensor | None] = [None] * len(batch)
     errors: dict[int, BaseException] = {}
 
@@ -33,18 +31,12 @@ def forward_isolating(forward: Forward, batch: list[Sequence],
             return
         except Exception as err:  # noqa: BLE001 - found below: which sequence(s) it belongs to
             failure = err
-        restored = []
-        for i in rows:
-            if roll_back(batch[i], marks[i]):
-                restored.append(i)
-            else:
-                errors[i] = failure
         if len(rows) == 1:
             errors[rows[0]] = failure
-        elif restored:
-            half = (len(restored) + 1) // 2
-            run(restored[:half])
-            run(restored[half:])
+            return
+        half = (len(rows) + 1) // 2
+        run(rows[:half])
+        run(rows[half:])
 
     run(list(range(len(batch))))
     return logits, errors

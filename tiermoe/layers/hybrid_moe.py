@@ -40,8 +40,6 @@ class HybridMoE(nn.Module):
         self.rank = 0  # this process's GPU rank (join_ranks sets it)
         # Several ranks: sums the partial routed outputs [T, D] of all ranks (set by join_ranks).
         self.reduce = None
-        # Set by the engine: joins the per-sequence forwards of one step so experts run once for all tokens.
-        self.batcher = None
         # Set by the engine: sees the routed ids of every pass (a no-op unless recording).
         self.recorder = NO_RECORDER
         # Set when --kt-gpu-prefill-token-threshold is given: large prefill batches run CPU-tier experts on the GPU.
@@ -63,8 +61,6 @@ class HybridMoE(nn.Module):
         self.assignment_E[expert] = rank
 
     def forward(self, hidden: torch.Tensor):
-        if self.batcher is not None and self.batcher.participating():
-            return self.batcher.exchange(self.forward_tokens, hidden)
         return self.forward_tokens(hidden)
 
     def forward_tokens(self, hidden: torch.Tensor):

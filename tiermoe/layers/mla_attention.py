@@ -7,13 +7,13 @@ weight: W_UK and W_UV are views of kv_b_proj's weight, whose rows the loader reg
 head to [W_UK; W_UV] (group_kv_b_rows) so both views are contiguous.
 
 Per token and layer the cache holds only the normalised compressed KV [.., kv_lora_rank] (as a cache layer's
-"keys", [B, 1, L, R]) and the roped key part [.., qk_rope_head_dim] ("values", [B, 1, L, P]): a plain
-DynamicCache layer of one head, so the engine's per-sequence caches, the left-padded batched decode
-(StackedDecodeCache), cache rollback and transformers' attention masks work on it unchanged. Decode attends with
+"keys") and the roped key part [.., qk_rope_head_dim] ("values"): one head, so the engine's KV pool
+(tiermoe.layers.paged_attention) stores and gathers it as it does any attention layer's K/V. Decode attends with
 W_UK folded into the query and W_UV applied after the sum, so the past is read as cached and never expanded; a
 prefill chunk long enough for the expansion to be cheaper (mla_math.attend_expanded: and the past short enough
 for its expansion to stay small) expands the past for that forward only, and attends with the model's attention
-implementation, exactly as transformers does.
+implementation, exactly as transformers does. In the engine's ragged step each part (the decode rows as one
+padded batch, each chunk alone) chooses for itself.
 
 Rope stays the model's own function: complex rotation in V2, cos/sin (interleaved or not, `rope_interleave`) in
 V3; the softmax scale is the original's (yarn's mscale included).
@@ -30,6 +30,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from tiermoe.layers.mla_math import absorbed_attention, attend_expanded, group_kv_b_rows, split_kv_b
+from tiermoe.layers.paged_attention import PAGED_PREFIX, STEP_KWARG, attend_parts, part_keys, part_queries
 
 # What the forward needs of the original module besides its submodules.
 _ATTRIBUTES = ("config", "layer_idx", "num_heads", "q_lora_rank", "qk_rope_head_dim", "kv_lora_rank", "v_head_dim",
@@ -81,14 +82,28 @@ class MLAAttention(nn.Module):
         q_pe, k_pe = self._rope(self, q_pe, k_pe.view(B, 1, Q, P), position_embeddings)
         if cache is not None:
             latent, k_pe = cache.update(latent, k_pe, self.layer_idx)  # the past and this forward's: [B, 1, L, *]
-        if attend_expanded(Q, latent.shape[2], self.num_heads, R, N, P, self.v_head_dim, q.element_size()):
-            out_BQHV = self._expanded_attention(q_nope, q_pe, latent, k_pe, attention_mask, **kwargs)
-        else:
-            w_uk, w_uv = self._kv_b_halves(q.dtype)
-            out_BHQV = absorbed_attention(q_nope, q_pe, latent[:, 0], k_pe[:, 0], w_uk, w_uv, self.scaling,
-                                          attention_mask)
-            out_BQHV = out_BHQV.transpose(1, 2)
+        step = kwargs.pop(STEP_KWARG, None)
+        if step is None:
+            out_BQHV = self._attend(q_nope, q_pe, latent, k_pe, attention_mask, **kwargs)
+        else:  # the engine's ragged step over the KV pool: each part (decode batch, segment) on its own keys
+            out_BQHV = attend_parts(step, step.layer_windows[self.layer_idx], q_nope.new_empty((1, Q, self.num_heads,
+                                                                                                  self.v_head_dim)),
+                                    lambda part: self._attend(part_queries(q_nope, part), part_queries(q_pe, part),
+                                                              part_keys(latent, part), part_keys(k_pe, part),
+                                                              part.mask, **kwargs))
         return self.o_proj(out_BQHV.reshape(B, Q, -1)), None
+
+    def _attend(self, q_nope, q_pe, latent_B1LR, k_pe_B1LP, attention_mask, **kwargs) -> torch.Tensor:
+        """[B, Q, H, V] from queries [B, H, Q, *] and the latent [B, 1, L, *]: expanded or absorbed, whichever
+        is cheaper for these sizes (mla_math.attend_expanded)."""
+        R, N, P = self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim
+        if attend_expanded(q_nope.shape[2], latent_B1LR.shape[2], self.num_heads, R, N, P, self.v_head_dim,
+                           q_nope.element_size()):
+            return self._expanded_attention(q_nope, q_pe, latent_B1LR, k_pe_B1LP, attention_mask, **kwargs)
+        w_uk, w_uv = self._kv_b_halves(q_nope.dtype)
+        out_BHQV = absorbed_attention(q_nope, q_pe, latent_B1LR[:, 0], k_pe_B1LP[:, 0], w_uk, w_uv, self.scaling,
+                                      attention_mask)
+        return out_BHQV.transpose(1, 2)
 
     def _expanded_attention(self, q_nope, q_pe, latent_B1LR, k_pe_B1LP, attention_mask, **kwargs) -> torch.Tensor:
         """transformers' own computation: every past position expanded to per-head K/V for this forward only."""
@@ -101,7 +116,8 @@ class MLAAttention(nn.Module):
             k_nope, value = kv.view(B, L, H, N + V).transpose(1, 2).split([N, V], dim=-1)
         key = torch.cat((k_nope, k_pe_B1LP.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
         query = torch.cat((q_nope, q_pe), dim=-1)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager)
+        name = self.config._attn_implementation.removeprefix(PAGED_PREFIX)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(name, self._eager)
         out_BQHV, _ = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
         return out_BQHV
 

@@ -76,9 +76,9 @@ def cublas_workspace_bytes(environ: Mapping[str, str] | None = None, hopper: boo
 
 
 def forward_threads(max_running: int) -> int:
-    """Threads that run the model's forwards on the GPU: the engine's own, and one per running sequence (the MoE
-    batcher runs each sequence's forward on its own thread, so each gets its own cuBLAS handle and workspace)."""
-    return max_running + 1
+    """Threads that run the model's forwards on the GPU: the engine's own only (a step is one forward for all
+    running sequences, tiermoe.engine.engine), so one cuBLAS handle and workspace whatever `max_running` is."""
+    return 1
 
 
 def fp8_transient_bytes(threads: int, fp8_matrix: int, fp8_expert: int) -> int:

@@ -8,7 +8,9 @@ engine's caches in tests/test_fit_kv_layers.py):
   layer that is running holds its new chunk on top, transiently);
 - linear attention (LinearAttentionLayer, Qwen3-Next's gated DeltaNet): per sequence, whatever its length, a conv
   state [conv_dim, linear_conv_kernel_dim] in the compute dtype and a recurrent state [linear_num_value_heads,
-  linear_key_head_dim, linear_value_head_dim] in fp32 (the delta rule runs in fp32 whatever the compute dtype).
+  linear_key_head_dim, linear_value_head_dim] in fp32 (the delta rule runs in fp32 whatever the compute dtype),
+  twice: the pool keeps two banks per sequence, so a failed step leaves the state it read
+  (tiermoe.layers.linear_attention_slots).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ SLIDING_LAYERS = ("sliding_attention", "chunked_attention")
 LINEAR_LAYERS = ("linear_attention",)
 NO_CACHE_LAYERS = ("moe", "mlp", "dummy")
 RECURRENT_STATE_BYTES = 4  # fp32
+LINEAR_STATE_BANKS = 2  # tiermoe.layers.linear_attention_slots.BANKS
 
 
 @dataclass(frozen=True)
@@ -78,14 +81,14 @@ def attention_bytes_per_token(cfg, dtype_bytes: int) -> int:
 
 
 def linear_state_bytes(cfg, dtype_bytes: int) -> int:
-    """One linear-attention layer's state per sequence (Qwen3-Next's gated DeltaNet)."""
+    """One linear-attention layer's state per sequence (Qwen3-Next's gated DeltaNet), both banks."""
     try:
         k_heads, v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         k_dim, v_dim, kernel = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
     except AttributeError as err:
         raise TiermoeError(f"linear-attention layers of an unknown kind ({err}); tiermoe counts Qwen3-Next's") from None
     conv_dim = 2 * k_heads * k_dim + v_heads * v_dim  # q, k and v go through the causal conv together
-    return conv_dim * kernel * dtype_bytes + v_heads * k_dim * v_dim * RECURRENT_STATE_BYTES
+    return LINEAR_STATE_BANKS * (conv_dim * kernel * dtype_bytes + v_heads * k_dim * v_dim * RECURRENT_STATE_BYTES)
 
 
 def kv_layout(cfg, dtype_bytes: int) -> KVLayout:

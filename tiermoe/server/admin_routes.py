@@ -28,8 +28,19 @@ async def metrics(request: Request):
     gauges = {"queue_length": state.service.queue_length, "running_requests": state.service.running,
               "requests_in_flight": state.admission.in_flight,
               "gpu_tier_hit_rate": state.hits.hit_rate(), "expert_swaps_total": swaps.swaps,
-              "expert_bytes_copied_total": swaps.bytes}
+              "expert_bytes_copied_total": swaps.bytes, **kv_pool_gauges(state.llm.engine)}
     return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+
+
+def kv_pool_gauges(engine) -> dict[str, float]:
+    """The KV pool as /metrics reports it (read between steps, as every other gauge: counts, not tensors)."""
+    pool = engine.pool
+    used, total = pool.used_pages().get(None, 0), pool.pages.num_pages.get(None, 0)
+    return {"kv_pool_tokens": pool.tokens, "kv_pool_used_tokens": used * pool.page_size,
+            "kv_pool_usage": used / total if total else 0.0, "kv_pool_reserved_bytes": pool.nbytes(),
+            "kv_pool_bytes_per_token": pool.pages.bytes_per_token(),
+            "kv_pool_cached_prefix_tokens": pool.cached_pages() * pool.page_size,
+            "prefix_cache_hit_tokens_total": engine.prefix_hit_tokens, "preemptions_total": engine.preemptions}
 
 
 @router.get("/placement")

@@ -1,0 +1,101 @@
+"""The KV pool and the ragged step: one forward for every sequence of a step gives each what transformers gives it.
+
+fp32 tolerance: rel_err (max |a - b| / max |b|) <= 1e-5 against the unmodified transformers model's full forward
+(observed <= 2e-6: padded decode batches and GEMMs of many rows sum in another order than one sequence alone;
+Qwen3-Next's one-token recurrence itself differs from its chunked form by ~1e-5, as in transformers).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHS, load_reference, make_mask, rel_err
+
+from tiermoe.arch import detect, load_config
+from tiermoe.engine.kv_pool import KVPool
+from tiermoe.engine.llm import LLM
+from tiermoe.layers.ragged_step import RaggedStep, SeqFeed
+
+FP32_TOL = 2e-5
+# 8 sequences of different lengths; chunks of 7 put chunk boundaries inside GPT-OSS's window (16) and through
+# Qwen3-Next's linear-attention layers, and decode rows run beside chunks in the same forward
+PROMPT_LENGTHS = [1, 3, 9, 17, 23, 30, 5, 12]
+CHUNK = 7
+DECODE_STEPS = 3
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+    return [3 + (7 * i + 11 * salt) % 240 for i in range(n)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eight_sequences_in_one_forward_per_step_equal_transformers(arch, tiny_dir):
+    path = tiny_dir(arch)
+    ref = load_reference(path)
+    mask = make_mask("random_half", detect(load_config(path)))
+    with LLM(path, placement=mask, dtype=torch.float32, max_running=8, page_size=4, progress=False) as llm:
+        engine = llm.engine
+        prompts = [_prompt(n, i) for i, n in enumerate(PROMPT_LENGTHS)]
+        seqs = [engine.new_sequence() for _ in prompts]
+        tokens = [list(p) for p in prompts]  # what each sequence has fed or will feed
+        got: list[list[torch.Tensor]] = [[] for _ in prompts]  # logits of each fed position that was sampled
+        forwards = 0
+        while any(s.num_fed < len(p) + DECODE_STEPS for s, p in zip(seqs, prompts)):
+            feeding = [i for i, (s, p) in enumerate(zip(seqs, prompts)) if s.num_fed < len(p) + DECODE_STEPS]
+            inputs = [tokens[i][seqs[i].num_fed:seqs[i].num_fed + CHUNK] for i in feeding]
+            logits = engine.feed([seqs[i] for i in feeding], inputs)
+            forwards += 1
+            for i, row in zip(feeding, logits):
+                if seqs[i].num_fed == len(tokens[i]):  # its known tokens are through: it "samples" greedily
+                    got[i].append(row[-1])
+                    tokens[i].append(int(row[-1].argmax()))
+        assert forwards == 5 + DECODE_STEPS  # the longest prompt's 5 chunks, then its decodes: one forward each
+        for i, prompt in enumerate(prompts):
+            with torch.no_grad():
+                want = ref(torch.tensor([tokens[i][:-1]])).logits[0]
+            for k, row in enumerate(got[i]):
+                assert rel_err(row, want[len(prompt) - 1 + k]) <= FP32_TOL, (arch, i, k)
+            engine.release(seqs[i])
+        assert set(engine.pool.used_pages().values()) == {0}
+
+
+def test_a_step_reads_each_sequences_visible_keys_and_writes_its_new_slots():
+    # page size 4; sequence A: 12 tokens in the pool, decodes 1; sequence B: new, a chunk of 3
+    feeds = [SeqFeed(12, 1, {None: [2, 5, 6, 8], 8: [-1, 7, 9, 10]}), SeqFeed(0, 3, {None: [1], 8: [3]})]
+    step = RaggedStep(feeds, 4, {0: None, 1: 8}, torch.device("cpu"), torch.float32)
+    assert step.position_ids.tolist() == [[12, 0, 1, 2]]
+    full, sliding = step.groups[None], step.groups[8]
+    assert full.write_index.tolist() == [32, 4, 5, 6]  # slot = page * 4 + offset
+    assert full.read_index.tolist() == [8, 9, 10, 11, 20, 21, 22, 23, 24, 25, 26, 27, 32, 4, 5, 6]
+    assert full.decode_width == 13 and full.segment_keys == ((13, 16),)
+    assert (full.segment_masks[0][0, 0] == 0).tolist() == [[True, False, False], [True, True, False],
+                                                            [True, True, True]]
+    # window 8: A's query at 12 sees positions 5..12 only (> 12 - 8), so its freed first page is never read
+    assert sliding.write_index.tolist() == [40, 12, 13, 14]
+    assert sliding.read_index.tolist() == [29, 30, 31, 36, 37, 38, 39, 40, 12, 13, 14]
+    assert sliding.decode_width == 8 and bool((sliding.decode_mask == 0).all())
+    with pytest.raises(ValueError, match="freed"):  # a visible position on a page handed back
+        RaggedStep([SeqFeed(6, 1, {8: [-1, 7]})], 4, {0: 8}, torch.device("cpu"), torch.float32)
+
+
+def test_decode_rows_of_different_lengths_are_padded_with_the_zero_slot_and_masked():
+    feeds = [SeqFeed(5, 1, {None: [3, 4]}), SeqFeed(1, 1, {None: [6]})]
+    step = RaggedStep(feeds, 4, {0: None}, torch.device("cpu"), torch.float32)
+    group = step.groups[None]
+    assert group.read_index.tolist() == [12, 13, 14, 15, 16, 17, 24, 25, 0, 0, 0, 0]
+    assert (group.decode_mask[:, 0, 0] == 0).tolist() == [[True] * 6, [True, True] + [False] * 4]
+
+
+def test_sliding_groups_keep_only_the_window_and_pages_come_back():
+    pool = KVPool({0: None, 1: 8}, tokens=64, max_sequences=2, device=torch.device("cpu"), page_size=4,
+                  max_chunk=8)
+    share = pool.new_share()
+    assert pool.reserve(share, 0, 20)
+    assert [len(t) for t in share.tables.values()] == [5, 5]
+    pool.trim(share, 20)  # the next query (position 20) sees 13..20: pages 0-2 of the window group go back
+    assert share.tables[8][:3] == [-1, -1, -1] and all(p > 0 for p in share.tables[8][3:])
+    assert pool.used_pages() == {None: 5, 8: 2}
+    assert not pool.reserve(share, 20, 20 + 4 * 64)  # more than the pool: nothing taken
+    assert pool.used_pages() == {None: 5, 8: 2}
+    pool.release(share)
+    assert pool.used_pages() == {None: 0, 8: 0}

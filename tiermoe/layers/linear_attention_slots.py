@@ -1,0 +1,147 @@
+"""Linear-attention layers (Qwen3-Next's gated DeltaNet) in the ragged step: per-sequence state slots in the pool.
+
+A linear-attention layer keeps, per sequence, a conv state [C, K] and a recurrent state [H, dk, dv] instead of
+K/V per token. The pool reserves them once per layer for every sequence slot, twice (two banks): a step reads a
+sequence's committed bank and writes the other, and `commit` flips the bank of the sequences whose step
+succeeded. So a failed step leaves every state as it was (the engine re-runs parts of it), with no copy of the
+state per step beyond what the layer reads and writes anyway.
+
+The layer itself stays transformers' module, its class swapped for a subclass (`use_ragged_linear_attention`,
+weights and names untouched) whose forward runs the original forward once for all decode rows of the step (a
+batch of one token each, the states gathered from their slots) and once per longer segment, each with a
+`SlotStates` as its cache: the cache methods the original calls, on those slots.
+Legend: b sequences of one call, C conv channels, K conv kernel, H value heads, dk/dv head dims.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from tiermoe.layers.paged_attention import STEP_KWARG, PagedStepCache
+
+BANKS = 2  # tiermoe.placement.kv_layout counts them (LINEAR_STATE_BANKS)
+
+
+class LinearStateSlots:
+    """Every linear-attention layer's states for `num_slots` sequences, in two banks (index 2 * slot + bank)."""
+
+    def __init__(self, num_slots: int, device: torch.device):
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        self.conv: dict[int, torch.Tensor] = {}  # layer -> [2 * slots, C, K]
+        self.recurrent: dict[int, torch.Tensor] = {}  # layer -> [2 * slots, H, dk, dv]
+        self.bank = [0] * num_slots  # the committed bank of each slot
+        self.has_state = [False] * num_slots  # a slot's sequence has run at least one step
+
+    def reset(self, slot: int) -> None:
+        """A new sequence takes `slot`: it starts with no state."""
+        self.has_state[slot] = False
+
+    def commit(self, slots: list[int]) -> None:
+        """The step that wrote these slots' other banks succeeded: those banks are now theirs."""
+        for s in slots:
+            self.bank[s] ^= 1
+            self.has_state[s] = True
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for store in (self.conv, self.recurrent) for t in store.values())
+
+    def _store(self, stores: dict[int, torch.Tensor], layer: int, like: torch.Tensor) -> torch.Tensor:
+        store = stores.get(layer)
+        if store is None:
+            store = stores[layer] = torch.zeros((BANKS * self.num_slots, *like.shape[1:]), dtype=like.dtype,
+                                                device=self.device)
+        return store
+
+
+class SlotStates:
+    """The cache a linear-attention forward of sequences in `slots` sees (the methods transformers' gated DeltaNet
+    calls): their committed states, gathered; new states written to their other banks."""
+
+    def __init__(self, slots_store: LinearStateSlots, slots: list[int]):
+        self.store = slots_store
+        self.fresh = not slots_store.has_state[slots[0]]
+        if any(slots_store.has_state[s] == self.fresh for s in slots):
+            raise ValueError("one linear-attention call mixes sequences with and without a state")
+        device = slots_store.device
+        self.read = torch.tensor([2 * s + slots_store.bank[s] for s in slots], device=device)
+        self.write = torch.tensor([2 * s + 1 - slots_store.bank[s] for s in slots], device=device)
+        self._handed_conv: dict[int, torch.Tensor] = {}
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        if self.fresh or layer_idx not in self.store.conv:
+            return None
+        # a one-token decode updates the state it is handed in place: hand a gathered copy, written back after
+        conv = self._handed_conv[layer_idx] = self.store.conv[layer_idx].index_select(0, self.read)
+        return conv
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        if self.fresh or layer_idx not in self.store.recurrent:
+            return None
+        return self.store.recurrent[layer_idx].index_select(0, self.read)
+
+    def update_conv_state(self, conv_bCn: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
+        """New inputs [b, C, n] -> the conv's input with its left context [b, C, K' + n]; keeps the last K."""
+        self._handed_conv.pop(layer_idx, None)  # this call writes the new state itself
+        store = self.store.conv.get(layer_idx)
+        kernel = conv_kernel_size or store.shape[-1]
+        if self.fresh or store is None:
+            full = conv_bCn
+            if full.shape[-1] < kernel:
+                full = F.pad(full, (kernel - full.shape[-1], 0))
+        else:
+            full = torch.cat([store.index_select(0, self.read), conv_bCn], dim=-1)
+        store = self.store._store(self.store.conv, layer_idx, full[..., -kernel:])
+        store.index_copy_(0, self.write, full[..., -kernel:])
+        return full
+
+    def update_recurrent_state(self, state_bHkv: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        self.store._store(self.store.recurrent, layer_idx, state_bHkv).index_copy_(0, self.write, state_bHkv)
+        return state_bHkv
+
+    def finish(self, layer_idx: int) -> None:
+        """After the layer's forward: a conv state updated in place goes to the other banks."""
+        conv = self._handed_conv.pop(layer_idx, None)
+        if conv is not None:
+            self.store.conv[layer_idx].index_copy_(0, self.write, conv)
+
+
+class RaggedLinearAttention:
+    """Mixin put in front of a transformers linear-attention class (see use_ragged_linear_attention)."""
+
+    def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
+        step = kwargs.pop(STEP_KWARG, None)
+        if step is None or not isinstance(cache, PagedStepCache):
+            return super().forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        outputs = []
+        for part in step.row_parts:
+            feeds = step.feeds[part.first_feed:part.first_feed + part.b]
+            states = SlotStates(cache.linear, [f.slot for f in feeds])
+            x = hidden_states[0, part.rows].unflatten(0, (part.b, part.q))  # [b, q, D]
+            outputs.append(super().forward(x, cache=states, attention_mask=None, **kwargs).flatten(0, 1))
+            states.finish(self.layer_idx)
+        return torch.cat(outputs)[None]
+
+
+def use_ragged_linear_attention(model) -> int:
+    """Swap the class of every linear-attention module of `model` for its ragged-step subclass; returns how many."""
+    swapped = 0
+    for module in model.modules():
+        cls = type(module)
+        if cls.__name__.endswith("GatedDeltaNet") and not isinstance(module, RaggedLinearAttention):
+            module.__class__ = _ragged_class(cls)
+            swapped += 1
+    return swapped
+
+
+@functools.cache  # one subclass per original class, so every swapped module shares it
+def _ragged_class(cls: type) -> type:
+    return type(f"Ragged{cls.__name__}", (RaggedLinearAttention, cls), {})

@@ -1,0 +1,163 @@
+"""Attention over the paged KV pool for transformers' own attention modules, one ragged forward per step.
+
+The engine runs every scheduled sequence's new tokens as one [1, T] forward (tiermoe.layers.ragged_step). The
+attention modules stay transformers' (their projections, norms and rope); two things are ours:
+- the cache they call, `PagedStepCache`: `update` writes the step's new K/V into the pool's slots and returns the
+  K/V the step reads (the step's read_index: the past where it lies, gathered once, plus the new tokens);
+- the attention function, registered with transformers as `tiermoe_paged_<original>` and set as the model's
+  attention implementation by `use_paged_attention`: given the step (the `tiermoe_step` keyword the engine passes
+  to the model, which transformers hands every attention call), it attends the decode rows as one padded batch
+  and each longer segment alone, each part with its own mask, through the model's original attention function
+  (sdpa, or eager with GPT-OSS's sinks), so each sequence sees exactly its own keys. Without a step (a plain
+  forward with a transformers cache, e.g. from a test) it is the original function with the original masks.
+Legend: T new tokens, K read keys, H heads, d head dim, b rows of one attention call, q its queries, W its keys.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from tiermoe.layers.kv_pages import KVPages
+from tiermoe.layers.ragged_step import RaggedStep
+
+STEP_KWARG = "tiermoe_step"
+LINEAR = "linear"  # the page group of linear-attention layers: no pages, per-sequence state slots
+PAGED_PREFIX = "tiermoe_paged_"
+_SUPPORTED = ("sdpa", "eager")  # original implementations whose per-part results the tests compare
+
+
+@dataclass(frozen=True)
+class Part:
+    """One attention call of a step: query rows [r0, r0 + b * q), keys [k0, k0 + b * w) of the gathered K/V."""
+
+    rows: slice
+    keys: slice
+    b: int  # rows of the call (the decode batch, or 1 for a segment)
+    q: int  # queries per row
+    w: int  # keys per row
+    mask: torch.Tensor  # [b, 1, q, w] additive
+
+
+def parts(step: RaggedStep, window: int | None) -> Iterator[Part]:
+    """The decode rows as one padded call, then each segment alone (step.row_parts, with their keys)."""
+    group = step.groups[window]
+    keys = ([(0, step.num_decode * group.decode_width)] if step.num_decode else []) + list(group.segment_keys)
+    masks = ([group.decode_mask] if step.num_decode else []) + list(group.segment_masks)
+    for part, (k0, k1), mask in zip(step.row_parts, keys, masks):
+        yield Part(part.rows, slice(k0, k1), part.b, part.q, (k1 - k0) // part.b, mask)
+
+
+def part_queries(x_1HTd: torch.Tensor, part: Part) -> torch.Tensor:
+    """[1, H, T, d] -> this part's [b, H, q, d] (a view)."""
+    return x_1HTd[0, :, part.rows].unflatten(1, (part.b, part.q)).transpose(0, 1)
+
+
+def part_keys(x_1HKd: torch.Tensor, part: Part) -> torch.Tensor:
+    """[1, H, K, d] -> this part's [b, H, w, d] (a view)."""
+    return x_1HKd[0, :, part.keys].unflatten(1, (part.b, part.w)).transpose(0, 1)
+
+
+def attend_parts(step: RaggedStep, window: int | None, out_1THd: torch.Tensor,
+                 attend: Callable[[Part], torch.Tensor]) -> torch.Tensor:
+    """Fill out [1, T, H, d] with `attend(part)` ([b, q, H, d]) for every part of the step."""
+    for part in parts(step, window):
+        out_1THd[0, part.rows] = attend(part).reshape(part.b * part.q, *out_1THd.shape[2:])
+    return out_1THd
+
+
+class PagedStepCache(Cache):
+    """What transformers' attention modules call `update` on during a step: the pool, through the step's
+    indices. Linear-attention layers are not served here (see tiermoe.layers.linear_attention_slots)."""
+
+    def __init__(self, pages: KVPages, step: RaggedStep, linear=None):
+        self.pages, self.step = pages, step
+        self.linear = linear  # the linear-attention state slots (tiermoe.layers.linear_attention_slots), if any
+        self.layers = []
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """New K/V [1, H, T, d] -> the K/V the step reads [1, H, K, d] (new ones included)."""
+        window = self.step.layer_windows[layer_idx]
+        group = self.step.groups[window]
+        k_new, v_new = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)  # [T, H, d]
+        k_slots, v_slots = self.pages.slots(layer_idx, window, k_new, v_new)
+        k_slots.index_copy_(0, group.write_index, k_new)
+        v_slots.index_copy_(0, group.write_index, v_new)
+        read = group.read_index
+        return k_slots.index_select(0, read).transpose(0, 1)[None], v_slots.index_select(0, read).transpose(0, 1)[None]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions come as position_ids, masks from the step: nothing reads this length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length, 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+def layer_windows(config) -> dict[int, int | None | str]:
+    """Per decoder layer: None (full attention), its sliding window, or LINEAR, as transformers' DynamicCache
+    lays the model's cache out (so the pool keeps exactly what transformers' caches keep)."""
+    windows = {}
+    for i, layer in enumerate(DynamicCache(config=config).layers):
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            windows[i] = LINEAR
+        else:
+            windows[i] = getattr(layer, "sliding_window", None)
+    return windows
+
+
+def use_paged_attention(model) -> str:
+    """Make `model`'s attention modules attend through the pool when given a step (and as before otherwise);
+    returns the original implementation's name. Raises ValueError for an implementation not checked here."""
+    original = model.config._attn_implementation
+    if original.startswith(PAGED_PREFIX):
+        return original[len(PAGED_PREFIX):]
+    if original not in _SUPPORTED:
+        raise ValueError(f"attention implementation {original!r} is not supported by the KV pool "
+                         f"(supported: {', '.join(_SUPPORTED)})")
+    name = PAGED_PREFIX + original
+    ALL_ATTENTION_FUNCTIONS.register(name, paged_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
+    model.config._attn_implementation = name
+    for module in model.modules():  # sub-configs (e.g. a text config) name the implementation too
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "_attn_implementation", None) == original:
+            config._attn_implementation = name
+    return original
+
+
+def original_attention(module) -> Callable:
+    """The attention function `module` would call without the pool: the model file's own eager function (GPT-OSS's
+    has sinks) or transformers' registered one."""
+    name = module.config._attn_implementation.removeprefix(PAGED_PREFIX)
+    if name == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                    **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query [1, H, T, d], key/value [1, Hkv, K, d] as the pool's
+    cache returned them -> ([1, T, H, dv], None)."""
+    step = kwargs.pop(STEP_KWARG, None)
+    attend = original_attention(module)
+    if step is None:
+        return attend(module, query, key, value, attention_mask, **kwargs)
+    window = step.layer_windows[module.layer_idx]
+    out = query.new_empty((1, query.shape[2], query.shape[1], value.shape[-1]))
+
+    def one_part(part: Part) -> torch.Tensor:
+        result, _ = attend(module, part_queries(query, part), part_keys(key, part), part_keys(value, part),
+                           part.mask, **kwargs)
+        return result
+
+    return attend_parts(step, window, out, one_part), None
