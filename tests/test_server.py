@@ -157,6 +157,18 @@ def test_models_placement_and_metrics(server):
         assert f"tiermoe_{name} " in metrics
 
 
+def test_metrics_report_the_kv_pool_and_prefix_hits(server):
+    prompt = "a long shared system prompt, then a question " * 3
+    before = _metric(server, "prefix_cache_hit_tokens_total")
+    for question in ("one?", "two?"):  # the second request finds the first one's full pages
+        body = {"prompt": prompt + question, "max_tokens": 2}
+        assert http(server, "POST", "/v1/completions", json=body).status_code == 200
+    assert _metric(server, "prefix_cache_hit_tokens_total") - before >= 16
+    assert _metric(server, "kv_pool_tokens") >= _metric(server, "kv_pool_used_tokens") >= 0
+    assert _metric(server, "kv_pool_cached_prefix_tokens") >= 16
+    assert _metric(server, "kv_pool_bytes_per_token") > 0 and _metric(server, "kv_pool_reserved_bytes") > 0
+
+
 def _metric(server, name: str) -> float:
     for line in http(server, "GET", "/metrics").text.splitlines():
         if line.startswith(f"tiermoe_{name} "):

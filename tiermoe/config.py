@@ -134,12 +134,12 @@ class CPUConfig:
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # 8 MiB: a prompt of a million tokens and more
 MAX_REQUEST_BYTES_CAP = 1 << 30  # a body is parsed in memory several times over: 1 GiB is already a lot
 
+DEFAULT_PAGE_SIZE = 16  # tokens per KV page: vLLM's default block size; a sequence wastes less than one page
 # Requests one engine runs at once, at most. Each running request holds a KV cache of at least
 # MIN_KV_TOKENS_PER_REQUEST tokens (a prompt token and a generated one), so --max-total-tokens T holds at most
 # T // 2 of them (SGLang's own default is that, max_total_tokens // 2, within a request pool of at most 4096).
-# Without batched decode each running request is also one forward on its own thread every step: past a few
-# thousand, per-sequence overhead (threads, cache objects, Python bookkeeping) outweighs what batching saves.
-DEFAULT_PAGE_SIZE = 16  # tokens per KV page: vLLM's default block size; a sequence wastes less than one page
+# Each running request also costs the step its page tables and Python bookkeeping: past a few thousand, that
+# outweighs what batching saves.
 MAX_RUNNING_REQUESTS = 4096
 MIN_KV_TOKENS_PER_REQUEST = 2
 DEFAULT_MAX_RUNNING_REQUESTS = 32
