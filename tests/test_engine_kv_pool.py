@@ -14,7 +14,8 @@ from conftest import ARCHS, load_reference, make_mask, rel_err
 from tiermoe.arch import detect, load_config
 from tiermoe.engine.kv_pool import KVPool
 from tiermoe.engine.llm import LLM
-from tiermoe.layers.ragged_step import RaggedStep, SeqFeed
+from tiermoe.engine.sampling import SamplingParams
+from tiermoe.layers.ragged_step import RaggedStep, SeqFeed, decode_runs
 
 FP32_TOL = 2e-5
 # 8 sequences of different lengths; chunks of 7 put chunk boundaries inside GPT-OSS's window (16) and through
@@ -59,31 +60,38 @@ def test_eight_sequences_in_one_forward_per_step_equal_transformers(arch, tiny_d
         assert set(engine.pool.used_pages().values()) == {0}
 
 
-def test_a_step_reads_each_sequences_visible_keys_and_writes_its_new_slots():
+def _visible(mask) -> list:
+    return (mask == 0).tolist()
+
+
+def test_a_step_reads_each_sequences_visible_pages_and_writes_its_new_slots():
     # page size 4; sequence A: 12 tokens in the pool, decodes 1; sequence B: new, a chunk of 3
     feeds = [SeqFeed(12, 1, {None: [2, 5, 6, 8], 8: [-1, 7, 9, 10]}), SeqFeed(0, 3, {None: [1], 8: [3]})]
     step = RaggedStep(feeds, 4, {0: None, 1: 8}, torch.device("cpu"), torch.float32)
     assert step.position_ids.tolist() == [[12, 0, 1, 2]]
     full, sliding = step.groups[None], step.groups[8]
     assert full.write_index.tolist() == [32, 4, 5, 6]  # slot = page * 4 + offset
-    assert full.read_index.tolist() == [8, 9, 10, 11, 20, 21, 22, 23, 24, 25, 26, 27, 32, 4, 5, 6]
-    assert full.decode_width == 13 and full.segment_keys == ((13, 16),)
-    assert (full.segment_masks[0][0, 0] == 0).tolist() == [[True, False, False], [True, True, False],
-                                                            [True, True, True]]
-    # window 8: A's query at 12 sees positions 5..12 only (> 12 - 8), so its freed first page is never read
+    assert full.read_pages.tolist() == [2, 5, 6, 8, 1]  # A's 4 pages, then B's 1
+    (a, b) = full.parts
+    assert (a.first, a.end, b.first, b.end) == (0, 4, 4, 5)
+    assert _visible(a.mask[0, 0]) == [[True] * 13 + [False] * 3]  # positions 13-15 of A's last page: not yet
+    assert _visible(b.mask[0, 0]) == [[True, False, False, False], [True, True, False, False],
+                                      [True, True, True, False]]
+    # window 8: A's query at 12 sees positions 5..12 only (> 12 - 8): pages 1-3, never its freed page 0
     assert sliding.write_index.tolist() == [40, 12, 13, 14]
-    assert sliding.read_index.tolist() == [29, 30, 31, 36, 37, 38, 39, 40, 12, 13, 14]
-    assert sliding.decode_width == 8 and bool((sliding.decode_mask == 0).all())
+    assert sliding.read_pages.tolist() == [7, 9, 10, 3]
+    assert _visible(sliding.parts[0].mask[0, 0]) == [[False] + [True] * 8 + [False] * 3]
     with pytest.raises(ValueError, match="freed"):  # a visible position on a page handed back
         RaggedStep([SeqFeed(6, 1, {8: [-1, 7]})], 4, {0: 8}, torch.device("cpu"), torch.float32)
 
 
-def test_decode_rows_of_different_lengths_are_padded_with_the_zero_slot_and_masked():
+def test_decode_rows_of_similar_lengths_attend_together_padded_with_the_zero_page():
+    assert decode_runs([2000, 1500, 1000, 512, 256, 128, 64, 16]) == [(0, 3), (3, 5), (5, 8)]
     feeds = [SeqFeed(5, 1, {None: [3, 4]}), SeqFeed(1, 1, {None: [6]})]
     step = RaggedStep(feeds, 4, {0: None}, torch.device("cpu"), torch.float32)
     group = step.groups[None]
-    assert group.read_index.tolist() == [12, 13, 14, 15, 16, 17, 24, 25, 0, 0, 0, 0]
-    assert (group.decode_mask[:, 0, 0] == 0).tolist() == [[True] * 6, [True, True] + [False] * 4]
+    assert len(step.row_parts) == 1 and group.read_pages.tolist() == [3, 4, 6, 0]
+    assert _visible(group.parts[0].mask[:, 0, 0]) == [[True] * 6 + [False] * 2, [True, True] + [False] * 6]
 
 
 def test_sliding_groups_keep_only_the_window_and_pages_come_back():
@@ -99,3 +107,20 @@ def test_sliding_groups_keep_only_the_window_and_pages_come_back():
     assert pool.used_pages() == {None: 5, 8: 2}
     pool.release(share)
     assert pool.used_pages() == {None: 0, 8: 0}
+
+
+def test_pages_never_written_cannot_poison_attention(tiny_dir):
+    # attention reads whole pages and masks what it must not see; a masked slot holding NaN (never-written memory)
+    # would still give 0 x NaN: a page is zeroed when first handed out
+    greedy = SamplingParams(max_tokens=5, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9, 10], [20, 21, 22]]
+    with LLM(tiny_dir("qwen3_moe"), dtype=torch.float32, page_size=4, max_total_tokens=64, prefix_cache=False,
+             progress=False) as llm:
+        want = [r.token_ids for r in llm.generate(prompts, greedy)]
+        pages = llm.engine.pool.pages
+        with torch.inference_mode():
+            for pair in pages._slots.values():
+                for t in pair:
+                    for page in set(range(1, pages.num_pages[None] + 1)) - pages._prepared[None]:
+                        t[page * 4:(page + 1) * 4] = float("nan")
+        assert [r.token_ids for r in llm.generate(prompts, greedy)] == want

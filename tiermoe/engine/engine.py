@@ -182,6 +182,8 @@ class Engine:
                 self.prefix_hit_tokens += seq.num_fed
             if not self.pool.reserve(seq.pages, seq.num_fed,
                                      seq.num_fed + min(seq.num_tokens - seq.num_fed, self.config.prefill_chunk)):
+                self._release(seq)  # a waiting sequence holds no pages: the matched ones stay findable, idle
+                seq.num_fed = 0
                 break
             self.running.append(self.waiting.popleft())
 
@@ -299,9 +301,11 @@ class Engine:
         return forward_isolating(self._recorded_forward, batch, inputs)
 
     def _feeds(self, batch: list[Sequence], inputs: list[list[int]]) -> tuple[list[SeqFeed], list[int]]:
-        """The step's feeds in row order (decode rows first: one token after a past; then every other feed), and
-        that order as indices into batch."""
-        decode = [i for i, s in enumerate(batch) if len(inputs[i]) == 1 and s.num_fed > 0]
+        """The step's feeds in row order (decode rows first, longest past first, so rows of similar lengths attend
+        together: tiermoe.layers.ragged_step.decode_runs; then every other feed), and that order as indices into
+        batch."""
+        decode = sorted((i for i, s in enumerate(batch) if len(inputs[i]) == 1 and s.num_fed > 0),
+                        key=lambda i: -batch[i].num_fed)
         order = decode + [i for i in range(len(batch)) if i not in set(decode)]
         return [self.pool.feed(batch[i].pages, batch[i].num_fed, len(inputs[i])) for i in order], order
 

@@ -99,7 +99,9 @@ class KVPool:
 
     def _take(self, window: int | None) -> int:
         free = self._free[window]
-        return free.popleft() if free else self.prefix.evict()
+        page = free.popleft() if free else self.prefix.evict()
+        self.pages.prepare(window, page)
+        return page
 
     def match(self, share: SeqPages, token_ids: list[int], most: int) -> int:
         """Give a new sequence the indexed pages its `token_ids` start with, at most `most` tokens of them;

@@ -3,7 +3,7 @@
 The engine runs every scheduled sequence's new tokens as one [1, T] forward (tiermoe.layers.ragged_step). The
 attention modules stay transformers' (their projections, norms and rope); two things are ours:
 - the cache they call, `PagedStepCache`: `update` writes the step's new K/V into the pool's slots and returns the
-  K/V the step reads (the step's read_index: the past where it lies, gathered once, plus the new tokens);
+  K/V the step reads (the step's read_pages: the past where it lies, gathered once, plus the new tokens);
 - the attention function, registered with transformers as `tiermoe_paged_<original>` and set as the model's
   attention implementation by `use_paged_attention`: given the step (the `tiermoe_step` keyword the engine passes
   to the model, which transformers hands every attention call), it attends the decode rows as one padded batch
@@ -46,12 +46,11 @@ class Part:
 
 
 def parts(step: RaggedStep, window: int | None) -> Iterator[Part]:
-    """The decode rows as one padded call, then each segment alone (step.row_parts, with their keys)."""
-    group = step.groups[window]
-    keys = ([(0, step.num_decode * group.decode_width)] if step.num_decode else []) + list(group.segment_keys)
-    masks = ([group.decode_mask] if step.num_decode else []) + list(group.segment_masks)
-    for part, (k0, k1), mask in zip(step.row_parts, keys, masks):
-        yield Part(part.rows, slice(k0, k1), part.b, part.q, (k1 - k0) // part.b, mask)
+    """Each attention call of the step (step.row_parts), with its keys in this page group."""
+    size = step.page_size
+    for part, keys in zip(step.row_parts, step.groups[window].parts):
+        w = (keys.end - keys.first) * size // part.b
+        yield Part(part.rows, slice(keys.first * size, keys.end * size), part.b, part.q, w, keys.mask)
 
 
 def part_queries(x_1HTd: torch.Tensor, part: Part) -> torch.Tensor:
@@ -82,15 +81,15 @@ class PagedStepCache(Cache):
         self.layers = []
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """New K/V [1, H, T, d] -> the K/V the step reads [1, H, K, d] (new ones included)."""
+        """New K/V [1, H, T, d] -> the K/V the step reads [1, H, K, d] (new ones included; K = pages read x P)."""
         window = self.step.layer_windows[layer_idx]
         group = self.step.groups[window]
         k_new, v_new = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)  # [T, H, d]
         k_slots, v_slots = self.pages.slots(layer_idx, window, k_new, v_new)
         k_slots.index_copy_(0, group.write_index, k_new)
         v_slots.index_copy_(0, group.write_index, v_new)
-        read = group.read_index
-        return k_slots.index_select(0, read).transpose(0, 1)[None], v_slots.index_select(0, read).transpose(0, 1)[None]
+        return _read(k_slots, group.read_pages, self.step.page_size), _read(v_slots, group.read_pages,
+                                                                            self.step.page_size)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions come as position_ids, masks from the step: nothing reads this length
@@ -101,6 +100,12 @@ class PagedStepCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return False
+
+
+def _read(slots_SHd: torch.Tensor, pages_N: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Whole pages gathered: [S, H, d] slots -> [1, H, N * P, d]."""
+    paged = slots_SHd.view(-1, page_size, *slots_SHd.shape[1:])  # [pages, P, H, d]
+    return paged.index_select(0, pages_N).flatten(0, 1).transpose(0, 1)[None]
 
 
 def layer_windows(config) -> dict[int, int | None | str]:

@@ -1,20 +1,21 @@
 """One engine step as a ragged batch: every scheduled sequence's new tokens in ONE [1, T] forward over the KV pool.
 
-The step's rows are ordered: decode rows first (one token each, in the order given), then each longer segment
-(a prompt chunk, or a preempted sequence's recompute). For every page group (full attention; each sliding window
-size) the step knows, as index tensors into that group's pool slots (slot = page * page_size + offset):
-- write_index [T]: where each new token's K/V goes;
-- read_index [K]: what attention reads, in row order: the decode rows padded to the longest decode row's
-  visible length (pads read slot 0, the pool's never-written zero slot, and are masked), then each segment's
-  visible keys, contiguous.
-So a step writes only its new tokens and reads the past where it lies: the one gather per layer (index_select,
-as transformers' own paged cache does) is the K/V attention reads, nothing beyond it. Masks are additive
-(0 / dtype min) per decode batch [B, 1, 1, Lmax] and per segment [1, 1, n, k], built once per step and group.
+The step's rows are ordered: decode rows first (one token after a past each, longest past first), then each
+longer segment (a prompt chunk, or a preempted sequence's recompute). Attention runs in parts (`row_parts`): the
+decode rows in runs of similar past lengths (each run one padded batch: padding stays within half the real keys,
+or PAD_ALLOWANCE positions), then each segment alone. For every page group (full attention; each sliding window
+size) the step holds, per part, the pages it reads, and for the whole step:
+- write_index [T]: the pool slot of each new token's K/V (slot = page * page_size + offset);
+- read_pages [N]: the pages attention reads, part after part (a decode run's rows each padded to the run's
+  widest with page 0, the pool's never-written zero page); whole pages are gathered (one index_select of
+  page-sized rows per layer, as transformers' own paged cache gathers token rows), and every position a query
+  must not see (before the window, after the sequence's last token, a pad) is masked.
+So a step writes only its new tokens and reads the past where it lies. Masks are additive (0 / dtype min),
+[b, 1, q, w] per part, built once per step and group.
 
-A key position q is visible to a query at position p when q <= p and, in a sliding group of window w,
-q > p - w (transformers' sliding_window_overlay).
-Legend: T new tokens, K read keys, B decode rows, Lmax longest decode row's visible keys, n/k a segment's
-queries/keys.
+A key position k is visible to a query at position p when k <= p and, in a sliding group of window w,
+k > p - w (transformers' sliding_window_overlay).
+Legend: T new tokens, N read pages, P page size, b rows of a part, q its queries per row, w its keys per row.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 import torch
 
 FULL = None  # the window of full-attention layers
+# Key positions a decode run may pad beyond half its real keys: a run that small is cheaper padded than split.
+PAD_ALLOWANCE = 256
 
 
 @dataclass(frozen=True)
@@ -38,8 +41,8 @@ class SeqFeed:
 
 @dataclass(frozen=True)
 class RowPart:
-    """Rows of the step that one attention call takes: the decode rows together (b of them, q = 1 query each),
-    or one segment (b = 1, q queries); `first_feed` is the index of its first sequence in the step's feeds."""
+    """Rows of the step that one attention call takes: a run of decode rows (b of them, q = 1 query each), or
+    one segment (b = 1, q queries); `first_feed` is the index of its first sequence in the step's feeds."""
 
     first_feed: int
     b: int
@@ -48,15 +51,35 @@ class RowPart:
 
 
 @dataclass(frozen=True)
+class PartKeys:
+    """One part's keys in a page group: its pages [first, end) of read_pages, and its mask [b, 1, q, w]."""
+
+    first: int
+    end: int
+    mask: torch.Tensor
+
+
+@dataclass(frozen=True)
 class GroupIndex:
     """One page group's step indices (see the module docstring)."""
 
-    write_index: torch.Tensor  # [T] int64
-    read_index: torch.Tensor  # [K] int64
-    decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] additive, None without decode rows
-    decode_width: int  # Lmax
-    segment_keys: tuple[tuple[int, int], ...]  # per segment, its [start, end) in read_index
-    segment_masks: tuple[torch.Tensor, ...]  # per segment [1, 1, n, k] additive
+    write_index: torch.Tensor  # [T] int64 slots
+    read_pages: torch.Tensor  # [N] int64 page ids
+    parts: tuple[PartKeys, ...]  # in step.row_parts order
+
+
+def decode_runs(pasts: list[int], allowance: int = PAD_ALLOWANCE) -> list[tuple[int, int]]:
+    """Split decode rows (past lengths, longest first) into consecutive runs [start, end) whose padding (to the
+    run's longest) stays within max(half the real keys, allowance)."""
+    runs, start = [], 0
+    for i in range(1, len(pasts) + 1):
+        if i < len(pasts):
+            real = sum(p + 1 for p in pasts[start:i + 1])
+            if (i + 1 - start) * (max(pasts[start:i + 1]) + 1) - real <= max(real // 2, allowance):
+                continue
+        runs.append((start, i))
+        start = i
+    return runs
 
 
 class RaggedStep:
@@ -64,8 +87,8 @@ class RaggedStep:
 
     def __init__(self, feeds: list[SeqFeed], page_size: int, layer_windows: dict[int, int | None | str],
                  device: torch.device, mask_dtype: torch.dtype, num_decode: int | None = None):
-        """`num_decode`: how many leading feeds (one token each) attend as one padded batch; default: all the
-        leading one-token feeds."""
+        """`num_decode`: how many leading feeds are decode rows (one token after a past; default: all the leading
+        one-token feeds)."""
         self.feeds = feeds
         self.layer_windows = layer_windows  # decoder layer -> its page group's window (or LINEAR: no pages)
         self.page_size = page_size
@@ -74,56 +97,51 @@ class RaggedStep:
         self.num_decode = num_decode
         if any(f.new != 1 for f in feeds[:num_decode]) or any(f.new < 1 for f in feeds):
             raise ValueError("a ragged step lists its decode rows (one token each) first, then its segments")
-        self.segments = [(self.num_decode + sum(f.new for f in feeds[self.num_decode:i]), f.new)
-                         for i, f in enumerate(feeds) if i >= self.num_decode]  # (first row, rows)
-        self.row_parts = ([RowPart(0, self.num_decode, 1, slice(0, self.num_decode))] if self.num_decode else []) + [
-            RowPart(self.num_decode + j, 1, n, slice(r0, r0 + n)) for j, (r0, n) in enumerate(self.segments)]
-        self.num_tokens = sum(f.new for f in feeds)
+        self.row_parts = [RowPart(a, b - a, 1, slice(a, b)) for a, b in decode_runs(
+            [f.past for f in feeds[:num_decode]])]
+        row = num_decode
+        for i, f in enumerate(feeds[num_decode:], start=num_decode):
+            self.row_parts.append(RowPart(i, 1, f.new, slice(row, row + f.new)))
+            row += f.new
+        self.num_tokens = row
         self.position_ids = torch.tensor([[f.past + i for f in feeds for i in range(f.new)]], device=device)
         self.groups = {w: self._group(w, device, mask_dtype) for w in dict.fromkeys(layer_windows.values())
                        if not isinstance(w, str)}
 
     def _group(self, window: int | None, device: torch.device, mask_dtype: torch.dtype) -> GroupIndex:
-        low = torch.finfo(mask_dtype).min
+        size, low = self.page_size, torch.finfo(mask_dtype).min
         tables = [torch.tensor(f.pages[window], dtype=torch.long) for f in self.feeds]
         write = [self._slots(t, f.past, f.past + f.new) for t, f in zip(tables, self.feeds)]
-        first_seen = [_first_visible(f.past, window) for f in self.feeds]
-        decode = self.feeds[:self.num_decode]
-        seen_B = torch.tensor([f.past + 1 - first_seen[b] for b, f in enumerate(decode)], dtype=torch.long)
-        width = int(seen_B.max()) if decode else 0
-        read, decode_mask = [], None
-        if decode:
-            for b, f in enumerate(decode):
-                read += [self._slots(tables[b], first_seen[b], f.past + 1),
-                         torch.zeros(width - int(seen_B[b]), dtype=torch.long)]  # pads: the zero slot
-            real_BL = torch.arange(width)[None, :] < seen_B[:, None]
-            decode_mask = _additive(real_BL, mask_dtype, low)[:, None, None].to(device)
-        keys, masks, at = [], [], sum(len(r) for r in read)
-        for i, f in enumerate(self.feeds[self.num_decode:], start=self.num_decode):
-            start, end = first_seen[i], f.past + f.new
-            keys.append((at, at + end - start))
-            at += end - start
-            read.append(self._slots(tables[i], start, end))
-            q_pos, k_pos = torch.arange(f.past, end)[:, None], torch.arange(start, end)[None, :]
-            visible = k_pos <= q_pos
+        read, parts = [], []
+        for part in self.row_parts:
+            rows = range(part.first_feed, part.first_feed + part.b)
+            spans = [(_first_visible(self.feeds[i].past, window) // size,
+                      (self.feeds[i].past + self.feeds[i].new - 1) // size + 1) for i in rows]
+            width = max(end - first for first, end in spans)  # pages per row
+            first_read = sum(len(r) for r in read)
+            k_pos, q_pos = [], []
+            for i, (first, end) in zip(rows, spans):
+                pages = tables[i][first:end]
+                if bool((pages < 0).any()):
+                    raise ValueError(f"a query of this step sees a page the pool has already freed (window {window})")
+                read.append(torch.cat([pages, torch.zeros(width - len(pages), dtype=torch.long)]))
+                positions = torch.arange(first * size, (first + width) * size)
+                positions[(end - first) * size:] = -1  # pads: never visible
+                k_pos.append(positions)
+                f = self.feeds[i]
+                q_pos.append(torch.arange(f.past, f.past + f.new))
+            k_bw, q_bq = torch.stack(k_pos), torch.stack(q_pos)
+            visible = (k_bw[:, None, :] >= 0) & (k_bw[:, None, :] <= q_bq[:, :, None])  # [b, q, w]
             if window is not None:
-                visible &= k_pos > q_pos - window
-            masks.append(_additive(visible, mask_dtype, low)[None, None].to(device))
-        return GroupIndex(torch.cat(write).to(device), torch.cat(read).to(device) if read else
-                          torch.zeros(0, dtype=torch.long, device=device), decode_mask, width, tuple(keys),
-                          tuple(masks))
+                visible &= k_bw[:, None, :] > q_bq[:, :, None] - window
+            mask = torch.zeros(visible.shape, dtype=mask_dtype).masked_fill_(~visible, low)[:, None].to(device)
+            parts.append(PartKeys(first_read, first_read + part.b * width, mask))
+        return GroupIndex(torch.cat(write).to(device), torch.cat(read).to(device), tuple(parts))
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Pool slots of positions [start, end) of a sequence whose page table is `table`."""
         positions = torch.arange(start, end)
-        pages = table[positions // self.page_size]
-        if bool((pages < 0).any()):
-            raise ValueError(f"positions {start}-{end - 1} reach a page the pool has already freed")
-        return pages * self.page_size + positions % self.page_size
-
-
-def _additive(visible: torch.Tensor, dtype: torch.dtype, low: float) -> torch.Tensor:
-    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, low)
+        return table[positions // self.page_size] * self.page_size + positions % self.page_size
 
 
 def _first_visible(past: int, window: int | None) -> int:
