@@ -16,6 +16,7 @@ from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
 from tiermoe.server.admission import Admission
 from tiermoe.server.engine_service import EngineService
+from tiermoe.server.expert_metrics import ExpertLoadCounter
 from tiermoe.server.logprob_format import TokenText, token_text_of
 from tiermoe.server.metrics import ServerMetrics
 from tiermoe.stats.tier_hits import TierHitCounter
@@ -30,6 +31,7 @@ class ServerState:
     hits: TierHitCounter
     model_name: str
     recorder_control: object | None = None  # start/stop/dump of the expert distribution recorder
+    expert_load: ExpertLoadCounter | None = None  # --enable-expert-distribution-metrics
     started: float = field(default_factory=time.time)
     # one tokenisation at a time: a fast tokenizer's settings are not safe to touch from two threads at once
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
