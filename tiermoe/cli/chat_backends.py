@@ -16,7 +16,6 @@ from tiermoe.cli.cpu_flags import cpu_from_args
 from tiermoe.cli.serve_flags import API_KEY_VARIABLE
 from tiermoe.config import check_device
 from tiermoe.engine.llm import LLM
-from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
 
 
@@ -124,7 +123,8 @@ class LocalChat:
         return self.model
 
     def reply(self, messages):
-        sampling = SamplingParams(max_tokens=self.args.max_tokens, temperature=self.args.temperature)
+        # top_p and top_k from the checkpoint's generation_config.json; temperature is kt chat's (-t, 0.7)
+        sampling = self.llm.default_sampling(max_tokens=self.args.max_tokens, temperature=self.args.temperature)
         for text in self.llm.stream(self.llm.chat_prompt_ids(messages), sampling):
             yield Delta(text)
 

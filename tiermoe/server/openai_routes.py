@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from tiermoe.server.body import openapi_body, read_body
 from tiermoe.server.generation import collect, stream_events
 from tiermoe.server.logprob_format import chat_logprobs, completion_logprobs
-from tiermoe.server.protocol import ChatCompletionRequest, CompletionRequest
+from tiermoe.server.protocol import OPENAI_SAMPLING, ChatCompletionRequest, CompletionRequest, no_top_k
 from tiermoe.server.state import ServerState
 
 router = APIRouter()
@@ -57,8 +57,8 @@ async def completion_prompt_ids(state: ServerState, body: CompletionRequest) -> 
 
 def _sampling(state: ServerState, body, prompt_ids: list[int], max_tokens: int | None, logprobs: int | None,
               prompt_logprobs: int | None = None):
-    return state.sampling(prompt_ids, max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=max(0, body.top_k), seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
+    return state.sampling(prompt_ids, max_tokens, OPENAI_SAMPLING, temperature=body.temperature, top_p=body.top_p,
+                          top_k=no_top_k(body.top_k), seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
                           logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 

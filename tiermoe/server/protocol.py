@@ -62,12 +62,25 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+# What each API samples with when neither the request nor the checkpoint's generation_config.json gives a value
+# (tiermoe.engine.generation_defaults): the fields below default to None, "not given".
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+OLLAMA_SAMPLING = {"temperature": 0.8, "top_p": 0.9, "top_k": 40}
+SGLANG_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+SGLANG_MAX_NEW_TOKENS = 128  # sglang.srt.sampling_params.SamplingParams' default
+
+
+def no_top_k(top_k: int | None) -> int | None:
+    """OpenAI-style -1 (all tokens) as SamplingParams' 0; None stays "not given"."""
+    return None if top_k is None else max(0, top_k)
+
+
 class _SamplingFields(_Lenient):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1, le=MAX_COUNT)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_COUNT)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)
@@ -155,9 +168,9 @@ class OllamaOptions(_Lenient):
     """Ollama's sampling options; its load-time ones (num_ctx, num_gpu, num_thread, use_mmap, ...) configure its
     own runner and are ignored here like names it does not know (the server's flags size this one)."""
 
-    temperature: float = Field(default=0.8, ge=0.0, le=2.0)
-    top_p: float = Field(default=0.9, gt=0.0, le=1.0)
-    top_k: int = Field(default=40, ge=0, le=MAX_COUNT)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     num_predict: int | None = Field(default=None, ge=-2, le=MAX_COUNT)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: list[str] | None = None
@@ -207,12 +220,12 @@ class OllamaShowRequest(_Lenient):
 
 class SGLangSamplingParams(_Lenient):
     """SGLang's `sampling_params` (sglang.srt.sampling_params.SamplingParams): top_k -1 (or 0) keeps every token;
-    an absent max_new_tokens is the server's --default-max-tokens."""
+    an absent max_new_tokens is SGLang's 128 (less where the context has less room)."""
 
     max_new_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1, le=MAX_COUNT)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_COUNT)
     sampling_seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_COUNT)]] | None = Field(default=None, max_length=64)

@@ -28,7 +28,13 @@ from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
 from tiermoe.server.body import openapi_body, read_body
 from tiermoe.server.generation import collect, stream_events
-from tiermoe.server.protocol import SGLangGenerateRequest, SGLangSamplingParams
+from tiermoe.server.protocol import (
+    SGLANG_MAX_NEW_TOKENS,
+    SGLANG_SAMPLING,
+    SGLangGenerateRequest,
+    SGLangSamplingParams,
+    no_top_k,
+)
 from tiermoe.server.state import ServerState
 
 router = APIRouter()
@@ -65,9 +71,10 @@ async def generate(request: Request):
 async def _prepare(state: ServerState, body: SGLangGenerateRequest, index: int, text: str | list[int]) -> _Prompt:
     prompt_ids = text if isinstance(text, list) else await state.tokenize(len(text), lambda: state.llm.encode(text))
     sp: SGLangSamplingParams = body.params(index)
-    params = state.sampling(prompt_ids, sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                            top_k=max(0, sp.top_k), seed=sp.sampling_seed, stop=sp.stop_list(),
-                            stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos)
+    params = state.sampling(prompt_ids, sp.max_new_tokens, SGLANG_SAMPLING, default_max_tokens=SGLANG_MAX_NEW_TOKENS,
+                            temperature=sp.temperature, top_p=sp.top_p, top_k=no_top_k(sp.top_k),
+                            seed=sp.sampling_seed, stop=sp.stop_list(), stop_token_ids=tuple(sp.stop_token_ids or ()),
+                            ignore_eos=sp.ignore_eos)
     return _Prompt(body.request_id(index) or uuid.uuid4().hex, prompt_ids, params)
 
 

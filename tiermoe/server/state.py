@@ -85,12 +85,17 @@ class ServerState:
                                f"{self.context_length} tokens")
         self.llm.engine.check_token_ids(prompt_ids)
 
-    def sampling(self, prompt_ids: list[int], max_tokens: int | None, **kwargs) -> SamplingParams:
-        """SamplingParams for a request, with max_tokens checked against the context and the token budget."""
+    def sampling(self, prompt_ids: list[int], max_tokens: int | None, fallback: dict | None = None,
+                 default_max_tokens: int | None = None, **given) -> SamplingParams:
+        """SamplingParams for a request, with max_tokens checked against the context and the token budget. A
+        sampling value `given` as None takes the checkpoint's generation_config.json default, else the API's own
+        (`fallback`); an absent max_tokens is `default_max_tokens` (default --default-max-tokens), within the
+        context's room."""
         self.check_prompt(prompt_ids)
         room = (self.context_length - len(prompt_ids)) if self.context_length else None
         if max_tokens is None:
-            max_tokens = self.config.default_max_tokens if room is None else min(self.config.default_max_tokens, room)
+            default = default_max_tokens or self.config.default_max_tokens
+            max_tokens = default if room is None else min(default, room)
         elif room is not None and max_tokens > room:
             raise TiermoeError(f"max_tokens={max_tokens} is too large: the prompt has {len(prompt_ids)} tokens and "
                                f"the context is {self.context_length}, so at most {room} can be generated")
@@ -98,4 +103,4 @@ class ServerState:
         if budget is not None and len(prompt_ids) + max_tokens > budget:
             raise TiermoeError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                                f"server's --max-total-tokens ({budget})")
-        return SamplingParams(max_tokens=max_tokens, **kwargs)
+        return self.llm.generation_defaults.params(fallback, max_tokens=max_tokens, **given)
