@@ -25,6 +25,7 @@ from tiermoe.stats.tier_hits import TierHitCounter
 GOOD_BODIES = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+    "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 2}},
     "/api/chat": {"messages": [{"role": "user", "content": "hi"}], "stream": False, "options": {"num_predict": 2}},
     "/api/generate": {"prompt": "hi", "stream": False, "options": {"num_predict": 2}},
 }

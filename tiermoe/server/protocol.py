@@ -139,7 +139,10 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str]
+    """`prompt`: one text or token-id list, or several (a list of texts or of token-id lists), as OpenAI and SGLang
+    take them: one choice per prompt, `index` its place in the list."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT, description="0 (with echo) scores the prompt")
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -154,14 +157,17 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value):
-        if isinstance(value, list) and value and isinstance(value[0], str):
-            if len(value) != 1:
-                raise ValueError("one prompt per request (a list of several strings is not supported)")
-            return value[0]
-        if isinstance(value, list) and not value:
-            raise ValueError("prompt must not be empty")
+    def _no_empty_prompt(cls, value):
+        if isinstance(value, list) and (not value or any(isinstance(p, list) and not p for p in value)):
+            raise ValueError("prompt must not be empty (nor any prompt of a list)")
         return value
+
+    def is_batch(self) -> bool:
+        return isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list))
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text, or its token ids."""
+        return list(self.prompt) if self.is_batch() else [self.prompt]
 
 
 class OllamaOptions(_Lenient):
