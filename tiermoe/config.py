@@ -206,6 +206,8 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # web pages (besides the server's own) that may call it (CORS)
     watchdog_timeout: float | None = None  # seconds one engine step may run before the server stops; None: no limit
     expert_distribution_metrics: bool = False  # per-layer expert routing on /metrics
+    reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content in chat replies
+    tool_call_parser: str | None = None  # --tool-call-parser: tool_calls in chat replies
 
     def __post_init__(self):
         if not 0 < self.port < 65536:

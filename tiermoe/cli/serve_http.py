@@ -18,6 +18,7 @@ from tiermoe.server.app import create_app
 from tiermoe.server.engine_service import EngineService
 from tiermoe.server.expert_metrics import ExpertLoadCounter
 from tiermoe.server.metrics import ServerMetrics
+from tiermoe.server.output_parsers import HARMONY_MARKERS, keeping_markers
 from tiermoe.server.state import ServerState
 from tiermoe.stats.control import RecorderControl
 from tiermoe.stats.tier_hits import TierHitCounter
@@ -47,6 +48,8 @@ def build_state(args, llm=None):
         llm.engine.add_recorder(expert_load)
     metrics = ServerMetrics()
     detokenize = llm.engine.detokenize
+    if "gpt-oss" in (config.reasoning_parser, config.tool_call_parser) and llm.tokenizer is not None:
+        detokenize = keeping_markers(llm.tokenizer, HARMONY_MARKERS)  # the parser reads harmony's special tokens
     service = EngineService(llm.engine, detokenize, metrics, watchdog_timeout=config.watchdog_timeout)
     name = config.served_model_name or llm.model_dir.name
     return ServerState(llm=llm, config=config, service=service, metrics=metrics, hits=hits, model_name=name,

@@ -152,8 +152,11 @@ class LLM:
         prompts = [self.chat_prompt_ids(c) for c in conversations]
         return self.generate(prompts, sampling)
 
-    def chat_prompt_ids(self, conversation: list[dict]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    def chat_prompt_ids(self, conversation: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The conversation through the chat template, with `tools` (OpenAI's function list) for templates that
+        show them."""
+        extra = {"tools": tools} if tools else {}
+        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, **extra)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)

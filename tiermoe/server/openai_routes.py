@@ -17,9 +17,11 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from tiermoe.errors import TiermoeError
 from tiermoe.server.body import openapi_body, read_body
 from tiermoe.server.generation import collect, stream_events
 from tiermoe.server.logprob_format import chat_logprobs
+from tiermoe.server.output_parsers import OutputParser, StreamSplitter, tool_call_objects
 from tiermoe.server.protocol import OPENAI_SAMPLING, ChatCompletionRequest, no_top_k
 from tiermoe.server.state import ServerState
 
@@ -44,10 +46,27 @@ def stream_error(event) -> dict:
     return {"message": f"generation failed: {event.error}", "type": kind, "param": None, "code": status}
 
 
+def wants_tools(body: ChatCompletionRequest) -> bool:
+    return bool(body.tools) and body.tool_choice != "none"
+
+
 async def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     messages = [m.for_template() for m in body.messages]
-    return await state.tokenize(sum(len(m["content"]) for m in messages),
-                                lambda: state.llm.chat_prompt_ids(messages))
+    tools = body.tools if wants_tools(body) else None
+    chars = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
+
+    def render() -> list[int]:
+        try:
+            return state.llm.chat_prompt_ids(messages, tools)
+        except TiermoeError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the template choked on the request's tools or tool calls
+            if not tools and not any("tool_calls" in m for m in messages):
+                raise
+            raise TiermoeError(f"the model's chat template cannot render these tools or tool calls "
+                               f"({type(err).__name__}: {str(err)[:200]})") from None
+
+    return await state.tokenize(chars, render)
 
 
 def openai_sampling(state: ServerState, body, prompt_ids: list[int], max_tokens: int | None, logprobs: int | None,
@@ -55,6 +74,14 @@ def openai_sampling(state: ServerState, body, prompt_ids: list[int], max_tokens:
     return state.sampling(prompt_ids, max_tokens, OPENAI_SAMPLING, temperature=body.temperature, top_p=body.top_p,
                           top_k=no_top_k(body.top_k), seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
                           logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+
+def reply_parser(state: ServerState, body: ChatCompletionRequest) -> OutputParser | None:
+    """The server's parser for this request: tool calls are looked for only when the request gives tools."""
+    parser = state.output_parser
+    if parser is None or wants_tools(body) or parser.tools is None:
+        return parser
+    return OutputParser(parser.reasoning, None) if parser.reasoning is not None else None
 
 
 @router.get("/v1/models")
@@ -76,11 +103,20 @@ async def chat_completions(request: Request):
 
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": state.model_name}
+    parser = reply_parser(state, body)
     if not body.stream:
         out = await collect(state, request, prompt_ids, params)
+        message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
+        if parser is not None:
+            split = parser.split(out.text, final=True)
+            message["content"] = split.content if split.content or not split.tool_calls else None
+            message["reasoning_content"] = split.reasoning or None
+            if split.tool_calls:
+                message["tool_calls"] = tool_call_objects(split.tool_calls)
+                finish = "tool_calls" if finish == "stop" else finish
         return {**head, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                             "finish_reason": out.finish_reason, "logprobs": logprobs(out.logprobs)}],
+                "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                             "logprobs": logprobs(out.logprobs)}],
                 "usage": usage_object(len(prompt_ids), len(out.token_ids))}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -88,12 +124,20 @@ async def chat_completions(request: Request):
         chunk = {**head, "object": "chat.completion.chunk"}
         yield sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                           "finish_reason": None}]})
-        generated = 0
+        generated, text, splitter = 0, "", StreamSplitter(parser) if parser is not None else None
         async for event in stream_events(state, request, prompt_ids, params):
             generated += len(event.token_ids)
-            delta = {"content": event.text} if event.text else {}
+            finish, delta = event.finish_reason, {"content": event.text} if event.text else {}
+            if splitter is not None:
+                text += event.text
+                reasoning, content, calls = splitter.feed(text, final=finish is not None and event.error is None)
+                delta = {**({"reasoning_content": reasoning} if reasoning else {}),
+                         **({"content": content} if content else {})}
+                if calls:
+                    delta["tool_calls"] = tool_call_objects(calls, streamed=True)
+                    finish = "tool_calls" if finish == "stop" else finish
             failed = {"error": stream_error(event)} if event.error is not None else {}
-            yield sse({**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": event.finish_reason,
+            yield sse({**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
                                               "logprobs": logprobs(event.logprobs)}], **failed})
         if include_usage:
             yield sse({**chunk, "choices": [], "usage": usage_object(len(prompt_ids), generated)})

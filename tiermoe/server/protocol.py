@@ -34,7 +34,8 @@ class ChatMessage(_Lenient):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = ""
     name: str | None = None  # handed to the chat template, which may show it
-    tool_calls: Annotated[list[Any] | None, only(None, [])] = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls, handed to the chat template
+    tool_call_id: str | None = None  # a tool message: which call it answers
     images: Annotated[list[str] | None, only(None, [])] = None  # Ollama
 
     @field_validator("content", mode="before")
@@ -55,7 +56,9 @@ class ChatMessage(_Lenient):
 
     def for_template(self) -> dict:
         """The message as a chat template takes it."""
-        return {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
+        extra = {name: value for name, value in (("name", self.name), ("tool_calls", self.tool_calls),
+                                                 ("tool_call_id", self.tool_call_id)) if value}
+        return {"role": self.role, "content": self.text(), **extra}
 
 
 class StreamOptions(_Lenient):
@@ -112,8 +115,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: Annotated[list[Any] | None, only(None, [])] = None
-    tool_choice: Annotated[str | dict | None, only(None, "none", "auto")] = None
+    tools: list[dict] | None = Field(default=None, max_length=128)  # handed to the chat template
+    tool_choice: Annotated[str | dict | None, only(None, "none", "auto")] = None  # forcing a call is not supported
     parallel_tool_calls: bool | None = None  # about tools, which must be absent
     functions: Annotated[list[Any] | None, only(None, [])] = None
     function_call: Annotated[str | dict | None, only(None, "none", "auto")] = None

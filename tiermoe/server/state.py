@@ -19,6 +19,7 @@ from tiermoe.server.engine_service import EngineService
 from tiermoe.server.expert_metrics import ExpertLoadCounter
 from tiermoe.server.logprob_format import TokenText, token_text_of
 from tiermoe.server.metrics import ServerMetrics
+from tiermoe.server.output_parsers import OutputParser
 from tiermoe.stats.tier_hits import TierHitCounter
 
 
@@ -40,6 +41,14 @@ class ServerState:
     def __post_init__(self):
         config = self.config
         self.admission = Admission(config.in_flight_limit, config.max_running_requests, config.queue_limit)
+
+    @cached_property
+    def output_parser(self) -> OutputParser | None:
+        """Splits chat replies into reasoning, content and tool calls (--reasoning-parser, --tool-call-parser)."""
+        config = self.config
+        if config.reasoning_parser is None and config.tool_call_parser is None:
+            return None
+        return OutputParser(config.reasoning_parser, config.tool_call_parser)
 
     @property
     def context_length(self) -> int | None:
