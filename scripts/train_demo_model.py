@@ -518,7 +518,8 @@ def main(argv=None) -> None:
     fp32_loss, _ = evaluate(model, held_rows, args.batch, args.experts, args.top_k)
     model.generation_config = GenerationConfig(
         bos_token_id=ids[EOT], eos_token_id=[ids[IM_END], ids[EOT]], pad_token_id=ids[EOT],
-        do_sample=False, max_new_tokens=256,
+        # sampling defaults every tiermoe entry point uses when a request gives none (greedy repeats itself)
+        do_sample=True, temperature=0.7, top_p=0.9, top_k=40, max_new_tokens=256,
     )
     model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
@@ -689,7 +690,9 @@ Hello!<|im_end|>
 
 Special tokens: `<|endoftext|>` = {m['special_ids'][EOT]} (end of a training conversation, padding, bos),
 `<|im_start|>` = {m['special_ids'][IM_START]}, `<|im_end|>` = {m['special_ids'][IM_END]} (end of a turn).
-`generation_config.json` stops on both `<|im_end|>` and `<|endoftext|>`.
+`generation_config.json` stops on both `<|im_end|>` and `<|endoftext|>`, and sets the sampling defaults every
+tiermoe entry point uses when a request gives none: temperature 0.7, top_p 0.9, top_k 40 (greedy decoding repeats
+the same reply).
 
 ## Data
 

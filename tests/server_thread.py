@@ -16,6 +16,7 @@ from tiermoe.distributed.launch import free_port
 from tiermoe.engine.llm import LLM
 from tiermoe.server.app import create_app
 from tiermoe.server.engine_service import EngineService
+from tiermoe.server.expert_metrics import ExpertLoadCounter
 from tiermoe.server.metrics import ServerMetrics
 from tiermoe.server.state import ServerState
 from tiermoe.stats.tier_hits import TierHitCounter
@@ -24,6 +25,7 @@ from tiermoe.stats.tier_hits import TierHitCounter
 GOOD_BODIES = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+    "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 2}},
     "/api/chat": {"messages": [{"role": "user", "content": "hi"}], "stream": False, "options": {"num_predict": 2}},
     "/api/generate": {"prompt": "hi", "stream": False, "options": {"num_predict": 2}},
 }
@@ -43,9 +45,14 @@ def server_thread(tmp_dir, step_sleep: float = 0.0, model_dir=None, **config):
         llm.engine.after_step_hooks.append(lambda: time.sleep(step_sleep))
     server_config = ServerConfig(port=free_port(), **config)
     metrics = ServerMetrics()
-    state = ServerState(llm=llm, config=server_config, metrics=metrics, model_name="tiny",
-                        service=EngineService(llm.engine, llm.engine.detokenize, metrics),
-                        hits=TierHitCounter(llm.hybrid.spec.num_layers))
+    expert_load = None
+    if server_config.expert_distribution_metrics:  # as tiermoe.cli.serve_http.build_state wires it
+        expert_load = ExpertLoadCounter(llm.hybrid.spec.num_layers, llm.hybrid.spec.num_experts)
+        llm.engine.add_recorder(expert_load)
+    service = EngineService(llm.engine, llm.engine.detokenize, metrics,
+                            watchdog_timeout=server_config.watchdog_timeout)
+    state = ServerState(llm=llm, config=server_config, metrics=metrics, model_name="tiny", service=service,
+                        hits=TierHitCounter(llm.hybrid.spec.num_layers), expert_load=expert_load)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=server_config.port,
                                            log_config=None, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

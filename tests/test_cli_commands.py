@@ -111,8 +111,8 @@ def test_generate_follows_a_plan(tmp_path, tiny_dir):
 def test_chat_reads_a_pipe_and_keeps_history(tmp_path):
     path = save_tiny("qwen3_moe", tmp_path / "m")
     save_char_tokenizer(path)
-    result = subprocess.run([sys.executable, "-m", "tiermoe.cli.main", "chat", "--model", str(path), "--max-tokens",
-                             "5", "--temperature", "0"], input="hello\n/history\n/clear\n/history\nagain\n/quit\n",
+    result = subprocess.run([sys.executable, "-m", "tiermoe.cli.main", "chat", "--local", str(path), "--max-tokens",
+                             "5", "--temperature", "0", "--no-save-history"], input="hello\n/history\n/clear\n/history\nagain\n/quit\n",
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     out = result.stdout

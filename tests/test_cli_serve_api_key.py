@@ -57,7 +57,8 @@ def test_the_key_is_never_on_a_child_ranks_command_line(argv):
 
 
 def test_chat_takes_the_key_from_the_environment(monkeypatch):
-    from tiermoe.cli.chat_cmd import RemoteChat, add_parser
+    from tiermoe.cli.chat_backends import RemoteChat
+    from tiermoe.cli.chat_cmd import add_parser
 
     monkeypatch.setenv("TIERMOE_API_KEY", KEY)
     parser = argparse.ArgumentParser()

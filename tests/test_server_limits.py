@@ -13,8 +13,8 @@ from server_thread import GOOD_BODIES, server_thread
 
 LIMIT = 16 << 10
 ENDPOINTS = GOOD_BODIES
-TOKENIZING = {"/v1/chat/completions": "chat_prompt_ids", "/v1/completions": "encode", "/api/chat": "chat_prompt_ids",
-              "/api/generate": "chat_prompt_ids"}
+TOKENIZING = {"/v1/chat/completions": "chat_prompt_ids", "/v1/completions": "encode", "/generate": "encode",
+              "/api/chat": "chat_prompt_ids", "/api/generate": "chat_prompt_ids"}
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +27,13 @@ def _with_text(path: str, text: str) -> dict:
     body = dict(ENDPOINTS[path])
     if "messages" in body:
         return {**body, "messages": [{"role": "user", "content": text}]}
-    return {**body, "prompt": text}
+    return {**body, "text" if "text" in body else "prompt": text}
 
 
 def _assert_format(path: str, r: httpx.Response, status: int, fragment: str) -> None:
     assert r.status_code == status, r.text
     error = r.json()["error"]
-    message = error["message"] if path.startswith("/v1/") else error
+    message = error if path.startswith("/api/") else error["message"]  # Ollama: a string; OpenAI, SGLang: an object
     assert fragment in message, message
 
 

@@ -30,7 +30,7 @@ def served(tmp_path_factory):
 
 
 def _error(path: str, r: httpx.Response) -> str:
-    return r.json()["error"]["message"] if path.startswith("/v1/") else r.json()["error"]
+    return r.json()["error"] if path.startswith("/api/") else r.json()["error"]["message"]
 
 
 def test_a_dns_rebinding_host_is_refused_before_anything_runs(served):

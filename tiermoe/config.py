@@ -116,8 +116,13 @@ class CPUConfig:
     backend: str = "native"  # --cpu-backend
     expert_dtype: str | None = None  # --cpu-expert-dtype
     threads: int | None = None  # --cpu-threads
+    numa_nodes: tuple[int, ...] | None = None  # --kt-numa-nodes: one thread pool per entry, pinned to that node
 
     def __post_init__(self):
+        if self.numa_nodes is not None:
+            object.__setattr__(self, "numa_nodes", tuple(self.numa_nodes))
+            if not self.numa_nodes or any(not isinstance(n, int) or n < 0 for n in self.numa_nodes):
+                raise TiermoeError(f"numa nodes must be node ids >= 0, got {list(self.numa_nodes)}")
         if self.backend not in CPU_BACKENDS:
             raise TiermoeError(f"cpu backend '{self.backend}' is unknown; choose one of: {', '.join(CPU_BACKENDS)}")
         if self.expert_dtype is not None and self.expert_dtype not in CPU_EXPERT_DTYPES:
@@ -200,6 +205,10 @@ class ServerConfig:
     max_queued_requests: int | None = None  # waiting beyond the running ones; None: see queue_limit
     request_timeout: float | None = None  # seconds a request may spend in the engine; None: no limit
     allowed_origins: tuple[str, ...] = ()  # web pages (besides the server's own) that may call it (CORS)
+    watchdog_timeout: float | None = None  # seconds one engine step may run before the server stops; None: no limit
+    expert_distribution_metrics: bool = False  # per-layer expert routing on /metrics
+    reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content in chat replies
+    tool_call_parser: str | None = None  # --tool-call-parser: tool_calls in chat replies
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -215,6 +224,8 @@ class ServerConfig:
         self._check_load_bounds()
         if self.request_timeout is not None and not 0 < self.request_timeout < math.inf:
             raise TiermoeError(f"request_timeout must be a finite number of seconds > 0, got {self.request_timeout}")
+        if self.watchdog_timeout is not None and not 0 < self.watchdog_timeout < math.inf:
+            raise TiermoeError(f"watchdog_timeout must be a finite number of seconds > 0, got {self.watchdog_timeout}")
         object.__setattr__(self, "allowed_origins", tuple(normalise_origin(o) for o in self.allowed_origins))
 
     def _check_load_bounds(self) -> None:

@@ -1,27 +1,41 @@
-"""tiermoe chat: a streaming terminal chat with history, against a server (--url) or in-process."""
+"""tiermoe chat: `kt chat`'s terminal chat (same flags and defaults): a running server at 127.0.0.1:30000 unless
+told otherwise, or a model loaded in this process with --local."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+from datetime import datetime
+from pathlib import Path
 
-from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
-from tiermoe.cli.flags import add_command, non_negative_float, positive_int
+import httpx
+
+from tiermoe.cli.chat_backends import LocalChat, RemoteChat
+from tiermoe.cli.cpu_flags import add_cpu_flags
+from tiermoe.cli.flags import add_command, non_negative_float, port_number, positive_int
 from tiermoe.cli.serve_flags import API_KEY_VARIABLE
-from tiermoe.config import check_device
-from tiermoe.engine.llm import LLM
-from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
 
-HELP = "/quit (or Ctrl-D) leaves, /clear forgets the conversation, /history shows it, /help shows this"
+COMMANDS = {
+    "/help": "/help, /h          this list",
+    "/quit": "/quit, /exit, /q   leave (so does Ctrl-D)",
+    "/clear": "/clear, /c         forget the conversation",
+    "/history": "/history, /hist    show the conversation",
+    "/info": "/info, /i          model, temperature, max tokens, history file",
+    "/retry": "/retry, /r         answer the last message again",
+}
+ALIASES = {"/h": "/help", "/exit": "/quit", "/q": "/quit", "/c": "/clear", "/hist": "/history", "/i": "/info",
+           "/r": "/retry"}
+
+
+def history_dir() -> Path:
+    """Where conversations are saved without --history-file (kt chat: ~/.ktransformers/chat_history)."""
+    return Path.home() / ".tiermoe" / "chat_history"
 
 
 def server_url(value: str) -> str:
     """--url: an http(s) URL with a host, checked before the chat starts."""
-    import httpx
-
     try:
         url = httpx.URL(value)
     except httpx.InvalidURL as err:
@@ -34,80 +48,116 @@ def server_url(value: str) -> str:
 def add_parser(sub) -> None:
     p = add_command(
         sub, "chat",
-        "Chat in the terminal with streamed replies and history. With --url it talks to a running "
-        "`tiermoe serve` (or any OpenAI-compatible server); otherwise it loads the model in-process (the bundled "
-        "demo model without --model). Works typed at by a person and fed from a pipe (one message per line). "
-        + HELP + ".",
+        "Chat in the terminal, as `kt chat` does: with a running `tiermoe serve` (or any OpenAI-compatible server) "
+        "at http://127.0.0.1:30000 unless -H/-p/--url say otherwise, or with a model loaded in this process "
+        "(--local DIR; the bundled demo model without DIR). Replies stream; the conversation is saved to "
+        f"~/.tiermoe/chat_history/ unless --no-save-history. Works typed at and fed from a pipe (one message a "
+        f"line). Commands: {', '.join(COMMANDS)}.",
         "tiermoe chat",
-        "tiermoe chat --url http://127.0.0.1:30000 --system 'You are terse.'",
-        "printf 'Hello\\nWhat is an ocean?\\n' | tiermoe chat --max-tokens 40",
+        "tiermoe chat -H 192.168.1.5 -p 8080 -t 0.9 --max-tokens 4096",
+        "tiermoe chat -s 'You are terse.' --no-stream --history-file talk.json",
+        "tiermoe chat --local --max-tokens 40",
+        "printf 'Hello\\nWhat is an ocean?\\n' | tiermoe chat --local /models/Qwen3-30B-A3B --gpu-device cuda",
     )
-    p.add_argument("--url", type=server_url, help="base URL of a running server, e.g. http://127.0.0.1:30000")
-    p.add_argument("--api-key", help=f"API key for --url servers that require one (default: ${API_KEY_VARIABLE})")
-    p.add_argument("--model", "--model-path", dest="model", help="checkpoint directory for in-process chat")
-    p.add_argument("--gpu-device", default="cpu", help="in-process: cuda, cuda:N or cpu (default cpu)")
-    p.add_argument("--system", help="system message")
-    p.add_argument("--temperature", type=non_negative_float, default=0.7, help="sampling temperature (default 0.7)")
-    p.add_argument("--max-tokens", type=positive_int, default=256, help="tokens per reply at most (default 256)")
+    p.add_argument("-H", "--host", default="127.0.0.1", help="server host (default 127.0.0.1)")
+    p.add_argument("-p", "--port", type=port_number, default=30000, help="server port (default 30000)")
+    p.add_argument("--url", type=server_url, help="the server's base URL instead of -H/-p, e.g. https://host/")
+    p.add_argument("-m", "--model", help="served model name (default: the first one the server lists)")
+    p.add_argument("--api-key", help=f"API key for servers that require one (default: ${API_KEY_VARIABLE})")
+    p.add_argument("-t", "--temperature", type=non_negative_float, default=0.7, help="sampling temperature "
+                   "(default 0.7)")
+    p.add_argument("--max-tokens", type=positive_int, default=2048, help="tokens per reply at most (default 2048)")
+    p.add_argument("-s", "--system", help="system prompt")
+    p.add_argument("--save-history", action=argparse.BooleanOptionalAction, default=True,
+                   help="save the conversation as JSON after each reply (default on)")
+    p.add_argument("--history-file", type=Path, help="where to save it (default ~/.tiermoe/chat_history/"
+                   "chat_<time>.json)")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="print replies as they are generated (default on)")
+    p.add_argument("--local", nargs="?", const="", metavar="DIR",
+                   help="load the model in this process instead of using a server (without DIR: the demo model)")
+    p.add_argument("--gpu-device", default="cpu", help="with --local: cuda, cuda:N or cpu (default cpu)")
     add_cpu_flags(p)
 
 
-class LocalChat:
-    def __init__(self, args):
-        self.llm = LLM(args.model, gpu_device=check_device(args.gpu_device), progress=sys.stderr.isatty(),
-                       cpu=cpu_from_args(args))
-        self.args = args
+class Conversation:
+    """The messages so far and the file they are saved to (kt chat's JSON: model, timestamp, messages)."""
 
-    def reply(self, messages):
-        sampling = SamplingParams(max_tokens=self.args.max_tokens, temperature=self.args.temperature)
-        yield from self.llm.stream(self.llm.chat_prompt_ids(messages), sampling)
+    def __init__(self, args, model: str):
+        self.system = [{"role": "system", "content": args.system}] if args.system else []
+        self.messages: list[dict] = []
+        self.model = model
+        self.path = None
+        if args.save_history:
+            self.path = args.history_file or history_dir() / f"chat_{datetime.now():%Y%m%d_%H%M%S}.json"
 
-    def close(self):
-        self.llm.close()
+    def all(self) -> list[dict]:
+        return self.system + self.messages
 
-
-class RemoteChat:
-    def __init__(self, args):
-        import httpx
-
-        key = args.api_key or os.environ.get(API_KEY_VARIABLE)
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.client = httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=None)
-        self.args = args
-
-    def reply(self, messages):
-        import httpx
-
-
-        body = {"model": "default", "messages": messages, "stream": True, "max_tokens": self.args.max_tokens,
-                "temperature": self.args.temperature}
+    def save(self) -> None:
+        if self.path is None or not self.messages:
+            return
         try:
-            with self.client.stream("POST", "/v1/chat/completions", json=body) as response:
-                if response.status_code != 200:
-                    response.read()
-                    raise TiermoeError(f"server answered {response.status_code}: {response.text[:300]}")
-                for line in response.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    for choice in json.loads(line[6:]).get("choices", []):
-                        text = choice.get("delta", {}).get("content")
-                        if text:
-                            yield text
-        except httpx.HTTPError as err:
-            raise TiermoeError(f"cannot reach {self.args.url}: {err}") from None
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps({"model": self.model, "timestamp": datetime.now().isoformat(),
+                                             "messages": self.all()}, indent=2, ensure_ascii=False))
+        except OSError as err:
+            print(f"warning: cannot save the history to {self.path}: {err.strerror}", file=sys.stderr)
+            self.path = None
 
-    def close(self):
-        self.client.close()
+
+def answer(backend, conversation: Conversation, stream: bool) -> None:
+    print("assistant> ", end="", flush=True)
+    reply = []
+    for delta in backend.reply(conversation.all()):
+        if not delta.reasoning:
+            reply.append(delta.text)
+        if stream:
+            print(delta.text, end="", flush=True)
+    if not stream:
+        print("".join(reply), end="")
+    print()
+    conversation.messages.append({"role": "assistant", "content": "".join(reply)})
+    conversation.save()
+
+
+def slash_command(text: str, backend, conversation: Conversation, args) -> bool:
+    """Runs one /command; False when the chat should end."""
+    command = ALIASES.get(text.split()[0].lower(), text.split()[0].lower())
+    if command == "/quit":
+        return False
+    if command == "/clear":
+        conversation.messages.clear()
+        print("(conversation cleared)")
+    elif command == "/history":
+        for message in conversation.all() or [{"role": "(empty)", "content": "no messages yet"}]:
+            print(f"{message['role']}: {message['content']}")
+    elif command == "/info":
+        print(f"model {backend.describe()}, temperature {args.temperature}, max tokens {args.max_tokens}, "
+              f"{len(conversation.messages)} messages, history {conversation.path or 'not saved'}")
+    elif command == "/retry":
+        if conversation.messages and conversation.messages[-1]["role"] == "assistant":
+            conversation.messages.pop()
+            answer(backend, conversation, args.stream)
+        else:
+            print("(no reply to retry yet)")
+    elif command == "/help":
+        print("\n".join(COMMANDS.values()))
+    else:
+        print(f"unknown command {command}; /help lists them")
+    return True
 
 
 def run(args) -> int:
-    backend = RemoteChat(args) if args.url else LocalChat(args)
+    if args.local is not None and args.url:
+        raise TiermoeError("--local loads the model here and --url names a server: give one of them")
+    backend = LocalChat(args) if args.local is not None else RemoteChat(args)
     interactive = sys.stdin.isatty()
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    history: list[dict] = []
-    if interactive:
-        print(f"chatting ({'server ' + args.url if args.url else 'in-process'}). {HELP}.")
     try:
+        conversation = Conversation(args, backend.connect())
+        if interactive:
+            print(f"chatting with {backend.describe()} (temperature {args.temperature}, max tokens "
+                  f"{args.max_tokens}). /help lists the commands, /quit leaves.")
         while True:
             try:
                 line = input("you> " if interactive else "")
@@ -117,30 +167,19 @@ def run(args) -> int:
             if not text:
                 continue
             if text.startswith("/"):
-                command = text.split()[0]
-                if command == "/quit":
+                if not slash_command(text, backend, conversation, args):
                     break
-                if command == "/clear":
-                    history.clear()
-                    print("(conversation cleared)")
-                elif command == "/history":
-                    for m in system + history:
-                        print(f"{m['role']}: {m['content']}")
-                elif command == "/help":
-                    print(HELP)
-                else:
-                    print(f"unknown command {command}; {HELP}")
                 continue
-            history.append({"role": "user", "content": text})
+            conversation.messages.append({"role": "user", "content": text})
             if not interactive:
                 print(f"you> {text}")
-            print("assistant> ", end="", flush=True)
-            answer = []
-            for delta in backend.reply(system + history):
-                answer.append(delta)
-                print(delta, end="", flush=True)
-            print()
-            history.append({"role": "assistant", "content": "".join(answer)})
+            try:
+                answer(backend, conversation, args.stream)
+            except TiermoeError as err:  # as kt chat: say so, forget the message, keep chatting
+                print(f"\nerror: {err}", file=sys.stderr, flush=True)
+                conversation.messages.pop()
     finally:
         backend.close()
+    if conversation.path is not None and conversation.messages:
+        print(f"history saved to {conversation.path}", file=sys.stderr)
     return 0

@@ -34,6 +34,25 @@ def cpu_threads(value: str) -> int:
     return number
 
 
+def numa_node_ids(value: str) -> list[int]:
+    """One --kt-numa-nodes value: a node id, or several in one quoted word ("0 1", "0,1")."""
+    ids = []
+    for word in value.replace(",", " ").split():
+        if not word.isdigit():
+            raise argparse.ArgumentTypeError(f"'{word}' is not a NUMA node id (expected integers >= 0, e.g. 0 1)")
+        ids.append(int(word))
+    if not ids:
+        raise argparse.ArgumentTypeError("expected NUMA node ids, e.g. --kt-numa-nodes 0 1")
+    return ids
+
+
+class _ExtendFlat(argparse.Action):
+    """nargs="+" of values that are each a list: one flat list (repeated flags add to it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, (getattr(namespace, self.dest) or []) + [n for v in values for n in v])
+
+
 def add_cpu_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("CPU tier (docs/cpu-backends.md)")
     g.add_argument("--cpu-backend", choices=CPU_BACKENDS, default=CPUConfig().backend,
@@ -46,6 +65,10 @@ def add_cpu_flags(p: argparse.ArgumentParser) -> None:
                    help="SGLang-kt spelling of the format: AMXINT4 = int4, AMXINT8 = int8, BF16 = bf16")
     g.add_argument("--cpu-threads", "--kt-cpuinfer", dest="cpu_threads", type=cpu_threads, default=None,
                    help="threads computing the CPU tier (default: physical cores less one)")
+    g.add_argument("--kt-numa-nodes", dest="numa_nodes", type=numa_node_ids, nargs="+",
+                   action=_ExtendFlat, default=None, metavar="NODE",
+                   help="split the CPU-tier threads into one pool per NODE listed, as kt-kernel does, each pinned to "
+                        "that NUMA node's cores (e.g. 0 1; a node may be listed twice for two pools on it)")
 
 
 def cpu_from_args(args) -> CPUConfig:
@@ -53,5 +76,10 @@ def cpu_from_args(args) -> CPUConfig:
     fmt, method = getattr(args, "cpu_expert_dtype", None), getattr(args, "kt_method", None)
     if fmt is not None and method is not None and fmt != method:
         raise TiermoeError(f"--cpu-expert-dtype {fmt} and --kt-method (= {method}) disagree; give one")
+    nodes = getattr(args, "numa_nodes", None)
+    pools = getattr(args, "ignored_kt_threadpool_count", None)  # serve's SGLang spelling of the pool count
+    if nodes and pools is not None and str(pools) != str(len(nodes)):
+        raise TiermoeError(f"--kt-numa-nodes lists {len(nodes)} nodes but --kt-threadpool-count is {pools}: "
+                           "give one node per pool (as SGLang-kt requires)")
     return CPUConfig(backend=getattr(args, "cpu_backend", CPUConfig().backend), expert_dtype=fmt or method,
-                     threads=getattr(args, "cpu_threads", None))
+                     threads=getattr(args, "cpu_threads", None), numa_nodes=tuple(nodes) if nodes else None)

@@ -45,6 +45,13 @@ def positive_int(value: str) -> int:
     return number
 
 
+def port_number(value: str) -> int:
+    number = _int(value)
+    if not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 1..65535, got {number}")
+    return number
+
+
 def non_negative_int(value: str) -> int:
     number = _int(value)
     if number < 0:

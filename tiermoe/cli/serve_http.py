@@ -16,7 +16,9 @@ from tiermoe.config import check_device
 from tiermoe.engine.llm import LLM
 from tiermoe.server.app import create_app
 from tiermoe.server.engine_service import EngineService
+from tiermoe.server.expert_metrics import ExpertLoadCounter
 from tiermoe.server.metrics import ServerMetrics
+from tiermoe.server.output_parsers import HARMONY_MARKERS, keeping_markers
 from tiermoe.server.state import ServerState
 from tiermoe.stats.control import RecorderControl
 from tiermoe.stats.tier_hits import TierHitCounter
@@ -39,12 +41,19 @@ def build_state(args, llm=None):
         recorder = recorder_from_args(args, llm.hybrid.spec)
         llm.engine.add_recorder(recorder)
         control = RecorderControl(recorder)  # starts stopped, as in SGLang: /start_expert_distribution_record
+    expert_load = None
+    if config.expert_distribution_metrics:
+        spec = llm.hybrid.spec
+        expert_load = ExpertLoadCounter(spec.num_layers, spec.num_experts, llm.hybrid.gpu_device)
+        llm.engine.add_recorder(expert_load)
     metrics = ServerMetrics()
     detokenize = llm.engine.detokenize
-    service = EngineService(llm.engine, detokenize, metrics)
+    if "gpt-oss" in (config.reasoning_parser, config.tool_call_parser) and llm.tokenizer is not None:
+        detokenize = keeping_markers(llm.tokenizer, HARMONY_MARKERS)  # the parser reads harmony's special tokens
+    service = EngineService(llm.engine, detokenize, metrics, watchdog_timeout=config.watchdog_timeout)
     name = config.served_model_name or llm.model_dir.name
     return ServerState(llm=llm, config=config, service=service, metrics=metrics, hits=hits, model_name=name,
-                       recorder_control=control)
+                       recorder_control=control, expert_load=expert_load)
 
 
 FORCED_STOP = "a second Ctrl-C stopped the server at once; the requests still running were cut off"

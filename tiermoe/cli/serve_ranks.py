@@ -43,7 +43,7 @@ def rank_flags(args: argparse.Namespace) -> list[str]:
         if value == action.default:
             continue
         if isinstance(value, list):  # --allowed-origins: one comma-separated value
-            value = ",".join(value)
+            value = ",".join(map(str, value))
         if action.nargs == 0:  # store_true and friends
             if value == action.const:
                 flags.append(action.option_strings[0])

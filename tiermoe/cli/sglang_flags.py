@@ -14,7 +14,8 @@ import sys
 # flag -> (takes a value, why tiermoe does without it)
 IGNORED = {
     "--kt-weight-path": (True, "experts are quantised from --model at load (or converted once: `tiermoe convert`)"),
-    "--kt-threadpool-count": (True, "one CPU thread team (--cpu-threads)"),
+    "--kt-threadpool-count": (True, "one CPU thread team (--cpu-threads), split into pools only by --kt-numa-nodes, "
+                                    "which must then list as many nodes"),
     "--attention-backend": (True, "attention runs transformers' own implementation"),
     "--trust-remote-code": (False, "models are built from transformers' own classes"),
     "--mem-fraction-static": (True, "GPU memory is sized by placement (--gpu-memory-gb) and --max-total-tokens"),
@@ -23,7 +24,25 @@ IGNORED = {
     "--tp-size": (True, "several GPUs split the experts: --num-gpus"),
     "--enable-p2p-check": (False, "no peer-to-peer transfers"),
     "--disable-shared-experts-fusion": (False, "shared experts are never fused with routed ones"),
+    "--fp8-gemm-backend": (True, "FP8 checkpoints' matmuls run tiermoe's own block-FP8 path (docs/checkpoint-"
+                                 "formats.md)"),
 }
+
+
+def deferred_experts(value: str) -> int:
+    """--kt-max-deferred-experts-per-token: 0 (every routed expert runs in its own layer, exactly) is all tiermoe
+    does; deferring experts into the next layer's CPU task (kt-kernel's approximation) is not implemented."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is not an integer") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {number}")
+    if number > 0:
+        raise argparse.ArgumentTypeError(
+            f"{number}: deferring experts to the next layer is not implemented in tiermoe (every routed expert runs "
+            "in its own layer, so outputs stay exact); use 0 or leave the flag out")
+    return number
 
 
 def _dest(flag: str) -> str:
@@ -38,12 +57,16 @@ def add_sglang_compat_flags(p: argparse.ArgumentParser) -> None:
             g.add_argument(flag, dest=dest, metavar="X", default=None, help=f"ignored: {why}")
         else:
             g.add_argument(flag, dest=dest, action="store_true", default=None, help=f"ignored: {why}")
+    g.add_argument("--kt-max-deferred-experts-per-token", type=deferred_experts, default=0, metavar="0",
+                   help="0 only: kt-kernel's deferred experts (an approximation) are not implemented")
 
 
 def ignored_flags(args) -> list[str]:
     """The ignored flags the user gave, as `--flag value` (or `--flag`)."""
     given = []
     for flag, (takes_value, _) in IGNORED.items():
+        if flag == "--kt-threadpool-count" and getattr(args, "numa_nodes", None):
+            continue  # it is then the pool count --kt-numa-nodes is checked against
         value = getattr(args, _dest(flag), None)
         if value is not None:
             given.append(f"{flag} {value}" if takes_value else flag)

@@ -19,6 +19,7 @@ from tiermoe.checkpoint.gguf_reader import gguf_files
 from tiermoe.config import DEFAULT_PAGE_SIZE, CPUConfig, DynamicPlacementConfig
 from tiermoe.engine.dynamic import enable_dynamic_placement
 from tiermoe.engine.engine import Engine, EngineConfig
+from tiermoe.engine.generation_defaults import load_generation_defaults
 from tiermoe.engine.logprobs import TokenLogprob
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.engine.text_stream import TextStream
@@ -75,6 +76,7 @@ class LLM:
         self.hybrid = load_hybrid_model(self.model_dir, plan, gpu_device=gpu_device, dtype=dtype, cpu=cpu,
                                         progress=progress, share=share)
         self.tokenizer = _load_tokenizer(self.model_dir)
+        self.generation_defaults = load_generation_defaults(self.model_dir)
         detokenize = None
         if self.tokenizer is not None:
             def detokenize(ids):
@@ -109,9 +111,16 @@ class LLM:
             raise TiermoeError("a prompt is a string or a list of integer token ids")
         return list(prompt)
 
+    def default_sampling(self, **given) -> SamplingParams:
+        """SamplingParams with the values `given` (None = not given) and, for the rest, the checkpoint's
+        generation_config.json (temperature, top_p, top_k, max_new_tokens as max_tokens), as vLLM and SGLang use
+        it; what neither sets keeps SamplingParams' default. `generate(prompt)` without SamplingParams uses it."""
+        fallback = {"max_tokens": self.generation_defaults.max_tokens} if self.generation_defaults.max_tokens else {}
+        return self.generation_defaults.params(fallback, **given)
+
     def generate(self, prompts, sampling: SamplingParams | None = None, on_step=None) -> list[RequestOutput]:
         """Generate for one prompt or a list of them (strings or token-id lists), batched; one result each."""
-        sampling = sampling or SamplingParams()
+        sampling = self.default_sampling() if sampling is None else sampling
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         seqs = [self.engine.add(self.encode(p), sampling) for p in batch]
@@ -122,7 +131,7 @@ class LLM:
         """Generate for one prompt, yielding text deltas as tokens arrive (the engine runs in this thread)."""
         if self.tokenizer is None:
             raise TiermoeError(f"{self.model_dir} has no tokenizer; streaming text needs one")
-        sampling = sampling or SamplingParams()
+        sampling = self.default_sampling() if sampling is None else sampling
         seq = self.engine.add(self.encode(prompt), sampling)
         text = TextStream(self.engine.detokenize, sampling.stop)
         try:
@@ -145,8 +154,11 @@ class LLM:
         prompts = [self.chat_prompt_ids(c) for c in conversations]
         return self.generate(prompts, sampling)
 
-    def chat_prompt_ids(self, conversation: list[dict]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    def chat_prompt_ids(self, conversation: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The conversation through the chat template, with `tools` (OpenAI's function list) for templates that
+        show them."""
+        extra = {"tools": tools} if tools else {}
+        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, **extra)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)

@@ -18,6 +18,7 @@ import torch
 
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.ffn import ExpertActivation
+from tiermoe.experts.threads import pool_sizes
 from tiermoe.experts.tiers import ComputedOnWorker, CPUWorker
 from tiermoe.experts.weights import ExpertWeights
 
@@ -38,12 +39,13 @@ def kt_extension():
 class KtInfer:
     """kt's worker pool (one per model, shared by every layer through the CPU worker)."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, numa_nodes: tuple[int, ...] | None = None):
         ext = kt_extension()
         cfg = ext.WorkerPoolConfig()
-        cfg.subpool_count = 1
-        cfg.subpool_numa_map = [0]
-        cfg.subpool_thread_count = [threads]
+        nodes = list(numa_nodes or (0,))  # one pool per --kt-numa-nodes entry, as SGLang-kt configures kt-kernel
+        cfg.subpool_count = len(nodes)
+        cfg.subpool_numa_map = nodes
+        cfg.subpool_thread_count = pool_sizes(threads, len(nodes))
         self.cpu = ext.CPUInfer(cfg)
 
     def run(self, task) -> None:
@@ -55,7 +57,7 @@ class KtCPUExperts(ComputedOnWorker):
     """A CPU tier computed by kt-kernel in `fmt` ("bf16" | "int8" | "int4")."""
 
     def __init__(self, worker: CPUWorker, act: ExpertActivation, fmt: str, dtype: torch.dtype, threads: int,
-                 pin: bool = False, layer: int = 0):
+                 pin: bool = False, layer: int = 0, numa_nodes: tuple[int, ...] | None = None):
         self.ext = kt_extension()
         if act.kind != "silu_glu":
             raise TiermoeError(f"--cpu-backend kt computes SiLU-GLU experts only, not {act.kind}; "
@@ -66,6 +68,7 @@ class KtCPUExperts(ComputedOnWorker):
         self.moe_class = getattr(self.ext.moe, names[0])
         self.device, self.pin = torch.device("cpu"), pin
         self.worker, self.fmt, self.dtype, self.threads, self.layer = worker, fmt, dtype, threads, layer
+        self.numa_nodes = numa_nodes
         self._experts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # bf16 gate, up, down
         self._moe = None  # (operator, top_k, the tensors it points into); None = rebuild before the next forward
 
@@ -113,7 +116,8 @@ class KtCPUExperts(ComputedOnWorker):
             gate[e], up[e], down[e] = g, u, dn
             on_gpu[e] = False
         cfg = self.ext.moe.MOEConfig(n_exp, top_k, d, i, on_gpu.data_ptr())
-        infer = self.worker.shared(("tiermoe.kt.infer", self.threads), lambda: KtInfer(self.threads))
+        infer = self.worker.shared(("tiermoe.kt.infer", self.threads, self.numa_nodes),
+                                   lambda: KtInfer(self.threads, self.numa_nodes))
         cfg.pool = infer.cpu.backend_
         cfg.max_len = MAX_CHUNK
         cfg.layer_idx = self.layer

@@ -29,7 +29,7 @@ from tiermoe.experts.quant import (
     quantize,
     round_up,
 )
-from tiermoe.experts.threads import team_cpus
+from tiermoe.experts.threads import numa_team_cpus, team_cpus
 from tiermoe.experts.tiers import ComputedOnWorker, CPUWorker
 from tiermoe.experts.weights import ExpertWeights
 
@@ -59,12 +59,14 @@ class NativeCPUExperts(ComputedOnWorker):
     """A CPU tier in `fmt` ("bf16" | "int8" | "int4"); `dtype` is the model's dtype (what `get` returns).
 
     threads: members of the kernel thread team (the worker thread plus threads - 1 helpers), shared by all layers
-    of the model through the worker. isa: force a kernel level ("amx" ... "base") or "torch"; None = best.
+    of the model through the worker; numa_nodes: pin them as kt-kernel's per-node pools (tiermoe.experts.threads). isa: force a kernel level ("amx" ... "base") or "torch"; None = best.
     """
 
     def __init__(self, worker: CPUWorker, act: ExpertActivation, fmt: str, dtype: torch.dtype, threads: int,
-                 pin: bool = False, isa: str | None = None, amx_min_rows: int = AMX_MIN_ROWS):
+                 pin: bool = False, isa: str | None = None, amx_min_rows: int = AMX_MIN_ROWS,
+                 numa_nodes: tuple[int, ...] | None = None):
         self.device = torch.device("cpu")
+        self.numa_nodes = numa_nodes
         self.pin = pin
         self.worker, self.act, self.fmt, self.dtype = worker, act, fmt, dtype
         self.threads, self.amx_min_rows = threads, amx_min_rows
@@ -157,9 +159,9 @@ class NativeCPUExperts(ComputedOnWorker):
             return self._torch_forward(x_TD, ids_TK, weights_TK)
 
     def _team(self) -> ThreadTeam:
-        n = self.threads
-        return self.worker.shared(("tiermoe.native.team", n),
-                                  lambda: ThreadTeam(self.kernels, n, team_cpus(n)))
+        n, nodes = self.threads, self.numa_nodes
+        cpus = (lambda: numa_team_cpus(n, nodes)) if nodes else (lambda: team_cpus(n))
+        return self.worker.shared(("tiermoe.native.team", n, nodes), lambda: ThreadTeam(self.kernels, n, cpus()))
 
     def _kernel_forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         x = x_TD.contiguous() if x_TD.dtype in (torch.bfloat16, torch.float32) else x_TD.float()

@@ -16,7 +16,7 @@ from tiermoe.errors import TiermoeError
 from tiermoe.experts.ffn import ExpertActivation
 from tiermoe.experts.kt import KtCPUExperts
 from tiermoe.experts.native import NativeCPUExperts
-from tiermoe.experts.threads import default_threads
+from tiermoe.experts.threads import default_threads, numa_team_cpus
 from tiermoe.experts.tiers import CPUExpertBackend, CPUWorker, TorchCPUExperts
 
 
@@ -31,11 +31,14 @@ def make_cpu_tier(config: CPUConfig, worker: CPUWorker, act: ExpertActivation, p
         return TorchCPUExperts(worker, act, pin=pin)
     fmt = config.expert_dtype or ("bf16" if checkpoint_dtype == torch.bfloat16 else None)
     threads = config.threads or default_threads()
+    if config.numa_nodes is not None:
+        numa_team_cpus(threads, config.numa_nodes)  # a node that is missing or too small: say so before loading
     if config.backend == "native":
         if fmt is None:
             return TorchCPUExperts(worker, act, pin=pin)
 
-        return NativeCPUExperts(worker, act, fmt, checkpoint_dtype, threads, pin=pin)
+        return NativeCPUExperts(worker, act, fmt, checkpoint_dtype, threads, pin=pin, numa_nodes=config.numa_nodes)
     if config.backend == "kt":
-        return KtCPUExperts(worker, act, fmt or "bf16", checkpoint_dtype, threads, pin=pin)
+        return KtCPUExperts(worker, act, fmt or "bf16", checkpoint_dtype, threads, pin=pin,
+                            numa_nodes=config.numa_nodes)
     raise TiermoeError(f"cpu backend '{config.backend}' is unknown")

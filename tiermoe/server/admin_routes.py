@@ -7,6 +7,7 @@ from fastapi.responses import PlainTextResponse
 
 from tiermoe.errors import TiermoeError
 from tiermoe.server.error_format import api_error
+from tiermoe.server.expert_metrics import render_expert_metrics
 from tiermoe.server.state import ServerState
 
 router = APIRouter()
@@ -29,7 +30,10 @@ async def metrics(request: Request):
               "requests_in_flight": state.admission.in_flight,
               "gpu_tier_hit_rate": state.hits.hit_rate(), "expert_swaps_total": swaps.swaps,
               "expert_bytes_copied_total": swaps.bytes, **kv_pool_gauges(state.llm.engine)}
-    return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+    text = state.metrics.render(gauges)
+    if state.expert_load is not None:
+        text += render_expert_metrics(state.expert_load)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
 def kv_pool_gauges(engine) -> dict[str, float]:

@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tiermoe.errors import TiermoeError
-from tiermoe.server import admin_routes, ollama_routes, openai_routes, sglang_routes
+from tiermoe.server import admin_routes, completion_routes, ollama_routes, openai_routes, sglang_routes
 from tiermoe.server.admission import AdmissionMiddleware
 from tiermoe.server.error_format import api_error
 from tiermoe.server.generation import GenerationFailed
@@ -31,7 +31,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="tiermoe", lifespan=lifespan)
     app.state.tiermoe = state
-    for module in (openai_routes, sglang_routes, ollama_routes, admin_routes):
+    for module in (openai_routes, completion_routes, sglang_routes, ollama_routes, admin_routes):
         app.include_router(module.router)
 
     # Each middleware added wraps the ones before it: admission is the innermost (a request refused for its

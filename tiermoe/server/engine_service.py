@@ -9,12 +9,17 @@ error event; the others go on. A step that fails as a whole fails its requests a
 the error is fatal (`fatal = True` somewhere in
 its cause chain, e.g. a rank of a multi-rank run died): then every request fails, the engine thread stops, and
 `on_fatal(err)` lets the server exit with that error instead of serving from a broken process group.
+
+`--watchdog-timeout S` (SGLang's flag): a step that runs longer than S seconds (a hung kernel, a deadlocked CPU
+tier) is treated the same way, from a watchdog thread, since the stuck engine thread cannot notice it itself: one
+error line in the log, every request fails, and the server exits with that error (SGLang kills its process).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import queue
 import threading
 import time
@@ -26,6 +31,14 @@ from tiermoe.engine.sequence import Sequence
 from tiermoe.engine.text_stream import TextStream
 from tiermoe.errors import TiermoeError
 from tiermoe.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+class StuckStepError(TiermoeError):
+    """An engine step ran past --watchdog-timeout: the engine cannot be trusted to go on."""
+
+    fatal = True
 
 
 @dataclass
@@ -69,7 +82,8 @@ class RequestHandle:
 
 
 class EngineService:
-    def __init__(self, engine, detokenize, metrics: ServerMetrics, idle_wait: float = 0.05):
+    def __init__(self, engine, detokenize, metrics: ServerMetrics, idle_wait: float = 0.05,
+                 watchdog_timeout: float | None = None):
         self.engine = engine
         self.detokenize = detokenize
         self.metrics = metrics
@@ -81,10 +95,15 @@ class EngineService:
         self.steps = 0
         self.on_fatal = None  # callable(err): the engine cannot go on (set by the server)
         self.fatal_error: BaseException | None = None
+        self.watchdog_timeout = watchdog_timeout
+        self._step_started: float | None = None  # time.monotonic() when the running step began; None between steps
+        self._fatal_lock = threading.Lock()  # the engine thread and the watchdog may both give up at once
 
     # --- called from the event loop -------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+        if self.watchdog_timeout is not None:
+            threading.Thread(target=self._watch, name="tiermoe-watchdog", daemon=True).start()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop after the running requests finish (drain), or after `timeout` seconds."""
@@ -133,6 +152,7 @@ class EngineService:
             self._apply_commands(block=not self.engine.has_work())
             if not self.engine.has_work():
                 continue
+            self._step_started = time.monotonic()
             try:
                 produced = self.engine.step()
             except Exception as err:  # noqa: BLE001 - one failing step must not kill the server
@@ -142,6 +162,10 @@ class EngineService:
                     return
                 self._fail_all(f"{type(err).__name__}: {err}")
                 continue
+            finally:
+                self._step_started = None
+            if self._stop.is_set():  # the watchdog gave up on this step meanwhile: its requests have failed
+                return
             self.steps += 1
             for seq in produced:
                 self._emit(seq)
@@ -211,10 +235,27 @@ class EngineService:
         handle.done = True
         self._handles.pop(handle.seq.seq_id, None)
 
-    def _stop_for_good(self, err: BaseException) -> None:
-        self.fatal_error = err
+    def _watch(self) -> None:
+        """The watchdog thread: gives up on a step that runs past watchdog_timeout."""
+        timeout = self.watchdog_timeout
+        while not self._stop.wait(min(1.0, timeout / 10)):
+            started = self._step_started
+            if started is not None and time.monotonic() - started > timeout:
+                err = StuckStepError(f"an engine step ran for more than --watchdog-timeout {timeout:g} s; the "
+                                     "server stops (every request failed)")
+                log.error("watchdog: %s", err)
+                self._stop_for_good(err, engine_is_free=False)
+                return
+
+    def _stop_for_good(self, err: BaseException, engine_is_free: bool = True) -> None:
+        """Fail every request and stop for good. From the watchdog the engine is inside a step (another thread's):
+        it is left alone, and the requests fail without it."""
+        with self._fatal_lock:
+            if self.fatal_error is not None:
+                return
+            self.fatal_error = err
         self._stop.set()
-        self._fail_all(str(err))
+        self._fail_all(str(err), engine_is_free)
         while True:  # requests that arrive from now on fail at once
             try:
                 kind, handle = self._commands.get_nowait()
@@ -226,9 +267,10 @@ class EngineService:
         if self.on_fatal is not None:
             self.on_fatal(err)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, engine_is_free: bool = True) -> None:
         for handle in list(self._handles.values()):
-            self.engine.abort(handle.seq)
+            if engine_is_free:
+                self.engine.abort(handle.seq)
             handle.push(Event("", [], "error", error=message))
             self._finish(handle)
             self.metrics.add(requests_failed=1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -97,3 +98,32 @@ async def collect(state: ServerState, request: Request, prompt_ids: list[int], p
         out.prompt_logprobs = event.prompt_logprobs if event.prompt_logprobs is not None else out.prompt_logprobs
         out.finish_reason = event.finish_reason or out.finish_reason
     return out
+
+
+async def merged_streams(streams: list) -> AsyncIterator[tuple[int, object]]:
+    """(index, event) from all `streams` as they come; every stream is closed (its request aborted) when the
+    consumer stops early."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async with aclosing(stream):
+                async for event in stream:
+                    queue.put_nowait((index, event))
+        finally:
+            queue.put_nowait((index, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, event = await queue.get()
+            if event is done:
+                remaining -= 1
+            else:
+                yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -20,7 +20,7 @@ from tiermoe.server.body import openapi_body, read_body
 from tiermoe.server.generation import GenerationFailed, collect, stream_events
 from tiermoe.server.logprob_format import chat_logprobs
 from tiermoe.server.model_card import details, generation_parameters, model_info, modelfile
-from tiermoe.server.protocol import OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
+from tiermoe.server.protocol import OLLAMA_SAMPLING, OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
 from tiermoe.server.state import ServerState
 
 router = APIRouter()
@@ -33,7 +33,7 @@ def _now() -> str:
 def _params(state: ServerState, body, prompt_ids: list[int]):
     options = body.options
     max_tokens = options.num_predict if options.num_predict and options.num_predict > 0 else None
-    return state.sampling(prompt_ids, max_tokens, temperature=options.temperature, top_p=options.top_p,
+    return state.sampling(prompt_ids, max_tokens, OLLAMA_SAMPLING, temperature=options.temperature, top_p=options.top_p,
                           top_k=options.top_k, seed=options.seed, stop=tuple(options.stop or ()),
                           logprobs=body.logprobs_asked())
 

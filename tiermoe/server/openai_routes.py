@@ -1,4 +1,5 @@
-"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions (streaming over SSE and not), /v1/models.
+"""OpenAI-compatible endpoints: /v1/chat/completions (streaming over SSE and not), /v1/models; /v1/completions is
+tiermoe.server.completion_routes.
 
 Like SGLang, any `model` name in a request is served by the one loaded model. A request that fails while it
 generates gets an error response (400 when its own values caused it, else 500); a stream that fails ends with a
@@ -16,10 +17,12 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from tiermoe.errors import TiermoeError
 from tiermoe.server.body import openapi_body, read_body
 from tiermoe.server.generation import collect, stream_events
-from tiermoe.server.logprob_format import chat_logprobs, completion_logprobs
-from tiermoe.server.protocol import ChatCompletionRequest, CompletionRequest
+from tiermoe.server.logprob_format import chat_logprobs
+from tiermoe.server.output_parsers import OutputParser, StreamSplitter, tool_call_objects
+from tiermoe.server.protocol import OPENAI_SAMPLING, ChatCompletionRequest, no_top_k
 from tiermoe.server.state import ServerState
 
 router = APIRouter()
@@ -29,37 +32,56 @@ def _state(request: Request) -> ServerState:
     return request.app.state.tiermoe
 
 
-def _usage(prompt: int, completion: int) -> dict:
+def usage_object(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _sse(payload: dict | str) -> str:
+def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def _error_object(event) -> dict:
+def stream_error(event) -> dict:
     status = event.error_status
     kind = "invalid_request_error" if status < 500 else "server_error"
     return {"message": f"generation failed: {event.error}", "type": kind, "param": None, "code": status}
 
 
+def wants_tools(body: ChatCompletionRequest) -> bool:
+    return bool(body.tools) and body.tool_choice != "none"
+
+
 async def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     messages = [m.for_template() for m in body.messages]
-    return await state.tokenize(sum(len(m["content"]) for m in messages),
-                                lambda: state.llm.chat_prompt_ids(messages))
+    tools = body.tools if wants_tools(body) else None
+    chars = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
+
+    def render() -> list[int]:
+        try:
+            return state.llm.chat_prompt_ids(messages, tools)
+        except TiermoeError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the template choked on the request's tools or tool calls
+            if not tools and not any("tool_calls" in m for m in messages):
+                raise
+            raise TiermoeError(f"the model's chat template cannot render these tools or tool calls "
+                               f"({type(err).__name__}: {str(err)[:200]})") from None
+
+    return await state.tokenize(chars, render)
 
 
-async def completion_prompt_ids(state: ServerState, body: CompletionRequest) -> list[int]:
-    if not isinstance(body.prompt, str):
-        return body.prompt
-    return await state.tokenize(len(body.prompt), lambda: state.llm.encode(body.prompt))
-
-
-def _sampling(state: ServerState, body, prompt_ids: list[int], max_tokens: int | None, logprobs: int | None,
+def openai_sampling(state: ServerState, body, prompt_ids: list[int], max_tokens: int | None, logprobs: int | None,
               prompt_logprobs: int | None = None):
-    return state.sampling(prompt_ids, max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=max(0, body.top_k), seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
+    return state.sampling(prompt_ids, max_tokens, OPENAI_SAMPLING, temperature=body.temperature, top_p=body.top_p,
+                          top_k=no_top_k(body.top_k), seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
                           logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+
+def reply_parser(state: ServerState, body: ChatCompletionRequest) -> OutputParser | None:
+    """The server's parser for this request: tool calls are looked for only when the request gives tools."""
+    parser = state.output_parser
+    if parser is None or wants_tools(body) or parser.tools is None:
+        return parser
+    return OutputParser(parser.reasoning, None) if parser.reasoning is not None else None
 
 
 @router.get("/v1/models")
@@ -74,99 +96,51 @@ async def chat_completions(request: Request):
     state = _state(request)
     body = await read_body(request, ChatCompletionRequest, state.config.max_request_bytes)
     prompt_ids = await chat_prompt_ids(state, body)
-    params = _sampling(state, body, prompt_ids, body.max_completion_tokens or body.max_tokens, body.logprobs_asked())
+    params = openai_sampling(state, body, prompt_ids, body.max_completion_tokens or body.max_tokens, body.logprobs_asked())
 
     def logprobs(scored) -> dict | None:
         return {"content": chat_logprobs(state.token_text, scored)} if body.logprobs else None
 
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": state.model_name}
+    parser = reply_parser(state, body)
     if not body.stream:
         out = await collect(state, request, prompt_ids, params)
+        message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
+        if parser is not None:
+            split = parser.split(out.text, final=True)
+            message["content"] = split.content if split.content or not split.tool_calls else None
+            message["reasoning_content"] = split.reasoning or None
+            if split.tool_calls:
+                message["tool_calls"] = tool_call_objects(split.tool_calls)
+                finish = "tool_calls" if finish == "stop" else finish
         return {**head, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                             "finish_reason": out.finish_reason, "logprobs": logprobs(out.logprobs)}],
-                "usage": _usage(len(prompt_ids), len(out.token_ids))}
+                "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                             "logprobs": logprobs(out.logprobs)}],
+                "usage": usage_object(len(prompt_ids), len(out.token_ids))}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def chunks():
         chunk = {**head, "object": "chat.completion.chunk"}
-        yield _sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+        yield sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                           "finish_reason": None}]})
-        generated = 0
+        generated, text, splitter = 0, "", StreamSplitter(parser) if parser is not None else None
         async for event in stream_events(state, request, prompt_ids, params):
             generated += len(event.token_ids)
-            delta = {"content": event.text} if event.text else {}
-            failed = {"error": _error_object(event)} if event.error is not None else {}
-            yield _sse({**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": event.finish_reason,
+            finish, delta = event.finish_reason, {"content": event.text} if event.text else {}
+            if splitter is not None:
+                text += event.text
+                reasoning, content, calls = splitter.feed(text, final=finish is not None and event.error is None)
+                delta = {**({"reasoning_content": reasoning} if reasoning else {}),
+                         **({"content": content} if content else {})}
+                if calls:
+                    delta["tool_calls"] = tool_call_objects(calls, streamed=True)
+                    finish = "tool_calls" if finish == "stop" else finish
+            failed = {"error": stream_error(event)} if event.error is not None else {}
+            yield sse({**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
                                               "logprobs": logprobs(event.logprobs)}], **failed})
         if include_usage:
-            yield _sse({**chunk, "choices": [], "usage": _usage(len(prompt_ids), generated)})
-        yield _sse("[DONE]")
+            yield sse({**chunk, "choices": [], "usage": usage_object(len(prompt_ids), generated)})
+        yield sse("[DONE]")
 
     return StreamingResponse(chunks(), media_type="text/event-stream")
-
-
-@router.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
-async def completions(request: Request):
-    state = _state(request)
-    body = await read_body(request, CompletionRequest, state.config.max_request_bytes)
-    prompt_ids = await completion_prompt_ids(state, body)
-    # echo with logprobs scores the prompt too; max_tokens 0 (echo alone) has only the prompt to score
-    scored_prompt = body.logprobs if body.echo and body.logprobs is not None else None
-    if body.max_tokens == 0 and scored_prompt is None:
-        scored_prompt = 0
-    params = _sampling(state, body, prompt_ids, body.max_tokens, body.logprobs, scored_prompt)
-    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
-
-    def choice(text: str, token_ids: list[int], scored: list, offset: int, finish_reason: str | None) -> dict:
-        logprobs = None if body.logprobs is None else completion_logprobs(state.token_text, token_ids, scored, offset)
-        return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
-
-    def echoed(prompt_scores: list | None) -> tuple[str, list[int], list]:
-        """The echoed prompt: its text, ids and scores (its first token has nothing before it to score it; none
-        is scored when the request failed before its prompt was)."""
-        scores = [None, *(prompt_scores or ())]
-        return _prompt_text(state, body), prompt_ids, scores + [None] * (len(prompt_ids) - len(scores))
-
-    if not body.stream:
-        out = await collect(state, request, prompt_ids, params)
-        text, ids, scored = echoed(out.prompt_logprobs) if body.echo else ("", [], [])
-        return {**head, "choices": [choice(text + out.text, ids + out.token_ids, scored + out.logprobs, 0,
-                                           out.finish_reason)],
-                "usage": _usage(len(prompt_ids), len(out.token_ids))}
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    async def chunks():
-        generated, offset, echo_pending = 0, 0, body.echo
-        async for event in stream_events(state, request, prompt_ids, params):
-            if echo_pending:  # with the first event, which brings the prompt's scores
-                text, ids, scored = echoed(event.prompt_logprobs)
-                echo_choice = choice(text, ids, scored, 0, None)
-                yield _sse({**head, "choices": [echo_choice]})
-                offset, echo_pending = _end_offset(echo_choice["logprobs"], offset), False
-            generated += len(event.token_ids)
-            failed = {"error": _error_object(event)} if event.error is not None else {}
-            event_choice = choice(event.text, event.token_ids, event.logprobs, offset, event.finish_reason)
-            yield _sse({**head, "choices": [event_choice], **failed})
-            offset = _end_offset(event_choice["logprobs"], offset)
-        if include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(len(prompt_ids), generated)})
-        yield _sse("[DONE]")
-
-    return StreamingResponse(chunks(), media_type="text/event-stream")
-
-
-def _prompt_text(state: ServerState, body: CompletionRequest) -> str:
-    if isinstance(body.prompt, str):
-        return body.prompt
-    return state.llm.tokenizer.decode(body.prompt) if state.llm.tokenizer is not None else ""
-
-
-def _end_offset(logprobs: dict | None, offset: int) -> int:
-    """Where the next chunk's text_offset starts: after this chunk's last token (offsets are only kept when
-    logprobs are asked, so tokens are not decoded one by one otherwise)."""
-    if not logprobs or not logprobs["tokens"]:
-        return offset
-    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])

@@ -34,7 +34,8 @@ class ChatMessage(_Lenient):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = ""
     name: str | None = None  # handed to the chat template, which may show it
-    tool_calls: Annotated[list[Any] | None, only(None, [])] = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls, handed to the chat template
+    tool_call_id: str | None = None  # a tool message: which call it answers
     images: Annotated[list[str] | None, only(None, [])] = None  # Ollama
 
     @field_validator("content", mode="before")
@@ -55,19 +56,34 @@ class ChatMessage(_Lenient):
 
     def for_template(self) -> dict:
         """The message as a chat template takes it."""
-        return {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
+        extra = {name: value for name, value in (("name", self.name), ("tool_calls", self.tool_calls),
+                                                 ("tool_call_id", self.tool_call_id)) if value}
+        return {"role": self.role, "content": self.text(), **extra}
 
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+# What each API samples with when neither the request nor the checkpoint's generation_config.json gives a value
+# (tiermoe.engine.generation_defaults): the fields below default to None, "not given".
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+OLLAMA_SAMPLING = {"temperature": 0.8, "top_p": 0.9, "top_k": 40}
+SGLANG_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+SGLANG_MAX_NEW_TOKENS = 128  # sglang.srt.sampling_params.SamplingParams' default
+
+
+def no_top_k(top_k: int | None) -> int | None:
+    """OpenAI-style -1 (all tokens) as SamplingParams' 0; None stays "not given"."""
+    return None if top_k is None else max(0, top_k)
+
+
 class _SamplingFields(_Lenient):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1, le=MAX_COUNT)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_COUNT)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)
@@ -99,8 +115,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: Annotated[list[Any] | None, only(None, [])] = None
-    tool_choice: Annotated[str | dict | None, only(None, "none", "auto")] = None
+    tools: list[dict] | None = Field(default=None, max_length=128)  # handed to the chat template
+    tool_choice: Annotated[str | dict | None, only(None, "none", "auto")] = None  # forcing a call is not supported
     parallel_tool_calls: bool | None = None  # about tools, which must be absent
     functions: Annotated[list[Any] | None, only(None, [])] = None
     function_call: Annotated[str | dict | None, only(None, "none", "auto")] = None
@@ -126,7 +142,10 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str]
+    """`prompt`: one text or token-id list, or several (a list of texts or of token-id lists), as OpenAI and SGLang
+    take them: one choice per prompt, `index` its place in the list."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT, description="0 (with echo) scores the prompt")
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -141,23 +160,26 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value):
-        if isinstance(value, list) and value and isinstance(value[0], str):
-            if len(value) != 1:
-                raise ValueError("one prompt per request (a list of several strings is not supported)")
-            return value[0]
-        if isinstance(value, list) and not value:
-            raise ValueError("prompt must not be empty")
+    def _no_empty_prompt(cls, value):
+        if isinstance(value, list) and (not value or any(isinstance(p, list) and not p for p in value)):
+            raise ValueError("prompt must not be empty (nor any prompt of a list)")
         return value
+
+    def is_batch(self) -> bool:
+        return isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list))
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text, or its token ids."""
+        return list(self.prompt) if self.is_batch() else [self.prompt]
 
 
 class OllamaOptions(_Lenient):
     """Ollama's sampling options; its load-time ones (num_ctx, num_gpu, num_thread, use_mmap, ...) configure its
     own runner and are ignored here like names it does not know (the server's flags size this one)."""
 
-    temperature: float = Field(default=0.8, ge=0.0, le=2.0)
-    top_p: float = Field(default=0.9, gt=0.0, le=1.0)
-    top_k: int = Field(default=40, ge=0, le=MAX_COUNT)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     num_predict: int | None = Field(default=None, ge=-2, le=MAX_COUNT)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: list[str] | None = None
@@ -207,12 +229,12 @@ class OllamaShowRequest(_Lenient):
 
 class SGLangSamplingParams(_Lenient):
     """SGLang's `sampling_params` (sglang.srt.sampling_params.SamplingParams): top_k -1 (or 0) keeps every token;
-    an absent max_new_tokens is the server's --default-max-tokens."""
+    an absent max_new_tokens is SGLang's 128 (less where the context has less room)."""
 
     max_new_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1, le=MAX_COUNT)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_COUNT)
     sampling_seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_COUNT)]] | None = Field(default=None, max_length=64)

@@ -19,7 +19,6 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -27,8 +26,14 @@ from fastapi.responses import StreamingResponse
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
 from tiermoe.server.body import openapi_body, read_body
-from tiermoe.server.generation import collect, stream_events
-from tiermoe.server.protocol import SGLangGenerateRequest, SGLangSamplingParams
+from tiermoe.server.generation import collect, merged_streams, stream_events
+from tiermoe.server.protocol import (
+    SGLANG_MAX_NEW_TOKENS,
+    SGLANG_SAMPLING,
+    SGLangGenerateRequest,
+    SGLangSamplingParams,
+    no_top_k,
+)
 from tiermoe.server.state import ServerState
 
 router = APIRouter()
@@ -65,9 +70,10 @@ async def generate(request: Request):
 async def _prepare(state: ServerState, body: SGLangGenerateRequest, index: int, text: str | list[int]) -> _Prompt:
     prompt_ids = text if isinstance(text, list) else await state.tokenize(len(text), lambda: state.llm.encode(text))
     sp: SGLangSamplingParams = body.params(index)
-    params = state.sampling(prompt_ids, sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                            top_k=max(0, sp.top_k), seed=sp.sampling_seed, stop=sp.stop_list(),
-                            stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos)
+    params = state.sampling(prompt_ids, sp.max_new_tokens, SGLANG_SAMPLING, default_max_tokens=SGLANG_MAX_NEW_TOKENS,
+                            temperature=sp.temperature, top_p=sp.top_p, top_k=no_top_k(sp.top_k),
+                            seed=sp.sampling_seed, stop=sp.stop_list(), stop_token_ids=tuple(sp.stop_token_ids or ()),
+                            ignore_eos=sp.ignore_eos)
     return _Prompt(body.request_id(index) or uuid.uuid4().hex, prompt_ids, params)
 
 
@@ -97,7 +103,7 @@ def _finish_reason(state: ServerState, prompt: _Prompt, token_ids: list[int], fi
 async def _stream(state: ServerState, request: Request, prompts: list[_Prompt], batch: bool) -> AsyncIterator[str]:
     texts, ids = [""] * len(prompts), [[] for _ in prompts]
     streams = [stream_events(state, request, p.prompt_ids, p.params) for p in prompts]
-    async for index, event in _merged(streams):
+    async for index, event in merged_streams(streams):
         where = {"index": index} if batch else {}
         if event.error is not None:
             yield _sse({"error": {"message": f"generation failed: {event.error}", "code": event.error_status},
@@ -107,35 +113,6 @@ async def _stream(state: ServerState, request: Request, prompts: list[_Prompt], 
         ids[index] += event.token_ids
         yield _sse({**_output(state, prompts[index], texts[index], ids[index], event.finish_reason), **where})
     yield _sse("[DONE]")
-
-
-async def _merged(streams: list) -> AsyncIterator[tuple[int, object]]:
-    """(index, event) from all `streams` as they come; every stream is closed (its request aborted) when the
-    consumer stops early."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(index: int, stream) -> None:
-        try:
-            async with aclosing(stream):
-                async for event in stream:
-                    queue.put_nowait((index, event))
-        finally:
-            queue.put_nowait((index, done))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, event = await queue.get()
-            if event is done:
-                remaining -= 1
-            else:
-                yield index, event
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _sse(payload: dict | str) -> str:

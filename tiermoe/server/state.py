@@ -16,8 +16,10 @@ from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
 from tiermoe.server.admission import Admission
 from tiermoe.server.engine_service import EngineService
+from tiermoe.server.expert_metrics import ExpertLoadCounter
 from tiermoe.server.logprob_format import TokenText, token_text_of
 from tiermoe.server.metrics import ServerMetrics
+from tiermoe.server.output_parsers import OutputParser
 from tiermoe.stats.tier_hits import TierHitCounter
 
 
@@ -30,6 +32,7 @@ class ServerState:
     hits: TierHitCounter
     model_name: str
     recorder_control: object | None = None  # start/stop/dump of the expert distribution recorder
+    expert_load: ExpertLoadCounter | None = None  # --enable-expert-distribution-metrics
     started: float = field(default_factory=time.time)
     # one tokenisation at a time: a fast tokenizer's settings are not safe to touch from two threads at once
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -38,6 +41,14 @@ class ServerState:
     def __post_init__(self):
         config = self.config
         self.admission = Admission(config.in_flight_limit, config.max_running_requests, config.queue_limit)
+
+    @cached_property
+    def output_parser(self) -> OutputParser | None:
+        """Splits chat replies into reasoning, content and tool calls (--reasoning-parser, --tool-call-parser)."""
+        config = self.config
+        if config.reasoning_parser is None and config.tool_call_parser is None:
+            return None
+        return OutputParser(config.reasoning_parser, config.tool_call_parser)
 
     @property
     def context_length(self) -> int | None:
@@ -83,12 +94,17 @@ class ServerState:
                                f"{self.context_length} tokens")
         self.llm.engine.check_token_ids(prompt_ids)
 
-    def sampling(self, prompt_ids: list[int], max_tokens: int | None, **kwargs) -> SamplingParams:
-        """SamplingParams for a request, with max_tokens checked against the context and the token budget."""
+    def sampling(self, prompt_ids: list[int], max_tokens: int | None, fallback: dict | None = None,
+                 default_max_tokens: int | None = None, **given) -> SamplingParams:
+        """SamplingParams for a request, with max_tokens checked against the context and the token budget. A
+        sampling value `given` as None takes the checkpoint's generation_config.json default, else the API's own
+        (`fallback`); an absent max_tokens is `default_max_tokens` (default --default-max-tokens), within the
+        context's room."""
         self.check_prompt(prompt_ids)
         room = (self.context_length - len(prompt_ids)) if self.context_length else None
         if max_tokens is None:
-            max_tokens = self.config.default_max_tokens if room is None else min(self.config.default_max_tokens, room)
+            default = default_max_tokens or self.config.default_max_tokens
+            max_tokens = default if room is None else min(default, room)
         elif room is not None and max_tokens > room:
             raise TiermoeError(f"max_tokens={max_tokens} is too large: the prompt has {len(prompt_ids)} tokens and "
                                f"the context is {self.context_length}, so at most {room} can be generated")
@@ -96,4 +112,4 @@ class ServerState:
         if budget is not None and len(prompt_ids) + max_tokens > budget:
             raise TiermoeError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                                f"server's --max-total-tokens ({budget})")
-        return SamplingParams(max_tokens=max_tokens, **kwargs)
+        return self.llm.generation_defaults.params(fallback, max_tokens=max_tokens, **given)

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from tiermoe.arch import detect
 from tiermoe.errors import TiermoeError
 from tiermoe.model.skeleton import build_skeleton
+from tiermoe.testing.checkpoint_tokenizer import BYTE_LEVEL_VOCAB, write_tokenizer
 from tiermoe.testing.presets import make_config
 
 DEFAULT_SHARD_BYTES = 1 << 30
@@ -26,21 +27,32 @@ DEFAULT_SHARD_BYTES = 1 << 30
 
 def make_model(arch: str, out: str | Path, preset: str | None = None, layers: int | None = None,
                dtype: torch.dtype = torch.bfloat16, seed: int = 0, shard_bytes: int = DEFAULT_SHARD_BYTES,
-               progress: bool = True, config_overrides: dict | None = None) -> Path:
+               progress: bool = True, config_overrides: dict | None = None, tokenizer: bool = False) -> Path:
     """Write config.json, generation_config.json and safetensors shards for `arch` to `out`; returns `out`.
 
     `config_overrides` changes config fields of the preset (or tiny config), e.g. to size a test checkpoint.
+    `tokenizer`: write one too (tiermoe.testing.checkpoint_tokenizer; a tiny config's vocabulary grows to the
+    byte-level tokenizer's 259 ids), with the config's bos / eos / pad ids set to its own.
     """
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise TiermoeError(f"output directory '{out}' exists and is not empty; choose a new one")
-    cfg = make_config(arch, preset, layers, **(config_overrides or {}))
+    overrides = dict(config_overrides or {})
+    if tokenizer and preset is None:
+        overrides["vocab_size"] = max(overrides.get("vocab_size", 0), BYTE_LEVEL_VOCAB)
+    cfg = make_config(arch, preset, layers, **overrides)
     cfg.dtype = dtype
     spec = detect(cfg)
     skeleton = build_skeleton(cfg, dtype)
     shapes = _disk_tensors(skeleton, spec, dtype)
     total = sum(s.numel() * dt.itemsize for s, dt in (v for v in shapes.values()))
     out.mkdir(parents=True, exist_ok=True)
+    if tokenizer:
+        what, fields = write_tokenizer(arch, preset, cfg.vocab_size, out)
+        for name, value in fields.items():
+            setattr(cfg, name, value)
+        if progress:
+            print(f"tokenizer: {what}")
     cfg.save_pretrained(out)
     _write_generation_config(cfg, out)
     gen = torch.Generator().manual_seed(seed)
