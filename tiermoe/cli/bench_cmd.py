@@ -8,8 +8,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 from tiermoe.analysis.dynamic_bench import (
     DEFAULT_RATIOS,
     format_table,
@@ -37,7 +35,7 @@ from tiermoe.cli.plots import plot_bench, plot_placement_bench
 from tiermoe.errors import TiermoeError
 from tiermoe.models import resolve_model
 from tiermoe.placement.profiles import load_profile
-from tiermoe.stats.io import load_counts
+from tiermoe.stats.io import load_counts, load_trace
 
 
 def ratio_list(text: str) -> list[float]:
@@ -176,15 +174,6 @@ def run_placement(args) -> int:
 
 
 def run_dynamic(args) -> int:
-    def load_trace(path):
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except OSError as err:
-            raise TiermoeError(f"cannot load trace '{path}': {err.strerror or err}") from None
-        except Exception as err:  # noqa: BLE001 - any unpickling failure is a file that is not a trace
-            raise TiermoeError(f"cannot load trace '{path}': not a .pt file torch loads safely "
-                               f"({type(err).__name__})") from None
-
     gpu = load_profile(args.gpu_profile)  # a flag: checked before the trace is read
     passes = trace_passes(load_trace(args.trace))
     spec = detect(load_config(resolve_model(args.model)))
