@@ -145,3 +145,20 @@ def test_a_heat_matrix_is_not_a_trace_to_replay(tmp_path):
     (tmp_path / "h.csv").write_text("layer,e0,e1\n0,1,2\n")
     with pytest.raises(TiermoeError, match="heat matrix .* not a per-token trace"):
         load_trace(tmp_path / "h.csv")
+
+
+def test_bench_dynamic_costs_a_csv_trace_with_a_config_json_alone(capsys, tmp_path):
+    from tiermoe.testing.presets import make_config
+
+    make_config("deepseek_v2", "deepseek-v2-lite").to_json_file(tmp_path / "config.json")
+    convert(DATA / "esft_law_slice.txt", tmp_path / "law.csv")
+    convert(DATA / "esft_counts_law.csv", tmp_path / "heat.csv")
+    code, out, err = cli(capsys, "bench", "dynamic", "--trace", tmp_path / "law.csv", "--calibration",
+                         tmp_path / "heat.csv", "--model", tmp_path / "config.json", "--ratios", "0.25", "--json")
+    assert code == 0, err
+    rows = {r["policy"]: r for r in json.loads(out)["rows"]}
+    expert_bytes = 3 * 2048 * 1408 * 2  # DeepSeek-V2-Lite: gate, up, down of 2048 x 1408 in bf16
+    assert rows["frequency"]["cpu_bytes"] > 0 and rows["frequency"]["cpu_bytes"] % expert_bytes == 0
+    assert rows["frequency"]["output_tokens"] == 40
+    code, _, err = cli(capsys, "bench", "dynamic", "--trace", tmp_path / "law.csv", "--model", DATA / "README.md")
+    assert code == 2 and len(err.strip().splitlines()) == 1

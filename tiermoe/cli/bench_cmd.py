@@ -70,11 +70,14 @@ def add_parser(sub) -> None:
         "full), copy traffic. Static strategies take their statistics from --calibration.",
         "tiermoe bench dynamic --trace held_out.pt --calibration calib.pt",
         "tiermoe bench dynamic --trace t.pt --calibration c.pt --ratios 0.1,0.25,0.5 --gpu-profile h200 --json",
+        "tiermoe bench dynamic --trace law.csv --calibration intent_heat.csv --model DeepSeek-V2-Lite/config.json",
     )
     d.prog = "tiermoe bench dynamic"
-    d.add_argument("--trace", required=True, help="per_token trace to replay (.pt)")
-    d.add_argument("--calibration", help="statistics or trace for frequency/balanced/adaptive (another split)")
-    d.add_argument("--model", help="checkpoint whose expert sizes the cost model uses (default: the bundled model)")
+    d.add_argument("--trace", required=True, help="per_token trace to replay (.pt or trace CSV, docs/traces.md)")
+    d.add_argument("--calibration", help="statistics, trace or heat CSV for frequency/balanced/adaptive (another "
+                   "split)")
+    d.add_argument("--model", help="checkpoint directory, GGUF, or a config.json alone, whose experts' bytes and FLOPs "
+                   "(bf16) the cost model uses (default: the bundled model)")
     d.add_argument("--ratios", type=ratio_list, default=None, help="GPU expert ratios (default 0.1,...,0.9)")
     d.add_argument("--prefill-threshold", type=positive_int, default=None,
                    help="layerwise GPU prefill threshold for the dynamic policies (default: none)")
@@ -173,10 +176,15 @@ def run_placement(args) -> int:
     return 0
 
 
+def _model_dir(path: Path) -> Path:
+    """A config.json alone stands for its directory, as in `tiermoe fit`: replay needs the shapes, no weights."""
+    return path.parent if path.is_file() and path.name == "config.json" else path
+
+
 def run_dynamic(args) -> int:
     gpu = load_profile(args.gpu_profile)  # a flag: checked before the trace is read
     passes = trace_passes(load_trace(args.trace))
-    spec = detect(load_config(resolve_model(args.model)))
+    spec = detect(load_config(_model_dir(resolve_model(args.model))))
     if (spec.num_layers, spec.num_experts) != (passes.num_layers, passes.num_experts):
         raise TiermoeError(f"the trace is of a {passes.num_layers} x {passes.num_experts} model, --model is "
                            f"{spec.num_layers} x {spec.num_experts}")
