@@ -34,6 +34,7 @@ from tiermoe.cli.flags import (
 from tiermoe.cli.plots import plot_bench, plot_placement_bench
 from tiermoe.errors import TiermoeError
 from tiermoe.models import resolve_model
+from tiermoe.placement.cache_policies import DEFAULT_COPY_BUDGET
 from tiermoe.placement.profiles import load_profile
 from tiermoe.stats.io import load_counts, load_trace
 
@@ -65,9 +66,11 @@ def add_parser(sub) -> None:
     benches = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     d = add_command(
         benches, "dynamic",
-        "Replay a per_token trace (tiermoe record --mode per_token) through every placement policy at each GPU "
-        "ratio: hit rate (measured on the trace), estimated time and tokens/s (cost model; copies charged in "
-        "full), copy traffic. Static strategies take their statistics from --calibration.",
+        "Replay a per_token trace (tiermoe record --mode per_token, or a trace CSV) through every placement policy "
+        "at each GPU ratio: the static strategies, KT's dynamic update, LRU and LFU expert caches (--copy-budget "
+        "swaps a step), adaptive, and the ceilings (Belady with the same copy budget, the trace's own static top-k, "
+        "the per-window oracle): hit rate (measured on the trace), estimated time and tokens/s (cost model; copies "
+        "charged in full), copy traffic. Static strategies take their statistics from --calibration.",
         "tiermoe bench dynamic --trace held_out.pt --calibration calib.pt",
         "tiermoe bench dynamic --trace t.pt --calibration c.pt --ratios 0.1,0.25,0.5 --gpu-profile h200 --json",
         "tiermoe bench dynamic --trace law.csv --calibration intent_heat.csv --model DeepSeek-V2-Lite/config.json",
@@ -81,6 +84,8 @@ def add_parser(sub) -> None:
     d.add_argument("--ratios", type=ratio_list, default=None, help="GPU expert ratios (default 0.1,...,0.9)")
     d.add_argument("--prefill-threshold", type=positive_int, default=None,
                    help="layerwise GPU prefill threshold for the dynamic policies (default: none)")
+    d.add_argument("--copy-budget", type=non_negative_int, default=DEFAULT_COPY_BUDGET,
+                   help=f"swaps the lru / lfu / belady caches may start per step (default {DEFAULT_COPY_BUDGET})")
     d.add_argument("--gpu-profile", default="rtx4090", help="rtx4090 (default), h200, or a JSON file")
     d.add_argument("--cpu-bandwidth-gbs", type=positive_float, default=25.0,
                    help="CPU read bandwidth, GB/s (default 25)")
@@ -190,7 +195,8 @@ def run_dynamic(args) -> int:
                            f"{spec.num_layers} x {spec.num_experts}")
     calibration = load_counts(args.calibration, passes.num_layers, passes.num_experts) if args.calibration else None
     cost = replay_cost_model(spec, gpu, args.cpu_bandwidth_gbs * 1e9, args.cpu_gflops * 1e9)
-    bench = run_dynamic_bench(passes, cost, args.ratios or DEFAULT_RATIOS, calibration, args.prefill_threshold)
+    bench = run_dynamic_bench(passes, cost, args.ratios or DEFAULT_RATIOS, calibration, args.prefill_threshold,
+                              copy_budget=args.copy_budget)
     if args.json:
         print(json.dumps({"gpu_profile": gpu.as_dict(), "passes": passes.num_passes, "rows": bench.rows}))
     else:
