@@ -2,7 +2,8 @@
 
 Static strategies (statistics from a calibration trace or stats file), KT-compatible dynamic, the LRU and LFU
 expert caches (`copy_budget` swaps a pass), adaptive, and the ceilings (Belady with the same copy budget, the
-trace's static top-k, the per-window oracle); per ratio the GPU hit rate, the estimated time (copies charged) and the copy traffic.
+trace's static top-k, the per-window oracle); per ratio the GPU hit rate, the estimated time (copies charged)
+and the copy traffic.
 """
 
 from __future__ import annotations
