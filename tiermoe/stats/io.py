@@ -88,7 +88,10 @@ def load_trace(path: str | Path) -> dict:
     """A per_token trace (a `tiermoe record --mode per_token` dump or a trace CSV) as its dict; replay checks the
     fields it reads."""
     path = Path(path)
-    data = _load_file(path)
+    try:
+        data = _load_file(path)
+    except TiermoeError as err:
+        raise TiermoeError(f"cannot load trace: {err}") from None
     if isinstance(data, dict) and data.get("source_kind") == "heat csv":
         raise TiermoeError(f"'{path}' is a heat matrix (counts per layer and expert), not a per-token trace")
     return data
