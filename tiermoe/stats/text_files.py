@@ -60,5 +60,5 @@ def read_text_statistics(path: Path) -> dict:
             raise TiermoeError(f"'{path}' is neither a .pt file nor UTF-8 text") from None
     layout = _known_layout(comments, header)
     hint = (f"; convert it with `tiermoe trace convert --from {layout} {path} OUT.csv`" if layout else "")
-    raise TiermoeError(f"'{path}' is a text file whose header '{header[:60]}' is neither a routing trace "
-                       f"(seq,pos,layer,experts) nor a heat matrix (layer,e0,e1,...){hint}")
+    raise TiermoeError(f"'{path}' is not a statistics file: a text file whose header '{header[:60]}' is neither a "
+                       f"routing trace (seq,pos,layer,experts) nor a heat matrix (layer,e0,e1,...){hint}")
