@@ -1,7 +1,9 @@
 """`tiermoe bench dynamic`: every placement policy replayed on a trace, per GPU ratio.
 
-Static strategies (statistics from a calibration trace or stats file), KT-compatible dynamic, adaptive, and the
-two oracles; per ratio the GPU hit rate, the estimated time (copies charged) and the copy traffic.
+Static strategies (statistics from a calibration trace or stats file), KT-compatible dynamic, the LRU and LFU
+expert caches (`copy_budget` swaps a pass), adaptive, and the ceilings (Belady with the same copy budget, the
+trace's static top-k, the per-window oracle); per ratio the GPU hit rate, the estimated time (copies charged)
+and the copy traffic.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tiermoe.analysis.trace_replay import REPLAY_POLICIES, TracePasses, replay
+from tiermoe.placement.cache_policies import DEFAULT_COPY_BUDGET
 from tiermoe.placement.pass_cost import PassCostModel, expert_cost_model
 from tiermoe.placement.profiles import GPUProfile
 from tiermoe.placement.strategies import NEEDS_STATISTICS
@@ -41,12 +44,14 @@ class DynamicBenchResult:
 
 def run_dynamic_bench(passes: TracePasses, cost: PassCostModel, ratios=DEFAULT_RATIOS,
                       calibration_LE: torch.Tensor | None = None, prefill_threshold: int | None = None,
-                      policies=REPLAY_POLICIES, progress=None) -> DynamicBenchResult:
+                      policies=REPLAY_POLICIES, progress=None,
+                      copy_budget: int = DEFAULT_COPY_BUDGET) -> DynamicBenchResult:
     chosen = [p for p in policies if calibration_LE is not None or p not in NEEDS_STATISTICS]
     rows = []
     for ratio in ratios:
         for policy in chosen:
-            result = replay(passes, policy, ratio, cost, calibration_LE, prefill_threshold)
+            result = replay(passes, policy, ratio, cost, calibration_LE, prefill_threshold,
+                            copy_budget=copy_budget)
             rows.append(result.summary())
             if progress:
                 progress(policy, ratio)

@@ -3,11 +3,14 @@
 The trace is cut back into its forward passes (which requests shared a batch is kept), and each pass is run
 through the policy with its real rules: static strategies never move; KT-compatible dynamic re-selects after
 prefill passes of at least `prefill_threshold` tokens (those passes run all their experts on the GPU, the CPU-
-tier ones streamed over PCIe); adaptive swaps asynchronously, its copies landing only after the time they take.
+tier ones streamed over PCIe); adaptive and the LRU / LFU expert caches swap asynchronously (the caches at most
+`copy_budget` swaps a pass), their copies landing only after the time they take.
 For every pass: GPU hit rate, CPU expert bytes read, bytes copied, swaps, and an estimated time from the cost
 model (tiermoe.placement.pass_cost: each MoE layer's two tiers, the streamed copies) that also charges the swap
-copies in full. Oracles for comparison: the static top-k of the trace itself, and the
-best placement of every window of passes (hindsight, copies free: an upper bound).
+copies in full (they overlap compute on the GPU, but every byte promoted or demoted also crosses host memory,
+whose bandwidth the CPU tier is bound by). Oracles for comparison: Belady's cache with the same copy budget (it
+knows the future: a ceiling for caches), the static top-k of the trace itself, and the best placement of every
+window of passes (hindsight, copies free: an upper bound).
 Legend: P passes, M MoE layers, E experts, K top-k.
 """
 
@@ -17,17 +20,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiermoe.analysis.replay_policies import make_policy
 from tiermoe.errors import TiermoeError
 from tiermoe.placement.budget import total_gpu_experts
+from tiermoe.placement.cache_policies import DEFAULT_COPY_BUDGET
 from tiermoe.placement.global_topk import generate_gpu_experts_masks
 from tiermoe.placement.pass_cost import PassCostModel
 from tiermoe.placement.pass_traffic import masked_traffic, pass_traffic
-from tiermoe.placement.policies import AdaptivePolicy, AdaptiveSettings, KTDynamicPolicy
+from tiermoe.placement.policies import AdaptiveSettings
 from tiermoe.placement.strategies import STRATEGIES, place
 
-DYNAMIC = ("kt-dynamic", "adaptive")
-ORACLES = ("oracle-static", "oracle-window")
-REPLAY_POLICIES = STRATEGIES + DYNAMIC + ORACLES
+DYNAMIC = ("kt-dynamic", "lru", "lfu", "adaptive", "belady")
+ORACLES = ("belady", "oracle-static", "oracle-window")
+REPLAY_POLICIES = STRATEGIES + DYNAMIC + ORACLES[1:]
 
 
 @dataclass(frozen=True)
@@ -158,8 +163,9 @@ def _initial_mask(policy: str, passes: TracePasses, total: int, calibration_LE, 
     rows[list(passes.moe_layers)] = True
     if policy == "oracle-static":
         return generate_gpu_experts_masks(passes.total_LE(), total)[list(passes.moe_layers)]
-    strategy = {"kt-dynamic": "uniform", "adaptive": "frequency" if calibration_LE is not None else "uniform",
-                "oracle-window": "uniform"}.get(policy, policy)
+    calibrated = "frequency" if calibration_LE is not None else "uniform"
+    strategy = {"kt-dynamic": "uniform", "adaptive": calibrated, "lru": calibrated, "lfu": calibrated,
+                "belady": calibrated, "oracle-window": "uniform"}.get(policy, policy)
     return place(strategy, rows, passes.num_experts, total, calibration_LE, seed)[list(passes.moe_layers)]
 
 
@@ -197,11 +203,13 @@ class CopiesInFlight:
 
 def replay(trace: dict | TracePasses, policy: str, gpu_ratio: float, cost_model: PassCostModel,
            calibration_LE: torch.Tensor | None = None, prefill_threshold: int | None = None,
-           adaptive: AdaptiveSettings | None = None, window: int = 32, seed: int = 42) -> ReplayResult:
+           adaptive: AdaptiveSettings | None = None, window: int = 32, seed: int = 42,
+           copy_budget: int = DEFAULT_COPY_BUDGET) -> ReplayResult:
     """Replay `trace` pass by pass through `policy` at `gpu_ratio` of the routed experts on the GPU tier.
 
     calibration_LE: statistics [L, E] for frequency / balanced (and adaptive's starting point), from another
-    part of the workload. prefill_threshold: layerwise GPU prefill for the dynamic policies.
+    part of the workload. prefill_threshold: layerwise GPU prefill for the dynamic policies. copy_budget: swaps
+    the caches (lru, lfu, belady) may start per pass.
     """
     if policy not in REPLAY_POLICIES:
         raise TiermoeError(f"unknown replay policy '{policy}'; choose one of: {', '.join(REPLAY_POLICIES)}")
@@ -209,9 +217,12 @@ def replay(trace: dict | TracePasses, policy: str, gpu_ratio: float, cost_model:
     m, e = len(passes.moe_layers), passes.num_experts
     total = total_gpu_experts(m, e, ratio=gpu_ratio)
     mask_ME = _initial_mask(policy, passes, total, calibration_LE, seed)
+    if policy == "kt-dynamic" and prefill_threshold is None:  # it follows layerwise prefill only: it never moves
+        return _replay_static(passes, policy, gpu_ratio, mask_ME, cost_model, total, window)
     if policy in DYNAMIC:
-        return _replay_dynamic(passes, policy, gpu_ratio, mask_ME, cost_model, calibration_LE, prefill_threshold,
-                               adaptive)
+        prior = calibration_LE[list(passes.moe_layers)] if calibration_LE is not None else None
+        dyn = make_policy(policy, passes.counts_PME, cost_model, prior, prefill_threshold, adaptive, copy_budget)
+        return _replay_dynamic(passes, policy, gpu_ratio, mask_ME, cost_model, dyn, prefill_threshold)
     return _replay_static(passes, policy, gpu_ratio, mask_ME, cost_model, total, window)
 
 
@@ -240,16 +251,10 @@ def _replay_static(passes: TracePasses, policy: str, gpu_ratio: float, mask_ME: 
 
 
 def _replay_dynamic(passes: TracePasses, policy: str, gpu_ratio: float, mask_ME: torch.Tensor,
-                    cost_model: PassCostModel, calibration_LE: torch.Tensor | None, prefill_threshold: int | None,
-                    adaptive: AdaptiveSettings | None) -> ReplayResult:
-    """kt-dynamic or adaptive, pass by pass: copies land once the passes after their start have taken as long."""
+                    cost_model: PassCostModel, dyn, prefill_threshold: int | None) -> ReplayResult:
+    """A dynamic policy (tiermoe.analysis.replay_policies), pass by pass: copies land once the passes after their
+    start have taken as long."""
     result = ReplayResult(policy, gpu_ratio)
-    if policy == "kt-dynamic":
-        dyn = KTDynamicPolicy(prefill_threshold)
-    else:
-        prior = calibration_LE[list(passes.moe_layers)] if calibration_LE is not None else None
-        dyn = AdaptivePolicy(len(passes.moe_layers), passes.num_experts, cost_model, adaptive or AdaptiveSettings(),
-                             prior)
     in_flight = CopiesInFlight()
     bpe = cost_model.model.bytes_per_expert
     for p in range(passes.num_passes):

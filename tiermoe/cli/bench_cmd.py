@@ -8,8 +8,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 from tiermoe.analysis.dynamic_bench import (
     DEFAULT_RATIOS,
     format_table,
@@ -36,8 +34,9 @@ from tiermoe.cli.flags import (
 from tiermoe.cli.plots import plot_bench, plot_placement_bench
 from tiermoe.errors import TiermoeError
 from tiermoe.models import resolve_model
+from tiermoe.placement.cache_policies import DEFAULT_COPY_BUDGET
 from tiermoe.placement.profiles import load_profile
-from tiermoe.stats.io import load_counts
+from tiermoe.stats.io import load_counts, load_trace
 
 
 def ratio_list(text: str) -> list[float]:
@@ -67,19 +66,26 @@ def add_parser(sub) -> None:
     benches = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     d = add_command(
         benches, "dynamic",
-        "Replay a per_token trace (tiermoe record --mode per_token) through every placement policy at each GPU "
-        "ratio: hit rate (measured on the trace), estimated time and tokens/s (cost model; copies charged in "
-        "full), copy traffic. Static strategies take their statistics from --calibration.",
+        "Replay a per_token trace (tiermoe record --mode per_token, or a trace CSV) through every placement policy "
+        "at each GPU ratio: the static strategies, KT's dynamic update, LRU and LFU expert caches (--copy-budget "
+        "swaps a step), adaptive, and the ceilings (Belady with the same copy budget, the trace's own static top-k, "
+        "the per-window oracle): hit rate (measured on the trace), estimated time and tokens/s (cost model; copies "
+        "charged in full), copy traffic. Static strategies take their statistics from --calibration.",
         "tiermoe bench dynamic --trace held_out.pt --calibration calib.pt",
         "tiermoe bench dynamic --trace t.pt --calibration c.pt --ratios 0.1,0.25,0.5 --gpu-profile h200 --json",
+        "tiermoe bench dynamic --trace law.csv --calibration intent_heat.csv --model DeepSeek-V2-Lite/config.json",
     )
     d.prog = "tiermoe bench dynamic"
-    d.add_argument("--trace", required=True, help="per_token trace to replay (.pt)")
-    d.add_argument("--calibration", help="statistics or trace for frequency/balanced/adaptive (another split)")
-    d.add_argument("--model", help="checkpoint whose expert sizes the cost model uses (default: the bundled model)")
+    d.add_argument("--trace", required=True, help="per_token trace to replay (.pt or trace CSV, docs/traces.md)")
+    d.add_argument("--calibration", help="statistics, trace or heat CSV for frequency/balanced/adaptive (another "
+                   "split)")
+    d.add_argument("--model", help="checkpoint directory, GGUF, or a config.json alone, whose experts' bytes and FLOPs "
+                   "(bf16) the cost model uses (default: the bundled model)")
     d.add_argument("--ratios", type=ratio_list, default=None, help="GPU expert ratios (default 0.1,...,0.9)")
     d.add_argument("--prefill-threshold", type=positive_int, default=None,
                    help="layerwise GPU prefill threshold for the dynamic policies (default: none)")
+    d.add_argument("--copy-budget", type=non_negative_int, default=DEFAULT_COPY_BUDGET,
+                   help=f"swaps the lru / lfu / belady caches may start per step (default {DEFAULT_COPY_BUDGET})")
     d.add_argument("--gpu-profile", default="rtx4090", help="rtx4090 (default), h200, or a JSON file")
     d.add_argument("--cpu-bandwidth-gbs", type=positive_float, default=25.0,
                    help="CPU read bandwidth, GB/s (default 25)")
@@ -175,25 +181,22 @@ def run_placement(args) -> int:
     return 0
 
 
-def run_dynamic(args) -> int:
-    def load_trace(path):
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except OSError as err:
-            raise TiermoeError(f"cannot load trace '{path}': {err.strerror or err}") from None
-        except Exception as err:  # noqa: BLE001 - any unpickling failure is a file that is not a trace
-            raise TiermoeError(f"cannot load trace '{path}': not a .pt file torch loads safely "
-                               f"({type(err).__name__})") from None
+def _model_dir(path: Path) -> Path:
+    """A config.json alone stands for its directory, as in `tiermoe fit`: replay needs the shapes, no weights."""
+    return path.parent if path.is_file() and path.name == "config.json" else path
 
+
+def run_dynamic(args) -> int:
     gpu = load_profile(args.gpu_profile)  # a flag: checked before the trace is read
     passes = trace_passes(load_trace(args.trace))
-    spec = detect(load_config(resolve_model(args.model)))
+    spec = detect(load_config(_model_dir(resolve_model(args.model))))
     if (spec.num_layers, spec.num_experts) != (passes.num_layers, passes.num_experts):
         raise TiermoeError(f"the trace is of a {passes.num_layers} x {passes.num_experts} model, --model is "
                            f"{spec.num_layers} x {spec.num_experts}")
     calibration = load_counts(args.calibration, passes.num_layers, passes.num_experts) if args.calibration else None
     cost = replay_cost_model(spec, gpu, args.cpu_bandwidth_gbs * 1e9, args.cpu_gflops * 1e9)
-    bench = run_dynamic_bench(passes, cost, args.ratios or DEFAULT_RATIOS, calibration, args.prefill_threshold)
+    bench = run_dynamic_bench(passes, cost, args.ratios or DEFAULT_RATIOS, calibration, args.prefill_threshold,
+                              copy_budget=args.copy_budget)
     if args.json:
         print(json.dumps({"gpu_profile": gpu.as_dict(), "passes": passes.num_passes, "rows": bench.rows}))
     else:

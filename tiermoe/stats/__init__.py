@@ -7,6 +7,8 @@
 - control.py: SGLang's start / stop / dump semantics for the server.
 - io.py: load_counts (placement planner), load_stats / save_stats / dump_recorder, the output directory;
   expert_stats.py: one ExpertStats from tiermoe's, SGLang's and KTransformers' files, merging.
+- text_files.py: the text formats (docs/traces.md), told apart by content: trace_csv.py (seq,pos,layer,experts)
+  and heat_csv.py (layer,e0,...); trace_import.py reads other tools' layouts, trace_convert.py writes them as text.
 - summary.py, plot.py, routing_summary.py: what `tiermoe stats` reports (the strategies' hit rates it shows come
   from tiermoe.analysis.strategy_sweep: statistics record and read, they do not place).
 See docs/statistics.md.

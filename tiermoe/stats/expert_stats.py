@@ -142,9 +142,10 @@ def _tiermoe(data: dict, source: str) -> ExpertStats:
         if mixed:
             notes = (f"{source}: prefill/decode split from the pure passes; {mixed} passes mixing both left out",)
     masks = data.get("gpu_expert_masks")
+    kind = data.get("source_kind") or f"tiermoe {mode}"  # the text formats say which they were
     return ExpertStats(counts_LE, tuple(data.get("moe_layers") or ()), prefill, decode,
                        None if n_prefill is None else int(n_prefill), None if n_decode is None else int(n_decode),
-                       data.get("top_k"), data.get("model_type"), (source,), (f"tiermoe {mode}",), notes,
+                       data.get("top_k"), data.get("model_type"), (source,), (kind,), notes,
                        masks if isinstance(masks, torch.Tensor) else None)
 
 

@@ -5,7 +5,9 @@ Every file is loaded with torch.load(weights_only=True): statistics are data, no
 - a dict with `logical_count` [buf, num_hidden_layers, E] (SGLang's `--init-expert-location` format, and
   tiermoe's own), summed over the first dimension;
 - a dict with `activation_counts` [L, E] (KTransformers' collect_expert_distribution.py);
-- a bare tensor [L, E] or [buf, L, E].
+- a bare tensor [L, E] or [buf, L, E];
+- the text formats (tiermoe.stats.text_files): a routing trace CSV `seq,pos,layer,experts` and a heat matrix CSV
+  `layer,e0,...` (docs/traces.md), read into the dicts above.
 `load_counts` gives the placement planner a checked [L, E] table; `load_stats` reads and merges whole files
 (metadata, prefill/decode split) into an ExpertStats; `save_stats` writes a recorder's dump.
 
@@ -31,6 +33,7 @@ from tiermoe.stats.expert_stats import (
     merge,
     stats_from_data,
 )
+from tiermoe.stats.text_files import is_text_file, read_text_statistics
 
 OUTPUT_DIR_VARIABLES = ("TIERMOE_EXPERT_DISTRIBUTION_RECORDER_DIR", "SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR")
 
@@ -69,13 +72,29 @@ def _counts_tensor(data, path: Path) -> torch.Tensor:
 
 
 def _load_file(path: Path):
+    """A statistics file's contents: a `.pt` (torch.load, weights only) or a trace / heat-matrix CSV."""
     if not path.is_file():
         raise TiermoeError(f"statistics file '{path}' does not exist")
+    if is_text_file(path):
+        return read_text_statistics(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unpickling failure is a bad file for the user
         raise TiermoeError(f"'{path}' is not a statistics file torch can load safely ({type(err).__name__}: "
                            f"{(str(err).splitlines() or [''])[0][:200]})") from None
+
+
+def load_trace(path: str | Path) -> dict:
+    """A per_token trace (a `tiermoe record --mode per_token` dump or a trace CSV) as its dict; replay checks the
+    fields it reads."""
+    path = Path(path)
+    try:
+        data = _load_file(path)
+    except TiermoeError as err:
+        raise TiermoeError(f"cannot load trace: {err}") from None
+    if isinstance(data, dict) and data.get("source_kind") == "heat csv":
+        raise TiermoeError(f"'{path}' is a heat matrix (counts per layer and expert), not a per-token trace")
+    return data
 
 
 def load_stats(paths: str | Path | Iterable[str | Path], num_layers: int | None = None,
