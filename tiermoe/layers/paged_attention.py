@@ -6,11 +6,12 @@ attention modules stay transformers' (their projections, norms and rope); two th
   K/V the step reads (the step's read_pages: the past where it lies, gathered once, plus the new tokens);
 - the attention function, registered with transformers as `tiermoe_paged_<original>` and set as the model's
   attention implementation by `use_paged_attention`: given the step (the `tiermoe_step` keyword the engine passes
-  to the model, which transformers hands every attention call), it attends the decode rows as one padded batch
-  and each longer segment alone, each part with its own mask, through the model's original attention function
+  to the model, which transformers hands every attention call), it attends the decode rows in padded runs of
+  similar lengths and each longer segment alone, each part with its own mask, through the model's original
+  attention function
   (sdpa, or eager with GPT-OSS's sinks), so each sequence sees exactly its own keys. Without a step (a plain
   forward with a transformers cache, e.g. from a test) it is the original function with the original masks.
-Legend: T new tokens, K read keys, H heads, d head dim, b rows of one attention call, q its queries, W its keys.
+Legend: T new tokens, K read keys, H heads, d head dim, b rows of one attention call, q its queries, w its keys.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Part:
 
     rows: slice
     keys: slice
-    b: int  # rows of the call (the decode batch, or 1 for a segment)
+    b: int  # rows of the call (a run of decode rows, or 1 for a segment)
     q: int  # queries per row
     w: int  # keys per row
     mask: torch.Tensor  # [b, 1, q, w] additive
