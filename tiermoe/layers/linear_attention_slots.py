@@ -49,7 +49,15 @@ class LinearStateSlots:
     def nbytes(self) -> int:
         return sum(t.nbytes for store in (self.conv, self.recurrent) for t in store.values())
 
-    def _store(self, stores: dict[int, torch.Tensor], layer: int, like: torch.Tensor) -> torch.Tensor:
+    def conv_store(self, layer: int, like: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s conv states [2 * slots, C, K], reserved on first use like `like` [b, C, K]."""
+        return self._reserve(self.conv, layer, like)
+
+    def recurrent_store(self, layer: int, like: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s recurrent states [2 * slots, H, dk, dv], reserved on first use like `like`."""
+        return self._reserve(self.recurrent, layer, like)
+
+    def _reserve(self, stores: dict[int, torch.Tensor], layer: int, like: torch.Tensor) -> torch.Tensor:
         store = stores.get(layer)
         if store is None:
             store = stores[layer] = torch.zeros((BANKS * self.num_slots, *like.shape[1:]), dtype=like.dtype,
@@ -98,13 +106,12 @@ class SlotStates:
                 full = F.pad(full, (kernel - full.shape[-1], 0))
         else:
             full = torch.cat([store.index_select(0, self.read), conv_bCn], dim=-1)
-        store = self.store._store(self.store.conv, layer_idx, full[..., -kernel:])
-        store.index_copy_(0, self.write, full[..., -kernel:])
+        self.store.conv_store(layer_idx, full[..., -kernel:]).index_copy_(0, self.write, full[..., -kernel:])
         return full
 
     def update_recurrent_state(self, state_bHkv: torch.Tensor, layer_idx: int, state_idx: int = 0,
                                **kwargs) -> torch.Tensor:
-        self.store._store(self.store.recurrent, layer_idx, state_bHkv).index_copy_(0, self.write, state_bHkv)
+        self.store.recurrent_store(layer_idx, state_bHkv).index_copy_(0, self.write, state_bHkv)
         return state_bHkv
 
     def finish(self, layer_idx: int) -> None:
