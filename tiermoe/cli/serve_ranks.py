@@ -97,7 +97,8 @@ def serve_rank(args, env: RankEnv, on_group=None) -> int:
     with group, RankModel(group, args.model, placement_from_args(args), max_running=max_running,
                          prefill_chunk=args.chunked_prefill_size, max_total_tokens=args.max_total_tokens,
                          dynamic=dynamic_from_args(args) if leads else None, progress=leads,
-                         cpu=cpu_from_args(args)) as ranked:
+                         cpu=cpu_from_args(args), page_size=args.page_size,
+                         prefix_cache=not args.no_prefix_cache) as ranked:
         if not leads:
             ranked.follow()
             return 0

@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from tiermoe.arch import detect, load_config
-from tiermoe.config import CPUConfig, PlacementConfig
+from tiermoe.config import DEFAULT_PAGE_SIZE, CPUConfig, PlacementConfig
 from tiermoe.distributed.follower import follow
 from tiermoe.distributed.group import RankGroup
 from tiermoe.distributed.share import ExpertShare
@@ -41,8 +41,9 @@ class RankModel:
     def __init__(self, group: RankGroup, model=None, placement=None, *, dtype: torch.dtype | None = None,
                  max_running: int = 16, prefill_chunk: int = 512, max_total_tokens: int | None = None,
                  cpu: CPUConfig = CPUConfig(), recorder=NO_RECORDER, dynamic=None, progress: bool = True,
-                 shm_dir=SHM_DIR):
+                 shm_dir=SHM_DIR, page_size: int = DEFAULT_PAGE_SIZE, prefix_cache: bool = True):
         self.group = group
+        self._pool_options = dict(page_size=page_size, prefix_cache=prefix_cache)  # rank 0's; the others follow it
         self.model_dir = resolve_model(model)
         self.llm = None
         self.engine = None
@@ -105,6 +106,7 @@ class RankModel:
         if self.group.rank == 0:
             self.llm = LLM(self.model_dir, gpu_device=device, placement=plan, dtype=dtype, max_running=max_running,
                            prefill_chunk=prefill_chunk, max_total_tokens=max_total_tokens, cpu=cpu,
+                           **self._pool_options,
                            recorder=recorder, dynamic=dynamic, progress=progress, share=self.share)
             self.hybrid, self.engine = self.llm.hybrid, self.llm.engine
             self.leader = self.share.leader = self.engine.leader = Leader(self.share, self.hybrid)
