@@ -161,6 +161,7 @@ def run_snippet(block: dict, namespace: dict) -> str:
     return out.getvalue()
 
 
+@pytest.mark.filterwarnings("ignore:Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
 def test_seed_python_snippets_run(path_to, tmp_path, monkeypatch):
     _, model, counts = path_to
     snippets = {(b["seed"][:3], b["section"]): b for b in blocks("python")}
