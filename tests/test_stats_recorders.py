@@ -86,8 +86,10 @@ def test_stat_counts_are_exactly_what_the_routers_chose(arch, tiny_dir):
     dump = recorder.dump()
 
     logical = dump["logical_count"]
-    assert logical.shape == (1, shape.num_layers, shape.num_experts) and not logical.dtype.is_floating_point
-    assert torch.equal(logical.sum(dim=0), spy.counts(shape.num_layers, shape.num_experts))
+    # SGLang's stat layout: int32, one [L, E] slot per pass (-1: unbounded)
+    assert logical.shape == (dump["num_passes"], shape.num_layers, shape.num_experts) and logical.dtype == torch.int32
+    assert dump["average_utilization_rate_over_window"] is None and dump["rank"] == 0
+    assert torch.equal(logical.sum(dim=0, dtype=torch.int64), spy.counts(shape.num_layers, shape.num_experts))
     # every fed token (the prompts, then each generated token but the last) routes to top-k experts per MoE layer
     prefill = sum(len(p) for p in PROMPTS)
     decode = sum(len(o.token_ids) - 1 for o in outputs)
@@ -95,7 +97,8 @@ def test_stat_counts_are_exactly_what_the_routers_chose(arch, tiny_dir):
     assert int(logical.sum()) == (prefill + decode) * shape.top_k * len(shape.moe_layers)
     dense = [layer for layer in range(shape.num_layers) if layer not in shape.moe_layers]
     assert int(logical[:, dense].sum()) == 0
-    assert torch.equal(dump["logical_count_prefill"] + dump["logical_count_decode"], logical.sum(dim=0))
+    assert torch.equal(dump["logical_count_prefill"] + dump["logical_count_decode"],
+                       logical.sum(dim=0, dtype=torch.int64))
     assert int(dump["logical_count_prefill"].sum()) == prefill * shape.top_k * len(shape.moe_layers)
     assert dump["model_type"] == arch and dump["top_k"] == shape.top_k and dump["moe_layers"] == list(shape.moe_layers)
 
@@ -170,7 +173,8 @@ def test_windowed_buffers_and_reset_work_between_engine_runs(mode, tiny_dir):
         recorder.reset()
         llm.generate([[8, 9]], SamplingParams(max_tokens=1, ignore_eos=True))  # 1 pass of 2 tokens
     dump = recorder.dump()
-    assert dump["num_passes"] == 1 and dump["num_tokens"] == 2 and dump["gpu_expert_masks"].shape[0] == 1
+    assert dump["num_passes"] == 1 and dump["num_tokens"] == 2 and dump["gpu_expert_masks"].shape[0] == 2
+    assert dump["gpu_expert_masks_pass_index"].tolist() == [0, -1]  # SGLang's slot layout: slot 1 not yet filled
     assert int(dump["logical_count"].sum()) == 2 * 2 * 2  # tokens x top-k x MoE layers
 
 
@@ -193,8 +197,9 @@ def test_circular_buffer_keeps_the_last_passes_like_sglang():
     # stat, N = 2: slots hold passes 2 and 1 (slot = pass mod N, as SGLang's circular buffer)
     assert windowed.dump()["logical_count"][:, 0].tolist() == [[0, 0, 1, 0], [0, 1, 0, 0]]
     assert windowed.dump()["num_passes"] == 2 and windowed.dump()["num_tokens"] == 2
-    # stat, -1: every pass, accumulated in one slot
-    assert unbounded.dump()["logical_count"].tolist() == [[[1, 1, 1, 0]]] and unbounded.dump()["num_passes"] == 3
+    # stat, -1: every pass in its own slot, as SGLang's growing buffer
+    assert unbounded.dump()["logical_count"][:, 0].tolist() == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0]] \
+        and unbounded.dump()["num_passes"] == 3
     # per_pass, N = 2: the last two passes, oldest first
     dump = per_pass.dump()
     assert dump["pass_index"].tolist() == [1, 2]

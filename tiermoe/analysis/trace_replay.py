@@ -29,6 +29,7 @@ from tiermoe.placement.pass_cost import PassCostModel
 from tiermoe.placement.pass_traffic import masked_traffic, pass_traffic
 from tiermoe.placement.policies import AdaptiveSettings
 from tiermoe.placement.strategies import STRATEGIES, place
+from tiermoe.stats.sglang_records import from_records, is_records_file
 
 DYNAMIC = ("kt-dynamic", "lru", "lfu", "adaptive", "belady")
 ORACLES = ("belady", "oracle-static", "oracle-window")
@@ -108,7 +109,9 @@ def _checked_trace(trace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tup
 
 
 def trace_passes(trace: dict) -> TracePasses:
-    """Per-pass routing of a per_token trace (tiermoe.stats.traces format)."""
+    """Per-pass routing of a per_token trace (tiermoe.stats.traces format, or SGLang's per_token records)."""
+    if is_records_file(trace):
+        trace = from_records(trace, "the trace")
     pass_N, ids_NMK, prefill_N, moe_layers, num_layers, num_experts = _checked_trace(trace)
     if pass_N.numel() == 0:
         raise TiermoeError("the trace holds no tokens")

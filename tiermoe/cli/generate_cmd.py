@@ -25,7 +25,7 @@ from tiermoe.cli.recorder_flags import add_recorder_flags, recorder_from_args
 from tiermoe.config import check_device
 from tiermoe.engine.llm import LLM
 from tiermoe.models import resolve_model
-from tiermoe.stats.io import dump_recorder
+from tiermoe.stats.io import dump_recorder_files
 
 
 def add_parser(sub) -> None:
@@ -102,5 +102,6 @@ def run(args) -> int:
             print(" ".join(map(str, result.token_ids)), end="")
         print()
     if recorder.enabled:
-        print(f"expert distribution written to {dump_recorder(recorder)}", file=sys.stderr)
+        print(f"expert distribution written to {' and '.join(map(str, dump_recorder_files(recorder)))}",
+              file=sys.stderr)
     return 0

@@ -29,7 +29,7 @@ from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
 from tiermoe.fit import check_running_kv
 from tiermoe.models import resolve_model
-from tiermoe.stats.io import dump_recorder
+from tiermoe.stats.io import dump_recorder_files
 
 
 def add_parser(sub) -> None:
@@ -39,7 +39,8 @@ def add_parser(sub) -> None:
         "one) and record which experts every MoE layer routes to. The file feeds `tiermoe place "
         "--init-expert-location` (SGLang's logical_count format) and `tiermoe stats`. Datasets: "
         + ", ".join(DATASETS) + ", or a .json/.jsonl file. Without --out the file goes to "
-        "$TIERMOE_EXPERT_DISTRIBUTION_RECORDER_DIR (else $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, else here).",
+        "$TIERMOE_EXPERT_DISTRIBUTION_RECORDER_DIR (else $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, else /tmp), in "
+        "SGLang's layout for the mode; GPU-tier snapshots go beside it as gpu_expert_distribution_*.pt.",
         "tiermoe record --dataset sharegpt --num-prompts 200 --out stats.pt",
         "tiermoe record --model /models/Qwen3-30B-A3B --gpu-device cuda:0 --dataset gsm8k --num-prompts 500 "
         "--max-tokens 256 --out gsm8k.pt",
@@ -117,8 +118,8 @@ def run(args) -> int:
                 "prompt_ids": [p.id for p in chosen], "model_dir": str(model_dir),
                 "generated_tokens": sum(len(o.token_ids) for o in outputs),
                 "prefix_cache": args.prefix_cache, "prefix_hit_tokens": llm.engine.prefix_hit_tokens}
-    path = dump_recorder(recorder, args.out, run_info)
-    print(f"wrote {path.resolve()}: mode {args.recorder_mode}, {len(prompt_ids)} prompts, "
+    path, *masks = dump_recorder_files(recorder, args.out, run_info)
+    print(f"wrote {path.resolve()}" + "".join(f" and {m.resolve()}" for m in masks) + ": mode {args.recorder_mode}, {len(prompt_ids)} prompts, "
           f"{sum(len(ids) for ids in prompt_ids)} prompt + {run_info['generated_tokens']} generated tokens"
           + (f" ({skipped} prompts skipped as too long)" if skipped else ""))
     return 0

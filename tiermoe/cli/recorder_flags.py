@@ -4,7 +4,7 @@
 and --record-kt-gpu-expert-distribution; `recorder_from_args(args, spec)` builds the recorder to pass to
 `LLM(..., recorder=...)` (NO_RECORDER when no mode is given, as SGLang's default). Dump it at the end with
 `tiermoe.stats.io.dump_recorder(recorder, path)`, which writes to $TIERMOE_EXPERT_DISTRIBUTION_RECORDER_DIR
-(else $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, else the current directory) when no path is given.
+(else $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, else /tmp as SGLang) when no path is given.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from tiermoe.fit import available_ram
 from tiermoe.stats.model_shape import ModelShape
 from tiermoe.stats.recorders import MODES, SGLANG_DEFAULT_BUFFER_SIZE, make_recorder
 
-# bytes a buffered pass takes per (layer, expert): the stat recorder's int64 prefill and decode counts
-BYTES_PER_PASS_CELL = 16
+# bytes a buffered pass takes per (layer, expert): the stat recorder's int32 prefill and decode counts
+BYTES_PER_PASS_CELL = 8
 
 
 def buffer_size(value: str) -> int:

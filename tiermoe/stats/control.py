@@ -2,8 +2,9 @@
 
 - start: forget what was recorded, then record (SGLang resets on start);
 - stop: stop recording, keep what was recorded;
-- dump: write the file (to $TIERMOE_EXPERT_DISTRIBUTION_RECORDER_DIR, else $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR,
-  else the current directory), then forget what was recorded; returns the paths written.
+- dump: write the files in SGLang's layout (to $TIERMOE_EXPERT_DISTRIBUTION_RECORDER_DIR, else
+  $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, else /tmp), then forget what was recorded; returns the paths written
+  (the counts file, then `gpu_expert_distribution_{time}.pt` when GPU-tier snapshots are recorded).
 As in SGLang, a server's recorder starts stopped (`recording=False`) until /start is called. These calls should
 run between engine steps (e.g. on the engine's own thread) so a pass is never half counted.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tiermoe.stats.io import default_dump_path, dump_recorder
+from tiermoe.stats.io import default_dump_path, write_dump
 
 
 class RecorderControl:
@@ -30,9 +31,10 @@ class RecorderControl:
         self.recorder.stop()
 
     def dump(self) -> list[Path]:
-        path = default_dump_path()
+        dump = self.recorder.dump()
+        path = default_dump_path(mode=dump.get("mode"))
         if self.output_dir is not None:
             path = self.output_dir / path.name
-        written = dump_recorder(self.recorder, path)
+        written = write_dump(dump, path)
         self.recorder.reset()
-        return [written]
+        return written

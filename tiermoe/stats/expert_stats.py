@@ -4,6 +4,7 @@ Recognised contents (dicts as torch.load(weights_only=True) returns them):
 - tiermoe dumps (`format` == "tiermoe-expert-distribution"), any mode: counts, metadata, and the prefill/decode
   split (exact for stat and per_token; for per_pass, from the passes that were wholly prefill or decode);
 - SGLang's stat dump `expert_distribution_recorder_{time}.pt`: `logical_count` [buf, num_hidden_layers, E];
+- SGLang's per_pass / per_token dumps (`records`), SGLang's or tiermoe's, via tiermoe.stats.sglang_records;
 - KTransformers' `activation_stats.pt`: `logical_count` [1, L, E] and `activation_counts` [L, E];
 - a bare tensor [L, E] or [buf, L, E].
 Counts are summed over the first (buffer) axis and held as float64 [L, E]. Without metadata, the MoE layers are
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tiermoe.errors import TiermoeError
+from tiermoe.stats.sglang_records import from_records, is_records_file
 from tiermoe.stats.stat_header import DUMP_FORMAT
 from tiermoe.stats.traces import counts_from_trace
 
@@ -59,19 +61,19 @@ def stats_from_data(data, source: str) -> ExpertStats:
     """Parse what torch.load returned for one statistics file (see the module docstring)."""
     if isinstance(data, torch.Tensor):
         return _plain(_as_counts(data, source), source, "tensor")
+    if is_records_file(data):
+        data = from_records(data, source)
     if not isinstance(data, dict):
         raise TiermoeError(f"'{source}' holds a {type(data).__name__}; expected a dict with 'logical_count' "
                            "(SGLang / tiermoe) or 'activation_counts' (KTransformers), or a tensor")
     if data.get("format") == DUMP_FORMAT:
         return _tiermoe(data, source)
     if isinstance(data.get("logical_count"), torch.Tensor):
-        kind = "ktransformers activation_stats" if "activation_counts" in data else "sglang stat"
+        kind = "ktransformers activation_stats" if "activation_counts" in data else data.get("source_kind",
+                                                                                                "sglang stat")
         return _plain(_as_counts(data["logical_count"], source), source, kind)
     if isinstance(data.get("activation_counts"), torch.Tensor):
         return _plain(_as_counts(data["activation_counts"], source), source, "ktransformers activation_stats")
-    if "records" in data:
-        raise TiermoeError(f"'{source}' is an SGLang per_pass/per_token dump (physical expert ids per record); "
-                           "tiermoe reads SGLang's stat dumps (--expert-distribution-recorder-mode stat)")
     if "gpu_expert_masks" in data:
         raise TiermoeError(f"'{source}' holds GPU-tier snapshots only (gpu_expert_masks), no activation counts")
     keys = ", ".join(map(str, list(data)[:8]))

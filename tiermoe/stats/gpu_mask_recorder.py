@@ -2,9 +2,11 @@
 
 Each MoE block hands the recorder its GPU mask [E] with every record; this recorder copies it into a per-pass
 buffer [B, L, E] (bool, on the mask's device: a device-to-device copy, no synchronisation). The dump adds
-`gpu_expert_masks` [P, L, E] (oldest pass first; dense rows False) and `gpu_expert_masks_pass_index` [P], so a
-run can be checked afterwards against the placement it was meant to have. SGLang writes these masks to their own
-file (`gpu_expert_distribution_{time}.pt`); tiermoe puts them in the one dump, under the same key.
+`gpu_expert_masks` [B, L, E] in the buffer's slot order, as SGLang-kt dumps it (so slot i lines up with slot i of
+a stat dump's `logical_count`: a circular buffer of N gives N slots, pass p in slot p mod N, unfilled ones False;
+-1 gives every pass, oldest first; dense rows False) and `gpu_expert_masks_pass_index` [B] (-1: empty slot), so a
+run can be checked afterwards against the placement it was meant to have. `tiermoe.stats.io` writes them to
+SGLang's separate file `gpu_expert_distribution_{time}.pt`.
 """
 
 from __future__ import annotations
@@ -54,5 +56,5 @@ class GpuMaskRecorder:
         self.end_pass()
 
     def dump(self) -> dict:
-        passes, masks_PLE = self._buffer.ordered()
-        return {"gpu_expert_masks": masks_PLE, "gpu_expert_masks_pass_index": torch.tensor(passes, dtype=torch.int64)}
+        passes, masks_BLE = self._buffer.slots()
+        return {"gpu_expert_masks": masks_BLE, "gpu_expert_masks_pass_index": torch.tensor(passes, dtype=torch.int64)}

@@ -58,3 +58,15 @@ class PassBuffer:
         filled = [i for i, p in enumerate(self._pass_of_slot) if p >= 0]
         order = sorted(filled, key=self._pass_of_slot.__getitem__)
         return [self._pass_of_slot[i] for i in order], self._data_B.to("cpu")[order]
+
+    def slots(self) -> tuple[list[int], torch.Tensor]:
+        """(pass index of each slot, -1 when empty; items [B, *item_shape] on the host) in slot order, as SGLang
+        dumps its buffers: a circular buffer of N gives all N slots (pass p in slot p mod N, unfilled ones zero),
+        an unbounded one every pass, oldest first."""
+        if self.size > 0:
+            if self._data_B is None:
+                return [-1] * self.size, torch.zeros(self.size, *self.item_shape, dtype=self.dtype)
+            return list(self._pass_of_slot), self._data_B.to("cpu", copy=True)
+        held = len(self._pass_of_slot)
+        data = torch.zeros(0, *self.item_shape, dtype=self.dtype) if self._data_B is None else self._data_B[:held]
+        return list(self._pass_of_slot), data.to("cpu", copy=True)

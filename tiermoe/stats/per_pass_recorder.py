@@ -4,7 +4,8 @@ Each pass takes a slot of a PassBuffer [B, L, E] (int32, on the device; the last
 `--expert-distribution-recorder-buffer-size` says) and every MoE layer adds its routed ids with one `index_add_`.
 Per pass the host keeps how many prefill and decode rows it had and how many sequences.
 
-Dump (besides the common header): `logical_count` int64 [P, L, E], the per-pass counts oldest first (so the file
+Dump (in memory; tiermoe.stats.io writes it as SGLang's per_pass `records`, see sglang_files), besides the
+common header: `logical_count` int64 [P, L, E], the per-pass counts oldest first (so the file
 also feeds `--init-expert-location`, which sums over the first axis), `pass_index` int64 [P],
 `num_prefill_tokens` / `num_decode_tokens` / `num_sequences` int64 [P]. A pass is prefill when it has only
 prefill rows, decode when only decode rows, mixed otherwise.

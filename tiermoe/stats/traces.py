@@ -1,6 +1,8 @@
 """`per_token` mode: a trace of every token of every forward pass and the experts it was routed to.
 
-Trace format (a dict in the `.pt` dump, loadable with weights_only=True; N tokens, M MoE layers, K top-k):
+Trace format (the recorder's dump in memory, and tiermoe's earlier per_token files; tiermoe.stats.io now writes it
+as SGLang's per_token `records`, see sglang_files, and sglang_records reads those back into this format;
+N tokens, M MoE layers, K top-k):
 
     token_pass        int32 [N]     pass index, counted from 0 since recording (re)started
     token_request     int32 [N]     request id (the engine's sequence id) the token belongs to
