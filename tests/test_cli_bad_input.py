@@ -77,6 +77,8 @@ def test_gpu_memory_must_be_a_finite_number(value):
     (("bench", "placement", "--dataset", "d", *MISSING_MODEL, "--heldout-fraction", "2"), "between 0"),
     (("bench", "placement", "--dataset", "d", *MISSING_MODEL, "--prefill-threshold", "-5"), ">= 0"),
     (("serve", *MISSING_MODEL, "--dist-timeout", "inf"), "finite"),
+    (("serve", *MISSING_MODEL, "--page-size", "4096"), "at most 1024 tokens per page"),
+    (("serve", *MISSING_MODEL, "--page-size", "0"), "--page-size"),
     (("make-model", "--arch", "qwen3_moe", "--out", "OUT", "--shard-gb", "nan"), "finite"),
     (("generate", *MISSING_MODEL, "--prompt", "hi", "--max-tokens", str(2**70)), "at most"),
 ])
