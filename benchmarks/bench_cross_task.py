@@ -7,7 +7,7 @@ dynamic` is replayed (static strategies, KT dynamic, LRU / LFU caches, adaptive,
 same copy budget, the trace's own static top-k, the per-window oracle), costed with DeepSeek-V2-Lite's experts
 (bf16, from its config.json alone). Same-task pairs calibrate on the other half of the same task.
 
-    python benchmarks/bench_cross_task.py --data ../shared/routing-data/esft-deepseek-v2-lite \
+    PYTHONPATH=$PWD python benchmarks/bench_cross_task.py --data ../shared/routing-data/esft-deepseek-v2-lite \
         --out benchmarks/results/cross_task.json --markdown benchmarks/results/cross_task.md \
         --plot benchmarks/results/cross_task.png
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from tiermoe.analysis.trace_replay import replay, trace_passes
+from tiermoe.placement.adaptive_policy import AdaptiveSettings
 from tiermoe.placement.global_topk import generate_gpu_experts_masks
 from tiermoe.placement.metrics import hit_rate
 from tiermoe.placement.pass_cost import expert_cost_model
-from tiermoe.placement.policies import AdaptiveSettings
 from tiermoe.placement.profiles import GPUProfile
 from tiermoe.placement.tier_time import assumed_cpu_tier
 

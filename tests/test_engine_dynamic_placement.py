@@ -15,8 +15,9 @@ from tiermoe.engine.dynamic import enable_dynamic_placement
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.experts.copier import AsyncCopier, plain_copy
+from tiermoe.placement.adaptive_policy import AdaptivePolicy, AdaptiveSettings
 from tiermoe.placement.pass_cost import expert_cost_model
-from tiermoe.placement.policies import AdaptivePolicy, AdaptiveSettings, KTDynamicPolicy
+from tiermoe.placement.policies import KTDynamicPolicy
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 PROMPTS = [list(range(5, 30)), [40, 41, 42], list(range(60, 75))]
@@ -123,19 +124,21 @@ def _feed(policy, shares, passes, tokens=4, seed=0):
         policy.observe(torch.bincount(ids, minlength=len(shares))[None], tokens, False)
 
 
-def test_adaptive_policy_swaps_only_on_a_shift_that_persists():
+def test_adaptive_policy_swaps_only_on_a_shift_the_evidence_shows():
     cost = expert_cost_model(1 << 20, 0.0)
-    settings = AdaptiveSettings(half_life_tokens=50, replan_every=1, horizon_tokens=100, margin=2.0)
+    settings = AdaptiveSettings(half_life_tokens=400, horizon_tokens=100, margin=2.0)
     mask = torch.tensor([[True, True, False, False]])
     idle = torch.zeros(1, 4, dtype=torch.bool)
     calm = AdaptivePolicy(1, 4, cost, settings, torch.ones(1, 4))  # the workload matches its calibration
-    _feed(calm, [0.25] * 4, passes=200)
-    assert max(calm.persistence) < 0.05 and calm.propose(mask, idle) == []  # noise alone never moves an expert
+    proposed = 0
+    for seed in range(200):  # noise alone never moves an expert, at any point
+        _feed(calm, [0.25] * 4, passes=1, seed=seed)
+        proposed += len(calm.propose(mask, idle))
+    assert proposed == 0 and calm.recent_weight < 0.05
     shifted = AdaptivePolicy(1, 4, cost, settings, torch.ones(1, 4))
-    _feed(shifted, [0.05, 0.2, 0.05, 0.7], passes=24)
-    assert shifted.propose(mask, idle) == []  # no forecast checked yet: it stays where calibration put it
-    _feed(shifted, [0.05, 0.2, 0.05, 0.7], passes=300, seed=1)
-    assert max(shifted.persistence) > 0.3  # the shift persisted over the horizon: it learned to follow it
+    _feed(shifted, [0.05, 0.2, 0.05, 0.7], passes=100)
+    rates = shifted.lasting_rates()[0]
+    assert rates[3] > 0.6 and rates[0] < 0.1  # the served workload, not the calibration, once it plainly differs
     swaps = shifted.propose(mask, idle)
     assert [(s.expert_in, s.expert_out) for s in swaps] == [(3, 0)]  # 2 vs 0 is a near-tie: not worth copies
     assert shifted.propose(mask, torch.tensor([[True, False, False, True]])) == []  # in flight: left alone

@@ -275,10 +275,10 @@ class DynamicPlacementConfig:
     policy: str = "static"
     prefill_threshold: int | None = None
     prefill_buffer_gb: float = 1.0
-    half_life_tokens: float = 2048.0
-    replan_every: int = 8
-    margin: float = 2.0
-    max_swaps_in_flight: int = 2
+    half_life_tokens: float = 8192.0  # adaptive's settings: tiermoe.placement.adaptive_policy.AdaptiveSettings
+    replan_every: int = 1
+    margin: float = 1.0
+    max_swaps_in_flight: int = 4
 
     def __post_init__(self):
         if self.policy not in PLACEMENT_POLICIES:

@@ -19,10 +19,11 @@ import torch
 
 from tiermoe.analysis.trace_replay import CopiesInFlight, trace_passes
 from tiermoe.errors import TiermoeError
+from tiermoe.placement.adaptive_policy import AdaptivePolicy, AdaptiveSettings
 from tiermoe.placement.budget import total_gpu_experts
 from tiermoe.placement.pass_cost import PassCostModel
 from tiermoe.placement.pass_traffic import PassShapes, Traffic, concat_traffic, pass_traffic, static_traffic
-from tiermoe.placement.policies import AdaptivePolicy, AdaptiveSettings, KTDynamicPolicy
+from tiermoe.placement.policies import KTDynamicPolicy
 from tiermoe.placement.strategies import NEEDS_STATISTICS, place
 
 DYNAMIC_STRATEGIES = ("dynamic", "adaptive")

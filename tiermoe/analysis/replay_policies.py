@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from tiermoe.placement.adaptive_policy import AdaptivePolicy, AdaptiveSettings
 from tiermoe.placement.cache_policies import DEFAULT_COPY_BUDGET, NONE, LFUPolicy, LRUPolicy, pair_swaps
 from tiermoe.placement.pass_cost import PassCostModel
-from tiermoe.placement.policies import AdaptivePolicy, AdaptiveSettings, KTDynamicPolicy, Swap
+from tiermoe.placement.policies import KTDynamicPolicy, Swap
 
 CACHES = ("lru", "lfu")
 
@@ -63,4 +64,5 @@ def make_policy(policy: str, counts_PME: torch.Tensor, cost: PassCostModel, prio
         return LFUPolicy(m, e, copy_budget)
     if policy == "belady":
         return BeladyPolicy(counts_PME, copy_budget)
-    return AdaptivePolicy(m, e, cost, adaptive or AdaptiveSettings(), prior_ME)
+    # the same copy budget as the caches unless settings say otherwise
+    return AdaptivePolicy(m, e, cost, adaptive or AdaptiveSettings(max_swaps_in_flight=copy_budget), prior_ME)

@@ -22,12 +22,12 @@ import torch
 
 from tiermoe.analysis.replay_policies import make_policy
 from tiermoe.errors import TiermoeError
+from tiermoe.placement.adaptive_policy import AdaptiveSettings
 from tiermoe.placement.budget import total_gpu_experts
 from tiermoe.placement.cache_policies import DEFAULT_COPY_BUDGET
 from tiermoe.placement.global_topk import generate_gpu_experts_masks
 from tiermoe.placement.pass_cost import PassCostModel
 from tiermoe.placement.pass_traffic import masked_traffic, pass_traffic
-from tiermoe.placement.policies import AdaptiveSettings
 from tiermoe.placement.strategies import STRATEGIES, place
 from tiermoe.stats.sglang_records import from_records, is_records_file
 

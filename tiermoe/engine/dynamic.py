@@ -8,9 +8,10 @@ from tiermoe.config import DynamicPlacementConfig
 from tiermoe.engine.placement_manager import PlacementManager, warn_if_never_fires
 from tiermoe.experts.copier import AsyncCopier
 from tiermoe.layers.prefill_streamer import PrefillStreamer
+from tiermoe.placement.adaptive_policy import AdaptivePolicy, AdaptiveSettings
 from tiermoe.placement.budget import GIB
 from tiermoe.placement.pass_cost import PassCostModel, expert_cost_model
-from tiermoe.placement.policies import AdaptivePolicy, AdaptiveSettings, KTDynamicPolicy
+from tiermoe.placement.policies import KTDynamicPolicy
 
 
 def make_policy(config: DynamicPlacementConfig, num_layers: int, num_experts: int, cost: PassCostModel,
