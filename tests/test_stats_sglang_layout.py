@@ -95,6 +95,7 @@ def test_per_token_file_is_sglangs(recorded):
         topk = record["topk_ids_of_layer"]
         T = len(record["positions"])
         assert topk.dtype == torch.int32 and topk.shape == (shape.num_layers, T, 8) and len(record["input_ids"]) == T
+        assert all(0 <= token < 256 for token in record["input_ids"])  # the ids the engine fed
         assert (topk[1] == -1).all() and (topk[:, :, shape.top_k:] == -1).all()  # dense layer, columns past top-k
         assert (topk[list(shape.moe_layers), :, :shape.top_k] >= 0).all()
         valid = topk >= 0
@@ -105,6 +106,7 @@ def test_per_token_file_is_sglangs(recorded):
         assert (lens is None) == (record["forward_mode"] == 2) and (lens is None or sum(lens) == T)
         modes.append(record["forward_mode"])
     assert modes[0] == 1 and 2 in modes  # an extend pass first, decode passes later
+    assert data["records"][0]["input_ids"] == PROMPTS[0] + PROMPTS[1]  # the first pass: two prompts side by side
     # the file and the in-memory trace replay the same
     replayed, expected = trace_passes(data), trace_passes(dump)
     assert torch.equal(replayed.counts_PME, expected.counts_PME) and torch.equal(replayed.prefill_P, expected.prefill_P)

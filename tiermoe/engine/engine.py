@@ -315,7 +315,8 @@ class Engine:
             self._pass.begin_pass(PassInfo(
                 request_ids=tuple(batch[i].seq_id for i in order), num_tokens=tuple(len(inputs[i]) for i in order),
                 start_positions=tuple(batch[i].num_fed for i in order),
-                is_prefill=tuple(batch[i].prefilling for i in order)))
+                is_prefill=tuple(batch[i].prefilling for i in order),
+                input_ids=tuple(t for i in order for t in inputs[i])))
         try:
             logits = self.forward_feeds(feeds, [inputs[i] for i in order],
                                         [_rows_needed(batch[i], len(inputs[i])) for i in order])

@@ -23,6 +23,7 @@ class PassInfo:
     num_tokens: tuple[int, ...]
     start_positions: tuple[int, ...]  # position of each sequence's first row in its own sequence
     is_prefill: tuple[bool, ...]
+    input_ids: tuple[int, ...] = ()  # every row's token id, in row order (empty where the caller has none)
 
     @property
     def total_tokens(self) -> int:

@@ -15,8 +15,9 @@ SGLang's layouts (what its own scripts and `--init-expert-location` read):
 tiermoe's extras are keys SGLang never reads: the dump header (format, mode, model shape, ...) and totals at the top
 level, a `logical_count` [1, L, E] int64 at the top of per_pass/per_token files too (so every mode feeds
 `--init-expert-location`), and per record `num_prefill_tokens`, `num_decode_tokens`, `num_sequences` (per_pass)
-or `request_ids`, `seq_lens`, `seq_is_prefill` (per_token, one entry per sequence of the pass). tiermoe's engine
-does not hand the recorder token ids, so a per_token record's `input_ids` are -1 (one per token).
+or `request_ids`, `seq_lens`, `seq_is_prefill` (per_token, one entry per sequence of the pass). A per_token
+record's `input_ids` are the pass's token ids as the engine fed them (-1 in files from before tiermoe recorded
+them).
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def _token_record(dump: dict, start: int, end: int, L: int, E: int, K: int, moe_
     count_LE = torch.zeros(L, E, dtype=torch.int32)
     count_LE.scatter_add_(1, topk_LTW.masked_fill(~valid, 0).reshape(L, -1).long(), valid.reshape(L, -1).int())
     return {"forward_pass_id": int(dump["token_pass"][start]), "rank": 0, "gatherer_key": GATHERER_KEY,
-            "input_ids": [-1] * T, "positions": positions,
+            "input_ids": dump["token_input_id"][start:end].tolist() if "token_input_id" in dump else [-1] * T,
+            "positions": positions,
             "extend_seq_lens": None if mode == FORWARD_MODE_DECODE else [s[1] for s in seqs],
             "forward_mode": mode, "topk_ids_of_layer": topk_LTW, "misc_objects": [],
             "global_physical_count": count_LE,

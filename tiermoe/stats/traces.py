@@ -8,6 +8,7 @@ N tokens, M MoE layers, K top-k):
     token_request     int32 [N]     request id (the engine's sequence id) the token belongs to
     token_position    int32 [N]     the token's position in its own sequence (0 = first prompt token)
     token_is_prefill  bool  [N]     True for prompt tokens (prefill), False for decode tokens
+    token_input_id    int32 [N]     the token's id (-1 where the pass did not say)
     topk_ids          int16 [N, M, K]  routed expert ids of the token at MoE layer moe_layers[m], in the
                                     router's order (int32 when the model has more than 32767 experts;
                                     -1 where a layer did not record, which a correct engine never leaves)
@@ -37,6 +38,13 @@ from tiermoe.stats.recording import PassInfo
 from tiermoe.stats.stat_header import dump_header
 
 
+def _input_ids(info: PassInfo) -> torch.Tensor:
+    """The pass's token ids [T], -1 where PassInfo has none."""
+    if len(info.input_ids) == info.total_tokens:
+        return torch.tensor(info.input_ids, dtype=torch.int32)
+    return torch.full((info.total_tokens,), -1, dtype=torch.int32)
+
+
 def ids_dtype(num_experts: int) -> torch.dtype:
     return torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
 
@@ -50,7 +58,8 @@ class PerTokenRecorder:
         self.flush_bytes = flush_bytes
         self.enabled = True
         self._moe_index = shape.layer_to_moe_index
-        # (pass index, (request [T], position [T], is_prefill [T]) on the host, ids [T, M, K] device or host)
+        # (pass index, (request [T], position [T], is_prefill [T], input id [T]) on the host, ids [T, M, K] device
+        # or host)
         self._passes: deque = deque(maxlen=buffer_size if buffer_size > 0 else None)
         self._device_bytes = 0
         self._count = 0
@@ -73,7 +82,7 @@ class PerTokenRecorder:
 
     def end_pass(self) -> None:
         if self._info is not None and self._ids_TMK is not None:
-            self._passes.append((self._count, row_table(self._info), self._ids_TMK))
+            self._passes.append((self._count, (*row_table(self._info), _input_ids(self._info)), self._ids_TMK))
             self._count += 1
             if self._ids_TMK.device.type != "cpu":
                 self._device_bytes += self._ids_TMK.numel() * self._ids_TMK.element_size()
@@ -112,6 +121,7 @@ class PerTokenRecorder:
             "token_request": column(0, torch.int32),
             "token_position": column(1, torch.int32),
             "token_is_prefill": prefill,
+            "token_input_id": column(3, torch.int32),
             **trace,
             "logical_count": counts_from_trace(trace, self.shape.num_layers, self.shape.num_experts)[None],
             "num_passes": len(entries),
@@ -146,16 +156,18 @@ def passes_from_trace(trace: dict) -> list[PassInfo]:
     passes: list[PassInfo] = []
     pass_N, request_N = trace["token_pass"].tolist(), trace["token_request"].tolist()
     position_N, prefill_N = trace["token_position"].tolist(), trace["token_is_prefill"].tolist()
+    input_N = trace["token_input_id"].tolist() if "token_input_id" in trace else [-1] * len(pass_N)
     n, i = len(pass_N), 0
     while i < n:
         rows: list[list] = []  # [request, num_tokens, start_position, is_prefill]
-        p = pass_N[i]
+        p, first = pass_N[i], i
         while i < n and pass_N[i] == p:
             if rows and rows[-1][0] == request_N[i] and rows[-1][2] + rows[-1][1] == position_N[i]:
                 rows[-1][1] += 1
             else:
                 rows.append([request_N[i], 1, position_N[i], bool(prefill_N[i])])
             i += 1
+        ids = tuple(input_N[first:i])
         passes.append(PassInfo(tuple(r[0] for r in rows), tuple(r[1] for r in rows), tuple(r[2] for r in rows),
-                               tuple(r[3] for r in rows)))
+                               tuple(r[3] for r in rows), ids if -1 not in ids else ()))
     return passes
