@@ -258,6 +258,13 @@ class ServerConfig:
         """Generation requests the server holds at once (running, queued, or being read and tokenised)."""
         return self.max_running_requests + self.queue_limit
 
+    def check_prompt_batch(self, prompts: int) -> None:
+        """Refuse a request of more prompts than the server holds at once (a batch in /v1/completions or
+        /generate): admission counts the request once, its prompts all run."""
+        if prompts > self.in_flight_limit:
+            raise TiermoeError(f"a batch of {prompts} prompts is more than this server holds at once "
+                               f"({self.in_flight_limit}: --max-running-requests + --max-queued-requests)")
+
 
 PLACEMENT_POLICIES = ("static", "kt-dynamic", "adaptive")
 

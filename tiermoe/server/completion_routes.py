@@ -18,7 +18,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from tiermoe.engine.sampling import SamplingParams
-from tiermoe.errors import TiermoeError
 from tiermoe.server.body import openapi_body, read_body
 from tiermoe.server.generation import collect, merged_streams, stream_events
 from tiermoe.server.logprob_format import completion_logprobs
@@ -57,9 +56,7 @@ async def completions(request: Request):
     state: ServerState = request.app.state.tiermoe
     body = await read_body(request, CompletionRequest, state.config.max_request_bytes)
     texts = body.prompts()
-    if len(texts) > state.config.in_flight_limit:
-        raise TiermoeError(f"a batch of {len(texts)} prompts is more than this server holds at once "
-                           f"({state.config.in_flight_limit}: --max-running-requests + --max-queued-requests)")
+    state.config.check_prompt_batch(len(texts))
     prompts = [await _prepare(state, body, text) for text in texts]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}

@@ -24,7 +24,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from tiermoe.engine.sampling import SamplingParams
-from tiermoe.errors import TiermoeError
 from tiermoe.server.body import openapi_body, read_body
 from tiermoe.server.generation import collect, merged_streams, stream_events
 from tiermoe.server.protocol import (
@@ -52,9 +51,7 @@ async def generate(request: Request):
     state: ServerState = request.app.state.tiermoe
     body = await read_body(request, SGLangGenerateRequest, state.config.max_request_bytes)
     texts = body.prompts()
-    if len(texts) > state.config.in_flight_limit:
-        raise TiermoeError(f"a batch of {len(texts)} prompts is more than this server holds at once "
-                           f"({state.config.in_flight_limit}: --max-running-requests + --max-queued-requests)")
+    state.config.check_prompt_batch(len(texts))
     prompts = [await _prepare(state, body, i, text) for i, text in enumerate(texts)]
     if body.stream:
         return StreamingResponse(_stream(state, request, prompts, body.is_batch()), media_type="text/event-stream")
