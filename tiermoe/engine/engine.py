@@ -190,9 +190,9 @@ class Engine:
     def _schedule(self) -> list[tuple[Sequence, list[int]]]:
         """This step's (sequence, tokens to feed): every decode, and prompt chunks within the prefill budget; each
         with its pages reserved (preempting the most recently admitted sequences when the pool is full)."""
-        budget, batch = self.config.prefill_chunk, []
+        budget, batch, preempted = self.config.prefill_chunk, [], set()
         for seq in list(self.running):
-            if seq not in self.running:  # preempted for an earlier sequence of this step
+            if seq.seq_id in preempted:  # preempted for an earlier sequence of this step
                 continue
             if seq.prefilling:
                 if budget == 0:
@@ -204,6 +204,7 @@ class Engine:
             while not self.pool.reserve(seq.pages, seq.num_fed, seq.num_fed + len(tokens)):
                 victim = self.running[-1]
                 self._preempt(victim)
+                preempted.add(victim.seq_id)
                 batch = [(s, t) for s, t in batch if s is not victim]
                 if victim is seq:
                     break
@@ -306,7 +307,8 @@ class Engine:
         batch."""
         decode = sorted((i for i, s in enumerate(batch) if len(inputs[i]) == 1 and s.num_fed > 0),
                         key=lambda i: -batch[i].num_fed)
-        order = decode + [i for i in range(len(batch)) if i not in set(decode)]
+        decoding = set(decode)
+        order = decode + [i for i in range(len(batch)) if i not in decoding]
         return [self.pool.feed(batch[i].pages, batch[i].num_fed, len(inputs[i])) for i in order], order
 
     def _recorded_forward(self, batch: list[Sequence], inputs: list[list[int]]) -> list[torch.Tensor]:

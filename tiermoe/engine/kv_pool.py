@@ -136,10 +136,11 @@ class KVPool:
             if w is None:
                 continue
             first_needed = max(0, fed - w + 1) // self.page_size  # the page of the next query's first visible key
-            for i in range(first_needed):
-                if table[i] >= 0:
-                    self._free[w].append(table[i])
-                    table[i] = -1
+            start = first_needed
+            while start > 0 and table[start - 1] >= 0:  # the pages before a handed-back one are handed back too
+                start -= 1
+            self._free[w].extend(table[start:first_needed])
+            table[start:first_needed] = [-1] * (first_needed - start)
 
     def release(self, share: SeqPages, token_ids: list[int] = ()) -> None:
         """A sequence finished, failed or was preempted: every page and its slot go back; with prefix reuse, the
