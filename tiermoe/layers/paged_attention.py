@@ -92,15 +92,6 @@ class PagedStepCache(Cache):
         return _read(k_slots, group.read_pages, self.step.page_size), _read(v_slots, group.read_pages,
                                                                             self.step.page_size)
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # positions come as position_ids, masks from the step: nothing reads this length
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return query_length, 0
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
 
 
 def _read(slots_SHd: torch.Tensor, pages_N: torch.Tensor, page_size: int) -> torch.Tensor:

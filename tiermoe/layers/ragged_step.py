@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-FULL = None  # the window of full-attention layers
 # Key positions a decode run may pad beyond half its real keys: a run that small is cheaper padded than split.
 PAD_ALLOWANCE = 256
 
@@ -35,7 +34,7 @@ class SeqFeed:
 
     past: int
     new: int
-    pages: dict[int | None, list[int]]  # window (FULL = None) -> page ids covering positions 0.. (-1: freed)
+    pages: dict[int | None, list[int]]  # window (None: full attention) -> page ids covering positions 0.. (-1: freed)
     slot: int | None = None  # its linear-attention state slot (models with linear-attention layers)
 
 
@@ -103,7 +102,6 @@ class RaggedStep:
         for i, f in enumerate(feeds[num_decode:], start=num_decode):
             self.row_parts.append(RowPart(i, 1, f.new, slice(row, row + f.new)))
             row += f.new
-        self.num_tokens = row
         self.position_ids = torch.tensor([[f.past + i for f in feeds for i in range(f.new)]], device=device)
         self.groups = {w: self._group(w, device, mask_dtype) for w in dict.fromkeys(layer_windows.values())
                        if not isinstance(w, str)}
