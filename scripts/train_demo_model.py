@@ -22,6 +22,9 @@ conversation rather than code, other languages or very long documents.
   - Chit-Chat (human-human chat): the first speaker becomes `user`, the second `assistant`; a speaker's consecutive
     messages are joined with newlines.
 
+The data part (sources, filters, split, the 1,024-token cut) is `tiermoe.data.demo_split`, which fine-tuning uses
+too, to measure itself on the same held-out split.
+
 Example (the command used for the bundled checkpoint is recorded in its README.md):
   python scripts/train_demo_model.py --steps 1100            # full run, ~40 min on 2 CPU cores
   python scripts/train_demo_model.py --steps 20 --limit 600 --out scratch/smoke   # 1-2 min smoke test
@@ -52,21 +55,25 @@ if str(REPO) not in sys.path:  # run from a checkout without installing the pack
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from tiermoe.data.sharegpt import load_sharegpt, to_messages  # noqa: E402
+from tiermoe.data.demo_split import (  # noqa: E402
+    EOT,
+    FUNCTION_WORDS,
+    IM_END,
+    IM_START,
+    MAX_FIRST_PROMPT_CHARS,
+    DemoSplitSettings,
+    render_turn,
+    split_demo,
+    turns_that_fit,
+)
 from tiermoe.stats.routing_summary import gini, max_min_ratio, top_share  # noqa: E402
 
-EOT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-FUNCTION_WORDS = frozenset(
-    "the a an and or of to in is it that for you i on with this be are as was what how can your my me we not do "
-    "have".split()
-)
-MAX_FIRST_PROMPT_CHARS = 1000
 OUTPUT_FILES = (
     "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
     "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "README.md", "training_log.json",
@@ -79,98 +86,7 @@ COMMON_WORDS = frozenset(
 )
 
 
-# ----------------------------------------------------------------------------------------------- data
-
-
-def is_english_prose(text: str) -> bool:
-    """True for mostly-ASCII text with enough English function words (rejects other languages and code dumps)."""
-    letters = [ch for ch in text if ch.isalpha()]
-    if not letters or sum(ch.isascii() for ch in letters) < 0.97 * len(letters):
-        return False
-    words = re.findall(r"[a-zA-Z']+", text.lower())
-    return sum(w in FUNCTION_WORDS for w in words) >= 0.15 * max(1, len(words))
-
-
-def sharegpt_conversations() -> list[dict]:
-    """ShareGPT conversations as {"id", "group", "source", "messages"}, English, starting with a user turn."""
-    out = []
-    for conv in load_sharegpt():
-        messages = to_messages(conv)
-        if not messages or messages[0]["role"] != "user" or len(messages) < 2:
-            continue
-        if any(not m["content"].strip() for m in messages):
-            continue
-        if len(messages[0]["content"]) > MAX_FIRST_PROMPT_CHARS:
-            continue
-        if not is_english_prose("\n".join(m["content"] for m in messages)):
-            continue
-        group = conv["id"].rsplit("_", 1)[0]  # "QWJhYvA_0" and "QWJhYvA_1" are parts of one conversation
-        out.append({"id": conv["id"], "group": group, "source": "sharegpt", "messages": messages})
-    return out
-
-
-def chitchat_conversations() -> list[dict]:
-    """Chit-Chat human-human conversations as {"id", "group", "source", "messages"}, English, >= 2 turns."""
-    import chitchat_dataset  # lazy: optional data dependency
-
-    path = Path(chitchat_dataset.__file__).with_name("dataset.json")
-    data = json.loads(path.read_text(encoding="utf-8"))
-    out = []
-    for cid in sorted(data):
-        roles: dict[str, str] = {}
-        messages: list[dict[str, str]] = []
-        for run in data[cid]["messages"]:
-            if not run:
-                continue
-            sender = run[0]["sender"]
-            if sender not in roles:
-                if len(roles) == 2:
-                    break
-                roles[sender] = "user" if not roles else "assistant"
-            text = "\n".join(u["text"].strip() for u in run if u["text"].strip())
-            if not text:
-                continue
-            if messages and messages[-1]["role"] == roles[sender]:
-                messages[-1]["content"] += "\n" + text
-            else:
-                messages.append({"role": roles[sender], "content": text})
-        if len(messages) < 2 or len(messages[0]["content"]) > MAX_FIRST_PROMPT_CHARS:
-            continue
-        if not is_english_prose("\n".join(m["content"] for m in messages)):
-            continue
-        out.append({"id": cid, "group": cid, "source": "chitchat", "messages": messages})
-    return out
-
-
-def split_conversations(convs: list[dict], n_heldout: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """Split by conversation group into (train, heldout); heldout keeps the seeded order of its groups."""
-    groups = sorted({c["group"] for c in convs})
-    random.Random(seed).shuffle(groups)
-    held_groups: list[str] = []
-    held_count = 0
-    by_group: dict[str, list[dict]] = {}
-    for c in convs:
-        by_group.setdefault(c["group"], []).append(c)
-    for g in groups:
-        if held_count >= n_heldout:
-            break
-        held_groups.append(g)
-        held_count += len(by_group[g])
-    held_set = set(held_groups)
-    heldout = [c for g in held_groups for c in by_group[g]]
-    held_prompts = {c["messages"][0]["content"].strip() for c in heldout}
-    train = [
-        c for c in convs if c["group"] not in held_set and c["messages"][0]["content"].strip() not in held_prompts
-    ]
-    return train, heldout
-
-
 # ------------------------------------------------------------------------------------------ tokenizer
-
-
-def render_turn(message: dict[str, str]) -> str:
-    """One ChatML turn exactly as CHAT_TEMPLATE renders it."""
-    return f"{IM_START}{message['role']}\n{message['content']}{IM_END}\n"
 
 
 def train_tokenizer(train: list[dict], vocab_size: int):
@@ -217,20 +133,13 @@ def wrap_tokenizer(tok):
 def encode_conversation(tok, conv: dict, max_tokens: int) -> list[int] | None:
     """Token ids of the conversation cut at a turn boundary to <= max_tokens (incl. a final <|endoftext|>).
 
-    Returns None when even the first user+assistant exchange does not fit.
+    Returns None when even the first user+assistant exchange does not fit (tiermoe.data.demo_split's rule).
     """
-    eot = tok.token_to_id(EOT)
-    ids: list[int] = []
-    n_turns = 0
-    for m in conv["messages"]:
-        turn = tok.encode(render_turn(m)).ids
-        if len(ids) + len(turn) + 1 > max_tokens:
-            break
-        ids += turn
-        n_turns += 1
-    if n_turns < 2:
+    turns = [tok.encode(render_turn(m)).ids for m in conv["messages"]]
+    kept = turns_that_fit([len(t) for t in turns], max_tokens)
+    if not kept:
         return None
-    return ids + [eot]
+    return [i for t in turns[:kept] for i in t] + [tok.token_to_id(EOT)]
 
 
 def pack(seqs: list[list[int]], seq_len: int) -> torch.Tensor:
@@ -392,18 +301,15 @@ def main(argv=None) -> None:
         print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
 
     # 1. data ----------------------------------------------------------------------------------------
-    sg = sharegpt_conversations()
-    cc = [] if args.no_chitchat else chitchat_conversations()
-    if args.limit:
-        sg, cc = sg[: args.limit], cc[: args.limit]
-    sg_train, sg_held = split_conversations(sg, args.heldout_sharegpt, args.seed)
-    cc_train, cc_held = split_conversations(cc, args.heldout_chitchat, args.seed + 1) if cc else ([], [])
-    log(f"data: sharegpt {len(sg)} kept -> train {len(sg_train)} / held-out {len(sg_held)}; "
-        f"chitchat {len(cc)} kept -> train {len(cc_train)} / held-out {len(cc_held)}")
+    split = split_demo(DemoSplitSettings(seed=args.seed, heldout_sharegpt=args.heldout_sharegpt,
+                                         heldout_chitchat=args.heldout_chitchat, chitchat=not args.no_chitchat,
+                                         limit=args.limit, max_conv_tokens=args.max_conv_tokens))
+    train_convs, sg_held, cc_held = split.train, split.heldout_sharegpt, split.heldout_chitchat
+    n_sg = sum(c["source"] == "sharegpt" for c in train_convs)
+    log(f"data: train {n_sg} sharegpt + {len(train_convs) - n_sg} chitchat / held-out {len(sg_held)} sharegpt + "
+        f"{len(cc_held)} chitchat")
 
     # 2. tokenizer (training split only) -------------------------------------------------------------
-    train_convs = sg_train + cc_train
-    random.Random(args.seed + 2).shuffle(train_convs)
     bpe = train_tokenizer(train_convs, args.vocab)
     ids = {t: bpe.token_to_id(t) for t in (EOT, IM_START, IM_END)}
     vocab_size = bpe.get_vocab_size()

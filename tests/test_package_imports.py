@@ -36,7 +36,7 @@ ALLOWED = {
     "compat": {"arch", "checkpoint", "distributed", "experts", "model", "placement", "stats", "config", "errors"},
     "fit": {"arch", "checkpoint", "experts", "model", "placement", "config", "errors", "models"},
     "convert": {"arch", "checkpoint", "experts", "model", "config", "errors"},
-    "data": {"errors"},
+    "data": {"errors", "models"},
     "models": {"errors"},
     "analysis": CORE | {"testing"},
     "testing": CORE,

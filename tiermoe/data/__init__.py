@@ -4,6 +4,8 @@ Import-light: no torch, and no data loaded or data package imported at import ti
 - prompts.py: the Prompt type; length filter, held-out split and seeded sampling (`select`).
 - registry.py: `load_prompts(name_or_file)`: sharegpt, gsm8k, gpqa, chitchat, or a local .json/.jsonl file.
 - sharegpt.py, infra_bench.py, chitchat.py, local_file.py: one loader each.
+- demo_split.py: the bundled demo model's conversations and its train / held-out split (fine-tuning measures
+  itself on that held-out split; scripts/train_demo_model.py made it).
 """
 
 from tiermoe.data.prompts import Prompt, filter_by_length, select, shuffled, split
