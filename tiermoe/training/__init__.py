@@ -1,0 +1,4 @@
+"""Fine-tuning: LoRA SFT of a hybrid model whose experts live on two tiers.
+
+- chat_sft.py: chat conversations as examples (the chat template's tokens, loss on the replies), batches.
+"""
