@@ -13,7 +13,7 @@ from pathlib import Path
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "tiermoe"
 
 CORE = {"errors", "config", "experts", "checkpoint", "arch", "placement", "stats", "layers", "model", "engine",
-        "distributed", "server", "compat", "fit", "convert", "data", "models"}
+        "distributed", "server", "compat", "fit", "convert", "data", "models", "training"}
 
 # package -> the packages it may import (besides itself and the root). Read bottom-up, it is the layering:
 # record (stats) and decide/describe (placement) sit below apply (model, engine); analysis and testing sit above
@@ -38,6 +38,8 @@ ALLOWED = {
     "convert": {"arch", "checkpoint", "experts", "model", "config", "errors"},
     "data": {"errors"},
     "models": {"errors"},
+    "training": {"arch", "checkpoint", "experts", "layers", "model", "placement", "stats", "config", "errors", "data",
+                 "models"},
     "analysis": CORE | {"testing"},
     "testing": CORE,
     "cli": CORE | {"analysis", "testing"},
