@@ -21,6 +21,8 @@ from torch import nn
 from tiermoe.arch.spec import ArchSpec
 from tiermoe.experts.host_slab import copy_to_tier, slab_destination
 from tiermoe.experts.tiers import CPUExpertBackend, ExpertSet
+from tiermoe.layers.expert_lora import ExpertLoRA
+from tiermoe.layers.routed_autograd import RoutedExperts
 from tiermoe.stats.recording import NO_RECORDER
 
 
@@ -44,6 +46,10 @@ class HybridMoE(nn.Module):
         self.recorder = NO_RECORDER
         # Set when --kt-gpu-prefill-token-threshold is given: large prefill batches run CPU-tier experts on the GPU.
         self.prefill_streamer = None
+        # Training (tiermoe.model.loader, trainable=True): with grad enabled the routed experts compute through
+        # RoutedExperts, so gradients reach the input, the routing weights and any expert LoRA.
+        self.trainable = False
+        self.lora_experts: ExpertLoRA | None = None
 
     def _router(self) -> nn.Module:
         return self._modules[self.spec.router_attr]
@@ -74,6 +80,21 @@ class HybridMoE(nn.Module):
         on_gpu_TK = rank_TK >= 0  # on any GPU rank: not the CPU tier's
         mine_TK = on_gpu_TK if self.reduce is None else rank_TK == self.rank
 
+        if self.lora_experts is not None or (self.trainable and torch.is_grad_enabled()):
+            y_TD = self._routed_differentiable(x_TD, ids_TK, weights_TK, on_gpu_TK, mine_TK)
+            shared_TD = self._shared(x_TD)
+        else:
+            y_TD, shared_TD = self._routed_overlapped(x_TD, ids_TK, weights_TK, on_gpu_TK, mine_TK)
+        if self.reduce is not None:
+            # every rank calls this, also with no expert of its own in this layer, so the collectives line up
+            y_TD = self.reduce(y_TD)
+        if shared_TD is not None:
+            y_TD = y_TD + shared_TD
+        y = y_TD.reshape(shape)
+        return (y, weights_TK) if self.spec.returns_router_scores else y
+
+    def _routed_overlapped(self, x_TD, ids_TK, weights_TK, on_gpu_TK, mine_TK):
+        """Inference: the CPU part computes on its worker while the GPU part and the shared experts run here."""
         streamer = self.prefill_streamer
         layerwise = streamer is not None and streamer.applies(x_TD.shape[0])
         use_cpu = len(self.cpu_tier) > 0 and not layerwise
@@ -94,13 +115,20 @@ class HybridMoE(nn.Module):
             raise
         if use_cpu:
             y_TD = y_TD + self.cpu_tier.sync().to(y_TD.device)
-        if self.reduce is not None:
-            # every rank calls this, also with no expert of its own in this layer, so the collectives line up
-            y_TD = self.reduce(y_TD)
-        if shared_TD is not None:
-            y_TD = y_TD + shared_TD
-        y = y_TD.reshape(shape)
-        return (y, weights_TK) if self.spec.returns_router_scores else y
+        return y_TD, shared_TD
+
+    def _routed_differentiable(self, x_TD, ids_TK, weights_TK, on_gpu_TK, mine_TK) -> torch.Tensor:
+        """Training: each tier through RoutedExperts, one after the other (the CPU part is the backward's
+        bottleneck either way), with the layer's expert LoRA when it has one."""
+        lora = self.lora_experts
+        factors, scalings = (lora.factors(), lora.scalings) if lora is not None else ((), (1.0, 1.0))
+        act = self.gpu_tier.act
+        y_TD = RoutedExperts.apply(x_TD, weights_TK, ids_TK.masked_fill(~mine_TK, -1), self.gpu_tier, act, scalings,
+                                   *factors)
+        if len(self.cpu_tier) > 0:
+            y_TD = y_TD + RoutedExperts.apply(x_TD, weights_TK, ids_TK.masked_fill(on_gpu_TK, -1), self.cpu_tier,
+                                              act, scalings, *factors)
+        return y_TD
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor | None:
         kind = self.spec.shared_kind

@@ -50,7 +50,7 @@ class HybridModel:
 
     def __init__(self, model: nn.Module, config, spec: ArchSpec, blocks: dict[int, HybridMoE],
                  gpu_device: torch.device, worker: CPUWorker, model_dir: Path, expert_dtype: torch.dtype,
-                 share=None):
+                 share=None, trainable: bool = False):
         self.model = model
         self.config = config
         self.spec = spec
@@ -61,8 +61,11 @@ class HybridModel:
         self._worker = worker
         self.swap_stats = SwapStats()
         self.share = share  # None with one process; this rank's part of a multi-rank run otherwise
+        self.trainable = trainable  # loaded for fine-tuning: calls keep autograd (tiermoe.training)
 
     def __call__(self, *args, **kwargs):
+        if self.trainable:
+            return self.model(*args, **kwargs)
         with torch.inference_mode():
             return self.model(*args, **kwargs)
 

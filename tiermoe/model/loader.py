@@ -83,7 +83,7 @@ class RankShare(Protocol):
 
 def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str | torch.device = "cpu",
                       dtype: torch.dtype | None = None, cpu: CPUConfig = CPUConfig(),
-                      progress: bool = True, share: RankShare | None = None) -> HybridModel:
+                      progress: bool = True, share: RankShare | None = None, trainable: bool = False) -> HybridModel:
     """Load `model_dir` with routed experts placed by `placement`: a PlacementPlan (what the edge hands on), or
     anything `tiermoe.model.plan_source.resolve_plan` turns into one (a bool mask [L, E], True = GPU tier; a
     PlacementConfig; None = the checkpoint's own mask, the environment, or all CPU).
@@ -92,8 +92,14 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     to run every path without CUDA. `dtype` defaults to the checkpoint's dtype. `cpu` chooses the CPU tier's
     backend, expert format and threads. `share`: this process's part of a multi-rank run (the plan then has one
     GPU rank per process).
+
+    `trainable`: a model to fine-tune (tiermoe.training): transformers' own attention modules and LM head stay as
+    they are (their parameter names and layouts are the ones PEFT adapters refer to), and with grad enabled the
+    routed experts of both tiers compute through tiermoe.layers.routed_autograd. One process only.
     """
     model_dir = Path(model_dir)
+    if trainable and share is not None:
+        raise TiermoeError("training runs in one process: a trainable model cannot be one rank of several")
     weights_dir, cache = model_dir, find_cache(model_dir)
     if cache is not None:  # a `tiermoe convert` output: CPU-tier experts mapped from it, the rest from its source
         weights_dir = cache.source
@@ -114,7 +120,8 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     with open_checkpoint(weights_dir, config, fp8_block) as ckpt:
         sources = {layer: find_expert_source(ckpt, spec, LAYERS_PREFIX, layer) for layer in spec.moe_layers}
         model = build_skeleton(config, dtype)
-        replace_mla_attention(decoder_layers(model))  # MLA caches its latent (before the weights load into it)
+        if not trainable:
+            replace_mla_attention(decoder_layers(model))  # MLA caches its latent (before the weights load into it)
         worker = CPUWorker()
         act = ExpertActivation.from_config(spec.activation, config)
         fp8_layers = {layer for layer, src in sources.items() if keeps_fp8(ckpt, src)}
@@ -135,9 +142,13 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
             move_buffers(model, gpu_device)  # the non-persistent ones the checkpoint does not hold, too
             _load_experts(blocks, sources, ckpt, spec, assignment_LE, reads, rank, share, dtype, pin, bar, cache)
     _tie_and_check(model, config)
-    use_rows_lm_head(model)  # the head on the sampled rows as one 2-D matmul: no copy of its weight per prefill
-    group_kv_b_rows_of(decoder_layers(model))  # MLA's one re-layout, now that kv_b_proj holds the checkpoint's rows
-    return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share)
+    if trainable:
+        for block in blocks.values():
+            block.trainable = True
+    else:
+        use_rows_lm_head(model)  # the head on the sampled rows as one 2-D matmul: no copy of its weight per prefill
+        group_kv_b_rows_of(decoder_layers(model))  # MLA's one re-layout, now that kv_b_proj holds its rows
+    return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share, trainable)
 
 
 def _usable_cache(cache: ExpertCache, cpu: CPUConfig) -> tuple[CPUConfig, ExpertCache | None]:
