@@ -18,6 +18,7 @@ COMMANDS = {
     "bench": ("tiermoe.cli.bench_cmd", "placement benchmarks: strategies x GPU ratios, or a trace replayed"),
     "chat": ("tiermoe.cli.chat_cmd", "chat in the terminal, with a server (--url) or a model loaded here"),
     "convert": ("tiermoe.cli.convert_cmd", "convert the CPU-tier experts once (int4, int8, bf16)"),
+    "finetune": ("tiermoe.cli.finetune_cmd", "LoRA fine-tuning on chat data, experts on both tiers (KT's settings)"),
     "fit": ("tiermoe.cli.fit_cmd", "will a model fit: GPU and host memory from headers or a config.json"),
     "generate": ("tiermoe.cli.generate_cmd", "stream one reply to a prompt"),
     "inspect": ("tiermoe.cli.inspect_cmd", "architecture, MoE layers and bytes of a checkpoint, from headers"),

@@ -1,5 +1,5 @@
 """The figures commands draw with --plot: a plan's heatmap (place), a statistics file's skew and strategy hit
-rates (stats), and the placement and trace-replay benchmarks (bench).
+rates (stats), and the placement and trace-replay benchmarks (bench); and fine-tuning's loss curve (finetune).
 
 matplotlib loads only when a figure is asked for (with the Agg backend, chosen before pyplot loads: no display
 is needed), so commands without --plot do not pay for it.
@@ -134,3 +134,29 @@ def plot_placement_bench(result: PlacementBenchResult, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_loss_curve(history: list[dict], evals: list[dict], path: str | Path, title: str = "") -> Path:
+    """Training loss per step (faint) with its moving average, and the held-out loss where it was measured."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    if history:
+        steps = [h["step"] for h in history]
+        losses = [h["loss"] for h in history]
+        window = max(1, min(25, len(losses) // 10))
+        smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
+                  for i in range(len(losses))]
+        ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8, label="training batch loss")
+        ax.plot(steps, smooth, color="tab:blue", label=f"training loss ({window}-step mean)")
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["loss"] for e in evals], color="tab:red", marker="o",
+                label="held-out loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy on reply tokens (nats)")
+    ax.set_title(title or "fine-tuning")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

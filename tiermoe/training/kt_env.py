@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from tiermoe.config import CPUConfig, PlacementConfig, machine_cpus
 from tiermoe.errors import TiermoeError
+from tiermoe.training.lora import MAX_RANK
 
 PREFIX = "ACCELERATE_KT_"
 TRAIN_MODES = ("lora", "full", "hybrid")
@@ -39,7 +40,6 @@ WEIGHT_FORMATS = {"bf16": "bf16", "int8": "int8", "fp8": None, "rawint4": None, 
 BACKENDS = {"AMXBF16": "bf16", "BF16": "bf16", "AMXINT8": "int8", "INT8": "int8", "AMXINT4": "int4",
             "AMXINT4_1": "int4", "AMXINT4_KGROUP": "int4", "AMXINT4_1_KGROUP": "int4", "AMXFP8": None, "FP8": None,
             "MXFP4": None, "RAWINT4": None}
-MAX_LORA_RANK = 65536
 MAX_SEQUENCE = 1 << 24  # tokens in one training sequence: far past any model's positions, a typo beyond
 # Settings whose values are checked but that act on nothing in tiermoe: name -> (parser, what it is in KT).
 KT_ONLY = {
@@ -221,7 +221,7 @@ def read_kt_settings(environ: Mapping[str, str] | None = None, *, num_gpu_expert
             return flag
         return parse(PREFIX + name, env[name]) if name in env else None
 
-    rank = pick(lora_rank, "LORA_RANK", lambda n, v: _int(n, v, 1, MAX_LORA_RANK, "a LoRA rank"))
+    rank = pick(lora_rank, "LORA_RANK", lambda n, v: _int(n, v, 1, MAX_RANK, "a LoRA rank"))
     alpha = pick(lora_alpha, "LORA_ALPHA", lambda n, v: _float(n, v, 1e-6, 1e9, "a LoRA alpha > 0"))
     dropout = pick(lora_dropout, "LORA_DROPOUT", lambda n, v: _float(n, v, 0.0, 1.0, "a dropout probability",
                                                                      high_open=True))
