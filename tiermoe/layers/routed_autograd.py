@@ -36,32 +36,40 @@ class _FrozenProduct(torch.autograd.Function):
 def expert_rows(mm: ExpertMatmuls, x_ND: torch.Tensor, act: ExpertActivation, lora: list[torch.Tensor],
                 scalings: tuple[float, float]) -> torch.Tensor:
     """One expert on its rows [N, D] -> [N, D]; `lora` is (A_gu, B_gu, A_d, B_d) of this expert, or empty;
-    `scalings` those of gate_up and down."""
+    `scalings` those of gate_up and down. The LoRA products run in the factors' dtype (fp32, as PEFT runs its
+    adapters on a bf16 model), the frozen products in the activations'."""
     h_N2I = _FrozenProduct.apply(x_ND, mm.gate_up, mm.gate_up_t)
     if lora:
-        a_gu, b_gu, a_d, b_d = (f.to(x_ND.dtype) for f in lora)
-        h_N2I = h_N2I + scalings[0] * F.linear(F.linear(x_ND, a_gu), b_gu)
+        a_gu, b_gu, a_d, b_d = lora
+        h_N2I = h_N2I + (scalings[0] * F.linear(F.linear(x_ND.to(a_gu.dtype), a_gu), b_gu)).to(h_N2I.dtype)
     a_NI = act(h_N2I)
     z_ND = _FrozenProduct.apply(a_NI, mm.down, mm.down_t)
     if lora:
-        z_ND = z_ND + scalings[1] * F.linear(F.linear(a_NI, a_d), b_d)
+        z_ND = z_ND + (scalings[1] * F.linear(F.linear(a_NI.to(a_d.dtype), a_d), b_d)).to(z_ND.dtype)
     return z_ND
 
 
-def _pairs(ids_TK: torch.Tensor):
-    """(expert, token rows, top-k slots) for every expert id >= 0 in ids_TK."""
-    for e in torch.unique(ids_TK[ids_TK >= 0]).tolist():
-        tok_N, slot_N = torch.where(ids_TK == e)
-        yield e, tok_N, slot_N
+def _groups(ids_TK: torch.Tensor):
+    """(expert, pair indices into the flattened [T*K], token rows, top-k slots) for every expert id >= 0 in
+    ids_TK: one sort for the layer rather than a search per expert."""
+    K = ids_TK.shape[1]
+    flat = ids_TK.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    sorted_ids = flat[order]
+    start = int((sorted_ids < 0).sum())
+    experts, counts = torch.unique_consecutive(sorted_ids[start:], return_counts=True)
+    for e, pairs_N in zip(experts.tolist(), order[start:].split(counts.tolist())):
+        yield e, pairs_N, pairs_N // K, pairs_N % K
 
 
 class RoutedExperts(torch.autograd.Function):
     """y_TD = sum over each token's routed experts held by `tier` (ids >= 0) of weight x expert(x).
 
     apply(x_TD, weights_TK, ids_TK, tier, act, scalings, *factors): factors are the layer's ExpertLoRA tensors
-    (gate_up_A, gate_up_B, down_A, down_B) or none, scalings
-    their (gate_up, down) scalings. Inputs may live on another device than the tier (the CPU tier
-    of a CUDA model): rows go to the tier's device and results come back.
+    (gate_up_A, gate_up_B, down_A, down_B) or none, scalings their (gate_up, down) scalings. Inputs may live on
+    another device than the tier (the CPU tier of a CUDA model): rows go to the tier's device and results come
+    back. Each (token, slot) pair's result lands in its own row of a [T*K, D] buffer, summed over K at the end:
+    no scatter-add per expert.
     """
 
     @staticmethod
@@ -72,12 +80,13 @@ class RoutedExperts(torch.autograd.Function):
         x, w, ids = x_TD.to(dev), weights_TK.to(dev), ids_TK.to(dev)
         if not factors:
             return _fused_forward(tier, x, ids, w).to(x_TD.device)
-        out_TD = torch.zeros_like(x)
-        for e, tok_N, slot_N in _pairs(ids):
-            lora = [f[e].to(dev) for f in factors]
-            z_ND = expert_rows(matmuls_of(tier, e, x.dtype), x[tok_N], act, lora, scalings)
-            out_TD.index_add_(0, tok_N, (z_ND * w[tok_N, slot_N, None]).to(out_TD.dtype))
-        return out_TD.to(x_TD.device)
+        on_tier = [f.to(dev) for f in factors]
+        T, K = ids.shape
+        rows_PD = x.new_zeros(T * K, x.shape[1])
+        for e, pairs_N, tok_N, slot_N in _groups(ids):
+            z_ND = expert_rows(matmuls_of(tier, e, x.dtype), x[tok_N], act, [f[e] for f in on_tier], scalings)
+            rows_PD[pairs_N] = (z_ND * w[tok_N, slot_N, None]).to(x.dtype)
+        return rows_PD.view(T, K, -1).sum(1).to(x_TD.device)
 
     @staticmethod
     def backward(ctx, gy_TD):
@@ -88,26 +97,37 @@ class RoutedExperts(torch.autograd.Function):
             return (None,) * (6 + len(factors))
         tier, dev = ctx.tier, ctx.tier.device
         x, w, ids, gy = x_TD.to(dev), weights_TK.to(dev), ids_TK.to(dev), gy_TD.to(dev)
-        gx = torch.zeros_like(x) if need_x else None
+        T, K = ids.shape
+        gx_PD = x.new_zeros(T * K, x.shape[1]) if need_x else None
         gw = torch.zeros_like(w) if need_w else None
-        gf = [torch.zeros_like(f) for f in factors] if need_f else []
-        for e, tok_N, slot_N in _pairs(ids):
+        on_tier = [f.detach().to(dev) for f in factors]
+        hit, per_factor = [], [[] for _ in factors]
+        for e, pairs_N, tok_N, slot_N in _groups(ids):
             with torch.enable_grad():
                 x_ND = x[tok_N].detach().requires_grad_(need_x)
                 w_N = w[tok_N, slot_N].detach().requires_grad_(need_w)
-                lora = [f[e].detach().to(dev).requires_grad_(need_f) for f in factors]
+                lora = [f[e].detach().requires_grad_(need_f) for f in on_tier]
                 z_ND = expert_rows(matmuls_of(tier, e, x.dtype), x_ND, ctx.act, lora, ctx.scalings)
                 y_ND = (z_ND * w_N[:, None]).to(x.dtype)
                 leaves = [t for t in (x_ND, w_N, *lora) if t.requires_grad]
-                grads = iter(torch.autograd.grad(y_ND, leaves, gy[tok_N].to(y_ND.dtype)))
+                grads = iter(torch.autograd.grad(y_ND, leaves, gy[tok_N]))
             if need_x:
-                gx.index_add_(0, tok_N, next(grads))
+                gx_PD[pairs_N] = next(grads)
             if need_w:
                 gw[tok_N, slot_N] = next(grads).to(gw.dtype)
-            for total, g in zip(gf, grads):
-                total[e] += g.to(total.device)
-        back = (lambda g, like: None if g is None else g.to(like.device))
-        return (back(gx, x_TD), back(gw, weights_TK), None, None, None, None, *(gf or [None] * len(factors)))
+            hit.append(e)
+            for collected, g in zip(per_factor, grads):
+                collected.append(g)
+        gf = [None] * len(factors)
+        if need_f and hit:
+            index = torch.tensor(hit, device=dev)
+            gf = [torch.zeros_like(f).index_copy_(0, index.to(f.device), torch.stack(g).to(f.device, f.dtype))
+                  for f, g in zip(factors, per_factor)]
+        elif need_f:
+            gf = [torch.zeros_like(f) for f in factors]
+        gx = None if gx_PD is None else gx_PD.view(T, K, -1).sum(1).to(x_TD.device)
+        gw = None if gw is None else gw.to(weights_TK.device)
+        return (gx, gw, None, None, None, None, *gf)
 
 
 def _fused_forward(tier, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:

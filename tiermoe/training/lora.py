@@ -58,6 +58,9 @@ def resolve(model: nn.Module, config, experts: bool | None = None):
         alphas = tuple(float(_pattern(config.alpha_pattern, name, config.lora_alpha)) for name in EXPERT_PARAMS)
         targets = ExpertTargets(ranks, alphas, bool(config.use_rslora))
     config.target_parameters = sorted(params - fused) or None
+    for patterns in (config.rank_pattern, config.alpha_pattern):  # PEFT would warn that they match nothing
+        for pattern in [p for p in (patterns or {}) if any(re.search(p, name) for name in EXPERT_PARAMS)]:
+            del patterns[pattern]
     has_modules = bool(config.target_modules) or bool(config.target_parameters)
     return (config if has_modules else None), targets
 
