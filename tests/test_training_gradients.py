@@ -83,6 +83,18 @@ def test_loss_and_every_lora_gradient_equal_peft_on_transformers(reference, arch
         assert _worst(grads, ref_grads) <= TOL
 
 
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "deepseek_v2", "qwen3_next", "gpt_oss"])
+def test_the_other_architectures_train_exactly_too(reference, arch):
+    """Experts on both tiers; on GPT-OSS PEFT's "all-linear" adapts attention only (its experts are transposed and
+    PEFT maps no v4 names onto them), so its check is the input gradient through its experts."""
+    path, config, ids, ref, ref_loss, ref_grads = reference(arch)
+    hybrid, _, loss, grads = _hybrid_grads(path, make_mask("random_half", detect(load_config(path))), ref, config,
+                                           ids)
+    with hybrid:
+        assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
+        assert _worst(grads, ref_grads) <= TOL
+
+
 def test_frozen_experts_get_no_gradient_and_only_adapters_train(reference):
     path, config, ids, ref, _, _ = reference("qwen3_moe")
     mask = make_mask("random_half", detect(load_config(path)))

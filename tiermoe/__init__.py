@@ -16,6 +16,7 @@ _LAZY = {
     "load_hybrid_model": "tiermoe.model.loader",
     "HybridModel": "tiermoe.model.hybrid_model",
     "TiermoeError": "tiermoe.errors",
+    "apply_lora": "tiermoe.training.lora",
 }
 
 
