@@ -107,6 +107,41 @@ def test_expert_only_adapter_with_its_own_ranks_round_trips_through_peft(tiny_di
         assert not any(p.requires_grad for p in again.parameters())
 
 
+def _transformers_4_adapter(path, out):
+    """LoRA on every expert's gate_proj / up_proj / down_proj with per-expert keys: what PEFT saved for MoE models
+    before transformers 5 fused the experts."""
+    config = load_config(path)
+    spec = detect(config)
+    d, i, r = config.hidden_size, spec.expert_intermediate_size, 4
+    gen = torch.Generator().manual_seed(5)
+    tensors = {}
+    for layer in spec.moe_layers:
+        for e in range(spec.num_experts):
+            for proj, (n_in, n_out) in {"gate_proj": (d, i), "up_proj": (d, i), "down_proj": (i, d)}.items():
+                key = f"base_model.model.model.layers.{layer}.mlp.experts.{e}.{proj}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(r, n_in, generator=gen) * 0.1
+                tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, r, generator=gen) * 0.1
+    out.mkdir()
+    save_file(tensors, out / WEIGHTS)
+    (out / CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": 8, "task_type": "CAUSAL_LM",
+                                          "target_modules": ["gate_proj", "up_proj", "down_proj"]}))
+
+
+def test_adapter_in_transformers_4_layout_loads_and_merges_as_peft_loads_it(tiny_dir, tmp_path):
+    from peft import PeftModel
+
+    path, ids = tiny_dir("qwen3_moe"), _ids()
+    _transformers_4_adapter(path, tmp_path / "v4")
+    with torch.no_grad():
+        expected = PeftModel.from_pretrained(load_reference(path), tmp_path / "v4")(input_ids=ids).logits
+    with _trainable(path) as hybrid:
+        assert rel_err(load_adapter(hybrid, tmp_path / "v4")(input_ids=ids).logits, expected) <= TOL
+    mask = make_mask("random_half", detect(load_config(path)))
+    with load_hybrid_model(path, mask, gpu_device="cpu", dtype=torch.float32, progress=False,
+                           lora=merged_lora(tmp_path / "v4", path)) as served:
+        assert rel_err(served(input_ids=ids).logits, expected) <= TOL
+
+
 def _break(adapter, how: str):
     """Damage a copy of a good adapter directory the way `how` says."""
     config_path, weights_path = adapter / CONFIG, adapter / WEIGHTS

@@ -14,11 +14,19 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from tiermoe.errors import TiermoeError
-from tiermoe.training.adapter_layout import LoraTarget
+from tiermoe.training.adapter_layout import AdapterLayout, adapter_layout
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 LEGACY_WEIGHTS_NAME = "adapter_model.bin"  # what PEFT wrote before safetensors
+
+
+def read_adapter(adapter_dir: str | Path, model_config):
+    """(peft.LoraConfig, AdapterLayout on the model of `model_config`, tensors in the layout's keys) of the adapter
+    in `adapter_dir`, everything checked."""
+    config = read_adapter_config(adapter_dir)
+    layout = adapter_layout(model_config, config)
+    return config, layout, checked_tensors(layout, read_adapter_tensors(adapter_dir), adapter_dir)
 
 
 def read_adapter_config(adapter_dir: str | Path):
@@ -65,10 +73,12 @@ def read_adapter_tensors(adapter_dir: str | Path) -> dict[str, torch.Tensor]:
     raise TiermoeError(f"{adapter_dir}: no {WEIGHTS_NAME}; expected the adapter's weights next to {CONFIG_NAME}")
 
 
-def check_tensors(layout: dict[str, LoraTarget], tensors: dict[str, torch.Tensor], adapter_dir) -> None:
-    """Every tensor the layout expects is there, with its shape, and nothing else is."""
+def checked_tensors(layout: AdapterLayout, tensors: dict[str, torch.Tensor], adapter_dir) -> dict[str, torch.Tensor]:
+    """The adapter's tensors in the layout's keys (converted from transformers 4's layout when they are in it),
+    checked: every tensor the layout expects is there, with its shape, and nothing else is."""
+    tensors = layout.convert(tensors)
     expected = {}
-    for target in layout.values():
+    for target in layout.targets.values():
         key_a, key_b = target.tensor_keys()
         expected[key_a], expected[key_b] = (target, target.a_shape), (target, target.b_shape)
     missing = [k for k in expected if k not in tensors]
@@ -88,6 +98,7 @@ def check_tensors(layout: dict[str, LoraTarget], tensors: dict[str, torch.Tensor
                                f"{target.rank}{experts} by {CONFIG_NAME}, this model's sizes)")
         if not tensors[key].is_floating_point():
             raise TiermoeError(f"{adapter_dir}: '{key}' is {tensors[key].dtype}, expected a floating-point tensor")
+    return tensors
 
 
 def _adapter_dir(adapter_dir: str | Path) -> Path:

@@ -23,14 +23,8 @@ from torch import nn
 from tiermoe.errors import TiermoeError
 from tiermoe.layers.expert_lora import ExpertLoRA
 from tiermoe.model.hybrid_model import HybridModel
-from tiermoe.training.adapter_files import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    check_tensors,
-    read_adapter_config,
-    read_adapter_tensors,
-)
-from tiermoe.training.adapter_layout import ADAPTER, EXPERT_PARAMS, LoraTarget, adapter_layout
+from tiermoe.training.adapter_files import CONFIG_NAME, WEIGHTS_NAME, checked_tensors, read_adapter
+from tiermoe.training.adapter_layout import ADAPTER, EXPERT_PARAMS, AdapterLayout, LoraTarget, adapter_layout
 from tiermoe.training.lora import apply_lora
 from tiermoe.training.peft_layout import from_peft, to_peft
 
@@ -45,7 +39,7 @@ def save_adapter(model: nn.Module, out_dir: str | Path) -> Path:
     config = adapter_config(model, experts)
     layout = adapter_layout(_model_config(model), config)
     tensors = _module_tensors(model)
-    for key, target in layout.items():
+    for key, target in layout.targets.items():
         if target.is_experts:
             lora = _expert_lora_for(experts, target)
             _check_scaling(lora, target, "the saved config")
@@ -53,7 +47,7 @@ def save_adapter(model: nn.Module, out_dir: str | Path) -> Path:
             a, b = to_peft(getattr(lora, f"{proj}_A").detach(), getattr(lora, f"{proj}_B").detach())
             key_a, key_b = target.tensor_keys()
             tensors[key_a], tensors[key_b] = a.cpu(), b.cpu()
-    check_tensors(layout, tensors, out)  # what PEFT will look for is exactly what is written
+    checked_tensors(layout, tensors, out)  # what PEFT will look for is exactly what is written
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out), auto_mapping_dict=_auto_mapping(model, config))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -69,10 +63,7 @@ def load_adapter(hybrid: HybridModel, adapter_dir: str | Path, trainable: bool =
                            "to serve an adapter, merge it: tiermoe serve/generate --lora DIR")
     if any("lora_" in name for name, _ in hybrid.model.named_parameters()):
         raise TiermoeError("this model already has LoRA adapters; load an adapter into a freshly loaded model")
-    config = read_adapter_config(adapter_dir)
-    tensors = read_adapter_tensors(adapter_dir)
-    layout = adapter_layout(hybrid.config, config)
-    check_tensors(layout, tensors, adapter_dir)
+    config, layout, tensors = read_adapter(adapter_dir, hybrid.config)
     run_config = copy.deepcopy(config)
     run_config.inference_mode = not trainable
     model = apply_lora(hybrid, run_config)
@@ -95,10 +86,7 @@ def attach_adapter_io(model: nn.Module) -> nn.Module:
     def load_adapter_values(model_id, adapter_name: str = ADAPTER, *args, **kwargs):
         if adapter_name != ADAPTER:
             raise TiermoeError(f"a hybrid model holds one adapter ('{ADAPTER}'), not '{adapter_name}'")
-        config = read_adapter_config(model_id)
-        tensors = read_adapter_tensors(model_id)
-        layout = adapter_layout(_model_config(model), config)
-        check_tensors(layout, tensors, model_id)
+        _, layout, tensors = read_adapter(model_id, _model_config(model))
         _fill(model, layout, tensors, model_id)
 
     model.save_pretrained = save_pretrained
@@ -159,13 +147,13 @@ def _rslora(lora: ExpertLoRA) -> bool:
     return not math.isclose(lora.scalings[1], lora.alphas[1] / lora.ranks[1], rel_tol=SCALING_TOLERANCE)
 
 
-def _fill(model: nn.Module, layout: dict[str, LoraTarget], tensors: dict[str, torch.Tensor], source) -> None:
+def _fill(model: nn.Module, layout: AdapterLayout, tensors: dict[str, torch.Tensor], source) -> None:
     """Copy the adapter's tensors into the model's adapter weights (every one of them, each shape checked)."""
     params = dict(model.named_parameters())
     experts = expert_loras(model)
     written = set()
     with torch.no_grad():
-        for key, target in layout.items():
+        for key, target in layout.targets.items():
             a, b = (tensors[k] for k in target.tensor_keys())
             if target.is_experts:
                 lora = _expert_lora_for(experts, target)

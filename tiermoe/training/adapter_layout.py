@@ -6,7 +6,8 @@ are saved under. Fused expert parameters are wrapped one inside the other (a Par
 keys depend on the nesting: `mlp.experts.base_layer.lora_A.weight` is gate_up_proj, `mlp.experts.lora_A.weight`
 down_proj. Rather than re-derive those rules, `adapter_layout` lets PEFT build the wrappers on a skeleton of the
 model whose tensors are all on the meta device (about a second for a full-size model) and reads them off, so saving,
-loading and merging all follow the PEFT installed.
+loading and merging all follow the PEFT installed; adapters trained on transformers 4 (per-expert keys) are
+converted by PEFT's own conversion, as PEFT's loading does.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from tiermoe.errors import TiermoeError
 from tiermoe.model.skeleton import build_skeleton
@@ -61,9 +63,33 @@ class LoraTarget:
         return f"{self.key}.lora_A.weight", f"{self.key}.lora_B.weight"
 
 
-def adapter_layout(model_config, lora_config) -> dict[str, LoraTarget]:
-    """{key: LoraTarget} for `lora_config` (a peft.LoraConfig) applied to the transformers model of `model_config`,
-    as PEFT applies it. A config PEFT refuses, or one with parts tiermoe cannot serve, is a TiermoeError."""
+@dataclass
+class AdapterLayout:
+    """PEFT's wrappers for one adapter config on one model: `targets` {key: LoraTarget}, and `convert`, which
+    brings an adapter's tensors into them the way PEFT's loading does."""
+
+    targets: dict[str, LoraTarget]
+    peft_model: nn.Module  # PEFT's model of the meta skeleton (no memory behind it)
+
+    def convert(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` as PEFT loads them on transformers 5: an adapter trained on transformers 4 (per-expert keys,
+        experts.{e}.gate_proj / up_proj / down_proj) has them concatenated and stacked into the fused layout; one
+        already in it is returned as it is."""
+        try:
+            from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
+        except ImportError:  # a PEFT without transformers 5 conversions loads the tensors as they are
+            return tensors
+        config = self.peft_model.peft_config[ADAPTER]
+        try:
+            return convert_peft_adapter_state_dict_for_transformers(self.peft_model, config, tensors, ADAPTER)
+        except (ValueError, RuntimeError, KeyError) as e:
+            raise TiermoeError(f"PEFT cannot convert the adapter's tensors to this model's layout: {_one_line(e)}") \
+                from None
+
+
+def adapter_layout(model_config, lora_config) -> AdapterLayout:
+    """PEFT's wrappers for `lora_config` (a peft.LoraConfig) applied to the transformers model of `model_config`,
+    as PEFT applies it. A config PEFT refuses, or one with parts tiermoe cannot handle, is a TiermoeError."""
     from peft import get_peft_model  # the [train] extra
     from peft.tuners.lora import LoraLayer
 
@@ -77,21 +103,21 @@ def adapter_layout(model_config, lora_config) -> dict[str, LoraTarget]:
     except (ValueError, TypeError, KeyError) as e:
         raise TiermoeError(f"PEFT cannot apply the adapter config to this {model_config.model_type} model: "
                            f"{_one_line(e)}") from None
-    layout = {}
+    targets = {}
     for name, module in peft_model.named_modules():
         if not isinstance(module, LoraLayer) or ADAPTER not in getattr(module, "lora_A", {}):
             continue
         if ADAPTER in getattr(module, "lora_embedding_A", {}):
             raise TiermoeError(f"the adapter puts LoRA on the embedding '{name.removeprefix(PEFT_PREFIX)}'; "
-                               "tiermoe serves LoRA on linear layers and parameters only")
+                               "tiermoe handles LoRA on linear layers and parameters only")
         param = getattr(module, "parameter_name", "weight")
         base = re.sub(r"(\.base_layer)+$", "", name.removeprefix(PEFT_PREFIX))
         a, b = module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
-        layout[name] = LoraTarget(name, base, param, int(module.r[ADAPTER]), float(module.scaling[ADAPTER]),
-                                  int(getattr(module, "num_experts", 1)), tuple(a.shape), tuple(b.shape))
-    if not layout:
+        targets[name] = LoraTarget(name, base, param, int(module.r[ADAPTER]), float(module.scaling[ADAPTER]),
+                                   int(getattr(module, "num_experts", 1)), tuple(a.shape), tuple(b.shape))
+    if not targets:
         raise TiermoeError(f"the adapter config targets nothing in this {model_config.model_type} model")
-    return layout
+    return AdapterLayout(targets, peft_model)
 
 
 def check_supported(lora_config) -> None:

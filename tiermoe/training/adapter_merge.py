@@ -12,21 +12,17 @@ from pathlib import Path
 from tiermoe.arch import detect, load_config
 from tiermoe.errors import TiermoeError
 from tiermoe.model.lora_merge import LoraDelta, MergedLoRA
-from tiermoe.training.adapter_files import check_tensors, read_adapter_config, read_adapter_tensors
-from tiermoe.training.adapter_layout import adapter_layout
+from tiermoe.training.adapter_files import read_adapter
 from tiermoe.training.peft_layout import from_peft
 
 
 def merged_lora(adapter_dir: str | Path, model_dir: str | Path) -> MergedLoRA:
     """The adapter in `adapter_dir` (PEFT's layout, for the transformers model of `model_dir`), ready to merge."""
-    config = read_adapter_config(adapter_dir)
     model_config = load_config(model_dir)
     spec = detect(model_config)
-    layout = adapter_layout(model_config, config)
-    tensors = read_adapter_tensors(adapter_dir)
-    check_tensors(layout, tensors, adapter_dir)
+    _, layout, tensors = read_adapter(adapter_dir, model_config)
     merged = MergedLoRA(source=f"adapter {adapter_dir}")
-    for target in layout.values():
+    for target in layout.targets.values():
         a, b = (tensors[k] for k in target.tensor_keys())
         if target.is_experts:
             if spec.disk.fused_kind != "transformers":
