@@ -78,8 +78,10 @@ def run(args) -> int:
     lora = lora_from_args(args)
     plan = plan_from_args(args, device)
     check_fit_from_args(args, plan, device)
-    with LLM(args.model, gpu_device=device, placement=plan, dynamic=dynamic_from_args(args), recorder=recorder,
-             cpu=cpu_from_args(args), lora=lora) as llm:
+    llm = LLM(args.model, gpu_device=device, placement=plan, dynamic=dynamic_from_args(args), recorder=recorder,
+              cpu=cpu_from_args(args), lora=lora)
+    lora = None  # merged into the weights now: its factors (GBs for a large model) need not stay
+    with llm:
         # what the flags leave out comes from the checkpoint's generation_config.json, as in vLLM and SGLang
         sampling = llm.default_sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                         top_k=args.top_k, seed=args.seed)
