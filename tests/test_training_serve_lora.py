@@ -11,9 +11,11 @@ import pytest
 import torch
 from conftest import make_mask, rel_err, run_cli, save_char_tokenizer
 from test_training_adapter_io import trained_peft_adapter
+from training_reference import lora_config, peft_reference
 
 from tiermoe.arch import detect, load_config
 from tiermoe.config import CPUConfig
+from tiermoe.errors import TiermoeError
 from tiermoe.model.loader import load_hybrid_model
 from tiermoe.training.adapter_io import load_adapter
 from tiermoe.training.adapter_merge import merged_lora
@@ -86,3 +88,29 @@ def test_generate_with_lora_and_a_bad_lora_dir(tiny_dir, tmp_path):
         assert "adapter directory" in bad.stderr and "does not exist" in bad.stderr
     several = run_cli("serve", "--model", str(model), "--lora", str(tmp_path / "a"), "--num-gpus", "2")
     assert several.returncode == 2 and "one process" in several.stderr and several.stderr.count("\n") == 1
+
+
+def test_fp8_weights_that_stay_fp8_refuse_a_merge_in_one_line(tiny_dir, tmp_path):
+    """FP8 codes are never re-quantised: an adapter on FP8 GPU-tier experts or FP8 attention weights is refused
+    before anything loads; with the experts on the CPU tier (dequantised as they stream in) it merges."""
+    from peft import LoraConfig
+
+    from tiermoe.testing.fp8_write import write_fp8_checkpoint
+
+    path = tiny_dir("qwen3_moe")
+    fp8 = write_fp8_checkpoint(path, tmp_path / "fp8")
+    experts = LoraConfig(r=2, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                         init_lora_weights=False)
+    peft_reference(path, experts).save_pretrained(tmp_path / "experts")
+    peft_reference(path, lora_config(target_modules=["q_proj"])).save_pretrained(tmp_path / "attention")
+    on_gpu = make_mask("random_half", detect(load_config(path)))
+    all_cpu = torch.zeros_like(on_gpu)
+    for adapter, mask, says in (("experts", on_gpu, "stay FP8"), ("attention", all_cpu, "float8")):
+        with pytest.raises(TiermoeError) as err:
+            load_hybrid_model(fp8, mask, gpu_device="cpu", progress=False, lora=merged_lora(tmp_path / adapter, fp8))
+        assert says in str(err.value) and "\n" not in str(err.value)
+    with load_hybrid_model(fp8, all_cpu, gpu_device="cpu", progress=False) as base, \
+            load_hybrid_model(fp8, all_cpu, gpu_device="cpu", progress=False,
+                              lora=merged_lora(tmp_path / "experts", fp8)) as served:
+        ids = _ids()
+        assert rel_err(served(input_ids=ids).logits.float(), base(input_ids=ids).logits.float()) > 1e-3

@@ -134,6 +134,8 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         worker = CPUWorker()
         act = ExpertActivation.from_config(spec.activation, config)
         fp8_layers = {layer for layer, src in sources.items() if keeps_fp8(ckpt, src)}
+        if lora is not None:
+            _check_lora_experts(lora, fp8_layers, assignment_LE == rank)
         blocks = _inject_hybrid_blocks(model, spec, gpu_device, act, worker, pin, cpu, dtype, fp8_layers,
                                        ckpt.fp8_block)
         if share is not None:
@@ -177,6 +179,16 @@ def _usable_cache(cache: ExpertCache, cpu: CPUConfig,
                   f"{cpu.backend} --cpu-expert-dtype {cpu.expert_dtype} was asked for; converting from "
                   f"{cache.source} instead", stacklevel=3)
     return cpu, None
+
+
+def _check_lora_experts(lora: MergedLoRA, fp8_layers: set[int], on_gpu_LE: torch.Tensor) -> None:
+    """Before anything loads: GPU-tier experts of FP8 layers stay FP8 as stored, so an adapter cannot merge into
+    them (that would re-quantise them)."""
+    for layer in sorted(fp8_layers):
+        if lora.adapts_experts(layer) and bool(on_gpu_LE[layer].any()):
+            raise TiermoeError(f"{lora.source} has LoRA on the routed experts of layer {layer}, whose GPU-tier "
+                               "experts stay FP8 as stored; merging would re-quantise them, which tiermoe does not "
+                               "do: put that layer's experts on the CPU tier")
 
 
 def _reads(assignment_LE: torch.Tensor, spec, rank: int, holds_cpu_tier: bool) -> torch.Tensor:
@@ -287,10 +299,6 @@ def _load_experts(blocks, sources: dict[int, ExpertSource], ckpt, spec, assignme
                 bar.update(sum(t.nbytes for m in stored[:2] for t in m.tensors()))
                 continue
             if on_gpu and isinstance(tier, FP8ExpertSet):  # codes and scales as stored, never dequantised
-                if lora is not None and lora.adapts_experts(layer):
-                    raise TiermoeError(f"{lora.source} has LoRA on the routed experts of layer {layer}, whose GPU-"
-                                       "tier experts stay FP8 as stored; merging would re-quantise them, which "
-                                       "tiermoe does not do: put this layer's experts on the CPU tier")
                 fp8 = read_fp8_expert(ckpt, sources[layer], e, spec)
                 tier.add(e, fp8 if tier.device.type == "cpu" else fp8.to(tier.device))
                 bar.update(fp8.nbytes)

@@ -60,8 +60,9 @@ class MergedLoRA:
         params = dict(model.named_parameters())
         for name, delta in self.weights.items():
             weight = params.get(name)
-            if weight is None:
-                raise TiermoeError(f"{self.source} adapts '{name}', which this model does not have")
+            if weight is None or weight.is_meta:  # a tied weight (lm_head) is filled from another after this
+                raise TiermoeError(f"{self.source} adapts '{name}', which this model does not have as a weight "
+                                   "of its own (missing, or tied to another)")
             if weight.dtype not in MERGEABLE_DTYPES:
                 raise TiermoeError(f"{self.source} adapts '{name}', which this checkpoint stores as {weight.dtype}; "
                                    "LoRA merges into bf16/fp16/fp32 weights only")
