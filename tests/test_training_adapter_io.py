@@ -10,7 +10,12 @@ import pytest
 import torch
 from conftest import load_reference, make_mask, rel_err
 from safetensors.torch import load_file, save_file
-from training_reference import copy_adapters, lora_config, peft_reference
+from training_reference import (
+    copy_adapters,
+    lora_config,
+    one_torch_thread,  # noqa: F401 (an autouse fixture)
+    peft_reference,
+)
 
 from tiermoe.arch import detect, load_config
 from tiermoe.errors import TiermoeError

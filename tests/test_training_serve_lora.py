@@ -11,7 +11,11 @@ import pytest
 import torch
 from conftest import make_mask, rel_err, run_cli, save_char_tokenizer
 from test_training_adapter_io import trained_peft_adapter
-from training_reference import lora_config, peft_reference
+from training_reference import (
+    lora_config,
+    one_torch_thread,  # noqa: F401 (an autouse fixture)
+    peft_reference,
+)
 
 from tiermoe.arch import detect, load_config
 from tiermoe.config import CPUConfig

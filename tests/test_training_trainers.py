@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import load_reference, make_mask, rel_err, save_char_tokenizer
-from training_reference import adapter_grads, copy_adapters, lora_config, peft_reference
+from training_reference import (
+    adapter_grads,
+    copy_adapters,
+    lora_config,
+    one_torch_thread,  # noqa: F401 (an autouse fixture)
+    peft_reference,
+)
 
 from tiermoe.arch import detect, load_config
 from tiermoe.model.loader import load_hybrid_model
