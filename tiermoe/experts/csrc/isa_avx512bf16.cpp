@@ -116,7 +116,7 @@ void down_bf16(const TmMatrix* W, const TmRows* h, int c0, int c1, const int32_t
 
 int wants_bf16(int fmt, int) { return fmt == TM_BF16 ? TM_ROWS_BF16 : TM_ROWS_F32; }
 
-const TmKernels kTable = {TM_ISA_AVX512BF16, wants_bf16, scratch_generic, up_bf16, down_bf16, finish_nothing};
+const TmKernels kTable = {TM_ISA_AVX512BF16, wants_bf16, scratch_generic, up_bf16, down_bf16, finish_nothing, transposed_generic};
 
 }  // namespace
 

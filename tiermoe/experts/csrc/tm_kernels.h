@@ -52,6 +52,11 @@ struct TmKernels {
                int ldy, void* scratch);
   // Called by each thread when a layer is done (AMX releases its tile state).
   void (*finish)(void);
+  // The transposed product, for k pairs p in [p0, p1) (multiples of 16: whole int4 groups):
+  //   out[m][2(p - p0) + e] = sum over packed rows r of g[m][r] * V[r][2p + e],
+  // where V is W without its row scales (bf16: w; int8: the codes; int4: gscale * (code - zero)), so g holds M
+  // rows of fp32 in W's packed row order with the row scales already multiplied in, and zeros on padding rows.
+  void (*transposed)(const TmMatrix* W, const float* g, int ldg, int M, int p0, int p1, float* out, int ldo);
 };
 
 extern "C" {
