@@ -135,8 +135,11 @@ void down_chunk(const Layer& L, int task, int tid) {
   float* y = (float*)(base + L.kscratch);
   std::memset(y, 0, sizeof(float) * (size_t)a.T * ldy);
   for (const ExpertWork& w : L.ex) {
+    // down holds D rounded up to 16 rows, which can be fewer than Dp / 16 strips (int8 / int4 with D % 64 != 0)
+    const int c1w = std::min(c1, a.down[w.e].N / 16);
+    if (c1w <= c0) continue;
     TmRows rows = {w.hf, w.hb, w.m, a.Ip};
-    w.k->down(&a.down[w.e], &rows, c0, c1, &L.tok[w.pair0], &L.wt[w.pair0], y, ldy, base);
+    w.k->down(&a.down[w.e], &rows, c0, c1w, &L.tok[w.pair0], &L.wt[w.pair0], y, ldy, base);
   }
   const int d0 = 16 * c0, d1 = std::min(16 * c1, a.D);
   for (int t = 0; t < a.T; ++t) {
