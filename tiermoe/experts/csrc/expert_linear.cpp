@@ -51,9 +51,9 @@ struct Linear {
   tmoe::Team* team;
   bool transposed;
   const TmKernels* k;
-  int wants = 0;            // forward: row copies the kernels read (TM_ROWS_*)
-  float* xf = nullptr;      // forward: [M][Kp] fp32; transposed: g as [M][Np] fp32, scaled, packed row order
-  uint16_t* xb = nullptr;   // forward: [M rounded up to 16][Kp] bf16 (padding rows zero)
+  int wants = 0;            // row copies the kernels read (TM_ROWS_*)
+  float* xf = nullptr;      // forward: x as [M][Kp]; transposed: g as [M][Np], scaled, in packed row order
+  uint16_t* xb = nullptr;   // the same in bf16 (forward: rows up to a multiple of 16, padding rows zero)
   std::vector<int32_t> ident;  // forward: out row of each row (itself)
   std::vector<float> ones;     //          and its weight (1)
   int chunk = 1;               // phase 1: strips (forward) or groups of 32 columns (transposed) per task
@@ -79,12 +79,13 @@ void convert_rows(const Linear& L, int m0, int m1) {
   const TmLinearArgs& a = *L.a;
   const int Kp = L.W->K, Np = L.W->N;
   for (int m = m0; m < m1; ++m) {
-    if (L.transposed) {
-      float* dst = L.xf + (size_t)m * Np;
+    if (L.transposed) {  // g in packed row order, row scales multiplied in
       const float* scale = L.W->fmt == TM_BF16 ? nullptr : L.W->scale;
       for (int r = 0; r < Np; ++r) {
         const int n = real_row(a, r);
-        dst[r] = n < 0 ? 0.0f : in_f32(a, (size_t)m * a.N + n) * (scale ? scale[r] : 1.0f);
+        const float v = n < 0 ? 0.0f : in_f32(a, (size_t)m * a.N + n) * (scale ? scale[r] : 1.0f);
+        if (L.wants & TM_ROWS_F32) L.xf[(size_t)m * Np + r] = v;
+        if (L.wants & TM_ROWS_BF16) L.xb[(size_t)m * Np + r] = tm_f32_to_bf16(v);
       }
       continue;
     }
@@ -127,7 +128,8 @@ void transposed_groups(const Linear& L, int task, int tid) {
   const TmLinearArgs& a = *L.a;
   const int g0 = task * L.chunk, g1 = std::min(g0 + L.chunk, L.W->K / 32), ldo = 32 * L.chunk;
   float* o = (float*)((char*)L.team->scratch(tid).data() + L.kscratch);
-  L.k->transposed(L.W, L.xf, L.W->N, a.M, 16 * g0, 16 * g1, o, ldo);
+  TmRows rows = {L.xf, L.xb, a.M, L.W->N};
+  L.k->transposed(L.W, &rows, 16 * g0, 16 * g1, o, ldo);
   const int k1 = std::min(32 * g1, a.K);
   for (int m = 0; m < a.M; ++m)
     for (int c = 32 * g0; c < k1; ++c) put(a, (size_t)m * a.K + c, o[(size_t)m * ldo + c - 32 * g0]);
@@ -170,19 +172,24 @@ int linear(tmoe::Team& team, const TmLinearArgs& a, bool transposed) {
   L.team = &team;
   L.transposed = transposed;
   const int vector_level = std::min(a.isa, a.x_bf16 ? (int)TM_ISA_AVX512BF16 : (int)TM_ISA_AVX512);
-  L.k = tm_table(a.x_bf16 && M >= a.amx_min_rows ? a.isa : vector_level);
+  // AMX tiles pair k like the packed strips, which suits x W^T only; g W runs on the vector kernels.
+  L.k = tm_table(a.x_bf16 && M >= a.amx_min_rows && !transposed ? a.isa : vector_level);
 
-  size_t arena = 0, member = 0;
+  // Rows the kernels read: forward x padded to Kp (bf16 copies for AMX have whole 16-row tiles), transposed g
+  // in packed row order.
+  L.wants = L.k->wants(W->fmt, M);
+  const int width = transposed ? Np : Kp;
+  const size_t f32_bytes = L.wants & TM_ROWS_F32 ? tm_align64(4 * (size_t)M * width) : 0;
+  const size_t bf16_bytes = L.wants & TM_ROWS_BF16 ? 2 * (size_t)(transposed ? M : (M + 15) & ~15) * width : 0;
+  char* p = (char*)team.arena().reserve(f32_bytes + bf16_bytes + 64);
+  if (L.wants & TM_ROWS_F32) L.xf = (float*)p;
+  if (L.wants & TM_ROWS_BF16) L.xb = (uint16_t*)(p + f32_bytes);
+  size_t member;
   if (transposed) {
-    arena = 4 * (size_t)M * Np;
     const int groups = Kp / 32;
     L.chunk = std::max(1, (groups + 4 * n - 1) / (4 * n));
     member = 4 * (size_t)M * 32 * L.chunk;
   } else {
-    L.wants = L.k->wants(W->fmt, M);
-    const size_t mpad = (M + 15) & ~15;
-    if (L.wants & TM_ROWS_F32) arena += tm_align64(4 * (size_t)M * Kp);
-    if (L.wants & TM_ROWS_BF16) arena += tm_align64(2 * mpad * Kp);
     const int strips = Np / 16;
     L.chunk = std::max(2, (strips + 4 * n - 1) / (4 * n));
     L.chunk += L.chunk & 1;  // the two-strip kernels
@@ -192,12 +199,6 @@ int linear(tmoe::Team& team, const TmLinearArgs& a, bool transposed) {
     for (int m = 0; m < M; ++m) L.ident[m] = m;
     L.ones.assign(M, 1.0f);
   }
-  char* p = (char*)team.arena().reserve(arena + 64);
-  if (transposed || (L.wants & TM_ROWS_F32)) {
-    L.xf = (float*)p;
-    p += tm_align64(4 * (size_t)M * (transposed ? Np : Kp));
-  }
-  if (!transposed && (L.wants & TM_ROWS_BF16)) L.xb = (uint16_t*)p;
   for (int t = 0; t < n; ++t) team.scratch(t).reserve(member + 64);
 
   tmoe::Job job;

@@ -55,8 +55,9 @@ struct TmKernels {
   // The transposed product, for k pairs p in [p0, p1) (multiples of 16: whole int4 groups):
   //   out[m][2(p - p0) + e] = sum over packed rows r of g[m][r] * V[r][2p + e],
   // where V is W without its row scales (bf16: w; int8: the codes; int4: gscale * (code - zero)), so g holds M
-  // rows of fp32 in W's packed row order with the row scales already multiplied in, and zeros on padding rows.
-  void (*transposed)(const TmMatrix* W, const float* g, int ldg, int M, int p0, int p1, float* out, int ldo);
+  // rows in W's packed row order with the row scales already multiplied in, zeros on padding rows, in the copies
+  // `wants` asks for (the bf16 copy only for bf16 weights, which have no row scales).
+  void (*transposed)(const TmMatrix* W, const TmRows* g, int p0, int p1, float* out, int ldo);
 };
 
 extern "C" {
