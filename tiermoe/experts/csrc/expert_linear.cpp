@@ -44,6 +44,7 @@ struct TmLinearArgs {
 namespace {
 
 constexpr int kRowsPerTask = 16;  // phase 0: rows converted per task
+constexpr int kViaBf16MinRows = 16;
 
 struct Linear {
   const TmLinearArgs* a;
@@ -51,13 +52,15 @@ struct Linear {
   tmoe::Team* team;
   bool transposed;
   const TmKernels* k;
+  bool via_bf16 = false;    // int8 / int4 weights dequantised to bf16 strips for the bf16 kernels (see linear())
   int wants = 0;            // row copies the kernels read (TM_ROWS_*)
   float* xf = nullptr;      // forward: x as [M][Kp]; transposed: g as [M][Np], scaled, in packed row order
   uint16_t* xb = nullptr;   // the same in bf16 (forward: rows up to a multiple of 16, padding rows zero)
   std::vector<int32_t> ident;  // forward: out row of each row (itself)
   std::vector<float> ones;     //          and its weight (1)
   int chunk = 1;               // phase 1: strips (forward) or groups of 32 columns (transposed) per task
-  size_t kscratch = 0;         // kernel scratch bytes per member, before the member's output block
+  size_t kscratch = 0;         // kernel scratch bytes per member, then the dequantised strips (via_bf16),
+  size_t strips_bytes = 0;     // then the member's output block
 };
 
 // Where W's packed row r lands among the real rows, or -1 for a padding row.
@@ -80,7 +83,7 @@ void convert_rows(const Linear& L, int m0, int m1) {
   const int Kp = L.W->K, Np = L.W->N;
   for (int m = m0; m < m1; ++m) {
     if (L.transposed) {  // g in packed row order, row scales multiplied in
-      const float* scale = L.W->fmt == TM_BF16 ? nullptr : L.W->scale;
+      const float* scale = L.W->fmt == TM_BF16 || L.via_bf16 ? nullptr : L.W->scale;  // via_bf16: in the strips
       for (int r = 0; r < Np; ++r) {
         const int n = real_row(a, r);
         const float v = n < 0 ? 0.0f : in_f32(a, (size_t)m * a.N + n) * (scale ? scale[r] : 1.0f);
@@ -111,12 +114,21 @@ void convert_rows(const Linear& L, int m0, int m1) {
 
 void forward_strips(const Linear& L, int task, int tid) {
   const TmLinearArgs& a = *L.a;
-  const int c0 = task * L.chunk, c1 = std::min(c0 + L.chunk, L.W->N / 16), ldy = 16 * L.chunk;
+  const int c0 = task * L.chunk, c1 = std::min(c0 + L.chunk, L.W->N / 16), ldy = 16 * L.chunk, Kp = L.W->K;
   char* base = (char*)L.team->scratch(tid).data();
-  float* y = (float*)(base + L.kscratch);
+  float* y = (float*)(base + L.kscratch + L.strips_bytes);
   std::fill(y, y + (size_t)a.M * ldy, 0.0f);
-  TmRows rows = {L.xf, L.xb, a.M, L.W->K};
-  L.k->down(L.W, &rows, c0, c1, L.ident.data(), L.ones.data(), y, ldy, base);
+  TmRows rows = {L.xf, L.xb, a.M, Kp};
+  if (L.via_bf16) {
+    uint16_t* strip = (uint16_t*)(base + L.kscratch);
+    for (int c = c0; c < c1; ++c) {
+      L.k->to_bf16(L.W, c, 0, Kp / 2, strip);
+      const TmMatrix one = {strip, nullptr, nullptr, nullptr, 16, Kp, TM_BF16, 0};
+      L.k->down(&one, &rows, 0, 1, L.ident.data(), L.ones.data(), y + 16 * (c - c0), ldy, base);
+    }
+  } else {
+    L.k->down(L.W, &rows, c0, c1, L.ident.data(), L.ones.data(), y, ldy, base);
+  }
   for (int r = 16 * c0; r < 16 * c1; ++r) {
     const int n = real_row(a, r);
     if (n < 0) continue;
@@ -126,10 +138,20 @@ void forward_strips(const Linear& L, int task, int tid) {
 
 void transposed_groups(const Linear& L, int task, int tid) {
   const TmLinearArgs& a = *L.a;
-  const int g0 = task * L.chunk, g1 = std::min(g0 + L.chunk, L.W->K / 32), ldo = 32 * L.chunk;
-  float* o = (float*)((char*)L.team->scratch(tid).data() + L.kscratch);
-  TmRows rows = {L.xf, L.xb, a.M, L.W->N};
-  L.k->transposed(L.W, &rows, 16 * g0, 16 * g1, o, ldo);
+  const int g0 = task * L.chunk, g1 = std::min(g0 + L.chunk, L.W->K / 32), ldo = 32 * L.chunk, Np = L.W->N;
+  char* base = (char*)L.team->scratch(tid).data();
+  float* o = (float*)(base + L.kscratch + L.strips_bytes);
+  TmRows rows = {L.xf, L.xb, a.M, Np};
+  if (L.via_bf16) {  // one group of 32 columns at a time, down every strip: a bf16 matrix [Np, 32]
+    uint16_t* block = (uint16_t*)(base + L.kscratch);
+    for (int g = g0; g < g1; ++g) {
+      for (int s = 0; s < Np / 16; ++s) L.k->to_bf16(L.W, s, 16 * g, 16 * g + 16, block + (size_t)512 * s);
+      const TmMatrix group = {block, nullptr, nullptr, nullptr, Np, 32, TM_BF16, 0};
+      L.k->transposed(&group, &rows, 0, 16, o + 32 * (g - g0), ldo);
+    }
+  } else {
+    L.k->transposed(L.W, &rows, 16 * g0, 16 * g1, o, ldo);
+  }
   const int k1 = std::min(32 * g1, a.K);
   for (int m = 0; m < a.M; ++m)
     for (int c = 32 * g0; c < k1; ++c) put(a, (size_t)m * a.K + c, o[(size_t)m * ldo + c - 32 * g0]);
@@ -174,10 +196,15 @@ int linear(tmoe::Team& team, const TmLinearArgs& a, bool transposed) {
   const int vector_level = std::min(a.isa, a.x_bf16 ? (int)TM_ISA_AVX512BF16 : (int)TM_ISA_AVX512);
   // AMX tiles pair k like the packed strips, which suits x W^T only; g W runs on the vector kernels.
   L.k = tm_table(a.x_bf16 && M >= a.amx_min_rows && !transposed ? a.isa : vector_level);
+  // bf16 activations times int8 / int4 weights where VDPBF16PS is the best kernel: from kViaBf16MinRows rows,
+  // dequantising each strip once to bf16 (as `get` in bf16 rounds the weights) and running the bf16 kernels
+  // beats the fp32 ones; fewer rows are memory-bound and keep the exact fp32 kernels. (AMX tiles dequantise
+  // their own strips.)
+  L.via_bf16 = a.x_bf16 && W->fmt != TM_BF16 && L.k->isa == TM_ISA_AVX512BF16 && M >= kViaBf16MinRows;
 
   // Rows the kernels read: forward x padded to Kp (bf16 copies for AMX have whole 16-row tiles), transposed g
   // in packed row order.
-  L.wants = L.k->wants(W->fmt, M);
+  L.wants = L.via_bf16 ? TM_ROWS_BF16 : L.k->wants(W->fmt, M);
   const int width = transposed ? Np : Kp;
   const size_t f32_bytes = L.wants & TM_ROWS_F32 ? tm_align64(4 * (size_t)M * width) : 0;
   const size_t bf16_bytes = L.wants & TM_ROWS_BF16 ? 2 * (size_t)(transposed ? M : (M + 15) & ~15) * width : 0;
@@ -188,13 +215,15 @@ int linear(tmoe::Team& team, const TmLinearArgs& a, bool transposed) {
   if (transposed) {
     const int groups = Kp / 32;
     L.chunk = std::max(1, (groups + 4 * n - 1) / (4 * n));
-    member = 4 * (size_t)M * 32 * L.chunk;
+    L.strips_bytes = L.via_bf16 ? tm_align64((size_t)Np * 64) : 0;  // [Np / 16][16 pairs][16][2] bf16
+    member = L.strips_bytes + 4 * (size_t)M * 32 * L.chunk;
   } else {
     const int strips = Np / 16;
     L.chunk = std::max(2, (strips + 4 * n - 1) / (4 * n));
     L.chunk += L.chunk & 1;  // the two-strip kernels
     L.kscratch = tm_align64(L.k->scratch_bytes(Kp, M));
-    member = L.kscratch + 4 * (size_t)M * 16 * L.chunk;
+    L.strips_bytes = L.via_bf16 ? tm_align64((size_t)Kp * 32) : 0;  // one strip [Kp / 2][16][2] bf16
+    member = L.kscratch + L.strips_bytes + 4 * (size_t)M * 16 * L.chunk;
     L.ident.resize(M);
     for (int m = 0; m < M; ++m) L.ident[m] = m;
     L.ones.assign(M, 1.0f);

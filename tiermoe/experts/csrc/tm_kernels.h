@@ -58,6 +58,10 @@ struct TmKernels {
   // rows in W's packed row order with the row scales already multiplied in, zeros on padding rows, in the copies
   // `wants` asks for (the bf16 copy only for bf16 weights, which have no row scales).
   void (*transposed)(const TmMatrix* W, const TmRows* g, int p0, int p1, float* out, int ldo);
+  // Lines (k pairs) [p0, p1) of strip `strip` of an int8 / int4 W as bf16 lines (the bf16 packed layout), every
+  // scale folded in and rounded as dequantising to fp32 and casting to bf16 would: what lets the bf16 kernels
+  // multiply quantised weights (training's products with bf16 activations).
+  void (*to_bf16)(const TmMatrix* W, int strip, int p0, int p1, uint16_t* dst);
 };
 
 extern "C" {
