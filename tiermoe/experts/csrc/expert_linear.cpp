@@ -129,11 +129,11 @@ void forward_strips(const Linear& L, int task, int tid) {
   } else {
     L.k->down(L.W, &rows, c0, c1, L.ident.data(), L.ones.data(), y, ldy, base);
   }
-  for (int r = 16 * c0; r < 16 * c1; ++r) {
-    const int n = real_row(a, r);
-    if (n < 0) continue;
-    for (int m = 0; m < a.M; ++m) put(a, (size_t)m * a.N + n, y[(size_t)m * ldy + r - 16 * c0]);
-  }
+  for (int m = 0; m < a.M; ++m)
+    for (int r = 16 * c0; r < 16 * c1; ++r) {
+      const int n = real_row(a, r);
+      if (n >= 0) put(a, (size_t)m * a.N + n, y[(size_t)m * ldy + r - 16 * c0]);
+    }
 }
 
 void transposed_groups(const Linear& L, int task, int tid) {
