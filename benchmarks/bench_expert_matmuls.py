@@ -9,11 +9,13 @@ down_t = g W_d) three ways:
   torch bf16   torch on the checkpoint's bf16 weights (a torch CPU tier that keeps bf16 copies)
 and the time to dequantise one expert (`tier.get(e)`: what the fallback pays per expert before its matmuls).
 Each call cycles through --experts experts (separate weights, so the caches hold no more than in training), on
---threads threads for both the kernels and torch. Best and median of --reps calls, in ms; GFLOP/s of the kernel.
+--threads threads for both the kernels and torch; the three ways are timed call by call in turn, so on a shared
+machine they see the same conditions. Best and median of --reps calls, in ms; GFLOP/s of the kernel's best.
 
 Examples:
   python benchmarks/bench_expert_matmuls.py
   python benchmarks/bench_expert_matmuls.py --formats int4 --rows 32 --dtypes fp32 --reps 20
+  python benchmarks/bench_expert_matmuls.py --cpu-time      # 1 thread, CPU time: for a busy shared machine
 """
 
 from __future__ import annotations
@@ -50,20 +52,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=8, help="experts cycled through (default 8)")
     p.add_argument("--threads", type=int, default=2, help="kernel team and torch threads (default 2)")
     p.add_argument("--reps", type=int, default=30, help="timed calls per cell (default 30)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="1 thread, each call timed by the calling thread's CPU time (all the work runs on it), which "
+                        "leaves out the time other processes held the core: steadier figures on a shared machine")
     return p.parse_args(argv)
 
 
-def timed(fn, args_list: list, reps: int) -> tuple[float, float]:
+def timed(fn, args_list: list, reps: int, clock=time.perf_counter) -> tuple[float, float]:
     """(best, median) ms of fn(*args) over `reps` calls cycling through args_list, after one warm-up pass."""
-    for a in args_list:
-        fn(*a)
-    times = []
+    return round_robin([(fn, args_list)], reps, clock)[0]
+
+
+def round_robin(cases: list, reps: int, clock=time.perf_counter) -> list[tuple[float, float]]:
+    """(best, median) ms of each (fn, args_list) case, timed call by call in turn, so that on a shared, noisy
+    machine every case sees the same conditions; each cycles through its args_list after one warm-up pass."""
+    for fn, args_list in cases:
+        for a in args_list:
+            fn(*a)
+    times = [[] for _ in cases]
     for r in range(reps):
-        a = args_list[r % len(args_list)]
-        t0 = time.perf_counter()
-        fn(*a)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return min(times), statistics.median(times)
+        for (fn, args_list), out in zip(cases, times):
+            a = args_list[r % len(args_list)]
+            t0 = clock()
+            fn(*a)
+            out.append((clock() - t0) * 1e3)
+    return [(min(t), statistics.median(t)) for t in times]
 
 
 def input_width(product: str, d: int, i: int) -> tuple[int, int]:
@@ -74,11 +87,13 @@ def input_width(product: str, d: int, i: int) -> tuple[int, int]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     d, i, n_exp = args.hidden, args.intermediate, args.experts
-    torch.set_num_threads(args.threads)
+    threads, clock = (1, time.thread_time) if args.cpu_time else (args.threads, time.perf_counter)
+    torch.set_num_threads(threads)
     uptime = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
     print(f"command: python {shlex.join(sys.argv)}")
     print(f"uptime before timing: {uptime}")
-    print(f"machine: {os.cpu_count()} logical CPUs; {args.threads} threads; torch {torch.__version__}")
+    print(f"machine: {os.cpu_count()} logical CPUs; {threads} threads; torch {torch.__version__}; "
+          f"{'CPU time of the calling thread' if args.cpu_time else 'wall time'}")
     g = torch.Generator().manual_seed(0)
     bf16 = [ExpertWeights((torch.randn(2 * i, d, generator=g) * 0.02).bfloat16(),
                           (torch.randn(d, i, generator=g) * 0.02).bfloat16()) for _ in range(n_exp)]
@@ -88,10 +103,10 @@ def main(argv=None) -> None:
         for fmt in args.formats.split(","):
             for dname in args.dtypes.split(","):
                 dtype = DTYPES[dname]
-                tier = NativeCPUExperts(worker, ExpertActivation("silu_glu"), fmt, dtype, threads=args.threads)
+                tier = NativeCPUExperts(worker, ExpertActivation("silu_glu"), fmt, dtype, threads=threads)
                 for e, w in enumerate(bf16):
                     tier.add(e, w)
-                best, med = timed(tier.get, [(e,) for e in range(n_exp)], max(4, args.reps // 5))
+                best, med = timed(tier.get, [(e,) for e in range(n_exp)], max(4, args.reps // 5), clock)
                 deq_rows.append((fmt, dname, best, med))
                 kernel = [tier.matmuls(e, dtype) for e in range(n_exp)]
                 deq = [TorchMatmuls(tier.get(e), dtype) for e in range(n_exp)]
@@ -100,8 +115,9 @@ def main(argv=None) -> None:
                     for product in PRODUCTS:
                         w_in, w_out = input_width(product, d, i)
                         x = torch.randn(m, w_in, generator=g).to(dtype)
-                        cells = [timed(lambda ops, x: getattr(ops, product)(x), [(o, x) for o in objs], args.reps)
-                                 for objs in (kernel, deq, plain)]
+                        call = (lambda ops, x, product=product: getattr(ops, product)(x))
+                        cells = round_robin([(call, [(o, x) for o in objs]) for objs in (kernel, deq, plain)],
+                                            args.reps, clock)
                         gflops = 2 * m * w_in * w_out / (cells[0][0] * 1e-3) / 1e9
                         rows_out.append((fmt, dname, m, product, *cells, gflops))
                         print(f"[{time.strftime('%H:%M:%S')}] {fmt} {dname} M={m} {product}: "

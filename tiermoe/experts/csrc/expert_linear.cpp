@@ -44,7 +44,11 @@ struct TmLinearArgs {
 namespace {
 
 constexpr int kRowsPerTask = 16;  // phase 0: rows converted per task
-constexpr int kViaBf16MinRows = 16;
+// bf16 activations on a CPU with VDPBF16PS, from this many rows: int8 / int4 strips are dequantised to bf16 once
+// for the bf16 kernels, and transposed products transpose each group of 32 columns for the forward kernels.
+// Fewer rows are memory-bound: they keep the exact fp32 kernels (int8 / int4) and the lane-pairing transposed
+// kernel (bf16), which need no extra pass over the weights.
+constexpr int kManyRows = 16;
 
 struct Linear {
   const TmLinearArgs* a;
@@ -52,15 +56,19 @@ struct Linear {
   tmoe::Team* team;
   bool transposed;
   const TmKernels* k;
-  bool via_bf16 = false;    // int8 / int4 weights dequantised to bf16 strips for the bf16 kernels (see linear())
-  int wants = 0;            // row copies the kernels read (TM_ROWS_*)
-  float* xf = nullptr;      // forward: x as [M][Kp]; transposed: g as [M][Np], scaled, in packed row order
-  uint16_t* xb = nullptr;   // the same in bf16 (forward: rows up to a multiple of 16, padding rows zero)
-  std::vector<int32_t> ident;  // forward: out row of each row (itself)
-  std::vector<float> ones;     //          and its weight (1)
-  int chunk = 1;               // phase 1: strips (forward) or groups of 32 columns (transposed) per task
-  size_t kscratch = 0;         // kernel scratch bytes per member, then the dequantised strips (via_bf16),
-  size_t strips_bytes = 0;     // then the member's output block
+  bool via_bf16 = false;  // int8 / int4 weights dequantised to bf16 strips for the bf16 kernels
+  bool repack = false;    // transposed: each group of 32 columns transposed into T [32, kt], then k->down
+  int kt = 0;             // repack: T's columns, Np rounded up to 32 (AMX tiles take 32 k)
+  int wants = 0;          // row copies the kernels read (TM_ROWS_*)
+  int width = 0;          // their row length: forward Kp; transposed Np (repack: kt)
+  float* xf = nullptr;    // forward: x [M][width]; transposed: g [M][width] in packed row order, row scales
+  uint16_t* xb = nullptr; // multiplied in (not via_bf16: those are in the strips); zero padding; the bf16 copy has
+                          // rows up to a multiple of 16 (AMX reads whole tiles)
+  std::vector<int32_t> ident;  // out row of each row (itself) and its weight (1), for the `down` kernels
+  std::vector<float> ones;
+  int chunk = 1;  // phase 1: strips (forward) or groups of 32 columns (transposed) per task
+  // Member scratch: kernel scratch, the dequantised strip(s) (via_bf16), T (repack), the member's output block.
+  size_t kscratch = 0, block_bytes = 0, t_bytes = 0;
 };
 
 // Where W's packed row r lands among the real rows, or -1 for a padding row.
@@ -80,54 +88,54 @@ inline void put(const TmLinearArgs& a, size_t i, float v) {
 
 void convert_rows(const Linear& L, int m0, int m1) {
   const TmLinearArgs& a = *L.a;
-  const int Kp = L.W->K, Np = L.W->N;
-  for (int m = m0; m < m1; ++m) {
-    if (L.transposed) {  // g in packed row order, row scales multiplied in
-      const float* scale = L.W->fmt == TM_BF16 || L.via_bf16 ? nullptr : L.W->scale;  // via_bf16: in the strips
-      for (int r = 0; r < Np; ++r) {
-        const int n = real_row(a, r);
-        const float v = n < 0 ? 0.0f : in_f32(a, (size_t)m * a.N + n) * (scale ? scale[r] : 1.0f);
-        if (L.wants & TM_ROWS_F32) L.xf[(size_t)m * Np + r] = v;
-        if (L.wants & TM_ROWS_BF16) L.xb[(size_t)m * Np + r] = tm_f32_to_bf16(v);
+  const int w = L.width, Np = L.W->N;
+  const float* scale = L.W->fmt == TM_BF16 || L.via_bf16 ? nullptr : L.W->scale;
+  for (int m = m0; m < m1; ++m)
+    for (int c = 0; c < w; ++c) {
+      float v;
+      if (L.transposed) {
+        const int n = c < Np ? real_row(a, c) : -1;
+        v = n < 0 ? 0.0f : in_f32(a, (size_t)m * a.N + n) * (scale ? scale[c] : 1.0f);
+      } else {
+        v = c < a.K ? in_f32(a, (size_t)m * a.K + c) : 0.0f;
       }
-      continue;
+      if (L.wants & TM_ROWS_F32) L.xf[(size_t)m * w + c] = v;
+      if (L.wants & TM_ROWS_BF16) L.xb[(size_t)m * w + c] = tm_f32_to_bf16(v);  // exact for bf16 activations
     }
-    if (L.wants & TM_ROWS_F32) {
-      float* dst = L.xf + (size_t)m * Kp;
-      for (int c = 0; c < a.K; ++c) dst[c] = in_f32(a, (size_t)m * a.K + c);
-      std::fill(dst + a.K, dst + Kp, 0.0f);
-    }
-    if (L.wants & TM_ROWS_BF16) {
-      uint16_t* dst = L.xb + (size_t)m * Kp;
-      for (int c = 0; c < a.K; ++c) {
-        const size_t i = (size_t)m * a.K + c;
-        dst[c] = a.x_bf16 ? ((const uint16_t*)a.x)[i] : tm_f32_to_bf16(((const float*)a.x)[i]);
-      }
-      std::fill(dst + a.K, dst + Kp, (uint16_t)0);
-    }
-  }
-  if (!L.transposed && (L.wants & TM_ROWS_BF16) && m1 == a.M) {  // AMX reads whole 16-row tiles
+  if ((L.wants & TM_ROWS_BF16) && m1 == a.M) {
     const int mpad = (a.M + 15) & ~15;
-    std::fill(L.xb + (size_t)a.M * Kp, L.xb + (size_t)mpad * Kp, (uint16_t)0);
+    std::fill(L.xb + (size_t)a.M * w, L.xb + (size_t)mpad * w, (uint16_t)0);
   }
+}
+
+struct MemberScratch {
+  char* kernel;
+  uint16_t* block;
+  uint16_t* t;
+  float* out;
+};
+
+MemberScratch member_scratch(const Linear& L, int tid) {
+  char* p = (char*)L.team->scratch(tid).data();
+  return {p, (uint16_t*)(p + L.kscratch), (uint16_t*)(p + L.kscratch + L.block_bytes),
+          (float*)(p + L.kscratch + L.block_bytes + L.t_bytes)};
 }
 
 void forward_strips(const Linear& L, int task, int tid) {
   const TmLinearArgs& a = *L.a;
   const int c0 = task * L.chunk, c1 = std::min(c0 + L.chunk, L.W->N / 16), ldy = 16 * L.chunk, Kp = L.W->K;
-  char* base = (char*)L.team->scratch(tid).data();
-  float* y = (float*)(base + L.kscratch + L.strips_bytes);
+  const MemberScratch sc = member_scratch(L, tid);
+  float* y = sc.out;
   std::fill(y, y + (size_t)a.M * ldy, 0.0f);
   TmRows rows = {L.xf, L.xb, a.M, Kp};
   if (L.via_bf16) {
-    uint16_t* strip = (uint16_t*)(base + L.kscratch);
     for (int c = c0; c < c1; ++c) {
-      L.k->to_bf16(L.W, c, 0, Kp / 2, strip);
-      const TmMatrix one = {strip, nullptr, nullptr, nullptr, 16, Kp, TM_BF16, 0};
-      L.k->down(&one, &rows, 0, 1, L.ident.data(), L.ones.data(), y + 16 * (c - c0), ldy, base);
+      L.k->to_bf16(L.W, c, 0, Kp / 2, sc.block);
+      const TmMatrix one = {sc.block, nullptr, nullptr, nullptr, 16, Kp, TM_BF16, 0};
+      L.k->down(&one, &rows, 0, 1, L.ident.data(), L.ones.data(), y + 16 * (c - c0), ldy, sc.kernel);
     }
   } else {
-    L.k->down(L.W, &rows, c0, c1, L.ident.data(), L.ones.data(), y, ldy, base);
+    L.k->down(L.W, &rows, c0, c1, L.ident.data(), L.ones.data(), y, ldy, sc.kernel);
   }
   for (int m = 0; m < a.M; ++m)
     for (int r = 16 * c0; r < 16 * c1; ++r) {
@@ -138,16 +146,24 @@ void forward_strips(const Linear& L, int task, int tid) {
 
 void transposed_groups(const Linear& L, int task, int tid) {
   const TmLinearArgs& a = *L.a;
-  const int g0 = task * L.chunk, g1 = std::min(g0 + L.chunk, L.W->K / 32), ldo = 32 * L.chunk, Np = L.W->N;
-  char* base = (char*)L.team->scratch(tid).data();
-  float* o = (float*)(base + L.kscratch + L.strips_bytes);
-  TmRows rows = {L.xf, L.xb, a.M, Np};
-  if (L.via_bf16) {  // one group of 32 columns at a time, down every strip: a bf16 matrix [Np, 32]
-    uint16_t* block = (uint16_t*)(base + L.kscratch);
+  const int g0 = task * L.chunk, g1 = std::min(g0 + L.chunk, L.W->K / 32), ldo = 32 * L.chunk;
+  const int Np = L.W->N, S = Np / 16;
+  const MemberScratch sc = member_scratch(L, tid);
+  float* o = sc.out;
+  TmRows rows = {L.xf, L.xb, a.M, L.width};
+  if (L.repack) {
+    std::fill(o, o + (size_t)a.M * ldo, 0.0f);
+    for (int h = 0; h < 2; ++h)  // T's lines past W's rows stay zero
+      std::fill(sc.t + ((size_t)h * (L.kt / 2) + Np / 2) * 32, sc.t + (size_t)(h + 1) * (L.kt / 2) * 32, (uint16_t)0);
+    const TmMatrix t = {sc.t, nullptr, nullptr, nullptr, 32, L.kt, TM_BF16, 0};
     for (int g = g0; g < g1; ++g) {
-      for (int s = 0; s < Np / 16; ++s) L.k->to_bf16(L.W, s, 16 * g, 16 * g + 16, block + (size_t)512 * s);
-      const TmMatrix group = {block, nullptr, nullptr, nullptr, Np, 32, TM_BF16, 0};
-      L.k->transposed(&group, &rows, 0, 16, o + 32 * (g - g0), ldo);
+      if (L.via_bf16) {
+        for (int s = 0; s < S; ++s) L.k->to_bf16(L.W, s, 16 * g, 16 * g + 16, sc.block + (size_t)512 * s);
+        L.k->transpose_group(sc.block, 512, S, sc.t, L.kt);
+      } else {
+        L.k->transpose_group((const uint16_t*)L.W->codes + (size_t)512 * g, (size_t)L.W->K * 16, S, sc.t, L.kt);
+      }
+      L.k->down(&t, &rows, 0, 2, L.ident.data(), L.ones.data(), o + 32 * (g - g0), ldo, sc.kernel);
     }
   } else {
     L.k->transposed(L.W, &rows, 16 * g0, 16 * g1, o, ldo);
@@ -193,42 +209,44 @@ int linear(tmoe::Team& team, const TmLinearArgs& a, bool transposed) {
   L.W = W;
   L.team = &team;
   L.transposed = transposed;
+  // Which kernels: fp32 activations the fp32 vector kernels (exact); bf16 activations VDPBF16PS where the CPU has
+  // it, AMX tiles for products of the forward form with amx_min_rows rows (tiles pair k like the packed strips,
+  // so a transposed product becomes one by transposing its columns first: repack).
   const int vector_level = std::min(a.isa, a.x_bf16 ? (int)TM_ISA_AVX512BF16 : (int)TM_ISA_AVX512);
-  // AMX tiles pair k like the packed strips, which suits x W^T only; g W runs on the vector kernels.
-  L.k = tm_table(a.x_bf16 && M >= a.amx_min_rows && !transposed ? a.isa : vector_level);
-  // bf16 activations times int8 / int4 weights where VDPBF16PS is the best kernel: from kViaBf16MinRows rows,
-  // dequantising each strip once to bf16 (as `get` in bf16 rounds the weights) and running the bf16 kernels
-  // beats the fp32 ones; fewer rows are memory-bound and keep the exact fp32 kernels. (AMX tiles dequantise
-  // their own strips.)
-  L.via_bf16 = a.x_bf16 && W->fmt != TM_BF16 && L.k->isa == TM_ISA_AVX512BF16 && M >= kViaBf16MinRows;
+  const bool many = a.x_bf16 && vector_level == TM_ISA_AVX512BF16 && M >= kManyRows;
+  L.repack = transposed && many;
+  L.k = tm_table(a.x_bf16 && M >= a.amx_min_rows && (!transposed || L.repack) ? a.isa : vector_level);
+  // (AMX's own forward kernels dequantise int8 / int4 strips themselves, int8 exactly.)
+  L.via_bf16 = many && W->fmt != TM_BF16 && (transposed || L.k->isa == TM_ISA_AVX512BF16);
+  L.kt = (Np + 31) & ~31;
+  L.width = transposed ? (L.repack ? L.kt : Np) : Kp;
+  L.wants = L.via_bf16 || L.repack ? TM_ROWS_BF16 : L.k->wants(W->fmt, M);
 
-  // Rows the kernels read: forward x padded to Kp (bf16 copies for AMX have whole 16-row tiles), transposed g
-  // in packed row order.
-  L.wants = L.via_bf16 ? TM_ROWS_BF16 : L.k->wants(W->fmt, M);
-  const int width = transposed ? Np : Kp;
-  const size_t f32_bytes = L.wants & TM_ROWS_F32 ? tm_align64(4 * (size_t)M * width) : 0;
-  const size_t bf16_bytes = L.wants & TM_ROWS_BF16 ? 2 * (size_t)(transposed ? M : (M + 15) & ~15) * width : 0;
+  const size_t f32_bytes = L.wants & TM_ROWS_F32 ? tm_align64(4 * (size_t)M * L.width) : 0;
+  const size_t bf16_bytes = L.wants & TM_ROWS_BF16 ? 2 * (size_t)((M + 15) & ~15) * L.width : 0;
   char* p = (char*)team.arena().reserve(f32_bytes + bf16_bytes + 64);
   if (L.wants & TM_ROWS_F32) L.xf = (float*)p;
   if (L.wants & TM_ROWS_BF16) L.xb = (uint16_t*)(p + f32_bytes);
-  size_t member;
+  size_t out_bytes;
   if (transposed) {
-    const int groups = Kp / 32;
-    L.chunk = std::max(1, (groups + 4 * n - 1) / (4 * n));
-    L.strips_bytes = L.via_bf16 ? tm_align64((size_t)Np * 64) : 0;  // [Np / 16][16 pairs][16][2] bf16
-    member = L.strips_bytes + 4 * (size_t)M * 32 * L.chunk;
+    L.chunk = std::max(1, (Kp / 32 + 4 * n - 1) / (4 * n));
+    L.kscratch = L.repack ? tm_align64(L.k->scratch_bytes(L.kt, M)) : 0;
+    L.block_bytes = L.via_bf16 ? tm_align64((size_t)Np * 64) : 0;  // [Np / 16][16 pairs][16][2] bf16
+    L.t_bytes = L.repack ? tm_align64((size_t)L.kt * 64) : 0;       // [2][kt / 2][16][2] bf16
+    out_bytes = 4 * (size_t)M * 32 * L.chunk;
   } else {
-    const int strips = Np / 16;
-    L.chunk = std::max(2, (strips + 4 * n - 1) / (4 * n));
+    L.chunk = std::max(2, (Np / 16 + 4 * n - 1) / (4 * n));
     L.chunk += L.chunk & 1;  // the two-strip kernels
     L.kscratch = tm_align64(L.k->scratch_bytes(Kp, M));
-    L.strips_bytes = L.via_bf16 ? tm_align64((size_t)Kp * 32) : 0;  // one strip [Kp / 2][16][2] bf16
-    member = L.kscratch + L.strips_bytes + 4 * (size_t)M * 16 * L.chunk;
+    L.block_bytes = L.via_bf16 ? tm_align64((size_t)Kp * 32) : 0;  // one strip [Kp / 2][16][2] bf16
+    out_bytes = 4 * (size_t)M * 16 * L.chunk;
+  }
+  if (!transposed || L.repack) {
     L.ident.resize(M);
     for (int m = 0; m < M; ++m) L.ident[m] = m;
     L.ones.assign(M, 1.0f);
   }
-  for (int t = 0; t < n; ++t) team.scratch(t).reserve(member + 64);
+  for (int t = 0; t < n; ++t) team.scratch(t).reserve(L.kscratch + L.block_bytes + L.t_bytes + out_bytes + 64);
 
   tmoe::Job job;
   job.nphases = 2;

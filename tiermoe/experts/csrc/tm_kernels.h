@@ -62,6 +62,10 @@ struct TmKernels {
   // scale folded in and rounded as dequantising to fp32 and casting to bf16 would: what lets the bf16 kernels
   // multiply quantised weights (training's products with bf16 activations).
   void (*to_bf16)(const TmMatrix* W, int strip, int p0, int p1, uint16_t* dst);
+  // One group of 32 columns of S bf16 strips (line q of strip s at lines + s * strip_stride + 32 q) transposed into
+  // a bf16 packed matrix T [32, kt] (two strips, kt / 2 lines each; lines from 8 S on untouched): g W for those
+  // columns is then the forward product g T^T (training's transposed products with many rows).
+  void (*transpose_group)(const uint16_t* lines, size_t strip_stride, int S, uint16_t* dst, int kt);
 };
 
 extern "C" {
