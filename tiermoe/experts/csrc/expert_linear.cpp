@@ -18,6 +18,7 @@
 // Compiled for plain x86-64 (see tm_kernels.h). Legend: Np, Kp W's padded shape; M rows of activations.
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <new>
 #include <vector>
 
@@ -71,37 +72,57 @@ struct Linear {
   size_t kscratch = 0, block_bytes = 0, t_bytes = 0;
 };
 
-// Where W's packed row r lands among the real rows, or -1 for a padding row.
-inline int real_row(const TmLinearArgs& a, int r) {
-  const int within = r % a.seg_rows;
-  return within < a.seg_len ? (r / a.seg_rows) * a.seg_len + within : -1;
+// Runs of W's packed rows [r0, r1) that hold real rows: f(first packed row, first real row, length) for each.
+template <typename F>
+inline void real_runs(const TmLinearArgs& a, int r0, int r1, F f) {
+  for (int seg = r0 / a.seg_rows; seg * a.seg_rows < r1; ++seg) {
+    const int lo = std::max(r0, seg * a.seg_rows), hi = std::min(r1, seg * a.seg_rows + a.seg_len);
+    if (lo < hi) f(lo, seg * a.seg_len + lo - seg * a.seg_rows, hi - lo);
+  }
 }
 
-inline float in_f32(const TmLinearArgs& a, size_t i) {
-  return a.x_bf16 ? tm_bf16_to_f32(((const uint16_t*)a.x)[i]) : ((const float*)a.x)[i];
+// len values of the activations from element i on, times scale[] when given, into fp32 and / or bf16.
+inline void load_run(const TmLinearArgs& a, size_t i, int len, const float* scale, float* f32, uint16_t* bf16) {
+  if (a.x_bf16 && !scale && !f32) {
+    std::memcpy(bf16, (const uint16_t*)a.x + i, 2 * (size_t)len);
+    return;
+  }
+  for (int c = 0; c < len; ++c) {
+    float v = a.x_bf16 ? tm_bf16_to_f32(((const uint16_t*)a.x)[i + c]) : ((const float*)a.x)[i + c];
+    if (scale) v *= scale[c];
+    if (f32) f32[c] = v;
+    if (bf16) bf16[c] = tm_f32_to_bf16(v);  // exact for unscaled bf16 activations
+  }
 }
 
-inline void put(const TmLinearArgs& a, size_t i, float v) {
-  if (a.x_bf16) ((uint16_t*)a.out)[i] = tm_f32_to_bf16(v);
-  else ((float*)a.out)[i] = v;
+// len fp32 values into the output from element i on, in the activations' dtype.
+inline void store_run(const TmLinearArgs& a, size_t i, int len, const float* v) {
+  if (a.x_bf16) {
+    uint16_t* dst = (uint16_t*)a.out + i;
+    for (int c = 0; c < len; ++c) dst[c] = tm_f32_to_bf16(v[c]);
+  } else {
+    std::memcpy((float*)a.out + i, v, 4 * (size_t)len);
+  }
 }
 
 void convert_rows(const Linear& L, int m0, int m1) {
   const TmLinearArgs& a = *L.a;
-  const int w = L.width, Np = L.W->N;
+  const int w = L.width;
   const float* scale = L.W->fmt == TM_BF16 || L.via_bf16 ? nullptr : L.W->scale;
-  for (int m = m0; m < m1; ++m)
-    for (int c = 0; c < w; ++c) {
-      float v;
-      if (L.transposed) {
-        const int n = c < Np ? real_row(a, c) : -1;
-        v = n < 0 ? 0.0f : in_f32(a, (size_t)m * a.N + n) * (scale ? scale[c] : 1.0f);
-      } else {
-        v = c < a.K ? in_f32(a, (size_t)m * a.K + c) : 0.0f;
-      }
-      if (L.wants & TM_ROWS_F32) L.xf[(size_t)m * w + c] = v;
-      if (L.wants & TM_ROWS_BF16) L.xb[(size_t)m * w + c] = tm_f32_to_bf16(v);  // exact for bf16 activations
+  for (int m = m0; m < m1; ++m) {
+    float* f32 = L.wants & TM_ROWS_F32 ? L.xf + (size_t)m * w : nullptr;
+    uint16_t* bf16 = L.wants & TM_ROWS_BF16 ? L.xb + (size_t)m * w : nullptr;
+    if (f32) std::fill(f32, f32 + w, 0.0f);
+    if (bf16) std::fill(bf16, bf16 + w, (uint16_t)0);
+    if (L.transposed) {  // g's real rows go where W holds them
+      real_runs(a, 0, L.W->N, [&](int r, int n, int len) {
+        load_run(a, (size_t)m * a.N + n, len, scale ? scale + r : nullptr, f32 ? f32 + r : nullptr,
+                 bf16 ? bf16 + r : nullptr);
+      });
+    } else {
+      load_run(a, (size_t)m * a.K, a.K, nullptr, f32, bf16);
     }
+  }
   if ((L.wants & TM_ROWS_BF16) && m1 == a.M) {
     const int mpad = (a.M + 15) & ~15;
     std::fill(L.xb + (size_t)a.M * w, L.xb + (size_t)mpad * w, (uint16_t)0);
@@ -138,10 +159,9 @@ void forward_strips(const Linear& L, int task, int tid) {
     L.k->down(L.W, &rows, c0, c1, L.ident.data(), L.ones.data(), y, ldy, sc.kernel);
   }
   for (int m = 0; m < a.M; ++m)
-    for (int r = 16 * c0; r < 16 * c1; ++r) {
-      const int n = real_row(a, r);
-      if (n >= 0) put(a, (size_t)m * a.N + n, y[(size_t)m * ldy + r - 16 * c0]);
-    }
+    real_runs(a, 16 * c0, 16 * c1, [&](int r, int n, int len) {
+      store_run(a, (size_t)m * a.N + n, len, y + (size_t)m * ldy + r - 16 * c0);
+    });
 }
 
 void transposed_groups(const Linear& L, int task, int tid) {
@@ -169,8 +189,8 @@ void transposed_groups(const Linear& L, int task, int tid) {
     L.k->transposed(L.W, &rows, 16 * g0, 16 * g1, o, ldo);
   }
   const int k1 = std::min(32 * g1, a.K);
-  for (int m = 0; m < a.M; ++m)
-    for (int c = 32 * g0; c < k1; ++c) put(a, (size_t)m * a.K + c, o[(size_t)m * ldo + c - 32 * g0]);
+  if (k1 > 32 * g0)  // groups past K are W's padding
+    for (int m = 0; m < a.M; ++m) store_run(a, (size_t)m * a.K + 32 * g0, k1 - 32 * g0, o + (size_t)m * ldo);
 }
 
 void run_task(void* ctx, int phase, int task, int tid) {
