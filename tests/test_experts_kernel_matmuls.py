@@ -151,8 +151,14 @@ def test_the_torch_path_has_no_kernel_products_and_matmuls_of_falls_back(worker)
 
 
 @needs_kernels
-def test_matmuls_of_uses_the_kernels_and_an_unheld_expert_is_an_error(worker):
+def test_matmuls_of_uses_the_kernels_on_any_leading_shape_and_refuses_wrong_widths(worker):
     tier = tier_of(worker, "int8", 128, 64)
-    assert isinstance(matmuls_of(tier, 2, torch.float32), KernelMatmuls)
+    ops, ref = matmuls_of(tier, 2, torch.float32), TorchMatmuls(tier.get(2), torch.float32)
+    assert isinstance(ops, KernelMatmuls)
+    x = torch.randn(2, 3, 128)
+    assert ops.gate_up(x).shape == (2, 3, 128) and rel_err(ops.gate_up(x), ref.gate_up(x)) < 1e-5
+    assert ops.down_t(torch.empty(0, 128)).shape == (0, 64)
+    with pytest.raises(ValueError, match="rows of 64 values"):
+        ops.down(x)  # down takes I = 64 columns
     with pytest.raises(KeyError):
         tier.matmuls(7, torch.float32)
