@@ -61,8 +61,8 @@ def tier_of(worker, fmt: str, d: int, i: int, isa: str | None = None, threads: i
 
 def inputs(m: int, d: int, i: int, dtype: torch.dtype, seed: int = 5) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"gate_up": torch.randn(m, d, generator=g).to(dtype), "down": torch.randn(m, i, generator=g).to(dtype),
-            "gate_up_t": torch.randn(m, 2 * i, generator=g).to(dtype), "down_t": torch.randn(m, d, generator=g).to(dtype)}
+    widths = {"gate_up": d, "down": i, "gate_up_t": 2 * i, "down_t": d}
+    return {name: torch.randn(m, w, generator=g).to(dtype) for name, w in widths.items()}
 
 
 def check_products(tier: NativeCPUExperts, e: int, d: int, i: int, dtype: torch.dtype, tol: float) -> None:

@@ -10,11 +10,12 @@
 // as a whole.
 //
 // Two phases on the model's thread team: 0. rows converted into what the kernels read (forward: x padded to W's
-// K; transposed: g in W's packed row order with W's row scales multiplied in), 1. the product, split over N
-// (forward: strips of 16 rows) or over K (transposed: groups of 32 columns), so no two tasks write one output.
-// Which kernels: fp32 activations use the fp32 vector kernels (exactly dequantised weights, never bf16 rounding);
-// bf16 activations use the best level's (VDPBF16PS, and AMX tiles from amx_min_rows rows). The forward product is
-// each table's `down` kernel with unit weights; the transposed one is its `transposed` kernel.
+// K; transposed: g in W's packed row order, with W's row scales multiplied in where the kernels want them), 1. the
+// product, split over N (forward: strips of 16 rows) or over K (transposed: groups of 32 columns), so no two tasks
+// write one output. Which kernels: fp32 activations use the fp32 vector kernels (exactly dequantised weights, never
+// bf16 rounding); bf16 activations the best level's, VDPBF16PS and AMX tiles, with the many-row paths below
+// (kManyRows). The forward product is each table's `down` kernel with unit weights; the transposed one is its
+// `transposed` kernel, or, from kManyRows rows, the forward kernels on each group of columns transposed.
 // Compiled for plain x86-64 (see tm_kernels.h). Legend: Np, Kp W's padded shape; M rows of activations.
 #include <algorithm>
 #include <cstdio>

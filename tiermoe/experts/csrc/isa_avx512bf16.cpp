@@ -176,8 +176,7 @@ void transposed_bf16(const TmMatrix* W, const TmRows* g, int p0, int p1, float* 
 int wants_bf16(int fmt, int) { return fmt == TM_BF16 ? TM_ROWS_BF16 : TM_ROWS_F32; }
 
 const TmKernels kTable = {TM_ISA_AVX512BF16, wants_bf16, scratch_generic, up_bf16, down_bf16, finish_nothing,
-                           transposed_bf16, to_bf16_generic,
-                           transpose_group_generic};
+                           transposed_bf16, to_bf16_generic, transpose_group_generic};
 
 }  // namespace
 
