@@ -87,9 +87,11 @@ def test_the_four_products_equal_torch_on_the_dequantised_expert_in_fp32(isa, fm
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", sorted({BEST, "avx2"} & set(KERNEL_ISAS), key=KERNEL_ISAS.index))
 @pytest.mark.parametrize("fmt,d,i", CASES)
-def test_bf16_activations_give_bf16_products_within_one_rounding(fmt, d, i, worker):
-    tier = tier_of(worker, fmt, d, i, amx_min_rows=4)  # the best level: AMX from 5 rows where the CPU has it
+def test_bf16_activations_give_bf16_products_within_one_rounding(isa, fmt, d, i, worker):
+    # the best level (VDPBF16PS, AMX from 5 rows where the CPU has them) and one without bf16 instructions
+    tier = tier_of(worker, fmt, d, i, isa=isa, amx_min_rows=4)
     check_products(tier, 2, d, i, torch.bfloat16, 1e-2)
 
 
