@@ -13,7 +13,13 @@ import copy
 import pytest
 import torch
 from conftest import make_mask
-from training_reference import adapter_grads, copy_adapters, lora_config, peft_reference
+from training_reference import (
+    adapter_grads,
+    copy_adapters,
+    lora_config,
+    one_torch_thread,  # noqa: F401 (an autouse fixture)
+    peft_reference,
+)
 
 import tiermoe.layers.routed_autograd as routed_autograd
 from tiermoe.arch import detect, load_config

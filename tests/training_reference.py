@@ -9,9 +9,21 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 
 from tiermoe.training.peft_layout import from_peft
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Training tests run torch single-threaded (import this fixture into the test module): tiny models gain
+    nothing from a second intra-op thread, and on a loaded 2-core machine two threads spin-wait on each other
+    (a small matmul then takes milliseconds instead of microseconds)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def lora_config(rank: int = 4, alpha: float = 8.0, target_modules="all-linear"):

@@ -17,6 +17,8 @@ _LAZY = {
     "HybridModel": "tiermoe.model.hybrid_model",
     "TiermoeError": "tiermoe.errors",
     "apply_lora": "tiermoe.training.lora",
+    "save_adapter": "tiermoe.training.adapter_io",
+    "load_adapter": "tiermoe.training.adapter_io",
 }
 
 

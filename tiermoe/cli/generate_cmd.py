@@ -14,6 +14,7 @@ from tiermoe.cli.flags import (
     seed_int,
     unit_float,
 )
+from tiermoe.cli.lora_flag import add_lora_flag, lora_from_args
 from tiermoe.cli.placement_flags import (
     add_dynamic_flags,
     add_placement_flags,
@@ -39,6 +40,7 @@ def add_parser(sub) -> None:
         'tiermoe generate --prompt "Hi" --kt-num-gpu-experts 4 --kt-expert-placement-strategy uniform',
         'tiermoe generate --prompt "Hi" --plan plan.json',
         'tiermoe generate --prompt "Hi" --cpu-expert-dtype int4 --cpu-threads 2',
+        'tiermoe generate --prompt "Hi" --lora runs/sft/adapter',
     )
     add_model_flags(p)
     p.add_argument("--prompt", required=True, help="the prompt text")
@@ -56,6 +58,7 @@ def add_model_flags(p) -> None:
                    help="checkpoint directory (default: the bundled demo model)")
     p.add_argument("--gpu-device", "--kt-gpu-device", dest="gpu_device", default="cpu",
                    help="device of the GPU tier and non-expert weights: cuda, cuda:N or cpu (default cpu)")
+    add_lora_flag(p)
 
 
 def add_sampling_flags(p) -> None:
@@ -72,10 +75,13 @@ def add_sampling_flags(p) -> None:
 def run(args) -> int:
     device = check_device(args.gpu_device)
     recorder = recorder_from_args(args, detect(load_config(resolve_model(args.model))))
+    lora = lora_from_args(args)
     plan = plan_from_args(args, device)
     check_fit_from_args(args, plan, device)
-    with LLM(args.model, gpu_device=device, placement=plan,
-             dynamic=dynamic_from_args(args), recorder=recorder, cpu=cpu_from_args(args)) as llm:
+    llm = LLM(args.model, gpu_device=device, placement=plan, dynamic=dynamic_from_args(args), recorder=recorder,
+              cpu=cpu_from_args(args), lora=lora)
+    lora = None  # merged into the weights now: its factors (GBs for a large model) need not stay
+    with llm:
         # what the flags leave out comes from the checkpoint's generation_config.json, as in vLLM and SGLang
         sampling = llm.default_sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                         top_k=args.top_k, seed=args.seed)

@@ -15,6 +15,7 @@ from tiermoe.cli.serve_http import build_state, serve, show_tiermoe_logs
 from tiermoe.cli.serve_ranks import serve_rank, serve_with_local_ranks
 from tiermoe.cli.sglang_flags import report_ignored
 from tiermoe.distributed.group import RankEnv, check_local_ranks, check_world
+from tiermoe.errors import TiermoeError
 from tiermoe.placement.plan import PlacementPlan
 from tiermoe.server.engine_service import StuckStepError
 from tiermoe.server.malloc_arenas import limit_malloc_arenas
@@ -34,6 +35,7 @@ def add_parser(sub) -> None:
         "tiermoe serve --model /models/DeepSeek-V3 --gpu-device cuda --num-gpus 4 --kt-gpu-experts-ratio 0.3",
         "torchrun --nproc-per-node 4 -m tiermoe.serve --model /models/DeepSeek-V3 --gpu-device cuda --num-gpus 4 "
         "--plan plan.json",
+        "tiermoe serve --model /models/Qwen3-30B-A3B --lora runs/sft/adapter --cpu-expert-dtype int8",
     )
     add_serve_flags(p)
 
@@ -55,6 +57,8 @@ def run(args) -> int:
         cpu_from_args(args)  # so do CPU-tier settings that disagree
         check_listen_address(args.host, args.port)  # so does a host or a port it cannot listen on
     gpus = requested_gpus(args)
+    if getattr(args, "lora", None) and gpus > 1:
+        raise TiermoeError("--lora serves in one process (one GPU); several ranks do not merge an adapter yet")
     what = "--num-gpus" if not args.plan else "the plan's num_gpus"
     if env is not None:  # started by torchrun (or by our own launcher)
         check_world(gpus, env.world_size, what, args.gpu_device, env.local_world_size)

@@ -9,6 +9,7 @@ import signal
 import uvicorn
 
 from tiermoe.cli.cpu_flags import cpu_from_args
+from tiermoe.cli.lora_flag import lora_from_args
 from tiermoe.cli.placement_flags import check_fit_from_args, dynamic_from_args, plan_from_args
 from tiermoe.cli.recorder_flags import recorder_from_args
 from tiermoe.cli.serve_flags import server_config_from_args
@@ -28,12 +29,14 @@ def build_state(args, llm=None):
     config = server_config_from_args(args)
     if llm is None:
         device = check_device(args.gpu_device)
+        lora = lora_from_args(args)
         plan = plan_from_args(args, device)
         check_fit_from_args(args, plan, device)
         llm = LLM(args.model, gpu_device=device, placement=plan,
                   dynamic=dynamic_from_args(args), max_running=config.max_running_requests,
                   prefill_chunk=config.chunked_prefill_size, max_total_tokens=config.max_total_tokens,
-                  cpu=cpu_from_args(args), page_size=args.page_size, prefix_cache=not args.no_prefix_cache)
+                  cpu=cpu_from_args(args), page_size=args.page_size, prefix_cache=not args.no_prefix_cache,
+                  lora=lora)
     hits = TierHitCounter(llm.hybrid.spec.num_layers, llm.hybrid.gpu_device)
     llm.engine.add_recorder(hits)
     control = None

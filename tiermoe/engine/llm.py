@@ -25,6 +25,7 @@ from tiermoe.engine.sampling import SamplingParams
 from tiermoe.engine.text_stream import TextStream
 from tiermoe.errors import TiermoeError
 from tiermoe.model.loader import load_hybrid_model
+from tiermoe.model.lora_merge import MergedLoRA
 from tiermoe.model.plan_source import resolve_plan
 from tiermoe.models import resolve_model
 from tiermoe.stats.recording import NO_RECORDER, ExpertRecorder
@@ -58,14 +59,16 @@ class LLM:
     RankModel builds it, and passes the plan for all ranks as `placement`). max_total_tokens: tokens the KV pool
     holds; None = the KV cache the plan reserved when GPU memory sized it, else what free memory allows
     (tiermoe.engine.pool_size). page_size: tokens per page of the pool. prefix_cache: a prompt that starts with
-    pages already in the pool reuses them (tiermoe.engine.prefix_index).
+    pages already in the pool reuses them (tiermoe.engine.prefix_index). lora: a LoRA adapter merged into the
+    weights as they load (tiermoe.training.adapter_merge.merged_lora reads one from a PEFT adapter directory).
     """
 
     def __init__(self, model: str | Path | None = None, gpu_device: str = "cpu", placement=None,
                  dtype: torch.dtype | None = None, max_running: int = 16, prefill_chunk: int = 512,
                  max_total_tokens: int | None = None, cpu: CPUConfig = CPUConfig(),
                  recorder: ExpertRecorder = NO_RECORDER, dynamic: DynamicPlacementConfig | None = None,
-                 progress: bool = True, share=None, page_size: int = DEFAULT_PAGE_SIZE, prefix_cache: bool = True):
+                 progress: bool = True, share=None, page_size: int = DEFAULT_PAGE_SIZE, prefix_cache: bool = True,
+                 lora: MergedLoRA | None = None):
         self.model_dir = resolve_model(model)
         spec = detect(load_config(self.model_dir))
         num_gpus = 1 if share is None else share.num_ranks
@@ -74,7 +77,7 @@ class LLM:
         # to it, so the KV cache cannot grow into the memory the GPU experts were given
         max_total_tokens = max_total_tokens or plan.budget.get("kv_cache_tokens")
         self.hybrid = load_hybrid_model(self.model_dir, plan, gpu_device=gpu_device, dtype=dtype, cpu=cpu,
-                                        progress=progress, share=share)
+                                        progress=progress, share=share, lora=lora)
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.generation_defaults = load_generation_defaults(self.model_dir)
         detokenize = None

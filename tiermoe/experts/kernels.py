@@ -31,7 +31,7 @@ from pathlib import Path
 
 ISA_NAMES = ("base", "avx2", "avx512", "avx512bf16", "amx")
 TORCH_ISA = "torch"  # not a kernel level: "use no kernels"
-ABI_VERSION = 1
+ABI_VERSION = 2  # 2: tm_linear_forward / tm_linear_transposed
 CSRC = Path(__file__).with_name("csrc")
 CXXFLAGS = ("-O3", "-std=c++20", "-fPIC", "-pthread", "-Wno-psabi")
 
@@ -49,6 +49,16 @@ class TmLayerArgs(ctypes.Structure):
                 ("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("ids", ctypes.c_void_p),
                 ("weights", ctypes.c_void_p), ("gate_up", ctypes.POINTER(TmMatrix)),
                 ("down", ctypes.POINTER(TmMatrix))]
+
+
+class TmLinearArgs(ctypes.Structure):
+    """One packed matrix's product (csrc/expert_linear.cpp): W's real shape N x K, its real rows in segments of
+    seg_len at the start of every seg_rows packed rows."""
+
+    _fields_ = [("isa", ctypes.c_int32), ("amx_min_rows", ctypes.c_int32), ("M", ctypes.c_int32),
+                ("N", ctypes.c_int32), ("K", ctypes.c_int32), ("seg_rows", ctypes.c_int32),
+                ("seg_len", ctypes.c_int32), ("x_bf16", ctypes.c_int32), ("W", ctypes.POINTER(TmMatrix)),
+                ("x", ctypes.c_void_p), ("out", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True)
@@ -133,6 +143,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tm_team_size.argtypes = [ctypes.c_void_p]
     lib.tm_moe_forward.restype = ctypes.c_int
     lib.tm_moe_forward.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmLayerArgs), ctypes.c_char_p, ctypes.c_int]
+    for name in ("tm_linear_forward", "tm_linear_transposed"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.POINTER(TmLinearArgs), ctypes.c_char_p, ctypes.c_int]
     lib.tm_gguf_dequant.restype = ctypes.c_int
     lib.tm_gguf_dequant.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.tm_quantize_int4.restype = ctypes.c_int

@@ -18,9 +18,9 @@ import ctypes
 import torch
 
 from tiermoe.experts.ffn import ConvertedOnLookup, ExpertActivation, routed_experts_forward
+from tiermoe.experts.kernel_matmuls import KernelMatmuls, c_matrix
 from tiermoe.experts.kernels import ThreadTeam, TmLayerArgs, TmMatrix, load_kernels
 from tiermoe.experts.quant import (
-    FORMAT_CODES,
     QMatrix,
     dequantize,
     expert_in_layout,
@@ -148,9 +148,19 @@ class NativeCPUExperts(ComputedOnWorker):
             self._tables = new
         s = self._experts.get(expert)
         for table, m in zip(self._tables, (s.gate_up, s.down) if s else (None, None)):
-            table[expert] = _c_matrix(m)
+            table[expert] = c_matrix(m)
 
     # -- computing --------------------------------------------------------------------------------------------
+
+    def matmuls(self, expert: int, dtype: torch.dtype) -> KernelMatmuls | None:
+        """The expert's four products (tiermoe.experts.expert_matmuls) on the packed kernels, for activations of
+        `dtype`; None when this tier computes with torch (tiermoe.experts.expert_matmuls.matmuls_of then multiplies
+        the dequantised `get(expert)`). KeyError for an expert this tier does not hold."""
+        stored = self._experts[expert]
+        if not self._blocked:
+            return None
+        return KernelMatmuls(self.kernels, self._team, stored.gate_up, stored.down, stored.gate_up_bias,
+                             stored.down_bias, dtype, self.amx_min_rows)
 
     def _compute(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -187,11 +197,3 @@ class NativeCPUExperts(ComputedOnWorker):
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if t is None else t.to(dtype)
-
-
-def _c_matrix(m: QMatrix | None) -> TmMatrix:
-    if m is None:
-        return TmMatrix()
-    ptr = (lambda t: t.data_ptr() if t is not None else None)
-    n_pad, k_pad = m.codes.shape[0] * 16, m.codes.shape[1] * 2
-    return TmMatrix(ptr(m.codes), ptr(m.scale), ptr(m.gscale), ptr(m.gzero), n_pad, k_pad, FORMAT_CODES[m.fmt])

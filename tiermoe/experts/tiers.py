@@ -7,6 +7,7 @@ the GPU part meanwhile. The worker is owned by the loaded model (one per model, 
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Protocol
 
@@ -90,16 +91,18 @@ class CPUWorker:
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-cpu-experts")
         self._shared: dict = {}
+        self._shared_lock = threading.Lock()  # training's products ask for the kernel team from other threads
 
     def submit(self, fn, *args) -> Future:
         return self._pool.submit(fn, *args)
 
     def shared(self, key, make):
         """A resource all layers' backends share (e.g. a kernel thread team): made by `make()` on first request,
-        closed with the worker. Owned here because the worker is the one thread that uses it."""
-        if key not in self._shared:
-            self._shared[key] = make()
-        return self._shared[key]
+        closed with the worker. Owned here because the worker is the thread that mostly uses it."""
+        with self._shared_lock:
+            if key not in self._shared:
+                self._shared[key] = make()
+            return self._shared[key]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

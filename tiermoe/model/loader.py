@@ -61,6 +61,7 @@ from tiermoe.model.expert_source import (
 from tiermoe.model.gguf_checkpoint import open_checkpoint, weight_files
 from tiermoe.model.held_bytes import disk_name, held_nbytes
 from tiermoe.model.hybrid_model import HybridModel
+from tiermoe.model.lora_merge import MergedLoRA
 from tiermoe.model.plan_source import resolve_plan
 from tiermoe.model.skeleton import build_skeleton, decoder_layers, moe_block_attr, move_buffers
 
@@ -83,7 +84,8 @@ class RankShare(Protocol):
 
 def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str | torch.device = "cpu",
                       dtype: torch.dtype | None = None, cpu: CPUConfig = CPUConfig(),
-                      progress: bool = True, share: RankShare | None = None, trainable: bool = False) -> HybridModel:
+                      progress: bool = True, share: RankShare | None = None, trainable: bool = False,
+                      lora: MergedLoRA | None = None) -> HybridModel:
     """Load `model_dir` with routed experts placed by `placement`: a PlacementPlan (what the edge hands on), or
     anything `tiermoe.model.plan_source.resolve_plan` turns into one (a bool mask [L, E], True = GPU tier; a
     PlacementConfig; None = the checkpoint's own mask, the environment, or all CPU).
@@ -96,15 +98,22 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     `trainable`: a model to fine-tune (tiermoe.training): transformers' own attention modules and LM head stay as
     they are (their parameter names and layouts are the ones PEFT adapters refer to), and with grad enabled the
     routed experts of both tiers compute through tiermoe.layers.routed_autograd. One process only.
+
+    `lora`: an adapter merged into the weights as they load (tiermoe.model.lora_merge): non-expert weights once
+    loaded, each routed expert before its tier takes it (so a quantising CPU tier quantises the merged expert).
     """
     model_dir = Path(model_dir)
     if trainable and share is not None:
         raise TiermoeError("training runs in one process: a trainable model cannot be one rank of several")
+    if lora is not None and trainable:
+        raise TiermoeError("a trainable model takes its adapter with tiermoe.training.load_adapter, not merged")
+    if lora is not None and share is not None:
+        raise TiermoeError("serving with an adapter (--lora) runs in one process; several ranks do not merge one")
     weights_dir, cache = model_dir, find_cache(model_dir)
     if cache is not None:  # a `tiermoe convert` output: CPU-tier experts mapped from it, the rest from its source
         weights_dir = cache.source
         cache.check_source(weight_files(weights_dir))
-        cpu, cache = _usable_cache(cache, cpu)
+        cpu, cache = _usable_cache(cache, cpu, lora)
     config = load_config(model_dir)
     spec = detect(config)
     rank, num_ranks = (0, 1) if share is None else (share.rank, share.num_ranks)
@@ -125,6 +134,8 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         worker = CPUWorker()
         act = ExpertActivation.from_config(spec.activation, config)
         fp8_layers = {layer for layer, src in sources.items() if keeps_fp8(ckpt, src)}
+        if lora is not None:
+            _check_lora_experts(lora, fp8_layers, assignment_LE == rank)
         blocks = _inject_hybrid_blocks(model, spec, gpu_device, act, worker, pin, cpu, dtype, fp8_layers,
                                        ckpt.fp8_block)
         if share is not None:
@@ -140,7 +151,10 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
             _load_fp8_linears(model, ckpt, spec, gpu_device, bar)
             _load_non_experts(model, ckpt, spec, gpu_device, bar)
             move_buffers(model, gpu_device)  # the non-persistent ones the checkpoint does not hold, too
-            _load_experts(blocks, sources, ckpt, spec, assignment_LE, reads, rank, share, dtype, pin, bar, cache)
+            if lora is not None:
+                lora.merge_non_experts(model)  # before MLA's kv_b re-layout and the LM head's swap below
+            _load_experts(blocks, sources, ckpt, spec, assignment_LE, reads, rank, share, dtype, pin, bar, cache,
+                          lora)
     _tie_and_check(model, config)
     if trainable:
         for block in blocks.values():
@@ -151,15 +165,30 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share, trainable)
 
 
-def _usable_cache(cache: ExpertCache, cpu: CPUConfig) -> tuple[CPUConfig, ExpertCache | None]:
+def _usable_cache(cache: ExpertCache, cpu: CPUConfig,
+                  lora: MergedLoRA | None = None) -> tuple[CPUConfig, ExpertCache | None]:
     """The CPU config that reads `cache` (its format on the native backend), or the given one and no cache,
-    with a warning, when the user asked for something the cache does not hold."""
+    with a warning, when the user asked for something the cache does not hold (experts with an adapter merged)."""
+    if lora is not None and lora.adapts_experts():
+        warnings.warn(f"the CPU-expert cache in {cache.root} holds experts without the adapter's LoRA; converting "
+                      f"the merged experts from {cache.source} instead", stacklevel=3)
+        return cpu, None
     if cpu.backend == "native" and cpu.expert_dtype in (None, cache.fmt):
         return replace(cpu, expert_dtype=cache.fmt), cache
     warnings.warn(f"the CPU-expert cache in {cache.root} holds native {cache.fmt} experts but --cpu-backend "
                   f"{cpu.backend} --cpu-expert-dtype {cpu.expert_dtype} was asked for; converting from "
                   f"{cache.source} instead", stacklevel=3)
     return cpu, None
+
+
+def _check_lora_experts(lora: MergedLoRA, fp8_layers: set[int], on_gpu_LE: torch.Tensor) -> None:
+    """Before anything loads: GPU-tier experts of FP8 layers stay FP8 as stored, so an adapter cannot merge into
+    them (that would re-quantise them)."""
+    for layer in sorted(fp8_layers):
+        if lora.adapts_experts(layer) and bool(on_gpu_LE[layer].any()):
+            raise TiermoeError(f"{lora.source} has LoRA on the routed experts of layer {layer}, whose GPU-tier "
+                               "experts stay FP8 as stored; merging would re-quantise them, which tiermoe does not "
+                               "do: put that layer's experts on the CPU tier")
 
 
 def _reads(assignment_LE: torch.Tensor, spec, rank: int, holds_cpu_tier: bool) -> torch.Tensor:
@@ -253,7 +282,7 @@ def _load_non_experts(model: nn.Module, ckpt: Checkpoint, spec, gpu_device, bar)
 
 
 def _load_experts(blocks, sources: dict[int, ExpertSource], ckpt, spec, assignment_LE, reads_LE, rank, share,
-                  dtype, pin, bar, cache: ExpertCache | None = None) -> None:
+                  dtype, pin, bar, cache: ExpertCache | None = None, lora: MergedLoRA | None = None) -> None:
     for layer, block in blocks.items():
         for e in range(spec.num_experts):
             owner = int(assignment_LE[layer, e])
@@ -282,6 +311,8 @@ def _load_experts(blocks, sources: dict[int, ExpertSource], ckpt, spec, assignme
                 host = _read_expert_into(ckpt, sources[layer], e, spec, dtype, slab.take(e, tier))
             else:
                 host = read_expert(ckpt, sources[layer], e, spec, dtype)
+            if lora is not None:
+                host = lora.merge_expert(layer, e, host)
             # On a CPU gpu_device this is the same tensor; on CUDA the host buffer is freed right after.
             tier.add(e, host if tier.device.type == "cpu" else host.to(tier.device))
             if share is not None and not on_gpu:

@@ -22,6 +22,7 @@ from torch import nn
 from tiermoe.errors import TiermoeError
 from tiermoe.layers.expert_lora import ExpertLoRA
 from tiermoe.model.hybrid_model import HybridModel
+from tiermoe.training.adapter_weights import attach_adapter_io
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # transformers' fused routed-expert parameters, in this order
 MAX_RANK = 4096  # a rank above the model's width only wastes memory; this bound catches a typo
@@ -83,7 +84,8 @@ def add_expert_lora(hybrid: HybridModel, targets: ExpertTargets) -> dict[int, Ex
 def apply_lora(hybrid: HybridModel, config, experts: bool | None = None) -> nn.Module:
     """The model to train: `hybrid.model` with `config` (a peft.LoraConfig) applied as PEFT applies it to the
     transformers model, routed experts included (see `resolve` for `experts`). Returns a PeftModel, or
-    `hybrid.model` itself when only routed experts are adapted; only adapter weights are trainable afterwards."""
+    `hybrid.model` itself when only routed experts are adapted; only adapter weights are trainable afterwards, and
+    the model's `save_pretrained` writes the whole adapter in PEFT's layout (tiermoe.training.adapter_weights)."""
     module_config, targets = resolve(hybrid.model, config, experts)
     if targets is not None:
         add_expert_lora(hybrid, targets)
@@ -92,7 +94,7 @@ def apply_lora(hybrid: HybridModel, config, experts: bool | None = None) -> nn.M
             raise TiermoeError("the LoRA config targets nothing in this model")
         for name, p in hybrid.model.named_parameters():
             p.requires_grad_(".lora_experts." in name)
-        return hybrid.model
+        return attach_adapter_io(hybrid.model)
     from peft import get_peft_model  # the [train] extra
 
     try:
@@ -102,7 +104,7 @@ def apply_lora(hybrid: HybridModel, config, experts: bool | None = None) -> nn.M
     for block in hybrid.blocks.values():  # PEFT froze everything it did not add itself
         if block.lora_experts is not None:
             block.lora_experts.requires_grad_(True)
-    return model
+    return attach_adapter_io(model)  # save_pretrained / load_adapter (Trainer's checkpoints) keep the expert LoRA
 
 
 def _convert_like_peft(config, model: nn.Module) -> None:

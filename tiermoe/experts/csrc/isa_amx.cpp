@@ -183,7 +183,8 @@ int wants_amx(int, int) { return TM_ROWS_BF16; }
 
 void release_tiles(void) { _tile_release(); }
 
-const TmKernels kTable = {TM_ISA_AMX, wants_amx, scratch_amx, up_amx, down_amx, release_tiles};
+const TmKernels kTable = {TM_ISA_AMX, wants_amx, scratch_amx, up_amx, down_amx, release_tiles,
+                           transposed_generic, to_bf16_generic, transpose_group_generic};
 
 }  // namespace
 

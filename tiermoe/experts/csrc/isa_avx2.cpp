@@ -5,7 +5,8 @@
 #include "generic_kernels.inc"
 
 namespace {
-const TmKernels kTable = {TM_ISA_AVX2, wants_f32, scratch_generic, up_generic, down_generic, finish_nothing};
+const TmKernels kTable = {TM_ISA_AVX2, wants_f32, scratch_generic, up_generic, down_generic, finish_nothing,
+                           transposed_generic, to_bf16_generic, transpose_group_generic};
 }
 
 extern "C" const TmKernels* tm_kernels_avx2(void) { return &kTable; }

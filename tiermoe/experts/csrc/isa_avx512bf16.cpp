@@ -114,9 +114,69 @@ void down_bf16(const TmMatrix* W, const TmRows* h, int c0, int c1, const int32_t
     }
 }
 
+// The transposed product for bf16 weights times bf16 activations (the caller picks this table for bf16 activations
+// only, and bf16 weights carry no row scale, so g's bf16 copy is exact). VDPBF16PS sums pairs within its 32-bit
+// lanes, but a line pairs two k of one row; permuting the line's 16-bit halves (the evens, then the odds) makes
+// lane j hold rows 2j and 2j + 1 of column 2p (lanes 0-7) or 2p + 1 (lanes 8-15), which meet g's own consecutive
+// rows, broadcast to both halves: one instruction per line and token where the portable kernel needs two FMAs, and
+// the permutation is shared by the tile's kTransposedRows tokens.
+constexpr int kTransposedRows = 8, kTransposedPairs = 2;
+
+typedef float v8f __attribute__((vector_size(32)));
+
+inline float hsum8(v8f a) {
+  typedef float v4f __attribute__((vector_size(16)));
+  v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+template <int MT>
+void transposed_dp_tile(const TmMatrix* W, const uint16_t* g, int ldg, int p, float* out, int ldo) {
+  const int S = W->N / 16;
+  const size_t sb = (size_t)W->K * 32;
+  const uint8_t* line = (const uint8_t*)W->codes + 64 * (size_t)p;
+  const __m512i evens_then_odds = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
+                                                   30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  __m512 acc[MT][kTransposedPairs];
+  for (int m = 0; m < MT; ++m)
+    for (int q = 0; q < kTransposedPairs; ++q) acc[m][q] = _mm512_setzero_ps();
+  for (int s = 0; s < S; ++s, line += sb) {
+    for (int b = 0; b < kTransposedPairs * 64; b += 64) _mm_prefetch((const char*)line + 4 * sb + b, _MM_HINT_T0);
+    __m512i t[kTransposedPairs];
+    for (int q = 0; q < kTransposedPairs; ++q)
+      t[q] = _mm512_permutexvar_epi16(evens_then_odds, _mm512_loadu_si512(line + 64 * q));
+    for (int m = 0; m < MT; ++m) {
+      const uint16_t* gs = g + (size_t)m * ldg + 16 * s;
+      if ((s & 1) == 0) _mm_prefetch((const char*)gs + 256, _MM_HINT_T0);  // rows of g stream from L2 when M is large
+      const __m512i gp = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)gs));
+      for (int q = 0; q < kTransposedPairs; ++q) acc[m][q] = _mm512_dpbf16_ps(acc[m][q], (__m512bh)t[q], (__m512bh)gp);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int q = 0; q < kTransposedPairs; ++q) {
+      const v16f v = (v16f)acc[m][q];
+      out[(size_t)m * ldo + 2 * q] = hsum8(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7));
+      out[(size_t)m * ldo + 2 * q + 1] = hsum8(__builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+    }
+}
+
+void transposed_bf16(const TmMatrix* W, const TmRows* g, int p0, int p1, float* out, int ldo) {
+  if (W->fmt != TM_BF16) return transposed_generic(W, g, p0, p1, out, ldo);
+  const int M = g->M;
+  for (int p = p0; p < p1; p += kTransposedPairs)
+    for (int m0 = 0; m0 < M; m0 += kTransposedRows) {
+      const uint16_t* gm = g->bf16 + (size_t)m0 * g->ld;
+      float* om = out + (size_t)m0 * ldo + 2 * (p - p0);
+#define TM_T(R) transposed_dp_tile<R>(W, gm, g->ld, p, om, ldo)
+      TM_ROWS_SWITCH(M - m0, TM_T)
+#undef TM_T
+    }
+}
+
 int wants_bf16(int fmt, int) { return fmt == TM_BF16 ? TM_ROWS_BF16 : TM_ROWS_F32; }
 
-const TmKernels kTable = {TM_ISA_AVX512BF16, wants_bf16, scratch_generic, up_bf16, down_bf16, finish_nothing};
+const TmKernels kTable = {TM_ISA_AVX512BF16, wants_bf16, scratch_generic, up_bf16, down_bf16, finish_nothing,
+                           transposed_bf16, to_bf16_generic, transpose_group_generic};
 
 }  // namespace
 

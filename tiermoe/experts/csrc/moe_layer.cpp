@@ -14,8 +14,8 @@
 #include <new>
 #include <vector>
 
+#include "dispatch.h"
 #include "team.h"
-#include "tm_kernels.h"
 
 #ifdef __linux__
 #include <sys/syscall.h>
@@ -43,7 +43,7 @@ struct TmLayerArgs {
 
 namespace {
 
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;  // 2: tm_linear_forward / tm_linear_transposed
 
 bool request_amx_permission() {
 #ifdef __linux__
@@ -69,31 +69,6 @@ int detect_isa() {
   return TM_ISA_BASE;
 #endif
 }
-
-const TmKernels* table(int isa) {
-  switch (isa) {
-    case TM_ISA_AMX: return tm_kernels_amx();
-    case TM_ISA_AVX512BF16: return tm_kernels_avx512bf16();
-    case TM_ISA_AVX512: return tm_kernels_avx512();
-    case TM_ISA_AVX2: return tm_kernels_avx2();
-    default: return tm_kernels_base();
-  }
-}
-
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-inline size_t align64(size_t n) { return (n + 63) & ~size_t(63); }
 
 struct ExpertWork {
   int e, m, pair0;  // expert id, rows routed to it, first of its pairs in the sorted pair arrays
@@ -129,7 +104,7 @@ void gather(const Layer& L, const ExpertWork& w) {
       float* dst = w.xf + (size_t)r * a.Dp;
       if (a.x_bf16) {
         const uint16_t* src = (const uint16_t*)a.x + (size_t)t * a.D;
-        for (int d = 0; d < a.D; ++d) dst[d] = bf16_to_f32(src[d]);
+        for (int d = 0; d < a.D; ++d) dst[d] = tm_bf16_to_f32(src[d]);
       } else {
         std::memcpy(dst, (const float*)a.x + (size_t)t * a.D, sizeof(float) * a.D);
       }
@@ -141,7 +116,7 @@ void gather(const Layer& L, const ExpertWork& w) {
         std::memcpy(dst, (const uint16_t*)a.x + (size_t)t * a.D, 2 * (size_t)a.D);
       } else {
         const float* src = (const float*)a.x + (size_t)t * a.D;
-        for (int d = 0; d < a.D; ++d) dst[d] = f32_to_bf16(src[d]);
+        for (int d = 0; d < a.D; ++d) dst[d] = tm_f32_to_bf16(src[d]);
       }
       std::memset(dst + a.D, 0, 2 * (size_t)(a.Dp - a.D));
     }
@@ -160,15 +135,18 @@ void down_chunk(const Layer& L, int task, int tid) {
   float* y = (float*)(base + L.kscratch);
   std::memset(y, 0, sizeof(float) * (size_t)a.T * ldy);
   for (const ExpertWork& w : L.ex) {
+    // down holds D rounded up to 16 rows, which can be fewer than Dp / 16 strips (int8 / int4 with D % 64 != 0)
+    const int c1w = std::min(c1, a.down[w.e].N / 16);
+    if (c1w <= c0) continue;
     TmRows rows = {w.hf, w.hb, w.m, a.Ip};
-    w.k->down(&a.down[w.e], &rows, c0, c1, &L.tok[w.pair0], &L.wt[w.pair0], y, ldy, base);
+    w.k->down(&a.down[w.e], &rows, c0, c1w, &L.tok[w.pair0], &L.wt[w.pair0], y, ldy, base);
   }
   const int d0 = 16 * c0, d1 = std::min(16 * c1, a.D);
   for (int t = 0; t < a.T; ++t) {
     const float* src = y + (size_t)t * ldy;
     if (a.x_bf16) {
       uint16_t* dst = (uint16_t*)a.y + (size_t)t * a.D;
-      for (int d = d0; d < d1; ++d) dst[d] = f32_to_bf16(src[d - d0]);
+      for (int d = d0; d < d1; ++d) dst[d] = tm_f32_to_bf16(src[d - d0]);
     } else {
       float* dst = (float*)a.y + (size_t)t * a.D;
       for (int d = d0; d < d1; ++d) dst[d] = src[d - d0];
@@ -225,8 +203,8 @@ int forward(tmoe::Team& team, const TmLayerArgs& a, char* err, int errlen) {
   }
 
   // Kernels and buffers per routed expert; the busiest experts first, so the last tasks are the short ones.
-  const TmKernels* vec = table(std::min(a.isa, (int)TM_ISA_AVX512BF16));
-  const TmKernels* amx = a.isa >= TM_ISA_AMX ? table(TM_ISA_AMX) : vec;
+  const TmKernels* vec = tm_table(std::min(a.isa, (int)TM_ISA_AVX512BF16));
+  const TmKernels* amx = a.isa >= TM_ISA_AMX ? tm_table(TM_ISA_AMX) : vec;
   for (int e = 0; e < a.n_experts; ++e)
     if (count[e + 1] > 0) {
       const int m = count[e + 1];
@@ -238,15 +216,15 @@ int forward(tmoe::Team& team, const TmLayerArgs& a, char* err, int errlen) {
   size_t arena = 0;
   for (ExpertWork& w : L.ex) {
     const size_t mpad = (w.m + 15) & ~15;
-    if (w.wants & TM_ROWS_F32) arena += align64(4 * (size_t)w.m * a.Dp) + align64(4 * (size_t)w.m * a.Ip);
-    if (w.wants & TM_ROWS_BF16) arena += align64(2 * mpad * a.Dp) + align64(2 * mpad * a.Ip);
+    if (w.wants & TM_ROWS_F32) arena += tm_align64(4 * (size_t)w.m * a.Dp) + tm_align64(4 * (size_t)w.m * a.Ip);
+    if (w.wants & TM_ROWS_BF16) arena += tm_align64(2 * mpad * a.Dp) + tm_align64(2 * mpad * a.Ip);
     L.kscratch = std::max(L.kscratch, std::max(w.k->scratch_bytes(a.Dp, w.m), w.k->scratch_bytes(a.Ip, w.m)));
   }
-  L.kscratch = align64(L.kscratch);
+  L.kscratch = tm_align64(L.kscratch);
   char* p = (char*)team.arena().reserve(arena + 64);
   for (ExpertWork& w : L.ex) {
     const size_t mpad = (w.m + 15) & ~15;
-    auto take = [&p](size_t bytes) { char* q = p; p += align64(bytes); return q; };
+    auto take = [&p](size_t bytes) { char* q = p; p += tm_align64(bytes); return q; };
     if (w.wants & TM_ROWS_F32) {
       w.xf = (float*)take(4 * (size_t)w.m * a.Dp);
       w.hf = (float*)take(4 * (size_t)w.m * a.Ip);

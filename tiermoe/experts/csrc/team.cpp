@@ -72,8 +72,8 @@ void Team::pin_caller() {
   pinned_caller_ = std::this_thread::get_id();
 }
 
-void Team::run(const Job& job) {
-  pin_caller();
+void Team::run(const Job& job, bool pin) {
+  if (pin) pin_caller();
   job_ = job;
   for (int p = 0; p < kMaxPhases; ++p) next_[p].store(0, std::memory_order_relaxed);
   generation_.fetch_add(1, std::memory_order_release);

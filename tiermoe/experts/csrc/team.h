@@ -45,8 +45,10 @@ class Team {
   Team(int n, std::vector<int> cpus, int spin_us);
   ~Team();
   int size() const { return n_; }
-  // Runs every phase of `job` on all members; returns when the last phase is done. One job at a time.
-  void run(const Job& job);
+  // Runs every phase of `job` on all members; returns when the last phase is done. One job at a time (hold
+  // mutex()). pin: pin the calling thread to member 0's CPU (the model's worker thread); other callers (training's
+  // products from the autograd thread) work as member 0 where the scheduler put them, and stay unpinned.
+  void run(const Job& job, bool pin = true);
   Buffer& scratch(int tid) { return *scratch_[tid]; }
   Buffer& arena() { return arena_; }
   std::mutex& mutex() { return run_mutex_; }

@@ -52,6 +52,20 @@ struct TmKernels {
                int ldy, void* scratch);
   // Called by each thread when a layer is done (AMX releases its tile state).
   void (*finish)(void);
+  // The transposed product, for k pairs p in [p0, p1) (multiples of 16: whole int4 groups):
+  //   out[m][2(p - p0) + e] = sum over packed rows r of g[m][r] * V[r][2p + e],
+  // where V is W without its row scales (bf16: w; int8: the codes; int4: gscale * (code - zero)), so g holds M
+  // rows in W's packed row order with the row scales already multiplied in, zeros on padding rows, in the copies
+  // `wants` asks for (the bf16 copy only for bf16 weights, which have no row scales).
+  void (*transposed)(const TmMatrix* W, const TmRows* g, int p0, int p1, float* out, int ldo);
+  // Lines (k pairs) [p0, p1) of strip `strip` of an int8 / int4 W as bf16 lines (the bf16 packed layout), every
+  // scale folded in and rounded as dequantising to fp32 and casting to bf16 would: what lets the bf16 kernels
+  // multiply quantised weights (training's products with bf16 activations).
+  void (*to_bf16)(const TmMatrix* W, int strip, int p0, int p1, uint16_t* dst);
+  // One group of 32 columns of S bf16 strips (line q of strip s at lines + s * strip_stride + 32 q) transposed into
+  // a bf16 packed matrix T [32, kt] (two strips, kt / 2 lines each; lines from 8 S on untouched): g W for those
+  // columns is then the forward product g T^T (training's transposed products with many rows).
+  void (*transpose_group)(const uint16_t* lines, size_t strip_stride, int S, uint16_t* dst, int kt);
 };
 
 extern "C" {
