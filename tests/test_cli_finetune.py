@@ -43,20 +43,25 @@ def adapter_tensors(out: Path) -> dict[str, torch.Tensor]:
 def config(tiny, out: Path, **changes) -> FinetuneConfig:
     model, data = tiny
     settings = dict(dataset=str(data), out_dir=out, steps=4, lora_rank=4, model=model, batch_size=3, max_length=48,
-                    lora_dropout=0.2, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"), save_every=2,
-                    progress=False)
+                    save_every=2, progress=False)
     return FinetuneConfig(**{**settings, **changes})
 
 
-def test_a_resumed_run_equals_the_uninterrupted_one(tiny, tmp_path):
-    straight = run_finetune(config(tiny, tmp_path / "straight"))
+# LoRA on attention, the routers and every routed expert; and attention only, with dropout (random every step)
+RUNS = {"all-linear": {}, "dropout": dict(lora_dropout=0.2, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
+                                          expert_lora=False)}
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_a_resumed_run_equals_the_uninterrupted_one(tiny, tmp_path, run):
+    straight = run_finetune(config(tiny, tmp_path / "straight", **RUNS[run]))
 
     def stop_at_step_3(record):
         if record.step == 3:  # checkpoint 2 is on disk, step 3's update is lost
             raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        run_finetune(config(tiny, tmp_path / "stopped"), FinetuneHooks(step=stop_at_step_3))
-    resumed = run_finetune(config(tiny, tmp_path / "stopped", resume=True))
+        run_finetune(config(tiny, tmp_path / "stopped", **RUNS[run]), FinetuneHooks(step=stop_at_step_3))
+    resumed = run_finetune(config(tiny, tmp_path / "stopped", resume=True, **RUNS[run]))
 
     assert resumed.resumed_from == 2
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in straight.history]  # dropout too
@@ -92,7 +97,11 @@ def test_the_command_writes_adapter_checkpoints_metrics_and_plot(tiny, tmp_path)
     assert [e["step"] for e in metrics["evals"]] == [0, 2, 3] and len(metrics["history"]) == 3
     assert metrics["settings"]["lora_alpha"] == 4.0  # 2 x rank
     assert (out / "loss_curve.png").stat().st_size > 1000
+    assert (out / "adapter_config.json").is_file() and (out / "checkpoint-0000003" / "adapter_config.json").is_file()
     adapter_tensors(out)
+    served = run_cli("generate", "--model", str(model), "--lora", str(out), "--prompt", "what is 2 plus 2?",
+                     "--max-tokens", "3", "--temperature", "0")
+    assert served.returncode == 0, served.stderr
 
 
 def parse(*argv: str):
@@ -131,7 +140,8 @@ def test_kt_variables_fill_what_the_flags_leave(tiny, monkeypatch):
     (("--cpu-threads", "100000"), {}, "this machine has"),
     (("--max-length", "100000"), {}, "beyond the model's"),
     (("--num-gpus", "2"), {}, "--num-gpus must be 1"),
-    (("--lora-dropout", "0.1"), {}, "LoRA dropout needs module targets"),
+    (("--lora-dropout", "0.1"), {}, "LoRA dropout does not go with LoRA on the routed experts"),
+    (("--lora-dropout", "0.1", "--no-expert-lora", ""), {}, "LoRA dropout needs module targets"),
     ((), {"ACCELERATE_KT_TRAIN_MODE": "full"}, "full-weight training is not implemented"),
     ((), {"ACCELERATE_KT_LORA_RANK": "x"}, "ACCELERATE_KT_LORA_RANK='x': expected an integer"),
     ((), {"ACCELERATE_KT_NUM_GPU_EXPERT": "2"}, "unknown KTransformers setting ACCELERATE_KT_NUM_GPU_EXPERT"),
@@ -147,7 +157,7 @@ def test_bad_values_are_one_line_errors(tiny, tmp_path, monkeypatch, argv, env, 
         flags[argv[i]] = argv[i + 1]
     if "ACCELERATE_KT_LORA_RANK" in env:
         del flags["--lora-rank"]
-    assert_one_line_error(run_cli("finetune", *[x for kv in flags.items() for x in kv]), fragment)
+    assert_one_line_error(run_cli("finetune", *[x for kv in flags.items() for x in kv if x]), fragment)  # "": a switch
 
 
 def test_the_lora_rank_is_required(tiny, tmp_path):

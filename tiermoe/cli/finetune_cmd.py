@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -203,7 +205,18 @@ class ProgressBar:
             self.bar.close()
 
 
+def quiet_known_warnings() -> None:
+    """Warnings the user can do nothing about: PEFT's note that the fused experts' rank / alpha pattern matched no
+    module (tiermoe's expert LoRA takes those parameters, as intended) and transformers' deprecation of a name
+    PEFT still calls."""
+    # the key as PEFT prints it: the list's repr, so the pattern's one backslash shows as two
+    warnings.filterwarnings("ignore", message=re.escape("The following ") + "(rank|alpha)" + re.escape(
+        "_pattern keys did not match any targeted module and were ignored: ['.*\\\\.gate_up_proj']"))
+    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
 def run(args) -> int:
+    quiet_known_warnings()
     config, notes, torch_threads = config_from_args(args)
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)

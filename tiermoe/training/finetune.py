@@ -30,7 +30,8 @@ from tiermoe.training.checkpoints import (
     TrainerState,
     checkpoint_dirs,
     latest_checkpoint,
-    load_checkpoint,
+    load_checkpoint_model,
+    load_checkpoint_state,
     read_state,
     save_checkpoint,
 )
@@ -122,11 +123,15 @@ def _peft_config(config: FinetuneConfig):
     except ImportError:
         raise TiermoeError("fine-tuning needs PEFT: pip install 'tiermoe[train]'") from None
     targets = config.lora_targets if isinstance(config.lora_targets, str) else list(config.lora_targets)
+    # PEFT adapts parameters (transformers 5's fused routed experts, its routers) with a ParamWrapper, which has no
+    # dropout: PEFT refuses a config that asks for it, so such an adapter could be neither saved nor loaded by PEFT
+    if config.lora_dropout and config.expert_lora:
+        raise TiermoeError("LoRA dropout does not go with LoRA on the routed experts (PEFT adapts their fused "
+                           "parameters without dropout and refuses such a config): pass --lora-dropout 0, or "
+                           "--no-expert-lora with module --lora-targets")
     if config.lora_dropout and targets == "all-linear":
-        # transformers 5's MoE routers are parameters, which PEFT adapts with a ParamWrapper that has no dropout
-        raise TiermoeError("LoRA dropout needs module targets: all-linear includes the router, whose LoRA PEFT "
-                           "applies without dropout; pass e.g. --lora-targets q_proj,k_proj,v_proj,o_proj (the "
-                           "routed experts keep their LoRA, without dropout)")
+        raise TiermoeError("LoRA dropout needs module targets: all-linear includes the router, a parameter PEFT "
+                           "adapts without dropout; pass e.g. --lora-targets q_proj,k_proj,v_proj,o_proj")
     return LoraConfig(r=config.lora_rank, lora_alpha=config.alpha, lora_dropout=config.lora_dropout,
                       target_modules=targets)
 
@@ -191,8 +196,12 @@ def run_finetune(config: FinetuneConfig, hooks: FinetuneHooks | None = None) -> 
 
 
 def _train(config: FinetuneConfig, hooks: FinetuneHooks, model_dir: Path, hybrid, tokenizer, data) -> FinetuneResult:
-    torch.manual_seed(config.seed)  # LoRA's initial factors
-    model = apply_lora(hybrid, _peft_config(config), experts=config.expert_lora)
+    checkpoint = latest_checkpoint(config.out_dir) if config.resume else None
+    if checkpoint is not None:
+        model = load_checkpoint_model(hybrid, checkpoint)
+    else:
+        torch.manual_seed(config.seed)  # LoRA's initial factors
+        model = apply_lora(hybrid, _peft_config(config), experts=config.expert_lora)
     encoder = ChatEncoder(tokenizer, config.max_length)
     batches = SFTBatches(data.train, encoder, config.batch_size, config.seed)
     heldout = encode_all(data.heldout, encoder)
@@ -201,12 +210,11 @@ def _train(config: FinetuneConfig, hooks: FinetuneHooks, model_dir: Path, hybrid
     run = config.run_settings(model_dir)
     config.out_dir.mkdir(parents=True, exist_ok=True)
 
-    if config.resume:
-        path = latest_checkpoint(config.out_dir)
-        state = load_checkpoint(path, model, optimizer, schedule)
+    if checkpoint is not None:
+        state = load_checkpoint_state(checkpoint, model, optimizer, schedule)
         batches.load_state_dict(state.data)
         state.run = run
-        hooks.say(f"resumed from {path.name} (step {state.step})")
+        hooks.say(f"resumed from {checkpoint.name} (step {state.step})")
     else:
         state = TrainerState(run=run)
         hooks.say(f"held-out loss before: scoring {len(heldout)} conversations")
