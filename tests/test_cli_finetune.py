@@ -126,6 +126,8 @@ def test_kt_variables_fill_what_the_flags_leave(tiny, monkeypatch):
                                        "bf16", "--max-length", "50", "--init-expert-location", "s.pt"))
     assert (cfg.lora_rank, cfg.alpha, cfg.max_length, cfg.cpu.expert_dtype) == (3, 6.0, 50, "bf16")
     assert cfg.placement.strategy == "frequency" and cfg.placement.num_gpu_experts == 1
+    cfg, _, _ = config_from_args(parse(*base, "--num-gpu-experts", "0"))  # the flag's 0 wins over KT's 2
+    assert cfg.placement == PlacementConfig(num_gpu_experts=0)
 
 
 @pytest.mark.parametrize("argv, env, fragment", [

@@ -17,7 +17,7 @@ from tiermoe.training.kt_env import read_kt_settings, training_placement
 def test_kt_defaults_with_nothing_set():
     s = read_kt_settings({"PATH": "/bin", "ACCELERATE_USE_KT": "true"})
     assert (s.num_gpu_experts, s.lora_rank, s.alpha, s.lora_dropout, s.expert_dtype, s.expert_lora) == \
-        (0, None, None, 0.0, None, True)
+        (None, None, None, 0.0, None, True)
     assert (s.threads, s.torch_threads, s.max_length, s.notes) == (None, None, None, ())
 
 
@@ -104,7 +104,8 @@ def test_kt_only_knobs_are_checked_and_noted():
 
 
 def test_num_gpu_experts_is_planned_like_inference(tmp_path):
-    assert training_placement(0) is None
+    assert training_placement(None) is None  # nothing asked: the loader's default
+    assert not plan_from_config(training_placement(0), BUNDLED_MODEL_DIR).mask.any()  # KT's 0: all on the CPU tier
     kt_rule = plan_from_config(training_placement(3), BUNDLED_MODEL_DIR)  # KT: the first n experts of every layer
     expected = torch.zeros(4, 8, dtype=torch.bool)
     expected[:, :3] = True

@@ -133,7 +133,7 @@ def add_parser(sub) -> None:
     add_cpu_flags(p)
 
 
-def placement_from(args, num_gpu_experts: int):
+def placement_from(args, num_gpu_experts: int | None):
     """Flags first (--plan, a ratio or a memory budget, --num-gpu-experts), else ACCELERATE_KT_NUM_GPU_EXPERTS."""
     if args.plan:
         return PlacementPlan.load(args.plan)

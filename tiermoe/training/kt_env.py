@@ -7,6 +7,7 @@ so a KT launch environment keeps its meaning; a flag given on the command line w
 What each name does here:
 - NUM_GPU_EXPERTS (default 0): GPU-tier experts per MoE layer, chosen by the inference planner: frequency when a
   statistics file is given, else KT's own rule, the first n experts of every layer (the `uniform` strategy).
+  Unset (and no flag): the loader's default, every expert on the CPU tier unless the checkpoint carries a mask.
 - LORA_RANK, LORA_ALPHA (default 2 x rank), LORA_DROPOUT (default 0): the LoRA on attention, dense projections
   and every routed expert.
 - BACKEND / EXPERT_WEIGHT_FORMAT: the CPU tier's expert format. AMXBF16 / bf16 -> bf16, AMXINT8 / int8 -> int8,
@@ -71,7 +72,7 @@ class KTTrainingSettings:
     threads / torch_threads / max_length None: tiermoe's defaults. notes: one line for each KT-only setting given.
     """
 
-    num_gpu_experts: int = 0
+    num_gpu_experts: int | None = None  # None: neither gave it (the loader's default placement)
     lora_rank: int | None = None
     lora_alpha: float | None = None
     lora_dropout: float = 0.0
@@ -231,19 +232,21 @@ def read_kt_settings(environ: Mapping[str, str] | None = None, *, num_gpu_expert
                          lambda n, v: _int(n, v, 1, machine_cpus(), "torch threads (at most this machine's CPUs)"))
     length = pick(max_length, "MODEL_MAX_LENGTH", lambda n, v: _int(n, v, 2, MAX_SEQUENCE, "a sequence length"))
     return KTTrainingSettings(
-        num_gpu_experts=gpu or 0, lora_rank=rank, lora_alpha=alpha, lora_dropout=dropout or 0.0,
+        num_gpu_experts=gpu, lora_rank=rank, lora_alpha=alpha, lora_dropout=dropout or 0.0,
         expert_dtype=expert_dtype if expert_dtype is not None else env_dtype, expert_lora=expert_lora,
         threads=cpu_threads, torch_threads=torch_threads, max_length=length, notes=notes,
     )
 
 
-def training_placement(num_gpu_experts: int, statistics: str | None = None,
+def training_placement(num_gpu_experts: int | None, statistics: str | None = None,
                        strategy: str | None = None) -> PlacementConfig | None:
     """The placement of `num_gpu_experts` GPU-tier experts per MoE layer, planned as inference plans it:
     `strategy` when given, else frequency when a statistics file is given, else KT's first n experts of every
-    layer (`uniform`: ids 0..n-1 in each MoE layer). None for 0 (the loader's default: every expert on the CPU
-    tier unless the checkpoint carries a mask)."""
-    if not num_gpu_experts:
+    layer (`uniform`: ids 0..n-1 in each MoE layer); 0: every expert on the CPU tier. None when no count was given
+    (the loader's default: every expert on the CPU tier unless the checkpoint carries a mask)."""
+    if num_gpu_experts is None:
         return None
+    if num_gpu_experts == 0:
+        return PlacementConfig(num_gpu_experts=0)
     return PlacementConfig(strategy=strategy or ("frequency" if statistics else "uniform"),
                            num_gpu_experts=num_gpu_experts, init_expert_location=statistics)
