@@ -230,6 +230,9 @@ def run(args) -> int:
     )
     try:
         result = run_finetune(config, hooks)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"the same command with --resume continues from the newest checkpoint in "
+                                f"{config.out_dir}") from None
     finally:
         bar.close()
     plot = plot_loss_curve(result.history, result.evals, config.out_dir / PLOT_FILE,
