@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import sys
 import warnings
 from pathlib import Path
@@ -206,12 +205,7 @@ class ProgressBar:
 
 
 def quiet_known_warnings() -> None:
-    """Warnings the user can do nothing about: PEFT's note that the fused experts' rank / alpha pattern matched no
-    module (tiermoe's expert LoRA takes those parameters, as intended) and transformers' deprecation of a name
-    PEFT still calls."""
-    # the key as PEFT prints it: the list's repr, so the pattern's one backslash shows as two
-    warnings.filterwarnings("ignore", message=re.escape("The following ") + "(rank|alpha)" + re.escape(
-        "_pattern keys did not match any targeted module and were ignored: ['.*\\\\.gate_up_proj']"))
+    """A warning the user can do nothing about: transformers' deprecation of a name PEFT still calls."""
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 

@@ -60,7 +60,7 @@ def resolve(model: nn.Module, config, experts: bool | None = None):
         targets = ExpertTargets(ranks, alphas, bool(config.use_rslora))
     config.target_parameters = sorted(params - fused) or None
     for patterns in (config.rank_pattern, config.alpha_pattern):  # PEFT would warn that they match nothing
-        for pattern in [p for p in (patterns or {}) if any(re.search(p, name) for name in EXPERT_PARAMS)]:
+        for pattern in [p for p in (patterns or {}) if any(_matches(p, name) for name in EXPERT_PARAMS)]:
             del patterns[pattern]
     has_modules = bool(config.target_modules) or bool(config.target_parameters)
     return (config if has_modules else None), targets
@@ -116,13 +116,14 @@ def _convert_like_peft(config, model: nn.Module) -> None:
     convert_peft_config_for_transformers(config, model=model, conversions=None)
 
 
+def _matches(pattern: str, name: str) -> bool:
+    """Whether a rank_pattern / alpha_pattern key names the fused parameter `name` (PEFT's own matching rule)."""
+    return re.match(rf"(.*\.)?({pattern})$", f"model.layers.0.mlp.experts.{name}") is not None
+
+
 def _pattern(patterns: dict | None, name: str, default):
     """PEFT's rank_pattern / alpha_pattern lookup for the fused parameter `name` of any layer."""
-    key = f"model.layers.0.mlp.experts.{name}"
-    for pattern, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", key):
-            return value
-    return default
+    return next((value for pattern, value in (patterns or {}).items() if _matches(pattern, name)), default)
 
 
 def _expert_shape(block) -> tuple[int, int]:
