@@ -59,6 +59,7 @@ from tiermoe.model.expert_source import (
     read_fp8_expert,
 )
 from tiermoe.model.gguf_checkpoint import open_checkpoint, weight_files
+from tiermoe.model.heap_trim import return_freed_heap
 from tiermoe.model.held_bytes import disk_name, held_nbytes
 from tiermoe.model.hybrid_model import HybridModel
 from tiermoe.model.lora_merge import MergedLoRA
@@ -162,6 +163,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     else:
         use_rows_lm_head(model)  # the head on the sampled rows as one 2-D matmul: no copy of its weight per prefill
         group_kv_b_rows_of(decoder_layers(model))  # MLA's one re-layout, now that kv_b_proj holds its rows
+    return_freed_heap()  # the read buffers the tiers packed or quantised from
     return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share, trainable)
 
 
