@@ -11,7 +11,7 @@ CHAT, COMPLETIONS, OLLAMA_CHAT, OLLAMA_GENERATE = "/v1/chat/completions", "/v1/c
 
 # (endpoint, field, a value the server cannot honour, the neutral value clients send when they do not use it)
 FIELDS = [
-    (CHAT, "tool_choice", "required", "none"),
+    (CHAT, "tool_choice", {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}, "none"),
     (CHAT, "functions", [{"name": "f"}], None),
     (CHAT, "response_format", {"type": "json_object"}, {"type": "text"}),
     (CHAT, "frequency_penalty", 0.5, 0),

@@ -19,6 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from tiermoe.errors import TiermoeError
 from tiermoe.server.body import openapi_body, read_body
+from tiermoe.server.forced_calls import ForcedCall, forced_call
 from tiermoe.server.generation import collect, stream_events
 from tiermoe.server.logprob_format import chat_logprobs
 from tiermoe.server.output_parsers import OutputParser, StreamSplitter, tool_call_objects
@@ -50,14 +51,17 @@ def wants_tools(body: ChatCompletionRequest) -> bool:
     return bool(body.tools) and body.tool_choice != "none"
 
 
-async def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+async def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], ForcedCall | None]:
+    """The rendered prompt's ids, begun inside a tool call when `tool_choice` forces one (and how)."""
     messages = [m.for_template() for m in body.messages]
     tools = body.tools if wants_tools(body) else None
     chars = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
+    config = state.config
+    forced_call(body.tool_choice, config.tool_call_parser, config.reasoning_parser, "")  # a 400 before rendering
 
-    def render() -> list[int]:
+    def render() -> tuple[list[int], ForcedCall | None]:
         try:
-            return state.llm.chat_prompt_ids(messages, tools)
+            ids = state.llm.chat_prompt_ids(messages, tools)
         except TiermoeError:
             raise
         except Exception as err:  # noqa: BLE001 - the template choked on the request's tools or tool calls
@@ -65,6 +69,9 @@ async def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> li
                 raise
             raise TiermoeError(f"the model's chat template cannot render these tools or tool calls "
                                f"({type(err).__name__}: {str(err)[:200]})") from None
+        tail = state.llm.tokenizer.decode(ids[-16:], skip_special_tokens=False)
+        forced = forced_call(body.tool_choice, config.tool_call_parser, config.reasoning_parser, tail)
+        return (ids + state.llm.encode(forced.prompt_suffix), forced) if forced else (ids, None)
 
     return await state.tokenize(chars, render)
 
@@ -95,7 +102,8 @@ async def models(request: Request):
 async def chat_completions(request: Request):
     state = _state(request)
     body = await read_body(request, ChatCompletionRequest, state.config.max_request_bytes)
-    prompt_ids = await chat_prompt_ids(state, body)
+    prompt_ids, forced = await chat_prompt_ids(state, body)
+    reply_prefix = forced.reply_prefix if forced else ""  # the call's opening, which the prompt holds
     params = openai_sampling(state, body, prompt_ids, body.max_completion_tokens or body.max_tokens, body.logprobs_asked())
 
     def logprobs(scored) -> dict | None:
@@ -108,7 +116,7 @@ async def chat_completions(request: Request):
         out = await collect(state, request, prompt_ids, params)
         message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
         if parser is not None:
-            split = parser.split(out.text, final=True)
+            split = parser.split(reply_prefix + out.text, final=True)
             message["content"] = split.content if split.content or not split.tool_calls else None
             message["reasoning_content"] = split.reasoning or None
             if split.tool_calls:
@@ -130,7 +138,8 @@ async def chat_completions(request: Request):
             finish, delta = event.finish_reason, {"content": event.text} if event.text else {}
             if splitter is not None:
                 text += event.text
-                reasoning, content, calls = splitter.feed(text, final=finish is not None and event.error is None)
+                final = finish is not None and event.error is None
+                reasoning, content, calls = splitter.feed(reply_prefix + text, final=final)
                 delta = {**({"reasoning_content": reasoning} if reasoning else {}),
                          **({"content": content} if content else {})}
                 if calls:

@@ -9,12 +9,13 @@ by the server's own flags). Names neither API has are ignored, as vLLM and SGLan
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tiermoe.engine.logprobs import MAX_TOP_LOGPROBS
-from tiermoe.server.unsupported import only
+from tiermoe.server.unsupported import UNSUPPORTED, only
 
 MAX_COUNT = 2**31 - 1  # token counts and top_k: far beyond any context, small enough for every kernel
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
@@ -116,8 +117,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict] | None = Field(default=None, max_length=128)  # handed to the chat template
-    tool_choice: Annotated[str | dict | None, only(None, "none", "auto")] = None  # forcing a call is not supported
-    parallel_tool_calls: bool | None = None  # about tools, which must be absent
+    # "required" or a named function ({"type": "function", "function": {"name": ...}}) forces a call, with
+    # --tool-call-parser (tiermoe.server.forced_calls: the reply is begun inside a call, no grammar engine)
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # accepted: every call the model writes is returned
     functions: Annotated[list[Any] | None, only(None, [])] = None
     function_call: Annotated[str | dict | None, only(None, "none", "auto")] = None
     response_format: Annotated[dict | None, only(None, {"type": "text"})] = None
@@ -130,10 +133,34 @@ class ChatCompletionRequest(_SamplingFields):
     store: Annotated[bool | None, only(None, False)] = None
     metadata: dict[str, str] | None = None
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_shape(cls, value):
+        named = isinstance(value, dict) and value.get("type") == "function" and isinstance(
+            value.get("function"), dict) and isinstance(value["function"].get("name"), str)
+        if value in (None, "none", "auto", "required") or named:
+            return {"type": "function", "function": {"name": value["function"]["name"]}} if named else value
+        raise ValueError(f'{UNSUPPORTED}; accepted: null, "none", "auto", "required", '
+                         '{"type": "function", "function": {"name": NAME}}')
+
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @model_validator(mode="after")
+    def _forced_call_needs_its_tool(self):
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return self
+        if not self.tools:
+            raise ValueError(f"tool_choice {json.dumps(choice)} forces a tool call, but the request has no tools")
+        if isinstance(choice, dict):
+            names = [t.get("function", {}).get("name") for t in self.tools if isinstance(t.get("function"), dict)]
+            if choice["function"]["name"] not in names:
+                raise ValueError(f"tool_choice names the function {json.dumps(choice['function']['name'])}, which "
+                                 f"is not in tools ({', '.join(map(str, names)) or 'none named'})")
         return self
 
     def logprobs_asked(self) -> int | None:
