@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 from server_thread import server_thread
@@ -78,3 +79,31 @@ def test_a_call_that_cannot_be_forced_is_a_one_line_400(model_dir, tmp_path):  #
             with pytest.raises(openai.BadRequestError, match="needs the server started with --tool-call-parser"):
                 client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=5,
                                                tool_choice=choice)
+
+
+def ollama_chat(url: str, **body) -> dict | list[dict]:
+    r = httpx.post(url + "/api/chat", json={"model": "tiny", "options": {"num_predict": 300}, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return [json.loads(line) for line in r.text.splitlines()] if body.get("stream", True) else r.json()
+
+
+def test_ollama_chat_takes_tools_and_answers_with_its_tool_calls(model_dir, tmp_path, forced):  # noqa: F811
+    history = [{"role": "user", "content": "weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                                 "arguments": ARGS}}]},
+               {"role": "tool", "content": "sunny"}, {"role": "user", "content": "and tomorrow?"}]
+    with server_thread(tmp_path, model_dir=model_dir, tool_call_parser="qwen25") as (url, state):
+        forced(state.llm.encode('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+                                '"day": 2}}\n</tool_call>'))
+        call = {"function": {"name": "get_weather", "arguments": {**ARGS, "day": 2}}}
+        reply = ollama_chat(url, messages=history, tools=TOOLS, stream=False)
+        assert reply["message"] == {"role": "assistant", "content": "Checking.", "tool_calls": [call]}
+        assert reply["done"] and reply["done_reason"] == "stop"
+        lines = ollama_chat(url, messages=history, tools=TOOLS)
+        assert "".join(line["message"]["content"] for line in lines) == "Checking."
+        assert [c for line in lines for c in line["message"].get("tool_calls", [])] == [call]
+        assert lines[-1]["done"] and not any(line["done"] for line in lines[:-1])
+        plain = ollama_chat(url, messages=history, stream=False)  # without tools the call stays text
+        assert "tool_calls" not in plain["message"] and "<tool_call>" in plain["message"]["content"]
+        show = httpx.post(url + "/api/show", json={"model": "tiny"}, timeout=60).json()
+        assert show["capabilities"] == ["completion", "tools"]

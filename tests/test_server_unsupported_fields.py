@@ -25,7 +25,6 @@ FIELDS = [
     (COMPLETIONS, "frequency_penalty", 1.5, 0.0),
     (COMPLETIONS, "logit_bias", {"7": -100}, None),
     (OLLAMA_CHAT, "format", "json", ""),
-    (OLLAMA_CHAT, "tools", [{"type": "function"}], []),
     (OLLAMA_CHAT, "think", True, False),
     (OLLAMA_GENERATE, "suffix", "end", ""),
     (OLLAMA_GENERATE, "images", ["aGk="], []),

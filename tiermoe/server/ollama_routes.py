@@ -20,6 +20,9 @@ from tiermoe.server.body import openapi_body, read_body
 from tiermoe.server.generation import GenerationFailed, collect, stream_events
 from tiermoe.server.logprob_format import chat_logprobs
 from tiermoe.server.model_card import details, generation_parameters, model_info, modelfile
+from tiermoe.server.ollama_reply import ChatReply, GenerateReply
+from tiermoe.server.openai_routes import template_ids
+from tiermoe.server.output_parsers import OutputParser
 from tiermoe.server.protocol import OLLAMA_SAMPLING, OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
 from tiermoe.server.state import ServerState
 
@@ -72,10 +75,11 @@ async def show(request: Request):
     parameters = generation_parameters(state.llm)
     return {"modelfile": modelfile(state.llm, template, parameters), "parameters": parameters,
             "template": template, "details": details(state.llm), "model_info": model_info(state.llm),
-            "capabilities": ["completion"], "modified_at": _modified_at(state)}
+            "capabilities": ["completion", *(["tools"] if state.config.tool_call_parser else [])],
+            "modified_at": _modified_at(state)}
 
 
-async def _respond(state: ServerState, request: Request, prompt_ids, params, body, wrap):
+async def _respond(state: ServerState, request: Request, prompt_ids, params, body, reply):
     started = time.monotonic()
 
     def logprobs(scored) -> dict:
@@ -86,7 +90,7 @@ async def _respond(state: ServerState, request: Request, prompt_ids, params, bod
             out = await collect(state, request, prompt_ids, params)
         except GenerationFailed as err:
             return JSONResponse(status_code=err.status, content={"error": f"generation failed: {err}"})
-        return {**wrap(out.text), **_final(state, len(prompt_ids), len(out.token_ids), out.finish_reason, started),
+        return {**reply.whole(out.text), **_final(state, len(prompt_ids), len(out.token_ids), out.finish_reason, started),
                 **logprobs(out.logprobs)}
 
     async def lines():
@@ -97,11 +101,12 @@ async def _respond(state: ServerState, request: Request, prompt_ids, params, bod
             held += event.logprobs
             if event.error is not None:
                 failed = {"error": f"generation failed: {event.error}"}
-            if event.text:  # scores of tokens whose text is held back go out with the next text
-                yield json.dumps({"model": state.model_name, "created_at": _now(), **wrap(event.text),
+            piece = reply.delta(event.text, final=event.finish_reason is not None and event.error is None)
+            if piece is not None:  # scores of tokens whose text is held back go out with the next text
+                yield json.dumps({"model": state.model_name, "created_at": _now(), **piece,
                                   "done": False, **logprobs(held)}) + "\n"
                 held = []
-        yield json.dumps({**wrap(""), **_final(state, len(prompt_ids), generated, reason, started), **failed,
+        yield json.dumps({**reply.empty(), **_final(state, len(prompt_ids), generated, reason, started), **failed,
                           **(logprobs(held) if held else {})}) + "\n"
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
@@ -119,7 +124,7 @@ async def generate(request: Request):
         prompt_ids = await state.tokenize(len(body.prompt) + len(body.system or ""),
                                           lambda: state.llm.chat_prompt_ids(messages))
     params = _params(state, body, prompt_ids)
-    return await _respond(state, request, prompt_ids, params, body, lambda text: {"response": text})
+    return await _respond(state, request, prompt_ids, params, body, GenerateReply())
 
 
 @router.post("/api/chat", openapi_extra=openapi_body(OllamaChatRequest))
@@ -127,8 +132,10 @@ async def chat(request: Request):
     state: ServerState = request.app.state.tiermoe
     body = await read_body(request, OllamaChatRequest, state.config.max_request_bytes)
     messages = [m.for_template() for m in body.messages]
-    prompt_ids = await state.tokenize(sum(len(m["content"]) for m in messages),
-                                      lambda: state.llm.chat_prompt_ids(messages))
+    tools = body.tools or None
+    chars = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
+    prompt_ids = await state.tokenize(chars, lambda: template_ids(state, messages, tools))
     params = _params(state, body, prompt_ids)
+    kind = state.config.tool_call_parser
     return await _respond(state, request, prompt_ids, params, body,
-                          lambda text: {"message": {"role": "assistant", "content": text}})
+                          ChatReply(OutputParser(None, kind) if tools and kind else None))

@@ -245,7 +245,7 @@ class OllamaGenerateRequest(_OllamaFields):
 
 class OllamaChatRequest(_OllamaFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    tools: Annotated[list[Any] | None, only(None, [])] = None
+    tools: list[dict] | None = Field(default=None, max_length=128)  # handed to the chat template (ollama_reply)
 
 
 class OllamaShowRequest(_Lenient):
