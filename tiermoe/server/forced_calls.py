@@ -55,7 +55,7 @@ def forced_call(tool_choice, tool_parser: str | None, reasoning_parser: str | No
         raise TiermoeError(f"tool_choice {json.dumps(tool_choice)} forces a tool call, which needs the server "
                            "started with --tool-call-parser (the format the model writes calls in)")
     opening = call_opening(tool_parser, name)
-    think_open = tool_parser != "gpt-oss" and prompt_tail.rfind(THINK) > prompt_tail.rfind(END_THINK)
+    think_open = tool_parser != "gpt-oss" and prompt_tail.rstrip().endswith(THINK)
     close = f"{END_THINK}\n\n" if think_open else ""
     # DeepSeek-R1's parser reads everything up to </think> as thinking, whether or not the prompt opened it
     return ForcedCall(close + opening, (END_THINK if reasoning_parser == "deepseek-r1" else "") + opening)
