@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -98,8 +99,12 @@ def adapter_layout(model_config, lora_config) -> AdapterLayout:
     config.inference_mode = True
     skeleton = build_skeleton(model_config, torch.float32)
     try:
-        # low_cpu_mem_usage: the wrappers' factors are created on the meta device too (seconds, not minutes)
-        peft_model = get_peft_model(skeleton, config, low_cpu_mem_usage=True)
+        with warnings.catch_warnings():
+            # PEFT's own note on its own fused-expert patterns: the gate_up_proj wrapper is the inner one, so its
+            # check finds no module named like the pattern, after applying the pattern's rank all the same
+            warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match")
+            # low_cpu_mem_usage: the wrappers' factors are created on the meta device too (seconds, not minutes)
+            peft_model = get_peft_model(skeleton, config, low_cpu_mem_usage=True)
     except (ValueError, TypeError, KeyError) as e:
         raise TiermoeError(f"PEFT cannot apply the adapter config to this {model_config.model_type} model: "
                            f"{_one_line(e)}") from None
