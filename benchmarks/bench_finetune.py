@@ -55,7 +55,7 @@ loaded_rss = int(open("/proc/self/statm").read().split()[1]) * 4096
 trainable = [p for p in model.parameters() if p.requires_grad]
 opt = torch.optim.AdamW(trainable, lr=1e-4)
 gen = torch.Generator().manual_seed(1)
-vocab = model.config.vocab_size if hasattr(model, "config") else model.base_model.config.vocab_size
+vocab = model.config.vocab_size  # a PeftModel hands .config on from its base model
 times, losses = [], []
 for step in range(args["warmup"] + args["steps"]):
     ids = torch.randint(0, vocab, (args["batch"], args["tokens"]), generator=gen)

@@ -118,13 +118,11 @@ class RoutedExperts(torch.autograd.Function):
             hit.append(e)
             for collected, g in zip(per_factor, grads):
                 collected.append(g)
-        gf = [None] * len(factors)
-        if need_f and hit:
-            index = torch.tensor(hit, device=dev)
-            gf = [torch.zeros_like(f).index_copy_(0, index.to(f.device), torch.stack(g).to(f.device, f.dtype))
-                  for f, g in zip(factors, per_factor)]
-        elif need_f:
-            gf = [torch.zeros_like(f) for f in factors]
+        gf = [torch.zeros_like(f) for f in factors] if need_f else [None] * len(factors)
+        if need_f and hit:  # experts no row was routed to keep a zero gradient
+            index = torch.tensor(hit, device=factors[0].device)
+            for total, g in zip(gf, per_factor):
+                total.index_copy_(0, index, torch.stack(g).to(total.device, total.dtype))
         gx = None if gx_PD is None else gx_PD.view(T, K, -1).sum(1).to(x_TD.device)
         gw = None if gw is None else gw.to(weights_TK.device)
         return (gx, gw, None, None, None, None, *gf)
