@@ -1,7 +1,7 @@
 """The flags `kt run` puts on SGLang-kt launch lines work with `tiermoe serve`: --kt-numa-nodes pins the CPU tier's
 thread pools per node (on a fake two-node machine), --watchdog-timeout stops a server whose step hangs,
---enable-expert-distribution-metrics feeds /metrics, --kt-max-deferred-experts-per-token takes 0 only (one line
-otherwise), --fp8-gemm-backend is noted."""
+--enable-expert-distribution-metrics feeds /metrics, --kt-max-deferred-experts-per-token reaches the CPU tier's
+settings (a bad value is one line), --fp8-gemm-backend is noted."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tiermoe.experts.native import NativeCPUExperts
 from tiermoe.experts.tiers import CPUWorker
 from tiermoe.server.engine_service import StuckStepError
 
-KT_RUN_LINE = ["--kt-max-deferred-experts-per-token", "0", "--kt-threadpool-count", "2", "--kt-numa-nodes", "0", "1",
+KT_RUN_LINE = ["--kt-max-deferred-experts-per-token", "2", "--kt-threadpool-count", "2", "--kt-numa-nodes", "0", "1",
                "--watchdog-timeout", "3000", "--enable-expert-distribution-metrics", "--fp8-gemm-backend", "triton",
                "--kt-cpuinfer", "2"]
 
@@ -39,17 +39,18 @@ def test_every_kt_run_flag_parses_into_the_settings():
     args = parse(*KT_RUN_LINE)
     config = server_config_from_args(args)
     assert config.watchdog_timeout == 3000 and config.expert_distribution_metrics
-    assert cpu_from_args(args).numa_nodes == (0, 1) and args.kt_max_deferred_experts_per_token == 0
+    assert cpu_from_args(args).numa_nodes == (0, 1) and cpu_from_args(args).deferred_experts == 2
+    assert cpu_from_args(parse()).deferred_experts == 0
     assert parse("--kt-numa-nodes", "0 1").numa_nodes == [0, 1] == parse("--kt-numa-nodes", "0,1").numa_nodes
     note = io.StringIO()
     report_ignored(args, note)
     assert note.getvalue().count("\n") == 1 and "--fp8-gemm-backend triton (" in note.getvalue()
 
 
-def test_deferred_experts_and_mismatched_pools_are_one_line():
-    result = run_cli("serve", "--kt-max-deferred-experts-per-token", "3")
+def test_bad_deferred_experts_and_mismatched_pools_are_one_line():
+    result = run_cli("serve", "--kt-max-deferred-experts-per-token", "-1")
     lines = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert result.returncode == 2 and len(lines) == 1 and "not implemented" in lines[0]
+    assert result.returncode == 2 and len(lines) == 1 and "expected an integer >= 0, got -1" in lines[0]
     result = run_cli("serve", "--kt-numa-nodes", "0", "1", "--kt-threadpool-count", "3")
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         "error: --kt-numa-nodes lists 2 nodes but --kt-threadpool-count is 3: give one node per pool (as SGLang-kt "

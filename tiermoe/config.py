@@ -117,8 +117,13 @@ class CPUConfig:
     expert_dtype: str | None = None  # --cpu-expert-dtype
     threads: int | None = None  # --cpu-threads
     numa_nodes: tuple[int, ...] | None = None  # --kt-numa-nodes: one thread pool per entry, pinned to that node
+    # --kt-max-deferred-experts-per-token: per token, this many of the lowest-weighted CPU-tier slots are added in
+    # the next MoE layer (an approximation, tiermoe.layers.deferred_experts); 0 keeps outputs exact.
+    deferred_experts: int = 0
 
     def __post_init__(self):
+        if not isinstance(self.deferred_experts, int) or self.deferred_experts < 0:
+            raise TiermoeError(f"deferred experts per token must be an integer >= 0, got {self.deferred_experts!r}")
         if self.numa_nodes is not None:
             object.__setattr__(self, "numa_nodes", tuple(self.numa_nodes))
             if not self.numa_nodes or any(not isinstance(n, int) or n < 0 for n in self.numa_nodes):

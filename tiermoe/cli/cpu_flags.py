@@ -1,4 +1,5 @@
-"""The CPU tier's flags, shared by every command that loads a model: backend, expert format, threads.
+"""The CPU tier's flags, shared by every command that loads a model: backend, expert format, threads, NUMA pools
+and deferred experts.
 
 SGLang-kt's spellings are accepted so a KTransformers launch line keeps working: `--kt-cpuinfer N` is
 `--cpu-threads N`, and `--kt-method AMXINT4 | AMXINT8 | BF16` chooses the expert format (computed by tiermoe's own
@@ -46,6 +47,18 @@ def numa_node_ids(value: str) -> list[int]:
     return ids
 
 
+def deferred_experts(value: str) -> int:
+    """--kt-max-deferred-experts-per-token: an integer >= 0 (the model's top-k bounds it when it loads)."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is not an integer (experts per token to defer, e.g. 0 or 2)") \
+            from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {number}")
+    return number
+
+
 class _ExtendFlat(argparse.Action):
     """nargs="+" of values that are each a list: one flat list (repeated flags add to it)."""
 
@@ -69,6 +82,11 @@ def add_cpu_flags(p: argparse.ArgumentParser) -> None:
                    action=_ExtendFlat, default=None, metavar="NODE",
                    help="split the CPU-tier threads into one pool per NODE listed, as kt-kernel does, each pinned to "
                         "that NUMA node's cores (e.g. 0 1; a node may be listed twice for two pools on it)")
+    g.add_argument("--kt-max-deferred-experts-per-token", dest="deferred_experts", type=deferred_experts, default=0,
+                   metavar="D",
+                   help="per token, add the D lowest-weighted CPU-tier experts in the next MoE layer, so their work "
+                        "overlaps it (kt-kernel's approximation: outputs change; docs/cpu-backends.md has the "
+                        "measured error). Default 0: every expert in its own layer, outputs exact")
 
 
 def cpu_from_args(args) -> CPUConfig:
@@ -82,4 +100,5 @@ def cpu_from_args(args) -> CPUConfig:
         raise TiermoeError(f"--kt-numa-nodes lists {len(nodes)} nodes but --kt-threadpool-count is {pools}: "
                            "give one node per pool (as SGLang-kt requires)")
     return CPUConfig(backend=getattr(args, "cpu_backend", CPUConfig().backend), expert_dtype=fmt or method,
-                     threads=getattr(args, "cpu_threads", None), numa_nodes=tuple(nodes) if nodes else None)
+                     threads=getattr(args, "cpu_threads", None), numa_nodes=tuple(nodes) if nodes else None,
+                     deferred_experts=getattr(args, "deferred_experts", 0))

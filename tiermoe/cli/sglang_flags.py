@@ -29,22 +29,6 @@ IGNORED = {
 }
 
 
-def deferred_experts(value: str) -> int:
-    """--kt-max-deferred-experts-per-token: 0 (every routed expert runs in its own layer, exactly) is all tiermoe
-    does; deferring experts into the next layer's CPU task (kt-kernel's approximation) is not implemented."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{value}' is not an integer") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {number}")
-    if number > 0:
-        raise argparse.ArgumentTypeError(
-            f"{number}: deferring experts to the next layer is not implemented in tiermoe (every routed expert runs "
-            "in its own layer, so outputs stay exact); use 0 or leave the flag out")
-    return number
-
-
 def _dest(flag: str) -> str:
     return "ignored_" + flag.lstrip("-").replace("-", "_")
 
@@ -57,8 +41,6 @@ def add_sglang_compat_flags(p: argparse.ArgumentParser) -> None:
             g.add_argument(flag, dest=dest, metavar="X", default=None, help=f"ignored: {why}")
         else:
             g.add_argument(flag, dest=dest, action="store_true", default=None, help=f"ignored: {why}")
-    g.add_argument("--kt-max-deferred-experts-per-token", type=deferred_experts, default=0, metavar="0",
-                   help="0 only: kt-kernel's deferred experts (an approximation) are not implemented")
 
 
 def ignored_flags(args) -> list[str]:

@@ -22,6 +22,8 @@ class CPUExpertBackend(Protocol):
 
     submit(x_TD, ids_TK, weights_TK): start computing, for each token, the weighted sum of its routed experts
     whose id is >= 0 (ids -1 belong to the GPU tier); inputs are host tensors. sync() -> y_TD waits and returns it.
+    start(...) queues the same computation as a job of its own and returns its Future (deferred experts): jobs
+    run one after another on the model's worker, in the order they were queued.
     drain() ends a submitted job without its result: the caller's own work failed between submit and sync.
     add(e, weights) takes an expert in tiermoe's canonical layout and stores it in the backend's own format
     (quantising if that format is int8/int4); get(e) gives it back in the canonical layout (dequantised), so an
@@ -36,6 +38,8 @@ class CPUExpertBackend(Protocol):
     def sync(self) -> torch.Tensor: ...
 
     def drain(self) -> None: ...
+
+    def start(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> Future: ...
 
     def add(self, expert: int, weights: ExpertWeights) -> None: ...
 
@@ -123,7 +127,11 @@ class ComputedOnWorker:
     def submit(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
         if self._pending is not None:
             raise RuntimeError("submit called twice without sync")
-        self._pending = self.worker.submit(self._compute, x_TD, ids_TK, weights_TK)
+        self._pending = self.start(x_TD, ids_TK, weights_TK)
+
+    def start(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> Future:
+        """The same computation as a job of its own, outside submit/sync (the caller keeps its Future)."""
+        return self.worker.submit(self._compute, x_TD, ids_TK, weights_TK)
 
     def sync(self) -> torch.Tensor:
         pending, self._pending = self._pending, None

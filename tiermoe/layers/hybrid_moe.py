@@ -13,6 +13,7 @@ partial routed outputs of all ranks before the (replicated) shared experts are a
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import wait
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,7 @@ from torch import nn
 from tiermoe.arch.spec import ArchSpec
 from tiermoe.experts.host_slab import copy_to_tier, slab_destination
 from tiermoe.experts.tiers import CPUExpertBackend, ExpertSet
+from tiermoe.layers.deferred_experts import DeferredExperts, split_deferred
 from tiermoe.layers.expert_lora import ExpertLoRA
 from tiermoe.layers.routed_autograd import RoutedExperts
 from tiermoe.stats.recording import NO_RECORDER
@@ -50,6 +52,9 @@ class HybridMoE(nn.Module):
         # RoutedExperts, so gradients reach the input, the routing weights and any expert LoRA.
         self.trainable = False
         self.lora_experts: ExpertLoRA | None = None
+        # Set by the loader with --kt-max-deferred-experts-per-token > 0: the model's hand-over of deferred experts
+        # between consecutive MoE layers (tiermoe.layers.deferred_experts); None computes every expert in its layer.
+        self.deferred: DeferredExperts | None = None
 
     def _router(self) -> nn.Module:
         return self._modules[self.spec.router_attr]
@@ -98,9 +103,9 @@ class HybridMoE(nn.Module):
         streamer = self.prefill_streamer
         layerwise = streamer is not None and streamer.applies(x_TD.shape[0])
         use_cpu = len(self.cpu_tier) > 0 and not layerwise
+        carried = self.deferred.take(self.layer) if self.deferred is not None else None
         if use_cpu:
-            cpu_ids_TK = ids_TK.masked_fill(on_gpu_TK, -1)
-            self.cpu_tier.submit(x_TD.to("cpu"), cpu_ids_TK.to("cpu"), weights_TK.to("cpu"))
+            self._submit_cpu(x_TD, ids_TK.masked_fill(on_gpu_TK, -1), weights_TK)
         try:
             y_TD = self.gpu_tier.forward(x_TD, ids_TK.masked_fill(~mine_TK, -1), weights_TK)
             if layerwise and len(self.cpu_tier) > 0:
@@ -112,10 +117,28 @@ class HybridMoE(nn.Module):
             # forward of this layer fails with "submit called twice" instead of running (and hides this error).
             if use_cpu:
                 self.cpu_tier.drain()
+            if self.deferred is not None:
+                self.deferred.drain()
+            if carried is not None:
+                wait([carried])
             raise
         if use_cpu:
             y_TD = y_TD + self.cpu_tier.sync().to(y_TD.device)
+        if carried is not None:  # what the MoE layer before this one deferred (its job ran before this one's)
+            y_TD = y_TD + carried.result().to(y_TD.device)
         return y_TD, shared_TD
+
+    def _submit_cpu(self, x_TD, cpu_ids_TK, weights_TK) -> None:
+        """Start the CPU tier's part: all of it, or (deferred experts) the slots kept now, then the deferred ones
+        as a second job for the next MoE layer to add."""
+        x_TD, cpu_ids_TK, weights_TK = x_TD.to("cpu"), cpu_ids_TK.to("cpu"), weights_TK.to("cpu")
+        if self.deferred is None or not self.deferred.defers(self.layer):
+            self.cpu_tier.submit(x_TD, cpu_ids_TK, weights_TK)
+            return
+        now_TK, later_TK = split_deferred(cpu_ids_TK, weights_TK, self.deferred.per_token)
+        self.cpu_tier.submit(x_TD, now_TK, weights_TK)
+        job = self.cpu_tier.start(x_TD, later_TK, weights_TK) if bool((later_TK >= 0).any()) else None
+        self.deferred.put(self.layer, job)
 
     def _routed_differentiable(self, x_TD, ids_TK, weights_TK, on_gpu_TK, mine_TK) -> torch.Tensor:
         """Training: each tier through RoutedExperts, one after the other (the CPU part is the backward's
@@ -156,6 +179,8 @@ class HybridMoE(nn.Module):
         """The copy has landed: the destination takes it, the assignment changes, the source releases its copy.
         Returns the bytes the source released."""
         src, dst = self._tiers(to_gpu)
+        if self.deferred is not None:
+            self.deferred.drain()  # a stopped forward's deferred job may still read the expert about to be released
         dst.add(expert, landed)
         self.assign(expert, self.rank if to_gpu else -1)
         before = src.nbytes

@@ -47,6 +47,7 @@ from tiermoe.experts.host_slab import HostSlab, expert_shapes, pins_host_memory
 from tiermoe.experts.registry import make_cpu_tier
 from tiermoe.experts.tiers import CPUWorker, ExpertSet
 from tiermoe.experts.weights import ExpertWeights
+from tiermoe.layers.deferred_experts import DeferredExperts
 from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.layers.lm_head import use_rows_lm_head
 from tiermoe.layers.mla_attention import group_kv_b_rows_of, replace_mla_attention
@@ -110,6 +111,9 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         raise TiermoeError("a trainable model takes its adapter with tiermoe.training.load_adapter, not merged")
     if lora is not None and share is not None:
         raise TiermoeError("serving with an adapter (--lora) runs in one process; several ranks do not merge one")
+    if trainable and cpu.deferred_experts:
+        raise TiermoeError("deferred experts (--kt-max-deferred-experts-per-token) approximate inference; a model to "
+                           "fine-tune computes every expert in its layer: leave it at 0")
     weights_dir, cache = model_dir, find_cache(model_dir)
     if cache is not None:  # a `tiermoe convert` output: CPU-tier experts mapped from it, the rest from its source
         weights_dir = cache.source
@@ -117,6 +121,9 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         cpu, cache = _usable_cache(cache, cpu, lora)
     config = load_config(model_dir)
     spec = detect(config)
+    if cpu.deferred_experts > spec.top_k:
+        raise TiermoeError(f"--kt-max-deferred-experts-per-token {cpu.deferred_experts}: this model routes each token "
+                           f"to {spec.top_k} experts, so at most {spec.top_k} can be deferred (0 keeps outputs exact)")
     rank, num_ranks = (0, 1) if share is None else (share.rank, share.num_ranks)
     plan = resolve_plan(placement, model_dir, spec, num_ranks, str(gpu_device))
     assignment_LE = plan.assignment
@@ -142,6 +149,10 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         if share is not None:
             for block in blocks.values():
                 block.join_ranks(rank, share.reduce)
+        if cpu.deferred_experts and blocks:
+            deferred = DeferredExperts(cpu.deferred_experts, blocks)
+            for block in blocks.values():
+                block.deferred = deferred
         reads = _reads(assignment_LE, spec, rank, share is None or share.holds_cpu_tier)
         if pin and cache is None:
             _give_slabs(blocks, reads & (assignment_LE == -1), spec, dtype)
