@@ -150,6 +150,9 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
             for block in blocks.values():
                 block.join_ranks(rank, share.reduce)
         if cpu.deferred_experts and blocks:
+            log.warning("deferred experts: per token the %d lowest-weighted of %d routed experts, where on the CPU "
+                        "tier, are added in the next MoE layer (an approximation; 0 keeps outputs exact)",
+                        cpu.deferred_experts, spec.top_k)
             deferred = DeferredExperts(cpu.deferred_experts, blocks)
             for block in blocks.values():
                 block.deferred = deferred
