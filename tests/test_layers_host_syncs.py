@@ -1,8 +1,8 @@
 """Would-be host synchronisations per MoE layer in one decode step, counted on the CPU path.
 
 A sync stalls the host until the GPU has caught up, so a decode step costs at least (syncs x launch latency)
-whatever the GPU's speed. The count is an upper bound that cannot silently grow; the issue "Per-token cost at
-the hardware's pace" brings it to <= 1 per layer and lowers TODAY here with it.
+whatever the GPU's speed. The issue "Per-token cost at the hardware's pace" asks for at most one per MoE layer per
+decode step; this test holds the code to it.
 """
 
 from __future__ import annotations
@@ -18,20 +18,19 @@ from tiermoe.model.loader import load_hybrid_model
 from tiermoe.testing.host_syncs import OUTSIDE, HostSyncCounter
 
 
-def today(has_cpu_tier: bool, gpu_experts_hit: int) -> int:
-    """Today's syncs of one HybridMoE block on a decode token (issue 20: "7 + g per layer"):
-    - with CPU-tier experts: 3 device-to-host copies for the CPU tier (hidden, ids, weights) and 1 blocking
-      host-to-device copy of its result;
-    - the GPU tier (routed_experts_forward): the boolean mask `ids[ids >= 0]`, `unique`, `.tolist()`, and one
-      nonzero (`torch.where(ids == e)`) per GPU-tier expert the token routes to (g)."""
-    return (4 if has_cpu_tier else 0) + 3 + gpu_experts_hit
+def bound(has_cpu_tier: bool) -> int:
+    """The issue's goal: at most one per MoE layer, the CPU tier's inputs (hidden, ids, weights) in one
+    device-to-host copy; its result goes back non_blocking from pinned memory, and the GPU tier (stacked slots,
+    grouped GEMM) needs none. A layer without CPU-tier experts: none at all."""
+    return 1 if has_cpu_tier else 0
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_syncs_per_moe_layer_in_a_decode_step_do_not_grow(arch, tiny_dir):
+@pytest.mark.parametrize("arch,mask_kind", [("qwen3_moe", "random_half"), ("deepseek_v3", "random_half"),
+                                            ("gpt_oss", "random_half"), ("qwen3_moe", "all_gpu")])
+def test_at_most_one_sync_per_moe_layer_in_a_decode_step(arch, mask_kind, tiny_dir):
     path = tiny_dir(arch)
     spec = detect(load_config(path))
-    with load_hybrid_model(path, make_mask("random_half", spec), dtype=torch.float32, progress=False) as hybrid:
+    with load_hybrid_model(path, make_mask(mask_kind, spec), dtype=torch.float32, progress=False) as hybrid:
         prompt = torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(0))
         out = hybrid(input_ids=prompt, use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
@@ -48,8 +47,6 @@ def test_syncs_per_moe_layer_in_a_decode_step_do_not_grow(arch, tiny_dir):
         print(f"\n{arch}, one decode token, would-be host syncs:\n{counter.describe()}")
         assert set(routed) == set(hybrid.blocks)
         for layer, block in hybrid.blocks.items():
-            g = int((block.assignment_E[routed[layer].unique()] >= 0).sum())
-            bound = today(len(block.cpu_tier) > 0, g)
-            assert counter.count(layer) <= bound, \
-                f"MoE layer {layer} (g={g}) syncs more than today's {bound}:\n{counter.describe()}"
+            most = bound(len(block.cpu_tier) > 0)
+            assert counter.count(layer) <= most, f"MoE layer {layer} syncs more than {most}:\n{counter.describe()}"
         assert counter.count(OUTSIDE) >= 0  # reported above, not bounded here (attention, masks: not the MoE part)

@@ -356,8 +356,8 @@ class Engine:
                       rows: list[str] | None = None) -> list[torch.Tensor]:
         """ONE forward feeding inputs[i] to the sequence of feeds[i] (the decode rows first: one token after a
         past), on this engine's pool; commits their linear-attention states when it succeeds. Returns each
-        sequence's logits [T_i, V] for `rows[i]` ("last" when not given: T_i = 1; "all": every fed position;
-        "none": T_i = 0). Does not advance any sequence (the caller does)."""
+        sequence's logits [T_i, V] (fp32, on the host) for `rows[i]` ("last" when not given: T_i = 1; "all": every
+        fed position; "none": T_i = 0). Does not advance any sequence (the caller does)."""
         device = self.hybrid.gpu_device
         rows = rows or ["last"] * len(feeds)
         num_decode = next((i for i, f in enumerate(feeds) if not (f.new == 1 and f.past > 0)), len(feeds))
@@ -371,6 +371,8 @@ class Engine:
                              **{self._cache_kwarg: cache, STEP_KWARG: step})
         self.pool.commit(feeds)
         logits = out.logits[0]
+        if keep:  # every kept row to the host in ONE copy (one wait per step): sampling and logprobs read them there
+            logits = logits.float().to("cpu")
         return [logits[a:b] for a, b in spans]
 
     def run_to_completion(self, on_step: Callable[[list[Sequence]], None] | None = None) -> None:

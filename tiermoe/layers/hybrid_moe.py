@@ -24,6 +24,7 @@ from tiermoe.experts.host_slab import copy_to_tier, slab_destination
 from tiermoe.experts.tiers import CPUExpertBackend, ExpertSet
 from tiermoe.layers.deferred_experts import DeferredExperts, split_deferred
 from tiermoe.layers.expert_lora import ExpertLoRA
+from tiermoe.layers.host_copies import to_device_async, to_host_together
 from tiermoe.layers.routed_autograd import RoutedExperts
 from tiermoe.stats.recording import NO_RECORDER
 
@@ -123,15 +124,15 @@ class HybridMoE(nn.Module):
                 wait([carried])
             raise
         if use_cpu:
-            y_TD = y_TD + self.cpu_tier.sync().to(y_TD.device)
+            y_TD = y_TD + to_device_async(self.cpu_tier.sync(), y_TD.device)
         if carried is not None:  # what the MoE layer before this one deferred (its job ran before this one's)
-            y_TD = y_TD + carried.result().to(y_TD.device)
+            y_TD = y_TD + to_device_async(carried.result(), y_TD.device)
         return y_TD, shared_TD
 
     def _submit_cpu(self, x_TD, cpu_ids_TK, weights_TK) -> None:
         """Start the CPU tier's part: all of it, or (deferred experts) the slots kept now, then the deferred ones
         as a second job for the next MoE layer to add."""
-        x_TD, cpu_ids_TK, weights_TK = x_TD.to("cpu"), cpu_ids_TK.to("cpu"), weights_TK.to("cpu")
+        x_TD, cpu_ids_TK, weights_TK = to_host_together(x_TD, cpu_ids_TK, weights_TK)  # the layer's one wait
         if self.deferred is None or not self.deferred.defers(self.layer):
             self.cpu_tier.submit(x_TD, cpu_ids_TK, weights_TK)
             return
@@ -177,18 +178,17 @@ class HybridMoE(nn.Module):
 
     def finish_move(self, expert: int, to_gpu: bool, landed) -> int:
         """The copy has landed: the destination takes it, the assignment changes, the source releases its copy.
-        Returns the bytes the source released."""
+        Returns the bytes copied."""
         src, dst = self._tiers(to_gpu)
         if self.deferred is not None:
             self.deferred.drain()  # a stopped forward's deferred job may still read the expert about to be released
         dst.add(expert, landed)
         self.assign(expert, self.rank if to_gpu else -1)
-        before = src.nbytes
         src.pop(expert)
-        return before - src.nbytes
+        return landed.nbytes
 
     def move_experts(self, experts: Iterable[int], to_gpu: bool) -> int:
-        """Move experts between tiers now; returns the bytes the source tier released.
+        """Move experts between tiers now; returns the bytes copied.
 
         Per expert: copy into the destination tier, reassign once the copy has landed, then release the
         source copy, so at every moment the assignment names a tier that holds the weights.
@@ -198,4 +198,6 @@ class HybridMoE(nn.Module):
             self.check_movable(e, to_gpu)
             dst = self._tiers(to_gpu)[1]
             moved += self.finish_move(e, to_gpu, copy_to_tier(self._tiers(to_gpu)[0].get(e), dst, e))
+        if not to_gpu:
+            self.gpu_tier.trim()  # a slotted GPU tier keeps freed slots for swaps; these experts left for good
         return moved

@@ -45,6 +45,7 @@ from tiermoe.experts.ffn import ExpertActivation
 from tiermoe.experts.fp8_tier import FP8ExpertSet, fp8_expert_bytes
 from tiermoe.experts.host_slab import HostSlab, expert_shapes, pins_host_memory
 from tiermoe.experts.registry import make_cpu_tier
+from tiermoe.experts.slotted_tier import SlottedExpertSet
 from tiermoe.experts.tiers import CPUWorker, ExpertSet
 from tiermoe.experts.weights import ExpertWeights
 from tiermoe.layers.deferred_experts import DeferredExperts
@@ -145,7 +146,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         if lora is not None:
             _check_lora_experts(lora, fp8_layers, assignment_LE == rank)
         blocks = _inject_hybrid_blocks(model, spec, gpu_device, act, worker, pin, cpu, dtype, fp8_layers,
-                                       ckpt.fp8_block)
+                                       ckpt.fp8_block, (assignment_LE == rank).sum(dim=1).tolist())
         if share is not None:
             for block in blocks.values():
                 block.join_ranks(rank, share.reduce)
@@ -225,7 +226,8 @@ def _expert_bytes(reads_LE, on_gpu_LE, fp8_layers, spec, dtype, block) -> int:
 
 
 def _inject_hybrid_blocks(model: nn.Module, spec, gpu_device, act, worker, pin, cpu: CPUConfig,
-                          dtype: torch.dtype, fp8_layers: set[int], fp8_block) -> dict[int, HybridMoE]:
+                          dtype: torch.dtype, fp8_layers: set[int], fp8_block,
+                          gpu_experts_L: list[int]) -> dict[int, HybridMoE]:
     blocks = {}
     for i, layer in enumerate(decoder_layers(model)):
         attr = moe_block_attr(layer)
@@ -235,7 +237,11 @@ def _inject_hybrid_blocks(model: nn.Module, spec, gpu_device, act, worker, pin, 
         if attr is None:
             continue
         # FP8 checkpoints: the GPU tier keeps the stored codes (about half of bf16's bytes)
-        gpu_tier = FP8ExpertSet(gpu_device, act, fp8_block, dtype) if i in fp8_layers else ExpertSet(gpu_device, act)
+        if i in fp8_layers:
+            gpu_tier = FP8ExpertSet(gpu_device, act, fp8_block, dtype)
+        else:  # stacked slots, sized once for the experts the placement gives this rank here
+            gpu_tier = SlottedExpertSet(gpu_device, act, spec.num_experts)
+            gpu_tier.reserve(gpu_experts_L[i])
         cpu_tier = make_cpu_tier(cpu, worker, act, pin, dtype)
         blocks[i] = HybridMoE(getattr(layer, attr), spec, i, gpu_tier, cpu_tier)
         setattr(layer, attr, blocks[i])
@@ -329,8 +335,7 @@ def _load_experts(blocks, sources: dict[int, ExpertSource], ckpt, spec, assignme
                 host = read_expert(ckpt, sources[layer], e, spec, dtype)
             if lora is not None:
                 host = lora.merge_expert(layer, e, host)
-            # On a CPU gpu_device this is the same tensor; on CUDA the host buffer is freed right after.
-            tier.add(e, host if tier.device.type == "cpu" else host.to(tier.device))
+            tier.add(e, host)  # a GPU tier copies it into its slot; the host buffer is freed right after
             if share is not None and not on_gpu:
                 share.cpu_added(layer, e, tier)
             bar.update(host.nbytes)

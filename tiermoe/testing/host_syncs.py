@@ -225,7 +225,7 @@ class HostSyncCounter:
             for layer, block in self.hybrid.blocks.items():
                 self._undo.append(block.register_forward_pre_hook(
                     lambda m, a, layer=layer: self._layer.append(layer)).remove)
-                self._undo.append(block.register_forward_hook(lambda m, a, o: self._layer.pop()).remove)
+                self._undo.append(block.register_forward_hook(self._leave_layer).remove)
                 self._named_devices += [(block.gpu_tier.device, DEVICE), (block.cpu_tier.device, HOST)]
                 self._hand_back_host_memory(block.cpu_tier)
         self._modes = [_Sides(self), _Syncs(self)]
@@ -240,6 +240,9 @@ class HostSyncCounter:
             undo()
         self._modes, self._undo = [], []
         self._read_devices.clear()
+
+    def _leave_layer(self, module, args, output) -> None:
+        self._layer.pop()  # and return None: a forward hook's non-None result would replace the block's output
 
     def _hand_back_host_memory(self, tier) -> None:
         """What a CPU tier hands back is host memory (its protocol says so), whichever thread made it."""
