@@ -50,6 +50,8 @@ CHECKS = (
        "outputs with swaps in flight (adaptive; kt-dynamic after a large prefill) equal static placement's"),
     _c("host_syncs", "syncs/overlap", 25, "gpu_check_syncs",
        "host synchronisations per MoE layer in one decode step (torch.cuda.set_sync_debug_mode), by source line"),
+    _c("deferred_decode", "syncs/overlap", 15, "gpu_check_syncs",
+       "ms per decode step (8 sequences, ratio 0.5) with deferred experts 0 and 2 of top-8"),
     _c("overlap_real_shapes", "syncs/overlap", 45, "gpu_check_syncs",
        "one layer at real shapes (H 2048, I 768, E 128, K 8): CPU tier, GPU tier, both; overlap"),
     _c("pinned_copies", "syncs/overlap", 25, "gpu_check_copies",

@@ -5,6 +5,8 @@ CUDA call warns, and the warning is taken with the Python stack of the call, so 
 tiermoe line that caused it, and as inside a MoE block or not. A decode step should wait for the GPU about
 once per MoE layer (the CPU tier's inputs); more is time the GPU sits idle.
 
+deferred_decode: decode steps with deferred experts off and on (--kt-max-deferred-experts-per-token 2).
+
 overlap_real_shapes: one MoE layer at Qwen3-30B-A3B's shapes, half its experts per tier, at several token
 counts: the CPU tier alone, the GPU tier alone, and the hybrid layer. When the layer takes less than the sum,
 the tiers overlapped.
@@ -23,6 +25,7 @@ import tiermoe
 from tiermoe.analysis.device_profile import best_time, synchronizer
 from tiermoe.analysis.gpu_check_models import checkpoint, model_shape, token_prompts, uniform_mask, vocab_of
 from tiermoe.analysis.gpu_check_plan import CheckContext
+from tiermoe.config import CPUConfig
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 
@@ -61,6 +64,23 @@ def check_host_syncs(ctx: CheckContext) -> dict:
         return {"status": "pass", **result}
     return {"status": "info", "reason": f"{per_layer:g} per MoE layer, above the target of "
                                         f"{TARGET_SYNCS_PER_LAYER}", **result}
+
+
+def check_deferred_decode(ctx: CheckContext) -> dict:
+    """Decode steps of 8 sequences, half the experts on each tier, with deferred experts off and at 2 of top-8:
+    what deferring buys where the deferred job overlaps the next layer's GPU work (on the CPU it cannot)."""
+    ckpt = checkpoint(ctx, "small")
+    mask = uniform_mask(model_shape(ckpt)[0], 0.5)
+    steps = 2 if ctx.quick else 12
+    ms = {}
+    for deferred in (0, 2):
+        with LLM(ckpt, gpu_device=ctx.device, dtype=torch.bfloat16, progress=False, max_running=8, placement=mask,
+                 cpu=CPUConfig(deferred_experts=deferred)) as llm:
+            decode_ready(llm)
+            sync = synchronizer(llm.hybrid.gpu_device)
+            ms[deferred] = best_time(lambda: [llm.engine.step() for _ in range(steps)], sync, repeats=2) / steps * 1e3
+    return {"status": "info", "device": ctx.device, "batch": 8, "ms_per_decode_step": {f"d={d}": v for d, v in
+            ms.items()}, "speedup_at_d2": ms[0] / ms[2]}
 
 
 def count_syncs(fn, device: torch.device) -> list[dict]:
