@@ -17,7 +17,9 @@ scarce resource while the CPU tier computes, to save a copy that runs on a side 
 
 Cost: each forward dequantises the experts it uses (two passes over the weight, see dequantize_fp8) before the
 matmul reads them; an FP8 grouped GEMM would not, and is not used yet (the `fp8_gpu_tier` check of
-benchmarks/gpu_check.sh times the two tiers side by side on a GPU).
+benchmarks/gpu_check.sh times the two tiers side by side on a GPU). Computing expert by expert also costs the host
+3 + g synchronisations per layer (g: the experts a step routes here), which the bf16 GPU tier
+(tiermoe.experts.slotted_tier) no longer pays.
 """
 
 from __future__ import annotations
