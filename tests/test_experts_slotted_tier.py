@@ -1,6 +1,7 @@
-"""The slotted GPU tier: stacked expert slots computed with grouped GEMMs give what expert-by-expert computing
-gives (fp32 exactly up to summation order, bf16 within its rounding), through swaps that reuse, grow and trim the
-slots, with biases (GPT-OSS) and without, and on the expert-by-expert fallback."""
+"""The slotted GPU tier: layers' experts in slots of one pool, computed with grouped GEMMs over each layer's window,
+give what expert-by-expert computing gives (fp32 up to summation order, bf16 within its rounding), through
+swaps inside a layer and between layers (a slot handed over, no memory added), a pool that grows when it must,
+with biases (GPT-OSS) and without, and on the expert-by-expert fallback."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from tiermoe.experts.ffn import ExpertActivation, routed_experts_forward
+from tiermoe.experts.slot_pool import ExpertSlotPool
 from tiermoe.experts.slotted_tier import SlottedExpertSet
 from tiermoe.experts.weights import ExpertWeights
 
@@ -31,39 +33,44 @@ def routing(held: set[int], gen: torch.Generator):
 
 
 @pytest.mark.parametrize("bias,act", [(False, SILU), (True, GPT_OSS)])
-def test_grouped_slots_equal_expert_by_expert_through_swaps(bias, act):
+def test_grouped_slots_equal_expert_by_expert_through_swaps_within_and_between_layers(bias, act):
     gen = torch.Generator().manual_seed(0)
     weights = experts(bias, gen)
-    tier = SlottedExpertSet("cpu", act, E)
-    tier.reserve(3)
-    held = {1, 4, 6}
-    for e in sorted(held):
-        tier.add(e, weights[e])
-    assert tier.nbytes == 3 * weights[0].nbytes and tier._grouped_mm_runs(torch.float32)
+    pool = ExpertSlotPool("cpu")
+    tiers = [SlottedExpertSet(act, E, pool) for _ in range(3)]
+    held = [{1, 4, 6}, {0, 2}, {3, 5, 7}]
+    for tier, experts_here in zip(tiers, held):
+        pool.reserve(len(experts_here))
+    for tier, experts_here in zip(tiers, held):
+        for e in sorted(experts_here):
+            tier.add(e, weights[e])
+    per_expert = weights[0].nbytes
+    assert pool.nbytes == 8 * per_expert and pool.grouped_mm_runs(torch.float32)
 
     def check():
-        x, ids, w = routing(held, gen)
-        want = routed_experts_forward({e: weights[e] for e in held}, x, ids, w, act)
-        assert torch.allclose(tier.forward(x, ids, w), want, rtol=1e-5, atol=1e-6)
+        for tier, experts_here in zip(tiers, held):
+            x, ids, w = routing(experts_here, gen)
+            want = routed_experts_forward({e: weights[e] for e in experts_here}, x, ids, w, act)
+            assert torch.allclose(tier.forward(x, ids, w), want, rtol=1e-5, atol=1e-6)
+            assert sorted(tier.slot_E.ge(0).nonzero().flatten().tolist()) == sorted(experts_here)
 
     check()
-    tier.pop(4), held.remove(4)  # a swap: the freed slot takes the next expert in, no new memory
-    tier.add(7, weights[7]), held.add(7)
-    assert tier.nbytes == 3 * weights[0].nbytes
+    tiers[0].pop(4), held[0].remove(4)  # a swap in layer 0: its freed slot takes the next expert in
+    tiers[0].add(7, weights[7]), held[0].add(7)
     check()
-    tier.add(0, weights[0]), held.add(0)  # more experts than slots: the stacks grow, the views follow
-    assert tier.nbytes == 4 * weights[0].nbytes and torch.equal(tier.get(1).down, weights[1].down)
+    tiers[1].pop(2), held[1].remove(2)  # between layers: layer 1's slot goes to layer 2, no memory added
+    tiers[2].add(0, weights[0]), held[2].add(0)
+    assert pool.nbytes == 8 * per_expert and pool.free_slots == 0
+    check()  # layer 2's window now spans layer 1's slots: empty groups there
+    tiers[1].add(6, weights[6]), held[1].add(6)  # more experts than the pool was sized for: it grows
+    assert pool.nbytes == 9 * per_expert and torch.equal(tiers[0].get(1).down, weights[1].down)
     check()
-    tier.pop(1), held.remove(1)
-    assert tier.trim() == weights[0].nbytes and tier.nbytes == 3 * weights[0].nbytes
-    check()
-    assert sorted(tier.slot_E.ge(0).nonzero().flatten().tolist()) == sorted(held)
 
 
 def test_bf16_and_the_fallback_for_activations_of_another_dtype():
     gen = torch.Generator().manual_seed(1)
     weights = {e: ExpertWeights(*(t.to(torch.bfloat16) for t in w.tensors())) for e, w in experts(False, gen).items()}
-    tier = SlottedExpertSet("cpu", SILU, E)
+    tier = SlottedExpertSet(SILU, E, ExpertSlotPool("cpu"))
     for e in range(E):
         tier.add(e, weights[e])
     x, ids, w = routing(set(range(E)), gen)
@@ -71,13 +78,13 @@ def test_bf16_and_the_fallback_for_activations_of_another_dtype():
     want = routed_experts_forward(weights, x, ids, w.to(torch.bfloat16), SILU)
     got = tier.forward(x, ids, w.to(torch.bfloat16))
     assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()
-    assert not tier._grouped_mm_runs(torch.float32)  # fp32 activations on bf16 stacks: expert by expert
+    assert not tier.pool.grouped_mm_runs(torch.float32)  # fp32 activations on bf16 stacks: expert by expert
     with pytest.raises(RuntimeError):
         tier.forward(x.float(), ids, w)  # as F.linear refuses mixed dtypes
 
 
 def test_an_empty_tier_and_ids_of_no_expert_here_give_zeros():
-    tier = SlottedExpertSet("cpu", SILU, E)
+    tier = SlottedExpertSet(SILU, E, ExpertSlotPool("cpu"))
     x = torch.randn(T, D)
     assert torch.equal(tier.forward(x, torch.full((T, K), -1), torch.rand(T, K)), torch.zeros(T, D))
     tier.add(2, experts(False, torch.Generator().manual_seed(2))[2])

@@ -114,6 +114,8 @@ def test_tier_bytes_equal_the_mask_share(tiny_dir):
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss"])
 def test_tier_swap_keeps_logits_exact_and_releases_the_source(arch, tiny_dir):
+    """The CPU tier releases what it gives up; the GPU tier's pool keeps a demoted expert's slot for the next
+    promotion (its size is the GPU budget)."""
     path = tiny_dir(arch)
     spec = detect(load_config(path))
     ids = input_ids()
@@ -130,9 +132,12 @@ def test_tier_swap_keeps_logits_exact_and_releases_the_source(arch, tiny_dir):
         assert hybrid.mask[layer].nonzero().flatten().tolist() == [0, 3, 5]
         assert rel_err(hybrid(input_ids=ids).logits, ref) < FP32_TOL
 
-        hybrid.move_experts(layer, [3], to_gpu=False)
-        assert hybrid.tier_bytes().gpu_experts == 2 * per_expert
+        hybrid.move_experts(layer, [3], to_gpu=False)  # its GPU slot stays in the pool, free for the next one in
+        assert hybrid.tier_bytes().gpu_experts == 3 * per_expert and hybrid.gpu_pool.free_slots == 1
+        assert hybrid.tier_bytes().cpu_experts == after.cpu_experts + per_expert
         assert rel_err(hybrid(input_ids=ids).logits, ref) < FP32_TOL
+        hybrid.move_experts(layer, [1], to_gpu=True)
+        assert hybrid.tier_bytes().gpu_experts == 3 * per_expert and hybrid.gpu_pool.free_slots == 0
 
         target = make_mask("random_half", spec)
         hybrid.apply_mask(target)

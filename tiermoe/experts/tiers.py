@@ -85,9 +85,8 @@ class ExpertSet:
     def nbytes(self) -> int:
         return sum(w.nbytes for w in self.experts.values())
 
-    def trim(self) -> int:
-        """Give back memory held for experts no longer here: none (each expert is its own allocation)."""
-        return 0
+    def make_room(self, experts: int) -> None:
+        """Get ready to take `experts` more: nothing to do (each expert is its own allocation)."""
 
     def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         return routed_experts_forward(self.experts, x_TD, ids_TK, weights_TK, self.act)

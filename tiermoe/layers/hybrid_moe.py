@@ -193,11 +193,12 @@ class HybridMoE(nn.Module):
         Per expert: copy into the destination tier, reassign once the copy has landed, then release the
         source copy, so at every moment the assignment names a tier that holds the weights.
         """
+        experts = list(experts)
+        if to_gpu:
+            self.gpu_tier.make_room(len(experts))
         moved = 0
         for e in experts:
             self.check_movable(e, to_gpu)
             dst = self._tiers(to_gpu)[1]
             moved += self.finish_move(e, to_gpu, copy_to_tier(self._tiers(to_gpu)[0].get(e), dst, e))
-        if not to_gpu:
-            self.gpu_tier.trim()  # a slotted GPU tier keeps freed slots for swaps; these experts left for good
         return moved

@@ -17,6 +17,8 @@ from torch import nn
 
 from tiermoe.arch.spec import ArchSpec
 from tiermoe.errors import TiermoeError
+from tiermoe.experts.slot_pool import ExpertSlotPool
+from tiermoe.experts.slotted_tier import SlottedExpertSet
 from tiermoe.experts.tiers import CPUWorker
 from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.placement.mask import validate_mask
@@ -50,7 +52,7 @@ class HybridModel:
 
     def __init__(self, model: nn.Module, config, spec: ArchSpec, blocks: dict[int, HybridMoE],
                  gpu_device: torch.device, worker: CPUWorker, model_dir: Path, expert_dtype: torch.dtype,
-                 share=None, trainable: bool = False):
+                 share=None, trainable: bool = False, gpu_pool: ExpertSlotPool | None = None):
         self.model = model
         self.config = config
         self.spec = spec
@@ -62,6 +64,7 @@ class HybridModel:
         self.swap_stats = SwapStats()
         self.share = share  # None with one process; this rank's part of a multi-rank run otherwise
         self.trainable = trainable  # loaded for fine-tuning: calls keep autograd (tiermoe.training)
+        self.gpu_pool = gpu_pool  # the GPU tiers' shared expert slots (tiermoe.experts.slot_pool)
 
     def __call__(self, *args, **kwargs):
         if self.trainable:
@@ -99,9 +102,11 @@ class HybridModel:
         # Routed experts live in the tiers, not in the module tree, so every model tensor is a non-expert one.
         tensors = {id(t): t for t in list(self.model.parameters()) + list(self.model.buffers())}
         non_expert = sum(t.numel() * t.element_size() for t in tensors.values())
+        pooled = self.gpu_pool.nbytes if self.gpu_pool is not None else 0  # held slots and free ones
         return TierBytes(
             non_expert=non_expert,
-            gpu_experts=sum(b.gpu_tier.nbytes for b in self.blocks.values()),
+            gpu_experts=pooled + sum(b.gpu_tier.nbytes for b in self.blocks.values()
+                                     if not isinstance(b.gpu_tier, SlottedExpertSet)),  # FP8 tiers
             cpu_experts=sum(b.cpu_tier.nbytes for b in self.blocks.values()),
         )
 

@@ -45,6 +45,7 @@ from tiermoe.experts.ffn import ExpertActivation
 from tiermoe.experts.fp8_tier import FP8ExpertSet, fp8_expert_bytes
 from tiermoe.experts.host_slab import HostSlab, expert_shapes, pins_host_memory
 from tiermoe.experts.registry import make_cpu_tier
+from tiermoe.experts.slot_pool import ExpertSlotPool
 from tiermoe.experts.slotted_tier import SlottedExpertSet
 from tiermoe.experts.tiers import CPUWorker, ExpertSet
 from tiermoe.experts.weights import ExpertWeights
@@ -145,8 +146,9 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         fp8_layers = {layer for layer, src in sources.items() if keeps_fp8(ckpt, src)}
         if lora is not None:
             _check_lora_experts(lora, fp8_layers, assignment_LE == rank)
+        pool = ExpertSlotPool(gpu_device)
         blocks = _inject_hybrid_blocks(model, spec, gpu_device, act, worker, pin, cpu, dtype, fp8_layers,
-                                       ckpt.fp8_block, (assignment_LE == rank).sum(dim=1).tolist())
+                                       ckpt.fp8_block, (assignment_LE == rank).sum(dim=1).tolist(), pool)
         if share is not None:
             for block in blocks.values():
                 block.join_ranks(rank, share.reduce)
@@ -179,7 +181,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         use_rows_lm_head(model)  # the head on the sampled rows as one 2-D matmul: no copy of its weight per prefill
         group_kv_b_rows_of(decoder_layers(model))  # MLA's one re-layout, now that kv_b_proj holds its rows
     return_freed_heap()  # the read buffers the tiers packed or quantised from
-    return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share, trainable)
+    return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share, trainable, pool)
 
 
 def _usable_cache(cache: ExpertCache, cpu: CPUConfig,
@@ -226,8 +228,8 @@ def _expert_bytes(reads_LE, on_gpu_LE, fp8_layers, spec, dtype, block) -> int:
 
 
 def _inject_hybrid_blocks(model: nn.Module, spec, gpu_device, act, worker, pin, cpu: CPUConfig,
-                          dtype: torch.dtype, fp8_layers: set[int], fp8_block,
-                          gpu_experts_L: list[int]) -> dict[int, HybridMoE]:
+                          dtype: torch.dtype, fp8_layers: set[int], fp8_block, gpu_experts_L: list[int],
+                          pool: ExpertSlotPool) -> dict[int, HybridMoE]:
     blocks = {}
     for i, layer in enumerate(decoder_layers(model)):
         attr = moe_block_attr(layer)
@@ -239,9 +241,9 @@ def _inject_hybrid_blocks(model: nn.Module, spec, gpu_device, act, worker, pin, 
         # FP8 checkpoints: the GPU tier keeps the stored codes (about half of bf16's bytes)
         if i in fp8_layers:
             gpu_tier = FP8ExpertSet(gpu_device, act, fp8_block, dtype)
-        else:  # stacked slots, sized once for the experts the placement gives this rank here
-            gpu_tier = SlottedExpertSet(gpu_device, act, spec.num_experts)
-            gpu_tier.reserve(gpu_experts_L[i])
+        else:  # slots of the model's pool, sized once for the experts the placement gives this rank
+            gpu_tier = SlottedExpertSet(act, spec.num_experts, pool)
+            pool.reserve(gpu_experts_L[i])
         cpu_tier = make_cpu_tier(cpu, worker, act, pin, dtype)
         blocks[i] = HybridMoE(getattr(layer, attr), spec, i, gpu_tier, cpu_tier)
         setattr(layer, attr, blocks[i])
