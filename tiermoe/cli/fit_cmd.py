@@ -36,12 +36,15 @@ def add_parser(sub) -> None:
                    help="layerwise-prefill buffer (with --kt-gpu-prefill-token-threshold; default 0)")
     p.add_argument("--cpu-expert-dtype", choices=("bf16", "int8", "int4"),
                    help="format of CPU-tier experts (default: the compute dtype)")
+    p.add_argument("--non-expert-dtype", choices=("bf16", "int8", "int4"),
+                   help="count the non-expert linears packed in this format, as a CPU-only load with "
+                        "--non-expert-dtype holds them (default: the compute dtype)")
     p.add_argument("--gpu-experts", type=non_negative_int,
                    help="GPU-tier experts in total to check (default: the largest count that fits)")
 
 
 def run(args) -> int:
-    model = model_bytes(args.model, args.dtype, args.cpu_expert_dtype)
+    model = model_bytes(args.model, args.dtype, args.cpu_expert_dtype, args.non_expert_dtype)
     report = fit_report(model, args.gpu_experts, args.max_total_tokens, args.gpu_prefill_buffer_gb,
                         args.gpu_memory_gb, args.ram_gb, args.max_running_requests)
     print(report.describe())

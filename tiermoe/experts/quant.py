@@ -227,3 +227,16 @@ def expert_in_layout(gate_up: QMatrix, down: QMatrix, layout: str) -> tuple[QMat
     if down.layout != layout:
         down = unblock(down) if layout == "rows" else block(down)
     return gate_up, down
+
+
+def blocked_nbytes(fmt: str, n: int, k: int) -> int:
+    """Bytes `block(quantize(w, fmt))` holds for a W [n, k] (one segment), from the shape alone: what `tiermoe
+    fit` counts for a matrix before it is loaded."""
+    n_pad, k_pad = round_up(n, 16), round_up(k, k_align(fmt))
+    if fmt == "bf16":
+        return 2 * n_pad * k_pad
+    if fmt == "int8":
+        return n_pad * k_pad + 4 * n_pad
+    if fmt == "int4":
+        return n_pad * k_pad // 2 + 4 * n_pad + n_pad * k_pad // INT4_GROUP + n_pad * k_pad // 64
+    raise ValueError(f"unknown weight format '{fmt}'; choose one of: {', '.join(FORMATS)}")
