@@ -47,6 +47,7 @@ class PackedMatrix:
             raise ValueError(f"segments {m.segments} are not equal consecutive blocks of rows")
         self.q = m  # keeps the stored tensors alive while the products use them
         self.c = c_matrix(m)
+        self.c_ptr = ctypes.pointer(self.c)  # made once: a decode step calls each non-expert linear once per layer
         self.n, self.k, self.seg_rows, self.seg_len = m.n, m.k, m.segment_rows, length
 
 
@@ -95,7 +96,7 @@ def packed_product(kernels: Kernels, team: ThreadTeam, w: PackedMatrix, x: torch
         return out.view(*x.shape[:-1], width_out).to(x.dtype)
     args = TmLinearArgs(isa=kernels.isa, amx_min_rows=amx_min_rows, M=rows.shape[0], N=w.n, K=w.k,
                         seg_rows=w.seg_rows, seg_len=w.seg_len, x_bf16=int(compute == torch.bfloat16),
-                        W=ctypes.pointer(w.c), x=rows.data_ptr(), out=out.data_ptr())
+                        W=w.c_ptr, x=rows.data_ptr(), out=out.data_ptr())
     call = kernels.lib.tm_linear_transposed if transposed else kernels.lib.tm_linear_forward
     err = ctypes.create_string_buffer(256)
     if call(team.handle, ctypes.byref(args), err, len(err)) != 0:
