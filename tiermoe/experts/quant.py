@@ -198,7 +198,8 @@ def unblock(m: QMatrix) -> QMatrix:
 
     if m.fmt in ("bf16", "int8"):
         pair = torch.int32 if m.fmt == "bf16" else torch.int16
-        pairs = m.codes.view(pair).view(n_pad // 16, -1, 16).transpose(1, 2).reshape(n_pad, -1)
+        # contiguous: with one strip (n_pad 16) the reshape is a strided view, which cannot be viewed bytewise
+        pairs = m.codes.view(pair).view(n_pad // 16, -1, 16).transpose(1, 2).reshape(n_pad, -1).contiguous()
         codes = rows_back(pairs.view(m.codes.dtype))[:, : m.k]
     else:
         codes = rows_back(m.codes.permute(0, 2, 1).reshape(n_pad, -1))
