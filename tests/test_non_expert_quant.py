@@ -31,6 +31,9 @@ needs_kernels = pytest.mark.skipif(supported_isa() is None, reason="the kernel l
 # under any weight error (bf16 weights flip them too), hence the median. Exactness is the other check: the
 # quantised model computes, to fp32 rounding, the model whose linears hold the dequantised stored weights.
 TOLERANCE = {"int8": 0.03, "int4": 0.4}
+# Qwen3-Next's gated delta rule carries any error of a random in_proj_qkvz along the sequence (bf16 weights alone
+# give 0.015, int8 0.07, int4 0.66 at the median position): only int8 is held to a bound there.
+ARCH_TOLERANCE = {"qwen3_next": {"int8": 0.15, "int4": None}}
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +66,14 @@ def test_a_quantized_linear_computes_the_linear_on_the_kernels_and_in_torch_alik
         assert sum(b.numel() * b.element_size() for b in q.buffers()) == blocked_nbytes(fmt, 72, 200)
 
 
-def test_blocked_nbytes_is_what_a_blocked_matrix_holds():
+def test_blocked_nbytes_is_what_a_blocked_matrix_holds_and_small_matrices_unblock():
     for fmt in ("bf16", "int8", "int4"):
-        for n, k in ((72, 200), (64, 256), (1, 40)):
-            assert block(quantize(torch.randn(n, k), fmt)).nbytes == blocked_nbytes(fmt, n, k)
+        for n, k in ((72, 200), (64, 256), (1, 40), (16, 64)):
+            w = torch.randn(n, k)
+            blocked = block(quantize(w, fmt))
+            assert blocked.nbytes == blocked_nbytes(fmt, n, k)
+            # and back (one strip of 16 rows, as a small projection has, included)
+            assert torch.equal(dequantize(blocked, torch.float32), dequantize(quantize(w, fmt), torch.float32))
 
 
 def _load(path, fmt, **kwargs):
@@ -90,7 +97,7 @@ def _dequantized_reference(hybrid, router_attr: str, fmt: str) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "qwen3_next", "deepseek_v3", "gpt_oss"])
 def test_quantized_non_experts_compute_their_stored_weights_and_keep_routers_and_norms(tiny_dir, arch):
     path = tiny_dir(arch)
     spec = detect(load_config(path))
@@ -112,7 +119,8 @@ def test_quantized_non_experts_compute_their_stored_weights_and_keep_routers_and
             logits = hybrid(input_ids=ids).logits
             assert rel_err(logits, exact[fmt]) < 1e-4  # the stored weights, computed by the kernels in fp32
             per_position = (logits - ref).abs().amax(-1).flatten() / ref.abs().max()
-            assert per_position.median() < TOLERANCE[fmt], (fmt, per_position)
+            tolerance = ARCH_TOLERANCE.get(arch, TOLERANCE)[fmt]
+            assert tolerance is None or per_position.median() < tolerance, (fmt, per_position)
             modules = dict(hybrid.model.named_modules())
             swapped = [name for name, m in modules.items() if isinstance(m, QuantizedLinear)]
             assert len(swapped) == linears + 1  # and the LM head

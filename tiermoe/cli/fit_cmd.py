@@ -21,6 +21,7 @@ def add_parser(sub) -> None:
         "tiermoe fit --model /models/DeepSeek-V3 --gpu-memory-gb 80 --cpu-expert-dtype int4 --max-total-tokens 32768",
         "tiermoe fit --model config.json --dtype fp8 --gpu-memory-gb 24 --ram-gb 512",
         "tiermoe fit --model /models/Qwen3-30B-A3B-Q4_K_M.gguf --gpu-memory-gb 16",
+        "tiermoe fit --model /models/Qwen3-30B-A3B --ram-gb 32 --cpu-expert-dtype int4 --non-expert-dtype int4",
     )
     p.add_argument("--model", required=True, help="checkpoint directory, GGUF file or directory, or a config.json")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp8"),
