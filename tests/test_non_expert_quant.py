@@ -146,6 +146,10 @@ def test_generation_through_llm_runs_on_the_quantized_linears():
         for _ in range(6):  # the same greedy tokens from whole-sequence forwards of the same model
             ids.append(int(llm.hybrid(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
         assert list(out.token_ids) == ids[len(prompt):]
+        other = llm.encode("Once upon a time")
+        together = llm.generate([prompt, other], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        assert [list(o.token_ids) for o in together] == [list(out.token_ids), list(llm.generate(
+            other, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids)]  # batch-invariant
 
 
 def test_the_option_is_refused_off_cpu_for_training_and_when_unknown(tiny_dir):
