@@ -28,11 +28,12 @@ from tiermoe.arch import ArchSpec, detect, load_gguf_config, text_config
 from tiermoe.checkpoint.expert_cache import find_cache
 from tiermoe.checkpoint.fp8 import is_fp8_quantised
 from tiermoe.checkpoint.gguf_reader import gguf_files
-from tiermoe.config import MIN_KV_TOKENS_PER_REQUEST
+from tiermoe.config import MIN_KV_TOKENS_PER_REQUEST, NON_EXPERT_DTYPES
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.fp8_blocks import DEFAULT_BLOCK, dequant_bytes, scale_shape
 from tiermoe.experts.fp8_tier import fp8_expert_bytes
 from tiermoe.model.held_bytes import ROUTED_EXPERT_NAME, HeldBytes, fp8_expert_dequant_bytes, held_from_headers
+from tiermoe.model.non_expert_quant import quantized_bytes_change
 from tiermoe.model.skeleton import build_skeleton
 from tiermoe.models import resolve_model
 from tiermoe.placement.budget import (
@@ -124,9 +125,12 @@ def _non_expert_from_config(cfg, dtype: torch.dtype, fp8: bool) -> tuple[int, in
     return total, fp8_matrix
 
 
-def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: str | None = None) -> ModelBytes:
+def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: str | None = None,
+                non_expert_dtype: str | None = None) -> ModelBytes:
     """Memory of `model`: a checkpoint directory (safetensors headers), a GGUF file or directory, or a
-    config.json (or a directory holding only one) with `dtype` (bf16, fp16, fp32 or fp8) naming its weights."""
+    config.json (or a directory holding only one) with `dtype` (bf16, fp16, fp32 or fp8) naming its weights.
+    `non_expert_dtype` (--non-expert-dtype): the non-expert linears counted packed in that format, as a CPU-only
+    load holds them (tiermoe.model.non_expert_quant)."""
 
     path = Path(model)
     if not path.exists():
@@ -137,7 +141,7 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
         spec = detect(cfg)
         compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
         return _bytes(path.name, spec, cfg, held_from_headers(path, compute, cfg, spec), compute,
-                      cpu_expert_dtype, "GGUF headers (converted at load)")
+                      cpu_expert_dtype, "GGUF headers (converted at load)", non_expert_dtype)
     config_file = path if path.is_file() else path / "config.json"
     if config_file.name != "config.json" or not config_file.is_file():
         raise TiermoeError(f"'{path}' is neither a checkpoint directory, a config.json nor a GGUF file")
@@ -166,13 +170,22 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
         fp8_expert = fp8_expert_dequant_bytes(spec, DEFAULT_BLOCK, compute) if fp8 else 0
         held = HeldBytes(non_expert, gpu_expert, fp8_matrix, fp8_expert)
         source = f"config.json ({dtype})"
-    return _bytes(config_file.parent.name, spec, cfg, held, compute, cpu_expert_dtype, source)
+    return _bytes(config_file.parent.name, spec, cfg, held, compute, cpu_expert_dtype, source, non_expert_dtype)
 
 
-def _bytes(name, spec, cfg, held: HeldBytes, compute, cpu_expert_dtype, source) -> ModelBytes:
+def _bytes(name, spec, cfg, held: HeldBytes, compute, cpu_expert_dtype, source,
+           non_expert_dtype: str | None = None) -> ModelBytes:
     fmt = cpu_format(cpu_expert_dtype, compute)
+    non_expert = held.non_expert
+    if non_expert_dtype is not None:
+        if non_expert_dtype not in NON_EXPERT_DTYPES:
+            raise TiermoeError(f"--non-expert-dtype '{non_expert_dtype}' is unknown; choose one of: "
+                               f"{', '.join(NON_EXPERT_DTYPES)}")
+        tied = getattr(text_config(cfg), "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False)
+        skeleton = build_skeleton(copy.deepcopy(cfg), compute)
+        non_expert += quantized_bytes_change(skeleton, spec.router_attr, non_expert_dtype, bool(tied))
     return ModelBytes(
-        name=name, spec=spec, non_expert=held.non_expert, gpu_bytes_per_expert=held.gpu_expert,
+        name=name, spec=spec, non_expert=non_expert, gpu_bytes_per_expert=held.gpu_expert,
         cpu_bytes_per_expert=cpu_expert_bytes(spec, fmt, compute), load_buffer=spec.bytes_per_expert(compute),
         cpu_format=fmt,
         kv=kv_layout(text_config(cfg), compute.itemsize), source=source,

@@ -1,5 +1,5 @@
 """The CPU tier's flags, shared by every command that loads a model: backend, expert format, threads, NUMA pools
-and deferred experts.
+deferred experts, and the format of the non-expert weights in CPU-only runs (--non-expert-dtype).
 
 SGLang-kt's spellings are accepted so a KTransformers launch line keeps working: `--kt-cpuinfer N` is
 `--cpu-threads N`, and `--kt-method AMXINT4 | AMXINT8 | BF16` chooses the expert format (computed by tiermoe's own
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from tiermoe.cli.flags import positive_int
-from tiermoe.config import CPU_BACKENDS, CPU_EXPERT_DTYPES, CPUConfig
+from tiermoe.config import CPU_BACKENDS, CPU_EXPERT_DTYPES, NON_EXPERT_DTYPES, CPUConfig
 from tiermoe.errors import TiermoeError
 
 KT_METHODS = {"AMXINT4": "int4", "AMXINT8": "int8", "BF16": "bf16", "AMXBF16": "bf16"}
@@ -74,6 +74,11 @@ def add_cpu_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-expert-dtype", choices=CPU_EXPERT_DTYPES, default=None,
                    help="format the CPU-tier experts are stored and computed in, quantised once at load "
                         "(default: the checkpoint's dtype)")
+    g.add_argument("--non-expert-dtype", choices=NON_EXPERT_DTYPES, default=None,
+                   help="CPU-only runs (--gpu-device cpu): hold the non-expert linears (attention, dense and shared "
+                        "MLPs, LM head) packed in this format, computed by the same kernels (the head takes int8 "
+                        "under int4; routers, norms, embeddings and MLA's kv_b stay as loaded). Default: the "
+                        "checkpoint's dtype")
     g.add_argument("--kt-method", dest="kt_method", type=kt_method, default=None,
                    help="SGLang-kt spelling of the format: AMXINT4 = int4, AMXINT8 = int8, BF16 = bf16")
     g.add_argument("--cpu-threads", "--kt-cpuinfer", dest="cpu_threads", type=cpu_threads, default=None,
@@ -101,4 +106,5 @@ def cpu_from_args(args) -> CPUConfig:
                            "give one node per pool (as SGLang-kt requires)")
     return CPUConfig(backend=getattr(args, "cpu_backend", CPUConfig().backend), expert_dtype=fmt or method,
                      threads=getattr(args, "cpu_threads", None), numa_nodes=tuple(nodes) if nodes else None,
-                     deferred_experts=getattr(args, "deferred_experts", 0))
+                     deferred_experts=getattr(args, "deferred_experts", 0),
+                     non_expert_dtype=getattr(args, "non_expert_dtype", None))

@@ -21,6 +21,7 @@ def add_parser(sub) -> None:
         "tiermoe fit --model /models/DeepSeek-V3 --gpu-memory-gb 80 --cpu-expert-dtype int4 --max-total-tokens 32768",
         "tiermoe fit --model config.json --dtype fp8 --gpu-memory-gb 24 --ram-gb 512",
         "tiermoe fit --model /models/Qwen3-30B-A3B-Q4_K_M.gguf --gpu-memory-gb 16",
+        "tiermoe fit --model /models/Qwen3-30B-A3B --ram-gb 32 --cpu-expert-dtype int4 --non-expert-dtype int4",
     )
     p.add_argument("--model", required=True, help="checkpoint directory, GGUF file or directory, or a config.json")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp8"),
@@ -36,12 +37,15 @@ def add_parser(sub) -> None:
                    help="layerwise-prefill buffer (with --kt-gpu-prefill-token-threshold; default 0)")
     p.add_argument("--cpu-expert-dtype", choices=("bf16", "int8", "int4"),
                    help="format of CPU-tier experts (default: the compute dtype)")
+    p.add_argument("--non-expert-dtype", choices=("bf16", "int8", "int4"),
+                   help="count the non-expert linears packed in this format, as a CPU-only load with "
+                        "--non-expert-dtype holds them (default: the compute dtype)")
     p.add_argument("--gpu-experts", type=non_negative_int,
                    help="GPU-tier experts in total to check (default: the largest count that fits)")
 
 
 def run(args) -> int:
-    model = model_bytes(args.model, args.dtype, args.cpu_expert_dtype)
+    model = model_bytes(args.model, args.dtype, args.cpu_expert_dtype, args.non_expert_dtype)
     report = fit_report(model, args.gpu_experts, args.max_total_tokens, args.gpu_prefill_buffer_gb,
                         args.gpu_memory_gb, args.ram_gb, args.max_running_requests)
     print(report.describe())

@@ -1,4 +1,5 @@
-"""One expert's four products (tiermoe.experts.expert_matmuls) on the native CPU tier's packed kernels.
+"""Products with packed matrices on the native kernels: one expert's four (tiermoe.experts.expert_matmuls), and
+`packed_product`, which also computes the quantised non-expert linears (tiermoe.layers.quantized_linear).
 
 What training's backward through the CPU tier computes with: gate_up / down (x W^T, raw, no activation) and their
 input gradients gate_up_t / down_t (g W). The frozen weights are read in the format the tier holds them (bf16,
@@ -46,6 +47,7 @@ class PackedMatrix:
             raise ValueError(f"segments {m.segments} are not equal consecutive blocks of rows")
         self.q = m  # keeps the stored tensors alive while the products use them
         self.c = c_matrix(m)
+        self.c_ptr = ctypes.pointer(self.c)  # made once: a decode step calls each non-expert linear once per layer
         self.n, self.k, self.seg_rows, self.seg_len = m.n, m.k, m.segment_rows, length
 
 
@@ -75,21 +77,31 @@ class KernelMatmuls:
         return self._product(self.w_down, g_ND, transposed=True)
 
     def _product(self, w: PackedMatrix, x: torch.Tensor, transposed: bool) -> torch.Tensor:
-        """x W^T ([..., k] -> [..., n]) or, transposed, x W ([..., n] -> [..., k]), in x's dtype."""
-        width_in, width_out = (w.n, w.k) if transposed else (w.k, w.n)
-        if x.device.type != "cpu" or x.shape[-1] != width_in:
-            raise ValueError(f"expected CPU rows of {width_in} values, got {tuple(x.shape)} on {x.device}")
-        compute = x.dtype if x.dtype in KERNEL_DTYPES else torch.float32
-        rows = x.detach().reshape(-1, width_in).to(compute).contiguous()
-        out = torch.empty(rows.shape[0], width_out, dtype=compute)
-        args = TmLinearArgs(isa=self.kernels.isa, amx_min_rows=self.amx_min_rows, M=rows.shape[0], N=w.n, K=w.k,
-                            seg_rows=w.seg_rows, seg_len=w.seg_len, x_bf16=int(compute == torch.bfloat16),
-                            W=ctypes.pointer(w.c), x=rows.data_ptr(), out=out.data_ptr())
-        call = self.kernels.lib.tm_linear_transposed if transposed else self.kernels.lib.tm_linear_forward
-        err = ctypes.create_string_buffer(256)
-        if call(self.team().handle, ctypes.byref(args), err, len(err)) != 0:
-            raise RuntimeError(err.value.decode())
+        return packed_product(self.kernels, self.team(), w, x, transposed, self.amx_min_rows)
+
+
+def packed_product(kernels: Kernels, team: ThreadTeam, w: PackedMatrix, x: torch.Tensor, transposed: bool = False,
+                   amx_min_rows: int = 4) -> torch.Tensor:
+    """x W^T ([..., k] -> [..., n]) or, transposed, x W ([..., n] -> [..., k]), in x's dtype, on `team`.
+
+    The one entry to `tm_linear_forward` / `tm_linear_transposed`: an expert's products (KernelMatmuls) and the
+    quantised non-expert linears (tiermoe.layers.quantized_linear) both compute through it."""
+    width_in, width_out = (w.n, w.k) if transposed else (w.k, w.n)
+    if x.device.type != "cpu" or x.shape[-1] != width_in:
+        raise ValueError(f"expected CPU rows of {width_in} values, got {tuple(x.shape)} on {x.device}")
+    compute = x.dtype if x.dtype in KERNEL_DTYPES else torch.float32
+    rows = x.detach().reshape(-1, width_in).to(compute).contiguous()
+    out = torch.empty(rows.shape[0], width_out, dtype=compute)
+    if rows.shape[0] == 0:
         return out.view(*x.shape[:-1], width_out).to(x.dtype)
+    args = TmLinearArgs(isa=kernels.isa, amx_min_rows=amx_min_rows, M=rows.shape[0], N=w.n, K=w.k,
+                        seg_rows=w.seg_rows, seg_len=w.seg_len, x_bf16=int(compute == torch.bfloat16),
+                        W=w.c_ptr, x=rows.data_ptr(), out=out.data_ptr())
+    call = kernels.lib.tm_linear_transposed if transposed else kernels.lib.tm_linear_forward
+    err = ctypes.create_string_buffer(256)
+    if call(team.handle, ctypes.byref(args), err, len(err)) != 0:
+        raise RuntimeError(err.value.decode())
+    return out.view(*x.shape[:-1], width_out).to(x.dtype)
 
 
 def _plus(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 
 from tiermoe.experts.ffn import ConvertedOnLookup, ExpertActivation, routed_experts_forward
 from tiermoe.experts.kernel_matmuls import KernelMatmuls, c_matrix
-from tiermoe.experts.kernels import ThreadTeam, TmLayerArgs, TmMatrix, load_kernels
+from tiermoe.experts.kernels import Kernels, ThreadTeam, TmLayerArgs, TmMatrix, load_kernels
 from tiermoe.experts.quant import (
     QMatrix,
     dequantize,
@@ -169,9 +169,7 @@ class NativeCPUExperts(ComputedOnWorker):
             return self._torch_forward(x_TD, ids_TK, weights_TK)
 
     def _team(self) -> ThreadTeam:
-        n, nodes = self.threads, self.numa_nodes
-        cpus = (lambda: numa_team_cpus(n, nodes)) if nodes else (lambda: team_cpus(n))
-        return self.worker.shared(("tiermoe.native.team", n, nodes), lambda: ThreadTeam(self.kernels, n, cpus()))
+        return kernel_team(self.worker, self.kernels, self.threads, self.numa_nodes)
 
     def _kernel_forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         x = x_TD.contiguous() if x_TD.dtype in (torch.bfloat16, torch.float32) else x_TD.float()
@@ -193,6 +191,15 @@ class NativeCPUExperts(ComputedOnWorker):
         """The reference computation on dequantised weights (accumulated in x's dtype, as transformers does)."""
         experts = ConvertedOnLookup(self._experts, lambda s: s.dequantized(x_TD.dtype))  # one expert at a time
         return routed_experts_forward(experts, x_TD, ids_TK, weights_TK, self.act)
+
+
+def kernel_team(worker: CPUWorker, kernels: Kernels, threads: int,
+                numa_nodes: tuple[int, ...] | None = None) -> ThreadTeam:
+    """The model's kernel thread team of `threads` members (made on first request, owned by the worker): every
+    layer's CPU tier and the quantised non-expert linears (tiermoe.layers.quantized_linear) compute on it, the
+    team's own lock ordering their calls."""
+    cpus = (lambda: numa_team_cpus(threads, numa_nodes)) if numa_nodes else (lambda: team_cpus(threads))
+    return worker.shared(("tiermoe.native.team", threads, numa_nodes), lambda: ThreadTeam(kernels, threads, cpus()))
 
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -198,7 +198,8 @@ def unblock(m: QMatrix) -> QMatrix:
 
     if m.fmt in ("bf16", "int8"):
         pair = torch.int32 if m.fmt == "bf16" else torch.int16
-        pairs = m.codes.view(pair).view(n_pad // 16, -1, 16).transpose(1, 2).reshape(n_pad, -1)
+        # contiguous: with one strip (n_pad 16) the reshape is a strided view, which cannot be viewed bytewise
+        pairs = m.codes.view(pair).view(n_pad // 16, -1, 16).transpose(1, 2).reshape(n_pad, -1).contiguous()
         codes = rows_back(pairs.view(m.codes.dtype))[:, : m.k]
     else:
         codes = rows_back(m.codes.permute(0, 2, 1).reshape(n_pad, -1))
@@ -227,3 +228,16 @@ def expert_in_layout(gate_up: QMatrix, down: QMatrix, layout: str) -> tuple[QMat
     if down.layout != layout:
         down = unblock(down) if layout == "rows" else block(down)
     return gate_up, down
+
+
+def blocked_nbytes(fmt: str, n: int, k: int) -> int:
+    """Bytes `block(quantize(w, fmt))` holds for a W [n, k] (one segment), from the shape alone: what `tiermoe
+    fit` counts for a matrix before it is loaded."""
+    n_pad, k_pad = round_up(n, 16), round_up(k, k_align(fmt))
+    if fmt == "bf16":
+        return 2 * n_pad * k_pad
+    if fmt == "int8":
+        return n_pad * k_pad + 4 * n_pad
+    if fmt == "int4":
+        return n_pad * k_pad // 2 + 4 * n_pad + n_pad * k_pad // INT4_GROUP + n_pad * k_pad // 64
+    raise ValueError(f"unknown weight format '{fmt}'; choose one of: {', '.join(FORMATS)}")

@@ -66,6 +66,7 @@ from tiermoe.model.heap_trim import return_freed_heap
 from tiermoe.model.held_bytes import disk_name, held_nbytes
 from tiermoe.model.hybrid_model import HybridModel
 from tiermoe.model.lora_merge import MergedLoRA
+from tiermoe.model.non_expert_quant import check_non_expert_dtype, quantize_non_experts
 from tiermoe.model.plan_source import resolve_plan
 from tiermoe.model.skeleton import build_skeleton, decoder_layers, moe_block_attr, move_buffers
 
@@ -103,6 +104,9 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     they are (their parameter names and layouts are the ones PEFT adapters refer to), and with grad enabled the
     routed experts of both tiers compute through tiermoe.layers.routed_autograd. One process only.
 
+    `cpu.non_expert_dtype` (CPU-only inference): the non-expert linears, once loaded (and merged), are held packed
+    in that format (tiermoe.model.non_expert_quant).
+
     `lora`: an adapter merged into the weights as they load (tiermoe.model.lora_merge): non-expert weights once
     loaded, each routed expert before its tier takes it (so a quantising CPU tier quantises the merged expert).
     """
@@ -116,6 +120,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     if trainable and cpu.deferred_experts:
         raise TiermoeError("deferred experts (--kt-max-deferred-experts-per-token) approximate inference; a model to "
                            "fine-tune computes every expert in its layer: leave it at 0")
+    check_non_expert_dtype(cpu, torch.device(gpu_device), trainable)
     weights_dir, cache = model_dir, find_cache(model_dir)
     if cache is not None:  # a `tiermoe convert` output: CPU-tier experts mapped from it, the rest from its source
         weights_dir = cache.source
@@ -178,6 +183,8 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         for block in blocks.values():
             block.trainable = True
     else:
+        if cpu.non_expert_dtype is not None:  # CPU only: packed linears on the kernels (the head too)
+            quantize_non_experts(model, spec.router_attr, cpu, worker)
         use_rows_lm_head(model)  # the head on the sampled rows as one 2-D matmul: no copy of its weight per prefill
         group_kv_b_rows_of(decoder_layers(model))  # MLA's one re-layout, now that kv_b_proj holds its rows
     return_freed_heap()  # the read buffers the tiers packed or quantised from

@@ -1,0 +1,135 @@
+"""What quantised non-expert weights (--non-expert-dtype) cost in quality and buy in bytes and decode speed, CPU only.
+
+The bundled model (or --model) is loaded CPU-only (gpu_device "cpu", every routed expert on the CPU tier, in the
+checkpoint's dtype) once per configuration: non-expert linears as loaded, or packed bf16 / int8 / int4
+(tiermoe.model.non_expert_quant), with the experts bf16, and the "4-bit model": int4 non-experts with int4 experts
+(--cpu-expert-dtype int4), what a llama.cpp Q4_K_M file is. For each: the held-out loss (nats) of the same GSM8K
+prompts bench_format_loss.py scores (the demo model never saw them), its change against the unquantised model, the
+non-expert bytes held, and the weight bytes one decode token reads (non-expert linears and head, plus top-k
+experts per MoE layer; an embedding row is negligible). Then decode speed: the same greedy generations (ignore_eos,
+fixed length) for every configuration, alternating within each round, best of the rounds.
+
+    python benchmarks/bench_non_expert_quant.py                      # bundled model, 64 prompts, 3 rounds
+    python benchmarks/bench_non_expert_quant.py --model DIR --num-prompts 32 --rounds 5 --tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_format_loss import prompt_rows  # noqa: E402  (the held-out prompts that benchmark scores)
+
+from tiermoe import LLM  # noqa: E402
+from tiermoe.arch import detect, load_config  # noqa: E402
+from tiermoe.config import CPUConfig  # noqa: E402
+from tiermoe.engine.sampling import SamplingParams  # noqa: E402
+from tiermoe.models import resolve_model  # noqa: E402
+from tiermoe.placement.plan import PlacementPlan  # noqa: E402
+
+# (label, --non-expert-dtype, --cpu-expert-dtype); the first is the baseline
+CONFIGS = (
+    ("as loaded", None, None),
+    ("bf16", "bf16", None),
+    ("int8", "int8", None),
+    ("int4", "int4", None),
+    ("int4, experts int4", "int4", "int4"),
+)
+
+
+def held_out_loss(llm: LLM, rows: list[torch.Tensor]) -> float:
+    """Mean next-token cross-entropy (nats) over every scored token of `rows`."""
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for ids in rows:
+            logits = llm.hybrid(input_ids=ids).logits[0, :-1].float()
+            total += F.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+            count += ids.shape[1] - 1
+    return total / count
+
+
+def bytes_per_token(llm: LLM) -> tuple[int, int]:
+    """(non-expert bytes held, weight bytes one decode token reads): everything held but the embedding table
+    (one row of it is read; the whole table where it is also the LM head), plus the top-k experts of each MoE
+    layer at the CPU tier's bytes per expert."""
+    hybrid, spec = llm.hybrid, llm.hybrid.spec
+    held = hybrid.tier_bytes()
+    embedding = hybrid.model.get_input_embeddings().weight
+    head_is_table = getattr(hybrid.model.get_output_embeddings(), "weight", None) is embedding
+    table = 0 if head_is_table else embedding.numel() * embedding.element_size()
+    per_expert = held.cpu_experts / max(1, spec.total_routed_experts)
+    return held.non_expert, int(held.non_expert - table + spec.top_k * spec.num_moe_layers * per_expert)
+
+
+def decode_speed(llms: dict[str, LLM], prompts: list[list[int]], tokens: int, rounds: int) -> dict[str, float]:
+    """Best-of-`rounds` decode tokens/s per configuration (configurations alternate within each round)."""
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    best = dict.fromkeys(llms, 0.0)
+    for llm in llms.values():
+        llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    for r in range(rounds):
+        for label, llm in llms.items():
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            best[label] = max(best[label], sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+        print(f"  round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.1f}" for k, v in best.items()) + " tok/s",
+              flush=True)
+    return best
+
+
+def _load_average(when: str) -> None:
+    load = os.getloadavg()
+    print(f"load average {when}: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Example: python benchmarks/bench_non_expert_quant.py --rounds 5",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="checkpoint directory (default: the bundled demo model)")
+    p.add_argument("--num-prompts", type=int, default=64, help="held-out prompts scored (default 64)")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens scored per prompt at most (default 256)")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoding together in the speed runs (default 1)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens decoded per sequence per speed run (default 64)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating speed rounds; the best counts (default 3)")
+    p.add_argument("--cpu-threads", type=int, default=None, help="kernel threads (default: tiermoe's default)")
+    args = p.parse_args()
+
+    model_dir = resolve_model(args.model)
+    spec = detect(load_config(model_dir))
+    _load_average("before")
+    rows = prompt_rows(model_dir, args.num_prompts, args.max_tokens)
+    print(f"{len(rows)} GSM8K prompts, {sum(r.shape[1] - 1 for r in rows)} scored tokens", flush=True)
+    all_cpu = PlacementPlan.all_cpu(spec.num_layers, spec.num_experts)
+    llms = {label: LLM(model_dir, placement=all_cpu, progress=False,
+                       cpu=CPUConfig(non_expert_dtype=ne, expert_dtype=ex, threads=args.cpu_threads))
+            for label, ne, ex in CONFIGS}
+    try:
+        losses = {label: held_out_loss(llm, rows) for label, llm in llms.items()}
+        sizes = {label: bytes_per_token(llm) for label, llm in llms.items()}
+        speed = decode_speed(llms, [r[0, :16].tolist() for r in rows[:args.batch]], args.tokens, args.rounds)
+    finally:
+        for llm in llms.values():
+            llm.close()
+    _load_average("after")
+
+    base = CONFIGS[0][0]
+    print(f"\n| non-expert linears | experts | held-out loss (nats) | vs as loaded | non-expert MiB | "
+          f"weights read per token, MiB | decode tok/s (batch {args.batch}) | vs as loaded |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, ne, ex in CONFIGS:
+        held, read = sizes[label]
+        print(f"| {ne or 'as loaded (' + str(spec.dtype).removeprefix('torch.') + ')'} | {ex or 'as loaded'} | "
+              f"{losses[label]:.4f} | {losses[label] - losses[base]:+.4f} | {held / 2**20:.2f} | {read / 2**20:.2f} | "
+              f"{speed[label]:.1f} | {speed[label] / speed[base]:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Quantised non-expert weights for CPU-only runs (--non-expert-dtype; tiermoe.layers.quantized_linear).
+
+Which linears: every plain nn.Linear of the decoder layers (attention projections, linear-attention projections,
+dense layers' MLPs, shared experts) and the LM head. Kept as loaded:
+  - the router (the MoE block's `gate` / `router`): a few rows that decide which experts run, and tiny;
+  - Qwen2-MoE / Qwen3-Next's `shared_expert_gate`: one row, a sigmoid scale on the shared expert;
+  - MLA's `kv_b_proj`: MLAAttention re-lays its rows out once and reads them as the W_UK / W_UV views it folds
+    into the query (tiermoe.layers.mla_attention), which a packed matrix cannot give without a dequantisation
+    per forward;
+  - norms and embeddings (not linears), and FP8-stored linears (FP8Linear, kept as stored).
+The LM head takes int8 when the rest is int8 or int4 (as Q4_K_M keeps its output matrix at 6 bits: the logits
+are the one place where weight error is not averaged away by later layers), bf16 when the rest is bf16. A head
+tied to the embeddings gets a packed copy of its own; the embeddings keep the loaded table (one row is read per
+token).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tiermoe.config import CPUConfig
+from tiermoe.errors import TiermoeError
+from tiermoe.experts.kernels import load_kernels
+from tiermoe.experts.native import kernel_team
+from tiermoe.experts.quant import blocked_nbytes
+from tiermoe.experts.threads import default_threads
+from tiermoe.experts.tiers import CPUWorker
+from tiermoe.layers.quantized_linear import QuantizedLinear
+from tiermoe.model.skeleton import decoder_layers
+
+KEPT_LINEARS = ("shared_expert_gate", "kv_b_proj")  # see the module's docstring
+HEAD_FORMATS = {"bf16": "bf16", "int8": "int8", "int4": "int8"}
+
+
+def check_non_expert_dtype(cpu: CPUConfig, gpu_device: torch.device, trainable: bool) -> None:
+    """Before anything loads: the option is for CPU-only inference."""
+    if cpu.non_expert_dtype is None:
+        return
+    if gpu_device.type != "cpu":
+        raise TiermoeError(f"--non-expert-dtype {cpu.non_expert_dtype} is for CPU-only runs (--gpu-device cpu); "
+                           f"on {gpu_device} the non-expert weights stay in the model's dtype")
+    if trainable:
+        raise TiermoeError(f"--non-expert-dtype {cpu.non_expert_dtype} quantises weights for inference; a model to "
+                           "fine-tune keeps its non-expert weights as loaded")
+
+
+def quantizable_linears(model: nn.Module, router_attr: str) -> list[tuple[str, nn.Linear]]:
+    """(qualified name, module) of the decoder layers' linears that --non-expert-dtype quantises (not the head)."""
+    found = []
+    for i, layer in enumerate(decoder_layers(model)):
+        for name, module in layer.named_modules():
+            leaf = name.rpartition(".")[2]
+            if type(module) is nn.Linear and leaf != router_attr and leaf not in KEPT_LINEARS:
+                found.append((f"model.layers.{i}.{name}", module))
+    return found
+
+
+def quantize_non_experts(model: nn.Module, router_attr: str, cpu: CPUConfig, worker: CPUWorker) -> int:
+    """Swap the linears `quantizable_linears` names, and the LM head, for QuantizedLinear modules in
+    `cpu.non_expert_dtype` computed on the model's kernel thread team; returns how many were swapped."""
+    fmt = cpu.non_expert_dtype
+    kernels = load_kernels()
+    threads = cpu.threads or default_threads()
+
+    def team():
+        return kernel_team(worker, kernels, threads, cpu.numa_nodes)
+
+    swapped = 0
+    for name, linear in quantizable_linears(model, router_attr):
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, QuantizedLinear(linear, fmt, kernels, team))
+        swapped += 1
+    head = model.get_output_embeddings()
+    if type(head) is nn.Linear:
+        model.set_output_embeddings(QuantizedLinear(head, HEAD_FORMATS[fmt], kernels, team))
+        swapped += 1
+    return swapped
+
+
+def quantized_bytes_change(skeleton: nn.Module, router_attr: str, fmt: str, tied_head: bool) -> int:
+    """Bytes that quantising to `fmt` adds to the non-expert weights of `skeleton` (a meta model: shapes only;
+    negative: saved). `tiermoe fit` adds it to what the checkpoint's headers say."""
+    change = 0
+    for _, linear in quantizable_linears(skeleton, router_attr):
+        weight = linear.weight
+        change += blocked_nbytes(fmt, *weight.shape) - weight.numel() * weight.element_size()
+    head = skeleton.get_output_embeddings()
+    if type(head) is nn.Linear:
+        packed = blocked_nbytes(HEAD_FORMATS[fmt], *head.weight.shape)
+        change += packed if tied_head else packed - head.weight.numel() * head.weight.element_size()
+    return change
