@@ -9,8 +9,10 @@ by default, the later ones in brackets around the last values):
    task); each MoE layer gets the spread whose Gini is the layer's mean Gini over the tasks.
 2. `shared`: bisection on the mean overlap of the tasks' hot sets (whole tasks simulated).
 3. `request_spread`: bisection on the mean lag-1 reuse after shuffling each request (per-request popularity).
-4. `slow_spread`: bisection on the excess reuse at the last lags; `fast_spread`: on the excess at lag 1;
-   `fast_keep`: on the excess at lag 2. Steps 3-4 simulate the first SUBSET_TOKENS tokens of each task.
+4. `slow_spread`: bisection on the excess reuse at the last half of the lags; `fast_spread`: on the excess at
+   lag 1; `fast_keep`: on the excess at lag 2; twice over, as they interact. Steps 3-4 simulate the first
+   SUBSET_TOKENS tokens of each task.
+After the rounds the skew is set once more (step 1), for the spreads set last.
 Each evaluation reuses one seed, so a statistic moves only with the parameter being set. The depth profile of
 another model (a heat matrix: counts per layer and expert) is fitted with step 1 alone (`fit_skew_to_heat`).
 Legend: M MoE layers, E experts, G grid spreads, D lags.
@@ -34,6 +36,7 @@ START = RoutingParams(skew_by_depth=(1.0,), shared=0.4, request_spread=0.6, fast
 GRID = np.linspace(0.0, 4.0, 41)  # spreads tried for a layer's skew
 KEEPS = np.linspace(0.05, 0.99, 95)
 SUBSET_TOKENS = 2048  # tokens per task (whole requests) that the reuse bisections simulate
+LAG_SWEEPS = 2
 
 
 @dataclass(frozen=True)
@@ -147,15 +150,19 @@ def fit_routing(targets: FitTargets, rounds: int = 3, steps: int = 6, seed: int 
         if len(targets.lengths_by_task) > 1 and np.isfinite(targets.overlap):
             params = fit("shared", overlap, targets.overlap, 0.0, 1.0, narrow)
         params = fit("request_spread", lambda p: reuse(p)[1], targets.shuffled_lag1, 0.0, 4.0, narrow)
-        params = fit("slow_spread", lambda p: float(reuse(p)[0][tail].mean()), float(targets.excess_D[tail].mean()),
-                     0.0, 4.0, narrow)
-        params = fit("fast_spread", lambda p: float(reuse(p)[0][0]), float(targets.excess_D[0]), 0.0, 5.0, narrow)
-        if d > 1:
-            params = fit("fast_keep", lambda p: float(reuse(p)[0][1]), float(targets.excess_D[1]), 0.0, 0.9, narrow)
+        for sweep in range(LAG_SWEEPS):  # the three interact: the fast state dilutes the slow one
+            params = fit("slow_spread", lambda p: float(reuse(p)[0][tail].mean()),
+                         float(targets.excess_D[tail].mean()), 0.0, 4.0, narrow or sweep > 0)
+            params = fit("fast_spread", lambda p: float(reuse(p)[0][0]), float(targets.excess_D[0]), 0.0, 5.0,
+                         narrow or sweep > 0)
+            if d > 1:
+                params = fit("fast_keep", lambda p: float(reuse(p)[0][1]), float(targets.excess_D[1]), 0.0, 0.9,
+                             narrow or sweep > 0)
         say(f"round {r + 1} of {rounds}: mean skew {np.mean(params.skew_by_depth):.3f}, shared {params.shared:.3f}, "
             f"request {params.request_spread:.3f}, fast {params.fast_spread:.3f} (keep {params.fast_keep:.2f}), "
             f"slow {params.slow_spread:.3f} (keep {params.slow_keep:.2f})")
-    return params
+    # the spreads fitted last flatten the marginals: the skew is set once more for them
+    return replace(params, skew_by_depth=invert_curve(targets.gini_M, skew_curve(params, targets, seed)))
 
 
 def fit_skew_to_heat(params: RoutingParams, heat_ME: torch.Tensor, top_k: int, requests: int, seed: int = 0,
