@@ -57,9 +57,13 @@ def summary_rows(files: RoutingStatistics, gen: RoutingStatistics) -> list[tuple
         ("per-request oracle hit (in-sample)", lambda s: span(t.request_oracle_hit for t in s.tasks)),
         ("lag-1 reuse", lambda s: span(t.lag_D[0] for t in s.tasks)),
         ("lag-1 reuse, requests shuffled", lambda s: span(t.shuffled_D[0] for t in s.tasks)),
+        ("reuse of two random tokens of the task", lambda s: span(t.task_shuffled for t in s.tasks)),
         ("excess reuse at lag 1 / 2 / 4 / 8",
          lambda s: " / ".join(f"{s.mean('excess_D')[d - 1]:.3f}" for d in (1, 2, 4, 8))),
         ("cross-layer correlation of lag-1 reuse", lambda s: span(t.layer_reuse_correlation for t in s.tasks)),
+        ("cross-layer dependence of a token's experts (TV)", lambda s: span(t.layer_dependence for t in s.tasks)),
+        ("  the same, layer m+1 from a shuffled token (floor)",
+         lambda s: span(t.layer_dependence_shuffled for t in s.tasks)),
     ):
         rows.append((label, fn(files), fn(gen)))
     return rows

@@ -108,13 +108,14 @@ def test_a_fit_to_a_slice_recovers_its_statistics(tmp_path):
         out["topk_ids"], out["moe_layers"] = trace["topk_ids"][:, -4:], trace["moe_layers"][-4:]
         return out
 
-    files = {t: deep_layers(esft_slice(tmp_path, t, 1200)) for t in ("law", "summary")}
+    files = {t: deep_layers(esft_slice(tmp_path, t, 800)) for t in ("law", "summary")}
     targets = targets_from_traces(files, max_lag=4)
     assert targets.shape == RoutingShape(4, 64, 6, 23, "deepseek_v2")
-    params = fit_routing(targets, rounds=1, steps=4)
-    gen = measure_routing(dict(zip(files, simulate(params, targets.shape, targets.lengths_by_task, 1))), max_lag=4)
-    assert np.abs(gen.gini_M - targets.gini_M).mean() < 0.06
-    assert abs(gen.mean_overlap - targets.overlap) < 0.15
+    params = fit_routing(targets, rounds=1, steps=4, sweeps=1, seed=0)
+    # measured on the fit's own seed: the fit meets its targets (test_generated_statistics_... checks new seeds)
+    gen = measure_routing(dict(zip(files, simulate(params, targets.shape, targets.lengths_by_task, 0))), max_lag=4)
+    assert np.abs(gen.gini_M - targets.gini_M).mean() < 0.05
+    assert abs(gen.mean_overlap - targets.overlap) < 0.1
     assert abs(gen.mean("shuffled_D")[0] - targets.shuffled_lag1) < 0.04
     assert abs(gen.mean("excess_D")[0] - targets.excess_D[0]) < 0.05
 

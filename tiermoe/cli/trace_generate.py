@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tiermoe.cli.flags import add_command, non_negative_int, output_file, positive_int, seed_int
+from tiermoe.cli.flags import (
+    add_command,
+    fraction,
+    non_negative_float,
+    non_negative_int,
+    output_file,
+    positive_int,
+    seed_int,
+)
 from tiermoe.errors import TiermoeError
 from tiermoe.placement.free_memory import available_ram
 from tiermoe.stats.routing_fit import fit_routing, targets_from_traces
@@ -45,6 +54,7 @@ def add_generate_parser(commands) -> None:
         "tiermoe trace generate long.csv --preset qwen3-30b-a3b --sequences 4 --tokens 8192",
         "tiermoe trace generate big.csv --layers 60 --experts 256 --top-k 8 --sequences 32",
         "tiermoe trace generate mine.csv --fit-from esft-deepseek-v2-lite/ --tasks 5",
+        "tiermoe trace generate chat.csv --request-spread 1.5 --sequences 100   # requests that differ a lot",
         "tiermoe bench dynamic --trace serve.csv --calibration calib.csv --model DeepSeek-V2-Lite/config.json",
     )
     g.prog = "tiermoe trace generate"
@@ -63,6 +73,11 @@ def add_generate_parser(commands) -> None:
     g.add_argument("--task", type=non_negative_int, help="write only this task (0-based; default all)")
     g.add_argument("--sequences", type=positive_int, default=16, help="sequences (requests) per task (default 16)")
     g.add_argument("--tokens", type=positive_int, help="tokens per sequence (default: the preset's median)")
+    g.add_argument("--shared", type=fraction, help="override: share of expert popularity common to all tasks "
+                   "(0 = unrelated tasks, 1 = one popularity; ESFT fit 0.2)")
+    g.add_argument("--request-spread", type=non_negative_float, help="override: per-request popularity "
+                   "perturbation (logit std; ESFT fit about 0.1, where requests of one task route alike; 1 or more "
+                   "makes a per-request placement worth much more than a pooled one)")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the whole workload (default 0)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
@@ -74,9 +89,14 @@ def _params_and_shape(args):
         traces = load_task_traces(args.fit_from)
         targets = targets_from_traces(traces)
         print(f"fitting to {len(traces)} trace(s) ({', '.join(traces)}); this takes minutes", file=sys.stderr)
-        params = fit_routing(targets, progress=lambda line: print(line, file=sys.stderr, flush=True))
+        params = replace(fit_routing(targets, progress=lambda line: print(line, file=sys.stderr, flush=True)),
+                         source=f"fitted to {', '.join(traces)}")
         shape = targets.shape
         tokens = int(np.median([x for lengths in targets.lengths_by_task for x in lengths]))
+    overrides = {k: getattr(args, k) for k in ("shared", "request_spread") if getattr(args, k) is not None}
+    if overrides:
+        params = replace(params, **overrides, source=f"{params.source}; set: " + ", ".join(
+            f"{k}={v}" for k, v in overrides.items()))
     shape = RoutingShape(args.layers or shape.moe_layers, args.experts or shape.num_experts,
                          args.top_k or shape.top_k,
                          shape.first_moe_layer if args.first_moe_layer is None else args.first_moe_layer,

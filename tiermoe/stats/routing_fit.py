@@ -10,9 +10,11 @@ by default, the later ones in brackets around the last values):
 2. `shared`: bisection on the mean overlap of the tasks' hot sets (whole tasks simulated).
 3. `request_spread`: bisection on the mean lag-1 reuse after shuffling each request (per-request popularity).
 4. `slow_spread`: bisection on the excess reuse at the last half of the lags; `fast_spread`: on the excess at
-   lag 1; `fast_keep`: on the excess at lag 2; twice over, as they interact. Steps 3-4 simulate the first
-   SUBSET_TOKENS tokens of each task.
-After the rounds the skew is set once more (step 1), for the spreads set last.
+   lag 1; `fast_keep`: on the excess at lag 2; twice over, as they interact. Steps 3-4 simulate about
+   SUBSET_TOKENS tokens of whole requests spread over each task, and their targets are measured on the same
+   requests of the files.
+After the rounds the skew is set once more (step 1) for the spreads set last, then the local states (step 4) once
+more for that skew.
 Each evaluation reuses one seed, so a statistic moves only with the parameter being set. The depth profile of
 another model (a heat matrix: counts per layer and expert) is fitted with step 1 alone (`fit_skew_to_heat`).
 Legend: M MoE layers, E experts, G grid spreads, D lags.
@@ -27,7 +29,14 @@ import numpy as np
 import torch
 
 from tiermoe.stats.routing_generator import RoutingParams, RoutingShape, generate_requests, generated_trace
-from tiermoe.stats.routing_measures import gini_by_layer, hot_set_overlap, lag_reuse, moe_counts, shuffled_lag_reuse
+from tiermoe.stats.routing_measures import (
+    gini_by_layer,
+    hot_set_overlap,
+    lag_reuse,
+    moe_counts,
+    select_tokens,
+    shuffled_lag_reuse,
+)
 from tiermoe.stats.routing_statistics import measure_routing
 from tiermoe.stats.routing_summary import gini
 
@@ -35,7 +44,7 @@ START = RoutingParams(skew_by_depth=(1.0,), shared=0.4, request_spread=0.6, fast
                       slow_spread=0.3, slow_keep=0.9)
 GRID = np.linspace(0.0, 4.0, 41)  # spreads tried for a layer's skew
 KEEPS = np.linspace(0.05, 0.99, 95)
-SUBSET_TOKENS = 2048  # tokens per task (whole requests) that the reuse bisections simulate
+SUBSET_TOKENS = 3072  # tokens per task (whole requests) that the reuse bisections simulate
 LAG_SWEEPS = 2
 
 
@@ -48,14 +57,15 @@ class FitTargets:
     gini_M: np.ndarray  # mean over tasks, each over its first gini_tokens tokens
     gini_tokens: int
     overlap: float  # mean hot-set overlap of the task pairs (nan for one task)
-    shuffled_lag1: float
+    shuffled_lag1: float  # these two on the requests `subset` picks (what the reuse bisections simulate)
     excess_D: np.ndarray  # mean over tasks of lag reuse - shuffled, lags 1..D
     hot: int
+    subset: tuple[tuple[int, ...], ...] = ()  # per task, the requests (indices in order) the reuse bisections run
 
 
 def request_lengths(trace: dict) -> tuple[int, ...]:
-    _, first = np.unique(trace["token_request"].numpy(), return_index=True)
-    counts = torch.unique(trace["token_request"], return_counts=True)[1].numpy()
+    """Tokens of each request, in the order of their first token."""
+    _, first, counts = np.unique(trace["token_request"].numpy(), return_index=True, return_counts=True)
     return tuple(int(c) for c in counts[np.argsort(first)])
 
 
@@ -66,8 +76,21 @@ def targets_from_traces(traces: dict[str, dict], max_lag: int = 8) -> FitTargets
     layers = [int(x) for x in first["moe_layers"]]
     shape = RoutingShape(len(layers), int(first["num_experts"]), int(first["topk_ids"].shape[2]), layers[0],
                          str(first.get("model_type", "synthetic")))
-    return FitTargets(shape, tuple(request_lengths(t) for t in traces.values()), stats.gini_M, stats.gini_tokens,
-                      stats.mean_overlap, float(stats.mean("shuffled_D")[0]), stats.mean("excess_D"), stats.hot)
+    lengths = tuple(request_lengths(t) for t in traces.values())
+    subset = tuple(spread_requests(x, SUBSET_TOKENS) for x in lengths)
+    rng = np.random.default_rng(0)
+    picked = [select_tokens(t, torch.isin(t["token_request"], request_ids(t)[list(chosen)]))
+              for t, chosen in zip(traces.values(), subset)]
+    shuffled = [shuffled_lag_reuse(t, rng, max_lag) for t in picked]
+    excess = np.mean([lag_reuse(t, max_lag) - sh for t, sh in zip(picked, shuffled)], axis=0)
+    return FitTargets(shape, lengths, stats.gini_M, stats.gini_tokens, stats.mean_overlap,
+                      float(np.mean([sh[0] for sh in shuffled])), excess, stats.hot, subset)
+
+
+def request_ids(trace: dict) -> torch.Tensor:
+    """The trace's request ids in the order of their first token."""
+    ids, first = np.unique(trace["token_request"].numpy(), return_index=True)
+    return torch.from_numpy(ids[np.argsort(first)])
 
 
 def simulate(params: RoutingParams, shape: RoutingShape, lengths_by_task, seed: int) -> list[dict]:
@@ -97,10 +120,11 @@ def bisect(statistic: Callable[[float], float], target: float, lo: float, hi: fl
     return (lo + hi) / 2
 
 
-def first_requests(lengths: tuple[int, ...], tokens: int) -> tuple[int, ...]:
-    """The first requests of a task that hold at least `tokens` tokens (at least two requests where it has them)."""
-    n = int(np.searchsorted(np.cumsum(lengths), tokens)) + 1
-    return tuple(lengths[:max(n, 2)])
+def spread_requests(lengths: tuple[int, ...], tokens: int) -> tuple[int, ...]:
+    """Indices of requests spread evenly over a task that hold about `tokens` tokens (at least two where it has
+    them): a sample with the task's mix of short and long requests."""
+    want = min(len(lengths), max(2, int(np.ceil(tokens / max(np.mean(lengths), 1)))))
+    return tuple(int(i) for i in np.unique(np.linspace(0, len(lengths) - 1, want).round()))
 
 
 def slow_keep_from_tail(excess_D: np.ndarray) -> float:
@@ -112,7 +136,7 @@ def slow_keep_from_tail(excess_D: np.ndarray) -> float:
     return float(np.clip(np.exp(slope), KEEPS[0], KEEPS[-1]))
 
 
-def fit_routing(targets: FitTargets, rounds: int = 3, steps: int = 6, seed: int = 0,
+def fit_routing(targets: FitTargets, rounds: int = 3, steps: int = 6, seed: int = 0, sweeps: int = LAG_SWEEPS,
                 start: RoutingParams = START, progress: Callable[[str], None] | None = None) -> RoutingParams:
     """Parameters whose generated traces (run like the files) show the targets' statistics."""
     say = progress or (lambda _: None)
@@ -121,7 +145,8 @@ def fit_routing(targets: FitTargets, rounds: int = 3, steps: int = 6, seed: int 
     params = replace(start, slow_keep=slow_keep_from_tail(targets.excess_D),
                      skew_by_depth=start.skew_by_depth * targets.shape.moe_layers
                      if len(start.skew_by_depth) == 1 else start.skew_by_depth)
-    subset = tuple(first_requests(x, SUBSET_TOKENS) for x in targets.lengths_by_task)
+    subset = tuple(tuple(lengths[i] for i in chosen) for lengths, chosen in
+                   zip(targets.lengths_by_task, targets.subset or [range(len(x)) for x in targets.lengths_by_task]))
 
     def reuse(p: RoutingParams) -> tuple[np.ndarray, float]:
         """(excess reuse [D], shuffled lag-1 reuse), means over the tasks of one simulation of the subset."""
@@ -136,33 +161,39 @@ def fit_routing(targets: FitTargets, rounds: int = 3, steps: int = 6, seed: int 
         return float(np.mean([hot_set_overlap(a, b, targets.hot) for i, a in enumerate(counts)
                               for b in counts[i + 1:]]))
 
-    def fit(name: str, statistic: Callable[[RoutingParams], float], target: float, lo: float, hi: float,
-            narrow: bool) -> RoutingParams:
+    def fit(params: RoutingParams, name: str, statistic: Callable[[RoutingParams], float], target: float,
+            lo: float, hi: float, narrow: bool) -> RoutingParams:
         value = getattr(params, name)
         if narrow:  # later rounds search near the last value
             lo, hi = max(lo, value * 0.5), min(hi, value * 1.6 + 0.05)
         return replace(params, **{name: bisect(lambda v: statistic(replace(params, **{name: v})), target, lo, hi,
                                                steps)})
 
+    def lag_sweep(narrow: bool) -> RoutingParams:
+        fitted = params
+        for name, statistic, target, hi in (
+                ("slow_spread", lambda p: float(reuse(p)[0][tail].mean()), float(targets.excess_D[tail].mean()), 4.0),
+                ("fast_spread", lambda p: float(reuse(p)[0][0]), float(targets.excess_D[0]), 5.0),
+                ("fast_keep", lambda p: float(reuse(p)[0][1]), float(targets.excess_D[min(1, d - 1)]), 0.9)):
+            if name != "fast_keep" or d > 1:
+                fitted = fit(fitted, name, statistic, target, 0.0, hi, narrow)
+        return fitted
+
     for r in range(rounds):
         narrow = r > 0
         params = replace(params, skew_by_depth=invert_curve(targets.gini_M, skew_curve(params, targets, seed)))
         if len(targets.lengths_by_task) > 1 and np.isfinite(targets.overlap):
-            params = fit("shared", overlap, targets.overlap, 0.0, 1.0, narrow)
-        params = fit("request_spread", lambda p: reuse(p)[1], targets.shuffled_lag1, 0.0, 4.0, narrow)
-        for sweep in range(LAG_SWEEPS):  # the three interact: the fast state dilutes the slow one
-            params = fit("slow_spread", lambda p: float(reuse(p)[0][tail].mean()),
-                         float(targets.excess_D[tail].mean()), 0.0, 4.0, narrow or sweep > 0)
-            params = fit("fast_spread", lambda p: float(reuse(p)[0][0]), float(targets.excess_D[0]), 0.0, 5.0,
-                         narrow or sweep > 0)
-            if d > 1:
-                params = fit("fast_keep", lambda p: float(reuse(p)[0][1]), float(targets.excess_D[1]), 0.0, 0.9,
-                             narrow or sweep > 0)
+            params = fit(params, "shared", overlap, targets.overlap, 0.0, 1.0, narrow)
+        params = fit(params, "request_spread", lambda p: reuse(p)[1], targets.shuffled_lag1, 0.0, 4.0, narrow)
+        for sweep in range(sweeps):  # the three interact: the fast state dilutes the slow one
+            params = lag_sweep(narrow or sweep > 0)
         say(f"round {r + 1} of {rounds}: mean skew {np.mean(params.skew_by_depth):.3f}, shared {params.shared:.3f}, "
             f"request {params.request_spread:.3f}, fast {params.fast_spread:.3f} (keep {params.fast_keep:.2f}), "
             f"slow {params.slow_spread:.3f} (keep {params.slow_keep:.2f})")
-    # the spreads fitted last flatten the marginals: the skew is set once more for them
-    return replace(params, skew_by_depth=invert_curve(targets.gini_M, skew_curve(params, targets, seed)))
+    # the spreads fitted last flatten the marginals: the skew is set once more for them, and the local states
+    # once more for that skew
+    params = replace(params, skew_by_depth=invert_curve(targets.gini_M, skew_curve(params, targets, seed)))
+    return lag_sweep(True)
 
 
 def fit_skew_to_heat(params: RoutingParams, heat_ME: torch.Tensor, top_k: int, requests: int, seed: int = 0,
@@ -170,7 +201,7 @@ def fit_skew_to_heat(params: RoutingParams, heat_ME: torch.Tensor, top_k: int, r
     """`params` with skew_by_depth fitted to a heat matrix's Gini per layer [M] (counts per MoE layer and expert
     over `requests` requests of about equal length, as many tokens as the heat counts: row sum / top_k), and that
     Gini. The requests are generated as one task: a heat matrix pools its prompts."""
-    grid = GRID[::3] if grid is None else grid
+    grid = GRID[::2] if grid is None else grid
     target_M = np.array([gini(row) for row in heat_ME.double()])
     tokens = int(round(float(heat_ME.double().sum(1).mean()) / top_k))
     lengths = (tuple(tokens // requests + (1 if i < tokens % requests else 0) for i in range(requests)),)

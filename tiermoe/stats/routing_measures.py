@@ -14,6 +14,8 @@ code (docs/traces.md, "Routing generator").
   locality.
 - `cross_layer_correlation`: correlation, over consecutive token pairs, of a layer's lag-1 reuse with the next
   layer's (0 when layers route independently).
+- `cross_layer_dependence`: how far a token's experts at layer m+1 depend on its experts at layer m (total
+  variation between their joint distribution and the product of the marginals; a shuffle gives the floor).
 Legend: N tokens, M MoE layers, K top-k, E experts, D lags, P token pairs.
 """
 
@@ -122,6 +124,13 @@ def shuffled_lag_reuse(trace: dict, rng: np.random.Generator, max_lag: int = 8,
     return lag_reuse(trace, max_lag, shuffled_order(trace, rng), lags)
 
 
+def task_shuffled_reuse(trace: dict, rng: np.random.Generator) -> float:
+    """Reuse of two random tokens of the trace (any requests): what task-level popularity alone gives. The gap to
+    the within-request shuffle is what per-request popularity adds."""
+    pooled = dict(trace, token_request=torch.zeros_like(trace["token_request"]))
+    return float(lag_reuse(pooled, 1, torch.from_numpy(rng.permutation(trace["topk_ids"].shape[0])))[0])
+
+
 def cross_layer_correlation(trace: dict) -> float:
     """Mean over adjacent MoE layers of the correlation, over consecutive tokens of a request, between one
     layer's lag-1 reuse and the next layer's (about 0 when layers route independently)."""
@@ -167,3 +176,26 @@ def request_oracle_hit(trace: dict, hot: int) -> float:
         hits += hot_set_hit(counts, counts, hot) * float(counts.sum())
         total += float(counts.sum())
     return hits / max(total, 1.0)
+
+
+def cross_layer_dependence(trace: dict, order: torch.Tensor | None = None) -> float:
+    """Mean over adjacent MoE layers of the total-variation distance between the joint distribution of (expert
+    at layer m, expert at layer m+1) over a token's k x k pairs and the product of the two marginals. Finite
+    samples give a floor: compare with `order` = shuffled_order (layer m+1 taken from another token of the same
+    request), which keeps per-request popularity and breaks only the same-token link."""
+    by_request = request_order(trace)
+    ids = trace["topk_ids"].long()[by_request]
+    other = ids if order is None else trace["topk_ids"].long()[order]  # both grouped by request alike
+    logged = (ids[..., 0] >= 0) & (other[..., 0] >= 0)
+    e = int(trace["num_experts"])
+    distances = []
+    for m in range(ids.shape[1] - 1):
+        rows = logged[:, m] & logged[:, m + 1]
+        if int(rows.sum()) < 2:
+            continue
+        a = torch.zeros(int(rows.sum()), e, dtype=torch.float64).scatter_(1, ids[rows, m], 1.0)
+        b = torch.zeros(int(rows.sum()), e, dtype=torch.float64).scatter_(1, other[rows, m + 1], 1.0)
+        joint = a.T @ b
+        joint /= joint.sum()
+        distances.append(float((joint - torch.outer(joint.sum(1), joint.sum(0))).abs().sum() / 2))
+    return float(np.mean(distances)) if distances else 0.0

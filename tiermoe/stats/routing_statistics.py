@@ -3,8 +3,8 @@ per-token traces (one per task): the files of `../shared/routing-data` or genera
 
 Per task: Gini per MoE layer over the same number of tokens for every task (`gini_tokens`, default the smallest
 task's), reuse at lags 1..D and after shuffling each request's tokens, the hit rate of a hot set calibrated on
-the task's even requests when serving its odd ones, a per-request oracle's hit rate, and the cross-layer
-correlation of lag-1 reuse. Per ordered pair of tasks: the hit rate of a's hot set on b's routing and the
+the task's even requests when serving its odd ones, a per-request oracle's hit rate, the cross-layer correlation
+of lag-1 reuse and the cross-layer dependence of a token's experts (with its shuffled floor). Per ordered pair of tasks: the hit rate of a's hot set on b's routing and the
 overlap of their hot sets. A hot set is the `hot` most-routed experts of each layer (default a quarter of them).
 Legend: M MoE layers, D lags.
 """
@@ -17,6 +17,7 @@ import numpy as np
 
 from tiermoe.stats.routing_measures import (
     cross_layer_correlation,
+    cross_layer_dependence,
     gini_by_layer,
     hot_set_hit,
     hot_set_overlap,
@@ -24,7 +25,9 @@ from tiermoe.stats.routing_measures import (
     moe_counts,
     request_oracle_hit,
     shuffled_lag_reuse,
+    shuffled_order,
     split_by_request,
+    task_shuffled_reuse,
 )
 
 
@@ -36,9 +39,12 @@ class TaskStatistics:
     gini_M: np.ndarray
     lag_D: np.ndarray  # reuse at lags 1..D
     shuffled_D: np.ndarray  # the same with each request's tokens shuffled
+    task_shuffled: float  # reuse of two random tokens of the task (task-level popularity alone)
     same_task_hit: float  # hot set of the even requests, served the odd ones
     request_oracle_hit: float
     layer_reuse_correlation: float
+    layer_dependence: float  # of a token's experts at adjacent layers
+    layer_dependence_shuffled: float  # the same with layer m+1 from another token of the request: the floor
 
     @property
     def excess_D(self) -> np.ndarray:
@@ -76,9 +82,11 @@ def measure_task(name: str, trace: dict, hot: int, gini_tokens: int, max_lag: in
     return TaskStatistics(
         name=name, tokens=int(trace["topk_ids"].shape[0]), requests=int(trace["token_request"].unique().numel()),
         gini_M=gini_by_layer(trace, gini_tokens), lag_D=lag_reuse(trace, max_lag),
-        shuffled_D=shuffled_lag_reuse(trace, rng, max_lag),
+        shuffled_D=shuffled_lag_reuse(trace, rng, max_lag), task_shuffled=task_shuffled_reuse(trace, rng),
         same_task_hit=hot_set_hit(moe_counts(even), moe_counts(odd), hot),
-        request_oracle_hit=request_oracle_hit(trace, hot), layer_reuse_correlation=cross_layer_correlation(trace))
+        request_oracle_hit=request_oracle_hit(trace, hot), layer_reuse_correlation=cross_layer_correlation(trace),
+        layer_dependence=cross_layer_dependence(trace),
+        layer_dependence_shuffled=cross_layer_dependence(trace, shuffled_order(trace, rng)))
 
 
 def measure_routing(traces: dict[str, dict], hot: int | None = None, max_lag: int = 8,
