@@ -13,8 +13,8 @@ by default, the later ones in brackets around the last values):
    lag 1; `fast_keep`: on the excess at lag 2; twice over, as they interact. Steps 3-4 simulate about
    SUBSET_TOKENS tokens of whole requests spread over each task, and their targets are measured on the same
    requests of the files.
-After the rounds the skew is set once more (step 1) for the spreads set last, then the local states (step 4) once
-more for that skew.
+After the rounds, skew (step 1) and local states (step 4, twice over) are set in turn twice more, and the skew
+once last.
 Each evaluation reuses one seed, so a statistic moves only with the parameter being set. The depth profile of
 another model (a heat matrix: counts per layer and expert) is fitted with step 1 alone (`fit_skew_to_heat`).
 Legend: M MoE layers, E experts, G grid spreads, D lags.
@@ -46,6 +46,7 @@ GRID = np.linspace(0.0, 4.0, 41)  # spreads tried for a layer's skew
 KEEPS = np.linspace(0.05, 0.99, 95)
 SUBSET_TOKENS = 3072  # tokens per task (whole requests) that the reuse bisections simulate
 LAG_SWEEPS = 2
+FINAL_ALTERNATIONS = 2
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,8 @@ def slow_keep_from_tail(excess_D: np.ndarray) -> float:
 
 
 def fit_routing(targets: FitTargets, rounds: int = 3, steps: int = 6, seed: int = 0, sweeps: int = LAG_SWEEPS,
-                start: RoutingParams = START, progress: Callable[[str], None] | None = None) -> RoutingParams:
+                alternations: int = FINAL_ALTERNATIONS, start: RoutingParams = START,
+                progress: Callable[[str], None] | None = None) -> RoutingParams:
     """Parameters whose generated traces (run like the files) show the targets' statistics."""
     say = progress or (lambda _: None)
     d = targets.excess_D.size
@@ -190,10 +192,13 @@ def fit_routing(targets: FitTargets, rounds: int = 3, steps: int = 6, seed: int 
         say(f"round {r + 1} of {rounds}: mean skew {np.mean(params.skew_by_depth):.3f}, shared {params.shared:.3f}, "
             f"request {params.request_spread:.3f}, fast {params.fast_spread:.3f} (keep {params.fast_keep:.2f}), "
             f"slow {params.slow_spread:.3f} (keep {params.slow_keep:.2f})")
-    # the spreads fitted last flatten the marginals: the skew is set once more for them, and the local states
-    # once more for that skew
-    params = replace(params, skew_by_depth=invert_curve(targets.gini_M, skew_curve(params, targets, seed)))
-    return lag_sweep(True)
+    # the spreads fitted last flatten the marginals and the skew sets how much a local state changes the experts:
+    # skew and local states are set in turn `alternations` more times, the skew last
+    for _ in range(alternations):
+        params = replace(params, skew_by_depth=invert_curve(targets.gini_M, skew_curve(params, targets, seed)))
+        for _ in range(sweeps):
+            params = lag_sweep(True)
+    return replace(params, skew_by_depth=invert_curve(targets.gini_M, skew_curve(params, targets, seed)))
 
 
 def fit_skew_to_heat(params: RoutingParams, heat_ME: torch.Tensor, top_k: int, requests: int, seed: int = 0,
