@@ -85,7 +85,7 @@ def test_reuse_and_overlap_measures_on_handmade_traces():
 
 @needs_files
 def test_generated_statistics_match_the_esft_files(tmp_path):
-    files = {t: esft_slice(tmp_path, t, 1500) for t in ("intent", "law", "summary")}
+    files = {t: esft_slice(tmp_path, t, 1000) for t in ("intent", "law", "summary")}
     generated = simulate(PRESET.params, PRESET.shape, [request_lengths(t) for t in files.values()], 1)
     real, gen = measure_routing(files), measure_routing(dict(zip(files, generated)))
     assert gen.gini_tokens == real.gini_tokens

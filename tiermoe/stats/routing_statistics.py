@@ -4,8 +4,9 @@ per-token traces (one per task): the files of `../shared/routing-data` or genera
 Per task: Gini per MoE layer over the same number of tokens for every task (`gini_tokens`, default the smallest
 task's), reuse at lags 1..D and after shuffling each request's tokens, the hit rate of a hot set calibrated on
 the task's even requests when serving its odd ones, a per-request oracle's hit rate, the cross-layer correlation
-of lag-1 reuse and the cross-layer dependence of a token's experts (with its shuffled floor). Per ordered pair of tasks: the hit rate of a's hot set on b's routing and the
-overlap of their hot sets. A hot set is the `hot` most-routed experts of each layer (default a quarter of them).
+of lag-1 reuse and the cross-layer dependence of a token's experts (with its shuffled floor). Per ordered pair of
+tasks: the hit rate of a's hot set on b's routing and the overlap of their hot sets. A hot set is the `hot`
+most-routed experts of each layer (default a quarter of them).
 Legend: M MoE layers, D lags.
 """
 
