@@ -26,7 +26,7 @@ COMMANDS = {
     "place": ("tiermoe.cli.place_cmd", "choose the GPU-tier experts and write plan.json"),
     "record": ("tiermoe.cli.record_cmd", "run real prompts and record which experts each layer routes to"),
     "stats": ("tiermoe.cli.stats_cmd", "skew, dead experts and expected hit rates of a statistics file"),
-    "trace": ("tiermoe.cli.trace_cmd", "convert routing traces from other tools to tiermoe's text formats"),
+    "trace": ("tiermoe.cli.trace_cmd", "convert routing traces from other tools, or generate realistic ones"),
     "serve": ("tiermoe.cli.serve_cmd", "OpenAI- and Ollama-compatible HTTP server with continuous batching"),
     "version": ("tiermoe.cli.version_cmd", "versions, CUDA, and the CPU kernels' instruction set"),
 }

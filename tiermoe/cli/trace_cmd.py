@@ -1,8 +1,10 @@
-"""tiermoe trace: routing traces from other tools (`convert`), written as tiermoe's text formats."""
+"""tiermoe trace: routing traces from other tools (`convert`) or generated (`generate`), written as tiermoe's text
+formats."""
 
 from __future__ import annotations
 
 from tiermoe.cli.flags import add_command, non_negative_int, output_file
+from tiermoe.cli.trace_generate import add_generate_parser, run_generate
 from tiermoe.stats.trace_convert import convert
 from tiermoe.stats.trace_import import LAYOUTS
 
@@ -10,8 +12,10 @@ from tiermoe.stats.trace_import import LAYOUTS
 def add_parser(sub) -> None:
     p = add_command(sub, "trace", "Routing traces: `tiermoe trace convert` reads another tool's layout and writes "
                     "tiermoe's trace CSV (seq,pos,layer,experts) or heat-matrix CSV (layer,e0,e1,...), which "
-                    "stats, place --init-expert-location and bench dynamic read (docs/traces.md).",
+                    "stats, place --init-expert-location and bench dynamic read (docs/traces.md); `tiermoe trace "
+                    "generate` writes synthetic routing with the statistics of real traces.",
                     "tiermoe trace convert trace_law.txt law.csv",
+                    "tiermoe trace generate synth.csv --tasks 3 --sequences 64",
                     "tiermoe bench dynamic --trace law.csv --calibration intent.csv --model config.json")
     commands = p.add_subparsers(dest="trace_command", metavar="COMMAND", required=True)
     c = add_command(
@@ -35,6 +39,11 @@ def add_parser(sub) -> None:
                    help="ESFT layouts: decoder layer of the first logged MoE layer (default 1, DeepSeek-V2-Lite's)")
 
 
+    add_generate_parser(commands)
+
+
 def run(args) -> int:
+    if args.trace_command == "generate":
+        return run_generate(args)
     print(convert(args.source, args.out, args.layout, args.first_moe_layer).describe())
     return 0
