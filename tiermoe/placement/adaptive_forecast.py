@@ -140,13 +140,14 @@ class PromptEvidence:
             self._gaps = self._memory * self._gaps + 1.0
         self.decode_since_prefill = 0.0
         rates = counts_LE / num_tokens
-        if self._mean_prompt is None:
+        if self._mean_prompt is None:  # the first prompt: no typical prompt to differ from yet
             self._mean_prompt = rates.clone()
+        elif self._prompts:  # the typical prompt: all before the newest, which is measured against it
+            self._mean_prompt.mul_(self._memory).add_(self._prompts[-1], alpha=1.0 - self._memory)
         self._prompts.append(rates)
         while len(self._prompts) > max(self._running, 1) + 1:  # a new prompt joins the running requests
             self._prompts.popleft()
         self._open = [self.deviation(), lasting_LE, torch.zeros(self._shape, dtype=torch.float64), 0.0]
-        self._mean_prompt.mul_(self._memory).add_(rates, alpha=1.0 - self._memory)
 
     def on_decode(self, counts_LE: torch.Tensor, num_tokens: int) -> None:
         self._running = max(1, num_tokens)

@@ -31,7 +31,7 @@ class AdaptiveSettings:
     z_score: float = 2.0  # follow the evidence only this many standard errors past noise
     recent_half_life_tokens: float = 8.0  # the short window: temporal locality decays by lag 4-8
     cross_layer: bool = True  # a swap may move a GPU slot from one layer to another (the total stays)
-    swap_z_score: float = 2.0  # a lasting swap counts the served rates this many standard errors against it
+    swap_z_score: float = 1.0  # a lasting swap counts the served rates this many standard errors against it
     prompt_evidence: bool = False  # a prefill pass's routing forecasts its request's decode (learned weight)
 
 
@@ -82,6 +82,7 @@ class AdaptivePolicy:
         self.dispersion = Dispersion(shape)
         self._mix: dict[int, float] = {}  # decayed weight of recent passes by their tokens
         self._passes = 0
+        self._lasting: torch.Tensor | None = None  # lasting_rates of the passes seen so far
         self.last_LE = torch.zeros(shape, dtype=torch.float64)  # the last pass's routed pairs
 
     @property
@@ -112,6 +113,7 @@ class AdaptivePolicy:
             else:
                 self.prompts.on_decode(counts, num_tokens)
         decay = 0.5 ** (num_tokens / s.half_life_tokens)
+        self._lasting = None
         self.load_LE.mul_(decay).add_(counts)
         self.dispersion.add(counts, num_tokens, self.load_LE)
         self._tokens = self._tokens * decay + num_tokens
@@ -143,9 +145,11 @@ class AdaptivePolicy:
         """Forecast routed pairs per token [L, E] of the served workload (the calibration until routing is seen)."""
         if self._tokens <= 0:
             return self.prior_share_LE.clone()  # shares: the ranking is all a placement needs before routing
-        per_layer_k = self.load_LE.sum(dim=1, keepdim=True) / self._tokens
-        shares = shrunk_shares(self.load_LE, self.prior_share_LE, self.settings.z_score, self.dispersion.value)
-        return shares * per_layer_k
+        if self._lasting is None:  # computed once per pass: propose reads it several times
+            per_layer_k = self.load_LE.sum(dim=1, keepdim=True) / self._tokens
+            shares = shrunk_shares(self.load_LE, self.prior_share_LE, self.settings.z_score, self.dispersion.value)
+            self._lasting = shares * per_layer_k
+        return self._lasting.clone()
 
     def lasting_uncertainty(self) -> torch.Tensor:
         """Standard error [L, E] of lasting_rates: binomial in the served pairs, times the dispersion (a swap
@@ -207,5 +211,6 @@ class AdaptivePolicy:
         rest = self.horizon - request
         options = [(with_request + rest * lasting_low, with_request + rest * lasting_high, copies),  # lasting
                    (with_request, with_request, 2 * copies),  # back once the running requests are done
+                   
                    (near_LE, near_LE, 2 * copies)]  # back after the short window
         return best_swaps(options, wanted, mask_LE & ~busy_LE, budget, s.cross_layer)
