@@ -94,10 +94,14 @@ class PromptEvidence:
 
     - Which prompts: the last `n` prefill passes, n the tokens of the latest decode pass (one token per running
       request), so with one request at a time it is that request's prompt alone, and a batch of 8 keeps 8.
-    - The forecast: lasting + w x (prompt rate - lasting), the prompt rate being the mean of the kept prompts'
-      routed pairs per token. w in [0, 1] is learned (PersistenceFit): each prompt's deviation is scored against
-      what the decode passes after it routed, up to the next prefill; read at the lower end of its `z_score`
-      interval, so it is 0 until shown and a workload whose prompts do not predict their answers is never chased.
+    - The forecast: lasting + w x (prompt rate - typical prompt rate), the prompt rate being the mean of the kept
+      prompts' routed pairs per token, the typical one a decayed mean over the earlier prompts (the lasting rate
+      for the very first). Measured against the typical prompt, not the lasting rate: on the ESFT traces every
+      prompt shares a template and prompts route unlike answers, so prompt - lasting predicted the answer
+      backwards (slope -0.47 on law -> intent). w in [0, 1] is learned (PersistenceFit): each prompt's deviation
+      is scored against what the decode passes after it routed, up to the next prefill; read at the lower end of
+      its `z_score` interval, so it is 0 until shown and a workload whose prompts do not predict their answers is
+      never chased. A fixed w (AdaptiveSettings.prompt_weight, clamped to [0, 1]) skips the learning.
     - How long it lasts: the decode tokens served between prefill passes, averaged (decayed); the forecast is
       expected to hold for what is left of that after the decode tokens since the last prefill.
     A pass that prefills anything counts as a prompt (a chunked pass mixing decode tokens in slightly dilutes it).
@@ -106,6 +110,7 @@ class PromptEvidence:
     def __init__(self, shape: tuple[int, int], default_decode_tokens: float = 64.0, memory: float = 0.9):
         self._prompts: deque[torch.Tensor] = deque()  # per-token rates [L, E] of each recent prompt, newest last
         self._mean_prompt: torch.Tensor | None = None  # the typical prompt's rates (decayed mean over prompts)
+        self._first_lasting: torch.Tensor | None = None  # the lasting rate when the first prompt came
         self._running = 1  # requests decoding, from the latest decode pass
         self.fit = PersistenceFit()
         self._open: list | None = None  # [deviation, lasting, decode counts, decode tokens] awaiting its decode
@@ -130,8 +135,9 @@ class PromptEvidence:
 
     def deviation(self) -> torch.Tensor:
         """How the running prompts differ from the typical prompt: what is particular to these requests (a
-        template every prompt shares, or prompts routing unlike answers, is no evidence about one request)."""
-        return self.prompt_rates() - self._mean_prompt
+        template every prompt shares, or prompts routing unlike answers, is no evidence about one request).
+        Before a second prompt there is no typical one: the first is measured against the lasting rate."""
+        return self.prompt_rates() - (self._mean_prompt if self._mean_prompt is not None else self._first_lasting)
 
     def on_prefill(self, counts_LE: torch.Tensor, num_tokens: int, lasting_LE: torch.Tensor) -> None:
         self._close()
@@ -140,14 +146,19 @@ class PromptEvidence:
             self._gaps = self._memory * self._gaps + 1.0
         self.decode_since_prefill = 0.0
         rates = counts_LE / num_tokens
-        if self._mean_prompt is None:  # the first prompt: no typical prompt to differ from yet
-            self._mean_prompt = rates.clone()
-        elif self._prompts:  # the typical prompt: all before the newest, which is measured against it
-            self._mean_prompt.mul_(self._memory).add_(self._prompts[-1], alpha=1.0 - self._memory)
+        if self._prompts:  # the typical prompt: all before the newest, which is measured against it
+            if self._mean_prompt is None:
+                self._mean_prompt = self._prompts[-1].clone()
+            else:
+                self._mean_prompt.mul_(self._memory).add_(self._prompts[-1], alpha=1.0 - self._memory)
+        else:
+            self._first_lasting = lasting_LE
         self._prompts.append(rates)
         while len(self._prompts) > max(self._running, 1) + 1:  # a new prompt joins the running requests
             self._prompts.popleft()
-        self._open = [self.deviation(), lasting_LE, torch.zeros(self._shape, dtype=torch.float64), 0.0]
+        # the first prompt teaches nothing: its deviation from the lasting rate holds the template effect too
+        learned = self.deviation() if self._mean_prompt is not None else torch.zeros(self._shape, dtype=torch.float64)
+        self._open = [learned, lasting_LE, torch.zeros(self._shape, dtype=torch.float64), 0.0]
 
     def on_decode(self, counts_LE: torch.Tensor, num_tokens: int) -> None:
         self._running = max(1, num_tokens)
@@ -162,12 +173,13 @@ class PromptEvidence:
             self.fit.add(deviation, counts / tokens - lasting)
         self._open = None
 
-    def weight(self, z_score: float) -> float:
-        return self.fit.slope(z_score)
+    def weight(self, z_score: float, fixed: float | None = None) -> float:
+        """The learned weight, or `fixed` (clamped to [0, 1]) when given."""
+        return self.fit.slope(z_score) if fixed is None else min(1.0, max(0.0, fixed))
 
-    def forecast(self, lasting_LE: torch.Tensor, z_score: float) -> torch.Tensor:
+    def forecast(self, lasting_LE: torch.Tensor, z_score: float, fixed: float | None = None) -> torch.Tensor:
         """Routed pairs per token [L, E] over the rest of the running requests' decode."""
         if not self._prompts:
             return lasting_LE
-        w = self.weight(z_score)
+        w = self.weight(z_score, fixed)
         return (lasting_LE + w * self.deviation()).clamp(min=0.0)

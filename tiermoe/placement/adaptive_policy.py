@@ -1,11 +1,15 @@
 """tiermoe's adaptive placement policy: an LFU-like estimate of the served workload, pulled toward the calibration
-only as far as the evidence supports it, plus a short-window term for the request being served, and swaps only
-where the cost model says they pay for their copies.
+only as far as the evidence supports it, plus short-window and (optional) prompt terms for the requests being
+served, and swaps, within a layer or between layers, only where the cost model says they pay for their copies.
 
 What real routing showed (docs/traces.md, BENCHMARKS.md "cross-task"): a hot set calibrated on another task is
 about as good as a random one, an LFU cache that learns the served task within a few hundred tokens beats every
 static placement, and what is left beyond that is temporal locality that decays within 4-8 tokens. The previous
 policy learned once per 2048 tokens whether to follow the workload at all and lost to LFU by 3-18 hit-rate points.
+Since: a GPU slot may move between layers (`cross_layer`, on: +0.4-0.8 points and +1-6% estimated tokens/s on the
+ESFT cross-task pairs), and a lasting swap is valued `swap_z_score` standard errors against it, so near-ties are
+not swapped on noise (on a workload like its calibration the previous policy made hundreds of swaps that bought
+nothing). Prompt evidence (`prompt_evidence`) is off: it gains nothing on the data we have (BENCHMARKS.md).
 Legend: L layers, E experts; rates are routed pairs per token.
 """
 
@@ -32,7 +36,8 @@ class AdaptiveSettings:
     recent_half_life_tokens: float = 8.0  # the short window: temporal locality decays by lag 4-8
     cross_layer: bool = True  # a swap may move a GPU slot from one layer to another (the total stays)
     swap_z_score: float = 1.0  # a lasting swap counts the served rates this many standard errors against it
-    prompt_evidence: bool = False  # a prefill pass's routing forecasts its request's decode (learned weight)
+    prompt_evidence: bool = False  # off: on the ESFT traces it gains nothing (BENCHMARKS.md, cross-layer)
+    prompt_weight: float | None = None  # None: learned; else this fixed weight in [0, 1]  # a prefill pass's routing forecasts its request's decode (learned weight)
 
 
 class AdaptivePolicy:
@@ -97,7 +102,8 @@ class AdaptivePolicy:
     @property
     def prompt_weight(self) -> float:
         """v: how much of the prompts' deviation carries over to their decode (0 without prompt_evidence)."""
-        return self.prompts.weight(self.settings.z_score) if self.settings.prompt_evidence else 0.0
+        s = self.settings
+        return self.prompts.weight(s.z_score, s.prompt_weight) if s.prompt_evidence else 0.0
 
     def observe(self, counts_LE: torch.Tensor, num_tokens: int, is_prefill: bool) -> None:
         if num_tokens <= 0:
@@ -167,7 +173,7 @@ class AdaptivePolicy:
         lasting = self.lasting_rates()
         if not self.settings.prompt_evidence or self._tokens <= 0:
             return lasting
-        return self.prompts.forecast(lasting, self.settings.z_score)
+        return self.prompts.forecast(lasting, self.settings.z_score, self.settings.prompt_weight)
 
     def rates(self) -> torch.Tensor:
         """Forecast routed pairs per token [L, E] over the next short window."""
