@@ -6,8 +6,8 @@ What real routing showed (docs/traces.md, BENCHMARKS.md "cross-task"): a hot set
 about as good as a random one, an LFU cache that learns the served task within a few hundred tokens beats every
 static placement, and what is left beyond that is temporal locality that decays within 4-8 tokens. The previous
 policy learned once per 2048 tokens whether to follow the workload at all and lost to LFU by 3-18 hit-rate points.
-Since: a GPU slot may move between layers (`cross_layer`, on: +0.4-0.8 points and +1-6% estimated tokens/s on the
-ESFT cross-task pairs), and a lasting swap is valued `swap_z_score` standard errors against it, so near-ties are
+Since: a GPU slot may move between layers (`cross_layer`, on: +0.3-0.5 points and +0.6-4.5% estimated tokens/s on
+the ESFT cross-task pairs), and a lasting swap is valued `swap_z_score` standard errors against it, so near-ties are
 not swapped on noise (on a workload like its calibration the previous policy made hundreds of swaps that bought
 nothing). Prompt evidence (`prompt_evidence`) is off: it gains nothing on the data we have (BENCHMARKS.md).
 Legend: L layers, E experts; rates are routed pairs per token.
