@@ -59,7 +59,7 @@ class AdaptivePolicy:
        only, less its copies and the copies back). It is made when that exceeds `margin` x its copies, best
        first, at most `max_swaps_in_flight` at once, never on an expert whose copy is in flight. Within a layer,
        or with `cross_layer` between layers (a GPU slot of a cold layer goes to a hot expert of another; the
-       total GPU budget stays, swaps_pairing.best_swaps).
+       total GPU budget stays, swap_pairing.best_swaps).
     Candidates to promote: an expert the last pass used (on demand, as LFU), or one the running prompts used
     once their evidence counts (v > 0).
     """
