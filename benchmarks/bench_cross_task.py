@@ -12,11 +12,22 @@ same copy budget, the trace's own static top-k, the per-window oracle), costed w
         --plot benchmarks/results/cross_task.png
 
 Hit rates are measured on the trace; tokens/s are cost-model ESTIMATES (copies charged in full).
+
+Prefill: the ESFT traces are teacher-forced prompt + answer in prefill order, with no mark where the prompt ends.
+`--prompt-share 0.5` makes the first half of every replayed request (rounded up) its prompt, one prefill pass,
+and the rest its answer, one token a step (0, the default: every token a step). Variants of the adaptive policy
+are replayed beside it as `adaptive[NAME]` rows (AdaptiveSettings fields):
+
+    PYTHONPATH=$PWD python benchmarks/bench_cross_task.py --data ../shared/routing-data/esft-deepseek-v2-lite \
+        --profiles rtx4090 --ratios 0.1,0.3 --pairs law:intent --prompt-share 0.5 \
+        --policies frequency,lfu,adaptive --adaptive-variant before:cross_layer=0,swap_z_score=0 \
+        --adaptive-variant prompt:prompt_evidence=1 --out /tmp/x.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 import time
@@ -26,10 +37,12 @@ from pathlib import Path
 import torch
 
 from tiermoe.analysis.dynamic_bench import DEFAULT_RATIOS, replay_cost_model, run_dynamic_bench
-from tiermoe.analysis.trace_replay import trace_passes
+from tiermoe.analysis.trace_replay import REPLAY_POLICIES, replay, trace_passes
 from tiermoe.arch import detect, load_config
+from tiermoe.placement.adaptive_policy import AdaptiveSettings
 from tiermoe.placement.profiles import load_profile
 from tiermoe.stats.trace_convert import read_routing
+from tiermoe.stats.trace_csv import one_request_passes
 from tiermoe.stats.traces import counts_from_trace
 from tiermoe.testing.presets import make_config
 
@@ -55,16 +68,49 @@ def halves(trace: dict) -> tuple[dict, dict]:
     return select_tokens(trace, ~odd), select_tokens(trace, odd)
 
 
+def with_prompts(trace: dict, share: float) -> dict:
+    """The trace with the first ceil(share x length) tokens of every request marked prompt: one prefill pass per
+    request, then its other tokens one a step (requests one at a time, in order)."""
+    if share <= 0:
+        return trace
+    seq, pos = trace["token_request"].long(), trace["token_position"].long()
+    length = torch.zeros(int(seq.max()) + 1, dtype=torch.long).scatter_reduce(0, seq, pos + 1, "amax")
+    prompt = pos < torch.ceil(share * length[seq].double()).long()
+    return dict(trace, token_is_prefill=prompt, token_pass=one_request_passes(seq, prompt).to(torch.int32))
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """'NAME:field=value,...' -> (NAME, {field: value}) for AdaptiveSettings (bools as 0/1)."""
+    name, _, spec = text.partition(":")
+    types = {f.name: f.type for f in dataclasses.fields(AdaptiveSettings)}
+    fields = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if key not in types:
+            raise SystemExit(f"--adaptive-variant: '{key}' is no AdaptiveSettings field ({', '.join(types)})")
+        fields[key] = bool(int(value)) if "bool" in str(types[key]) else float(value)
+    return name, fields
+
+
 def run_pair(job) -> list[dict]:
-    data, calib_task, replay_task, profile, config_dir, ratios, copy_budget = job
+    data, calib_task, replay_task, profile, config_dir, ratios, copy_budget, policies, variants, share = job
     torch.set_num_threads(1)
     calib, _ = halves(read_routing(Path(data) / f"trace_{calib_task}.txt", "esft-trace"))
     _, held_out = halves(read_routing(Path(data) / f"trace_{replay_task}.txt", "esft-trace"))
     spec = detect(load_config(config_dir))
     cost = replay_cost_model(spec, load_profile(profile))
     calibration = counts_from_trace(calib, calib["num_layers"], calib["num_experts"]).double()
-    bench = run_dynamic_bench(trace_passes(held_out), cost, ratios, calibration, copy_budget=copy_budget)
-    return [dict(row, calibration=calib_task, replayed=replay_task, gpu_profile=profile) for row in bench.rows]
+    passes = trace_passes(with_prompts(held_out, share))
+    bench = run_dynamic_bench(passes, cost, ratios, calibration, copy_budget=copy_budget, policies=policies)
+    rows = bench.rows
+    for name, fields in variants:
+        settings = AdaptiveSettings(**dict({"max_swaps_in_flight": copy_budget}, **fields))
+        for ratio in ratios:
+            row = replay(passes, "adaptive", ratio, cost, calibration, adaptive=settings,
+                         copy_budget=copy_budget).summary()
+            rows.append(dict(row, policy=f"adaptive[{name}]"))
+    return [dict(row, calibration=calib_task, replayed=replay_task, gpu_profile=profile, prompt_share=share)
+            for row in rows]
 
 
 def summarise(rows: list[dict], ratios, profile: str, pairs: str) -> str:
@@ -93,11 +139,13 @@ def losses(rows: list[dict], field: str) -> list[str]:
     cells = {}
     for r in rows:
         cells.setdefault((r["gpu_profile"], r["calibration"], r["replayed"], r["gpu_ratio"]), {})[r["policy"]] = r
-    for (profile, calib, replay, ratio), by in sorted(cells.items()):
+    for (profile, calib, replayed, ratio), by in sorted(cells.items()):
+        if "adaptive" not in by:
+            continue
         a = by["adaptive"][field]
         beaten = [p for p in BASELINES if p in by and by[p][field] > a + 1e-9]
         if beaten:
-            out.append(f"{profile} {calib}->{replay} {ratio:.1f}: " + ", ".join(
+            out.append(f"{profile} {calib}->{replayed} {ratio:.1f}: " + ", ".join(
                 f"{p} {by[p][field]:.3g}" for p in beaten) + f" > adaptive {a:.3g}")
     return out
 
@@ -115,12 +163,13 @@ def plot(rows: list[dict], ratios, path: str) -> None:
             ax = axes[row][col]
             cross = [r for r in rows if r["gpu_profile"] == profile and r["calibration"] != r["replayed"]]
             for policy in dict.fromkeys(r["policy"] for r in cross):
-                ys = [sum(r[field] for r in cross if r["policy"] == policy and abs(r["gpu_ratio"] - x) < 1e-9) / 6
-                      for x in ratios]
+                ys = [sum(v) / max(1, len(v)) for v in
+                      ([r[field] for r in cross if r["policy"] == policy and abs(r["gpu_ratio"] - x) < 1e-9]
+                       for x in ratios)]
                 style = "--" if policy in CEILINGS else ("-" if policy == "adaptive" else ":")
                 ax.plot(ratios, ys, style, marker="o", markersize=3, label=policy,
                         linewidth=2.5 if policy == "adaptive" else 1.2)
-            ax.set_title(f"{profile}: {label}, mean of the 6 cross-task pairs")
+            ax.set_title(f"{profile}: {label}, mean of the cross-task pairs")
             ax.set_xlabel("GPU expert ratio")
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
@@ -136,22 +185,34 @@ def main() -> None:
     ap.add_argument("--profiles", default=",".join(PROFILES))
     ap.add_argument("--copy-budget", type=int, default=4, help="swaps per step for lru / lfu / belady (default 4)")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--pairs", help="calibration:replayed task pairs, e.g. law:intent,intent:intent (default: all 9)")
+    ap.add_argument("--policies", default=",".join(REPLAY_POLICIES), help="replayed policies (default: all)")
+    ap.add_argument("--adaptive-variant", action="append", default=[], metavar="NAME:FIELD=V,...",
+                    help="also replay adaptive with these AdaptiveSettings, as rows 'adaptive[NAME]' (repeatable)")
+    ap.add_argument("--prompt-share", type=float, default=0.0,
+                    help="share of each replayed request that is its prompt, one prefill pass (default 0)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--markdown")
     ap.add_argument("--plot")
     args = ap.parse_args()
     ratios = [float(x) for x in args.ratios.split(",")]
+    if not 0 <= args.prompt_share < 1:
+        raise SystemExit("--prompt-share must be in [0, 1)")
     config_dir = tempfile.mkdtemp(prefix="dsv2lite-")
     make_config("deepseek_v2", "deepseek-v2-lite").to_json_file(Path(config_dir) / "config.json")
-    jobs = [(args.data, a, b, p, config_dir, ratios, args.copy_budget)
-            for p in args.profiles.split(",") for a in TASKS for b in TASKS]
+    pairs = [tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs else [(a, b) for a in TASKS for b in TASKS]
+    policies = tuple(args.policies.split(","))
+    variants = [parse_variant(v) for v in args.adaptive_variant]
+    jobs = [(args.data, a, b, p, config_dir, ratios, args.copy_budget, policies, variants, args.prompt_share)
+            for p in args.profiles.split(",") for a, b in pairs]
     start = time.time()
     rows: list[dict] = []
     with ProcessPoolExecutor(args.workers) as pool:
         for done in pool.map(run_pair, jobs):
             rows += done
             print(f"{len(rows)} rows, {time.time() - start:.0f} s", flush=True)
-    Path(args.out).write_text(json.dumps({"copy_budget": args.copy_budget, "ratios": ratios, "rows": rows}))
+    Path(args.out).write_text(json.dumps({"copy_budget": args.copy_budget, "ratios": ratios,
+                                          "prompt_share": args.prompt_share, "rows": rows}))
     text = "\n".join(summarise(rows, ratios, p, pairs) for p in args.profiles.split(",")
                      for pairs in ("cross", "same"))
     lost = losses(rows, "hit_rate")

@@ -1,8 +1,10 @@
 """Adaptive placement on real routing: three law requests of the ESFT DeepSeek-V2-Lite trace, calibrated on another
 task (intent), one token a step, costed with DeepSeek-V2-Lite's experts. An LFU expert cache learns the served task
-quickly there. The policy tiermoe ships beats LRU and keeps up with LFU (the previous one, which learned once per 2048
-tokens whether to follow the workload, stayed near the calibration's placement: 5-17 points below both).
-Not yet >= LFU: pulled toward the (wrong) calibration for its first tokens, it trails by ~0.15 points at 15%."""
+quickly there. The policy tiermoe ships beats LRU and LFU in estimated time (the previous one, which learned once per
+2048 tokens whether to follow the workload, stayed near the calibration's placement: 5-17 points below both).
+Not >= LFU in hit rate over these first 602 tokens: a lasting swap is valued at the cautious end of the served
+rates (so that a workload like its calibration is not chased), which holds it back by 0.6-0.9 points here while it
+pays a third of LFU's copies; over the whole traces it is within 0.1 point of LFU (BENCHMARKS.md, cross-layer)."""
 
 from __future__ import annotations
 
@@ -29,5 +31,5 @@ def test_adaptive_is_at_least_lru_and_lfu_on_another_task():
         assert adaptive.hit_rate > runs["frequency"].hit_rate + 0.05  # calibration on intent is no guide to law
         lru, lfu = runs["lru"], runs["lfu"]
         assert adaptive.hit_rate > lru.hit_rate + 0.03 and adaptive.time < lru.time  # copies charged alike
-        assert adaptive.hit_rate >= lfu.hit_rate - 0.0025 and adaptive.time <= lfu.time * 1.005
+        assert adaptive.hit_rate >= lfu.hit_rate - 0.01 and adaptive.time < lfu.time
         assert sum(adaptive.swaps_P) <= 4 * passes.num_passes  # the caches' copy budget per step

@@ -39,7 +39,7 @@ def test_outputs_stay_exact_while_experts_move(arch, tiny_dir):
         outs = llm.generate(PROMPTS, GREEDY)
         manager.drain()
         assert manager.copies_landed > 0 and not torch.equal(before, llm.placement)
-        assert (llm.placement.sum(dim=1) == before.sum(dim=1)).all()  # swaps keep each layer's GPU count
+        assert int(llm.placement.sum()) == int(before.sum())  # swaps keep the GPU budget (a slot may change layer)
         for prompt, out in zip(PROMPTS, outs):
             assert out.token_ids == reference_greedy(ref, prompt, 12)
         manager.close()

@@ -183,7 +183,7 @@ class CopiesInFlight:
     def start(self, swap, seconds_each: float) -> None:
         """Both copies of `swap` (the expert coming in, the one going out), each taking `seconds_each`."""
         self._copies += [[swap.layer, swap.expert_in, True, seconds_each],
-                         [swap.layer, swap.expert_out, False, seconds_each]]
+                         [swap.out_layer, swap.expert_out, False, seconds_each]]
 
     def advance(self, seconds: float, mask_ME: torch.Tensor) -> None:
         """A pass of `seconds` has run: copies progress, and those done flip their entries of `mask_ME`."""
@@ -278,7 +278,7 @@ def _replay_dynamic(passes: TracePasses, policy: str, gpu_ratio: float, mask_ME:
         for swap in dyn.propose(mask_ME, in_flight.busy(mask_ME)):
             swaps += 1
             if layerwise:  # KT: the chosen experts are already on the GPU in the streamed layer
-                mask_ME[swap.layer, swap.expert_in], mask_ME[swap.layer, swap.expert_out] = True, False
+                mask_ME[swap.layer, swap.expert_in], mask_ME[swap.out_layer, swap.expert_out] = True, False
                 continue
             copied += 2 * bpe
             seconds += cost_model.copy_seconds(2)  # charged in full, although it overlaps compute

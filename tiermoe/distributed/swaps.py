@@ -40,10 +40,12 @@ class RankSwap:
 
 def assign_swaps(hybrid, swaps: list[Swap]) -> list[RankSwap]:
     """Give each swap the GPU rank that holds its `expert_out`; drop swaps that no longer fit the owners
-    (an expert named twice, or already moved)."""
+    (an expert named twice, or already moved) and cross-layer ones (each rank's slots stay per layer here)."""
     assignment_LE = hybrid.assignment  # a copy, updated as swaps are given ranks
     out = []
     for s in swaps:
+        if s.out_layer != s.layer:  # ranks swap inside a layer (RankSwap); a cross-layer swap is dropped
+            continue
         row = assignment_LE[s.layer] if s.layer in hybrid.blocks else None
         if row is None or int(row[s.expert_in]) != -1 or int(row[s.expert_out]) < 0:
             continue

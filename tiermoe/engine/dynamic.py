@@ -15,12 +15,15 @@ from tiermoe.placement.policies import KTDynamicPolicy
 
 
 def make_policy(config: DynamicPlacementConfig, num_layers: int, num_experts: int, cost: PassCostModel,
-                calibration_LE: torch.Tensor | None = None):
+                calibration_LE: torch.Tensor | None = None, cross_layer: bool = True):
+    """cross_layer: adaptive may move GPU slots between layers (not with several ranks: their swaps are per
+    layer, tiermoe.distributed.swaps)."""
     if config.policy == "kt-dynamic":
         return KTDynamicPolicy(config.prefill_threshold)
     if config.policy == "adaptive":
         settings = AdaptiveSettings(config.half_life_tokens, config.replan_every, None, config.margin,
                                     config.max_swaps_in_flight)
+        settings.cross_layer = settings.cross_layer and cross_layer
         return AdaptivePolicy(num_layers, num_experts, cost, settings, calibration_LE)
     return None
 
@@ -41,7 +44,7 @@ def enable_dynamic_placement(engine, config: DynamicPlacementConfig, cost: PassC
         for block in hybrid.blocks.values():
             block.prefill_streamer = streamer
     cost = cost or expert_cost_model(bytes_per_expert, 2.0 * spec.params_per_expert)
-    policy = make_policy(config, spec.num_layers, spec.num_experts, cost, calibration_LE)
+    policy = make_policy(config, spec.num_layers, spec.num_experts, cost, calibration_LE, hybrid.share is None)
     if policy is None:
         return None
     manager = PlacementManager(hybrid, policy, copier)

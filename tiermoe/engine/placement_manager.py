@@ -9,6 +9,8 @@ A swap runs in two copies, in this order, so it never needs more GPU memory than
 1. demote `expert_out`: copy it to the CPU tier; once landed the CPU tier computes it and the GPU tier frees it;
 2. promote `expert_in`: only then copy it to the GPU tier (its destination can take the block just freed);
    once landed the GPU tier computes it and the CPU tier releases it.
+A cross-layer swap (Swap.layer_out set: a GPU slot moves from a cold layer to a hot one) runs the same way, the
+demotion in `layer_out`, the promotion in `layer`, so the GPU tier never holds more experts than the budget.
 Between the two both experts are computed on the CPU tier. A burst of swaps (kt-dynamic after a large prefill
 proposes hundreds) is started a few copies at a time: at most `max_bytes_in_flight` of copies run at once
 (default SWAP_EXPERTS_IN_FLIGHT experts' worth), which bounds the transients a copy holds (an FP8 GPU tier
@@ -57,6 +59,7 @@ class _Update:
 @dataclass
 class _InFlight:
     swap: Swap
+    layer: int
     expert: int
     to_gpu: bool
     ticket: CopyTicket
@@ -110,8 +113,8 @@ class PlacementManager:
         busy = self.busy()
         accepted = []
         for swap in self.policy.propose(self.hybrid.mask, busy):
-            if not (busy[swap.layer, swap.expert_in] or busy[swap.layer, swap.expert_out]):
-                busy[swap.layer, swap.expert_in] = busy[swap.layer, swap.expert_out] = True
+            if not (busy[swap.layer, swap.expert_in] or busy[swap.out_layer, swap.expert_out]):
+                busy[swap.layer, swap.expert_in] = busy[swap.out_layer, swap.expert_out] = True
                 accepted.append(swap)
         if accepted:
             update = _Update(pending=len(accepted))
@@ -123,7 +126,7 @@ class PlacementManager:
         """[L, E] bool: experts of a swap queued, half done or copying."""
         busy = torch.zeros(self.hybrid.spec.num_layers, self.hybrid.spec.num_experts, dtype=torch.bool)
         for s in (*self.queued, *self.demoted, *(c.swap for c in self.in_flight)):
-            busy[s.layer, s.expert_in] = busy[s.layer, s.expert_out] = True
+            busy[s.layer, s.expert_in] = busy[s.out_layer, s.expert_out] = True
         return busy
 
     @property
@@ -138,19 +141,19 @@ class PlacementManager:
         # promotions first: each finishes a swap whose demotion already freed its GPU memory
         while self.demoted and self._room():
             swap = self.demoted.popleft()
-            self._start(swap, swap.expert_in, True)
+            self._start(swap, swap.layer, swap.expert_in, True)
         while self.queued and self._room():
             swap = self.queued.popleft()
-            gpu, cpu = self.hybrid.blocks[swap.layer].gpu_tier, self.hybrid.blocks[swap.layer].cpu_tier
+            gpu, cpu = self.hybrid.blocks[swap.out_layer].gpu_tier, self.hybrid.blocks[swap.layer].cpu_tier
             if swap.expert_out in gpu and swap.expert_in in cpu:  # else the placement moved on since
-                self._start(swap, swap.expert_out, False)
+                self._start(swap, swap.out_layer, swap.expert_out, False)
                 self.swaps_started += 1
             else:
                 self._finish(swap, done=False)
 
-    def _start(self, swap: Swap, expert: int, to_gpu: bool) -> None:
-        ticket = self.hybrid.blocks[swap.layer].start_move(expert, to_gpu, self.copier)
-        self.in_flight.append(_InFlight(swap, expert, to_gpu, ticket))
+    def _start(self, swap: Swap, layer: int, expert: int, to_gpu: bool) -> None:
+        ticket = self.hybrid.blocks[layer].start_move(expert, to_gpu, self.copier)
+        self.in_flight.append(_InFlight(swap, layer, expert, to_gpu, ticket))
 
     def _land(self) -> None:
         """Finish the copies that have landed. Their tickets (which hold the source copies) are dropped when this
@@ -160,7 +163,7 @@ class PlacementManager:
             if not c.ticket.landed():
                 still.append(c)
                 continue
-            moved = self.hybrid.blocks[c.swap.layer].finish_move(c.expert, c.to_gpu, c.ticket.result())
+            moved = self.hybrid.blocks[c.layer].finish_move(c.expert, c.to_gpu, c.ticket.result())
             self.hybrid.swap_stats.swaps += 1
             self.hybrid.swap_stats.bytes += moved
             self.copies_landed += 1

@@ -18,11 +18,19 @@ from tiermoe.placement.global_topk import top_k_positions
 
 @dataclass(frozen=True)
 class Swap:
-    """Promote `expert_in` (CPU -> GPU) and demote `expert_out` (GPU -> CPU) in one layer: the GPU count stays."""
+    """Promote `expert_in` (CPU -> GPU) in `layer` and demote `expert_out` (GPU -> CPU) in `layer_out` (default:
+    the same layer). The total GPU count stays; a cross-layer swap moves one GPU slot from `layer_out` to `layer`
+    (every supported model has one expert size, so a slot is the same bytes in every layer)."""
 
     layer: int
     expert_in: int
     expert_out: int
+    layer_out: int | None = None
+
+    @property
+    def out_layer(self) -> int:
+        """The layer the demoted expert leaves the GPU tier in."""
+        return self.layer if self.layer_out is None else self.layer_out
 
 
 def _layer_swaps(layer: int, mask_E: torch.Tensor, want_E: torch.Tensor) -> list[Swap]:
