@@ -5,6 +5,10 @@ meanwhile -> sync -> combine. The model's own router and shared-expert modules a
 attribute names (so checkpoint names and routing stay exactly transformers'); only the fused experts module is
 dropped. Legend: T tokens, D hidden, K top-k, E experts.
 
+On a GPU the host waits once per layer: the CPU part's inputs go to the host in one copy and its result comes back
+without a wait (tiermoe.layers.host_copies); the GPU tier computes without one (tiermoe.experts.slotted_tier).
+With deferred experts (tiermoe.layers.deferred_experts) part of the CPU part is added by the next MoE layer.
+
 With several ranks (tiermoe.distributed) every rank runs the block on the same tokens: its GPU tier computes
 only its own experts (`assignment_E == rank`), the CPU tier exists on one rank only, and `reduce` sums the
 partial routed outputs of all ranks before the (replicated) shared experts are added, so they are counted once.
