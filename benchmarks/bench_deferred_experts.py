@@ -14,9 +14,7 @@ something to overlap the deferred job with; on a CPU-only run the main thread an
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,11 +22,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_format_loss import prompt_rows  # noqa: E402  (the held-out prompts that benchmark scores)
+from decode_rounds import decode_speed, print_load_average  # noqa: E402
 
 from tiermoe import LLM  # noqa: E402
 from tiermoe.arch import detect, load_config  # noqa: E402
 from tiermoe.config import CPUConfig  # noqa: E402
-from tiermoe.engine.sampling import SamplingParams  # noqa: E402
 from tiermoe.models import resolve_model  # noqa: E402
 from tiermoe.placement.plan import PlacementPlan  # noqa: E402
 
@@ -47,22 +45,6 @@ def quality(llms: dict[int, LLM], rows: list[torch.Tensor]) -> dict[int, dict[st
                 sums[d]["agree"] += (lp.argmax(-1) == exact.argmax(-1)).sum().item()
             count += ids.shape[1] - 1
     return {d: {k: v / count for k, v in s.items()} for d, s in sums.items()}
-
-
-def decode_speed(llms: dict[int, LLM], prompts: list[list[int]], tokens: int, rounds: int) -> dict[int, float]:
-    """Best-of-`rounds` decode tokens/s per d (the d's alternate within each round)."""
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    best = dict.fromkeys(llms, 0.0)
-    for llm in llms.values():
-        llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
-    for r in range(rounds):
-        for d, llm in llms.items():
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            rate = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
-            best[d] = max(best[d], rate)
-        print(f"  round {r + 1}/{rounds}: " + ", ".join(f"d={d} {best[d]:.1f} tok/s" for d in llms), flush=True)
-    return best
 
 
 def main() -> None:
@@ -84,8 +66,7 @@ def main() -> None:
     values = [int(v) for v in args.deferred.split(",")] if args.deferred else list(range(top_k + 1))
     if values[0] != 0 or any(not 0 <= d <= top_k for d in values):
         p.error(f"--deferred: values in 0..{top_k} (the model's top-k), 0 first")
-    load = os.getloadavg()
-    print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
+    print_load_average("before")
     rows = prompt_rows(model_dir, args.num_prompts, args.max_tokens)
     print(f"{len(rows)} GSM8K prompts, {sum(r.shape[1] - 1 for r in rows)} scored tokens; top-k {top_k}", flush=True)
     all_cpu = PlacementPlan.all_cpu(spec.num_layers, spec.num_experts)
@@ -93,12 +74,12 @@ def main() -> None:
             for d in values}
     try:
         scores = quality(llms, rows)
-        speed = decode_speed(llms, [r[0, :16].tolist() for r in rows[:args.batch]], args.tokens, args.rounds)
+        labelled = {f"d={d}": llm for d, llm in llms.items()}
+        speed = decode_speed(labelled, [r[0, :16].tolist() for r in rows[:args.batch]], args.tokens, args.rounds)
     finally:
         for llm in llms.values():
             llm.close()
-    load = os.getloadavg()
-    print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print_load_average("after")
 
     print(f"\n| d (of top-{top_k}) | held-out loss (nats) | vs d=0 | KL(p_0 \\|\\| p_d) (nats/token) | top-1 = d=0's "
           f"| decode tok/s (batch {args.batch}) | vs d=0 |")
@@ -106,7 +87,7 @@ def main() -> None:
     for d in values:
         s = scores[d]
         print(f"| {d} | {s['loss']:.4f} | {s['loss'] - scores[0]['loss']:+.4f} | {s['kl']:.4f} | "
-              f"{100 * s['agree']:.1f}% | {speed[d]:.1f} | {speed[d] / speed[0]:.2f}x |")
+              f"{100 * s['agree']:.1f}% | {speed[f'd={d}']:.1f} | {speed[f'd={d}'] / speed['d=0']:.2f}x |")
 
 
 if __name__ == "__main__":

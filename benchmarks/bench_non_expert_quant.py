@@ -16,9 +16,7 @@ fixed length) for every configuration, alternating within each round, best of th
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,11 +24,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_format_loss import prompt_rows  # noqa: E402  (the held-out prompts that benchmark scores)
+from decode_rounds import decode_speed, print_load_average  # noqa: E402
 
 from tiermoe import LLM  # noqa: E402
 from tiermoe.arch import detect, load_config  # noqa: E402
 from tiermoe.config import CPUConfig  # noqa: E402
-from tiermoe.engine.sampling import SamplingParams  # noqa: E402
 from tiermoe.models import resolve_model  # noqa: E402
 from tiermoe.placement.plan import PlacementPlan  # noqa: E402
 
@@ -68,27 +66,6 @@ def bytes_per_token(llm: LLM) -> tuple[int, int]:
     return held.non_expert, int(held.non_expert - table + spec.top_k * spec.num_moe_layers * per_expert)
 
 
-def decode_speed(llms: dict[str, LLM], prompts: list[list[int]], tokens: int, rounds: int) -> dict[str, float]:
-    """Best-of-`rounds` decode tokens/s per configuration (configurations alternate within each round)."""
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    best = dict.fromkeys(llms, 0.0)
-    for llm in llms.values():
-        llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
-    for r in range(rounds):
-        for label, llm in llms.items():
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            best[label] = max(best[label], sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
-        print(f"  round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.1f}" for k, v in best.items()) + " tok/s",
-              flush=True)
-    return best
-
-
-def _load_average(when: str) -> None:
-    load = os.getloadavg()
-    print(f"load average {when}: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs", flush=True)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="Example: python benchmarks/bench_non_expert_quant.py --rounds 5",
@@ -104,7 +81,7 @@ def main() -> None:
 
     model_dir = resolve_model(args.model)
     spec = detect(load_config(model_dir))
-    _load_average("before")
+    print_load_average("before")
     rows = prompt_rows(model_dir, args.num_prompts, args.max_tokens)
     print(f"{len(rows)} GSM8K prompts, {sum(r.shape[1] - 1 for r in rows)} scored tokens", flush=True)
     all_cpu = PlacementPlan.all_cpu(spec.num_layers, spec.num_experts)
@@ -118,7 +95,7 @@ def main() -> None:
     finally:
         for llm in llms.values():
             llm.close()
-    _load_average("after")
+    print_load_average("after")
 
     base = CONFIGS[0][0]
     print(f"\n| non-expert linears | experts | held-out loss (nats) | vs as loaded | non-expert MiB | "
