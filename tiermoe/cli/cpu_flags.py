@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from tiermoe.cli.flags import positive_int
+from tiermoe.cli.flags import non_negative_int, positive_int
 from tiermoe.config import CPU_BACKENDS, CPU_EXPERT_DTYPES, NON_EXPERT_DTYPES, CPUConfig
 from tiermoe.errors import TiermoeError
 
@@ -47,18 +47,6 @@ def numa_node_ids(value: str) -> list[int]:
     return ids
 
 
-def deferred_experts(value: str) -> int:
-    """--kt-max-deferred-experts-per-token: an integer >= 0 (the model's top-k bounds it when it loads)."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{value}' is not an integer (experts per token to defer, e.g. 0 or 2)") \
-            from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {number}")
-    return number
-
-
 class _ExtendFlat(argparse.Action):
     """nargs="+" of values that are each a list: one flat list (repeated flags add to it)."""
 
@@ -87,7 +75,7 @@ def add_cpu_flags(p: argparse.ArgumentParser) -> None:
                    action=_ExtendFlat, default=None, metavar="NODE",
                    help="split the CPU-tier threads into one pool per NODE listed, as kt-kernel does, each pinned to "
                         "that NUMA node's cores (e.g. 0 1; a node may be listed twice for two pools on it)")
-    g.add_argument("--kt-max-deferred-experts-per-token", dest="deferred_experts", type=deferred_experts, default=0,
+    g.add_argument("--kt-max-deferred-experts-per-token", dest="deferred_experts", type=non_negative_int, default=0,
                    metavar="D",
                    help="per token, add the D lowest-weighted CPU-tier experts in the next MoE layer, so their work "
                         "overlaps it (kt-kernel's approximation: outputs change; docs/cpu-backends.md has the "
