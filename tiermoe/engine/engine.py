@@ -102,6 +102,8 @@ class Engine:
         device = hybrid.gpu_device
         tokens = config.max_total_tokens or auto_pool_tokens(self.model.config, self.model.dtype, windows,
                                                              config.max_running, self.max_context, device)
+        # decode rows attend the pool in place where the model allows it (tiermoe.layers.decode_attention)
+        self.decode_attention = getattr(hybrid, "decode_attention", None)
         self.pool = KVPool(windows, tokens, config.max_running, device, config.page_size, config.prefill_chunk,
                            config.prefix_cache)
         if config.prefix_cache and not self.pool.reuse_possible:
@@ -361,7 +363,8 @@ class Engine:
         device = self.hybrid.gpu_device
         rows = rows or ["last"] * len(feeds)
         num_decode = next((i for i, f in enumerate(feeds) if not (f.new == 1 and f.past > 0)), len(feeds))
-        step = RaggedStep(feeds, self.pool.page_size, self.pool.layer_windows, device, self.model.dtype, num_decode)
+        step = RaggedStep(feeds, self.pool.page_size, self.pool.layer_windows, device, self.model.dtype, num_decode,
+                          self.decode_attention)
         ids = torch.tensor([[t for tokens in inputs for t in tokens]], dtype=torch.long, device=device)
         keep, spans = _kept_rows(feeds, rows)
         with torch.inference_mode(), _on_device(device):

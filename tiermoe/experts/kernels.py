@@ -31,7 +31,7 @@ from pathlib import Path
 
 ISA_NAMES = ("base", "avx2", "avx512", "avx512bf16", "amx")
 TORCH_ISA = "torch"  # not a kernel level: "use no kernels"
-ABI_VERSION = 2  # 2: tm_linear_forward / tm_linear_transposed
+ABI_VERSION = 3  # 2: tm_linear_forward / tm_linear_transposed; 3: tm_paged_decode_attention
 CSRC = Path(__file__).with_name("csrc")
 CXXFLAGS = ("-O3", "-std=c++20", "-fPIC", "-pthread", "-Wno-psabi")
 
@@ -59,6 +59,17 @@ class TmLinearArgs(ctypes.Structure):
                 ("N", ctypes.c_int32), ("K", ctypes.c_int32), ("seg_rows", ctypes.c_int32),
                 ("seg_len", ctypes.c_int32), ("x_bf16", ctypes.c_int32), ("W", ctypes.POINTER(TmMatrix)),
                 ("x", ctypes.c_void_p), ("out", ctypes.c_void_p)]
+
+
+class TmAttnArgs(ctypes.Structure):
+    """Decode rows attending the paged KV pool in place (csrc/paged_attention.cpp)."""
+
+    _fields_ = [("T", ctypes.c_int32), ("H", ctypes.c_int32), ("Hkv", ctypes.c_int32), ("d", ctypes.c_int32),
+                ("dv", ctypes.c_int32), ("page_size", ctypes.c_int32), ("max_pages", ctypes.c_int32),
+                ("x_bf16", ctypes.c_int32), ("q_row_stride", ctypes.c_int64), ("q_head_stride", ctypes.c_int64),
+                ("scale", ctypes.c_float), ("q", ctypes.c_void_p), ("k_slots", ctypes.c_void_p),
+                ("v_slots", ctypes.c_void_p), ("sinks", ctypes.c_void_p), ("tables", ctypes.c_void_p),
+                ("pos", ctypes.c_void_p), ("lo", ctypes.c_void_p), ("out", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True)
@@ -146,6 +157,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("tm_linear_forward", "tm_linear_transposed"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.POINTER(TmLinearArgs), ctypes.c_char_p, ctypes.c_int]
+    lib.tm_paged_decode_attention.restype = ctypes.c_int
+    lib.tm_paged_decode_attention.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmAttnArgs), ctypes.c_char_p,
+                                              ctypes.c_int]
     lib.tm_gguf_dequant.restype = ctypes.c_int
     lib.tm_gguf_dequant.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.tm_quantize_int4.restype = ctypes.c_int

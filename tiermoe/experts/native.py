@@ -14,9 +14,11 @@ no padding is ever held for them. Legend: T tokens, D hidden, K top-k, I interme
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 
+from tiermoe.config import CPUConfig
 from tiermoe.experts.ffn import ConvertedOnLookup, ExpertActivation, routed_experts_forward
 from tiermoe.experts.kernel_matmuls import KernelMatmuls, c_matrix
 from tiermoe.experts.kernels import Kernels, ThreadTeam, TmLayerArgs, TmMatrix, load_kernels
@@ -29,7 +31,7 @@ from tiermoe.experts.quant import (
     quantize,
     round_up,
 )
-from tiermoe.experts.threads import numa_team_cpus, team_cpus
+from tiermoe.experts.threads import default_threads, numa_team_cpus, team_cpus
 from tiermoe.experts.tiers import ComputedOnWorker, CPUWorker
 from tiermoe.experts.weights import ExpertWeights
 
@@ -200,6 +202,12 @@ def kernel_team(worker: CPUWorker, kernels: Kernels, threads: int,
     team's own lock ordering their calls."""
     cpus = (lambda: numa_team_cpus(threads, numa_nodes)) if numa_nodes else (lambda: team_cpus(threads))
     return worker.shared(("tiermoe.native.team", threads, numa_nodes), lambda: ThreadTeam(kernels, threads, cpus()))
+
+
+def model_team(worker: CPUWorker, kernels: Kernels, cpu: CPUConfig) -> Callable[[], ThreadTeam]:
+    """A getter of the model's kernel thread team with `cpu`'s threads (the team is made on the first call)."""
+    threads = cpu.threads or default_threads()
+    return lambda: kernel_team(worker, kernels, threads, cpu.numa_nodes)
 
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

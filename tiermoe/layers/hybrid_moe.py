@@ -60,6 +60,10 @@ class HybridMoE(nn.Module):
         # Set by the loader with --kt-max-deferred-experts-per-token > 0: the model's hand-over of deferred experts
         # between consecutive MoE layers (tiermoe.layers.deferred_experts); None computes every expert in its layer.
         self.deferred: DeferredExperts | None = None
+        # Whether the CPU tier's inputs and result cross between host and device. With the main device on the CPU
+        # they are host memory already: no packing, no copies (about 20 ops per layer of a decode step). The
+        # host-sync counter (tiermoe.testing.host_syncs) sets it to see the copies a GPU would make.
+        self.crosses_to_host = gpu_tier.device.type != "cpu"
 
     def _router(self) -> nn.Module:
         return self._modules[self.spec.router_attr]
@@ -86,15 +90,17 @@ class HybridMoE(nn.Module):
         _, weights_TK, ids_TK = self._router()(x_TD)
         if self.recorder.enabled:
             self.recorder.record(self.layer, ids_TK, self.assignment_E >= 0)
-        rank_TK = self.assignment_E[ids_TK]
-        on_gpu_TK = rank_TK >= 0  # on any GPU rank: not the CPU tier's
-        mine_TK = on_gpu_TK if self.reduce is None else rank_TK == self.rank
-
-        if self.lora_experts is not None or (self.trainable and torch.is_grad_enabled()):
-            y_TD = self._routed_differentiable(x_TD, ids_TK, weights_TK, on_gpu_TK, mine_TK)
-            shared_TD = self._shared(x_TD)
+        if len(self.gpu_tier) == 0 and self.reduce is None and self._plain_inference():
+            y_TD, shared_TD = self._cpu_only(x_TD, ids_TK, weights_TK)
         else:
-            y_TD, shared_TD = self._routed_overlapped(x_TD, ids_TK, weights_TK, on_gpu_TK, mine_TK)
+            rank_TK = self.assignment_E[ids_TK]
+            on_gpu_TK = rank_TK >= 0  # on any GPU rank: not the CPU tier's
+            mine_TK = on_gpu_TK if self.reduce is None else rank_TK == self.rank
+            if self.lora_experts is not None or (self.trainable and torch.is_grad_enabled()):
+                y_TD = self._routed_differentiable(x_TD, ids_TK, weights_TK, on_gpu_TK, mine_TK)
+                shared_TD = self._shared(x_TD)
+            else:
+                y_TD, shared_TD = self._routed_overlapped(x_TD, ids_TK, weights_TK, on_gpu_TK, mine_TK)
         if self.reduce is not None:
             # every rank calls this, also with no expert of its own in this layer, so the collectives line up
             y_TD = self.reduce(y_TD)
@@ -102,6 +108,25 @@ class HybridMoE(nn.Module):
             y_TD = y_TD + shared_TD
         y = y_TD.reshape(shape)
         return (y, weights_TK) if self.spec.returns_router_scores else y
+
+    def _plain_inference(self) -> bool:
+        """No adapter, no gradients, no layerwise prefill and no deferral: the block is its two tiers' sum."""
+        return (self.lora_experts is None and not (self.trainable and torch.is_grad_enabled())
+                and self.prefill_streamer is None and self.deferred is None)
+
+    def _cpu_only(self, x_TD, ids_TK, weights_TK):
+        """A layer whose routed experts are all on the CPU tier: every routed id goes to it as it is (no
+        ownership lookup, no masks, no GPU-tier call); the shared experts run while it computes."""
+        if len(self.cpu_tier) > 0:
+            self._submit_cpu(x_TD, ids_TK, weights_TK)
+        try:
+            shared_TD = self._shared(x_TD)
+        except BaseException:
+            if len(self.cpu_tier) > 0:
+                self.cpu_tier.drain()
+            raise
+        y_TD = to_device_async(self.cpu_tier.sync(), x_TD.device) if len(self.cpu_tier) > 0 else torch.zeros_like(x_TD)
+        return y_TD, shared_TD
 
     def _routed_overlapped(self, x_TD, ids_TK, weights_TK, on_gpu_TK, mine_TK):
         """Inference: the CPU part computes on its worker while the GPU part and the shared experts run here."""
@@ -136,7 +161,8 @@ class HybridMoE(nn.Module):
     def _submit_cpu(self, x_TD, cpu_ids_TK, weights_TK) -> None:
         """Start the CPU tier's part: all of it, or (deferred experts) the slots kept now, then the deferred ones
         as a second job for the next MoE layer to add."""
-        x_TD, cpu_ids_TK, weights_TK = to_host_together(x_TD, cpu_ids_TK, weights_TK)  # the layer's one wait
+        if self.crosses_to_host:
+            x_TD, cpu_ids_TK, weights_TK = to_host_together(x_TD, cpu_ids_TK, weights_TK)  # the layer's one wait
         if self.deferred is None or not self.deferred.defers(self.layer):
             self.cpu_tier.submit(x_TD, cpu_ids_TK, weights_TK)
             return

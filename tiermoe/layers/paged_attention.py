@@ -11,6 +11,9 @@ attention modules stay transformers' (their projections, norms and rope); two th
   attention function
   (sdpa, or eager with GPT-OSS's sinks), so each sequence sees exactly its own keys. Without a step (a plain
   forward with a transformers cache, e.g. from a test) it is the original function with the original masks.
+A step whose decode rows attend in place (step.decode_attention, tiermoe.layers.decode_attention) gets the
+layer's slots themselves from `update`, no gather: the decode rows read them through their page tables in one
+native call, and only the segments' pages are gathered, by the attention function.
 Legend: T new tokens, K read keys, H heads, d head dim, b rows of one attention call, q its queries, w its keys.
 """
 
@@ -47,9 +50,10 @@ class Part:
 
 
 def parts(step: RaggedStep, window: int | None) -> Iterator[Part]:
-    """Each attention call of the step (step.row_parts), with its keys in this page group."""
+    """Each gathered attention call of the step (step.row_parts from step.first_gathered), with its keys in this
+    page group."""
     size = step.page_size
-    for part, keys in zip(step.row_parts, step.groups[window].parts):
+    for part, keys in zip(step.row_parts[step.first_gathered:], step.groups[window].parts):
         w = (keys.end - keys.first) * size // part.b
         yield Part(part.rows, slice(keys.first * size, keys.end * size), part.b, part.q, w, keys.mask)
 
@@ -89,6 +93,8 @@ class PagedStepCache(Cache):
         k_slots, v_slots = self.pages.slots(layer_idx, window, k_new, v_new)
         k_slots.index_copy_(0, group.write_index, k_new)
         v_slots.index_copy_(0, group.write_index, v_new)
+        if self.step.decode_attention is not None:  # the attention function reads the slots where they lie
+            return k_slots, v_slots
         return _read(k_slots, group.read_pages, self.step.page_size), _read(v_slots, group.read_pages,
                                                                             self.step.page_size)
 
@@ -145,13 +151,16 @@ def original_attention(module) -> Callable:
 def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                     **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [1, H, T, d], key/value [1, Hkv, K, d] as the pool's
-    cache returned them -> ([1, T, H, dv], None)."""
+    cache returned them (or, when the decode rows attend in place, the layer's slots [S, Hkv, d] themselves)
+    -> ([1, T, H, dv], None)."""
     step = kwargs.pop(STEP_KWARG, None)
     attend = original_attention(module)
     if step is None:
         return attend(module, query, key, value, attention_mask, **kwargs)
     window = step.layer_windows[module.layer_idx]
     out = query.new_empty((1, query.shape[2], query.shape[1], value.shape[-1]))
+    if step.decode_attention is not None:
+        key, value = _decode_in_place(module, step, window, query, key, value, out, kwargs)
 
     def one_part(part: Part) -> torch.Tensor:
         result, _ = attend(module, part_queries(query, part), part_keys(key, part), part_keys(value, part),
@@ -159,3 +168,18 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         return result
 
     return attend_parts(step, window, out, one_part), None
+
+
+def _decode_in_place(module, step: RaggedStep, window: int | None, query: torch.Tensor, k_SHd: torch.Tensor,
+                     v_SHd: torch.Tensor, out_1THd: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode rows' attention, read from the slots [S, Hkv, d] in place, into out's first rows; returns the
+    segments' gathered K/V [1, Hkv, K, d] (what the parts read)."""
+    group, n = step.groups[window], step.num_decode
+    scale = kwargs.get("scaling")
+    step.decode_attention.attend(query[0, :, :n].transpose(0, 1), k_SHd, v_SHd, group.decode.tables,
+                                 step.decode_pos, group.decode.lo, step.page_size,
+                                 query.shape[-1] ** -0.5 if scale is None else scale, group.decode.keys,
+                                 kwargs.get("s_aux"), out_1THd[0, :n])
+    if step.first_gathered == len(step.row_parts):  # decode rows only: nothing to gather
+        return k_SHd, v_SHd
+    return _read(k_SHd, group.read_pages, step.page_size), _read(v_SHd, group.read_pages, step.page_size)

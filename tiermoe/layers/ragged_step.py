@@ -13,6 +13,11 @@ size) the step holds, per part, the pages it reads, and for the whole step:
 So a step writes only its new tokens and reads the past where it lies. Masks are additive (0 / dtype min),
 [b, 1, q, w] per part, built once per step and group.
 
+Given a `decode_attention` (tiermoe.layers.decode_attention: on the CPU, where every attention layer is served by
+tiermoe.layers.paged_attention), the decode rows attend the pool in place instead: they get no gathered pages,
+padding or masks, but per group each row's page table and first visible position (`DecodeIndex`), and the
+gathered parts are the segments only (`first_gathered` indexes them in row_parts).
+
 A key position k is visible to a query at position p when k <= p and, in a sliding group of window w,
 k > p - w (transformers' sliding_window_overlay).
 Legend: T new tokens, N read pages, P page size, b rows of a part, q its queries per row, w its keys per row.
@@ -59,12 +64,22 @@ class PartKeys:
 
 
 @dataclass(frozen=True)
+class DecodeIndex:
+    """The decode rows of one page group when they attend in place."""
+
+    tables: torch.Tensor  # [n, W] int64: each row's page ids from position 0 to its last page (0 where freed)
+    lo: torch.Tensor  # [n] int32: each row's first visible key position
+    keys: int  # visible keys of all rows together
+
+
+@dataclass(frozen=True)
 class GroupIndex:
     """One page group's step indices (see the module docstring)."""
 
     write_index: torch.Tensor  # [T] int64 slots
-    read_pages: torch.Tensor  # [N] int64 page ids
-    parts: tuple[PartKeys, ...]  # in step.row_parts order
+    read_pages: torch.Tensor  # [N] int64 page ids of the gathered parts
+    parts: tuple[PartKeys, ...]  # in step.row_parts[step.first_gathered:] order
+    decode: DecodeIndex | None = None  # when the decode rows attend in place
 
 
 def decode_runs(pasts: list[int], allowance: int = PAD_ALLOWANCE) -> list[tuple[int, int]]:
@@ -85,9 +100,10 @@ class RaggedStep:
     """The layout of one step's forward: rows, positions and, per page group, its GroupIndex."""
 
     def __init__(self, feeds: list[SeqFeed], page_size: int, layer_windows: dict[int, int | None | str],
-                 device: torch.device, mask_dtype: torch.dtype, num_decode: int | None = None):
+                 device: torch.device, mask_dtype: torch.dtype, num_decode: int | None = None,
+                 decode_attention=None):
         """`num_decode`: how many leading feeds are decode rows (one token after a past; default: all the leading
-        one-token feeds)."""
+        one-token feeds). `decode_attention`: how the decode rows attend in place (None: gathered, like segments)."""
         self.feeds = feeds
         self.layer_windows = layer_windows  # decoder layer -> its page group's window (or LINEAR: no pages)
         self.page_size = page_size
@@ -98,6 +114,11 @@ class RaggedStep:
             raise ValueError("a ragged step lists its decode rows (one token each) first, then its segments")
         self.row_parts = [RowPart(a, b - a, 1, slice(a, b)) for a, b in decode_runs(
             [f.past for f in feeds[:num_decode]])]
+        self.decode_attention = decode_attention if num_decode > 0 else None
+        self.first_gathered = len(self.row_parts) if self.decode_attention is not None else 0
+        self.decode_pos = None  # [num_decode] int32 query positions, when the decode rows attend in place
+        if self.decode_attention is not None:
+            self.decode_pos = torch.tensor([f.past for f in feeds[:num_decode]], dtype=torch.int32, device=device)
         row = num_decode
         for i, f in enumerate(feeds[num_decode:], start=num_decode):
             self.row_parts.append(RowPart(i, 1, f.new, slice(row, row + f.new)))
@@ -111,7 +132,7 @@ class RaggedStep:
         tables = [torch.tensor(f.pages[window], dtype=torch.long) for f in self.feeds]
         write = [self._slots(t, f.past, f.past + f.new) for t, f in zip(tables, self.feeds)]
         read, parts = [], []
-        for part in self.row_parts:
+        for part in self.row_parts[self.first_gathered:]:
             rows = range(part.first_feed, part.first_feed + part.b)
             spans = [(_first_visible(self.feeds[i].past, window) // size,
                       (self.feeds[i].past + self.feeds[i].new - 1) // size + 1) for i in rows]
@@ -134,7 +155,22 @@ class RaggedStep:
                 visible &= k_bw[:, None, :] > q_bq[:, :, None] - window
             mask = torch.zeros(visible.shape, dtype=mask_dtype).masked_fill_(~visible, low)[:, None].to(device)
             parts.append(PartKeys(first_read, first_read + part.b * width, mask))
-        return GroupIndex(torch.cat(write).to(device), torch.cat(read).to(device), tuple(parts))
+        read_pages = torch.cat(read).to(device) if read else torch.zeros(0, dtype=torch.long, device=device)
+        decode = self._decode_index(window, tables, device) if self.decode_attention is not None else None
+        return GroupIndex(torch.cat(write).to(device), read_pages, tuple(parts), decode)
+
+    def _decode_index(self, window: int | None, tables: list[torch.Tensor], device: torch.device) -> DecodeIndex:
+        size, rows = self.page_size, range(self.num_decode)
+        lo = [_first_visible(self.feeds[i].past, window) for i in rows]
+        ends = [self.feeds[i].past // size + 1 for i in rows]  # pages up to each row's query
+        out = torch.zeros(self.num_decode, max(ends), dtype=torch.long)
+        for i in rows:
+            pages = tables[i][:ends[i]]
+            if bool((pages[lo[i] // size:] < 0).any()):
+                raise ValueError(f"a query of this step sees a page the pool has already freed (window {window})")
+            out[i, :ends[i]] = pages.clamp_min(0)  # pages before the window are never read
+        keys = sum(self.feeds[i].past + 1 - lo[i] for i in rows)
+        return DecodeIndex(out.to(device), torch.tensor(lo, dtype=torch.int32, device=device), keys)
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Pool slots of positions [start, end) of a sequence whose page table is `table`."""

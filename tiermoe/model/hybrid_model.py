@@ -20,6 +20,7 @@ from tiermoe.errors import TiermoeError
 from tiermoe.experts.slot_pool import ExpertSlotPool
 from tiermoe.experts.slotted_tier import SlottedExpertSet
 from tiermoe.experts.tiers import CPUWorker
+from tiermoe.layers.decode_attention import DecodeAttention
 from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.placement.mask import validate_mask
 from tiermoe.placement.plan import PlacementPlan
@@ -52,7 +53,8 @@ class HybridModel:
 
     def __init__(self, model: nn.Module, config, spec: ArchSpec, blocks: dict[int, HybridMoE],
                  gpu_device: torch.device, worker: CPUWorker, model_dir: Path, expert_dtype: torch.dtype,
-                 share=None, trainable: bool = False, gpu_pool: ExpertSlotPool | None = None):
+                 share=None, trainable: bool = False, gpu_pool: ExpertSlotPool | None = None,
+                 decode_attention: DecodeAttention | None = None):
         self.model = model
         self.config = config
         self.spec = spec
@@ -63,6 +65,8 @@ class HybridModel:
         self._worker = worker
         self.swap_stats = SwapStats()
         self.share = share  # None with one process; this rank's part of a multi-rank run otherwise
+        # Decode rows attending the KV pool in place on the CPU (tiermoe.layers.decode_attention), or None.
+        self.decode_attention = decode_attention
         self.trainable = trainable  # loaded for fine-tuning: calls keep autograd (tiermoe.training)
         self.gpu_pool = gpu_pool  # the GPU tiers' shared expert slots (tiermoe.experts.slot_pool)
 

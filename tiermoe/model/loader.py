@@ -44,11 +44,14 @@ from tiermoe.errors import TiermoeError
 from tiermoe.experts.ffn import ExpertActivation
 from tiermoe.experts.fp8_tier import FP8ExpertSet, fp8_expert_bytes
 from tiermoe.experts.host_slab import HostSlab, expert_shapes, pins_host_memory
+from tiermoe.experts.kernels import load_kernels
+from tiermoe.experts.native import model_team
 from tiermoe.experts.registry import make_cpu_tier
 from tiermoe.experts.slot_pool import ExpertSlotPool
 from tiermoe.experts.slotted_tier import SlottedExpertSet
 from tiermoe.experts.tiers import CPUWorker, ExpertSet
 from tiermoe.experts.weights import ExpertWeights
+from tiermoe.layers.decode_attention import decode_attention_for
 from tiermoe.layers.deferred_experts import DeferredExperts
 from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.layers.lm_head import use_rows_lm_head
@@ -188,7 +191,10 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         use_rows_lm_head(model)  # the head on the sampled rows as one 2-D matmul: no copy of its weight per prefill
         group_kv_b_rows_of(decoder_layers(model))  # MLA's one re-layout, now that kv_b_proj holds its rows
     return_freed_heap()  # the read buffers the tiers packed or quantised from
-    return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share, trainable, pool)
+    kernels = load_kernels()
+    decode_attention = decode_attention_for(model, gpu_device, kernels, model_team(worker, kernels, cpu), trainable)
+    return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share, trainable, pool,
+                       decode_attention)
 
 
 def _usable_cache(cache: ExpertCache, cpu: CPUConfig,

@@ -22,9 +22,8 @@ from torch import nn
 from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.kernels import load_kernels
-from tiermoe.experts.native import kernel_team
+from tiermoe.experts.native import model_team
 from tiermoe.experts.quant import blocked_nbytes
-from tiermoe.experts.threads import default_threads
 from tiermoe.experts.tiers import CPUWorker
 from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.model.skeleton import decoder_layers
@@ -61,11 +60,7 @@ def quantize_non_experts(model: nn.Module, router_attr: str, cpu: CPUConfig, wor
     `cpu.non_expert_dtype` computed on the model's kernel thread team; returns how many were swapped."""
     fmt = cpu.non_expert_dtype
     kernels = load_kernels()
-    threads = cpu.threads or default_threads()
-
-    def team():
-        return kernel_team(worker, kernels, threads, cpu.numa_nodes)
-
+    team = model_team(worker, kernels, cpu)
     swapped = 0
     for name, linear in quantizable_linears(model, router_attr):
         parent, _, leaf = name.rpartition(".")

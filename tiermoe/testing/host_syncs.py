@@ -227,6 +227,9 @@ class HostSyncCounter:
                     lambda m, a, layer=layer: self._layer.append(layer)).remove)
                 self._undo.append(block.register_forward_hook(self._leave_layer).remove)
                 self._named_devices += [(block.gpu_tier.device, DEVICE), (block.cpu_tier.device, HOST)]
+                before = block.crosses_to_host  # make the copies a GPU needs, so they are counted
+                block.crosses_to_host = True
+                self._undo.append(lambda block=block, before=before: setattr(block, "crosses_to_host", before))
                 self._hand_back_host_memory(block.cpu_tier)
         self._modes = [_Sides(self), _Syncs(self)]
         for mode in self._modes:

@@ -1,0 +1,77 @@
+"""Decode rows attending the KV pool where it lies, on the CPU, in one native call per layer.
+
+A decode row is one query token after its sequence's past. Through transformers' attention functions each run
+of decode rows costs a gather of its pages out of the pool (a copy of every past K/V it reads), a padded mask,
+per-part views and an SDPA call: about 40 dispatched ops per layer and the copy, for a few microseconds of
+arithmetic. `tm_paged_decode_attention` (tiermoe/experts/csrc/paged_attention.cpp) reads each row's keys through
+its page table instead: no copy, no padding, no mask. Prompt chunks (several queries per row) keep the gathered
+SDPA path, whose kernels are faster for many queries.
+
+Used where every attention layer is one of transformers' softmax attentions that the pool serves through
+tiermoe.layers.paged_attention (not MLA, which attends from its latent), the model is on the CPU, the kernels
+are built, and nothing needs gradients; `decode_attention_for` decides. Results equal SDPA's within fp32
+rounding (scores summed in another order); bf16 rows are computed in fp32 and rounded once.
+Legend: T decode rows, H query heads, Hkv KV heads, d head dim, dv value dim, S pool slots.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tiermoe.experts.kernels import Kernels, ThreadTeam, TmAttnArgs
+from tiermoe.layers.mla_attention import MLAAttention
+
+# Multiply-adds below which the calling thread attends alone: waking the team costs more than it saves.
+TEAM_MIN_WORK = 1 << 20
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class DecodeAttention:
+    """The native decode attention on `kernels`; `team` gives the model's kernel thread team."""
+
+    def __init__(self, kernels: Kernels, team: Callable[[], ThreadTeam]):
+        self.kernels, self.team = kernels, team
+
+    def takes(self, query: torch.Tensor) -> bool:
+        """Whether the kernel computes queries like this one (else the caller keeps the gathered path)."""
+        return query.device.type == "cpu" and query.dtype in _DTYPES and query.stride(-1) == 1
+
+    def attend(self, q_THd: torch.Tensor, k_SHd: torch.Tensor, v_SHd: torch.Tensor, tables_TN: torch.Tensor,
+               pos_T: torch.Tensor, lo_T: torch.Tensor, page_size: int, scale: float, keys: int,
+               sinks_H: torch.Tensor | None, out_THd: torch.Tensor) -> None:
+        """Fill out [T, H, dv] (contiguous) with each row's attention over key positions [lo, pos] of its pages.
+
+        q [T, H, d] may be strided (head dims contiguous); K/V slots [S, Hkv, d | dv] are the pool's; tables
+        [T, N] int64 page ids; pos, lo [T] int32; keys: the rows' visible keys in total (sizes the work)."""
+        T, H, d = q_THd.shape
+        Hkv, dv = k_SHd.shape[1], v_SHd.shape[2]
+        if k_SHd.dtype != q_THd.dtype or v_SHd.dtype != q_THd.dtype or out_THd.dtype != q_THd.dtype:
+            raise ValueError(f"decode attention needs one dtype, got q {q_THd.dtype}, K {k_SHd.dtype}, "
+                             f"V {v_SHd.dtype}, out {out_THd.dtype}")
+        sinks = None if sinks_H is None else sinks_H.detach().float().contiguous()
+        args = TmAttnArgs(T=T, H=H, Hkv=Hkv, d=d, dv=dv, page_size=page_size, max_pages=tables_TN.shape[1],
+                          x_bf16=int(q_THd.dtype == torch.bfloat16), q_row_stride=q_THd.stride(0),
+                          q_head_stride=q_THd.stride(1), scale=scale, q=q_THd.data_ptr(), k_slots=k_SHd.data_ptr(),
+                          v_slots=v_SHd.data_ptr(), sinks=None if sinks is None else sinks.data_ptr(),
+                          tables=tables_TN.data_ptr(), pos=pos_T.data_ptr(), lo=lo_T.data_ptr(),
+                          out=out_THd.data_ptr())
+        team = self.team().handle if keys * H * (d + dv) >= TEAM_MIN_WORK else None
+        err = ctypes.create_string_buffer(256)
+        if self.kernels.lib.tm_paged_decode_attention(team, ctypes.byref(args), err, len(err)) != 0:
+            raise RuntimeError(err.value.decode())
+
+
+def decode_attention_for(model: nn.Module, device: torch.device, kernels: Kernels | None,
+                         team: Callable[[], ThreadTeam], trainable: bool) -> DecodeAttention | None:
+    """The native decode attention for `model`, or None where it does not apply (see the module docstring):
+    a GPU device, no kernels, training, or an attention module the pool does not serve through
+    tiermoe.layers.paged_attention (MLA)."""
+    if trainable or kernels is None or torch.device(device).type != "cpu":
+        return None
+    if any(isinstance(m, MLAAttention) for m in model.modules()):
+        return None
+    return DecodeAttention(kernels, team)
