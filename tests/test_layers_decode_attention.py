@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
@@ -103,3 +104,16 @@ def test_a_decode_step_reads_the_past_where_it_lies(tiny_dir):
             got[in_place] = (seq.output_ids, ops.names.count("index_select"))
     assert got[True][0] == got[False][0]
     assert got[True][1] == 0 < got[False][1]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_equals_transformers_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(1)
+    T, H, d = 5, 3, 16
+    x = torch.randn(T, 2 * H, d, generator=g).to(dtype)[:, ::2]  # strided heads, as a split of one projection
+    angles = torch.randn(T, d // 2, generator=g) * 3
+    cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+    want, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos[None], sin[None])
+    DecodeAttention(KERNELS, lambda: None).rotate(x, cos, sin)
+    assert torch.equal(x, want[0].transpose(0, 1))

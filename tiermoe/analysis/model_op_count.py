@@ -76,6 +76,8 @@ def _count_decode_step(llm, engine_factory) -> tuple[list[int], list[int]]:
 def measure_model_costs(llm, engine_factory) -> ModelCosts:
     """Count `llm`'s work per pass. Moves every expert to the GPU tier, then to the CPU tier, and back to the
     placement it had (the GPU tier must be able to hold all experts: a CPU gpu_device or a model that fits).
+    The CPU call is counted as a layer with both tiers on a GPU dispatches it (its host copies packed, no
+    all-CPU shortcut), whatever device this machine runs.
 
     engine_factory(llm) -> a fresh Engine on llm's model (one sequence at a time is enough).
     """
@@ -83,13 +85,19 @@ def measure_model_costs(llm, engine_factory) -> ModelCosts:
     spec = hybrid.spec
     m, k = spec.num_moe_layers, spec.top_k
     original = hybrid.mask
+    saved = []
     expert = count_expert_ops(next(iter(hybrid.blocks.values())).gpu_tier.act)
     try:
         hybrid.apply_mask(spec.moe_row_mask()[:, None].expand(-1, spec.num_experts).clone())
         gpu_block, rest = _count_decode_step(llm, engine_factory)  # one token: k distinct experts per layer
         hybrid.apply_mask(torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.bool))
+        saved = [(b, b.cpu_only_shortcut, b.crosses_to_host) for b in hybrid.blocks.values()]
+        for block, _, _ in saved:  # count the CPU call as a layer with both tiers on a GPU makes it
+            block.cpu_only_shortcut, block.crosses_to_host = False, True
         cpu_block, _ = _count_decode_step(llm, engine_factory)
     finally:
+        for block, shortcut, crosses in saved:
+            block.cpu_only_shortcut, block.crosses_to_host = shortcut, crosses
         hybrid.apply_mask(original)
     per_layer = OpCount(gpu_block[0] / m, gpu_block[1] / m) + expert.scaled(-k)
     per_cpu_call = OpCount(cpu_block[0] / m - per_layer.ops, cpu_block[1] / m - per_layer.kernels)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 ISA_NAMES = ("base", "avx2", "avx512", "avx512bf16", "amx")
 TORCH_ISA = "torch"  # not a kernel level: "use no kernels"
-ABI_VERSION = 3  # 2: tm_linear_forward / tm_linear_transposed; 3: tm_paged_decode_attention
+ABI_VERSION = 3  # 2: tm_linear_forward / tm_linear_transposed; 3: tm_paged_decode_attention, tm_rotary_inplace
 CSRC = Path(__file__).with_name("csrc")
 CXXFLAGS = ("-O3", "-std=c++20", "-fPIC", "-pthread", "-Wno-psabi")
 
@@ -160,6 +160,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tm_paged_decode_attention.restype = ctypes.c_int
     lib.tm_paged_decode_attention.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmAttnArgs), ctypes.c_char_p,
                                               ctypes.c_int]
+    lib.tm_rotary_inplace.restype = ctypes.c_int
+    lib.tm_rotary_inplace.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.tm_gguf_dequant.restype = ctypes.c_int
     lib.tm_gguf_dequant.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.tm_quantize_int4.restype = ctypes.c_int

@@ -1,10 +1,11 @@
 """How many threads the CPU tier uses, and which CPUs they are pinned to.
 
-Default: one thread per physical core, less one core for the caller (the thread that runs the model: Python,
-attention, launching GPU kernels), and at least one. On a 2-core machine that is 1: the caller keeps a core of its
-own, so it never waits for a core while the experts hold both. With a real GPU tier the caller mostly launches
-kernels and then blocks in sync(), so `--cpu-threads 2` can be faster on 2 cores when the CPU part dominates;
-measure it with benchmarks/bench_cpu_experts.py (it reports 1 and 2 threads).
+Default (`default_threads`, chosen once by the loader): one thread per physical core, less one core for the caller
+(the thread that runs the model: Python, attention, launching GPU kernels) when the caller computes while the team
+does (a GPU main device, or GPU-tier experts computed on the host), and at least one. A CPU-only model whose
+experts are all on the CPU tier leaves the caller waiting on the team during every MoE layer, so the team takes
+every core: on a 2-core machine 1 thread decoded a 2-layer Qwen3-30B-A3B-shaped model at 33-35 tokens/s, 2 at
+40-43 (issue 22's measurement).
 
 Pinning: member i of a team of n is pinned to the i-th of the *last* n physical cores (one logical CPU each,
 SMT siblings left alone), so the caller's scheduler-chosen core is most often the first core, outside the team.
@@ -47,8 +48,9 @@ def physical_cpus(allowed: list[int] | None = None) -> list[int]:
     return out
 
 
-def default_threads() -> int:
-    return max(1, len(physical_cpus()) - 1)
+def default_threads(caller_computes: bool = True) -> int:
+    """The team size when --cpu-threads is not given (see the module docstring)."""
+    return max(1, len(physical_cpus()) - int(caller_computes))
 
 
 def team_cpus(n: int) -> list[int]:

@@ -64,6 +64,9 @@ class HybridMoE(nn.Module):
         # they are host memory already: no packing, no copies (about 20 ops per layer of a decode step). The
         # host-sync counter (tiermoe.testing.host_syncs) sets it to see the copies a GPU would make.
         self.crosses_to_host = gpu_tier.device.type != "cpu"
+        # A layer with no GPU-tier expert skips the ownership lookup and the GPU tier (`_cpu_only`). The cost
+        # model's op count (tiermoe.analysis.model_op_count) turns it off to count what a mixed layer dispatches.
+        self.cpu_only_shortcut = True
 
     def _router(self) -> nn.Module:
         return self._modules[self.spec.router_attr]
@@ -90,7 +93,7 @@ class HybridMoE(nn.Module):
         _, weights_TK, ids_TK = self._router()(x_TD)
         if self.recorder.enabled:
             self.recorder.record(self.layer, ids_TK, self.assignment_E >= 0)
-        if len(self.gpu_tier) == 0 and self.reduce is None and self._plain_inference():
+        if self.cpu_only_shortcut and len(self.gpu_tier) == 0 and self.reduce is None and self._plain_inference():
             y_TD, shared_TD = self._cpu_only(x_TD, ids_TK, weights_TK)
         else:
             rank_TK = self.assignment_E[ids_TK]

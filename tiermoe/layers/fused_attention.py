@@ -1,0 +1,110 @@
+"""Decode steps through transformers' standard attention modules in a handful of ops.
+
+transformers' attention forward dispatches about 35 ops per layer for one decode token: three projections, views
+and transposes, rotary embedding as eight elementwise ops per tensor, the cache update and the attention call.
+On the CPU at batch 1 their dispatch is the cost, not their arithmetic. `DecodeFusedAttention` takes an attention
+module's place (its children and parameters under their own names, as HybridMoE takes a MoE block's) and, in a
+step whose rows are all decode rows attending in place (tiermoe.layers.decode_attention), computes:
+- q, k and v with ONE linear: their weights are concatenated once, and the three projections' parameters
+  become row views of the concatenation (no second copy held; the original forward still reads them);
+- the model's own q/k norms (Qwen3), as modules;
+- rotary embedding in place, in one native call (csrc/rotary.cpp: the same products, sum and roundings);
+- the new K/V written into the pool, the attention read in place, the output projection.
+Every other step (prompt chunks, gradients, a GPU device) runs the module's original forward.
+Families: Qwen3-MoE, Qwen2-MoE and Mixtral attention (full rotary, no gate, no sinks). The others keep theirs.
+Legend: T rows, H query heads, Hkv KV heads, d head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.mixtral.modeling_mixtral import MixtralAttention
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
+
+from tiermoe.layers.decode_attention import DecodeAttention
+from tiermoe.layers.paged_attention import STEP_KWARG
+
+_FAMILIES = (Qwen3MoeAttention, Qwen2MoeAttention, MixtralAttention)
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
+
+class DecodeFusedAttention(nn.Module):
+    def __init__(self, original: nn.Module, native: DecodeAttention):
+        super().__init__()
+        for name, child in original.named_children():
+            self.add_module(name, child)
+        for name, value in vars(original).items():  # config, layer_idx, head_dim, scaling, sliding_window...
+            if not name.startswith("_") and name != "training":
+                setattr(self, name, value)
+        self.training = original.training
+        self._original_forward = type(original).forward
+        self.native = native
+        self.heads = (original.config.num_attention_heads, original.config.num_key_value_heads)
+        self.qkv_weight, self.qkv_bias = _concatenated(*(getattr(self, n) for n in _PROJECTIONS))
+
+    def forward(self, *args, **kwargs):
+        step = kwargs.get(STEP_KWARG)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if (args or step is None or step.decode_attention is None or step.first_gathered < len(step.row_parts)
+                or cache is None or torch.is_grad_enabled()):
+            return self._original_forward(self, *args, **kwargs)
+        return self._decode(kwargs["hidden_states"], kwargs["position_embeddings"], cache, step), None
+
+    def _decode(self, x_1TD: torch.Tensor, position_embeddings, cache, step) -> torch.Tensor:
+        H, Hkv = self.heads
+        T, d = x_1TD.shape[1], self.head_dim
+        q_THd, k_THd, v_THd = self._qkv(x_1TD[0]).view(T, H + 2 * Hkv, d).split([H, Hkv, Hkv], dim=1)
+        if hasattr(self, "q_norm"):
+            q_THd, k_THd = self.q_norm(q_THd), self.k_norm(k_THd)
+        cos, sin = position_embeddings
+        self.native.rotate(q_THd, cos[0], sin[0])
+        self.native.rotate(k_THd, cos[0], sin[0])
+        window = step.layer_windows[self.layer_idx]
+        group = step.groups[window]
+        k_slots, v_slots = cache.pages.slots(self.layer_idx, window, k_THd, v_THd)
+        k_slots.index_copy_(0, group.write_index, k_THd)
+        v_slots.index_copy_(0, group.write_index, v_THd)
+        out_THd = q_THd.new_empty((T, H, v_THd.shape[-1]))
+        self.native.attend(q_THd, k_slots, v_slots, group.decode.tables, step.decode_pos, group.decode.lo,
+                           step.page_size, self.scaling, group.decode.keys, None, out_THd)
+        return self.o_proj(out_THd.view(1, T, -1))
+
+    def _qkv(self, x_TD: torch.Tensor) -> torch.Tensor:
+        if self.qkv_weight is None:  # projections that are not plain linears (packed by --non-expert-dtype)
+            return torch.cat([getattr(self, n)(x_TD) for n in _PROJECTIONS], dim=-1)
+        return F.linear(x_TD, self.qkv_weight, self.qkv_bias)
+
+
+def _concatenated(*linears: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The projections' weights (and biases) as one tensor each, the projections' own parameters re-pointed at
+    its rows; (None, None) when any is not a plain nn.Linear."""
+    has_bias = {lin.bias is not None for lin in linears if type(lin) is nn.Linear}
+    if any(type(lin) is not nn.Linear for lin in linears) or len(has_bias) > 1:
+        return None, None
+    with torch.no_grad():
+        weight = torch.cat([lin.weight for lin in linears])
+        bias = torch.cat([lin.bias for lin in linears]) if has_bias == {True} else None
+        start = 0
+        for lin in linears:
+            rows = lin.weight.shape[0]
+            lin.weight = nn.Parameter(weight[start:start + rows], requires_grad=lin.weight.requires_grad)
+            if bias is not None:
+                lin.bias = nn.Parameter(bias[start:start + rows], requires_grad=lin.bias.requires_grad)
+            start += rows
+    return weight, bias
+
+
+def fuse_decode_attention(layers: nn.ModuleList, native: DecodeAttention) -> int:
+    """Put a DecodeFusedAttention in place of every decoder layer's attention of a supported family; returns
+    how many."""
+    fused = 0
+    for layer in layers:
+        original = getattr(layer, "self_attn", None)
+        if type(original) in _FAMILIES:
+            layer.self_attn = DecodeFusedAttention(original, native)
+            fused += 1
+    return fused
+
