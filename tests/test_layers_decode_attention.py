@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb as gpt_oss_rotary
 from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
 from tiermoe.engine.llm import LLM
@@ -115,5 +116,17 @@ def test_rotary_in_place_equals_transformers_bit_for_bit(dtype):
     angles = torch.randn(T, d // 2, generator=g) * 3
     cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
     want, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos[None], sin[None])
+    DecodeAttention(KERNELS, lambda: None).rotate(x, cos, sin)
+    assert torch.equal(x, want[0].transpose(0, 1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_equals_gpt_oss_half_width_form_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 3, 8, generator=g).to(dtype)
+    angles = torch.randn(4, 4, generator=g) * 3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    want, _ = gpt_oss_rotary(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos[None], sin[None])
     DecodeAttention(KERNELS, lambda: None).rotate(x, cos, sin)
     assert torch.equal(x, want[0].transpose(0, 1))

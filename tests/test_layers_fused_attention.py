@@ -28,7 +28,7 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
 def test_decode_steps_of_fused_attention_equal_transformers(arch, tiny_dir):
     path = tiny_dir(arch)
     ref = load_reference(path)

@@ -162,7 +162,8 @@ def _declare(lib: ctypes.CDLL) -> None:
                                               ctypes.c_int]
     lib.tm_rotary_inplace.restype = ctypes.c_int
     lib.tm_rotary_inplace.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
-                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                      ctypes.c_int]
     lib.tm_gguf_dequant.restype = ctypes.c_int
     lib.tm_gguf_dequant.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.tm_quantize_int4.restype = ctypes.c_int

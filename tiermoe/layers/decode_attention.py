@@ -67,13 +67,15 @@ class DecodeAttention:
 
     def rotate(self, x_THd: torch.Tensor, cos_Td: torch.Tensor, sin_Td: torch.Tensor) -> None:
         """transformers' rotary embedding (x * cos + rotate_half(x) * sin, with its roundings) applied to x [T, H, d]
-        in place (head values contiguous); cos / sin [T, d] in x's dtype."""
-        if x_THd.stride(-1) != 1 or cos_Td.stride(-1) != 1 or sin_Td.stride(-1) != 1 or cos_Td.dtype != x_THd.dtype:
-            raise ValueError("rotary embedding needs contiguous head values and cos / sin in the tensor's dtype")
+        in place (head values contiguous); cos / sin [T, d] in x's dtype, or [T, d / 2] (GPT-OSS: one value for
+        both halves)."""
         T, H, d = x_THd.shape
+        if (x_THd.stride(-1) != 1 or cos_Td.stride(-1) != 1 or sin_Td.stride(-1) != 1 or cos_Td.dtype != x_THd.dtype
+                or cos_Td.shape[-1] not in (d, d // 2)):
+            raise ValueError("rotary embedding needs contiguous head values and cos / sin in the tensor's dtype")
         if self.kernels.lib.tm_rotary_inplace(x_THd.data_ptr(), T, H, d, x_THd.stride(0), x_THd.stride(1),
                                               cos_Td.data_ptr(), sin_Td.data_ptr(), cos_Td.stride(0),
-                                              int(x_THd.dtype == torch.bfloat16)) != 0:
+                                              int(cos_Td.shape[-1] != d), int(x_THd.dtype == torch.bfloat16)) != 0:
             raise ValueError(f"rotary embedding needs an even head dim, got {d}")
 
 

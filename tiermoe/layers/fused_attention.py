@@ -8,10 +8,13 @@ step whose rows are all decode rows attending in place (tiermoe.layers.decode_at
 - q, k and v with ONE linear: their weights are concatenated once, and the three projections' parameters
   become row views of the concatenation (no second copy held; the original forward still reads them);
 - the model's own q/k norms (Qwen3), as modules;
-- rotary embedding in place, in one native call (csrc/rotary.cpp: the same products, sum and roundings);
+- rotary embedding in place, in one native call (csrc/rotary.cpp: the same products, sum and roundings; GPT-OSS's
+  half-width form too);
 - the new K/V written into the pool, the attention read in place, the output projection.
 Every other step (prompt chunks, gradients, a GPU device) runs the module's original forward.
-Families: Qwen3-MoE, Qwen2-MoE and Mixtral attention (full rotary, no gate, no sinks). The others keep theirs.
+Families: Qwen3-MoE, Qwen2-MoE, Mixtral and GPT-OSS attention (full rotary, no gate; GPT-OSS's sinks go to the
+attention kernel). OLMoE (norms over all heads, clipping), GLM-4.5 (partial rotary) and Qwen3-Next (gated) keep
+transformers' forward.
 Legend: T rows, H query heads, Hkv KV heads, d head dim.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention
 from transformers.models.mixtral.modeling_mixtral import MixtralAttention
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
@@ -27,7 +31,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 from tiermoe.layers.decode_attention import DecodeAttention
 from tiermoe.layers.paged_attention import STEP_KWARG
 
-_FAMILIES = (Qwen3MoeAttention, Qwen2MoeAttention, MixtralAttention)
+_FAMILIES = (Qwen3MoeAttention, Qwen2MoeAttention, MixtralAttention, GptOssAttention)
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
 
@@ -36,11 +40,13 @@ class DecodeFusedAttention(nn.Module):
         super().__init__()
         for name, child in original.named_children():
             self.add_module(name, child)
+        for name, param in original.named_parameters(recurse=False):  # GPT-OSS's sinks
+            self.register_parameter(name, param)
         for name, value in vars(original).items():  # config, layer_idx, head_dim, scaling, sliding_window...
-            if not name.startswith("_") and name != "training":
+            if not name.startswith("_") and name != "training" and name not in self._parameters:
                 setattr(self, name, value)
         self.training = original.training
-        self._original_forward = type(original).forward
+        self.original_class = type(original)  # its forward runs every other step; its file has the eager attention
         self.native = native
         self.heads = (original.config.num_attention_heads, original.config.num_key_value_heads)
         self.qkv_weight, self.qkv_bias = _concatenated(*(getattr(self, n) for n in _PROJECTIONS))
@@ -50,7 +56,7 @@ class DecodeFusedAttention(nn.Module):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if (args or step is None or step.decode_attention is None or step.first_gathered < len(step.row_parts)
                 or cache is None or torch.is_grad_enabled()):
-            return self._original_forward(self, *args, **kwargs)
+            return self.original_class.forward(self, *args, **kwargs)
         return self._decode(kwargs["hidden_states"], kwargs["position_embeddings"], cache, step), None
 
     def _decode(self, x_1TD: torch.Tensor, position_embeddings, cache, step) -> torch.Tensor:
@@ -69,7 +75,7 @@ class DecodeFusedAttention(nn.Module):
         v_slots.index_copy_(0, group.write_index, v_THd)
         out_THd = q_THd.new_empty((T, H, v_THd.shape[-1]))
         self.native.attend(q_THd, k_slots, v_slots, group.decode.tables, step.decode_pos, group.decode.lo,
-                           step.page_size, self.scaling, group.decode.keys, None, out_THd)
+                           step.page_size, self.scaling, group.decode.keys, getattr(self, "sinks", None), out_THd)
         return self.o_proj(out_THd.view(1, T, -1))
 
     def _qkv(self, x_TD: torch.Tensor) -> torch.Tensor:

@@ -143,8 +143,8 @@ def original_attention(module) -> Callable:
     """The attention function `module` would call without the pool: the model file's own eager function (GPT-OSS's
     has sinks) or transformers' registered one."""
     name = module.config._attn_implementation.removeprefix(PAGED_PREFIX)
-    if name == "eager":
-        return sys.modules[type(module).__module__].eager_attention_forward
+    if name == "eager":  # the module's own class, or that of the transformers module it took the place of
+        return sys.modules[getattr(module, "original_class", type(module)).__module__].eager_attention_forward
     return ALL_ATTENTION_FUNCTIONS[name]
 
 
