@@ -130,3 +130,12 @@ def test_rotary_in_place_equals_gpt_oss_half_width_form_bit_for_bit(dtype):
     want, _ = gpt_oss_rotary(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos[None], sin[None])
     DecodeAttention(KERNELS, lambda: None).rotate(x, cos, sin)
     assert torch.equal(x, want[0].transpose(0, 1))
+
+
+@needs_kernels
+def test_in_place_decode_is_used_only_where_the_kernel_computes_it(tiny_dir):
+    """fp32 / bf16 standard attention on the CPU: yes; fp16 (the kernel reads fp32 or bf16) and MLA: no."""
+    for arch, dtype, expected in (("qwen3_moe", torch.bfloat16, True), ("qwen3_moe", torch.float16, False),
+                                  ("deepseek_v3", torch.float32, False)):
+        with LLM(tiny_dir(arch), dtype=dtype, progress=False) as llm:
+            assert (llm.hybrid.decode_attention is not None) == expected, (arch, dtype)

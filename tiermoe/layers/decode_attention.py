@@ -8,8 +8,8 @@ its page table instead: no copy, no padding, no mask. Prompt chunks (several que
 SDPA path, whose kernels are faster for many queries.
 
 Used where every attention layer is one of transformers' softmax attentions that the pool serves through
-tiermoe.layers.paged_attention (not MLA, which attends from its latent), the model is on the CPU, the kernels
-are built, and nothing needs gradients; `decode_attention_for` decides. Results equal SDPA's within fp32
+tiermoe.layers.paged_attention (not MLA, which attends from its latent), the model is on the CPU in fp32 or
+bf16, the kernels are built, and nothing needs gradients; `decode_attention_for` decides. Results equal SDPA's within fp32
 rounding (scores summed in another order); bf16 rows are computed in fp32 and rounded once.
 Legend: T decode rows, H query heads, Hkv KV heads, d head dim, dv value dim, S pool slots.
 """
@@ -35,10 +35,6 @@ class DecodeAttention:
 
     def __init__(self, kernels: Kernels, team: Callable[[], ThreadTeam]):
         self.kernels, self.team = kernels, team
-
-    def takes(self, query: torch.Tensor) -> bool:
-        """Whether the kernel computes queries like this one (else the caller keeps the gathered path)."""
-        return query.device.type == "cpu" and query.dtype in _DTYPES and query.stride(-1) == 1
 
     def attend(self, q_THd: torch.Tensor, k_SHd: torch.Tensor, v_SHd: torch.Tensor, tables_TN: torch.Tensor,
                pos_T: torch.Tensor, lo_T: torch.Tensor, page_size: int, scale: float, keys: int,
@@ -82,9 +78,9 @@ class DecodeAttention:
 def decode_attention_for(model: nn.Module, device: torch.device, kernels: Kernels | None,
                          team: Callable[[], ThreadTeam], trainable: bool) -> DecodeAttention | None:
     """The native decode attention for `model`, or None where it does not apply (see the module docstring):
-    a GPU device, no kernels, training, or an attention module the pool does not serve through
-    tiermoe.layers.paged_attention (MLA)."""
-    if trainable or kernels is None or torch.device(device).type != "cpu":
+    a GPU device, no kernels, training, a dtype the kernels do not take (fp16), or an attention module the pool
+    does not serve through tiermoe.layers.paged_attention (MLA)."""
+    if trainable or kernels is None or torch.device(device).type != "cpu" or model.dtype not in _DTYPES:
         return None
     if any(isinstance(m, MLAAttention) for m in model.modules()):
         return None
