@@ -14,7 +14,8 @@
 //   then times 1 / sum.
 // - top-k: ATen's topk_impl_loop (native/TopKImpl.h), the same libstdc++ algorithms on the same (value, index)
 //   queue, so ties come out in torch's order too.
-// Scalar code: the sizes are small (a hidden row, a router's experts); the point is one call instead of eight.
+// Plain C++, one thread (the norm's lane loops are independent, so the compiler vectorises them without changing a
+// sum): the callers use it for decode-sized inputs, where the point is one call instead of eight torch ops.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -56,7 +57,17 @@ void store(void* p, int64_t i, float v, bool bf16) {
   }
 }
 
-float round_to(float v, bool bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+// Typed element access for the norm's templates: uint16_t holds bf16.
+float to_f32(float v) { return v; }
+float to_f32(uint16_t v) { return bf16_to_f32(v); }
+template <typename T>
+T from_f32(float v) {
+  if constexpr (sizeof(T) == 2) {
+    return f32_to_bf16(v);
+  } else {
+    return v;
+  }
+}
 
 constexpr int kMaxLanes = 16;
 
@@ -175,6 +186,43 @@ bool before(const std::pair<float, int64_t>& x, const std::pair<float, int64_t>&
   return (std::isnan(x.first) && !std::isnan(y.first)) || (x.first > y.first);
 }
 
+// RMSNorm of `rows` rows (see tm_rms_norm), with the dtypes, kind and sum width fixed at compile time so the
+// per-element loops have no branches.
+template <typename X, typename W, typename O, int kind, int lanes>
+void norm_rows(const X* x, int64_t x_stride, const W* weight, O* out, int rows, int n, float eps) {
+  const float n_f = float(n);
+  for (int r = 0; r < rows; ++r, x += x_stride, out += n) {
+    const float mean = torch_sum<lanes>([&](int64_t i) { const float v = to_f32(x[i]); return v * v; }, n) / n_f;
+    const float scale = 1.0f / std::sqrt(mean + eps);
+    for (int i = 0; i < n; ++i) {
+      const float h = to_f32(x[i]) * scale, w = to_f32(weight[i]);
+      if constexpr (kind == kWeightTimesCast) {
+        out[i] = from_f32<O>(w * to_f32(from_f32<X>(h)));
+      } else if constexpr (kind == kCastAfterWeight) {
+        out[i] = from_f32<O>(w * h);
+      } else {
+        out[i] = from_f32<O>(h * (1.0f + w));
+      }
+    }
+  }
+}
+
+template <typename X, typename W, typename O, int kind>
+void norm_rows_lanes(const void* x, int64_t x_stride, const void* weight, void* out, int rows, int n, float eps,
+                     int lanes) {
+  auto run = lanes == 16 ? norm_rows<X, W, O, kind, 16> : norm_rows<X, W, O, kind, 8>;
+  run(static_cast<const X*>(x), x_stride, static_cast<const W*>(weight), static_cast<O*>(out), rows, n, eps);
+}
+
+template <typename X, typename W, typename O>
+void norm_rows_kind(const void* x, int64_t x_stride, const void* weight, void* out, int rows, int n, float eps,
+                    int kind, int lanes) {
+  auto run = kind == kWeightTimesCast   ? norm_rows_lanes<X, W, O, kWeightTimesCast>
+             : kind == kCastAfterWeight ? norm_rows_lanes<X, W, O, kCastAfterWeight>
+                                        : norm_rows_lanes<X, W, O, kOnePlusWeight>;
+  run(x, x_stride, weight, out, rows, n, eps, lanes);
+}
+
 // The two vector widths torch's x86-64 builds use: 8 (AVX2, and the kernels registered without AVX-512), 16.
 bool known_lanes(int lanes) { return lanes == 8 || lanes == 16; }
 
@@ -199,26 +247,17 @@ extern "C" {
 int tm_rms_norm(const void* x, int64_t x_stride, const void* weight, void* out, int rows, int n, double eps, int kind,
                 int x_bf16, int w_bf16, int out_bf16, int sum_lanes) {
   if (kind < kWeightTimesCast || kind > kOnePlusWeight || !known_lanes(sum_lanes)) return 1;
-  const float eps_f = float(eps);
-  const float n_f = float(n);
-  for (int r = 0; r < rows; ++r) {
-    const void* xr = static_cast<const char*>(x) + int64_t(r) * x_stride * (x_bf16 ? 2 : 4);
-    const float mean = sum_of(sum_lanes, [&](int64_t i) { float v = load(xr, i, x_bf16); return v * v; }, n) / n_f;
-    const float scale = 1.0f / std::sqrt(mean + eps_f);
-    const int64_t base = int64_t(r) * n;
-    for (int i = 0; i < n; ++i) {
-      const float h = load(xr, i, x_bf16) * scale, w = load(weight, i, w_bf16);
-      float y;
-      if (kind == kWeightTimesCast) {
-        y = w * round_to(h, x_bf16);
-      } else if (kind == kCastAfterWeight) {
-        y = w * h;
-      } else {
-        y = h * (1.0f + w);
-      }
-      store(out, base + i, y, out_bf16);
-    }
-  }
+  using bf16 = uint16_t;
+  const int dtypes = (x_bf16 ? 4 : 0) | (w_bf16 ? 2 : 0) | (out_bf16 ? 1 : 0);
+  auto run = dtypes == 0   ? norm_rows_kind<float, float, float>
+             : dtypes == 1 ? norm_rows_kind<float, float, bf16>
+             : dtypes == 2 ? norm_rows_kind<float, bf16, float>
+             : dtypes == 3 ? norm_rows_kind<float, bf16, bf16>
+             : dtypes == 4 ? norm_rows_kind<bf16, float, float>
+             : dtypes == 5 ? norm_rows_kind<bf16, float, bf16>
+             : dtypes == 6 ? norm_rows_kind<bf16, bf16, float>
+                           : norm_rows_kind<bf16, bf16, bf16>;
+  run(x, x_stride, weight, out, rows, n, float(eps), kind, sum_lanes);
   return 0;
 }
 
