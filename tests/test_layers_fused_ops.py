@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 import tiermoe.model.loader as loader
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
-from tiermoe.experts.layer_ops import _row_stride, load_layer_ops
-from tiermoe.layers.fused_norm import NATIVE_MAX_ROWS, NORM_CLASSES, FusedRMSNorm, fuse_norms
+from tiermoe.experts.layer_ops import TORCH_GRAIN_SIZE, _row_stride, load_layer_ops
+from tiermoe.layers.fused_norm import NATIVE_MAX_ROWS, NORM_CLASSES, FusedRMSNorm, FusedRMSNormGated, fuse_norms
 from tiermoe.layers.fused_router import ROUTER_CLASSES, FusedTopKRouter, fuse_routers
 from tiermoe.model.loader import load_hybrid_model
 from tiermoe.testing.presets import make_config
@@ -90,16 +90,40 @@ def test_every_rms_norm_of_every_architecture_is_fused_bit_for_bit(arch):
 
 
 @needs_ops
+def test_qwen3_next_gated_norm_is_fused_bit_for_bit():
+    if OPS.exp_lanes is None:
+        pytest.skip(f"torch's {torch.backends.cpu.get_cpu_capability()} silu is not replicated")
+    g = torch.Generator().manual_seed(3)
+    norm = next(m for m in tiny_model("qwen3_next").modules() if type(m).__name__ == "Qwen3NextRMSNormGated")
+    for n in (norm.weight.shape[0], 128):  # the tiny model's head_v_dim, and Qwen3-Next-80B's
+        norm = type(norm)(n, eps=norm.variance_epsilon)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(n, generator=g) * 0.5 + 1)
+        for dtype, w_dtype in ((torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.bfloat16, torch.float32)):
+            original = copy.deepcopy(norm).to(w_dtype)
+            fused = FusedRMSNormGated(original, OPS)
+            # rows: one token's heads; a count whose elements end inside torch's vector loop; past the grain size
+            for rows in (32, 3, 7, TORCH_GRAIN_SIZE // n + 1):
+                x = (torch.randn(rows, n, generator=g) * 4).to(dtype)
+                for gate in ((torch.randn(rows, n, generator=g) * 6).to(dtype), torch.randn(rows, n, generator=g)):
+                    with torch.no_grad():
+                        want, got = original(x, gate), fused(x, gate)
+                    assert got.dtype == want.dtype and torch.equal(got, want), (n, dtype, w_dtype, rows, gate.dtype)
+            with torch.no_grad():
+                assert count_ops(fused, x[:2], gate[:2]) == 1
+
+
+@needs_ops
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fuse_norms_swaps_every_rms_norm_but_the_gated_one(arch):
+def test_fuse_norms_swaps_every_rms_norm(arch):
     model = tiny_model(arch)
-    before = {name: m for name, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")}
+    before = {name: m for name, m in model.named_modules() if type(m).__name__.endswith(("RMSNorm", "RMSNormGated"))}
     assert fuse_norms(model, OPS) == len(before) > 0
     for name, module in model.named_modules():
-        if isinstance(module, FusedRMSNorm):
+        if isinstance(module, (FusedRMSNorm, FusedRMSNormGated)):
             assert module.weight is before[name].weight
-        else:  # Qwen3-Next's RMSNormGated is the one left
-            assert not type(module).__name__.endswith("RMSNorm"), name
+        else:
+            assert not type(module).__name__.endswith(("RMSNorm", "RMSNormGated")), name
     meta = tiny_model(arch).to("meta")  # a module whose weight is not on the CPU (as on a CUDA device) stays
     assert fuse_norms(meta, OPS) == 0
 
@@ -115,7 +139,7 @@ def router_cases(arch: str):
 @needs_ops
 @pytest.mark.parametrize("arch", ROUTER_ARCHS)
 def test_every_softmax_top_k_router_is_fused_bit_for_bit_ties_included(arch):
-    if OPS.softmax_lanes is None:
+    if OPS.exp_lanes is None:
         pytest.skip(f"torch's {torch.backends.cpu.get_cpu_capability()} softmax is not replicated")
     g = torch.Generator().manual_seed(2)
     router_cls = next(type(m) for m in tiny_model(arch).modules()

@@ -1,10 +1,12 @@
-"""The fused per-layer ops of the kernel library (csrc/layer_ops.cpp): RMSNorm and a softmax top-k router's tail,
-each one native call computing bit for bit what transformers' torch code computes on this CPU.
+"""The fused per-layer ops of the kernel library (csrc/layer_ops.cpp): RMSNorm, Qwen3-Next's gated RMSNorm and a
+softmax top-k router's tail, each one native call computing bit for bit what transformers' torch code computes on
+this CPU.
 
 Bit-exactness needs torch's summation order, which depends on the vector width torch's CPU kernels were
 dispatched for (`torch.backends.cpu.get_cpu_capability()`): sums use 8 lanes on every x86-64 capability (the sum
-kernel is registered without AVX-512), softmax 16 with AVX-512 and 8 with AVX2. Torch's DEFAULT capability
-computes exp with libm and folds in order: the router is not replicated there (`softmax_lanes` None).
+kernel is registered without AVX-512); softmax and silu, which use SLEEF's exp, 16 with AVX-512 and 8 with AVX2.
+Torch's DEFAULT capability computes exp otherwise: the router and the gated norm are not replicated there
+(`exp_lanes` None).
 
 Outputs are allocated here (one torch op each); the inputs must be on the CPU, bf16 or fp32, last dim contiguous.
 """
@@ -20,6 +22,9 @@ from tiermoe.experts.kernels import native_library
 
 # torch CPU capability -> (sum lanes, softmax lanes); measured against torch, see tests/test_layers_fused_ops.py
 _LANES = {"AVX512": (8, 16), "AVX2": (8, 8), "DEFAULT": (8, None)}
+# torch runs an elementwise op on one thread below this many elements (at::internal::GRAIN_SIZE), which is how the
+# gated norm's silu splits its input into SLEEF's and libm's exp
+TORCH_GRAIN_SIZE = 32768
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 # Norm kinds (csrc/layer_ops.cpp NormKind): where the weight meets the normalised row
 WEIGHT_TIMES_CAST, CAST_AFTER_WEIGHT, ONE_PLUS_WEIGHT = 0, 1, 2
@@ -29,7 +34,7 @@ WEIGHT_TIMES_CAST, CAST_AFTER_WEIGHT, ONE_PLUS_WEIGHT = 0, 1, 2
 class LayerOps:
     lib: ctypes.CDLL
     sum_lanes: int
-    softmax_lanes: int | None  # None: no bit-exact softmax on this capability
+    exp_lanes: int | None  # softmax's and silu's vector width; None: not replicated on this capability
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, kind: int) -> torch.Tensor:
         """RMSNorm of `x` [..., n] with `weight` [n] (both CPU, bf16 / fp32, x's last dim contiguous), as
@@ -49,16 +54,34 @@ class LayerOps:
             raise RuntimeError(f"tm_rms_norm failed ({rc})")
         return out
 
+    def rms_norm_gated(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Qwen3-Next's gated RMSNorm of `x` [..., n] (last dim contiguous) times silu of the contiguous `gate` of
+        x's shape, in x's dtype (all on the CPU, bf16 / fp32; fewer than TORCH_GRAIN_SIZE elements; needs
+        `exp_lanes`)."""
+        n = x.shape[-1]
+        row_stride = _row_stride(x)
+        if row_stride is None:
+            x = x.contiguous()
+            row_stride = n
+        out = torch.empty(x.shape, dtype=x.dtype)
+        bf16 = torch.bfloat16
+        rc = self.lib.tm_rms_norm_gated(x.data_ptr(), row_stride, gate.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                        x.numel() // max(n, 1), n, eps, x.dtype == bf16, gate.dtype == bf16,
+                                        weight.dtype == bf16, self.sum_lanes, self.exp_lanes)
+        if rc != 0:
+            raise RuntimeError(f"tm_rms_norm_gated failed ({rc})")
+        return out
+
     def softmax_topk(self, logits: torch.Tensor, k: int, renormalize: bool,
                      weights_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in `weights_dtype`, ids [T, k] int64) of softmax(float(logits)) -> top-k (sorted)
-        -> optionally divided by their sum, for contiguous CPU `logits` [T, E]; needs `softmax_lanes`."""
+        -> optionally divided by their sum, for contiguous CPU `logits` [T, E]; needs `exp_lanes`."""
         rows, n = logits.shape
         weights = torch.empty(rows, k, dtype=weights_dtype)
         ids = torch.empty(rows, k, dtype=torch.int64)
         bf16 = torch.bfloat16
         rc = self.lib.tm_softmax_topk(logits.data_ptr(), rows, n, k, logits.dtype == bf16, renormalize,
-                                      weights_dtype == bf16, self.softmax_lanes, self.sum_lanes, weights.data_ptr(),
+                                      weights_dtype == bf16, self.exp_lanes, self.sum_lanes, weights.data_ptr(),
                                       ids.data_ptr())
         if rc != 0:
             raise RuntimeError(f"tm_softmax_topk failed ({rc})")

@@ -11,7 +11,7 @@ GPT-OSS (top-k of the logits, then softmax over k) routers.
 
 `fuse_routers` swaps one in for each such router whose weight lives on the CPU, sharing the weight Parameter.
 The native call applies to CPU logits in bf16 / fp32 of at most NATIVE_MAX_ROWS rows with no gradient to track,
-on a torch CPU capability whose softmax is replicated (LayerOps.softmax_lanes); anything else computes the
+on a torch CPU capability whose softmax is replicated (LayerOps.exp_lanes); anything else computes the
 transformers formula in torch.
 """
 
@@ -63,7 +63,7 @@ class FusedTopKRouter(nn.Module):
             hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         logits = F.linear(hidden_states, self.weight)  # (tokens, experts)
         weights_dtype = logits.dtype if self.cast else torch.float32
-        if (self.ops.softmax_lanes is not None and logits.device.type == "cpu" and logits.dtype in NATIVE_DTYPES
+        if (self.ops.exp_lanes is not None and logits.device.type == "cpu" and logits.dtype in NATIVE_DTYPES
                 and logits.shape[0] <= NATIVE_MAX_ROWS and logits.is_contiguous()
                 and not (torch.is_grad_enabled() and logits.requires_grad)):
             weights, ids = self.ops.softmax_topk(logits, self.top_k, self.renormalize, weights_dtype)

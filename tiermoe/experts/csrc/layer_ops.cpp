@@ -2,6 +2,7 @@
 // where transformers' modules dispatch 7-8 torch ops, computing bit for bit what those ops compute on the CPU.
 //
 //   tm_rms_norm:     RMSNorm of rows (the three weight conventions of the supported architectures, see NormKind)
+//   tm_rms_norm_gated: Qwen3-Next's RMSNorm times silu(gate)
 //   tm_softmax_topk: a router's softmax (fp32) -> top-k -> optional renormalisation -> cast, from its logits
 //
 // Bit-exactness comes from doing torch's float operations in torch's order (so this file is built for baseline
@@ -11,7 +12,7 @@
 //   interleaved, in levels of 16; rows shorter than a vector take its scalar path.
 // - softmax: ATen's _vec_softmax_lastdim with `softmax_lanes` lanes (16 AVX-512, 8 AVX2): max and sum by
 //   vec::reduce_all (lane-wise, then halving), exp by SLEEF's expf_u10 (the Vectorized<float>::exp torch calls),
-//   then times 1 / sum.
+//   then times 1 / sum; silu likewise with SLEEF's exp (and libm's on the elements its vector loop leaves).
 // - top-k: ATen's topk_impl_loop (native/TopKImpl.h), the same libstdc++ algorithms on the same (value, index)
 //   queue, so ties come out in torch's order too.
 // Plain C++, one thread (the norm's lane loops are independent, so the compiler vectorises them without changing a
@@ -258,6 +259,35 @@ int tm_rms_norm(const void* x, int64_t x_stride, const void* weight, void* out, 
              : dtypes == 6 ? norm_rows_kind<bf16, bf16, float>
                            : norm_rows_kind<bf16, bf16, bf16>;
   run(x, x_stride, weight, out, rows, n, float(eps), kind, sum_lanes);
+  return 0;
+}
+
+// Qwen3-Next's gated RMSNorm (Qwen3NextRMSNormGated), as out = (y * silu(float(gate))).to(x's dtype) where
+// y = weight * RMSNorm(x).to(x's dtype) (bf16 when x and weight are), for `rows` rows of n values of x (row stride
+// x_stride) and the contiguous gate [rows, n] (bf16 or fp32). silu is torch's x / (1 + exp(-x)) as its vectorised
+// loop runs it over the whole gate at once (torch does so below its 32768-element grain): SLEEF's exp on whole
+// pairs of `silu_lanes`-wide vectors, libm's expf on the rest. Returns 1 for an unknown lane count.
+int tm_rms_norm_gated(const void* x, int64_t x_stride, const void* gate, const void* weight, void* out, int rows,
+                      int n, double eps, int x_bf16, int gate_bf16, int w_bf16, int sum_lanes, int silu_lanes) {
+  if (!known_lanes(sum_lanes) || !known_lanes(silu_lanes)) return 1;
+  const int64_t total = int64_t(rows) * n, vector_end = total - total % (2 * silu_lanes);
+  const float eps_f = float(eps), n_f = float(n);
+  const bool y_bf16 = x_bf16 && w_bf16;
+  for (int r = 0; r < rows; ++r) {
+    const void* xr = static_cast<const char*>(x) + int64_t(r) * x_stride * (x_bf16 ? 2 : 4);
+    const float mean = sum_of(sum_lanes, [&](int64_t i) { const float v = load(xr, i, x_bf16); return v * v; }, n) / n_f;
+    const float scale = 1.0f / std::sqrt(mean + eps_f);
+    for (int i = 0; i < n; ++i) {
+      const int64_t at = int64_t(r) * n + i;
+      const float h = load(xr, i, x_bf16) * scale;
+      const float hx = x_bf16 ? bf16_to_f32(f32_to_bf16(h)) : h;
+      float y = load(weight, i, w_bf16) * hx;
+      if (y_bf16) y = bf16_to_f32(f32_to_bf16(y));
+      const float g = load(gate, at, gate_bf16);
+      const float silu = g / (1.0f + (at < vector_end ? sleef_expf(-g) : std::exp(-g)));
+      store(out, at, y * silu, x_bf16);
+    }
+  }
   return 0;
 }
 
