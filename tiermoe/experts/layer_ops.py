@@ -48,8 +48,9 @@ class LayerOps:
         out_dtype = torch.float32 if kind == WEIGHT_TIMES_CAST and weight.dtype != x.dtype else x.dtype
         out = torch.empty(x.shape, dtype=out_dtype)
         bf16 = torch.bfloat16
-        rc = self.lib.tm_rms_norm(x.data_ptr(), row_stride, weight.data_ptr(), out.data_ptr(), x.numel() // max(n, 1), n,
-                                  eps, kind, x.dtype == bf16, weight.dtype == bf16, out_dtype == bf16, self.sum_lanes)
+        rows = x.numel() // max(n, 1)
+        rc = self.lib.tm_rms_norm(x.data_ptr(), row_stride, weight.data_ptr(), out.data_ptr(), rows, n, eps, kind,
+                                  x.dtype == bf16, weight.dtype == bf16, out_dtype == bf16, self.sum_lanes)
         if rc != 0:
             raise RuntimeError(f"tm_rms_norm failed ({rc})")
         return out

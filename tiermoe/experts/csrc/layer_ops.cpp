@@ -275,7 +275,8 @@ int tm_rms_norm_gated(const void* x, int64_t x_stride, const void* gate, const v
   const bool y_bf16 = x_bf16 && w_bf16;
   for (int r = 0; r < rows; ++r) {
     const void* xr = static_cast<const char*>(x) + int64_t(r) * x_stride * (x_bf16 ? 2 : 4);
-    const float mean = sum_of(sum_lanes, [&](int64_t i) { const float v = load(xr, i, x_bf16); return v * v; }, n) / n_f;
+    const auto square = [&](int64_t i) { const float v = load(xr, i, x_bf16); return v * v; };
+    const float mean = sum_of(sum_lanes, square, n) / n_f;
     const float scale = 1.0f / std::sqrt(mean + eps_f);
     for (int i = 0; i < n; ++i) {
       const int64_t at = int64_t(r) * n + i;
