@@ -16,6 +16,7 @@ import tiermoe.model.loader as loader
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.experts.layer_ops import TORCH_GRAIN_SIZE, _row_stride, load_layer_ops
+from tiermoe.layers.fused_grouped_router import FusedGroupedRouter, fuse_grouped_routers
 from tiermoe.layers.fused_norm import NATIVE_MAX_ROWS, NORM_CLASSES, FusedRMSNorm, FusedRMSNormGated, fuse_norms
 from tiermoe.layers.fused_router import ROUTER_CLASSES, FusedTopKRouter, fuse_routers
 from tiermoe.model.loader import load_hybrid_model
@@ -164,13 +165,59 @@ def test_every_softmax_top_k_router_is_fused_bit_for_bit_ties_included(arch):
                 assert count_ops(fused, x[:1]) == count_ops(F.linear, x[:1], fused.weight) + 2
 
 
+GROUPED_CASES = {  # (config overrides, the routers' names of the expert count)
+    "deepseek_v3": [{}, dict(n_routed_experts=256, n_group=8, topk_group=4, num_experts_per_tok=8),
+                    dict(n_routed_experts=64, n_group=1, topk_group=1, num_experts_per_tok=6, norm_topk_prob=False)],
+    "glm4_moe": [{}, dict(n_routed_experts=128, n_group=1, topk_group=1, num_experts_per_tok=8)],
+    "deepseek_v2": [{}, dict(n_routed_experts=64, topk_method="greedy", num_experts_per_tok=6),
+                    dict(n_routed_experts=160, n_group=8, topk_group=3, num_experts_per_tok=6)],
+}
+
+
 @needs_ops
-def test_fuse_routers_swaps_only_softmax_top_k_routers():
+@pytest.mark.parametrize("arch", tuple(GROUPED_CASES))
+def test_every_grouped_router_is_fused_bit_for_bit_in_torch_order(arch):
+    if OPS.exp_lanes is None:
+        pytest.skip(f"torch's {torch.backends.cpu.get_cpu_capability()} exp is not replicated")
+    g = torch.Generator().manual_seed(4)
+    router_cls = next(type(m) for m in tiny_model(arch).modules()
+                      if type(m).__name__ in ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter", "DeepseekV2TopkRouter"))
+    for i, overrides in enumerate(GROUPED_CASES[arch]):
+        config = make_config(arch, **overrides)
+        router = router_cls(config)
+        with torch.no_grad():  # multiples of 1/16: integer inputs can tie logits exactly
+            router.weight.copy_((torch.randn(router.weight.shape, generator=g) * 2).round() / 16)
+            if hasattr(router, "e_score_correction_bias") and i > 0:  # the first case ties whole groups
+                router.e_score_correction_bias.copy_(torch.randn(router.num_experts, generator=g) * 0.1)
+        for dtype in DTYPES:
+            original = copy.deepcopy(router).to(dtype)
+            if hasattr(original, "e_score_correction_bias"):
+                original.e_score_correction_bias.data = router.e_score_correction_bias.clone()  # fp32, as loaded
+            fused = FusedGroupedRouter(original, OPS)
+            d = config.hidden_size
+            ties = (torch.randint(-2, 3, (6, d), generator=g) * 0.25).to(dtype)
+            with torch.no_grad():
+                for x in (torch.randn(1, d, generator=g).to(dtype), torch.randn(2, 3, d, generator=g).to(dtype),
+                          torch.zeros(3, d, dtype=dtype), ties, torch.randn(NATIVE_MAX_ROWS + 3, d).to(dtype)):
+                    want, got = original(x), fused(x)
+                    for w, o in zip(want, got):
+                        assert o.dtype == w.dtype and torch.equal(o, w), (overrides, dtype, x.shape)
+
+                def linear(x):
+                    return F.linear(x.view(-1, d).type(torch.float32), fused.weight.type(torch.float32))
+                assert count_ops(fused, x[:1]) == count_ops(linear, x[:1]) + 2  # and the outputs' allocations
+
+
+@needs_ops
+def test_fuse_routers_swaps_every_router_but_gpt_oss():
     for arch in ARCHS:
         model = tiny_model(arch)
         swapped = fuse_routers(model, OPS)
         assert (swapped > 0) == (arch in ROUTER_ARCHS), arch
         assert swapped == sum(isinstance(m, FusedTopKRouter) for m in model.modules())
+        grouped = fuse_grouped_routers(model, OPS)
+        assert (grouped > 0) == (arch in GROUPED_CASES), arch
+        assert grouped == sum(isinstance(m, FusedGroupedRouter) for m in model.modules())
 
 
 def test_row_stride_collapses_leading_dims_or_says_it_cannot():
@@ -240,15 +287,17 @@ def test_a_loaded_model_computes_the_same_logits_fused_as_transformers_modules(t
             classes = {type(m) for m in hybrid.model.modules()}
             assert (FusedRMSNorm in classes) == fused
             assert (FusedTopKRouter in classes) == (fused and arch in ROUTER_ARCHS)
+            assert (FusedGroupedRouter in classes) == (fused and arch in GROUPED_CASES)
             logits[fused] = hybrid(input_ids=ids).logits
     assert torch.equal(logits[True], logits[False])
 
 
 def test_without_the_kernels_or_to_fine_tune_the_modules_stay_transformers(tiny_dir, monkeypatch):
     path = tiny_dir("qwen3_moe")
+    fused_classes = (FusedRMSNorm, FusedRMSNormGated, FusedTopKRouter, FusedGroupedRouter)
     with load_hybrid_model(path, None, gpu_device="cpu", progress=False, trainable=True) as hybrid:
-        assert not any(isinstance(m, (FusedRMSNorm, FusedTopKRouter)) for m in hybrid.model.modules())
+        assert not any(isinstance(m, fused_classes) for m in hybrid.model.modules())
     monkeypatch.setenv("TIERMOE_CPU_ISA", "torch")
     assert load_layer_ops() is None
     with load_hybrid_model(path, None, gpu_device="cpu", progress=False) as hybrid:
-        assert not any(isinstance(m, (FusedRMSNorm, FusedTopKRouter)) for m in hybrid.model.modules())
+        assert not any(isinstance(m, fused_classes) for m in hybrid.model.modules())

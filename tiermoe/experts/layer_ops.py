@@ -88,6 +88,21 @@ class LayerOps:
             raise RuntimeError(f"tm_softmax_topk failed ({rc})")
         return weights, ids
 
+    def grouped_topk(self, logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tensor | None, n_group: int,
+                     topk_group: int, renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] fp32, ids [T, k] int64) of DeepSeek-V2/V3 / GLM-4-MoE's routing from contiguous fp32 CPU
+        `logits` [T, E] (csrc/layer_ops.cpp tm_grouped_topk; needs `exp_lanes`; with `sigmoid`, fewer than
+        TORCH_GRAIN_SIZE logits)."""
+        rows, n = logits.shape
+        weights = torch.empty(rows, k, dtype=torch.float32)
+        ids = torch.empty(rows, k, dtype=torch.int64)
+        rc = self.lib.tm_grouped_topk(logits.data_ptr(), rows, n, k, sigmoid, None if bias is None else bias.data_ptr(),
+                                      n_group, topk_group, renormalize, scale, self.exp_lanes, self.sum_lanes,
+                                      weights.data_ptr(), ids.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"tm_grouped_topk failed ({rc})")
+        return weights, ids
+
 
 def load_layer_ops() -> LayerOps | None:
     """The fused ops, or None without the kernel library (no compiler, TIERMOE_CPU_ISA=torch) or on a torch CPU

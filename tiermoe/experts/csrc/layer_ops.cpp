@@ -325,4 +325,77 @@ int tm_softmax_topk(const void* logits, int rows, int n, int k, int logits_bf16,
   return 0;
 }
 
+// DeepSeek-V2/V3 and GLM-4-MoE's routers' tail, per row of fp32 `logits` [rows, n] (contiguous), as their torch
+// code computes it (transformers' DeepseekV3TopkRouter / Glm4MoeTopkRouter / DeepseekV2TopkRouter):
+//   sigmoid (1): s = sigmoid(logits); choice = s + bias; group score = sum of its top 2 choices; the other groups'
+//     choices -inf; ids = topk(choice, k, sorted=False); w = s[ids]; renorm: w /= sum(w) + 1e-20
+//   softmax (0): s = choice = softmax(logits); group score = its max; the other groups' choices 0;
+//     (ids, w) = topk(choice, k, sorted=False)
+// then w *= scale. n_group 1 (or topk_group == n_group) selects every group. sigmoid is torch's as its vector loop
+// runs it over all rows at once (SLEEF's exp on whole pairs of `exp_lanes`-wide vectors, libm's on the rest).
+// Returns 1 for bad sizes or lane counts.
+int tm_grouped_topk(const float* logits, int rows, int n, int k, int sigmoid, const float* bias, int n_group,
+                    int topk_group, int renorm, double scale, int exp_lanes, int sum_lanes, float* weights,
+                    int64_t* ids) {
+  if (k < 1 || k > n || n_group < 1 || n % n_group != 0 || topk_group < 1 || topk_group > n_group ||
+      (sigmoid && n / n_group < 2) || !known_lanes(exp_lanes) || !known_lanes(sum_lanes))
+    return 1;
+  const int per_group = n / n_group;
+  const int64_t total = int64_t(rows) * n, vector_end = total - total % (2 * exp_lanes);
+  const float scale_f = float(scale);
+  std::vector<float> score(n), choice(n), w(k);
+  std::vector<std::pair<float, int64_t>> queue(n), groups(n_group), pair(per_group);
+  for (int r = 0; r < rows; ++r) {
+    const float* x = logits + int64_t(r) * n;
+    if (sigmoid) {
+      for (int i = 0; i < n; ++i) {
+        const int64_t at = int64_t(r) * n + i;
+        score[i] = 1.0f / ((at < vector_end ? sleef_expf(0.0f - x[i]) : std::exp(-x[i])) + 1.0f);
+        choice[i] = bias ? score[i] + bias[i] : score[i];
+      }
+    } else {
+      const float max = reduce_of(
+          exp_lanes, [](float a, float b) { return std::isnan(a) || std::isnan(b) ? NAN : std::max(a, b); }, x, n);
+      for (int i = 0; i < n; ++i) score[i] = sleef_expf(x[i] - max);
+      const float inv = 1.0f / reduce_of(exp_lanes, [](float a, float b) { return a + b; }, score.data(), n);
+      for (int i = 0; i < n; ++i) choice[i] = score[i] = score[i] * inv;
+    }
+    if (topk_group < n_group) {
+      for (int g = 0; g < n_group; ++g) {
+        const float* c = choice.data() + int64_t(g) * per_group;
+        float group_score;
+        if (sigmoid) {  // topk(2) values, summed
+          for (int i = 0; i < per_group; ++i) pair[i] = {c[i], i};
+          std::nth_element(pair.begin(), pair.begin() + 1, pair.end(), before);
+          group_score = (0.0f + std::max(pair[0].first, pair[1].first)) + std::min(pair[0].first, pair[1].first);
+        } else {
+          group_score = *std::max_element(c, c + per_group);
+        }
+        groups[g] = {group_score, g};
+      }
+      std::nth_element(groups.begin(), groups.begin() + topk_group - 1, groups.end(), before);
+      std::vector<char> keep(n_group, 0);
+      for (int g = 0; g < topk_group; ++g) keep[groups[g].second] = 1;
+      for (int i = 0; i < n; ++i)
+        if (!keep[i / per_group]) choice[i] = sigmoid ? -INFINITY : 0.0f;
+    }
+    for (int i = 0; i < n; ++i) queue[i] = {choice[i], i};
+    if (int64_t(k) * 64 <= n) {
+      std::partial_sort(queue.begin(), queue.begin() + k, queue.end(), before);
+    } else {
+      std::nth_element(queue.begin(), queue.begin() + k - 1, queue.end(), before);
+    }
+    for (int j = 0; j < k; ++j) w[j] = sigmoid ? score[queue[j].second] : queue[j].first;
+    if (renorm) {
+      const float denominator = sum_of(sum_lanes, [&](int64_t i) { return w[i]; }, k) + 1e-20f;
+      for (int j = 0; j < k; ++j) w[j] /= denominator;
+    }
+    for (int j = 0; j < k; ++j) {
+      weights[int64_t(r) * k + j] = w[j] * scale_f;
+      ids[int64_t(r) * k + j] = queue[j].second;
+    }
+  }
+  return 0;
+}
+
 }  // extern "C"
