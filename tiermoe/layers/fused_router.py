@@ -6,8 +6,8 @@ The routers and what they return besides the logits (`router_logits, weights [T,
   Qwen2-MoE, Qwen3-MoE, OLMoE, Qwen3-Next: renormalised when `norm_topk_prob`, weights in the logits' dtype
   Mixtral: always renormalised, weights in fp32
 The router's linear stays torch's F.linear (routers are never quantised: tiermoe.model.non_expert_quant).
-Left as transformers' own: DeepSeek-V2/V3 and GLM-4-MoE (sigmoid scores, grouped top-k, a correction bias) and
-GPT-OSS (top-k of the logits, then softmax over k) routers.
+DeepSeek-V2/V3 and GLM-4-MoE's grouped routers: tiermoe.layers.fused_grouped_router. Left as transformers' own:
+GPT-OSS's router (top-k of the logits, then softmax over k in bf16).
 
 `fuse_routers` swaps one in for each such router whose weight lives on the CPU, sharing the weight Parameter.
 The native call applies to CPU logits in bf16 / fp32 of at most NATIVE_MAX_ROWS rows with no gradient to track,
