@@ -1,11 +1,11 @@
-"""The fused per-layer ops of the kernel library (csrc/layer_ops.cpp): RMSNorm, Qwen3-Next's gated RMSNorm and a
-softmax top-k router's tail, each one native call computing bit for bit what transformers' torch code computes on
-this CPU.
+"""The fused per-layer ops of the kernel library (csrc/layer_ops.cpp): RMSNorm, Qwen3-Next's gated RMSNorm, the
+softmax top-k routers' tail and DeepSeek / GLM's grouped routers' tail, each one native call computing bit for bit
+what transformers' torch code computes on this CPU.
 
 Bit-exactness needs torch's summation order, which depends on the vector width torch's CPU kernels were
 dispatched for (`torch.backends.cpu.get_cpu_capability()`): sums use 8 lanes on every x86-64 capability (the sum
-kernel is registered without AVX-512); softmax and silu, which use SLEEF's exp, 16 with AVX-512 and 8 with AVX2.
-Torch's DEFAULT capability computes exp otherwise: the router and the gated norm are not replicated there
+kernel is registered without AVX-512); softmax, sigmoid and silu, which use SLEEF's exp, 16 with AVX-512 and 8 with
+AVX2. Torch's DEFAULT capability computes exp otherwise: the routers and the gated norm are not replicated there
 (`exp_lanes` None).
 
 Outputs are allocated here (one torch op each); the inputs must be on the CPU, bf16 or fp32, last dim contiguous.
@@ -20,10 +20,10 @@ import torch
 
 from tiermoe.experts.kernels import native_library
 
-# torch CPU capability -> (sum lanes, softmax lanes); measured against torch, see tests/test_layers_fused_ops.py
+# torch CPU capability -> (sum lanes, exp lanes); measured against torch, see tests/test_layers_fused_ops.py
 _LANES = {"AVX512": (8, 16), "AVX2": (8, 8), "DEFAULT": (8, None)}
-# torch runs an elementwise op on one thread below this many elements (at::internal::GRAIN_SIZE), which is how the
-# gated norm's silu splits its input into SLEEF's and libm's exp
+# torch runs an elementwise op on one thread below this many elements (at::internal::GRAIN_SIZE): then its vector
+# loop splits the whole input into SLEEF's exp and libm's as the native silu and sigmoid do
 TORCH_GRAIN_SIZE = 32768
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 # Norm kinds (csrc/layer_ops.cpp NormKind): where the weight meets the normalised row
@@ -34,7 +34,7 @@ WEIGHT_TIMES_CAST, CAST_AFTER_WEIGHT, ONE_PLUS_WEIGHT = 0, 1, 2
 class LayerOps:
     lib: ctypes.CDLL
     sum_lanes: int
-    exp_lanes: int | None  # softmax's and silu's vector width; None: not replicated on this capability
+    exp_lanes: int | None  # softmax's, sigmoid's and silu's vector width; None: not replicated on this capability
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, kind: int) -> torch.Tensor:
         """RMSNorm of `x` [..., n] with `weight` [n] (both CPU, bf16 / fp32, x's last dim contiguous), as

@@ -1,9 +1,10 @@
-// Fused per-layer ops for CPU-resident models (tiermoe.layers.fused_norm, tiermoe.layers.fused_router): one call
-// where transformers' modules dispatch 7-8 torch ops, computing bit for bit what those ops compute on the CPU.
+// Fused per-layer ops for CPU-resident models (tiermoe.layers.fused_norm, fused_router, fused_grouped_router): one
+// call where transformers' modules dispatch 6-24 torch ops, computing bit for bit what those ops compute on the CPU.
 //
 //   tm_rms_norm:     RMSNorm of rows (the three weight conventions of the supported architectures, see NormKind)
 //   tm_rms_norm_gated: Qwen3-Next's RMSNorm times silu(gate)
 //   tm_softmax_topk: a router's softmax (fp32) -> top-k -> optional renormalisation -> cast, from its logits
+//   tm_grouped_topk: DeepSeek-V2/V3 and GLM-4-MoE's routers (sigmoid or softmax, groups, unsorted top-k)
 //
 // Bit-exactness comes from doing torch's float operations in torch's order (so this file is built for baseline
 // x86-64 with no FMA contraction; the one fused multiply-add torch's exp uses is std::fma, exactly rounded):
@@ -12,9 +13,10 @@
 //   interleaved, in levels of 16; rows shorter than a vector take its scalar path.
 // - softmax: ATen's _vec_softmax_lastdim with `softmax_lanes` lanes (16 AVX-512, 8 AVX2): max and sum by
 //   vec::reduce_all (lane-wise, then halving), exp by SLEEF's expf_u10 (the Vectorized<float>::exp torch calls),
-//   then times 1 / sum; silu likewise with SLEEF's exp (and libm's on the elements its vector loop leaves).
+//   then times 1 / sum; silu and sigmoid likewise with SLEEF's exp (and libm's on the elements their vector loop
+//   leaves).
 // - top-k: ATen's topk_impl_loop (native/TopKImpl.h), the same libstdc++ algorithms on the same (value, index)
-//   queue, so ties come out in torch's order too.
+//   queue, so ties and unsorted results come out in torch's order too.
 // Plain C++, one thread (the norm's lane loops are independent, so the compiler vectorises them without changing a
 // sum): the callers use it for decode-sized inputs, where the point is one call instead of eight torch ops.
 #include <algorithm>
