@@ -31,7 +31,8 @@ from pathlib import Path
 
 ISA_NAMES = ("base", "avx2", "avx512", "avx512bf16", "amx")
 TORCH_ISA = "torch"  # not a kernel level: "use no kernels"
-ABI_VERSION = 3  # 2: tm_linear_forward / tm_linear_transposed; 3: tm_paged_decode_attention, tm_rotary_inplace
+# 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp (fused norms, routers), decode attention, rotary
+ABI_VERSION = 3
 CSRC = Path(__file__).with_name("csrc")
 CXXFLAGS = ("-O3", "-std=c++20", "-fPIC", "-pthread", "-Wno-psabi")
 
@@ -169,6 +170,17 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tm_quantize_int4.restype = ctypes.c_int
     lib.tm_quantize_int4.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.tm_rms_norm.restype = ctypes.c_int
+    lib.tm_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                ctypes.c_int, ctypes.c_double, *[ctypes.c_int] * 5]
+    lib.tm_rms_norm_gated.restype = ctypes.c_int
+    lib.tm_rms_norm_gated.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_int, ctypes.c_int, ctypes.c_double, *[ctypes.c_int] * 5]
+    lib.tm_grouped_topk.restype = ctypes.c_int
+    lib.tm_grouped_topk.argtypes = [ctypes.c_void_p, *[ctypes.c_int] * 4, ctypes.c_void_p, *[ctypes.c_int] * 3,
+                                    ctypes.c_double, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.tm_softmax_topk.restype = ctypes.c_int
+    lib.tm_softmax_topk.argtypes = [ctypes.c_void_p, *[ctypes.c_int] * 8, ctypes.c_void_p, ctypes.c_void_p]
 
 
 def native_library() -> ctypes.CDLL | None:

@@ -66,6 +66,7 @@ from tiermoe.model.expert_source import (
     read_expert,
     read_fp8_expert,
 )
+from tiermoe.model.fused_layers import fuse_layer_ops
 from tiermoe.model.gguf_checkpoint import open_checkpoint, weight_files
 from tiermoe.model.heap_trim import return_freed_heap
 from tiermoe.model.held_bytes import disk_name, held_nbytes
@@ -111,6 +112,9 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
 
     `cpu.non_expert_dtype` (CPU-only inference): the non-expert linears, once loaded (and merged), are held packed
     in that format (tiermoe.model.non_expert_quant).
+
+    Not trainable: RMSNorms and softmax top-k routers whose weights are on the CPU compute as one native call
+    each, with the same results (tiermoe.model.fused_layers).
 
     `lora`: an adapter merged into the weights as they load (tiermoe.model.lora_merge): non-expert weights once
     loaded, each routed expert before its tier takes it (so a quantising CPU tier quantises the merged expert).
@@ -193,6 +197,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     else:
         if cpu.non_expert_dtype is not None:  # CPU only: packed linears on the kernels (the head too)
             quantize_non_experts(model, spec.router_attr, cpu, worker)
+        fuse_layer_ops(model)  # CPU-resident norms and routers: one native call each (tiermoe.model.fused_layers)
         use_rows_lm_head(model)  # the head on the sampled rows as one 2-D matmul: no copy of its weight per prefill
         group_kv_b_rows_of(decoder_layers(model))  # MLA's one re-layout, now that kv_b_proj holds its rows
     return_freed_heap()  # the read buffers the tiers packed or quantised from

@@ -43,7 +43,7 @@ struct TmLayerArgs {
 
 namespace {
 
-constexpr int kAbiVersion = 3;  // 2: tm_linear_forward / tm_linear_transposed; 3: tm_paged_decode_attention
+constexpr int kAbiVersion = 3;  // 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp, paged attention, rotary
 
 bool request_amx_permission() {
 #ifdef __linux__

@@ -1,0 +1,124 @@
+"""FusedGroupedRouter: DeepSeek-V2/V3 and GLM-4-MoE's routers with their tail as one native call
+(tiermoe.experts.layer_ops.grouped_topk) instead of about twenty torch ops, bit for bit the same result: the same
+weights and the same ids in the same order (their top-k is unsorted; the call runs torch's algorithm, so the order
+is torch's, ties included).
+
+The routers (the linear stays torch's, in fp32 as theirs: `F.linear(x.float(), weight.float())`):
+  DeepSeek-V3, GLM-4-MoE: sigmoid scores; choice = scores + e_score_correction_bias; groups ranked by the sum of
+    their top-2 choices, the top `topk_group` kept; top-k of the choices; weights = the scores there, renormalised
+    when `norm_topk_prob` (sum + 1e-20); times routed_scaling_factor
+  DeepSeek-V2: softmax scores; "greedy": top-k; "group_limited_greedy": groups ranked by their max, the others'
+    scores zeroed, top-k; times routed_scaling_factor
+`fuse_grouped_routers` swaps one in for each such router whose weight lives on the CPU, sharing its weight and
+correction bias. The native call applies to CPU logits of at most NATIVE_MAX_ROWS rows (sigmoid: fewer than
+TORCH_GRAIN_SIZE logits, below which torch computes it on one thread), an fp32 bias, no gradient to track, on a
+torch CPU capability whose exp is replicated (LayerOps.exp_lanes); anything else computes the transformers code in
+torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tiermoe.experts.layer_ops import TORCH_GRAIN_SIZE, LayerOps
+
+NATIVE_MAX_ROWS = 64  # as fused_norm: longer inputs are worth torch's threads
+
+_MODELS = "transformers.models"
+SIGMOID_ROUTERS = {(f"{_MODELS}.deepseek_v3.modeling_deepseek_v3", "DeepseekV3TopkRouter"),
+                   (f"{_MODELS}.glm4_moe.modeling_glm4_moe", "Glm4MoeTopkRouter")}
+SOFTMAX_ROUTERS = {(f"{_MODELS}.deepseek_v2.modeling_deepseek_v2", "DeepseekV2TopkRouter")}
+V2_METHODS = ("greedy", "group_limited_greedy")
+
+
+class FusedGroupedRouter(nn.Module):
+    """Replaces `router` (one of SIGMOID_ROUTERS / SOFTMAX_ROUTERS), sharing its weight and bias."""
+
+    def __init__(self, router: nn.Module, ops: LayerOps):
+        super().__init__()
+        self.sigmoid = _class_key(router) in SIGMOID_ROUTERS
+        self.top_k, self.num_experts, self.hidden_dim = router.top_k, router.num_experts, router.hidden_dim
+        self.scale = float(router.routed_scaling_factor)
+        self.weight = router.weight
+        if self.sigmoid:
+            self.n_group, self.topk_group = router.num_group, router.topk_group
+            self.renormalize = bool(router.norm_topk_prob)
+            self.register_buffer("e_score_correction_bias", router.e_score_correction_bias)
+        else:
+            grouped = router.topk_method == "group_limited_greedy"
+            self.n_group, self.topk_group = (router.num_group, router.topk_group) if grouped else (1, 1)
+            self.renormalize = False
+            self.e_score_correction_bias = None
+        self.ops = ops
+        self.replaced = type(router).__name__
+
+    def forward(self, hidden_states: torch.Tensor):
+        hidden_states = hidden_states.view(-1, self.hidden_dim)
+        logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+        bias = self.e_score_correction_bias
+        if (self.ops.exp_lanes is not None and logits.device.type == "cpu" and logits.shape[0] <= NATIVE_MAX_ROWS
+                and not (self.sigmoid and logits.numel() >= TORCH_GRAIN_SIZE)
+                and (bias is None or (bias.device.type == "cpu" and bias.dtype == torch.float32
+                                      and bias.is_contiguous()))
+                and not (torch.is_grad_enabled() and logits.requires_grad)):
+            weights, ids = self.ops.grouped_topk(logits, self.top_k, self.sigmoid, bias, self.n_group,
+                                                 self.topk_group, self.renormalize, self.scale)
+        elif self.sigmoid:
+            weights, ids = self._sigmoid_reference(logits)
+        else:
+            weights, ids = self._softmax_reference(logits)
+        return logits, weights, ids
+
+    def _sigmoid_reference(self, logits):
+        """DeepseekV3TopkRouter / Glm4MoeTopkRouter's tail, op for op."""
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias
+        per_group = self.num_experts // self.n_group
+        group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, self.n_group, per_group).reshape(-1, self.num_experts)
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+        return weights * self.scale, ids
+
+    def _softmax_reference(self, logits):
+        """DeepseekV2TopkRouter's tail, op for op."""
+        scores = logits.softmax(dim=-1, dtype=torch.float32)
+        if self.n_group > 1 or self.topk_group > 1:  # group_limited_greedy
+            per_group = self.num_experts // self.n_group
+            group_scores = scores.view(-1, self.n_group, per_group).max(dim=-1).values
+            group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores)
+            group_mask.scatter_(1, group_idx, 1)
+            score_mask = group_mask.unsqueeze(-1).expand(-1, self.n_group, per_group).reshape(-1, self.num_experts)
+            scores = scores.masked_fill(~score_mask.bool(), 0.0)
+        weights, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        return weights * self.scale, ids
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, groups={self.topk_group}/{self.n_group}, "
+                f"replaces={self.replaced}")
+
+
+def fuse_grouped_routers(model: nn.Module, ops: LayerOps) -> int:
+    """Swap a FusedGroupedRouter in for every router of SIGMOID_ROUTERS / SOFTMAX_ROUTERS (DeepSeek-V2: greedy
+    or group-limited greedy) in `model` whose weight is on the CPU; returns how many were swapped."""
+    found = [(name, module) for name, module in model.named_modules()
+             if (_class_key(module) in SIGMOID_ROUTERS
+                 or (_class_key(module) in SOFTMAX_ROUTERS and module.topk_method in V2_METHODS))
+             and module.weight.device.type == "cpu"]
+    for name, module in found:
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, FusedGroupedRouter(module, ops))
+    return len(found)
+
+
+def _class_key(module: nn.Module) -> tuple[str, str]:
+    return type(module).__module__, type(module).__qualname__
