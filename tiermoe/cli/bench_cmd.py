@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from tiermoe.analysis.dynamic_bench import (
@@ -20,6 +21,7 @@ from tiermoe.analysis.placement_traffic import BENCH_STRATEGIES
 from tiermoe.analysis.placement_workload import WorkloadSpec
 from tiermoe.analysis.trace_replay import trace_passes
 from tiermoe.arch import detect, load_config
+from tiermoe.cli.adaptive_flags import adaptive_from_args, add_adaptive_flags
 from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
 from tiermoe.cli.flags import (
     add_command,
@@ -74,6 +76,8 @@ def add_parser(sub) -> None:
         "tiermoe bench dynamic --trace held_out.pt --calibration calib.pt",
         "tiermoe bench dynamic --trace t.pt --calibration c.pt --ratios 0.1,0.25,0.5 --gpu-profile h200 --json",
         "tiermoe bench dynamic --trace law.csv --calibration intent_heat.csv --model DeepSeek-V2-Lite/config.json",
+        "tiermoe bench dynamic --trace law.csv --calibration intent.csv --model DeepSeek-V2-Lite/config.json "
+        "--no-adaptive-cross-layer --adaptive-swap-z 0 --adaptive-max-swaps 8",
     )
     d.prog = "tiermoe bench dynamic"
     d.add_argument("--trace", required=True, help="per_token trace to replay (.pt or trace CSV, docs/traces.md)")
@@ -91,8 +95,9 @@ def add_parser(sub) -> None:
                    help="CPU read bandwidth, GB/s (default 25)")
     d.add_argument("--cpu-gflops", type=positive_float, default=400.0,
                    help="CPU expert GFLOP/s at prefill (default 400)")
-    d.add_argument("--json", action="store_true", help="print JSON with every figure")
+    d.add_argument("--json", action="store_true", help="print JSON with every figure (and the adaptive settings)")
     d.add_argument("--plot", type=plot_file, help="write hit rate and estimated tokens/s against ratio to this PNG")
+    add_adaptive_flags(d, replay=True)
     add_placement_parser(benches)
 
 
@@ -187,7 +192,8 @@ def _model_dir(path: Path) -> Path:
 
 
 def run_dynamic(args) -> int:
-    gpu = load_profile(args.gpu_profile)  # a flag: checked before the trace is read
+    gpu = load_profile(args.gpu_profile)  # flags: checked before the trace is read
+    adaptive = adaptive_from_args(args, max_swaps=args.copy_budget)
     passes = trace_passes(load_trace(args.trace))
     spec = detect(load_config(_model_dir(resolve_model(args.model))))
     if (spec.num_layers, spec.num_experts) != (passes.num_layers, passes.num_experts):
@@ -196,9 +202,10 @@ def run_dynamic(args) -> int:
     calibration = load_counts(args.calibration, passes.num_layers, passes.num_experts) if args.calibration else None
     cost = replay_cost_model(spec, gpu, args.cpu_bandwidth_gbs * 1e9, args.cpu_gflops * 1e9)
     bench = run_dynamic_bench(passes, cost, args.ratios or DEFAULT_RATIOS, calibration, args.prefill_threshold,
-                              copy_budget=args.copy_budget)
+                              copy_budget=args.copy_budget, adaptive=adaptive)
     if args.json:
-        print(json.dumps({"gpu_profile": gpu.as_dict(), "passes": passes.num_passes, "rows": bench.rows}))
+        print(json.dumps({"gpu_profile": gpu.as_dict(), "passes": passes.num_passes, "adaptive": asdict(adaptive),
+                          "rows": bench.rows}))
     else:
         print(f"{passes.num_passes} passes; GPU profile {gpu.name} (times are cost-model ESTIMATES)\n")
         print(format_table(bench, "hit_rate", "{:.1%}", "GPU hit rate (measured on the trace)"))
