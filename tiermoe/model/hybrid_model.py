@@ -65,6 +65,8 @@ class HybridModel:
         self.share = share  # None with one process; this rank's part of a multi-rank run otherwise
         self.trainable = trainable  # loaded for fine-tuning: calls keep autograd (tiermoe.training)
         self.gpu_pool = gpu_pool  # the GPU tiers' shared expert slots (tiermoe.experts.slot_pool)
+        # Routing replayed from a trace (tiermoe.layers.trace_routing): engines announce each pass to it first.
+        self.routing_override = None
 
     def __call__(self, *args, **kwargs):
         if self.trainable:
