@@ -25,7 +25,8 @@ def load_rows(path: str) -> list[dict]:
     rows = data["rows"]
     if rows and "calibration" not in rows[0]:  # bench dynamic --json: one replay, labelled by the file
         profile = data.get("gpu_profile", {}).get("name", "?")
-        rows = [dict(r, calibration="-", replayed=Path(path).stem, gpu_profile=profile) for r in rows]
+        name = Path(path).stem.removesuffix(f"_{profile}")  # decode_qwen_h200.json -> decode_qwen
+        rows = [dict(r, calibration="-", replayed=name, gpu_profile=profile) for r in rows]
     return rows
 
 
@@ -52,16 +53,20 @@ def verdict(by: dict) -> dict:
     return out
 
 
+def _kind(key) -> str:
+    """same-task or cross-task pair, or `trace`: one bench dynamic replay (its calibration is its own)."""
+    return "trace" if key[1] == "-" else ("same" if key[1] == key[2] else "cross")
+
+
 def report(rows: list[dict]) -> str:
     table = cells(rows)
     lines = []
-    groups = sorted({(k[0], "same" if k[1] == k[2] else "cross") for k in table})
+    groups = sorted({(k[0], _kind(k)) for k in table})
     summary = ["| profile | pairs | cells | adaptive >= every baseline: hit rate | est. tokens/s | both | worst hit "
                "margin (pt) | worst tokens/s margin | oracle-window gap at 0.1-0.4 (pt) | within 10 pt |",
                "|---|---|---|---|---|---|---|---|---|---|"]
     for profile, kind in groups:
-        keys = [k for k in table if k[0] == profile and ("same" if k[1] == k[2] else "cross") == kind
-                and "adaptive" in table[k]]
+        keys = [k for k in table if k[0] == profile and _kind(k) == kind and "adaptive" in table[k]]
         vs = {k: verdict(table[k]) for k in keys}
         hit = sum(v["hit_rate"]["ok"] for v in vs.values())
         tps = sum(v["estimated_output_tokens_per_s"]["ok"] for v in vs.values())
