@@ -11,7 +11,9 @@ same copy budget, the trace's own static top-k, the per-window oracle), costed w
         --out benchmarks/results/cross_task.json --markdown benchmarks/results/cross_task.md \
         --plot benchmarks/results/cross_task.png
 
-Hit rates are measured on the trace; tokens/s are cost-model ESTIMATES (copies charged in full).
+Hit rates are measured on the trace; tokens/s are cost-model ESTIMATES (copies charged in full). `--from-json
+FILE` summarises and plots an earlier run's rows without replaying (benchmarks/placement_verdict.py judges each
+cell).
 
 Prefill: the ESFT traces are teacher-forced prompt + answer in prefill order, with no mark where the prompt ends.
 `--prompt-share 0.5` makes the first half of every replayed request (rounded up) its prompt, one prefill pass,
@@ -191,13 +193,20 @@ def main() -> None:
                     help="also replay adaptive with these AdaptiveSettings, as rows 'adaptive[NAME]' (repeatable)")
     ap.add_argument("--prompt-share", type=float, default=0.0,
                     help="share of each replayed request that is its prompt, one prefill pass (default 0)")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--from-json", metavar="FILE", help="no replay: summarise and plot the rows of an earlier --out")
+    ap.add_argument("--out")
     ap.add_argument("--markdown")
     ap.add_argument("--plot")
     args = ap.parse_args()
     ratios = [float(x) for x in args.ratios.split(",")]
     if not 0 <= args.prompt_share < 1:
         raise SystemExit("--prompt-share must be in [0, 1)")
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        report(saved["rows"], saved["ratios"], sorted({r["gpu_profile"] for r in saved["rows"]}), args)
+        return
+    if not args.out:
+        raise SystemExit("--out is required (or --from-json)")
     config_dir = tempfile.mkdtemp(prefix="dsv2lite-")
     make_config("deepseek_v2", "deepseek-v2-lite").to_json_file(Path(config_dir) / "config.json")
     pairs = [tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs else [(a, b) for a in TASKS for b in TASKS]
@@ -213,8 +222,11 @@ def main() -> None:
             print(f"{len(rows)} rows, {time.time() - start:.0f} s", flush=True)
     Path(args.out).write_text(json.dumps({"copy_budget": args.copy_budget, "ratios": ratios,
                                           "prompt_share": args.prompt_share, "rows": rows}))
-    text = "\n".join(summarise(rows, ratios, p, pairs) for p in args.profiles.split(",")
-                     for pairs in ("cross", "same"))
+    report(rows, ratios, args.profiles.split(","), args)
+
+
+def report(rows: list[dict], ratios, profiles, args) -> None:
+    text = "\n".join(summarise(rows, ratios, p, pairs) for p in profiles for pairs in ("cross", "same"))
     lost = losses(rows, "hit_rate")
     cells = len({(r["gpu_profile"], r["calibration"], r["replayed"], r["gpu_ratio"]) for r in rows})
     text += f"\n\nadaptive below a baseline in hit rate: {len(lost)} of {cells} cells\n" + "\n".join(

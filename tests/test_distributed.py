@@ -35,10 +35,10 @@ def input_ids() -> torch.Tensor:
 
 def eager_adaptive():
     """Swap at the first sign of a difference, so a short run sees several swaps."""
-    from tiermoe.config import DynamicPlacementConfig
+    from tiermoe.config import AdaptiveSettings, DynamicPlacementConfig
 
-    return DynamicPlacementConfig(policy="adaptive", half_life_tokens=8, replan_every=1, margin=0.0,
-                                  max_swaps_in_flight=2)
+    return DynamicPlacementConfig(policy="adaptive", adaptive=AdaptiveSettings(
+        half_life_tokens=8, replan_every=1, margin=0.0, max_swaps_in_flight=2))
 
 
 # --- the rank program ----------------------------------------------------------------------------------------

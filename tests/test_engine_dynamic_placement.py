@@ -25,8 +25,8 @@ PROMPTS = [list(range(5, 30)), [40, 41, 42], list(range(60, 75))]
 
 def eager_adaptive():
     """Settings that swap at the first sign of a difference, so a short test sees many swaps."""
-    return DynamicPlacementConfig(policy="adaptive", half_life_tokens=8, replan_every=1, margin=0.0,
-                                  max_swaps_in_flight=2)
+    return DynamicPlacementConfig(policy="adaptive", adaptive=AdaptiveSettings(
+        half_life_tokens=8, replan_every=1, margin=0.0, max_swaps_in_flight=2))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss"])

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from tiermoe.errors import TiermoeError
 from tiermoe.placement.adaptive_policy import AdaptivePolicy, AdaptiveSettings
 from tiermoe.placement.pass_cost import expert_cost_model
 
@@ -64,9 +66,11 @@ def test_the_prompt_weight_is_bounded():
         _request(policy, r % E, r % E, gen, prompt_share=0.3, decode_share=1.0)
     assert policy.prompts.fit.cov / policy.prompts.fit.var > 1.0
     assert policy.prompt_weight == 1.0
-    fixed = _policy(prompt_weight=2.0)  # a fixed weight skips the learning, and is clamped too
+    fixed = _policy(prompt_weight=0.4)  # a fixed weight skips the learning; one outside [0, 1] is refused
     _request(fixed, 3, 3, gen, n=4)
-    assert fixed.prompt_weight == 1.0
+    assert fixed.prompt_weight == 0.4
+    with pytest.raises(TiermoeError, match="prompt_weight"):
+        _policy(prompt_weight=2.0)
     off = AdaptivePolicy(1, E, COST, AdaptiveSettings(prompt_evidence=False), torch.ones(1, E))
     for r in range(12):
         _request(off, r % E, r % E, gen)

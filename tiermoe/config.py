@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import torch
@@ -283,22 +283,55 @@ PLACEMENT_POLICIES = ("static", "kt-dynamic", "adaptive")
 
 
 @dataclass(frozen=True)
+class AdaptiveSettings:
+    """The adaptive placement policy's settings (tiermoe.placement.adaptive_policy says what each one does; the
+    CLI's --adaptive-* flags set them). Defaults are the ones measured on real routing (BENCHMARKS.md, issue 23)."""
+
+    half_life_tokens: float = 8192.0  # memory of the served workload's estimate (LFU with forgetting)
+    replan_every: int = 1  # passes between re-plans
+    horizon_tokens: float | None = None  # how long a lasting swap is expected to pay (default: half the half-life)
+    margin: float = 1.0  # swap only when the expected saving exceeds margin x the copies it needs
+    max_swaps_in_flight: int = 4  # copy budget, as the caches' default --copy-budget (0: never swaps)
+    z_score: float = 2.0  # follow the evidence only this many standard errors past noise
+    recent_half_life_tokens: float = 8.0  # the short window: temporal locality decays by lag 4-8
+    cross_layer: bool = True  # a swap may move a GPU slot from one layer to another (the total stays)
+    swap_z_score: float = 1.0  # cautious valuation: a lasting swap counts the served rates this many standard
+    # errors against it (0: off)
+    prompt_evidence: bool = False  # off: on the ESFT traces it gains nothing (BENCHMARKS.md, cross-layer)
+    prompt_weight: float | None = None  # how far a prompt's routing forecasts its decode: None learned, else fixed
+
+    def __post_init__(self):
+        positive = {"half_life_tokens": self.half_life_tokens, "recent_half_life_tokens": self.recent_half_life_tokens,
+                    "horizon_tokens": self.horizon_tokens if self.horizon_tokens is not None else 1.0}
+        at_least_zero = {"margin": self.margin, "z_score": self.z_score, "swap_z_score": self.swap_z_score}
+        for name, value in positive.items():
+            if not (math.isfinite(value) and value > 0):
+                raise TiermoeError(f"adaptive setting {name} must be a finite number > 0, got {value}")
+        for name, value in at_least_zero.items():
+            if not (math.isfinite(value) and value >= 0):
+                raise TiermoeError(f"adaptive setting {name} must be a finite number >= 0, got {value}")
+        if self.replan_every < 1 or self.max_swaps_in_flight < 0:
+            raise TiermoeError(f"adaptive settings replan_every >= 1 and max_swaps_in_flight >= 0 are required, got "
+                               f"{self.replan_every} and {self.max_swaps_in_flight}")
+        if self.prompt_weight is not None and not 0 <= self.prompt_weight <= 1:
+            raise TiermoeError(f"adaptive setting prompt_weight must be between 0 and 1, got {self.prompt_weight}")
+
+
+@dataclass(frozen=True)
 class DynamicPlacementConfig:
     """Placement that moves while serving, and layerwise GPU prefill (SGLang-kt names in comments).
 
     prefill_threshold: prefill batches of at least this many tokens run all their experts on the GPU, CPU-tier
       ones streamed through two buffers within prefill_buffer_gb (--kt-gpu-prefill-token-threshold; the
       threshold alone turns it on). policy: static, kt-dynamic (--kt-enable-dynamic-expert-update: after such a
-      batch keep its most-used experts), or adaptive (tiermoe's own: --placement-policy adaptive).
+      batch keep its most-used experts), or adaptive (tiermoe's own: --placement-policy adaptive), with the
+      settings `adaptive` (--adaptive-* flags).
     """
 
     policy: str = "static"
     prefill_threshold: int | None = None
     prefill_buffer_gb: float = 1.0
-    half_life_tokens: float = 8192.0  # adaptive's settings: tiermoe.placement.adaptive_policy.AdaptiveSettings
-    replan_every: int = 1
-    margin: float = 1.0
-    max_swaps_in_flight: int = 4
+    adaptive: AdaptiveSettings = field(default_factory=AdaptiveSettings)
 
     def __post_init__(self):
         if self.policy not in PLACEMENT_POLICIES:
@@ -308,9 +341,6 @@ class DynamicPlacementConfig:
             raise TiermoeError(f"prefill_threshold must be >= 1 token, got {self.prefill_threshold}")
         if self.prefill_buffer_gb <= 0:
             raise TiermoeError(f"prefill_buffer_gb must be > 0, got {self.prefill_buffer_gb}")
-        if self.half_life_tokens <= 0 or self.replan_every < 1 or self.margin < 0 or self.max_swaps_in_flight < 1:
-            raise TiermoeError("adaptive settings: half_life_tokens > 0, replan_every >= 1, margin >= 0 and "
-                               "max_swaps_in_flight >= 1 are required")
 
     @property
     def active(self) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tiermoe.analysis.trace_replay import REPLAY_POLICIES, TracePasses, replay
+from tiermoe.config import AdaptiveSettings
 from tiermoe.placement.cache_policies import DEFAULT_COPY_BUDGET
 from tiermoe.placement.pass_cost import PassCostModel, expert_cost_model
 from tiermoe.placement.profiles import GPUProfile
@@ -44,13 +45,14 @@ class DynamicBenchResult:
 
 def run_dynamic_bench(passes: TracePasses, cost: PassCostModel, ratios=DEFAULT_RATIOS,
                       calibration_LE: torch.Tensor | None = None, prefill_threshold: int | None = None,
-                      policies=REPLAY_POLICIES, progress=None,
-                      copy_budget: int = DEFAULT_COPY_BUDGET) -> DynamicBenchResult:
+                      policies=REPLAY_POLICIES, progress=None, copy_budget: int = DEFAULT_COPY_BUDGET,
+                      adaptive: AdaptiveSettings | None = None) -> DynamicBenchResult:
+    """adaptive: the adaptive policy's settings (default: its defaults with `copy_budget` swaps in flight)."""
     chosen = [p for p in policies if calibration_LE is not None or p not in NEEDS_STATISTICS]
     rows = []
     for ratio in ratios:
         for policy in chosen:
-            result = replay(passes, policy, ratio, cost, calibration_LE, prefill_threshold,
+            result = replay(passes, policy, ratio, cost, calibration_LE, prefill_threshold, adaptive=adaptive,
                             copy_budget=copy_budget)
             rows.append(result.summary())
             if progress:

@@ -24,7 +24,7 @@ from tiermoe.analysis.gpu_check_models import (
     vocab_of,
 )
 from tiermoe.analysis.gpu_check_plan import CheckContext
-from tiermoe.config import CPUConfig, DynamicPlacementConfig
+from tiermoe.config import AdaptiveSettings, CPUConfig, DynamicPlacementConfig
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 
@@ -126,8 +126,8 @@ def check_dynamic_vs_static(ctx: CheckContext) -> dict:
         static = [o.token_ids for o in llm.generate(prompts, params)]
         static_growth = peak_growth(ctx, before)
     policies = {
-        "adaptive": DynamicPlacementConfig(policy="adaptive", half_life_tokens=8, replan_every=1, margin=0.0,
-                                           max_swaps_in_flight=2),
+        "adaptive": DynamicPlacementConfig(policy="adaptive", adaptive=AdaptiveSettings(
+            half_life_tokens=8, replan_every=1, margin=0.0, max_swaps_in_flight=2)),
         "kt-dynamic": DynamicPlacementConfig(policy="kt-dynamic", prefill_threshold=threshold),
     }
     result, ok = {"device": ctx.device}, True

@@ -42,6 +42,7 @@ from tiermoe.analysis.placement_traffic import (
 )
 from tiermoe.analysis.placement_workload import Workload, WorkloadSpec, build_workloads, prompt_encoder
 from tiermoe.analysis.tier_time_fit import measure_cpu_tier, measure_gpu_tier
+from tiermoe.analysis.trace_workload import RoutingTraceSpec, trace_workloads
 from tiermoe.analysis.workload_runs import (
     RunTiming,
     make_engine,
@@ -53,6 +54,7 @@ from tiermoe.analysis.workload_runs import (
 from tiermoe.config import CPUConfig
 from tiermoe.engine.llm import LLM
 from tiermoe.errors import TiermoeError
+from tiermoe.layers.trace_routing import install_trace_routing
 from tiermoe.placement.pass_cost import HostCosts, PassCostModel, expert_cost_model
 from tiermoe.placement.pass_traffic import PassShapes, static_traffic
 from tiermoe.placement.profiles import load_profile
@@ -86,6 +88,7 @@ class PlacementBenchConfig:
     cpu: CPUConfig = CPUConfig()
     dtype: torch.dtype | None = None
     seed: int = 42  # random strategy
+    routing_trace: RoutingTraceSpec | None = None  # the model's routers pick this trace's experts (trace_workload)
 
     def __post_init__(self):
         unknown = [s for s in (*self.strategies, *self.validation_strategies) if s not in BENCH_STRATEGIES]
@@ -124,12 +127,25 @@ def run_placement_bench(config: PlacementBenchConfig, log=_stderr,
     log(f"[placement] loading the model (GPU tier on {device}; "
         f"{'throughput measured end to end' if measured else 'throughput ESTIMATED with the cost model'})")
     with LLM(config.model, gpu_device=device, dtype=config.dtype, cpu=config.cpu, progress=False) as llm:
+        calibration_LE = None
+        if config.routing_trace is not None:
+            traced = trace_workloads(config.routing_trace, llm.hybrid.spec, llm.hybrid.config.vocab_size,
+                                     config.workload.num_prompts, config.workload.calibration_prompts, device)
+            install_trace_routing(llm.hybrid, traced.routing)
+            log(f"[placement] routing from {config.routing_trace.path}: the model's MoE layers "
+                f"{list(llm.hybrid.spec.moe_layers)} replay the trace's layers {list(traced.layers)}")
+            workloads = (traced.calibration or traced.heldout, traced.heldout)
+            calibration_LE = traced.calibration_LE
         calibration_wl, heldout_wl = workloads or build_workloads(config.workload, prompt_encoder(llm))
-        log(f"[placement] calibration split: {calibration_wl.describe()}")
+        if calibration_LE is None:
+            log(f"[placement] calibration split: {calibration_wl.describe()}")
+        else:
+            log(f"[placement] calibration statistics: {config.routing_trace.calibration}")
         log(f"[placement] held-out split:    {heldout_wl.describe()}; {config.concurrency} requests in flight")
         warm_up(llm, heldout_wl, config.concurrency, config.prefill_chunk)
-        log("[placement] recording statistics on the calibration split")
-        calibration_LE = record_statistics(llm, calibration_wl, config.concurrency, config.prefill_chunk)
+        if calibration_LE is None:
+            log("[placement] recording statistics on the calibration split")
+            calibration_LE = record_statistics(llm, calibration_wl, config.concurrency, config.prefill_chunk)
         log("[placement] measuring the CPU backend on the model's experts (a x distinct + b x pairs + c)")
         cpu_fit = measure_cpu_tier(llm.hybrid)
         log(f"[placement]   a = {cpu_fit.per_expert * 1e6:.1f} us/expert, b = {cpu_fit.per_pair * 1e6:.2f} us/pair, "
@@ -137,12 +153,15 @@ def run_placement_bench(config: PlacementBenchConfig, log=_stderr,
         setup = _setup(llm, config, calibration_wl, heldout_wl, device)
         if measured:
             cells = _measure_all(llm, heldout_wl, calibration_LE, config, target, cpu_fit, log)
-            return PlacementBenchResult("measured", list(config.ratios), list(config.strategies), cells, setup,
-                                        target.as_dict(), {"cpu_backend": cpu_fit.as_dict()})
-        split = core_split(config.cpu)
-        setup["cores"] = split.as_dict()
-        with caller_threads(split):
-            return _estimate_all(llm, heldout_wl, calibration_LE, config, target, cpu_fit, setup, log)
+            result = PlacementBenchResult("measured", list(config.ratios), list(config.strategies), cells, setup,
+                                          target.as_dict(), {"cpu_backend": cpu_fit.as_dict()})
+        else:
+            split = core_split(config.cpu)
+            setup["cores"] = split.as_dict()
+            with caller_threads(split):
+                result = _estimate_all(llm, heldout_wl, calibration_LE, config, target, cpu_fit, setup, log)
+        setup["routing"] = _routing_setup(llm, config.routing_trace)  # once every run has been routed
+        return result
 
 
 def _estimate_all(llm, workload: Workload, calibration_LE, config: PlacementBenchConfig, target, cpu_fit,
@@ -293,3 +312,13 @@ def _setup(llm, config: PlacementBenchConfig, calibration: Workload, heldout: Wo
         "torch_threads": torch.get_num_threads(), "repeats": config.repeats,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
     }
+
+
+def _routing_setup(llm, trace: RoutingTraceSpec | None) -> dict:
+    """Where the routing came from: the model's own routers, or a trace (which of its layers, what calibrated)."""
+    if trace is None:
+        return {"source": "the model's routers"}
+    routing = llm.hybrid.routing_override
+    return {"source": "trace", "trace": trace.path, "calibration": trace.calibration or "the trace's even requests",
+            "trace_layers": list(routing.trace_layers),
+            "rows_from_trace": routing.rows_routed, "rows_from_the_model": routing.rows_own}

@@ -26,6 +26,7 @@ from tiermoe.analysis.workload_runs import RunTiming, WorkloadRun, make_engine, 
 from tiermoe.engine.llm import LLM
 from tiermoe.errors import TiermoeError
 from tiermoe.fit import available_ram
+from tiermoe.layers.trace_routing import install_trace_routing
 from tiermoe.model.gguf_checkpoint import weight_files
 
 
@@ -51,6 +52,8 @@ def time_configurations(llm, workload: Workload, configs: list[tuple[str, float]
         for i, (strategy, ratio) in enumerate(configs):
             model = llm if i == 0 else stack.enter_context(
                 LLM(config.model, gpu_device="cpu", dtype=config.dtype, cpu=config.cpu, progress=False))
+            if i > 0 and llm.hybrid.routing_override is not None:  # the copies replay the same trace
+                install_trace_routing(model.hybrid, llm.hybrid.routing_override)
             model.hybrid.apply_mask(strategy_mask(strategy, spec.moe_row_mask(), spec.num_experts, ratio,
                                                   calibration_LE, config.seed))
             warm_up(model, workload, config.concurrency, config.prefill_chunk)

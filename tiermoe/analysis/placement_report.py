@@ -62,4 +62,10 @@ def markdown(result: PlacementBenchResult) -> str:
     check = validation_table(result)
     if check:
         parts.append(check)
+    routing = result.setup.get("routing", {})
+    if routing.get("source") == "trace":  # the model's routers replayed a real model's routing
+        parts.append(f"Routing from the trace {routing['trace']} (its layers {routing['trace_layers']} for the "
+                     f"model's MoE layers; {routing['rows_from_trace']} rows routed by the trace, "
+                     f"{routing['rows_from_the_model']} by the model's own routers: warm-up and other rows the trace "
+                     f"does not hold); calibration: {routing['calibration']}.")
     return "\n\n".join(parts) + "\n"

@@ -26,6 +26,7 @@ class Workload:
     prompt_ids: tuple[tuple[int, ...], ...]
     output_lens: tuple[int, ...]
     prompt_names: tuple[str, ...] = ()
+    trace_requests: tuple[int, ...] = ()  # with routing from a trace: the trace request each prompt replays
 
     def __post_init__(self):
         if len(self.prompt_ids) != len(self.output_lens) or not self.prompt_ids:

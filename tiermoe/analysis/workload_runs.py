@@ -74,6 +74,9 @@ class WorkloadRun:
         self.seqs = [engine.add(list(ids), SamplingParams(max_tokens=n, ignore_eos=True))
                      for ids, n in zip(workload.prompt_ids, workload.output_lens)]
         self._index = {s.seq_id: i for i, s in enumerate(self.seqs)}
+        routing = getattr(engine.hybrid, "routing_override", None)  # tiermoe.layers.trace_routing
+        if routing is not None:
+            routing.assign(engine, {s.seq_id: r for s, r in zip(self.seqs, workload.trace_requests)})
         self._admitted: dict[int, float] = {}
         self.ttft = [0.0] * len(self.seqs)
         self.steps: list[float] = []
@@ -143,5 +146,5 @@ def record_trace(llm, workload: Workload, concurrency: int, prefill_chunk: int) 
 def warm_up(llm, workload: Workload, concurrency: int, prefill_chunk: int) -> None:
     """A few short requests first: allocators, kernel caches and lazy initialisation are not timed."""
     n = min(workload.num_requests, concurrency)
-    serve(llm, Workload("warm-up", workload.prompt_ids[:n], tuple(min(4, x) for x in workload.output_lens[:n])),
-          concurrency, prefill_chunk)
+    serve(llm, Workload("warm-up", workload.prompt_ids[:n], tuple(min(4, x) for x in workload.output_lens[:n]),
+                        trace_requests=workload.trace_requests[:n]), concurrency, prefill_chunk)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from tiermoe.analysis.dynamic_bench import (
@@ -19,7 +20,9 @@ from tiermoe.analysis.placement_report import markdown
 from tiermoe.analysis.placement_traffic import BENCH_STRATEGIES
 from tiermoe.analysis.placement_workload import WorkloadSpec
 from tiermoe.analysis.trace_replay import trace_passes
+from tiermoe.analysis.trace_workload import RoutingTraceSpec
 from tiermoe.arch import detect, load_config
+from tiermoe.cli.adaptive_flags import adaptive_from_args, add_adaptive_flags
 from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
 from tiermoe.cli.flags import (
     add_command,
@@ -74,6 +77,8 @@ def add_parser(sub) -> None:
         "tiermoe bench dynamic --trace held_out.pt --calibration calib.pt",
         "tiermoe bench dynamic --trace t.pt --calibration c.pt --ratios 0.1,0.25,0.5 --gpu-profile h200 --json",
         "tiermoe bench dynamic --trace law.csv --calibration intent_heat.csv --model DeepSeek-V2-Lite/config.json",
+        "tiermoe bench dynamic --trace law.csv --calibration intent.csv --model DeepSeek-V2-Lite/config.json "
+        "--no-adaptive-cross-layer --adaptive-swap-z 0 --adaptive-max-swaps 8",
     )
     d.prog = "tiermoe bench dynamic"
     d.add_argument("--trace", required=True, help="per_token trace to replay (.pt or trace CSV, docs/traces.md)")
@@ -91,8 +96,9 @@ def add_parser(sub) -> None:
                    help="CPU read bandwidth, GB/s (default 25)")
     d.add_argument("--cpu-gflops", type=positive_float, default=400.0,
                    help="CPU expert GFLOP/s at prefill (default 400)")
-    d.add_argument("--json", action="store_true", help="print JSON with every figure")
+    d.add_argument("--json", action="store_true", help="print JSON with every figure (and the adaptive settings)")
     d.add_argument("--plot", type=plot_file, help="write hit rate and estimated tokens/s against ratio to this PNG")
+    add_adaptive_flags(d, replay=True)
     add_placement_parser(benches)
 
 
@@ -111,11 +117,21 @@ def add_placement_parser(benches) -> None:
         "tiermoe bench placement --dataset sharegpt --gpu-profile this-cpu --ratios 0,0.25,0.5,0.75,1",
         "tiermoe bench placement --model /models/Qwen3-30B-A3B --dataset prompts.jsonl --gpu-profile h200 "
         "--strategies uniform,frequency,dynamic",
+        "tiermoe make-model --arch deepseek_v2 --preset deepseek-v2-lite --layers 5 --out /tmp/dsv2l-5 && "
+        "tiermoe bench placement --model /tmp/dsv2l-5 --routing-trace esft_law.csv --gpu-profile this-cpu",
     )
     p.prog = "tiermoe bench placement"
     p.add_argument("--model", "--model-path", dest="model", default=None,
                    help="checkpoint directory (default: the bundled demo model)")
-    p.add_argument("--dataset", required=True, help="sharegpt, gsm8k, gpqa, chitchat, or a .json / .jsonl file")
+    p.add_argument("--dataset", help="sharegpt, gsm8k, gpqa, chitchat, or a .json / .jsonl file (or --routing-trace)")
+    p.add_argument("--routing-trace", help="serve this trace's requests (.pt or trace CSV, docs/traces.md) with the "
+                   "model's routers picking the trace's experts per token and layer, instead of routing by the "
+                   "model's weights: real expert sizes (a make-model checkpoint) with real routing; its top-k and "
+                   "expert count must be the model's. Even requests calibrate, odd ones are served")
+    p.add_argument("--routing-calibration", help="statistics of the trace model's shape (trace, heat CSV, .pt) to "
+                   "place frequency/balanced/dynamic/adaptive with; then every trace request is served")
+    p.add_argument("--routing-layers", type=layer_list, help="the trace's MoE layers (decoder indices) that the "
+                   "model's MoE layers replay, in order (default: evenly spread from its first to its last)")
     p.add_argument("--num-prompts", type=positive_int, default=32, help="held-out requests to serve (default 32)")
     p.add_argument("--calibration-prompts", type=positive_int, default=64,
                    help="calibration requests whose routing statistics place frequency/balanced (default 64)")
@@ -154,15 +170,33 @@ def run(args) -> int:
     return run_dynamic(args)
 
 
+def layer_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of layer indices") from None
+    if not values or min(values) < 0 or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct layer indices >= 0, got '{text}'")
+    return values
+
+
 def run_placement(args) -> int:
-    workload = WorkloadSpec(args.dataset, args.num_prompts, args.calibration_prompts, args.output_len,
-                            args.max_prompt_tokens, args.heldout_fraction, args.seed)
+    if (args.dataset is None) == (args.routing_trace is None):
+        raise TiermoeError("give --dataset (prompts the model routes itself) or --routing-trace (routing from a "
+                           "trace), one of the two")
+    if args.routing_trace is None and (args.routing_calibration or args.routing_layers):
+        raise TiermoeError("--routing-calibration and --routing-layers go with --routing-trace")
+    routing = None if args.routing_trace is None else RoutingTraceSpec(
+        args.routing_trace, args.routing_calibration, args.routing_layers, args.seed)
+    workload = WorkloadSpec(args.dataset or f"routing trace {args.routing_trace}", args.num_prompts,
+                            args.calibration_prompts, args.output_len, args.max_prompt_tokens, args.heldout_fraction,
+                            args.seed)
     options = {k: v for k, v in (("ratios", args.ratios), ("strategies", args.strategies)) if v}
     config = PlacementBenchConfig(
         workload, model=args.model, gpu_profile=args.gpu_profile, gpu_device=args.gpu_device,
         concurrency=args.concurrency, prefill_chunk=args.prefill_chunk,
         prefill_threshold=args.prefill_threshold or None, repeats=args.repeats, tolerance=args.tolerance,
-        cpu=cpu_from_args(args),
+        cpu=cpu_from_args(args), routing_trace=routing,
         **{k: tuple(v) for k, v in options.items()})
     result = run_placement_bench(config)
     text = markdown(result)
@@ -187,7 +221,8 @@ def _model_dir(path: Path) -> Path:
 
 
 def run_dynamic(args) -> int:
-    gpu = load_profile(args.gpu_profile)  # a flag: checked before the trace is read
+    gpu = load_profile(args.gpu_profile)  # flags: checked before the trace is read
+    adaptive = adaptive_from_args(args, max_swaps=args.copy_budget)
     passes = trace_passes(load_trace(args.trace))
     spec = detect(load_config(_model_dir(resolve_model(args.model))))
     if (spec.num_layers, spec.num_experts) != (passes.num_layers, passes.num_experts):
@@ -196,9 +231,10 @@ def run_dynamic(args) -> int:
     calibration = load_counts(args.calibration, passes.num_layers, passes.num_experts) if args.calibration else None
     cost = replay_cost_model(spec, gpu, args.cpu_bandwidth_gbs * 1e9, args.cpu_gflops * 1e9)
     bench = run_dynamic_bench(passes, cost, args.ratios or DEFAULT_RATIOS, calibration, args.prefill_threshold,
-                              copy_budget=args.copy_budget)
+                              copy_budget=args.copy_budget, adaptive=adaptive)
     if args.json:
-        print(json.dumps({"gpu_profile": gpu.as_dict(), "passes": passes.num_passes, "rows": bench.rows}))
+        print(json.dumps({"gpu_profile": gpu.as_dict(), "passes": passes.num_passes, "adaptive": asdict(adaptive),
+                          "rows": bench.rows}))
     else:
         print(f"{passes.num_passes} passes; GPU profile {gpu.name} (times are cost-model ESTIMATES)\n")
         print(format_table(bench, "hit_rate", "{:.1%}", "GPU hit rate (measured on the trace)"))

@@ -41,6 +41,8 @@ def add_parser(sub) -> None:
         'tiermoe generate --prompt "Hi" --plan plan.json',
         'tiermoe generate --prompt "Hi" --cpu-expert-dtype int4 --cpu-threads 2',
         'tiermoe generate --prompt "Hi" --lora runs/sft/adapter',
+        'tiermoe generate --prompt "Hi" --kt-gpu-experts-ratio 0.25 --placement-policy adaptive '
+        '--no-adaptive-cross-layer --adaptive-prompt-evidence',
     )
     add_model_flags(p)
     p.add_argument("--prompt", required=True, help="the prompt text")
@@ -73,12 +75,13 @@ def add_sampling_flags(p) -> None:
 
 
 def run(args) -> int:
+    dynamic = dynamic_from_args(args)  # contradicting placement flags fail before anything loads
     device = check_device(args.gpu_device)
     recorder = recorder_from_args(args, detect(load_config(resolve_model(args.model))))
     lora = lora_from_args(args)
     plan = plan_from_args(args, device)
     check_fit_from_args(args, plan, device)
-    llm = LLM(args.model, gpu_device=device, placement=plan, dynamic=dynamic_from_args(args), recorder=recorder,
+    llm = LLM(args.model, gpu_device=device, placement=plan, dynamic=dynamic, recorder=recorder,
               cpu=cpu_from_args(args), lora=lora)
     lora = None  # merged into the weights now: its factors (GBs for a large model) need not stay
     with llm:

@@ -11,6 +11,7 @@ import math
 import warnings
 
 from tiermoe.arch import detect, load_config
+from tiermoe.cli.adaptive_flags import adaptive_from_args, add_adaptive_flags, given_adaptive_flags
 from tiermoe.cli.cpu_flags import cpu_from_args
 from tiermoe.cli.flags import non_negative_int, positive_float, positive_int, seed_int
 from tiermoe.config import (
@@ -19,6 +20,7 @@ from tiermoe.config import (
     DynamicPlacementConfig,
     PlacementConfig,
 )
+from tiermoe.errors import TiermoeError
 from tiermoe.fit import check_before_loading
 from tiermoe.model.plan_source import resolve_plan
 from tiermoe.models import resolve_model
@@ -86,7 +88,8 @@ def add_dynamic_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--placement-policy", dest="placement_policy", choices=("static", "kt-dynamic", "adaptive"),
                    default=None, help="static (default), kt-dynamic (= --kt-enable-dynamic-expert-update), or "
                    "adaptive: follow the decayed expert load over prefill and decode, swapping experts "
-                   "asynchronously when the expected saving beats the copy cost")
+                   "asynchronously when the expected saving beats the copy cost (settings: --adaptive-* below)")
+    add_adaptive_flags(p)
 
 
 def dynamic_from_args(args):
@@ -94,8 +97,12 @@ def dynamic_from_args(args):
     policy = args.placement_policy or ("kt-dynamic" if args.kt_dynamic else "static")
     if args.kt_dynamic and policy == "adaptive":
         warnings.warn("--placement-policy adaptive replaces --kt-enable-dynamic-expert-update", stacklevel=2)
+    given = given_adaptive_flags(args)
+    if given and policy != "adaptive":
+        raise TiermoeError(f"{', '.join(given)} set the adaptive policy's settings; they need "
+                           f"--placement-policy adaptive (the policy is {policy})")
     config = DynamicPlacementConfig(policy=policy, prefill_threshold=args.prefill_threshold,
-                                    prefill_buffer_gb=args.prefill_buffer_gb)
+                                    prefill_buffer_gb=args.prefill_buffer_gb, adaptive=adaptive_from_args(args))
     return config if config.active or args.kt_dynamic else None
 
 

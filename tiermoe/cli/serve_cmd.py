@@ -10,6 +10,7 @@ from __future__ import annotations
 from tiermoe.cli.cpu_flags import cpu_from_args
 from tiermoe.cli.flags import add_command
 from tiermoe.cli.listen_address import check_listen_address
+from tiermoe.cli.placement_flags import dynamic_from_args
 from tiermoe.cli.serve_flags import add_serve_flags, server_config_from_args
 from tiermoe.cli.serve_http import build_state, serve, show_tiermoe_logs
 from tiermoe.cli.serve_ranks import serve_rank, serve_with_local_ranks
@@ -36,6 +37,8 @@ def add_parser(sub) -> None:
         "torchrun --nproc-per-node 4 -m tiermoe.serve --model /models/DeepSeek-V3 --gpu-device cuda --num-gpus 4 "
         "--plan plan.json",
         "tiermoe serve --model /models/Qwen3-30B-A3B --lora runs/sft/adapter --cpu-expert-dtype int8",
+        "tiermoe serve --model /models/Qwen3-30B-A3B --gpu-device cuda:0 --kt-gpu-experts-ratio 0.25 "
+        "--init-expert-location stats.pt --placement-policy adaptive --adaptive-swap-z 0 --adaptive-max-swaps 8",
     )
     add_serve_flags(p)
 
@@ -54,6 +57,7 @@ def run(args) -> int:
     if env is None or env.rank == 0:
         report_ignored(args)
         server_config_from_args(args)  # a bad setting or unreadable key file fails now, not after minutes of loading
+        dynamic_from_args(args)  # so do placement flags that contradict each other
         cpu_from_args(args)  # so do CPU-tier settings that disagree
         check_listen_address(args.host, args.port)  # so does a host or a port it cannot listen on
     gpus = requested_gpus(args)

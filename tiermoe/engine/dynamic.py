@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from tiermoe.config import DynamicPlacementConfig
 from tiermoe.engine.placement_manager import PlacementManager, warn_if_never_fires
 from tiermoe.experts.copier import AsyncCopier
 from tiermoe.layers.prefill_streamer import PrefillStreamer
-from tiermoe.placement.adaptive_policy import AdaptivePolicy, AdaptiveSettings
+from tiermoe.placement.adaptive_policy import AdaptivePolicy
 from tiermoe.placement.budget import GIB
 from tiermoe.placement.pass_cost import PassCostModel, expert_cost_model
 from tiermoe.placement.policies import KTDynamicPolicy
@@ -21,9 +23,7 @@ def make_policy(config: DynamicPlacementConfig, num_layers: int, num_experts: in
     if config.policy == "kt-dynamic":
         return KTDynamicPolicy(config.prefill_threshold)
     if config.policy == "adaptive":
-        settings = AdaptiveSettings(config.half_life_tokens, config.replan_every, None, config.margin,
-                                    config.max_swaps_in_flight)
-        settings.cross_layer = settings.cross_layer and cross_layer
+        settings = replace(config.adaptive, cross_layer=config.adaptive.cross_layer and cross_layer)
         return AdaptivePolicy(num_layers, num_experts, cost, settings, calibration_LE)
     return None
 

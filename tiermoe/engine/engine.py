@@ -315,18 +315,26 @@ class Engine:
 
     def _recorded_forward(self, batch: list[Sequence], inputs: list[list[int]]) -> list[torch.Tensor]:
         feeds, order = self._feeds(batch, inputs)
-        if self.recorder.enabled:  # the MoE blocks see the rows in the step's row order: the pass lists them so
-            self._pass.begin_pass(PassInfo(
+        routing = getattr(self.hybrid, "routing_override", None)  # routing replayed from a trace: told first
+        if self.recorder.enabled or routing is not None:  # the MoE blocks see the rows in the step's row order
+            info = PassInfo(
                 request_ids=tuple(batch[i].seq_id for i in order), num_tokens=tuple(len(inputs[i]) for i in order),
                 start_positions=tuple(batch[i].num_fed for i in order),
                 is_prefill=tuple(batch[i].prefilling for i in order),
-                input_ids=tuple(t for i in order for t in inputs[i])))
+                input_ids=tuple(t for i in order for t in inputs[i]))
+            if self.recorder.enabled:
+                self._pass.begin_pass(info)
+            if routing is not None:
+                routing.begin_pass(info, self)
         try:
             logits = self.forward_feeds(feeds, [inputs[i] for i in order],
                                         [_rows_needed(batch[i], len(inputs[i])) for i in order])
         except BaseException:
             self._pass.discard()
             raise
+        finally:
+            if routing is not None:
+                routing.end_pass()
         if self.recorder.enabled:
             self._pass.commit()
         return _in_order(logits, order)

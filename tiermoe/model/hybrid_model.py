@@ -69,6 +69,8 @@ class HybridModel:
         self.decode_attention = decode_attention
         self.trainable = trainable  # loaded for fine-tuning: calls keep autograd (tiermoe.training)
         self.gpu_pool = gpu_pool  # the GPU tiers' shared expert slots (tiermoe.experts.slot_pool)
+        # Routing replayed from a trace (tiermoe.layers.trace_routing): engines announce each pass to it first.
+        self.routing_override = None
 
     def __call__(self, *args, **kwargs):
         if self.trainable:

@@ -101,7 +101,7 @@ class PromptEvidence:
       backwards (slope -0.47 on law -> intent). w in [0, 1] is learned (PersistenceFit): each prompt's deviation
       is scored against what the decode passes after it routed, up to the next prefill; read at the lower end of
       its `z_score` interval, so it is 0 until shown and a workload whose prompts do not predict their answers is
-      never chased. A fixed w (AdaptiveSettings.prompt_weight, clamped to [0, 1]) skips the learning.
+      never chased. A fixed w (AdaptiveSettings.prompt_weight, in [0, 1]) skips the learning.
     - How long it lasts: the decode tokens served between prefill passes, averaged (decayed); the forecast is
       expected to hold for what is left of that after the decode tokens since the last prefill.
     A pass that prefills anything counts as a prompt (a chunked pass mixing decode tokens in slightly dilutes it).
@@ -174,8 +174,8 @@ class PromptEvidence:
         self._open = None
 
     def weight(self, z_score: float, fixed: float | None = None) -> float:
-        """The learned weight, or `fixed` (clamped to [0, 1]) when given."""
-        return self.fit.slope(z_score) if fixed is None else min(1.0, max(0.0, fixed))
+        """The learned weight, or `fixed` when given (AdaptiveSettings holds it to [0, 1])."""
+        return self.fit.slope(z_score) if fixed is None else fixed
 
     def forecast(self, lasting_LE: torch.Tensor, z_score: float, fixed: float | None = None) -> torch.Tensor:
         """Routed pairs per token [L, E] over the rest of the running requests' decode."""

@@ -15,29 +15,13 @@ Legend: L layers, E experts; rates are routed pairs per token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from tiermoe.config import AdaptiveSettings  # the settings live with the other validated settings
 from tiermoe.placement.adaptive_forecast import Dispersion, PersistenceFit, PromptEvidence, shrunk_shares
 from tiermoe.placement.pass_cost import PassCostModel
 from tiermoe.placement.policies import Swap
 from tiermoe.placement.swap_pairing import best_swaps
-
-
-@dataclass
-class AdaptiveSettings:
-    half_life_tokens: float = 8192.0  # memory of the served workload's estimate (LFU with forgetting)
-    replan_every: int = 1  # passes between re-plans
-    horizon_tokens: float | None = None  # how long a lasting swap is expected to pay (default: half the half-life)
-    margin: float = 1.0  # swap only when the expected saving exceeds margin x the copies it needs
-    max_swaps_in_flight: int = 4  # copy budget, as the caches' default --copy-budget
-    z_score: float = 2.0  # follow the evidence only this many standard errors past noise
-    recent_half_life_tokens: float = 8.0  # the short window: temporal locality decays by lag 4-8
-    cross_layer: bool = True  # a swap may move a GPU slot from one layer to another (the total stays)
-    swap_z_score: float = 1.0  # a lasting swap counts the served rates this many standard errors against it
-    prompt_evidence: bool = False  # off: on the ESFT traces it gains nothing (BENCHMARKS.md, cross-layer)
-    prompt_weight: float | None = None  # None: learned; else this fixed weight in [0, 1]  # a prefill pass's routing forecasts its request's decode (learned weight)
 
 
 class AdaptivePolicy:

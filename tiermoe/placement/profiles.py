@@ -28,6 +28,16 @@ class GPUProfile:
         return asdict(self)
 
 
+# Where each figure comes from (bandwidths in bytes/s, rates in FLOP/s):
+# rtx4090  memory 1.008e12: NVIDIA's GeForce RTX 4090 specifications (384-bit GDDR6X at 21 Gbps = 1008 GB/s).
+#          compute 1.65e14: NVIDIA Ada Lovelace architecture whitepaper, RTX 4090 "Peak BF16 Tensor TFLOPS with FP32
+#          Accumulate" 165.2 dense (330.4 with sparsity). PCIe 25e9: PCIe 4.0 x16 is 32 GB/s a direction; pinned
+#          host-to-device copies reach about 25 GB/s (CUDA bandwidthTest-class figure, not a datasheet one).
+# h200     memory 4.8e12 and compute 9.89e14: NVIDIA H200 Tensor Core GPU product page / datasheet (SXM), "GPU memory
+#          bandwidth 4.8TB/s" and "BF16 Tensor Core 1,979 TFLOPS" with sparsity, i.e. 989 dense. PCIe 55e9: the
+#          datasheet's "PCIe Gen5: 128GB/s" is both directions, 64 GB/s host-to-device; pinned copies reach about 55
+#          (80-85% of a link, as above; not a datasheet figure).
+# launch overhead (5e-6, 4e-6): a kernel launch's order of magnitude on either, assumed, not published.
 PRESETS = {
     "rtx4090": GPUProfile("rtx4090", 1.008e12, 1.65e14, 25e9, 5e-6),
     "h200": GPUProfile("h200", 4.8e12, 9.89e14, 55e9, 4e-6),
