@@ -58,14 +58,18 @@ class Worker:
         self.label = label
         self.proc = subprocess.Popen([sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env=env)
-        self.layers = self.call("load", backend=backend, args=args)["layers"]
+        try:
+            self.layers = self.call("load", backend=backend, args=args)["layers"]
+        except SideError:
+            self.close()
+            raise
 
     def call(self, op: str, **kwargs):
         self.proc.stdin.write(json.dumps({"op": op, **kwargs}) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise SystemExit(f"{self.label}: its process ended (exit status {self.proc.wait()}); see its output above")
+            raise SideError(f"{self.label}: its process ended (exit status {self.proc.wait()}); see its output above")
         reply = json.loads(line)
         if "error" in reply:
             raise SideError(f"{self.label} {op}: {reply['error']}")
@@ -73,9 +77,12 @@ class Worker:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.write(json.dumps({"op": "close"}) + "\n")
-            self.proc.stdin.close()
-            self.proc.wait()
+            try:
+                self.proc.stdin.write(json.dumps({"op": "close"}) + "\n")
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        self.proc.wait()
 
 
 class SideError(Exception):
@@ -190,45 +197,57 @@ def run_row(model, fmt: str, files: dict, args, compare, probe: MachineProbe, rn
     vocab = json.loads((files["hf"] / "config.json").read_text())["vocab_size"]
     workers: dict[str, Worker] = {}
     best: dict[str, dict] = {s[0]: {} for s in sides}
-    layers = 0
+    layers = []
 
-    def worker(side) -> Worker:
-        if side[0] not in workers:
-            print(f"{tag} loading {side[0]}", flush=True)
-            w = workers[side[0]] = Worker(side[0], side[1], side[2], side[3])
-            w.call("decode_s_per_token", prompt=random_prompt(rng, vocab, PROMPT), tokens=4)  # warm-up, untimed
-            w.call("first_token_s", prompt=random_prompt(rng, vocab, PREFILL))
-        return workers[side[0]]
+    def on_side(side, task) -> None:
+        """task(worker) on this side's worker (loaded and warmed up first if need be); a side that fails is
+        dropped from the row, with its error, and the others go on."""
+        try:
+            if side[0] not in workers:
+                print(f"{tag} loading {side[0]}", flush=True)
+                w = workers[side[0]] = Worker(side[0], side[1], side[2], side[3])
+                w.call("decode_s_per_token", prompt=random_prompt(rng, vocab, PROMPT), tokens=4)  # warm-up
+                w.call("first_token_s", prompt=random_prompt(rng, vocab, PREFILL))
+            layers.append(workers[side[0]].layers)
+            task(workers[side[0]])
+        except SideError as err:
+            print(f"{tag} {side[0]} dropped: {err}", flush=True)
+            sides.remove(side)
+            best.pop(side[0])
+            reload_now = True
+        else:
+            reload_now = reload
+        if reload_now and side[0] in workers:
+            workers.pop(side[0]).close()
 
+    def parts(label: str, w: Worker) -> None:
+        print(f"{tag} {label}: time per part of a decode step, torch ops", flush=True)
+        prompt = random_prompt(rng, vocab, PROMPT)
+        best[label]["components_ms"] = w.call("components_ms", prompt=prompt, steps=args.component_steps)
+        best[label]["ops_per_layer"] = w.call("ops_per_layer", prompt=random_prompt(rng, vocab, PROMPT))
+        best[label]["bytes_per_token"] = w.call("bytes_per_token", context=context)
+
+    context = PROMPT + args.tokens / 2
     try:
         for r in range(args.rounds):
             probe.probe(args.threads)
-            for side in sides:
-                w = worker(side)
-                layers = w.layers
-                keep_best(best[side[0]], measure_round(w, rng, vocab, args.tokens))
-                if reload:
-                    workers.pop(side[0]).close()
+            for side in list(sides):
+                on_side(side, lambda w: keep_best(best[w.label], measure_round(w, rng, vocab, args.tokens)))
             print(f"{tag} round {r + 1}/{args.rounds}: " + "; ".join(
                 f"{label} {b['decode_tok_s']:.1f} tok/s, TTFT16 {b['ttft16_s'] * 1e3:.0f} ms, "
                 f"prefill512 {b['prefill512_tok_s']:.0f} tok/s" for label, b in best.items()), flush=True)
-        context = PROMPT + args.tokens / 2
-        for side in sides:
-            if side[1] != "tiermoe":
+        for side in list(sides):
+            if side[1] == "tiermoe":
+                on_side(side, lambda w: parts(w.label, w))
+            else:
                 best[side[0]]["bytes_per_token"] = llama.gguf_bytes_per_token(files[fmt], context)
-                continue
-            w = worker(side)
-            print(f"{tag} {side[0]}: time per part of a decode step, torch ops", flush=True)
-            prompt = random_prompt(rng, vocab, PROMPT)
-            best[side[0]]["components_ms"] = w.call("components_ms", prompt=prompt, steps=args.component_steps)
-            best[side[0]]["ops_per_layer"] = w.call("ops_per_layer", prompt=random_prompt(rng, vocab, PROMPT))
-            best[side[0]]["bytes_per_token"] = w.call("bytes_per_token", context=context)
-            if reload:
-                workers.pop(side[0]).close()
     finally:
         for w in workers.values():
             w.close()
-    return {"model": model.name, "format": fmt, "layers": layers, "host_bound": model.host_bound, "backends": best}
+    if not best:
+        raise SideError("no side ran")
+    return {"model": model.name, "format": fmt, "layers": layers[0], "host_bound": model.host_bound,
+            "backends": best}
 
 
 def run_loss(model, files: dict, args) -> dict:
