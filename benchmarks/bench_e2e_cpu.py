@@ -167,17 +167,21 @@ def keep_best(best: dict, new: dict) -> None:
         best[key] = value if key not in best else better(best[key], value)
 
 
-def sides_for(model, fmt: str, files: dict, args, compare) -> list[tuple[str, str, dict, Path | None, int]]:
-    """(label, backend, load args, PYTHONPATH, bytes it holds) of each side of one row."""
-    quant = 4 / 16 if fmt == "4-bit" else 1.0
-    held = int(dir_bytes(files["hf"]) * quant)
-    sides = [(TIERMOE, "tiermoe", dict(path=str(files["hf"]), threads=args.threads, quant=fmt), REPO, held)]
+LOAD_PEAK = 1.3  # tiermoe's peak while loading, over the bf16 checkpoint's bytes (8 layers: 14.3 GB for 11.2)
+
+
+def sides_for(model, fmt: str, files: dict, args, compare) -> list[tuple[str, str, dict, Path | None, int, int]]:
+    """(label, backend, load args, PYTHONPATH, bytes it holds, bytes at its loading peak) of each side of a row."""
+    checkpoint = dir_bytes(files["hf"])
+    held, peak = int(checkpoint * (4 / 16 if fmt == "4-bit" else 1.0)), int(checkpoint * LOAD_PEAK)
+    sides = [(TIERMOE, "tiermoe", dict(path=str(files["hf"]), threads=args.threads, quant=fmt), REPO, held, peak)]
     if compare is not None:
-        sides.append((f"tiermoe@{compare[0]}", "tiermoe", sides[0][2], compare[1], held))
+        sides.append((f"tiermoe@{compare[0]}", "tiermoe", sides[0][2], compare[1], held, peak))
     if args.llama:
         context = PREFILL + args.tokens + PROMPT + 16
+        size = dir_bytes(files[fmt])
         sides.append((LLAMA, "llama.cpp", dict(path=str(files[fmt]), threads=args.threads, context=context), None,
-                      dir_bytes(files[fmt])))
+                      size, size))
     return sides
 
 
@@ -188,10 +192,16 @@ def available_bytes() -> int:
 
 
 def run_row(model, fmt: str, files: dict, args, compare, probe: MachineProbe, rng: random.Random) -> dict:
-    sides = sides_for(model, fmt, files, args, compare)
-    reload = args.reload == "yes" or (args.reload == "auto" and
-                                      sum(s[4] for s in sides) > 0.75 * available_bytes())
     tag = f"[{model.name} {fmt}]"
+    available = available_bytes()
+    sides = []
+    for side in sides_for(model, fmt, files, args, compare):
+        if side[5] > 0.95 * available:  # it would be killed for memory while loading, or take the machine with it
+            print(f"{tag} {side[0]} skipped: loading it takes about {side[5] / 1e9:.1f} GB, "
+                  f"{available / 1e9:.1f} GB are available", flush=True)
+        else:
+            sides.append(side)
+    reload = args.reload == "yes" or (args.reload == "auto" and sum(s[4] for s in sides) > 0.75 * available)
     if reload:
         print(f"{tag} the sides do not fit in memory together: each loads anew every round", flush=True)
     vocab = json.loads((files["hf"] / "config.json").read_text())["vocab_size"]
