@@ -273,6 +273,9 @@ def run_loss(model, files: dict, args) -> dict:
         sides += [("llama.cpp bf16", "llama.cpp", dict(path=str(files["bf16"]), threads=args.threads, context=context)),
                   ("llama.cpp Q4_K_M", "llama.cpp",
                    dict(path=str(files["4-bit"]), threads=args.threads, context=context))]
+    peak, available = dir_bytes(files["hf"]) * LOAD_PEAK, available_bytes()
+    if peak > 0.95 * available:
+        raise SideError(f"loading tiermoe takes about {peak / 1e9:.1f} GB, {available / 1e9:.1f} GB are available")
     for label, backend, load in sides:
         start = time.perf_counter()
         w = Worker(label, backend, load, REPO if backend == "tiermoe" else None)
