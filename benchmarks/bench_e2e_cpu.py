@@ -46,6 +46,7 @@ from e2e_report import LLAMA, TIERMOE, evaluate_goals, report  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "e2e_worker.py"
 PROMPT, PREFILL = 16, 512
+PROBES = 5  # read-bandwidth probes per round (torch.mv over 1 GiB, about 50 ms each)
 
 
 class Worker:
@@ -96,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "qwen3-30b-a3b-2l,tiny-48l)")
     p.add_argument("--formats", default="bf16,4-bit", help="bf16 and/or 4-bit (default both; tiny-48l is bf16 only)")
     p.add_argument("--threads", type=int, default=2, help="threads of each side (default 2)")
+    p.add_argument("--tiermoe-threads", default=None, metavar="N|default",
+                   help="tiermoe's --cpu-threads and torch threads if not --threads; 'default': tiermoe's own choice")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best counts (default 3)")
     p.add_argument("--tokens", type=int, default=64, help="decode steps timed per round (default 64)")
     p.add_argument("--component-steps", type=int, default=16, help="decode steps timed by part (default 16)")
@@ -125,6 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     args.models = [MODELS[n] for n in names]
     args.formats = args.formats.split(",")
+    t = args.tiermoe_threads
+    args.tiermoe_threads = args.threads if t is None else None if t == "default" else int(t)
     if set(args.formats) - {"bf16", "4-bit"}:
         p.error("--formats takes bf16 and/or 4-bit")
     return args
@@ -162,8 +167,9 @@ def measure_round(worker: Worker, rng: random.Random, vocab: int, tokens: int) -
 
 
 def keep_best(best: dict, new: dict) -> None:
+    """Per figure the best so far: the highest rate (..._tok_s), the shortest time (other ..._s)."""
     for key, value in new.items():
-        better = min if key.endswith("_s") else max
+        better = max if key.endswith("_tok_s") else min
         best[key] = value if key not in best else better(best[key], value)
 
 
@@ -174,7 +180,8 @@ def sides_for(model, fmt: str, files: dict, args, compare) -> list[tuple[str, st
     """(label, backend, load args, PYTHONPATH, bytes it holds, bytes at its loading peak) of each side of a row."""
     checkpoint = dir_bytes(files["hf"])
     held, peak = int(checkpoint * (4 / 16 if fmt == "4-bit" else 1.0)), int(checkpoint * LOAD_PEAK)
-    sides = [(TIERMOE, "tiermoe", dict(path=str(files["hf"]), threads=args.threads, quant=fmt), REPO, held, peak)]
+    sides = [(TIERMOE, "tiermoe", dict(path=str(files["hf"]), threads=args.tiermoe_threads, quant=fmt), REPO, held,
+              peak)]
     if compare is not None:
         sides.append((f"tiermoe@{compare[0]}", "tiermoe", sides[0][2], compare[1], held, peak))
     if args.llama:
@@ -240,7 +247,8 @@ def run_row(model, fmt: str, files: dict, args, compare, probe: MachineProbe, rn
     context = PROMPT + args.tokens / 2
     try:
         for r in range(args.rounds):
-            probe.probe(args.threads)
+            for _ in range(PROBES):  # the floor is the machine's best read rate, not one unlucky sample
+                probe.probe(args.threads)
             for side in list(sides):
                 on_side(side, lambda w: keep_best(best[w.label], measure_round(w, rng, vocab, args.tokens)))
             print(f"{tag} round {r + 1}/{args.rounds}: " + "; ".join(
@@ -266,8 +274,8 @@ def run_loss(model, files: dict, args) -> dict:
     config = json.loads((files["hf"] / "config.json").read_text())
     out = {"model": model.name, "vocab": config["vocab_size"]}
     rows = None
-    sides = [("tiermoe bf16", "tiermoe", dict(path=str(files["hf"]), threads=args.threads, quant="bf16")),
-             ("tiermoe 4-bit", "tiermoe", dict(path=str(files["hf"]), threads=args.threads, quant="4-bit"))]
+    sides = [("tiermoe bf16", "tiermoe", dict(path=str(files["hf"]), threads=args.tiermoe_threads, quant="bf16")),
+             ("tiermoe 4-bit", "tiermoe", dict(path=str(files["hf"]), threads=args.tiermoe_threads, quant="4-bit"))]
     if args.llama:
         context = PREFILL + 16
         sides += [("llama.cpp bf16", "llama.cpp", dict(path=str(files["bf16"]), threads=args.threads, context=context)),
@@ -301,7 +309,8 @@ def main(argv=None) -> None:
     compare = compare_tree(args.compare_commit, args.work_dir) if args.compare_commit else None
     probe = MachineProbe([args.threads])
     rng = random.Random(0)
-    results = {"machine": {"threads": args.threads, "cpus": os.cpu_count(), "load_before": os.getloadavg()},
+    results = {"machine": {"threads": args.threads, "tiermoe_threads": args.tiermoe_threads, "cpus": os.cpu_count(),
+                           "load_before": os.getloadavg()},
                "rows": [], "loss": []}
     for model in args.models:
         formats = [f for f in args.formats if f in model.formats]

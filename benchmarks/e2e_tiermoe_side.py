@@ -36,8 +36,10 @@ class _OpCounter(TorchDispatchMode):
 
 
 class TiermoeSide:
-    def __init__(self, path: str, threads: int, quant: str):
-        torch.set_num_threads(threads)  # the non-expert ops: the same cores as the CPU tier's threads
+    def __init__(self, path: str, threads: int | None, quant: str):
+        """threads None: tiermoe's defaults (CPU tier and torch), as a user runs it without --cpu-threads."""
+        if threads is not None:
+            torch.set_num_threads(threads)  # the non-expert ops: the same cores as the CPU tier's threads
         cpu = CPUConfig(threads=threads)
         if quant == "4-bit":
             cpu = CPUConfig(threads=threads, expert_dtype="int4", non_expert_dtype="int4")
