@@ -41,7 +41,7 @@ import e2e_llama_cpp as llama  # noqa: E402
 from bench_cpu_experts import MachineProbe  # noqa: E402
 from decode_rounds import print_load_average  # noqa: E402
 from e2e_models import MODELS, dir_bytes, prepare  # noqa: E402
-from e2e_report import LLAMA, TIERMOE, evaluate_goals, report  # noqa: E402
+from e2e_report import LLAMA, TIERMOE, evaluate_goals, keep_best, report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "e2e_worker.py"
@@ -164,13 +164,6 @@ def measure_round(worker: Worker, rng: random.Random, vocab: int, tokens: int) -
     ttft = worker.call("first_token_s", prompt=random_prompt(rng, vocab, PROMPT))
     prefill = worker.call("first_token_s", prompt=random_prompt(rng, vocab, PREFILL))
     return {"decode_tok_s": 1 / decode, "ttft16_s": ttft, "prefill512_tok_s": PREFILL / prefill}
-
-
-def keep_best(best: dict, new: dict) -> None:
-    """Per figure the best so far: the highest rate (..._tok_s), the shortest time (other ..._s)."""
-    for key, value in new.items():
-        better = max if key.endswith("_tok_s") else min
-        best[key] = value if key not in best else better(best[key], value)
 
 
 LOAD_PEAK = 1.3  # tiermoe's peak while loading, over the bf16 checkpoint's bytes (8 layers: 14.3 GB for 11.2)

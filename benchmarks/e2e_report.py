@@ -36,6 +36,13 @@ class Goal:
     reached: bool | None  # None: not measured (a side missing)
 
 
+def keep_best(best: dict, new: dict) -> None:
+    """Per figure the best of the rounds so far: the highest rate (..._tok_s), the shortest time (other ..._s)."""
+    for key, value in new.items():
+        better = max if key.endswith("_tok_s") else min
+        best[key] = value if key not in best else better(best[key], value)
+
+
 def floor_tok_s(backend: dict, bandwidth: float) -> float | None:
     """Tokens/s if a decode step only read its weights and KV at the measured read bandwidth."""
     read = backend.get("bytes_per_token")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from e2e_report import evaluate_goals, host_us_per_layer, report  # noqa: E402
+from e2e_report import evaluate_goals, host_us_per_layer, keep_best, report  # noqa: E402
 
 GB = 1e9
 
@@ -87,3 +87,10 @@ def test_loss_goal_compares_each_4bit_change_against_its_own_bf16():
     goal = _goal(_results({}, {}, loss=[loss]), "4-bit held-out loss")
     assert goal.reached is False and "+0.0400 vs +0.0200" in goal.measured
     assert f"{math.log(151936):.4f}" in report(_results({}, {}, loss=[loss]))
+
+
+def test_the_best_round_is_the_fastest_rate_and_the_shortest_time():
+    best = {}
+    keep_best(best, {"decode_tok_s": 10.0, "ttft16_s": 0.2, "prefill512_tok_s": 100.0})
+    keep_best(best, {"decode_tok_s": 5.0, "ttft16_s": 0.1, "prefill512_tok_s": 200.0})
+    assert best == {"decode_tok_s": 10.0, "ttft16_s": 0.1, "prefill512_tok_s": 200.0}
