@@ -1,0 +1,335 @@
+"""tiermoe against llama.cpp on the same checkpoint, CPU only, both sides at the same thread count, in one run.
+
+For each model and format (the issue's: Qwen3-30B-A3B's shapes with 2 and 8 layers, in bf16 and 4-bit, where
+tiermoe runs `--cpu-expert-dtype int4 --non-expert-dtype int4` and llama.cpp the Q4_K_M file quantised from the
+same bf16 GGUF; and 48 layers of tiny width, where a decode step is nearly all host time) each side runs in a
+process of its own (e2e_worker.py), and the sides alternate within every round:
+- decode: tokens/s of one sequence after a 16-token prompt (greedy; the prompt's step left out);
+- time to first token of a 16-token prompt, and prefill of a 512-token prompt (tokens/s up to its first token);
+- the bandwidth floor: bytes one decode token reads (weights + KV cache) over the read bandwidth probed in the same
+  run; decode's share of it, and the host time per layer (the step less its floor, per layer);
+- tiermoe's time per part of a decode step (LM head, attention, MoE blocks, the rest: host) and its torch ops per
+  layer; with --compare-commit REV the same for REV's tiermoe, alternating with this tree;
+- held-out loss of each 4-bit form against its own bf16 model (GSM8K questions in the chat template, as
+  bench_non_expert_quant.py scores them; random weights put every loss near log(vocab): the change from bf16 is
+  what compares).
+Then the tables, with ratios against llama.cpp and the issue's goals, reached or not.
+
+llama.cpp is llama-cpp-python 0.3.36 (e2e_llama_cpp.py: the wheel is built once, about 15 minutes on 2 cores, and
+cached). Without it the llama.cpp side is skipped with a one-line message and tiermoe's side still runs. Models and
+GGUF files are made on the first run and kept (e2e_models.py); timing figures from a loaded machine are not
+results (the load average is printed before and after).
+
+    python benchmarks/bench_e2e_cpu.py --build-llama-cpp --quick          # build llama.cpp, a short first run
+    python benchmarks/bench_e2e_cpu.py --rounds 5 --json e2e.json         # every model, 5 alternating rounds
+    python benchmarks/bench_e2e_cpu.py --models tiny-48l --compare-commit HEAD~1 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import e2e_llama_cpp as llama  # noqa: E402
+from bench_cpu_experts import MachineProbe  # noqa: E402
+from decode_rounds import print_load_average  # noqa: E402
+from e2e_models import MODELS, dir_bytes, prepare  # noqa: E402
+from e2e_report import LLAMA, TIERMOE, evaluate_goals, keep_best, report  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "e2e_worker.py"
+PROMPT, PREFILL = 16, 512
+PROBES = 5  # read-bandwidth probes per round (torch.mv over 1 GiB, about 50 ms each)
+
+
+class Worker:
+    """A side in its own process (e2e_worker.py); call(op, **kwargs) runs one request and returns its result."""
+
+    def __init__(self, label: str, backend: str, args: dict, pythonpath: Path | None):
+        env = dict(os.environ)
+        if pythonpath is not None:
+            env["PYTHONPATH"] = os.pathsep.join([str(pythonpath)] + [p for p in [env.get("PYTHONPATH")] if p])
+        self.label = label
+        self.proc = subprocess.Popen([sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env)
+        try:
+            self.layers = self.call("load", backend=backend, args=args)["layers"]
+        except SideError:
+            self.close()
+            raise
+
+    def call(self, op: str, **kwargs):
+        self.proc.stdin.write(json.dumps({"op": op, **kwargs}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SideError(f"{self.label}: its process ended (exit status {self.proc.wait()}); see its output above")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise SideError(f"{self.label} {op}: {reply['error']}")
+        return reply["ok"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "close"}) + "\n")
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        self.proc.wait()
+
+
+class SideError(Exception):
+    pass
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", help=f"comma-separated, of: {', '.join(MODELS)} (default: all; --quick: "
+                   "qwen3-30b-a3b-2l,tiny-48l)")
+    p.add_argument("--formats", default="bf16,4-bit", help="bf16 and/or 4-bit (default both; tiny-48l is bf16 only)")
+    p.add_argument("--threads", type=int, default=2, help="threads of each side (default 2)")
+    p.add_argument("--tiermoe-threads", default=None, metavar="N|default",
+                   help="tiermoe's --cpu-threads and torch threads if not --threads; 'default': tiermoe's own choice")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best counts (default 3)")
+    p.add_argument("--tokens", type=int, default=64, help="decode steps timed per round (default 64)")
+    p.add_argument("--component-steps", type=int, default=16, help="decode steps timed by part (default 16)")
+    p.add_argument("--loss-prompts", type=int, default=32, help="held-out prompts scored (default 32; 0: no loss)")
+    p.add_argument("--loss-max-tokens", type=int, default=256, help="tokens per held-out prompt at most")
+    p.add_argument("--quick", action="store_true",
+                   help="a short run: 1 round, 16 tokens, 4 steps by part, 4 held-out prompts of 64 tokens")
+    p.add_argument("--compare-commit", metavar="REV",
+                   help="also run tiermoe of commit REV (its files by git archive, on PYTHONPATH), alternating with "
+                        "this tree")
+    p.add_argument("--no-llama-cpp", action="store_true", help="tiermoe's side only")
+    p.add_argument("--build-llama-cpp", action="store_true",
+                   help=f"build llama-cpp-python {llama.LLAMA_CPP_VERSION} into {llama.wheels_dir()} unless cached, "
+                        "and install it (about 15 minutes on 2 cores)")
+    p.add_argument("--reload", choices=("auto", "yes", "no"), default="auto",
+                   help="load each side anew every round (auto: when the sides would not fit in memory together)")
+    p.add_argument("--work-dir", type=Path, default=llama.cache_dir() / "bench-e2e",
+                   help="where the models and GGUF files are made and kept (default ~/.cache/tiermoe/bench-e2e)")
+    p.add_argument("--json", type=Path, help="also write every figure and goal here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.tokens, args.component_steps = 1, 16, 4
+        args.loss_prompts, args.loss_max_tokens = min(args.loss_prompts, 4), min(args.loss_max_tokens, 64)
+    names = (args.models or ("qwen3-30b-a3b-2l,tiny-48l" if args.quick else ",".join(MODELS))).split(",")
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        p.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    args.models = [MODELS[n] for n in names]
+    args.formats = args.formats.split(",")
+    t = args.tiermoe_threads
+    args.tiermoe_threads = args.threads if t is None else None if t == "default" else int(t)
+    if set(args.formats) - {"bf16", "4-bit"}:
+        p.error("--formats takes bf16 and/or 4-bit")
+    return args
+
+
+def compare_tree(rev: str, work: Path) -> tuple[str, Path]:
+    """(short sha, REV's files unpacked under the work directory by `git archive`), made once; the repository's
+    own state (worktrees, index) is left alone."""
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", f"{rev}^{{commit}}"], capture_output=True,
+                         text=True)
+    if sha.returncode != 0:
+        raise SystemExit(f"--compare-commit {rev}: not a commit of {REPO}")
+    short = sha.stdout.strip()[:10]
+    tree = work / f"tree-{short}"
+    if not (tree / "tiermoe").exists():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.Popen(["git", "-C", str(REPO), "archive", short], stdout=subprocess.PIPE)
+        subprocess.run(["tar", "-x", "-C", str(tree)], stdin=archive.stdout, check=True)
+        if archive.wait() != 0:
+            raise SystemExit(f"--compare-commit {rev}: git archive failed")
+    print(f"[compare] tiermoe@{short}: {tree}", flush=True)
+    return short, tree
+
+
+def random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
+    """n ordinary token ids, different every call (no side reuses a cached prefix)."""
+    return [rng.randrange(10, min(vocab, 150000)) for _ in range(n)]
+
+
+def measure_round(worker: Worker, rng: random.Random, vocab: int, tokens: int) -> dict:
+    decode = worker.call("decode_s_per_token", prompt=random_prompt(rng, vocab, PROMPT), tokens=tokens)
+    ttft = worker.call("first_token_s", prompt=random_prompt(rng, vocab, PROMPT))
+    prefill = worker.call("first_token_s", prompt=random_prompt(rng, vocab, PREFILL))
+    return {"decode_tok_s": 1 / decode, "ttft16_s": ttft, "prefill512_tok_s": PREFILL / prefill}
+
+
+LOAD_PEAK = 1.3  # tiermoe's peak while loading, over the bf16 checkpoint's bytes (8 layers: 14.3 GB for 11.2)
+
+
+def sides_for(model, fmt: str, files: dict, args, compare) -> list[tuple[str, str, dict, Path | None, int, int]]:
+    """(label, backend, load args, PYTHONPATH, bytes it holds, bytes at its loading peak) of each side of a row."""
+    checkpoint = dir_bytes(files["hf"])
+    held, peak = int(checkpoint * (4 / 16 if fmt == "4-bit" else 1.0)), int(checkpoint * LOAD_PEAK)
+    sides = [(TIERMOE, "tiermoe", dict(path=str(files["hf"]), threads=args.tiermoe_threads, quant=fmt), REPO, held,
+              peak)]
+    if compare is not None:
+        sides.append((f"tiermoe@{compare[0]}", "tiermoe", sides[0][2], compare[1], held, peak))
+    if args.llama:
+        context = PREFILL + args.tokens + PROMPT + 16
+        size = dir_bytes(files[fmt])
+        sides.append((LLAMA, "llama.cpp", dict(path=str(files[fmt]), threads=args.threads, context=context), None,
+                      size, size))
+    return sides
+
+
+def available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+def run_row(model, fmt: str, files: dict, args, compare, probe: MachineProbe, rng: random.Random) -> dict:
+    tag = f"[{model.name} {fmt}]"
+    available = available_bytes()
+    sides = []
+    for side in sides_for(model, fmt, files, args, compare):
+        if side[5] > 0.95 * available:  # it would be killed for memory while loading, or take the machine with it
+            print(f"{tag} {side[0]} skipped: loading it takes about {side[5] / 1e9:.1f} GB, "
+                  f"{available / 1e9:.1f} GB are available", flush=True)
+        else:
+            sides.append(side)
+    reload = args.reload == "yes" or (args.reload == "auto" and sum(s[4] for s in sides) > 0.75 * available)
+    if reload:
+        print(f"{tag} the sides do not fit in memory together: each loads anew every round", flush=True)
+    vocab = json.loads((files["hf"] / "config.json").read_text())["vocab_size"]
+    workers: dict[str, Worker] = {}
+    best: dict[str, dict] = {s[0]: {} for s in sides}
+    layers = []
+
+    def on_side(side, task) -> None:
+        """task(worker) on this side's worker (loaded and warmed up first if need be); a side that fails is
+        dropped from the row, with its error, and the others go on."""
+        try:
+            if side[0] not in workers:
+                print(f"{tag} loading {side[0]}", flush=True)
+                w = workers[side[0]] = Worker(side[0], side[1], side[2], side[3])
+                w.call("decode_s_per_token", prompt=random_prompt(rng, vocab, PROMPT), tokens=4)  # warm-up
+                w.call("first_token_s", prompt=random_prompt(rng, vocab, PREFILL))
+            layers.append(workers[side[0]].layers)
+            task(workers[side[0]])
+        except SideError as err:
+            print(f"{tag} {side[0]} dropped: {err}", flush=True)
+            sides.remove(side)
+            best.pop(side[0])
+            reload_now = True
+        else:
+            reload_now = reload
+        if reload_now and side[0] in workers:
+            workers.pop(side[0]).close()
+
+    def parts(label: str, w: Worker) -> None:
+        print(f"{tag} {label}: time per part of a decode step, torch ops", flush=True)
+        prompt = random_prompt(rng, vocab, PROMPT)
+        best[label]["components_ms"] = w.call("components_ms", prompt=prompt, steps=args.component_steps)
+        best[label]["ops_per_layer"] = w.call("ops_per_layer", prompt=random_prompt(rng, vocab, PROMPT))
+        best[label]["bytes_per_token"] = w.call("bytes_per_token", context=context)
+
+    context = PROMPT + args.tokens / 2
+    try:
+        for r in range(args.rounds):
+            for _ in range(PROBES):  # the floor is the machine's best read rate, not one unlucky sample
+                probe.probe(args.threads)
+            for side in list(sides):
+                on_side(side, lambda w: keep_best(best[w.label], measure_round(w, rng, vocab, args.tokens)))
+            print(f"{tag} round {r + 1}/{args.rounds}: " + "; ".join(
+                f"{label} {b['decode_tok_s']:.1f} tok/s, TTFT16 {b['ttft16_s'] * 1e3:.0f} ms, "
+                f"prefill512 {b['prefill512_tok_s']:.0f} tok/s" for label, b in best.items()), flush=True)
+        for side in list(sides):
+            if side[1] == "tiermoe":
+                on_side(side, lambda w: parts(w.label, w))
+            else:
+                best[side[0]]["bytes_per_token"] = llama.gguf_bytes_per_token(files[fmt], context)
+    finally:
+        for w in workers.values():
+            w.close()
+    if not best:
+        raise SideError("no side ran")
+    return {"model": model.name, "format": fmt, "layers": layers[0], "host_bound": model.host_bound,
+            "backends": best}
+
+
+def run_loss(model, files: dict, args) -> dict:
+    """Held-out loss of tiermoe bf16 / 4-bit and llama.cpp bf16 / Q4_K_M, one side loaded at a time."""
+    print(f"[{model.name}] held-out loss: {args.loss_prompts} GSM8K prompts", flush=True)
+    config = json.loads((files["hf"] / "config.json").read_text())
+    out = {"model": model.name, "vocab": config["vocab_size"]}
+    rows = None
+    sides = [("tiermoe bf16", "tiermoe", dict(path=str(files["hf"]), threads=args.tiermoe_threads, quant="bf16")),
+             ("tiermoe 4-bit", "tiermoe", dict(path=str(files["hf"]), threads=args.tiermoe_threads, quant="4-bit"))]
+    if args.llama:
+        context = PREFILL + 16
+        sides += [("llama.cpp bf16", "llama.cpp", dict(path=str(files["bf16"]), threads=args.threads, context=context)),
+                  ("llama.cpp Q4_K_M", "llama.cpp",
+                   dict(path=str(files["4-bit"]), threads=args.threads, context=context))]
+    peak, available = dir_bytes(files["hf"]) * LOAD_PEAK, available_bytes()
+    if peak > 0.95 * available:
+        raise SideError(f"loading tiermoe takes about {peak / 1e9:.1f} GB, {available / 1e9:.1f} GB are available")
+    for label, backend, load in sides:
+        start = time.perf_counter()
+        w = Worker(label, backend, load, REPO if backend == "tiermoe" else None)
+        try:
+            if rows is None:
+                rows = w.call("held_out_rows", num=args.loss_prompts, max_tokens=args.loss_max_tokens)
+                out["tokens"] = sum(len(r) - 1 for r in rows)
+            out[label] = w.call("loss", rows=rows)
+        finally:
+            w.close()
+        print(f"  {label}: {out[label]:.4f} nats ({time.perf_counter() - start:.0f} s)", flush=True)
+    return out
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    print_load_average("before")
+    if args.build_llama_cpp:
+        llama.build_and_install()
+    args.llama = not args.no_llama_cpp and llama.llama_cpp_installed()
+    if not args.no_llama_cpp and not args.llama:
+        print(llama.missing_message(), flush=True)
+    compare = compare_tree(args.compare_commit, args.work_dir) if args.compare_commit else None
+    probe = MachineProbe([args.threads])
+    rng = random.Random(0)
+    results = {"machine": {"threads": args.threads, "tiermoe_threads": args.tiermoe_threads, "cpus": os.cpu_count(),
+                           "load_before": os.getloadavg()},
+               "rows": [], "loss": []}
+    for model in args.models:
+        formats = [f for f in args.formats if f in model.formats]
+        if not formats:
+            continue
+        files = prepare(model, args.work_dir, formats, args.llama, args.threads)
+        for fmt in formats:
+            try:
+                results["rows"].append(run_row(model, fmt, files, args, compare, probe, rng))
+            except SideError as err:
+                print(f"[{model.name} {fmt}] skipped: {err}", flush=True)
+        if model.loss and args.loss_prompts > 0 and set(formats) == {"bf16", "4-bit"}:
+            try:
+                results["loss"].append(run_loss(model, files, args))
+            except SideError as err:
+                print(f"[{model.name}] loss skipped: {err}", flush=True)
+    results["machine"].update(read_bandwidth=probe.limits[args.threads][0], load_after=os.getloadavg())
+    print_load_average("after")
+    print(f"\nread bandwidth at {args.threads} threads (best probe): "
+          f"{results['machine']['read_bandwidth'] / 1e9:.1f} GB/s\n")
+    print(report(results))
+    if args.json:
+        results["goals"] = [vars(g) for g in evaluate_goals(results)]
+        args.json.write_text(json.dumps(results, indent=2))
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

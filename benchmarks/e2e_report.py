@@ -1,0 +1,196 @@
+"""bench_e2e_cpu.py's figures turned into what it prints: derived figures (share of the bandwidth floor, host time
+per layer), the issue's goals with the figure each was judged on, and the markdown tables. Pure functions over the
+results dict the benchmark also writes as JSON, so they are tested without llama.cpp or a model.
+
+results = {"machine": {"read_bandwidth": bytes/s, ...},
+           "rows": [{"model", "format" ("bf16" | "4-bit"), "layers", optional "host_bound" (a model of next to no
+                     bytes, where a step is host time: the host goal is judged there, the floor goal elsewhere),
+                     "backends": {label: {"decode_tok_s", "ttft16_s", "prefill512_tok_s", "bytes_per_token",
+                                          optional "components_ms" {part: ms per step}, "ops_per_layer"}}}],
+           "loss": [{"model", "vocab", "tokens", "tiermoe bf16", "tiermoe 4-bit", "llama.cpp bf16",
+                     "llama.cpp Q4_K_M"}]}
+A backend that did not run is absent; a figure that was not measured is absent or None.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+LLAMA = "llama.cpp"
+TIERMOE = "tiermoe"
+
+# the issue's goals: (key, words, threshold)
+DECODE_VS_LLAMA = 1.0
+FLOOR_SHARE = 0.8
+HOST_VS_LLAMA = 2.0
+TTFT_VS_LLAMA = 1.5
+PREFILL_VS_LLAMA = 1.2
+LOSS_MARGIN = 0.01  # nats
+
+
+@dataclass
+class Goal:
+    words: str
+    measured: str  # the figures it was judged on, one per row
+    reached: bool | None  # None: not measured (a side missing)
+
+
+def keep_best(best: dict, new: dict) -> None:
+    """Per figure the best of the rounds so far: the highest rate (..._tok_s), the shortest time (other ..._s)."""
+    for key, value in new.items():
+        better = max if key.endswith("_tok_s") else min
+        best[key] = value if key not in best else better(best[key], value)
+
+
+def floor_tok_s(backend: dict, bandwidth: float) -> float | None:
+    """Tokens/s if a decode step only read its weights and KV at the measured read bandwidth."""
+    read = backend.get("bytes_per_token")
+    return bandwidth / read if read and bandwidth else None
+
+
+def host_us_per_layer(backend: dict, bandwidth: float, layers: int) -> float | None:
+    """Per layer, the part of a decode step that is not reading bytes: (step - bytes / bandwidth) / layers.
+
+    On the tiny-width model the bytes are next to nothing, so this is the host's dispatch per layer; on a wide
+    model it is what the step costs beyond the floor."""
+    speed, floor = backend.get("decode_tok_s"), floor_tok_s(backend, bandwidth)
+    if not speed:
+        return None
+    return max(0.0, 1.0 / speed - (1.0 / floor if floor else 0.0)) / layers * 1e6
+
+
+def _ratio(a, b) -> float | None:
+    return a / b if a and b else None
+
+
+def _row_name(row: dict) -> str:
+    return f"{row['model']} {row['format']}"
+
+
+def evaluate_goals(results: dict) -> list[Goal]:
+    """Each goal of the issue, judged on every row that has both sides; a goal is reached when every row meets it."""
+    bandwidth = results["machine"].get("read_bandwidth") or 0.0
+    per_goal: dict[str, list[tuple[str, str, bool | None]]] = {}
+
+    def judge(words: str, row: dict, figure: float | None, text: str, ok: bool | None) -> None:
+        per_goal.setdefault(words, []).append((_row_name(row), text if figure is not None else "not measured",
+                                              ok if figure is not None else None))
+
+    for row in results["rows"]:
+        ours, theirs = row["backends"].get(TIERMOE, {}), row["backends"].get(LLAMA, {})
+        layers = row["layers"]
+        decode = _ratio(ours.get("decode_tok_s"), theirs.get("decode_tok_s"))
+        judge(f"{row['format']} decode >= {DECODE_VS_LLAMA:.1f}x llama.cpp", row, decode,
+              f"{decode:.2f}x" if decode else "", decode is not None and decode >= DECODE_VS_LLAMA)
+        if row.get("host_bound"):
+            host = _ratio(host_us_per_layer(ours, bandwidth, layers), host_us_per_layer(theirs, bandwidth, layers))
+            judge(f"host time per layer <= {HOST_VS_LLAMA:.0f}x llama.cpp's", row, host,
+                  f"{host:.2f}x" if host else "", host is not None and host <= HOST_VS_LLAMA)
+        else:
+            share = _ratio(ours.get("decode_tok_s"), floor_tok_s(ours, bandwidth))
+            judge(f"decode >= {FLOOR_SHARE:.0%} of the bandwidth floor", row, share,
+                  f"{share:.0%}" if share else "", share is not None and share >= FLOOR_SHARE)
+        ttft = _ratio(ours.get("ttft16_s"), theirs.get("ttft16_s"))
+        judge(f"time to first token (16-token prompt) <= {TTFT_VS_LLAMA}x llama.cpp's", row, ttft,
+              f"{ttft:.2f}x" if ttft else "", ttft is not None and ttft <= TTFT_VS_LLAMA)
+        prefill = _ratio(ours.get("prefill512_tok_s"), theirs.get("prefill512_tok_s"))
+        judge(f"prefill 512 >= {PREFILL_VS_LLAMA}x llama.cpp", row, prefill,
+              f"{prefill:.2f}x" if prefill else "", prefill is not None and prefill >= PREFILL_VS_LLAMA)
+    for loss in results.get("loss", []):
+        ours, theirs = loss_deltas(loss)
+        figure = None if ours is None or theirs is None else ours - theirs
+        per_goal.setdefault(f"4-bit held-out loss <= llama.cpp Q4_K_M's + {LOSS_MARGIN} nats (vs each bf16)",
+                            []).append((loss["model"], "not measured" if figure is None else
+                                        f"{ours:+.4f} vs {theirs:+.4f}",
+                                        None if figure is None else figure <= LOSS_MARGIN))
+    goals = []
+    for words, judged in sorted(per_goal.items(), key=lambda item: _goal_order(item[0])):
+        verdicts = [ok for _, _, ok in judged]
+        reached = None if all(ok is None for ok in verdicts) else all(ok is not False for ok in verdicts)
+        goals.append(Goal(words, ", ".join(f"{name} {text}" for name, text, _ in judged), reached))
+    return goals
+
+
+def _goal_order(words: str) -> int:
+    """The issue's order: decode bf16, decode 4-bit, floor, host, first token, prefill, loss."""
+    for i, start in enumerate(("bf16 decode", "4-bit decode", "decode >=", "host", "time to first", "prefill")):
+        if words.startswith(start):
+            return i
+    return 6
+
+
+def loss_deltas(loss: dict) -> tuple[float | None, float | None]:
+    """(tiermoe 4-bit - tiermoe bf16, Q4_K_M - llama.cpp bf16) in nats; None where a side is missing."""
+    def delta(quant, full):
+        return loss[quant] - loss[full] if loss.get(quant) is not None and loss.get(full) is not None else None
+    return delta("tiermoe 4-bit", "tiermoe bf16"), delta("llama.cpp Q4_K_M", "llama.cpp bf16")
+
+
+def _fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def speed_table(results: dict) -> list[str]:
+    bandwidth = results["machine"].get("read_bandwidth") or 0.0
+    lines = ["| model | format | backend | decode tok/s | vs llama.cpp | of floor | TTFT 16 ms | vs llama.cpp | "
+             "prefill 512 tok/s | vs llama.cpp | host us/layer | vs llama.cpp | torch ops/layer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in results["rows"]:
+        ref = row["backends"].get(LLAMA, {})
+        ref_host = host_us_per_layer(ref, bandwidth, row["layers"])
+        for label, b in row["backends"].items():
+            host = host_us_per_layer(b, bandwidth, row["layers"])
+            ttft = b.get("ttft16_s")
+            lines.append(
+                f"| {row['model']} | {row['format']} | {label} | {_fmt(b.get('decode_tok_s'), '.1f')} | "
+                f"{_fmt(_ratio(b.get('decode_tok_s'), ref.get('decode_tok_s')), '.2f')}x | "
+                f"{_fmt(_ratio(b.get('decode_tok_s'), floor_tok_s(b, bandwidth)), '.0%')} | "
+                f"{_fmt(ttft and ttft * 1e3, '.1f')} | {_fmt(_ratio(ttft, ref.get('ttft16_s')), '.2f')}x | "
+                f"{_fmt(b.get('prefill512_tok_s'), '.0f')} | "
+                f"{_fmt(_ratio(b.get('prefill512_tok_s'), ref.get('prefill512_tok_s')), '.2f')}x | "
+                f"{_fmt(host, '.0f')} | {_fmt(_ratio(host, ref_host), '.2f')}x | "
+                f"{_fmt(b.get('ops_per_layer'), '.0f')} |")
+    return lines
+
+
+def component_table(results: dict) -> list[str]:
+    """ms per decode step of one sequence by part, for the backends that reported parts (tiermoe's)."""
+    parts = ("lm_head", "attention", "experts", "rest")
+    lines = ["| model | format | backend | step ms | LM head | attention | experts (MoE blocks) | rest (host) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in results["rows"]:
+        for label, b in row["backends"].items():
+            comp = b.get("components_ms")
+            if comp:
+                lines.append(f"| {row['model']} | {row['format']} | {label} | {comp['step']:.2f} | "
+                             + " | ".join(f"{comp[p]:.2f}" for p in parts) + " |")
+    return lines
+
+
+def loss_table(results: dict) -> list[str]:
+    lines = ["| model | scored tokens | log(vocab) | tiermoe bf16 | tiermoe 4-bit | change | llama.cpp bf16 | "
+             "Q4_K_M | change |", "|---|---|---|---|---|---|---|---|---|"]
+    for loss in results.get("loss", []):
+        ours, theirs = loss_deltas(loss)
+        lines.append(f"| {loss['model']} | {loss.get('tokens', '-')} | {math.log(loss['vocab']):.4f} | "
+                     f"{_fmt(loss.get('tiermoe bf16'), '.4f')} | {_fmt(loss.get('tiermoe 4-bit'), '.4f')} | "
+                     f"{_fmt(ours, '+.4f')} | {_fmt(loss.get('llama.cpp bf16'), '.4f')} | "
+                     f"{_fmt(loss.get('llama.cpp Q4_K_M'), '.4f')} | {_fmt(theirs, '+.4f')} |")
+    return lines
+
+
+def goal_table(goals: list[Goal]) -> list[str]:
+    verdict = {True: "yes", False: "**no**", None: "not measured"}
+    return ["| goal | measured | reached |", "|---|---|---|"] + [
+        f"| {g.words} | {g.measured} | {verdict[g.reached]} |" for g in goals]
+
+
+def report(results: dict) -> str:
+    """Every table, markdown."""
+    sections = [("Speed (best of the rounds; ratios against llama.cpp on the same model)", speed_table(results)),
+                ("Time per part of one decode step", component_table(results))]
+    if results.get("loss"):
+        sections.append(("Held-out loss (nats), each 4-bit form against its own bf16 model", loss_table(results)))
+    sections.append(("Goals", goal_table(evaluate_goals(results))))
+    return "\n\n".join(title + "\n\n" + "\n".join(lines) for title, lines in sections if len(lines) > 2)
