@@ -11,9 +11,8 @@ import warnings
 
 import pytest
 import torch
-from conftest import load_reference, make_mask, rel_err
+from conftest import load_reference, rel_err
 
-from tiermoe.arch import detect, load_config
 from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.experts import kernels as kernels_mod
@@ -200,21 +199,9 @@ def test_registry_picks_backends_and_keeps_fp32_experts_exact(worker):
         CPUConfig(backend="fast")
 
 
-def test_the_loader_gives_the_team_every_core_only_when_the_caller_has_no_experts_to_compute(tiny_dir):
-    """All experts on the CPU tier of a CPU-only model: the caller waits on the team in every MoE layer."""
-    path = tiny_dir("qwen3_moe")
-    spec = detect(load_config(path))
-    for mask, caller_computes in ((None, False), (make_mask("random_half", spec), True)):
-        with load_hybrid_model(path, mask, cpu=CPUConfig(backend="native"), dtype=torch.bfloat16,
-                               progress=False) as hybrid:
-            threads = {block.cpu_tier.threads for block in hybrid.blocks.values()}
-        assert threads == {default_threads(caller_computes)}
-
-
 def test_default_threads_leave_a_core_for_the_caller_and_pinning_can_be_turned_off(monkeypatch):
     cores = physical_cpus()
     assert default_threads() == max(1, len(cores) - 1)
-    assert default_threads(caller_computes=False) == len(cores)
     assert team_cpus(1) == cores[-1:]
     assert team_cpus(len(cores) + 1) == []  # more threads than cores: left to the scheduler
     monkeypatch.setenv("TIERMOE_CPU_PIN", "0")

@@ -1,11 +1,11 @@
 """How many threads the CPU tier uses, and which CPUs they are pinned to.
 
-Default (`default_threads`, chosen once by the loader): one thread per physical core, less one core for the caller
-(the thread that runs the model: Python, attention, launching GPU kernels) when the caller computes while the team
-does (a GPU main device, or GPU-tier experts computed on the host), and at least one. A CPU-only model whose
-experts are all on the CPU tier leaves the caller waiting on the team during every MoE layer, so the team takes
-every core: on a 2-core machine 1 thread decoded a 2-layer Qwen3-30B-A3B-shaped model at 33-35 tokens/s, 2 at
-40-43 (issue 22's measurement).
+Default: one thread per physical core, less one core for the caller (the thread that runs the model: Python,
+attention, launching GPU kernels), and at least one. Measured on this 2-core machine with all experts on the CPU
+tier (benchmarks/bench_e2e_cpu.py's models, 2026-12-02, load < 2): a 48-layer model of width 128 decoded in
+26-27 ms per step with 1 thread and 185-192 ms with 2 (torch's own threads and the team's spin on the same two
+cores), a 2-layer Qwen3-30B-A3B-shaped one in 49-54 ms with either. So the caller keeps its core even when it has
+no experts to compute. `--cpu-threads` overrides it; BENCHMARKS.md ("CPU-only decode against llama.cpp").
 
 Pinning: member i of a team of n is pinned to the i-th of the *last* n physical cores (one logical CPU each,
 SMT siblings left alone), so the caller's scheduler-chosen core is most often the first core, outside the team.
@@ -48,9 +48,9 @@ def physical_cpus(allowed: list[int] | None = None) -> list[int]:
     return out
 
 
-def default_threads(caller_computes: bool = True) -> int:
+def default_threads() -> int:
     """The team size when --cpu-threads is not given (see the module docstring)."""
-    return max(1, len(physical_cpus()) - int(caller_computes))
+    return max(1, len(physical_cpus()) - 1)
 
 
 def team_cpus(n: int) -> list[int]:

@@ -49,7 +49,6 @@ from tiermoe.experts.native import model_team
 from tiermoe.experts.registry import make_cpu_tier
 from tiermoe.experts.slot_pool import ExpertSlotPool
 from tiermoe.experts.slotted_tier import SlottedExpertSet
-from tiermoe.experts.threads import default_threads
 from tiermoe.experts.tiers import CPUWorker, ExpertSet
 from tiermoe.experts.weights import ExpertWeights
 from tiermoe.layers.decode_attention import decode_attention_for
@@ -144,9 +143,6 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     plan = resolve_plan(placement, model_dir, spec, num_ranks, str(gpu_device))
     assignment_LE = plan.assignment
     gpu_device = torch.device(gpu_device)
-    if cpu.threads is None:  # chosen once: every part computing on the kernel team reads cpu.threads from here on
-        caller_computes = gpu_device.type != "cpu" or share is not None or bool((assignment_LE >= 0).any())
-        cpu = replace(cpu, threads=default_threads(caller_computes))
     dtype = dtype or spec.dtype
     # Host copies are worth page-locking only when the GPU tier is on CUDA; shared-memory CPU experts are
     # page-locked by their store (tiermoe.distributed.shm_store), slot by slot, not here.
