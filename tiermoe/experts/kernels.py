@@ -174,7 +174,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tm_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                 ctypes.c_int, ctypes.c_double, *[ctypes.c_int] * 5]
     lib.tm_rms_norm_gated.restype = ctypes.c_int
-    lib.tm_rms_norm_gated.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+    lib.tm_rms_norm_gated.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_void_p,
                                       ctypes.c_int, ctypes.c_int, ctypes.c_double, *[ctypes.c_int] * 5]
     lib.tm_grouped_topk.restype = ctypes.c_int
     lib.tm_grouped_topk.argtypes = [ctypes.c_void_p, *[ctypes.c_int] * 4, ctypes.c_void_p, *[ctypes.c_int] * 3,

@@ -9,8 +9,8 @@ SDPA path, whose kernels are faster for many queries.
 
 Used where every attention layer is one of transformers' softmax attentions that the pool serves through
 tiermoe.layers.paged_attention (not MLA, which attends from its latent), the model is on the CPU in fp32 or
-bf16, the kernels are built, and nothing needs gradients; `decode_attention_for` decides. Results equal SDPA's within fp32
-rounding (scores summed in another order); bf16 rows are computed in fp32 and rounded once.
+bf16, the kernels are built, and nothing needs gradients; `decode_attention_for` decides. Results equal SDPA's
+within fp32 rounding (scores summed in another order); bf16 rows are computed in fp32 and rounded once.
 Legend: T decode rows, H query heads, Hkv KV heads, d head dim, dv value dim, S pool slots.
 """
 
@@ -59,7 +59,6 @@ class DecodeAttention:
         err = ctypes.create_string_buffer(256)
         if self.kernels.lib.tm_paged_decode_attention(team, ctypes.byref(args), err, len(err)) != 0:
             raise RuntimeError(err.value.decode())
-
 
     def rotate(self, x_THd: torch.Tensor, cos_Td: torch.Tensor, sin_Td: torch.Tensor) -> None:
         """transformers' rotary embedding (x * cos + rotate_half(x) * sin, with its roundings) applied to x [T, H, d]

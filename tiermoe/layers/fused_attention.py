@@ -36,6 +36,8 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
 
 class DecodeFusedAttention(nn.Module):
+    """`original`'s place in its decoder layer (see the module docstring); `native` computes rotary and attention."""
+
     def __init__(self, original: nn.Module, native: DecodeAttention):
         super().__init__()
         for name, child in original.named_children():
