@@ -30,6 +30,15 @@ def parsed(command: str, *argv: str):
     return build_parser(command).parse_args([command, *extra, *argv])
 
 
+def test_several_ranks_say_that_cross_layer_swaps_are_off(caplog):
+    on = dynamic_from_args(parsed("serve", "--placement-policy", "adaptive"))
+    with caplog.at_level("INFO", logger="tiermoe.engine.dynamic"):
+        make_policy(on, 2, 8, COST)
+        assert "cross-layer" not in caplog.text
+        make_policy(on, 2, 8, COST, cross_layer=False)
+    assert "several ranks swap within each layer; cross-layer swaps are off" in caplog.text
+
+
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_every_flag_reaches_the_adaptive_policy(command):
     config = dynamic_from_args(parsed(command, "--placement-policy", "adaptive", *EVERY_FLAG))

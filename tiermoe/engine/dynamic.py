@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import torch
@@ -15,6 +16,8 @@ from tiermoe.placement.budget import GIB
 from tiermoe.placement.pass_cost import PassCostModel, expert_cost_model
 from tiermoe.placement.policies import KTDynamicPolicy
 
+log = logging.getLogger(__name__)
+
 
 def make_policy(config: DynamicPlacementConfig, num_layers: int, num_experts: int, cost: PassCostModel,
                 calibration_LE: torch.Tensor | None = None, cross_layer: bool = True):
@@ -23,6 +26,8 @@ def make_policy(config: DynamicPlacementConfig, num_layers: int, num_experts: in
     if config.policy == "kt-dynamic":
         return KTDynamicPolicy(config.prefill_threshold)
     if config.policy == "adaptive":
+        if config.adaptive.cross_layer and not cross_layer:
+            log.info("adaptive placement: several ranks swap within each layer; cross-layer swaps are off")
         settings = replace(config.adaptive, cross_layer=config.adaptive.cross_layer and cross_layer)
         return AdaptivePolicy(num_layers, num_experts, cost, settings, calibration_LE)
     return None
