@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiermoe import LLM
 from tiermoe.config import CPUConfig
@@ -20,19 +19,10 @@ from tiermoe.data.prompts import select
 from tiermoe.data.registry import load_prompts
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.placement.kv_layout import kv_layout
+from tiermoe.testing.op_counter import OpCounter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_non_expert_quant import bytes_per_token, held_out_loss  # noqa: E402
-
-
-class _OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 class TiermoeSide:
@@ -116,7 +106,7 @@ class TiermoeSide:
     def ops_per_layer(self, prompt: list[int]) -> float:
         """torch ops (aten and custom, on this thread) of one decode step, per decoder layer."""
         self._start(prompt, 3)
-        counter = _OpCounter()
+        counter = OpCounter()
         with counter:
             self._step()
         self._finish()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import rel_err
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb as gpt_oss_rotary
 from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
@@ -19,6 +18,7 @@ from tiermoe.engine.sampling import SamplingParams
 from tiermoe.experts.kernels import ThreadTeam, load_kernels
 from tiermoe.layers import decode_attention as decode_module
 from tiermoe.layers.decode_attention import DecodeAttention
+from tiermoe.testing.op_counter import OpCounter
 
 KERNELS = load_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the CPU kernels are not built here")
@@ -75,16 +75,6 @@ def test_rows_attend_their_own_pages_and_window_as_transformers_does(dtype, sink
     threads.close()
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @needs_kernels
 def test_a_decode_step_reads_the_past_where_it_lies(tiny_dir):
     """No gather of past K/V in a decode step (index_select was one per layer per K and V), and the greedy
@@ -98,11 +88,11 @@ def test_a_decode_step_reads_the_past_where_it_lies(tiny_dir):
             seq = engine.add(list(range(3, 20)), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
             for _ in range(3):
                 engine.step()
-            ops = _Ops()
+            ops = OpCounter()
             with ops:
                 engine.step()
             engine.run_to_completion()
-            got[in_place] = (seq.output_ids, ops.names.count("index_select"))
+            got[in_place] = (seq.output_ids, ops.names["index_select"])
     assert got[True][0] == got[False][0]
     assert got[True][1] == 0 < got[False][1]
 

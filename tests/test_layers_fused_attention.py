@@ -7,25 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import load_reference, make_mask, rel_err
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiermoe.arch import detect, load_config
 from tiermoe.engine.llm import LLM
 from tiermoe.experts.kernels import load_kernels
 from tiermoe.layers.fused_attention import DecodeFusedAttention
+from tiermoe.testing.op_counter import OpCounter
 
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="the CPU kernels are not built here")
 FP32_TOL = 2e-5
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
@@ -45,10 +35,10 @@ def test_decode_steps_of_fused_attention_equal_transformers(arch, tiny_dir):
             tokens[seqs.index(seq)].append(int(row[-1].argmax()))
         fused_steps = 0
         for _ in range(3):
-            ops = _Ops()
+            ops = OpCounter()
             with ops:
                 rows = engine.feed(seqs, [[t[-1]] for t in tokens])
-            fused_steps += ops.names.count("split_with_sizes") == len(layers)  # the one qkv split per layer
+            fused_steps += ops.names["split_with_sizes"] == len(layers)  # the one qkv split per layer
             for t, row in zip(tokens, rows):
                 t.append(int(row[-1].argmax()))
             for i, row in enumerate(rows):

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ARCHS
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 import tiermoe.model.loader as loader
@@ -20,22 +19,13 @@ from tiermoe.layers.fused_grouped_router import FusedGroupedRouter, fuse_grouped
 from tiermoe.layers.fused_norm import NATIVE_MAX_ROWS, NORM_CLASSES, FusedRMSNorm, FusedRMSNormGated, fuse_norms
 from tiermoe.layers.fused_router import ROUTER_CLASSES, FusedTopKRouter, fuse_routers
 from tiermoe.model.loader import load_hybrid_model
+from tiermoe.testing.op_counter import OpCounter
 from tiermoe.testing.presets import make_config
 
 OPS = load_layer_ops()
 needs_ops = pytest.mark.skipif(OPS is None, reason="the kernel library is unavailable")
 ROUTER_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next")
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 def count_ops(fn, *args) -> int:
@@ -129,6 +119,20 @@ def test_fuse_norms_swaps_every_rms_norm(arch):
     assert fuse_norms(meta, OPS) == 0
 
 
+def assert_router_outputs_equal(original, fused, d: int, dtype, g, case) -> torch.Tensor:
+    """The fused router returns exactly what the original returns (dtypes, ids, weights and order) on one row,
+    rows of any leading shape, zeros, inputs with few distinct logits (ties), and more rows than the native call
+    takes; returns the last input."""
+    ties = (torch.randint(-2, 3, (6, d), generator=g) * 0.25).to(dtype)  # few distinct logits
+    with torch.no_grad():
+        for x in (torch.randn(1, d, generator=g).to(dtype), torch.randn(2, 3, d, generator=g).to(dtype),
+                  torch.zeros(3, d, dtype=dtype), ties, torch.randn(NATIVE_MAX_ROWS + 3, d).to(dtype)):
+            want, got = original(x), fused(x)
+            for w, o in zip(want, got):
+                assert o.dtype == w.dtype and torch.equal(o, w), (case, dtype, x.shape)
+    return x
+
+
 def router_cases(arch: str):
     """(config overrides) for the router of `arch`: its tiny shape and real expert counts, renormalised or not."""
     experts = "num_local_experts" if arch == "mixtral" else "num_experts"
@@ -153,15 +157,8 @@ def test_every_softmax_top_k_router_is_fused_bit_for_bit_ties_included(arch):
         for dtype in DTYPES:
             original = copy.deepcopy(router).to(dtype)
             fused = FusedTopKRouter(original, OPS)
-            d = config.hidden_size
-            ties = (torch.randint(-2, 3, (6, d), generator=g) * 0.25).to(dtype)  # few distinct logits
-            with torch.no_grad():
-                for x in (torch.randn(1, d, generator=g).to(dtype), torch.randn(2, 3, d, generator=g).to(dtype),
-                          torch.zeros(3, d, dtype=dtype), ties, torch.randn(NATIVE_MAX_ROWS + 3, d).to(dtype)):
-                    want, got = original(x), fused(x)
-                    for w, o in zip(want, got):
-                        assert o.dtype == w.dtype and torch.equal(o, w), (overrides, dtype, x.shape)
-                # the linear and the two outputs' allocations
+            x = assert_router_outputs_equal(original, fused, config.hidden_size, dtype, g, overrides)
+            with torch.no_grad():  # the linear and the two outputs' allocations
                 assert count_ops(fused, x[:1]) == count_ops(F.linear, x[:1], fused.weight) + 2
 
 
@@ -195,16 +192,11 @@ def test_every_grouped_router_is_fused_bit_for_bit_in_torch_order(arch):
                 original.e_score_correction_bias.data = router.e_score_correction_bias.clone()  # fp32, as loaded
             fused = FusedGroupedRouter(original, OPS)
             d = config.hidden_size
-            ties = (torch.randint(-2, 3, (6, d), generator=g) * 0.25).to(dtype)
-            with torch.no_grad():
-                for x in (torch.randn(1, d, generator=g).to(dtype), torch.randn(2, 3, d, generator=g).to(dtype),
-                          torch.zeros(3, d, dtype=dtype), ties, torch.randn(NATIVE_MAX_ROWS + 3, d).to(dtype)):
-                    want, got = original(x), fused(x)
-                    for w, o in zip(want, got):
-                        assert o.dtype == w.dtype and torch.equal(o, w), (overrides, dtype, x.shape)
+            x = assert_router_outputs_equal(original, fused, d, dtype, g, overrides)
 
-                def linear(x):
-                    return F.linear(x.view(-1, d).type(torch.float32), fused.weight.type(torch.float32))
+            def linear(x):
+                return F.linear(x.view(-1, d).type(torch.float32), fused.weight.type(torch.float32))
+            with torch.no_grad():
                 assert count_ops(fused, x[:1]) == count_ops(linear, x[:1]) + 2  # and the outputs' allocations
 
 
