@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiermoe.experts.layer_ops import TORCH_GRAIN_SIZE, LayerOps
+from tiermoe.layers.module_swap import class_key, swap_modules
 
 NATIVE_MAX_ROWS = 64  # as fused_norm: longer inputs are worth torch's threads
 
@@ -38,7 +39,7 @@ class FusedGroupedRouter(nn.Module):
 
     def __init__(self, router: nn.Module, ops: LayerOps):
         super().__init__()
-        self.sigmoid = _class_key(router) in SIGMOID_ROUTERS
+        self.sigmoid = class_key(router) in SIGMOID_ROUTERS
         self.top_k, self.num_experts, self.hidden_dim = router.top_k, router.num_experts, router.hidden_dim
         self.scale = float(router.routed_scaling_factor)
         self.weight = router.weight
@@ -110,15 +111,9 @@ class FusedGroupedRouter(nn.Module):
 def fuse_grouped_routers(model: nn.Module, ops: LayerOps) -> int:
     """Swap a FusedGroupedRouter in for every router of SIGMOID_ROUTERS / SOFTMAX_ROUTERS (DeepSeek-V2: greedy
     or group-limited greedy) in `model` whose weight is on the CPU; returns how many were swapped."""
-    found = [(name, module) for name, module in model.named_modules()
-             if (_class_key(module) in SIGMOID_ROUTERS
-                 or (_class_key(module) in SOFTMAX_ROUTERS and module.topk_method in V2_METHODS))
-             and module.weight.device.type == "cpu"]
-    for name, module in found:
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, FusedGroupedRouter(module, ops))
-    return len(found)
+    def wanted(module: nn.Module) -> bool:
+        key = class_key(module)
+        grouped = key in SIGMOID_ROUTERS or (key in SOFTMAX_ROUTERS and module.topk_method in V2_METHODS)
+        return grouped and module.weight.device.type == "cpu"
 
-
-def _class_key(module: nn.Module) -> tuple[str, str]:
-    return type(module).__module__, type(module).__qualname__
+    return swap_modules(model, wanted, lambda m: FusedGroupedRouter(m, ops))

@@ -33,6 +33,7 @@ from tiermoe.experts.layer_ops import (
     WEIGHT_TIMES_CAST,
     LayerOps,
 )
+from tiermoe.layers.module_swap import class_key, swap_modules
 
 # Decode batches: the native call is single-threaded; longer inputs are worth torch's threads.
 NATIVE_MAX_ROWS = 64
@@ -67,7 +68,7 @@ class FusedRMSNorm(nn.Module):
 
     def __init__(self, norm: nn.Module, ops: LayerOps):
         super().__init__()
-        self.kind, eps_attr = NORM_CLASSES[_class_key(norm)]
+        self.kind, eps_attr = NORM_CLASSES[class_key(norm)]
         self.eps = float(getattr(norm, eps_attr))
         self.weight = norm.weight
         self.ops = ops
@@ -121,21 +122,13 @@ def reference_rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.
 def fuse_norms(model: nn.Module, ops: LayerOps) -> int:
     """Swap a FusedRMSNorm in for every module of NORM_CLASSES in `model` whose weight is on the CPU, and a
     FusedRMSNormGated for every gated one; returns how many were swapped."""
-    swapped = 0
-    for name, module in list(model.named_modules()):
-        key = _class_key(module)
-        if key in NORM_CLASSES:
-            fused = FusedRMSNorm
-        elif key in GATED_NORM_CLASSES and module.activation == "silu":
-            fused = FusedRMSNormGated
-        else:
-            continue
-        if module.weight.device.type == "cpu":
-            parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent), leaf, fused(module, ops))
-            swapped += 1
-    return swapped
+    def wanted(module: nn.Module) -> bool:
+        key = class_key(module)
+        gated = key in GATED_NORM_CLASSES and module.activation == "silu"
+        return (key in NORM_CLASSES or gated) and module.weight.device.type == "cpu"
 
+    def replacement(module: nn.Module) -> nn.Module:
+        fused = FusedRMSNorm if class_key(module) in NORM_CLASSES else FusedRMSNormGated
+        return fused(module, ops)
 
-def _class_key(module: nn.Module) -> tuple[str, str]:
-    return type(module).__module__, type(module).__qualname__
+    return swap_modules(model, wanted, replacement)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiermoe.experts.layer_ops import NATIVE_DTYPES, LayerOps
+from tiermoe.layers.module_swap import class_key, swap_modules
 
 NATIVE_MAX_ROWS = 64  # as fused_norm: longer inputs are worth torch's threads
 
@@ -50,7 +51,7 @@ class FusedTopKRouter(nn.Module):
 
     def __init__(self, router: nn.Module, ops: LayerOps):
         super().__init__()
-        mixtral = ROUTER_CLASSES[_class_key(router)]
+        mixtral = ROUTER_CLASSES[class_key(router)]
         self.top_k, self.num_experts, self.hidden_dim = router.top_k, router.num_experts, router.hidden_dim
         self.renormalize = True if mixtral else bool(router.norm_topk_prob)
         self.cast = not mixtral  # the weights in the logits' dtype
@@ -79,13 +80,5 @@ class FusedTopKRouter(nn.Module):
 def fuse_routers(model: nn.Module, ops: LayerOps) -> int:
     """Swap a FusedTopKRouter in for every module of ROUTER_CLASSES in `model` whose weight is on the CPU; returns
     how many were swapped."""
-    found = [(name, module) for name, module in model.named_modules()
-             if _class_key(module) in ROUTER_CLASSES and module.weight.device.type == "cpu"]
-    for name, module in found:
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, FusedTopKRouter(module, ops))
-    return len(found)
-
-
-def _class_key(module: nn.Module) -> tuple[str, str]:
-    return type(module).__module__, type(module).__qualname__
+    return swap_modules(model, lambda m: class_key(m) in ROUTER_CLASSES and m.weight.device.type == "cpu",
+                        lambda m: FusedTopKRouter(m, ops))
