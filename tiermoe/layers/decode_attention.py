@@ -24,6 +24,7 @@ from torch import nn
 
 from tiermoe.experts.kernels import Kernels, ThreadTeam, TmAttnArgs
 from tiermoe.layers.mla_attention import MLAAttention
+from tiermoe.layers.ragged_step import RaggedStep
 
 # Multiply-adds below which the calling thread attends alone: waking the team costs more than it saves.
 TEAM_MIN_WORK = 1 << 20
@@ -59,6 +60,13 @@ class DecodeAttention:
         err = ctypes.create_string_buffer(256)
         if self.kernels.lib.tm_paged_decode_attention(team, ctypes.byref(args), err, len(err)) != 0:
             raise RuntimeError(err.value.decode())
+
+    def attend_step(self, step: RaggedStep, window: int | None, q_THd: torch.Tensor, k_SHd: torch.Tensor,
+                    v_SHd: torch.Tensor, scale: float, sinks_H: torch.Tensor | None, out_THd: torch.Tensor) -> None:
+        """`attend` for the decode rows of `step` (its first num_decode rows) in the page group of `window`."""
+        decode = step.groups[window].decode
+        self.attend(q_THd, k_SHd, v_SHd, decode.tables, step.decode_pos, decode.lo, step.page_size, scale,
+                    decode.keys, sinks_H, out_THd)
 
     def rotate(self, x_THd: torch.Tensor, cos_Td: torch.Tensor, sin_Td: torch.Tensor) -> None:
         """transformers' rotary embedding (x * cos + rotate_half(x) * sin, with its roundings) applied to x [T, H, d]

@@ -70,14 +70,10 @@ class DecodeFusedAttention(nn.Module):
         cos, sin = position_embeddings
         self.native.rotate(q_THd, cos[0], sin[0])
         self.native.rotate(k_THd, cos[0], sin[0])
-        window = step.layer_windows[self.layer_idx]
-        group = step.groups[window]
-        k_slots, v_slots = cache.pages.slots(self.layer_idx, window, k_THd, v_THd)
-        k_slots.index_copy_(0, group.write_index, k_THd)
-        v_slots.index_copy_(0, group.write_index, v_THd)
+        k_slots, v_slots = cache.write(self.layer_idx, k_THd, v_THd)
         out_THd = q_THd.new_empty((T, H, v_THd.shape[-1]))
-        self.native.attend(q_THd, k_slots, v_slots, group.decode.tables, step.decode_pos, group.decode.lo,
-                           step.page_size, self.scaling, group.decode.keys, getattr(self, "sinks", None), out_THd)
+        self.native.attend_step(step, step.layer_windows[self.layer_idx], q_THd, k_slots, v_slots, self.scaling,
+                                getattr(self, "sinks", None), out_THd)
         return self.o_proj(out_THd.view(1, T, -1))
 
     def _qkv(self, x_TD: torch.Tensor) -> torch.Tensor:

@@ -87,16 +87,20 @@ class PagedStepCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """New K/V [1, H, T, d] -> the K/V the step reads [1, H, K, d] (new ones included; K = pages read x P)."""
-        window = self.step.layer_windows[layer_idx]
-        group = self.step.groups[window]
-        k_new, v_new = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)  # [T, H, d]
-        k_slots, v_slots = self.pages.slots(layer_idx, window, k_new, v_new)
-        k_slots.index_copy_(0, group.write_index, k_new)
-        v_slots.index_copy_(0, group.write_index, v_new)
+        k_slots, v_slots = self.write(layer_idx, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
         if self.step.decode_attention is not None:  # the attention function reads the slots where they lie
             return k_slots, v_slots
-        return _read(k_slots, group.read_pages, self.step.page_size), _read(v_slots, group.read_pages,
-                                                                            self.step.page_size)
+        pages = self.step.groups[self.step.layer_windows[layer_idx]].read_pages
+        return _read(k_slots, pages, self.step.page_size), _read(v_slots, pages, self.step.page_size)
+
+    def write(self, layer_idx: int, k_THd: torch.Tensor, v_THd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's new K/V [T, H, d] into their pool slots; returns the layer's K and V slots [S, H, d]."""
+        window = self.step.layer_windows[layer_idx]
+        write_index = self.step.groups[window].write_index
+        k_slots, v_slots = self.pages.slots(layer_idx, window, k_THd, v_THd)
+        k_slots.index_copy_(0, write_index, k_THd)
+        v_slots.index_copy_(0, write_index, v_THd)
+        return k_slots, v_slots
 
 
 
@@ -160,7 +164,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     window = step.layer_windows[module.layer_idx]
     out = query.new_empty((1, query.shape[2], query.shape[1], value.shape[-1]))
     if step.decode_attention is not None:
-        key, value = _decode_in_place(module, step, window, query, key, value, out, kwargs)
+        key, value = _decode_in_place(step, window, query, key, value, out, kwargs)
 
     def one_part(part: Part) -> torch.Tensor:
         result, _ = attend(module, part_queries(query, part), part_keys(key, part), part_keys(value, part),
@@ -170,16 +174,15 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     return attend_parts(step, window, out, one_part), None
 
 
-def _decode_in_place(module, step: RaggedStep, window: int | None, query: torch.Tensor, k_SHd: torch.Tensor,
+def _decode_in_place(step: RaggedStep, window: int | None, query: torch.Tensor, k_SHd: torch.Tensor,
                      v_SHd: torch.Tensor, out_1THd: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode rows' attention, read from the slots [S, Hkv, d] in place, into out's first rows; returns the
     segments' gathered K/V [1, Hkv, K, d] (what the parts read)."""
-    group, n = step.groups[window], step.num_decode
-    scale = kwargs.get("scaling")
-    step.decode_attention.attend(query[0, :, :n].transpose(0, 1), k_SHd, v_SHd, group.decode.tables,
-                                 step.decode_pos, group.decode.lo, step.page_size,
-                                 query.shape[-1] ** -0.5 if scale is None else scale, group.decode.keys,
-                                 kwargs.get("s_aux"), out_1THd[0, :n])
+    n, scale = step.num_decode, kwargs.get("scaling")
+    step.decode_attention.attend_step(step, window, query[0, :, :n].transpose(0, 1), k_SHd, v_SHd,
+                                      query.shape[-1] ** -0.5 if scale is None else scale, kwargs.get("s_aux"),
+                                      out_1THd[0, :n])
     if step.first_gathered == len(step.row_parts):  # decode rows only: nothing to gather
         return k_SHd, v_SHd
-    return _read(k_SHd, group.read_pages, step.page_size), _read(v_SHd, group.read_pages, step.page_size)
+    pages = step.groups[window].read_pages
+    return _read(k_SHd, pages, step.page_size), _read(v_SHd, pages, step.page_size)
