@@ -29,6 +29,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 
 from tiermoe.layers.decode_attention import DecodeAttention
+from tiermoe.layers.module_swap import swap_modules
 from tiermoe.layers.paged_attention import STEP_KWARG
 
 _FAMILIES = (Qwen3MoeAttention, Qwen2MoeAttention, MixtralAttention, GptOssAttention)
@@ -101,14 +102,7 @@ def _concatenated(*linears: nn.Module) -> tuple[torch.Tensor | None, torch.Tenso
     return weight, bias
 
 
-def fuse_decode_attention(layers: nn.ModuleList, native: DecodeAttention) -> int:
-    """Put a DecodeFusedAttention in place of every decoder layer's attention of a supported family; returns
-    how many."""
-    fused = 0
-    for layer in layers:
-        original = getattr(layer, "self_attn", None)
-        if type(original) in _FAMILIES:
-            layer.self_attn = DecodeFusedAttention(original, native)
-            fused += 1
-    return fused
+def fuse_decode_attention(model: nn.Module, native: DecodeAttention) -> int:
+    """Put a DecodeFusedAttention in place of every attention module of a supported family; returns how many."""
+    return swap_modules(model, lambda m: type(m) in _FAMILIES, lambda m: DecodeFusedAttention(m, native))
 

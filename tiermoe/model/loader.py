@@ -200,7 +200,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     kernels = load_kernels()
     decode_attention = decode_attention_for(model, gpu_device, kernels, model_team(worker, kernels, cpu), trainable)
     if decode_attention is not None:
-        fuse_decode_attention(decoder_layers(model), decode_attention)
+        fuse_decode_attention(model, decode_attention)
     return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share, trainable, pool,
                        decode_attention)
 
