@@ -2,10 +2,10 @@
 
 Default: one thread per physical core, less one core for the caller (the thread that runs the model: Python,
 attention, launching GPU kernels), and at least one. Measured on this 2-core machine with all experts on the CPU
-tier (benchmarks/bench_e2e_cpu.py's models, 2026-12-02, load < 2): a 48-layer model of width 128 decoded in
-26-27 ms per step with 1 thread and 185-192 ms with 2 (torch's own threads and the team's spin on the same two
-cores), a 2-layer Qwen3-30B-A3B-shaped one in 49-54 ms with either. So the caller keeps its core even when it has
-no experts to compute. `--cpu-threads` overrides it; BENCHMARKS.md ("CPU-only decode against llama.cpp").
+tier (benchmarks/bench_e2e_cpu.py, 2026-12-02; BENCHMARKS.md, "Re-run after this session's host-time work"): the
+48-layer model of width 128 decoded 35.9 tokens/s with this default (1 thread) and 6.3 with `--cpu-threads 2`
+(torch's own threads and the team's spin on the same two cores), the 2-layer Qwen3-30B-A3B-shaped one 18.6 and
+19.2. So the caller keeps its core even when it has no experts to compute. `--cpu-threads` overrides it.
 
 Pinning: member i of a team of n is pinned to the i-th of the *last* n physical cores (one logical CPU each,
 SMT siblings left alone), so the caller's scheduler-chosen core is most often the first core, outside the team.
