@@ -13,7 +13,7 @@ from tiermoe.cli.listen_address import check_listen_address
 from tiermoe.cli.placement_flags import dynamic_from_args
 from tiermoe.cli.serve_flags import add_serve_flags, server_config_from_args
 from tiermoe.cli.serve_http import build_state, serve, show_tiermoe_logs
-from tiermoe.cli.serve_ranks import serve_rank, serve_with_local_ranks
+from tiermoe.cli.serve_ranks import leave_on_rank_failure, serve_rank, serve_with_local_ranks
 from tiermoe.cli.sglang_flags import report_ignored
 from tiermoe.distributed.group import RankEnv, check_local_ranks, check_world
 from tiermoe.errors import TiermoeError
@@ -67,10 +67,10 @@ def run(args) -> int:
     if env is not None:  # started by torchrun (or by our own launcher)
         check_world(gpus, env.world_size, what, args.gpu_device, env.local_world_size)
     if env is not None and env.world_size > 1:
-        return serve_rank(args, env)
+        return leave_on_rank_failure(serve_rank, args, env)
     if env is None and gpus > 1:
         check_local_ranks(gpus, args.gpu_device, f"{what} {gpus} starts {gpus} ranks")  # before starting any
-        return serve_with_local_ranks(args, gpus)
+        return leave_on_rank_failure(serve_with_local_ranks, args, gpus)
     state = build_state(args)
     try:
         serve(state)

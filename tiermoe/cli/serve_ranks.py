@@ -21,7 +21,7 @@ from tiermoe.cli.cpu_flags import cpu_from_args
 from tiermoe.cli.placement_flags import dynamic_from_args, placement_from_args
 from tiermoe.cli.serve_flags import add_serve_flags, server_config_from_args
 from tiermoe.cli.serve_http import build_state, serve
-from tiermoe.distributed.group import RankEnv, RankGroup, rank_device
+from tiermoe.distributed.group import RankEnv, RankFailure, RankGroup, rank_device
 from tiermoe.distributed.launch import free_port, rank_env, reap, spawn_ranks
 from tiermoe.distributed.rank_model import RankModel
 
@@ -50,6 +50,19 @@ def rank_flags(args: argparse.Namespace) -> list[str]:
             continue
         flags += [action.option_strings[0], str(value)]
     return flags
+
+
+def leave_on_rank_failure(serve, *args) -> int:
+    """`serve(*args)`; when another rank died, say so and end this process at once with status 2, once serve's
+    own cleanup (shared-memory files, child ranks) has run. A gloo process group that lost a peer cannot be
+    destroyed, and leaving it to the interpreter's exit aborts the process now and then (gloo's worker threads
+    still hold work: "terminate called without an active exception", status -6 instead of 2)."""
+    try:
+        return serve(*args)
+    except RankFailure as err:
+        sys.stdout.flush()
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        os._exit(2)
 
 
 def serve_with_local_ranks(args: argparse.Namespace, num_ranks: int) -> int:
