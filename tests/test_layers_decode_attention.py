@@ -15,7 +15,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_em
 
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
-from tiermoe.experts.kernels import ThreadTeam, load_kernels
+from tiermoe.experts.kernels import ISA_NAMES, ThreadTeam, load_kernels
 from tiermoe.layers import decode_attention as decode_module
 from tiermoe.layers.decode_attention import DecodeAttention
 from tiermoe.testing.op_counter import OpCounter
@@ -41,18 +41,20 @@ def _reference(q_THd, k_SHd, v_SHd, tables, pos, lo, page_size, scale, sinks_H):
     return torch.stack(rows)
 
 
-def _case(dtype, sinks: bool, seed: int = 0):
+def _case(dtype, sinks: bool, seed: int = 0, d: int = 16, dv: int | None = None):
+    """Four rows: one key, a few, and two long rows (more keys than the kernel's block of 32) with sliding
+    windows; head sizes that are not a multiple of 16 leave the kernel a tail."""
     g = torch.Generator().manual_seed(seed)
-    page_size, pages, Hkv, H, d = 4, 12, 2, 6, 16
+    page_size, pages, Hkv, H, dv = 4, 48, 2, 6, dv or d
     k = torch.randn(pages * page_size, Hkv, d, generator=g).to(dtype)
-    v = torch.randn(pages * page_size, Hkv, d, generator=g).to(dtype)
-    pos = torch.tensor([0, 5, 13, 22], dtype=torch.int32)
-    lo = torch.tensor([0, 0, 7, 15], dtype=torch.int32)  # the last two rows see a sliding window
+    v = torch.randn(pages * page_size, Hkv, dv, generator=g).to(dtype)
+    pos = torch.tensor([0, 5, 93, 150], dtype=torch.int32)
+    lo = torch.tensor([0, 0, 7, 101], dtype=torch.int32)  # the last two rows see a sliding window
     perm = torch.randperm(pages - 1, generator=g) + 1  # page 0 stays unused, as in the pool
-    tables = torch.stack([perm[i:i + 6] for i in range(4)])  # [4, 6] page ids, each row's own order
+    tables = torch.stack([perm[i:i + 40] for i in range(4)])  # [4, 40] page ids, each row's own order
     q = torch.randn(H, 4, d, generator=g).to(dtype).transpose(0, 1)  # strided as transformers' [1, H, T, d] rows
     sinks_H = torch.randn(H, generator=g).to(dtype) if sinks else None
-    return q, k, v, tables, pos, lo, page_size, 0.3, sinks_H
+    return q, k, v, tables, pos, lo, page_size, d ** -0.5, sinks_H
 
 
 @needs_kernels
@@ -64,15 +66,31 @@ def test_rows_attend_their_own_pages_and_window_as_transformers_does(dtype, sink
     if team:  # work this small runs on the calling thread unless the threshold says otherwise
         monkeypatch.setattr(decode_module, "TEAM_MIN_WORK", 0)
     threads = ThreadTeam(KERNELS, 2)
+    _check_attention(KERNELS, lambda: threads, dtype, _case(dtype, sinks))
+    threads.close()
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISA_NAMES[:KERNELS.isa + 1] if KERNELS else [])
+def test_every_isa_attends_every_head_size(isa):
+    """Each ISA's vector code (SSE2, AVX2, AVX-512: the CPU may run any of them), head sizes with and without a
+    tail of fewer than 16 lanes, values narrower than keys."""
+    kernels = load_kernels(isa=isa)
+    for dtype in (torch.float32, torch.bfloat16):
+        for d, dv in ((16, 16), (64, 64), (72, 72), (128, 128), (48, 40)):
+            _check_attention(kernels, None, dtype, _case(dtype, sinks=d == 64, seed=d, d=d, dv=dv))
+
+
+def _check_attention(kernels, team, dtype, case) -> None:
+    q, k, v, tables, pos, lo, page_size, scale, sinks_H = case
     out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=dtype)
     keys = int((pos - lo + 1).sum())
-    DecodeAttention(KERNELS, lambda: threads).attend(q, k, v, tables, pos, lo, page_size, scale, keys, sinks_H, out)
+    DecodeAttention(kernels, team).attend(q, k, v, tables, pos, lo, page_size, scale, keys, sinks_H, out)
     want = _reference(q, k, v, tables, pos, lo, page_size, scale, sinks_H)
     if dtype == torch.float32:
         assert rel_err(out, want) <= 1e-5
     else:
         assert (out.float() - want).abs().max() <= 2 * 2 ** -8 * want.abs().max()
-    threads.close()
 
 
 @needs_kernels

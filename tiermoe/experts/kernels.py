@@ -31,8 +31,9 @@ from pathlib import Path
 
 ISA_NAMES = ("base", "avx2", "avx512", "avx512bf16", "amx")
 TORCH_ISA = "torch"  # not a kernel level: "use no kernels"
-# 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp (fused norms, routers), decode attention, rotary
-ABI_VERSION = 3
+# 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp (fused norms, routers), decode attention, rotary;
+# 4: decode attention per ISA (TmAttnArgs.isa)
+ABI_VERSION = 4
 CSRC = Path(__file__).with_name("csrc")
 CXXFLAGS = ("-O3", "-std=c++20", "-fPIC", "-pthread", "-Wno-psabi")
 
@@ -65,8 +66,9 @@ class TmLinearArgs(ctypes.Structure):
 class TmAttnArgs(ctypes.Structure):
     """Decode rows attending the paged KV pool in place (csrc/paged_attention.cpp)."""
 
-    _fields_ = [("T", ctypes.c_int32), ("H", ctypes.c_int32), ("Hkv", ctypes.c_int32), ("d", ctypes.c_int32),
-                ("dv", ctypes.c_int32), ("page_size", ctypes.c_int32), ("max_pages", ctypes.c_int32),
+    _fields_ = [("isa", ctypes.c_int32), ("T", ctypes.c_int32), ("H", ctypes.c_int32), ("Hkv", ctypes.c_int32),
+                ("d", ctypes.c_int32), ("dv", ctypes.c_int32), ("page_size", ctypes.c_int32),
+                ("max_pages", ctypes.c_int32),
                 ("x_bf16", ctypes.c_int32), ("q_row_stride", ctypes.c_int64), ("q_head_stride", ctypes.c_int64),
                 ("scale", ctypes.c_float), ("q", ctypes.c_void_p), ("k_slots", ctypes.c_void_p),
                 ("v_slots", ctypes.c_void_p), ("sinks", ctypes.c_void_p), ("tables", ctypes.c_void_p),

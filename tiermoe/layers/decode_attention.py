@@ -50,7 +50,7 @@ class DecodeAttention:
             raise ValueError(f"decode attention needs one dtype, got q {q_THd.dtype}, K {k_SHd.dtype}, "
                              f"V {v_SHd.dtype}, out {out_THd.dtype}")
         sinks = None if sinks_H is None else sinks_H.detach().float().contiguous()
-        args = TmAttnArgs(T=T, H=H, Hkv=Hkv, d=d, dv=dv, page_size=page_size, max_pages=tables_TN.shape[1],
+        args = TmAttnArgs(isa=self.kernels.isa, T=T, H=H, Hkv=Hkv, d=d, dv=dv, page_size=page_size, max_pages=tables_TN.shape[1],
                           x_bf16=int(q_THd.dtype == torch.bfloat16), q_row_stride=q_THd.stride(0),
                           q_head_stride=q_THd.stride(1), scale=scale, q=q_THd.data_ptr(), k_slots=k_SHd.data_ptr(),
                           v_slots=v_SHd.data_ptr(), sinks=None if sinks is None else sinks.data_ptr(),

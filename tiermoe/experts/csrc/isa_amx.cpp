@@ -11,6 +11,7 @@
 #define TM_GEN_VEC 512
 #define TM_GEN_MT 4
 #include "generic_kernels.inc"
+#include "decode_attention.inc"
 
 namespace {
 
@@ -184,7 +185,8 @@ int wants_amx(int, int) { return TM_ROWS_BF16; }
 void release_tiles(void) { _tile_release(); }
 
 const TmKernels kTable = {TM_ISA_AMX, wants_amx, scratch_amx, up_amx, down_amx, release_tiles,
-                           transposed_generic, to_bf16_generic, transpose_group_generic};
+                           transposed_generic, to_bf16_generic, transpose_group_generic,
+                           attend_scratch_floats, attend_task};
 
 }  // namespace
 

@@ -10,6 +10,7 @@
 #define TM_GEN_VEC 512
 #define TM_GEN_MT 4
 #include "generic_kernels.inc"
+#include "decode_attention.inc"
 
 namespace {
 
@@ -176,7 +177,8 @@ void transposed_bf16(const TmMatrix* W, const TmRows* g, int p0, int p1, float* 
 int wants_bf16(int fmt, int) { return fmt == TM_BF16 ? TM_ROWS_BF16 : TM_ROWS_F32; }
 
 const TmKernels kTable = {TM_ISA_AVX512BF16, wants_bf16, scratch_generic, up_bf16, down_bf16, finish_nothing,
-                           transposed_bf16, to_bf16_generic, transpose_group_generic};
+                           transposed_bf16, to_bf16_generic, transpose_group_generic,
+                           attend_scratch_floats, attend_task};
 
 }  // namespace
 

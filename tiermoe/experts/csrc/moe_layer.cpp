@@ -43,7 +43,8 @@ struct TmLayerArgs {
 
 namespace {
 
-constexpr int kAbiVersion = 3;  // 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp, paged attention, rotary
+constexpr int kAbiVersion = 4;  // 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp, paged attention, rotary;
+                                // 4: decode attention per ISA (TmAttnArgs.isa)
 
 bool request_amx_permission() {
 #ifdef __linux__

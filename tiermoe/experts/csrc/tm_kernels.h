@@ -37,6 +37,25 @@ struct TmRows {
   int32_t M, ld;
 };
 
+// Decode rows attending the paged KV pool in place (paged_attention.cpp has the semantics). One task is one
+// (row, KV head) pair: task = t * Hkv + g.
+struct TmAttnArgs {
+  int32_t isa;  // the kernel table that computes the tasks
+  int32_t T, H, Hkv, d, dv;
+  int32_t page_size, max_pages;
+  int32_t x_bf16;                       // q, K/V slots and out are bf16 (1) or fp32 (0)
+  int64_t q_row_stride, q_head_stride;  // elements; each head's d values are contiguous
+  float scale;
+  const void* q;
+  const void* k_slots;    // [S, Hkv, d]
+  const void* v_slots;    // [S, Hkv, dv]
+  const float* sinks;     // [H] or null
+  const int64_t* tables;  // [T, max_pages] page ids
+  const int32_t* pos;     // [T] the row's query position (its last visible key)
+  const int32_t* lo;      // [T] its first visible key position
+  void* out;              // [T, H, dv], contiguous
+};
+
 struct TmKernels {
   int isa;
   // Which row copies (TM_ROWS_* bits) this table wants for weights of `fmt` and M rows.
@@ -66,6 +85,9 @@ struct TmKernels {
   // a bf16 packed matrix T [32, kt] (two strips, kt / 2 lines each; lines from 8 S on untouched): g W for those
   // columns is then the forward product g T^T (training's transposed products with many rows).
   void (*transpose_group)(const uint16_t* lines, size_t strip_stride, int S, uint16_t* dst, int kt);
+  // Floats of per-thread scratch one decode-attention task needs, and one task (decode_attention.inc).
+  size_t (*attend_scratch_floats)(const TmAttnArgs* a);
+  void (*attend)(const TmAttnArgs* a, int task, float* scratch);
 };
 
 extern "C" {
