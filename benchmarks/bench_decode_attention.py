@@ -1,0 +1,125 @@
+"""Decode attention of one layer over the paged KV pool: tiermoe's kernel per ISA against torch's SDPA.
+
+One decode row attends a past of each length (`--past`) with the attention shapes of real models (Qwen3-30B-A3B:
+32 query heads, 4 KV heads, head dim 128; GPT-OSS: 64 / 8 / 64 with sinks; the bundled demo model: 4 / 2 / 64),
+the past in pages of 16 in a shuffled page order as the pool holds it. Columns:
+- tiermoe's kernel (`tiermoe.layers.decode_attention`, reading the pages in place) at each ISA level this CPU runs
+  (the best one is what tiermoe uses; the lower ones are what other CPUs get from the same build);
+- torch's `scaled_dot_product_attention` on K/V already gathered into contiguous [H, past, d] tensors (a
+  generous peer: the gather it needs from a paged pool is not timed; GQA repeated by SDPA's `enable_gqa`);
+- the K/V bytes the step must read over the best kernel time (GB/s), against the bandwidth this process measures
+  reading a buffer of the same size on one thread (the floor).
+Times are the best of `--rounds` rounds of `--calls` calls, the columns alternating within each round, on the
+calling thread alone (a kernel team of one: one row of one layer is what a decode step hands it).
+
+    python benchmarks/bench_decode_attention.py
+    python benchmarks/bench_decode_attention.py --past 1024 4096 16384 --rounds 5 --dtype fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tiermoe.experts.kernels import ISA_NAMES, ThreadTeam, load_kernels
+from tiermoe.layers.decode_attention import DecodeAttention
+
+SHAPES = {  # name: (query heads, KV heads, head dim, sinks)
+    "qwen3-30b-a3b": (32, 4, 128, False),
+    "gpt-oss": (64, 8, 64, True),
+    "demo": (4, 2, 64, False),
+}
+PAGE = 16
+
+
+def _case(H: int, Hkv: int, d: int, past: int, dtype: torch.dtype, sinks: bool, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    pages = past // PAGE + 1
+    order = torch.randperm(pages, generator=g) + 1  # page 0 unused, as in the pool
+    k = torch.randn((pages + 1) * PAGE, Hkv, d, generator=g).to(dtype)
+    v = torch.randn((pages + 1) * PAGE, Hkv, d, generator=g).to(dtype)
+    slots = order[torch.arange(past) // PAGE] * PAGE + torch.arange(past) % PAGE
+    return dict(q=torch.randn(1, H, d, generator=g).to(dtype), k=k, v=v, tables=order[None].long(),
+                pos=torch.tensor([past - 1], dtype=torch.int32), lo=torch.zeros(1, dtype=torch.int32),
+                sinks=torch.randn(H, generator=g) if sinks else None,
+                k_gathered=k[slots].transpose(0, 1).contiguous()[None],  # [1, Hkv, past, d]
+                v_gathered=v[slots].transpose(0, 1).contiguous()[None])
+
+
+def _kernel_call(attention: DecodeAttention, c: dict, d: int):
+    out = torch.empty(1, c["q"].shape[1], d, dtype=c["q"].dtype)
+    keys = int(c["pos"][0]) + 1
+    return lambda: attention.attend(c["q"], c["k"], c["v"], c["tables"], c["pos"], c["lo"], PAGE, d ** -0.5, keys,
+                                    c["sinks"], out)
+
+
+def _sdpa_call(c: dict):
+    q = c["q"][:, :, None]  # [1, H, 1, d]
+    return lambda: F.scaled_dot_product_attention(q, c["k_gathered"], c["v_gathered"], enable_gqa=True)
+
+
+def _bandwidth_call(nbytes: int):
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    return lambda: buf.sum()
+
+
+def best_times(calls: dict, n: int, rounds: int) -> dict[str, float]:
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(rounds):
+        for name, call in calls.items():
+            call()  # warm
+            start = time.perf_counter()
+            for _ in range(n):
+                call()
+            best[name] = min(best[name], (time.perf_counter() - start) / n)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--past", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--calls", type=int, default=10, help="calls per timed round")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if min(args.past) < 1 or args.calls < 1 or args.rounds < 1:
+        parser.error("--past, --calls and --rounds must be positive")
+    best = load_kernels()
+    if best is None:
+        parser.error("the CPU kernels are not built here (no C++ compiler?)")
+    torch.set_num_threads(1)  # one thread on each side: the kernel runs on the calling thread here
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    isas = ISA_NAMES[:best.isa + 1]
+    team = ThreadTeam(best, 1)  # the calling thread alone
+    kernels = {isa: DecodeAttention(load_kernels(isa=isa), lambda: team) for isa in isas}
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; {args.dtype}; one thread", flush=True)
+    head = "| shape | past | " + " | ".join(f"tiermoe {isa}, ms" for isa in isas) + \
+        " | torch SDPA (gathered), ms | SDPA / best | K/V GB/s (best) | floor GB/s |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    print(lines[0], flush=True)
+    for name in args.shapes:
+        H, Hkv, d, sinks = SHAPES[name]
+        for past in args.past:
+            c = _case(H, Hkv, d, past, dtype, sinks)
+            kv_bytes = c["k_gathered"].nbytes + c["v_gathered"].nbytes
+            calls = {isa: _kernel_call(attention, c, d) for isa, attention in kernels.items()}
+            if not sinks:  # SDPA has no sink logits: no like-for-like row for GPT-OSS
+                calls["sdpa"] = _sdpa_call(c)
+            calls["floor"] = _bandwidth_call(kv_bytes)
+            t = best_times(calls, args.calls, args.rounds)
+            ours = t[isas[-1]]
+            sdpa = f"{t['sdpa'] * 1e3:.3f} | {t['sdpa'] / ours:.1f}x" if "sdpa" in t else "- | -"
+            lines.append(f"| {name} | {past} | " + " | ".join(f"{t[i] * 1e3:.3f}" for i in isas) +
+                         f" | {sdpa} | {kv_bytes / ours / 1e9:.1f} | {kv_bytes / t['floor'] / 1e9:.1f} |")
+            print(lines[-1], flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
