@@ -110,12 +110,13 @@ def _bytes_and_flops(llm) -> dict:
     hybrid = llm.hybrid
     model, spec, config = hybrid.model, hybrid.spec, hybrid.config
     params = {id(p): p for p in model.parameters()}
-    total = sum(p.numel() * p.element_size() for p in params.values())
-    numel = sum(p.numel() for p in params.values())
-    embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
-    head_numel = head.weight.numel() if head is not None else 0
-    tied = head is not None and head.weight is embed
+    packed_head = [] if head is None else list(head.buffers())  # a packed head holds its weight as buffers
+    total = sum(p.numel() * p.element_size() for p in [*params.values(), *packed_head])
+    embed = model.get_input_embeddings().weight
+    head_numel = head.in_features * head.out_features if head is not None else 0
+    numel = sum(p.numel() for p in params.values()) + (head_numel if packed_head else 0)
+    tied = head is not None and getattr(head, "weight", None) is embed
     # the embedding is read by rows only, unless it is also the LM head, which reads all of it
     sequence_bytes = total if tied else total - embed.numel() * embed.element_size()
     layer_numel = numel - embed.numel() - (0 if tied else head_numel)
