@@ -1,15 +1,18 @@
-"""The adaptive policy's settings on the command line: generate / serve (`--placement-policy adaptive`) and
-`bench dynamic` take the same --adaptive-* flags, they reach the policy, and bad values are one-line errors."""
+"""The adaptive policy's settings on the command line: generate / serve (`--placement-policy adaptive`), `bench
+dynamic` and `bench placement` take the same --adaptive-* flags, they reach the policy, and bad values are one-line
+errors (what the settings change in `bench placement`: tests/test_bench_placement_adaptive.py)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from conftest import run_cli, save_tiny
 from test_analysis_trace_replay import COST, make_trace
 
+from tiermoe.cli.adaptive_flags import adaptive_from_args
 from tiermoe.cli.main import build_parser
 from tiermoe.cli.placement_flags import dynamic_from_args
 from tiermoe.config import AdaptiveSettings, DynamicPlacementConfig
@@ -79,6 +82,35 @@ def test_contradicting_flags_fail_before_the_model_loads(argv, words):
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0]
 
 
+BENCH_PLACEMENT = ("bench", "placement", "--dataset", "d.jsonl", "--model", "/nonexistent/model")
+
+
+@pytest.mark.parametrize("flag,value", [("--adaptive-prompt-weight", "2"), ("--adaptive-z", "-0.5"),
+                                        ("--adaptive-horizon", "0"), ("--adaptive-max-swaps", "-1"),
+                                        ("--adaptive-replan-every", "0")])
+def test_bench_placement_refuses_a_bad_setting_in_one_line(flag, value):
+    result = run_cli(*BENCH_PLACEMENT, flag, value)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"error: argument {flag}: expected " in last and last.endswith(f"got {value}")  # the value, not the flag
+
+
+@pytest.mark.parametrize("argv,words", [
+    (("--strategies", "uniform,frequency", "--adaptive-swap-z", "0"), "need adaptive in --strategies"),
+    (("--no-adaptive-prompt-evidence", "--adaptive-prompt-weight", "0.5"), "--adaptive-prompt-weight"),
+])
+def test_bench_placement_refuses_contradicting_settings_before_the_model_loads(argv, words):
+    result = run_cli(*BENCH_PLACEMENT, *argv)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0]
+
+
+def test_bench_placement_takes_every_flag():
+    args = build_parser("bench").parse_args([*BENCH_PLACEMENT, *EVERY_FLAG, "--adaptive-max-swaps", "0"])
+    assert adaptive_from_args(args) == replace(FROM_EVERY_FLAG, max_swaps_in_flight=0)  # 0 allowed: a bench ablation
+
+
 def test_the_library_refuses_bad_settings_in_one_line():
     for bad in ({"prompt_weight": 1.5}, {"swap_z_score": -1.0}, {"horizon_tokens": 0.0}, {"max_swaps_in_flight": -1},
                 {"recent_half_life_tokens": float("inf")}):
@@ -107,7 +139,7 @@ def test_bench_dynamic_replays_adaptive_with_the_flags(tmp_path):
     assert row["swaps"] == 0 and row["bytes_copied"] == 0
 
 
-@pytest.mark.parametrize("argv", [("generate",), ("serve",), ("bench", "dynamic")])
+@pytest.mark.parametrize("argv", [("generate",), ("serve",), ("bench", "dynamic"), ("bench", "placement")])
 def test_help_shows_the_adaptive_flags_with_an_example(argv):
     result = run_cli(*argv, "--help")
     assert result.returncode == 0
