@@ -33,13 +33,16 @@ def parsed(command: str, *argv: str):
     return build_parser(command).parse_args([command, *extra, *argv])
 
 
-def test_several_ranks_say_that_cross_layer_swaps_are_off(caplog):
-    on = dynamic_from_args(parsed("serve", "--placement-policy", "adaptive"))
+def test_several_ranks_swap_across_layers_only_when_asked(caplog):
+    unset = dynamic_from_args(parsed("serve", "--placement-policy", "adaptive"))
+    asked = dynamic_from_args(parsed("serve", "--placement-policy", "adaptive", "--adaptive-cross-layer"))
     with caplog.at_level("INFO", logger="tiermoe.engine.dynamic"):
-        make_policy(on, 2, 8, COST)
-        assert "cross-layer" not in caplog.text
-        make_policy(on, 2, 8, COST, cross_layer=False)
-    assert "several ranks swap within each layer; cross-layer swaps are off" in caplog.text
+        assert make_policy(unset, 2, 8, COST).settings.cross_layer  # one process: on
+        assert "ranks" not in caplog.text
+        assert not make_policy(unset, 2, 8, COST, ranks=2).settings.cross_layer
+        assert "adaptive placement on 2 ranks: swaps stay within each layer" in caplog.text
+        assert make_policy(asked, 2, 8, COST, ranks=2).settings.cross_layer
+        assert "adaptive placement on 2 ranks: cross-layer swaps on" in caplog.text
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
@@ -50,13 +53,15 @@ def test_every_flag_reaches_the_adaptive_policy(command):
     assert policy.settings == FROM_EVERY_FLAG
     on = dynamic_from_args(parsed(command, "--placement-policy", "adaptive", "--adaptive-cross-layer"))
     assert make_policy(on, 2, 8, COST).settings.cross_layer
-    assert not make_policy(on, 2, 8, COST, cross_layer=False).settings.cross_layer  # several ranks: within a layer
+    assert make_policy(on, 2, 8, COST, ranks=4).settings.cross_layer  # given: several ranks too
+    assert not make_policy(config, 2, 8, COST, ranks=4).settings.cross_layer  # --no-adaptive-cross-layer
 
 
 def test_without_flags_the_policy_keeps_its_defaults():
     config = dynamic_from_args(parsed("generate", "--placement-policy", "adaptive"))
     assert config.adaptive == AdaptiveSettings() == DynamicPlacementConfig().adaptive
-    assert config.adaptive.cross_layer and not config.adaptive.prompt_evidence and config.adaptive.swap_z_score == 1
+    assert config.adaptive.cross_layer is None and make_policy(config, 2, 8, COST).settings.cross_layer
+    assert not config.adaptive.prompt_evidence and config.adaptive.swap_z_score == 1
     alone = dynamic_from_args(parsed("generate", "--placement-policy", "adaptive", "--adaptive-prompt-evidence"))
     assert alone.adaptive.prompt_evidence and alone.adaptive.prompt_weight is None  # learned weight
 
@@ -133,7 +138,8 @@ def test_bench_dynamic_replays_adaptive_with_the_flags(tmp_path):
         return out["adaptive"], next(r for r in out["rows"] if r["policy"] == "adaptive")
 
     settings, row = adaptive_of()
-    assert settings == dict(vars(AdaptiveSettings(max_swaps_in_flight=2))) and row["swaps"] > 0  # --copy-budget
+    assert settings == dict(vars(AdaptiveSettings(max_swaps_in_flight=2, cross_layer=True)))  # --copy-budget
+    assert row["swaps"] > 0
     settings, row = adaptive_of("--adaptive-max-swaps", "0", "--no-adaptive-cross-layer", "--adaptive-swap-z", "0.5")
     assert (settings["max_swaps_in_flight"], settings["cross_layer"], settings["swap_z_score"]) == (0, False, 0.5)
     assert row["swaps"] == 0 and row["bytes_copied"] == 0

@@ -315,8 +315,8 @@ def _setup(llm, config: PlacementBenchConfig, calibration: Workload, heldout: Wo
         "prefill_threshold": config.prefill_threshold, "gpu_device": device, "cpu_backend": config.cpu.backend,
         "torch_threads": torch.get_num_threads(), "repeats": config.repeats,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        # what the adaptive column ran with
-        "adaptive": asdict(config.adaptive) if "adaptive" in config.strategies else None,
+        # what the adaptive column ran with (one process: cross-layer resolved as it ran)
+        "adaptive": asdict(config.adaptive.for_ranks(1)) if "adaptive" in config.strategies else None,
     }
 
 

@@ -79,7 +79,7 @@ def markdown(result: PlacementBenchResult) -> str:
 def adaptive_line(settings: dict) -> str:
     """One line naming the adaptive strategy's settings (tiermoe.config.AdaptiveSettings fields), the ones the run
     changed from the defaults first."""
-    defaults = asdict(AdaptiveSettings())
+    defaults = asdict(AdaptiveSettings().for_ranks(1))
     changed = [f"{k}={v}" for k, v in settings.items() if defaults.get(k) != v]
     kept = [f"{k}={v}" for k, v in settings.items() if defaults.get(k) == v]
     return (f"Adaptive settings: {', '.join(changed) or 'the defaults'}" +

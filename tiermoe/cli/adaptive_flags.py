@@ -45,7 +45,8 @@ def add_adaptive_flags(p: argparse.ArgumentParser, mode: str = POLICY) -> None:
     on_off = argparse.BooleanOptionalAction
     g.add_argument("--adaptive-cross-layer", dest=DEST + "cross_layer", action=on_off, default=None,
                    help="a swap may move a GPU slot from a cold layer to a hot expert of another layer, the total "
-                        "GPU experts unchanged (default on; with several GPUs swaps stay within a layer)")
+                        "GPU experts unchanged (default: on with one GPU; with several GPUs only when given, since "
+                        "it changes each GPU's per-layer share that the split across GPUs placed)")
     g.add_argument("--adaptive-prompt-evidence", dest=DEST + "prompt_evidence", action=on_off, default=None,
                    help="a prompt's routing forecasts its request's decode, with a weight learned by scoring each "
                         "prompt against its decode (default off: it gained nothing on the traces measured)")

@@ -195,7 +195,7 @@ def run_placement(args) -> int:
     if given and args.strategies and "adaptive" not in args.strategies:
         raise TiermoeError(f"{', '.join(given)} set the adaptive strategy's settings; they need adaptive in "
                            f"--strategies (given: {','.join(args.strategies)})")
-    adaptive = adaptive_from_args(args)
+    adaptive = adaptive_from_args(args).for_ranks(1)  # the benchmark runs one process
     routing = None if args.routing_trace is None else RoutingTraceSpec(
         args.routing_trace, args.routing_calibration, args.routing_layers, args.seed)
     workload = WorkloadSpec(args.dataset or f"routing trace {args.routing_trace}", args.num_prompts,
@@ -232,7 +232,7 @@ def _model_dir(path: Path) -> Path:
 
 def run_dynamic(args) -> int:
     gpu = load_profile(args.gpu_profile)  # flags: checked before the trace is read
-    adaptive = adaptive_from_args(args, max_swaps=args.copy_budget)
+    adaptive = adaptive_from_args(args, max_swaps=args.copy_budget).for_ranks(1)  # the replay is one process
     passes = trace_passes(load_trace(args.trace))
     spec = detect(load_config(_model_dir(resolve_model(args.model))))
     if (spec.num_layers, spec.num_experts) != (passes.num_layers, passes.num_experts):
