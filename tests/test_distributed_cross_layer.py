@@ -30,7 +30,7 @@ def _record_applied_swaps(rank: int) -> list:
     applied, apply = [], module.apply_swaps
 
     def recording(hybrid, share, swaps):
-        applied.append([[s.layer, s.expert_in, s.expert_out, s.rank, s.layer_out] for s in swaps])
+        applied.append([[s.layer, s.expert_in, s.expert_out, s.rank, s.out_layer] for s in swaps])
         return apply(hybrid, share, swaps)
 
     module.apply_swaps = recording

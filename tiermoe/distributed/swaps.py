@@ -39,7 +39,12 @@ class RankSwap:
     expert_in: int  # CPU tier -> GPU rank `rank`
     expert_out: int  # GPU rank `rank` -> CPU tier
     rank: int
-    layer_out: int  # of expert_out: `layer`, or another layer for a cross-layer swap
+    layer_out: int | None = None  # of expert_out, for a cross-layer swap (None: `layer`)
+
+    @property
+    def out_layer(self) -> int:
+        """The layer `expert_out` leaves the GPU tier in."""
+        return self.layer if self.layer_out is None else self.layer_out
 
 
 def assign_swaps(hybrid, swaps: list[Swap]) -> list[RankSwap]:
@@ -55,7 +60,7 @@ def assign_swaps(hybrid, swaps: list[Swap]) -> list[RankSwap]:
             continue
         rank = int(row_out[s.expert_out])
         row_in[s.expert_in], row_out[s.expert_out] = rank, -1
-        out.append(RankSwap(s.layer, s.expert_in, s.expert_out, rank, s.out_layer))
+        out.append(RankSwap(s.layer, s.expert_in, s.expert_out, rank, s.layer_out))
     return out
 
 
@@ -68,7 +73,7 @@ def apply_swaps(hybrid, share, swaps: list[RankSwap]) -> None:
     with _CheckpointReader(hybrid) as disk:
         for s in swaps:  # 1.
             if s.rank == rank and share.store_on_this_host:
-                store.write(s.layer_out, s.expert_out, hybrid.blocks[s.layer_out].gpu_tier.get(s.expert_out))
+                store.write(s.out_layer, s.expert_out, hybrid.blocks[s.out_layer].gpu_tier.get(s.expert_out))
             if share.holds_cpu_tier and share.same_host(s.rank) and not share.kept(s.layer):
                 store.write(s.layer, s.expert_in, hybrid.blocks[s.layer].cpu_tier.get(s.expert_in))
         share.group.barrier("an expert swap (writing slots)")
@@ -79,24 +84,24 @@ def apply_swaps(hybrid, share, swaps: list[RankSwap]) -> None:
             # free before allocating, one swap at a time: the GPU never holds more experts than it did (its
             # memory was sized for them; a cross-layer swap's promotion takes the slot its demotion freed in
             # the other layer); no forward runs until every rank has applied the swaps
-            hybrid.blocks[s.layer_out].gpu_tier.pop(s.expert_out)
+            hybrid.blocks[s.out_layer].gpu_tier.pop(s.expert_out)
             gpu = hybrid.blocks[s.layer].gpu_tier
             gpu.add(s.expert_in, host.to(gpu.device))  # always a copy: never alias a slot that 3. releases
         share.group.barrier("an expert swap (reading slots)")
         if share.holds_cpu_tier:  # 3.
             for s in swaps:
                 if share.same_host(s.rank):
-                    host = store.slot(s.layer_out, s.expert_out)
+                    host = store.slot(s.out_layer, s.expert_out)
                 else:
-                    host = store.write(s.layer_out, s.expert_out, disk.read(s.layer_out, s.expert_out))
-                hybrid.blocks[s.layer_out].cpu_tier.add(s.expert_out, host)
+                    host = store.write(s.out_layer, s.expert_out, disk.read(s.out_layer, s.expert_out))
+                hybrid.blocks[s.out_layer].cpu_tier.add(s.expert_out, host)
                 hybrid.blocks[s.layer].cpu_tier.pop(s.expert_in)
                 store.release(s.layer, s.expert_in)
-                if not share.kept(s.layer_out):
-                    store.release(s.layer_out, s.expert_out)
+                if not share.kept(s.out_layer):
+                    store.release(s.out_layer, s.expert_out)
     for s in swaps:
         hybrid.blocks[s.layer].assign(s.expert_in, s.rank)
-        hybrid.blocks[s.layer_out].assign(s.expert_out, -1)
+        hybrid.blocks[s.out_layer].assign(s.expert_out, -1)
     moved = 2 * len(swaps) * spec.bytes_per_expert(hybrid.expert_dtype)
     hybrid.swap_stats.swaps += 2 * len(swaps)
     hybrid.swap_stats.bytes += moved
