@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import resource
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 import torch
@@ -294,7 +294,10 @@ class AdaptiveSettings:
     max_swaps_in_flight: int = 4  # copy budget, as the caches' default --copy-budget (0: never swaps)
     z_score: float = 2.0  # follow the evidence only this many standard errors past noise
     recent_half_life_tokens: float = 8.0  # the short window: temporal locality decays by lag 4-8
-    cross_layer: bool = True  # a swap may move a GPU slot from one layer to another (the total stays)
+    # a swap may move a GPU slot from one layer to another (the total stays). None: yes with one process; with
+    # several ranks only when asked (True), since it changes each rank's per-layer share, which the split across
+    # GPUs placed (for_ranks resolves it)
+    cross_layer: bool | None = None
     swap_z_score: float = 1.0  # cautious valuation: a lasting swap counts the served rates this many standard
     # errors against it (0: off)
     prompt_evidence: bool = False  # off: on the ESFT traces it gains nothing (BENCHMARKS.md, cross-layer)
@@ -315,6 +318,15 @@ class AdaptiveSettings:
                                f"{self.replan_every} and {self.max_swaps_in_flight}")
         if self.prompt_weight is not None and not 0 <= self.prompt_weight <= 1:
             raise TiermoeError(f"adaptive setting prompt_weight must be between 0 and 1, got {self.prompt_weight}")
+        if self.cross_layer not in (None, True, False):
+            raise TiermoeError(f"adaptive setting cross_layer must be True, False or None, got {self.cross_layer!r}")
+
+    def for_ranks(self, ranks: int) -> AdaptiveSettings:
+        """These settings with `cross_layer` decided for `ranks` GPU ranks: left unset, on with one, off with
+        several (their swaps then keep each rank's per-layer share)."""
+        if self.cross_layer is not None:
+            return self
+        return replace(self, cross_layer=ranks == 1)
 
 
 @dataclass(frozen=True)

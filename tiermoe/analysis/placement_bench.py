@@ -51,7 +51,7 @@ from tiermoe.analysis.workload_runs import (
     ttft_summary,
     warm_up,
 )
-from tiermoe.config import CPUConfig
+from tiermoe.config import AdaptiveSettings, CPUConfig
 from tiermoe.engine.llm import LLM
 from tiermoe.errors import TiermoeError
 from tiermoe.layers.trace_routing import install_trace_routing
@@ -68,7 +68,8 @@ DEFAULT_RATIOS = tuple(i / 10 for i in range(11))
 class PlacementBenchConfig:
     """Everything `tiermoe bench placement` takes. gpu_device None: cuda:0 when CUDA is available (measured),
     else the CPU (estimated). prefill_threshold: layerwise GPU prefill of `dynamic` (KTransformers' dynamic update
-    fires after such batches; None: off). `adaptive` places only, so its column shows its placement's effect."""
+    fires after such batches; None: off). `adaptive`: the settings of the adaptive strategy (the `adaptive`
+    placement policy, whose swaps the column shows; tiermoe.config.AdaptiveSettings)."""
 
     workload: WorkloadSpec
     model: str | Path | None = None
@@ -89,6 +90,7 @@ class PlacementBenchConfig:
     dtype: torch.dtype | None = None
     seed: int = 42  # random strategy
     routing_trace: RoutingTraceSpec | None = None  # the model's routers pick this trace's experts (trace_workload)
+    adaptive: AdaptiveSettings = AdaptiveSettings()
 
     def __post_init__(self):
         unknown = [s for s in (*self.strategies, *self.validation_strategies) if s not in BENCH_STRATEGIES]
@@ -239,7 +241,8 @@ def estimate_cell(model: PassCostModel, shapes: PassShapes, workload: Workload, 
                   calibration_LE, config: PlacementBenchConfig) -> Cell:
     """One cell from the trace and the cost model."""
     threshold = config.prefill_threshold if strategy == "dynamic" else None
-    traffic = placement_traffic(shapes, strategy, ratio, calibration_LE, model, threshold, seed=config.seed)
+    traffic = placement_traffic(shapes, strategy, ratio, calibration_LE, model, threshold, config.adaptive,
+                                seed=config.seed)
     seconds_P = model.pass_seconds_P(shapes, traffic)
     seconds = float(seconds_P.sum())
     bpe = model.model.bytes_per_expert
@@ -285,7 +288,8 @@ def _measure_all(llm, workload, calibration_LE, config, profile, cpu_fit: TierFi
     for ratio in config.ratios:
         for strategy in config.strategies:
             timing, traffic = measure_configuration(llm, workload, strategy, ratio, calibration_LE, config.concurrency,
-                                                    config.prefill_chunk, config.prefill_threshold, cost, config.seed)
+                                                    config.prefill_chunk, config.prefill_threshold, cost, config.seed,
+                                                    adaptive=config.adaptive)
             cells.append(Cell(strategy, ratio, False, traffic["gpu_pairs"] / max(1, traffic["pairs"]),
                               traffic["cpu_expert_reads"] * bpe / timing.output_tokens,
                               traffic["swap_bytes"] + traffic["streamed_experts"] * bpe, traffic["swaps"],
@@ -311,6 +315,8 @@ def _setup(llm, config: PlacementBenchConfig, calibration: Workload, heldout: Wo
         "prefill_threshold": config.prefill_threshold, "gpu_device": device, "cpu_backend": config.cpu.backend,
         "torch_threads": torch.get_num_threads(), "repeats": config.repeats,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        # what the adaptive column ran with (one process: cross-layer resolved as it ran)
+        "adaptive": asdict(config.adaptive.for_ranks(1)) if "adaptive" in config.strategies else None,
     }
 
 

@@ -15,7 +15,7 @@ import torch
 from tiermoe.analysis.placement_traffic import DYNAMIC_STRATEGIES, strategy_mask
 from tiermoe.analysis.placement_workload import Workload
 from tiermoe.analysis.workload_runs import RunTiming, make_engine, run_workload
-from tiermoe.config import DynamicPlacementConfig
+from tiermoe.config import AdaptiveSettings, DynamicPlacementConfig
 from tiermoe.engine.dynamic import enable_dynamic_placement
 from tiermoe.placement.pass_cost import PassCostModel
 from tiermoe.stats.recording import PassInfo
@@ -60,11 +60,12 @@ class TierTrafficRecorder:
 
 def measure_configuration(llm, workload: Workload, strategy: str, ratio: float, calibration_LE,
                           concurrency: int, prefill_chunk: int, prefill_threshold: int | None,
-                          cost: PassCostModel | None = None, seed: int = 42, on_step=None
-                          ) -> tuple[RunTiming, dict]:
+                          cost: PassCostModel | None = None, seed: int = 42, on_step=None,
+                          adaptive: AdaptiveSettings | None = None) -> tuple[RunTiming, dict]:
     """Serve `workload` with `strategy` at `ratio`; returns its timing and traffic (the tier split it had).
     `prefill_threshold` turns on layerwise GPU prefill for `dynamic` (whose update follows such batches); `cost`
-    is what `adaptive` decides with (default: tiermoe.engine.dynamic's, assumed figures)."""
+    is what `adaptive` decides with (default: tiermoe.engine.dynamic's, assumed figures), `adaptive` its
+    settings (default: AdaptiveSettings())."""
     hybrid = llm.hybrid
     spec = hybrid.spec
     hybrid.apply_mask(strategy_mask(strategy, spec.moe_row_mask(), spec.num_experts, ratio, calibration_LE, seed))
@@ -75,8 +76,9 @@ def measure_configuration(llm, workload: Workload, strategy: str, ratio: float, 
     manager = None
     if dynamic:
         policy = "kt-dynamic" if strategy == "dynamic" else "adaptive"
-        manager = enable_dynamic_placement(engine, DynamicPlacementConfig(policy=policy, prefill_threshold=threshold),
-                                           cost, calibration_LE=calibration_LE)
+        dynamic_config = DynamicPlacementConfig(policy=policy, prefill_threshold=threshold,
+                                                adaptive=adaptive or AdaptiveSettings())
+        manager = enable_dynamic_placement(engine, dynamic_config, cost, calibration_LE=calibration_LE)
     swapped_before = hybrid.swap_stats.bytes
     try:
         timing = run_workload(engine, workload, on_step)

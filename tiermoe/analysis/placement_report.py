@@ -7,8 +7,10 @@ Estimated figures say so in every header and in the plot title.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 
 from tiermoe.analysis.placement_result import Cell, PlacementBenchResult
+from tiermoe.config import AdaptiveSettings
 
 # (title, how the figure was obtained: "throughput" figures are estimates in estimated mode, "traffic" ones are
 # exact replays of the measured workload), the value, its format
@@ -62,6 +64,9 @@ def markdown(result: PlacementBenchResult) -> str:
     check = validation_table(result)
     if check:
         parts.append(check)
+    adaptive = result.setup.get("adaptive")
+    if adaptive:  # which settings the adaptive column ran with, those that differ from the defaults first
+        parts.append(adaptive_line(adaptive))
     routing = result.setup.get("routing", {})
     if routing.get("source") == "trace":  # the model's routers replayed a real model's routing
         parts.append(f"Routing from the trace {routing['trace']} (its layers {routing['trace_layers']} for the "
@@ -69,3 +74,13 @@ def markdown(result: PlacementBenchResult) -> str:
                      f"{routing['rows_from_the_model']} by the model's own routers: warm-up and other rows the trace "
                      f"does not hold); calibration: {routing['calibration']}.")
     return "\n\n".join(parts) + "\n"
+
+
+def adaptive_line(settings: dict) -> str:
+    """One line naming the adaptive strategy's settings (tiermoe.config.AdaptiveSettings fields), the ones the run
+    changed from the defaults first."""
+    defaults = asdict(AdaptiveSettings().for_ranks(1))
+    changed = [f"{k}={v}" for k, v in settings.items() if defaults.get(k) != v]
+    kept = [f"{k}={v}" for k, v in settings.items() if defaults.get(k) == v]
+    return (f"Adaptive settings: {', '.join(changed) or 'the defaults'}" +
+            (f" (defaults: {', '.join(kept)})." if kept else "."))

@@ -1,5 +1,6 @@
 """The adaptive placement policy's settings as flags (--adaptive-*), shared by the commands that run it: generate
-and serve (with --placement-policy adaptive) and `bench dynamic` (which always replays it).
+and serve (with --placement-policy adaptive), `bench dynamic` (which always replays it) and `bench placement` (its
+`adaptive` strategy).
 
 Every flag defaults to None, so a command knows which ones were given: a setting left out keeps
 tiermoe.config.AdaptiveSettings' default (the one measured on real routing, BENCHMARKS.md issue 23).
@@ -28,18 +29,24 @@ FLAGS = {
     "--adaptive-replan-every": "replan_every",
 }
 DEST = "adaptive_"  # argparse dests: adaptive_<field>, apart from other commands' flags
+# where the flags are: (what they go with, in the group's title; whether --adaptive-max-swaps may be 0)
+POLICY, REPLAY, STRATEGY = "policy", "replay", "strategy"
+_MODES = {POLICY: ("; with --placement-policy adaptive", False), REPLAY: ("", True),
+          STRATEGY: ("; for the adaptive strategy", True)}
 
 
-def add_adaptive_flags(p: argparse.ArgumentParser, replay: bool = False) -> None:
-    """replay: for `bench dynamic`, where --adaptive-max-swaps defaults to --copy-budget and may be 0 (no copies,
-    as the caches allow); serving takes at least 1 (0 would be static placement)."""
+def add_adaptive_flags(p: argparse.ArgumentParser, mode: str = POLICY) -> None:
+    """mode: POLICY for generate / serve, which take at least 1 swap in flight (0 would be static placement);
+    REPLAY for `bench dynamic`, where --adaptive-max-swaps defaults to --copy-budget and may be 0 (no copies, as
+    the caches allow); STRATEGY for `bench placement`'s adaptive strategy (0 allowed: its starting placement)."""
     d = AdaptiveSettings()
-    g = p.add_argument_group("adaptive placement settings (tiermoe/placement/adaptive_policy.py)" + (
-        "" if replay else "; with --placement-policy adaptive"))
+    title, zero_swaps = _MODES[mode]
+    g = p.add_argument_group("adaptive placement settings (tiermoe/placement/adaptive_policy.py)" + title)
     on_off = argparse.BooleanOptionalAction
     g.add_argument("--adaptive-cross-layer", dest=DEST + "cross_layer", action=on_off, default=None,
                    help="a swap may move a GPU slot from a cold layer to a hot expert of another layer, the total "
-                        "GPU experts unchanged (default on; with several GPUs swaps stay within a layer)")
+                        "GPU experts unchanged (default: on with one GPU; with several GPUs only when given, since "
+                        "it changes each GPU's per-layer share that the split across GPUs placed)")
     g.add_argument("--adaptive-prompt-evidence", dest=DEST + "prompt_evidence", action=on_off, default=None,
                    help="a prompt's routing forecasts its request's decode, with a weight learned by scoring each "
                         "prompt against its decode (default off: it gained nothing on the traces measured)")
@@ -61,9 +68,10 @@ def add_adaptive_flags(p: argparse.ArgumentParser, replay: bool = False) -> None
     g.add_argument("--adaptive-margin", dest=DEST + "margin", type=non_negative_float, metavar="M",
                    help=f"swap only when the expected saving exceeds M x its copies (default {d.margin:g})")
     g.add_argument("--adaptive-max-swaps", dest=DEST + "max_swaps_in_flight", metavar="N",
-                   type=non_negative_int if replay else positive_int,
+                   type=non_negative_int if zero_swaps else positive_int,
                    help="swaps in flight at once, its copy budget (default "
-                        f"{'--copy-budget' if replay else d.max_swaps_in_flight})")
+                        f"{'--copy-budget' if mode == REPLAY else d.max_swaps_in_flight}"
+                        f"{'; 0 = never swaps' if zero_swaps else ''})")
     g.add_argument("--adaptive-replan-every", dest=DEST + "replan_every", type=positive_int, metavar="N",
                    help=f"steps between re-plans (default {d.replan_every})")
 

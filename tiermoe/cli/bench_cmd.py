@@ -22,7 +22,7 @@ from tiermoe.analysis.placement_workload import WorkloadSpec
 from tiermoe.analysis.trace_replay import trace_passes
 from tiermoe.analysis.trace_workload import RoutingTraceSpec
 from tiermoe.arch import detect, load_config
-from tiermoe.cli.adaptive_flags import adaptive_from_args, add_adaptive_flags
+from tiermoe.cli.adaptive_flags import REPLAY, STRATEGY, adaptive_from_args, add_adaptive_flags, given_adaptive_flags
 from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
 from tiermoe.cli.flags import (
     add_command,
@@ -98,7 +98,7 @@ def add_parser(sub) -> None:
                    help="CPU expert GFLOP/s at prefill (default 400)")
     d.add_argument("--json", action="store_true", help="print JSON with every figure (and the adaptive settings)")
     d.add_argument("--plot", type=plot_file, help="write hit rate and estimated tokens/s against ratio to this PNG")
-    add_adaptive_flags(d, replay=True)
+    add_adaptive_flags(d, REPLAY)
     add_placement_parser(benches)
 
 
@@ -112,13 +112,17 @@ def add_placement_parser(benches) -> None:
         "throughput is measured end to end. Without CUDA it is ESTIMATED: hit rates and traffic are exact (one "
         "recorded trace replayed through every placement), the CPU tier's time is measured on this machine, and a "
         "GPU profile gives the GPU share; `--gpu-profile this-cpu` profiles this CPU as the GPU tier, runs it there "
-        "and checks estimate against measurement at ratios 0.25 and 0.5.",
+        "and checks estimate against measurement at ratios 0.25 and 0.5. The adaptive strategy is tiermoe's adaptive "
+        "placement policy with the --adaptive-* settings below, which the JSON (setup.adaptive) and the tables "
+        "record.",
         "tiermoe bench placement --dataset sharegpt --out placement.json --plot placement.png",
         "tiermoe bench placement --dataset sharegpt --gpu-profile this-cpu --ratios 0,0.25,0.5,0.75,1",
         "tiermoe bench placement --model /models/Qwen3-30B-A3B --dataset prompts.jsonl --gpu-profile h200 "
         "--strategies uniform,frequency,dynamic",
         "tiermoe make-model --arch deepseek_v2 --preset deepseek-v2-lite --layers 5 --out /tmp/dsv2l-5 && "
         "tiermoe bench placement --model /tmp/dsv2l-5 --routing-trace esft_law.csv --gpu-profile this-cpu",
+        "tiermoe bench placement --dataset sharegpt --strategies frequency,adaptive --no-adaptive-cross-layer "
+        "--adaptive-max-swaps 8",
     )
     p.prog = "tiermoe bench placement"
     p.add_argument("--model", "--model-path", dest="model", default=None,
@@ -162,6 +166,7 @@ def add_placement_parser(benches) -> None:
     p.add_argument("--markdown", type=output_file, help="also write the tables as markdown to this file")
     p.add_argument("--plot", type=plot_file, help="write tokens/s and hit rate against ratio per strategy to this PNG")
     add_cpu_flags(p)  # the CPU tier whose time is measured
+    add_adaptive_flags(p, STRATEGY)
 
 
 def run(args) -> int:
@@ -186,6 +191,11 @@ def run_placement(args) -> int:
                            "trace), one of the two")
     if args.routing_trace is None and (args.routing_calibration or args.routing_layers):
         raise TiermoeError("--routing-calibration and --routing-layers go with --routing-trace")
+    given = given_adaptive_flags(args)
+    if given and args.strategies and "adaptive" not in args.strategies:
+        raise TiermoeError(f"{', '.join(given)} set the adaptive strategy's settings; they need adaptive in "
+                           f"--strategies (given: {','.join(args.strategies)})")
+    adaptive = adaptive_from_args(args).for_ranks(1)  # the benchmark runs one process
     routing = None if args.routing_trace is None else RoutingTraceSpec(
         args.routing_trace, args.routing_calibration, args.routing_layers, args.seed)
     workload = WorkloadSpec(args.dataset or f"routing trace {args.routing_trace}", args.num_prompts,
@@ -196,7 +206,7 @@ def run_placement(args) -> int:
         workload, model=args.model, gpu_profile=args.gpu_profile, gpu_device=args.gpu_device,
         concurrency=args.concurrency, prefill_chunk=args.prefill_chunk,
         prefill_threshold=args.prefill_threshold or None, repeats=args.repeats, tolerance=args.tolerance,
-        cpu=cpu_from_args(args), routing_trace=routing,
+        cpu=cpu_from_args(args), routing_trace=routing, adaptive=adaptive,
         **{k: tuple(v) for k, v in options.items()})
     result = run_placement_bench(config)
     text = markdown(result)
@@ -222,7 +232,7 @@ def _model_dir(path: Path) -> Path:
 
 def run_dynamic(args) -> int:
     gpu = load_profile(args.gpu_profile)  # flags: checked before the trace is read
-    adaptive = adaptive_from_args(args, max_swaps=args.copy_budget)
+    adaptive = adaptive_from_args(args, max_swaps=args.copy_budget).for_ranks(1)  # the replay is one process
     passes = trace_passes(load_trace(args.trace))
     spec = detect(load_config(_model_dir(resolve_model(args.model))))
     if (spec.num_layers, spec.num_experts) != (passes.num_layers, passes.num_experts):

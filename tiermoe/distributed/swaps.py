@@ -1,11 +1,14 @@
 """Expert swaps across ranks: applied synchronously by every rank at the same step boundary.
 
-A swap promotes `expert_in` (CPU tier -> a GPU rank) and demotes `expert_out` (that GPU rank -> CPU tier), so
-every rank keeps exactly as many GPU experts as before and its mask keeps counting only its own experts. The
-promoted expert goes to the rank that gave up `expert_out`. Unlike one process, where copies run asynchronously
-and masks flip on landing, several ranks apply swaps synchronously: rank 0 puts them in the step plan, and all
-ranks apply them before that step's forwards. Experts cross between processes through their shared-memory slots
-(or, for a rank on another host than rank 0, through the checkpoint, which every host has):
+A swap promotes `expert_in` of `layer` (CPU tier -> a GPU rank) and demotes `expert_out` of `layer_out` (that GPU
+rank -> CPU tier), so every rank keeps exactly as many GPU experts as before and its mask keeps counting only its
+own experts. The promoted expert goes to the rank that gave up `expert_out`. A cross-layer swap (`layer_out`
+another layer: adaptive placement moves a GPU slot from a cold layer to a hot one) takes the same steps, the
+demotion in `layer_out`, the promotion in `layer`: the GPU rank's slot pool hands the freed slot to the other
+layer, so its per-layer counts change and its total does not. Unlike one process, where copies run
+asynchronously and masks flip on landing, several ranks apply swaps synchronously: rank 0 puts them in the step
+plan, and all ranks apply them before that step's forwards. Experts cross between processes through their
+shared-memory slots (or, for a rank on another host than rank 0, through the checkpoint, which every host has):
 1. the GPU rank writes `expert_out` into its slot; rank 0 writes `expert_in` into its slot unless the CPU tier
    already computes from it there (a backend that converts experts keeps its own copy);
 2. barrier; the GPU rank drops `expert_out` and then copies `expert_in` from its slot (or the checkpoint) to its
@@ -32,26 +35,32 @@ from tiermoe.placement.policies import Swap
 
 @dataclass(frozen=True)
 class RankSwap:
-    layer: int
+    layer: int  # of expert_in
     expert_in: int  # CPU tier -> GPU rank `rank`
     expert_out: int  # GPU rank `rank` -> CPU tier
     rank: int
+    layer_out: int | None = None  # of expert_out, for a cross-layer swap (None: `layer`)
+
+    @property
+    def out_layer(self) -> int:
+        """The layer `expert_out` leaves the GPU tier in."""
+        return self.layer if self.layer_out is None else self.layer_out
 
 
 def assign_swaps(hybrid, swaps: list[Swap]) -> list[RankSwap]:
     """Give each swap the GPU rank that holds its `expert_out`; drop swaps that no longer fit the owners
-    (an expert named twice, or already moved) and cross-layer ones (each rank's slots stay per layer here)."""
+    (an expert named twice, or already moved)."""
     assignment_LE = hybrid.assignment  # a copy, updated as swaps are given ranks
     out = []
     for s in swaps:
-        if s.out_layer != s.layer:  # ranks swap inside a layer (RankSwap); a cross-layer swap is dropped
+        if s.layer not in hybrid.blocks or s.out_layer not in hybrid.blocks:
             continue
-        row = assignment_LE[s.layer] if s.layer in hybrid.blocks else None
-        if row is None or int(row[s.expert_in]) != -1 or int(row[s.expert_out]) < 0:
+        row_in, row_out = assignment_LE[s.layer], assignment_LE[s.out_layer]
+        if int(row_in[s.expert_in]) != -1 or int(row_out[s.expert_out]) < 0:
             continue
-        rank = int(row[s.expert_out])
-        row[s.expert_in], row[s.expert_out] = rank, -1
-        out.append(RankSwap(s.layer, s.expert_in, s.expert_out, rank))
+        rank = int(row_out[s.expert_out])
+        row_in[s.expert_in], row_out[s.expert_out] = rank, -1
+        out.append(RankSwap(s.layer, s.expert_in, s.expert_out, rank, s.layer_out))
     return out
 
 
@@ -64,36 +73,35 @@ def apply_swaps(hybrid, share, swaps: list[RankSwap]) -> None:
     with _CheckpointReader(hybrid) as disk:
         for s in swaps:  # 1.
             if s.rank == rank and share.store_on_this_host:
-                store.write(s.layer, s.expert_out, hybrid.blocks[s.layer].gpu_tier.get(s.expert_out))
+                store.write(s.out_layer, s.expert_out, hybrid.blocks[s.out_layer].gpu_tier.get(s.expert_out))
             if share.holds_cpu_tier and share.same_host(s.rank) and not share.kept(s.layer):
                 store.write(s.layer, s.expert_in, hybrid.blocks[s.layer].cpu_tier.get(s.expert_in))
         share.group.barrier("an expert swap (writing slots)")
         for s in swaps:  # 2.
             if s.rank != rank:
                 continue
-            gpu = hybrid.blocks[s.layer].gpu_tier
             host = store.slot(s.layer, s.expert_in) if share.store_on_this_host else disk.read(s.layer, s.expert_in)
             # free before allocating, one swap at a time: the GPU never holds more experts than it did (its
-            # memory was sized for them); no forward runs until every rank has applied the swaps
-            gpu.pop(s.expert_out)
+            # memory was sized for them; a cross-layer swap's promotion takes the slot its demotion freed in
+            # the other layer); no forward runs until every rank has applied the swaps
+            hybrid.blocks[s.out_layer].gpu_tier.pop(s.expert_out)
+            gpu = hybrid.blocks[s.layer].gpu_tier
             gpu.add(s.expert_in, host.to(gpu.device))  # always a copy: never alias a slot that 3. releases
         share.group.barrier("an expert swap (reading slots)")
         if share.holds_cpu_tier:  # 3.
             for s in swaps:
-                cpu = hybrid.blocks[s.layer].cpu_tier
                 if share.same_host(s.rank):
-                    host = store.slot(s.layer, s.expert_out)
+                    host = store.slot(s.out_layer, s.expert_out)
                 else:
-                    host = store.write(s.layer, s.expert_out, disk.read(s.layer, s.expert_out))
-                cpu.add(s.expert_out, host)
-                cpu.pop(s.expert_in)
+                    host = store.write(s.out_layer, s.expert_out, disk.read(s.out_layer, s.expert_out))
+                hybrid.blocks[s.out_layer].cpu_tier.add(s.expert_out, host)
+                hybrid.blocks[s.layer].cpu_tier.pop(s.expert_in)
                 store.release(s.layer, s.expert_in)
-                if not share.kept(s.layer):
-                    store.release(s.layer, s.expert_out)
+                if not share.kept(s.out_layer):
+                    store.release(s.out_layer, s.expert_out)
     for s in swaps:
-        block = hybrid.blocks[s.layer]
-        block.assign(s.expert_in, s.rank)
-        block.assign(s.expert_out, -1)
+        hybrid.blocks[s.layer].assign(s.expert_in, s.rank)
+        hybrid.blocks[s.out_layer].assign(s.expert_out, -1)
     moved = 2 * len(swaps) * spec.bytes_per_expert(hybrid.expert_dtype)
     hybrid.swap_stats.swaps += 2 * len(swaps)
     hybrid.swap_stats.bytes += moved

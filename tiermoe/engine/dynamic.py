@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import torch
 
@@ -20,15 +19,16 @@ log = logging.getLogger(__name__)
 
 
 def make_policy(config: DynamicPlacementConfig, num_layers: int, num_experts: int, cost: PassCostModel,
-                calibration_LE: torch.Tensor | None = None, cross_layer: bool = True):
-    """cross_layer: adaptive may move GPU slots between layers (not with several ranks: their swaps are per
-    layer, tiermoe.distributed.swaps)."""
+                calibration_LE: torch.Tensor | None = None, ranks: int = 1):
+    """The policy `config` names (None: static). With several GPU ranks adaptive moves GPU slots between layers
+    only when its settings say cross_layer=True (tiermoe.distributed.swaps applies such swaps on every rank)."""
     if config.policy == "kt-dynamic":
         return KTDynamicPolicy(config.prefill_threshold)
     if config.policy == "adaptive":
-        if config.adaptive.cross_layer and not cross_layer:
-            log.info("adaptive placement: several ranks swap within each layer; cross-layer swaps are off")
-        settings = replace(config.adaptive, cross_layer=config.adaptive.cross_layer and cross_layer)
+        settings = config.adaptive.for_ranks(ranks)
+        if ranks > 1:
+            log.info("adaptive placement on %d ranks: %s", ranks, "cross-layer swaps on" if settings.cross_layer
+                     else "swaps stay within each layer (--adaptive-cross-layer moves GPU slots between layers)")
         return AdaptivePolicy(num_layers, num_experts, cost, settings, calibration_LE)
     return None
 
@@ -49,7 +49,8 @@ def enable_dynamic_placement(engine, config: DynamicPlacementConfig, cost: PassC
         for block in hybrid.blocks.values():
             block.prefill_streamer = streamer
     cost = cost or expert_cost_model(bytes_per_expert, 2.0 * spec.params_per_expert)
-    policy = make_policy(config, spec.num_layers, spec.num_experts, cost, calibration_LE, hybrid.share is None)
+    ranks = 1 if hybrid.share is None else hybrid.share.num_ranks
+    policy = make_policy(config, spec.num_layers, spec.num_experts, cost, calibration_LE, ranks)
     if policy is None:
         return None
     manager = PlacementManager(hybrid, policy, copier)

@@ -53,7 +53,7 @@ class AdaptivePolicy:
     def __init__(self, num_layers: int, num_experts: int, cost: PassCostModel,
                  settings: AdaptiveSettings | None = None, initial_counts_LE: torch.Tensor | None = None):
         self.cost = cost
-        self.settings = settings or AdaptiveSettings()
+        self.settings = (settings or AdaptiveSettings()).for_ranks(1)  # cross-layer unless told otherwise
         shape = (num_layers, num_experts)
         self.load_LE = torch.zeros(shape, dtype=torch.float64)  # decayed routed pairs (lasting estimate)
         self._tokens = 0.0
