@@ -10,7 +10,8 @@ slot each sequence holds. Page groups follow the model's layer kinds (tiermoe.la
 - linear attention: no pages; one state slot per running sequence.
 
 Page 0 is never handed out (see KVPages). Rank 0 hands pages out; a step's tables travel with the step
-(tiermoe.distributed), so every rank's pool holds the same tokens in the same slots.
+(tiermoe.distributed), so every rank's pool holds the same tokens in the same slots (a follower's pool zeroes a
+page, as rank 0's does when it hands one out, before a step first writes there).
 
 The pool also reserves the step buffers (tiermoe.layers.step_buffers) its steps (`step`) write their page tables
 and indices into: sized for max_sequences rows, max_sequences + max_chunk tokens and the pages of the longest
@@ -81,6 +82,10 @@ class KVPool:
     def step(self, feeds: list[SeqFeed], mask_dtype: torch.dtype, num_decode: int | None = None,
              decode_attention=None) -> RaggedStep:
         """The ragged step of `feeds` over this pool (see RaggedStep), written into the pool's step buffers."""
+        for f in feeds:  # a follower's pool hands no page out (rank 0 does): it zeroes a page at its first write
+            for window, table in f.pages.items():
+                for page in table[f.past // self.page_size:(f.past + f.new - 1) // self.page_size + 1]:
+                    self.pages.prepare(window, page)
         states = self.linear.indices([f.slot for f in feeds]) if self.linear is not None else None
         return RaggedStep(feeds, self.page_size, self.layer_windows, self.pages.device, mask_dtype, num_decode,
                           decode_attention, self.step_buffers, states)
