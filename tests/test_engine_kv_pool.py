@@ -124,3 +124,28 @@ def test_pages_never_written_cannot_poison_attention(tiny_dir):
                     for page in set(range(1, pages.num_pages[None] + 1)) - pages._prepared[None]:
                         t[page * 4:(page + 1) * 4] = float("nan")
         assert [r.token_ids for r in llm.generate(prompts, greedy)] == want
+
+
+def test_a_follower_pool_zeroes_the_pages_rank_0_hands_out_before_they_are_written(tiny_dir):
+    # a follower rank's pool never hands pages out (rank 0's tables arrive with each step), so it must zero a page
+    # itself the first time a step writes there: else a masked slot of a partly written page holds whatever
+    # memory it got (here NaN), and 0 x NaN poisons the step
+    prompt = [5, 6, 7, 8, 9, 10]
+    with LLM(tiny_dir("qwen3_moe"), dtype=torch.float32, page_size=4, max_total_tokens=64, prefix_cache=False,
+             progress=False) as llm:
+        engine = llm.engine
+        seq = engine.new_sequence()
+        want = engine.feed([seq], [prompt], rows=["all"])[0]
+        engine.release(seq)
+        follower = LLM(tiny_dir("qwen3_moe"), dtype=torch.float32, page_size=4, max_total_tokens=64,
+                       prefix_cache=False, progress=False)
+    with follower:
+        engine = follower.engine
+        engine.forward_feeds([SeqFeed(0, 1, {None: [1]})], [[3]])  # the layers reserve their slots
+        pages = engine.pool.pages
+        with torch.inference_mode():
+            for pair in pages._slots.values():
+                for t in pair:
+                    t[2 * 4:] = float("nan")  # every page from 2 on: never handed out by this pool
+        got = engine.forward_feeds([SeqFeed(0, len(prompt), {None: [5, 9]})], [prompt], ["all"])[0]
+        assert rel_err(got, want) <= FP32_TOL

@@ -48,7 +48,7 @@ from tiermoe.engine.step_isolation import forward_isolating
 from tiermoe.errors import TiermoeError
 from tiermoe.layers.linear_attention_slots import use_ragged_linear_attention
 from tiermoe.layers.paged_attention import STEP_KWARG, PagedStepCache, layer_windows, use_paged_attention
-from tiermoe.layers.ragged_step import RaggedStep, SeqFeed
+from tiermoe.layers.ragged_step import SeqFeed
 from tiermoe.stats.pass_transaction import PassTransaction
 from tiermoe.stats.recorders import RecorderGroup
 from tiermoe.stats.recording import NO_RECORDER, ExpertRecorder, PassInfo
@@ -105,7 +105,7 @@ class Engine:
         # decode rows attend the pool in place where the model allows it (tiermoe.layers.decode_attention)
         self.decode_attention = getattr(hybrid, "decode_attention", None)
         self.pool = KVPool(windows, tokens, config.max_running, device, config.page_size, config.prefill_chunk,
-                           config.prefix_cache)
+                           config.prefix_cache, self.max_context)
         if config.prefix_cache and not self.pool.reuse_possible:
             log.info("prefix reuse is off for this model: its sliding-window or linear-attention layers keep no "
                      "state at page boundaries")
@@ -347,6 +347,7 @@ class Engine:
     def feed(self, seqs: list[Sequence], inputs: list[list[int]], rows: list[str] | None = None) -> list[torch.Tensor]:
         """Feed inputs[i] to seqs[i] in one forward now, outside the scheduler (pages reserved, `num_fed`
         advanced); each sequence's logits as `forward_feeds` gives them, in the order given."""
+        self.pool.step_buffers.check(len(seqs), sum(len(tokens) for tokens in inputs))  # before taking any page
         for seq, tokens in zip(seqs, inputs):
             if not self.pool.reserve(seq.pages, seq.num_fed, seq.num_fed + len(tokens)):
                 raise TiermoeError(f"the KV pool has no pages left for {len(tokens)} more tokens")
@@ -371,15 +372,15 @@ class Engine:
         device = self.hybrid.gpu_device
         rows = rows or ["last"] * len(feeds)
         num_decode = next((i for i, f in enumerate(feeds) if not (f.new == 1 and f.past > 0)), len(feeds))
-        step = RaggedStep(feeds, self.pool.page_size, self.pool.layer_windows, device, self.model.dtype, num_decode,
-                          self.decode_attention)
-        ids = torch.tensor([[t for tokens in inputs for t in tokens]], dtype=torch.long, device=device)
+        step = self.pool.step(feeds, self.model.dtype, num_decode, self.decode_attention)
+        buffers = self.pool.step_buffers  # the step's tensors, at the same addresses every step
+        ids = buffers.stage("input_ids", torch.tensor([[t for tokens in inputs for t in tokens]], dtype=torch.long))
         keep, spans = _kept_rows(feeds, rows)
+        keep_rows = buffers.stage("logits_to_keep", torch.tensor(keep, dtype=torch.long))
         with torch.inference_mode(), _on_device(device):
             cache = PagedStepCache(self.pool.pages, step, self.pool.linear)
             out = self.model(input_ids=ids, position_ids=step.position_ids, attention_mask=_NO_MASK,
-                             use_cache=True, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
-                             **{self._cache_kwarg: cache, STEP_KWARG: step})
+                             use_cache=True, logits_to_keep=keep_rows, **{self._cache_kwarg: cache, STEP_KWARG: step})
         self.pool.commit(feeds)
         logits = out.logits[0]
         if keep:  # every kept row to the host in ONE copy (one wait per step): sampling and logprobs read them there

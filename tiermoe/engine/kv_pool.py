@@ -10,7 +10,12 @@ slot each sequence holds. Page groups follow the model's layer kinds (tiermoe.la
 - linear attention: no pages; one state slot per running sequence.
 
 Page 0 is never handed out (see KVPages). Rank 0 hands pages out; a step's tables travel with the step
-(tiermoe.distributed), so every rank's pool holds the same tokens in the same slots.
+(tiermoe.distributed), so every rank's pool holds the same tokens in the same slots (a follower's pool zeroes a
+page, as rank 0's does when it hands one out, before a step first writes there).
+
+The pool also reserves the step buffers (tiermoe.layers.step_buffers) its steps (`step`) write their page tables
+and indices into: sized for max_sequences rows, max_sequences + max_chunk tokens and the pages of the longest
+context, the largest step the engine schedules.
 
 With prefix reuse on (tiermoe.engine.prefix_index; models whose layers are all full attention: a sliding window's
 or a linear-attention layer's state at a page boundary is not kept) a sequence that ends hands its full pages to
@@ -30,7 +35,8 @@ from tiermoe.engine.prefix_index import PrefixIndex, page_keys
 from tiermoe.layers.kv_pages import KVPages
 from tiermoe.layers.linear_attention_slots import LinearStateSlots
 from tiermoe.layers.paged_attention import LINEAR
-from tiermoe.layers.ragged_step import SeqFeed
+from tiermoe.layers.ragged_step import RaggedStep, SeqFeed
+from tiermoe.layers.step_buffers import StepBuffers, StepLimits
 
 
 @dataclass
@@ -51,9 +57,10 @@ def sliding_pages(window: int, page_size: int, max_sequences: int, prefill_chunk
 class KVPool:
     def __init__(self, layer_windows: dict[int, int | None | str], tokens: int, max_sequences: int,
                  device: torch.device, page_size: int = DEFAULT_PAGE_SIZE, max_chunk: int = 512,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, max_context: int | None = None):
         """`tokens`: full-attention tokens the pool holds in all; `max_sequences`: sequences running at once;
-        `max_chunk`: prompt tokens a step feeds in all (sizes the sliding groups)."""
+        `max_chunk`: prompt tokens a step feeds in all (sizes the sliding groups); `max_context`: the most tokens
+        one sequence reaches (None: the pool's). The last three size the step buffers too."""
         if tokens < 1 or max_sequences < 1:
             raise ValueError(f"a KV pool needs tokens and sequences >= 1, got {tokens} and {max_sequences}")
         self.layer_windows = layer_windows
@@ -68,6 +75,20 @@ class KVPool:
         self.linear = LinearStateSlots(max_sequences, device) if has_linear else None
         self._free_slots = deque(range(max_sequences)) if has_linear else deque()
         self.prefix = PrefixIndex() if prefix_cache and self.reuse_possible else None
+        longest = min(self.tokens, max_context or self.tokens)
+        limits = StepLimits(max_sequences + max_chunk, max_sequences, math.ceil(longest / page_size))
+        self.step_buffers = StepBuffers(limits, windows, device)
+
+    def step(self, feeds: list[SeqFeed], mask_dtype: torch.dtype, num_decode: int | None = None,
+             decode_attention=None) -> RaggedStep:
+        """The ragged step of `feeds` over this pool (see RaggedStep), written into the pool's step buffers."""
+        for f in feeds:  # a follower's pool hands no page out (rank 0 does): it zeroes a page at its first write
+            for window, table in f.pages.items():
+                for page in table[f.past // self.page_size:(f.past + f.new - 1) // self.page_size + 1]:
+                    self.pages.prepare(window, page)
+        states = self.linear.indices([f.slot for f in feeds]) if self.linear is not None else None
+        return RaggedStep(feeds, self.page_size, self.layer_windows, self.pages.device, mask_dtype, num_decode,
+                          decode_attention, self.step_buffers, states)
 
     @property
     def reuse_possible(self) -> bool:

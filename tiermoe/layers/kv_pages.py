@@ -5,7 +5,8 @@ Every attention layer of a page group (full attention, or one sliding window siz
 V). Attention reads whole pages and masks what a query must not see; a masked key must still be finite, or
 0 x NaN would poison the sum. So every slot that can be read holds a number: page 0, never handed out, is zero
 (the padded reads of a decode batch point there), and a page is zeroed in every layer the first time it is
-handed out (`prepare`; later owners find the finite K/V of earlier ones). A layer's tensors are reserved the
+handed out (`prepare`; on a follower rank, whose pool hands nothing out, before a step first writes there; later
+owners find the finite K/V of earlier ones). A layer's tensors are reserved the
 first time it stores K/V, with the shapes and dtype its projections produce (so they hold exactly what the model
 computes, whatever its head layout), and never again; `torch.empty` leaves the host's pages unmapped until a
 page is first used, so a CPU pool costs the memory its tokens use.

@@ -40,6 +40,11 @@ class LinearStateSlots:
         """A new sequence takes `slot`: it starts with no state."""
         self.has_state[slot] = False
 
+    def indices(self, slots: list[int]) -> tuple[list[int], list[int]]:
+        """The states sequences in `slots` read (their committed banks) and write (the other banks) in a step."""
+        read = [2 * s + self.bank[s] for s in slots]
+        return read, [i ^ 1 for i in read]
+
     def commit(self, slots: list[int]) -> None:
         """The step that wrote these slots' other banks succeeded: those banks are now theirs."""
         for s in slots:
@@ -67,16 +72,15 @@ class LinearStateSlots:
 
 class SlotStates:
     """The cache a linear-attention forward of sequences in `slots` sees (the methods transformers' gated DeltaNet
-    calls): their committed states, gathered; new states written to their other banks."""
+    calls): their committed states, gathered; new states written to their other banks. `read` / `write` [b]: the
+    states' indices (LinearStateSlots.indices), on the device, from the step (tiermoe.layers.ragged_step)."""
 
-    def __init__(self, slots_store: LinearStateSlots, slots: list[int]):
+    def __init__(self, slots_store: LinearStateSlots, slots: list[int], read: torch.Tensor, write: torch.Tensor):
         self.store = slots_store
         self.fresh = not slots_store.has_state[slots[0]]
         if any(slots_store.has_state[s] == self.fresh for s in slots):
             raise ValueError("one linear-attention call mixes sequences with and without a state")
-        device = slots_store.device
-        self.read = torch.tensor([2 * s + slots_store.bank[s] for s in slots], device=device)
-        self.write = torch.tensor([2 * s + 1 - slots_store.bank[s] for s in slots], device=device)
+        self.read, self.write = read, write
         self._handed_conv: dict[int, torch.Tensor] = {}
 
     def is_recording_past(self, layer_idx: int) -> bool:
@@ -131,7 +135,7 @@ class RaggedLinearAttention:
         outputs = []
         for part in step.row_parts:
             feeds = step.feeds[part.first_feed:part.first_feed + part.b]
-            states = SlotStates(cache.linear, [f.slot for f in feeds])
+            states = SlotStates(cache.linear, [f.slot for f in feeds], *step.state_rows(part))
             x = hidden_states[0, part.rows].unflatten(0, (part.b, part.q))  # [b, q, D]
             outputs.append(super().forward(x, cache=states, attention_mask=None, **kwargs).flatten(0, 1))
             states.finish(self.layer_idx)

@@ -18,6 +18,12 @@ tiermoe.layers.paged_attention), the decode rows attend the pool in place instea
 padding or masks, but per group each row's page table and first visible position (`DecodeIndex`), and the
 gathered parts are the segments only (`first_gathered` indexes them in row_parts).
 
+The engine's steps write their tensors into the pool's step buffers (tiermoe.layers.step_buffers: the same
+addresses every step), all but the gathered parts' masks: a mask holds a value per key read, so a buffer for them
+would be as large as a full step's keys, and the path a CUDA graph would capture, decode rows attending in place
+through their page tables, needs none (on a GPU that takes a paged decode kernel, which tiermoe has not yet: there
+the decode rows are gathered, masks included). A step built without buffers (a test's) gets fresh tensors.
+
 A key position k is visible to a query at position p when k <= p and, in a sliding group of window w,
 k > p - w (transformers' sliding_window_overlay).
 Legend: T new tokens, N read pages, P page size, b rows of a part, q its queries per row, w its keys per row.
@@ -28,6 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from tiermoe.layers.step_buffers import StepBuffers
 
 # Key positions a decode run may pad beyond half its real keys: a run that small is cheaper padded than split.
 PAD_ALLOWANCE = 256
@@ -101,9 +109,17 @@ class RaggedStep:
 
     def __init__(self, feeds: list[SeqFeed], page_size: int, layer_windows: dict[int, int | None | str],
                  device: torch.device, mask_dtype: torch.dtype, num_decode: int | None = None,
-                 decode_attention=None):
+                 decode_attention=None, buffers: StepBuffers | None = None,
+                 state_indices: tuple[list[int], list[int]] | None = None):
         """`num_decode`: how many leading feeds are decode rows (one token after a past; default: all the leading
-        one-token feeds). `decode_attention`: how the decode rows attend in place (None: gathered, like segments)."""
+        one-token feeds). `decode_attention`: how the decode rows attend in place (None: gathered, like segments).
+        `buffers`: where the step's tensors are written (None: fresh ones). `state_indices`: per feed, the
+        linear-attention state it reads and the one it writes (tiermoe.layers.linear_attention_slots), if any."""
+        if buffers is not None:
+            buffers.check(len(feeds), sum(f.new for f in feeds))
+            self._stage = buffers.stage
+        else:
+            self._stage = lambda name, host: host.to(device)
         self.feeds = feeds
         self.layer_windows = layer_windows  # decoder layer -> its page group's window (or LINEAR: no pages)
         self.page_size = page_size
@@ -118,12 +134,18 @@ class RaggedStep:
         self.first_gathered = len(self.row_parts) if self.decode_attention is not None else 0
         self.decode_pos = None  # [num_decode] int32 query positions, when the decode rows attend in place
         if self.decode_attention is not None:
-            self.decode_pos = torch.tensor([f.past for f in feeds[:num_decode]], dtype=torch.int32, device=device)
+            self.decode_pos = self._stage("decode_pos", torch.tensor([f.past for f in feeds[:num_decode]],
+                                                                     dtype=torch.int32))
         row = num_decode
         for i, f in enumerate(feeds[num_decode:], start=num_decode):
             self.row_parts.append(RowPart(i, 1, f.new, slice(row, row + f.new)))
             row += f.new
-        self.position_ids = torch.tensor([[f.past + i for f in feeds for i in range(f.new)]], device=device)
+        self.position_ids = self._stage("position_ids", torch.tensor([[f.past + i for f in feeds
+                                                                       for i in range(f.new)]]))
+        self.state_read = self.state_write = None  # [F] int64, per feed
+        if state_indices is not None:
+            self.state_read = self._stage("state_read", torch.tensor(state_indices[0]))
+            self.state_write = self._stage("state_write", torch.tensor(state_indices[1]))
         self.groups = {w: self._group(w, device, mask_dtype) for w in dict.fromkeys(layer_windows.values())
                        if not isinstance(w, str)}
 
@@ -153,24 +175,34 @@ class RaggedStep:
             visible = (k_bw[:, None, :] >= 0) & (k_bw[:, None, :] <= q_bq[:, :, None])  # [b, q, w]
             if window is not None:
                 visible &= k_bw[:, None, :] > q_bq[:, :, None] - window
+            # per step, not in the buffers (see the module docstring)
             mask = torch.zeros(visible.shape, dtype=mask_dtype).masked_fill_(~visible, low)[:, None].to(device)
             parts.append(PartKeys(first_read, first_read + part.b * width, mask))
-        read_pages = torch.cat(read).to(device) if read else torch.zeros(0, dtype=torch.long, device=device)
-        decode = self._decode_index(window, tables, device) if self.decode_attention is not None else None
-        return GroupIndex(torch.cat(write).to(device), read_pages, tuple(parts), decode)
+        write_index = self._stage(("write_index", window), torch.cat(write))
+        read_pages = self._stage(("read_pages", window), torch.cat(read) if read else torch.zeros(0, dtype=torch.long))
+        decode = self._decode_index(window) if self.decode_attention is not None else None
+        return GroupIndex(write_index, read_pages, tuple(parts), decode)
 
-    def _decode_index(self, window: int | None, tables: list[torch.Tensor], device: torch.device) -> DecodeIndex:
+    def state_rows(self, part: RowPart) -> tuple[torch.Tensor, torch.Tensor]:
+        """The linear-attention states the feeds of `part` read and write ([b] int64 each)."""
+        if self.state_read is None:
+            raise ValueError("this step was built without linear-attention state indices")
+        feeds = slice(part.first_feed, part.first_feed + part.b)
+        return self.state_read[feeds], self.state_write[feeds]
+
+    def _decode_index(self, window: int | None) -> DecodeIndex:
         size, rows = self.page_size, range(self.num_decode)
         lo = [_first_visible(self.feeds[i].past, window) for i in rows]
         ends = [self.feeds[i].past // size + 1 for i in rows]  # pages up to each row's query
-        out = torch.zeros(self.num_decode, max(ends), dtype=torch.long)
-        for i in rows:
-            pages = tables[i][:ends[i]]
-            if bool((pages[lo[i] // size:] < 0).any()):
+        width, out = max(ends), []
+        for i in rows:  # host lists: the table's bytes are copied once, into the step buffer
+            pages = self.feeds[i].pages[window][:ends[i]]
+            if any(p < 0 for p in pages[lo[i] // size:]):
                 raise ValueError(f"a query of this step sees a page the pool has already freed (window {window})")
-            out[i, :ends[i]] = pages.clamp_min(0)  # pages before the window are never read
+            out.append([max(p, 0) for p in pages] + [0] * (width - ends[i]))  # pages before the window: never read
         keys = sum(self.feeds[i].past + 1 - lo[i] for i in rows)
-        return DecodeIndex(out.to(device), torch.tensor(lo, dtype=torch.int32, device=device), keys)
+        return DecodeIndex(self._stage(("tables", window), torch.tensor(out, dtype=torch.long)),
+                           self._stage(("lo", window), torch.tensor(lo, dtype=torch.int32)), keys)
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Pool slots of positions [start, end) of a sequence whose page table is `table`."""
