@@ -63,7 +63,7 @@ def test_the_settings_change_what_the_adaptive_column_does_and_are_recorded(mode
     assert (settings["max_swaps_in_flight"], settings["cross_layer"]) == (0, False)
     assert cells["adaptive"]["swaps"] == 0 and cells["adaptive"]["expert_bytes_copied"] == 0
     assert cells["adaptive"]["hit_rate"] == cells["frequency"]["hit_rate"] == 0.0  # never left its start
-    assert "Adaptive settings: max_swaps_in_flight=0, cross_layer=False (defaults: " in text
+    assert "Adaptive settings: max_swaps_in_flight=0, cross_layer=False (the rest as default: " in text
 
 
 def test_the_live_path_runs_adaptive_with_the_settings_given(model_dir):

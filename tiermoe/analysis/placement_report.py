@@ -82,5 +82,6 @@ def adaptive_line(settings: dict) -> str:
     defaults = asdict(AdaptiveSettings().for_ranks(1))
     changed = [f"{k}={v}" for k, v in settings.items() if defaults.get(k) != v]
     kept = [f"{k}={v}" for k, v in settings.items() if defaults.get(k) == v]
-    return (f"Adaptive settings: {', '.join(changed) or 'the defaults'}" +
-            (f" (defaults: {', '.join(kept)})." if kept else "."))
+    if not changed:
+        return f"Adaptive settings: the defaults ({', '.join(kept)})."
+    return f"Adaptive settings: {', '.join(changed)}" + (f" (the rest as default: {', '.join(kept)})." if kept else ".")
