@@ -40,7 +40,7 @@ def test_a_big_untied_bf16_head_is_packed_on_every_core_and_gives_torchs_tokens(
     with LLM(path, progress=False) as llm:
         head = llm.hybrid.model.get_output_embeddings()
         assert isinstance(head, QuantizedLinear) and head.fmt == "bf16"
-        assert head.team().n == len(physical_cpus())
+        assert head.team().n == len(physical_cpus())  # --cpu-threads not given: every core
         x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
         exact = x.float() @ weight.float().T
         assert (head(x).float() - exact).abs().max() <= 2 ** -8 * exact.abs().max()

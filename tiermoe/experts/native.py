@@ -211,10 +211,10 @@ def model_team(worker: CPUWorker, kernels: Kernels, cpu: CPUConfig) -> Callable[
 
 
 def wide_team(worker: CPUWorker, kernels: Kernels, cpu: CPUConfig) -> Callable[[], ThreadTeam]:
-    """A getter of a team of every physical core (or of `--cpu-threads` where that is more), for a product that
+    """A getter of a team of every physical core (or of `--cpu-threads`, when the user set it), for a product that
     runs when nothing else computes and reads more than the model team's threads can stream: the LM head of a
     CPU-only decode step (tiermoe.layers.lm_head). The same team as the model's when the sizes agree."""
-    threads = max(cpu.threads or 0, len(physical_cpus()))
+    threads = cpu.threads or len(physical_cpus())
     return lambda: kernel_team(worker, kernels, threads, cpu.numa_nodes)
 
 
