@@ -11,6 +11,7 @@
 #define TM_GEN_VEC 512
 #define TM_GEN_MT 4
 #include "generic_kernels.inc"
+#define TM_ATTN_DPBF16 1
 #include "decode_attention.inc"
 
 namespace {
