@@ -31,7 +31,7 @@ from tiermoe.experts.quant import (
     quantize,
     round_up,
 )
-from tiermoe.experts.threads import default_threads, numa_team_cpus, physical_cpus, team_cpus
+from tiermoe.experts.threads import default_threads, numa_team_cpus, team_cpus
 from tiermoe.experts.tiers import ComputedOnWorker, CPUWorker
 from tiermoe.experts.weights import ExpertWeights
 
@@ -207,14 +207,6 @@ def kernel_team(worker: CPUWorker, kernels: Kernels, threads: int,
 def model_team(worker: CPUWorker, kernels: Kernels, cpu: CPUConfig) -> Callable[[], ThreadTeam]:
     """A getter of the model's kernel thread team with `cpu`'s threads (the team is made on the first call)."""
     threads = cpu.threads or default_threads()
-    return lambda: kernel_team(worker, kernels, threads, cpu.numa_nodes)
-
-
-def wide_team(worker: CPUWorker, kernels: Kernels, cpu: CPUConfig) -> Callable[[], ThreadTeam]:
-    """A getter of a team of every physical core (or of `--cpu-threads`, when the user set it), for a product that
-    runs when nothing else computes and reads more than the model team's threads can stream: the LM head of a
-    CPU-only decode step (tiermoe.layers.lm_head). The same team as the model's when the sizes agree."""
-    threads = cpu.threads or len(physical_cpus())
     return lambda: kernel_team(worker, kernels, threads, cpu.numa_nodes)
 
 

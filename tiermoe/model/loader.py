@@ -45,7 +45,7 @@ from tiermoe.experts.ffn import ExpertActivation
 from tiermoe.experts.fp8_tier import FP8ExpertSet, fp8_expert_bytes
 from tiermoe.experts.host_slab import HostSlab, expert_shapes, pins_host_memory
 from tiermoe.experts.kernels import load_kernels
-from tiermoe.experts.native import model_team, wide_team
+from tiermoe.experts.native import model_team
 from tiermoe.experts.registry import make_cpu_tier
 from tiermoe.experts.slot_pool import ExpertSlotPool
 from tiermoe.experts.slotted_tier import SlottedExpertSet
@@ -55,7 +55,7 @@ from tiermoe.layers.decode_attention import decode_attention_for
 from tiermoe.layers.deferred_experts import DeferredExperts
 from tiermoe.layers.fused_attention import fuse_decode_attention
 from tiermoe.layers.hybrid_moe import HybridMoE
-from tiermoe.layers.lm_head import use_packed_lm_head, use_rows_lm_head
+from tiermoe.layers.lm_head import use_rows_lm_head
 from tiermoe.layers.mla_attention import group_kv_b_rows_of, replace_mla_attention
 from tiermoe.model.expert_source import (
     LAYERS_PREFIX,
@@ -187,19 +187,17 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
             _load_experts(blocks, sources, ckpt, spec, assignment_LE, reads, rank, share, dtype, pin, bar, cache,
                           lora)
     _tie_and_check(model, config)
-    kernels = load_kernels()
     if trainable:
         for block in blocks.values():
             block.trainable = True
     else:
         if cpu.non_expert_dtype is not None:  # CPU only: packed linears on the kernels (the head too)
-            quantize_non_experts(model, spec.router_attr, cpu, worker, own_machine=share is None)
-        elif gpu_device.type == "cpu" and share is None and kernels is not None:  # one process has every core
-            use_packed_lm_head(model, kernels, wide_team(worker, kernels, cpu))  # a big head, packed, on all of them
+            quantize_non_experts(model, spec.router_attr, cpu, worker)
         fuse_layer_ops(model)  # CPU-resident norms and routers: one native call each (tiermoe.model.fused_layers)
         use_rows_lm_head(model)  # the head on the sampled rows as one 2-D matmul: no copy of its weight per prefill
         group_kv_b_rows_of(decoder_layers(model))  # MLA's one re-layout, now that kv_b_proj holds its rows
     return_freed_heap()  # the read buffers the tiers packed or quantised from
+    kernels = load_kernels()
     decode_attention = decode_attention_for(model, gpu_device, kernels, model_team(worker, kernels, cpu), trainable)
     if decode_attention is not None:
         fuse_decode_attention(model, decode_attention)

@@ -22,10 +22,9 @@ from torch import nn
 from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.kernels import load_kernels
-from tiermoe.experts.native import model_team, wide_team
+from tiermoe.experts.native import model_team
 from tiermoe.experts.quant import blocked_nbytes
 from tiermoe.experts.tiers import CPUWorker
-from tiermoe.layers.lm_head import wide_head
 from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.model.skeleton import decoder_layers
 
@@ -56,11 +55,9 @@ def quantizable_linears(model: nn.Module, router_attr: str) -> list[tuple[str, n
     return found
 
 
-def quantize_non_experts(model: nn.Module, router_attr: str, cpu: CPUConfig, worker: CPUWorker,
-                         own_machine: bool = True) -> int:
+def quantize_non_experts(model: nn.Module, router_attr: str, cpu: CPUConfig, worker: CPUWorker) -> int:
     """Swap the linears `quantizable_linears` names, and the LM head, for QuantizedLinear modules in
-    `cpu.non_expert_dtype` computed on the model's kernel thread team (a big head on a team of every core when
-    this process has the machine to itself, `own_machine`); returns how many were swapped."""
+    `cpu.non_expert_dtype` computed on the model's kernel thread team; returns how many were swapped."""
     fmt = cpu.non_expert_dtype
     kernels = load_kernels()
     team = model_team(worker, kernels, cpu)
@@ -70,9 +67,8 @@ def quantize_non_experts(model: nn.Module, router_attr: str, cpu: CPUConfig, wor
         setattr(model.get_submodule(parent), leaf, QuantizedLinear(linear, fmt, kernels, team))
         swapped += 1
     head = model.get_output_embeddings()
-    if type(head) is nn.Linear:  # a big head on every core, as tiermoe.layers.lm_head says why
-        head_team = wide_team(worker, kernels, cpu) if own_machine and wide_head(head) else team
-        model.set_output_embeddings(QuantizedLinear(head, HEAD_FORMATS[fmt], kernels, head_team))
+    if type(head) is nn.Linear:
+        model.set_output_embeddings(QuantizedLinear(head, HEAD_FORMATS[fmt], kernels, team))
         swapped += 1
     return swapped
 
