@@ -133,13 +133,14 @@ def placements(spec) -> dict[str, torch.Tensor]:
 
 
 def run_ranks(tmp_path: Path, cases: list[dict], world: int = 2, timeout: float = 30.0, launcher=None,
-              wait_s: float = 300.0, gpu_device: str = "cpu") -> list[list[dict]]:
-    """Run the rank program on `cases` with `world` ranks; returns each rank's reports."""
+              wait_s: float = 300.0, gpu_device: str = "cpu", program: list[str] | None = None) -> list[list[dict]]:
+    """Run the rank program on `cases` with `world` ranks; returns each rank's reports. `program`: the command
+    that takes the job file's path (default: this file's equivalence mode); each rank writes rank<r>.json."""
     from tiermoe.distributed import spawn_ranks
 
     job = {"out": str(tmp_path), "timeout": timeout, "cases": cases, "gpu_device": gpu_device}
     (tmp_path / "job.json").write_text(json.dumps(job))
-    argv = [sys.executable, str(WORKER), "equivalence", str(tmp_path / "job.json")]
+    argv = [*(program or [sys.executable, str(WORKER), "equivalence"]), str(tmp_path / "job.json")]
     procs = launcher(argv) if launcher else spawn_ranks(argv, world, stdout=subprocess.PIPE,
                                                         stderr=subprocess.STDOUT, text=True)
     outputs = []

@@ -9,14 +9,13 @@ the helpers and the single-process reference are tests/test_distributed.py's.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import save_tiny
-from test_distributed import MAX_TOKENS, PROMPTS, _holdings, _spec, check_share, single_process
+from test_distributed import MAX_TOKENS, PROMPTS, _holdings, _spec, check_share, run_ranks, single_process
 
 WORKER = Path(__file__).resolve()
 
@@ -69,25 +68,6 @@ def rank_main(job_file: str) -> None:
     (Path(job["out"]) / f"rank{env.rank}.json").write_text(json.dumps(reports))
 
 
-def run_two_ranks(tmp: Path, cases: list[dict]) -> list[list[dict]]:
-    from tiermoe.distributed import spawn_ranks
-
-    (tmp / "job.json").write_text(json.dumps({"out": str(tmp), "timeout": 30.0, "cases": cases}))
-    procs = spawn_ranks([sys.executable, str(WORKER), str(tmp / "job.json")], 2, stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, text=True)
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append(proc.communicate(timeout=300)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-    for proc, output in zip(procs, outputs):
-        assert proc.returncode == 0, output
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
-
-
 @pytest.fixture(scope="module")
 def cross_layer_run(tmp_path_factory):
     """Two ranks, experts 0-2 of every MoE layer on the GPUs (round-robin); cases: two cross-layer swaps queued
@@ -121,7 +101,7 @@ def cross_layer_run(tmp_path_factory):
     for case in cases:
         with open_checkpoint(case["path"]) as ckpt:  # FP8 GPU tiers hold experts as stored
             case["gpu_bytes_per_expert"] = gpu_expert_bytes(ckpt, spec, torch.float32)
-    reports = run_two_ranks(tmp_path_factory.mktemp("xlayer"), cases)
+    reports = run_ranks(tmp_path_factory.mktemp("xlayer"), cases, program=[sys.executable, str(WORKER)])
     return path, spec, assignment, swaps, cases, reports
 
 
