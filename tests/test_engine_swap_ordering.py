@@ -181,7 +181,7 @@ def test_rank_swaps_free_the_demoted_expert_before_the_promoted_one_lands(hybrid
     layer = next(iter(hybrid.blocks))
     block = hybrid.blocks[layer]
     gpu = block.gpu_tier
-    swaps = [RankSwap(layer, i, o, 0) for i, o in zip(sorted(block.cpu_tier.experts)[:3], sorted(gpu.experts)[:3])]
+    swaps = [RankSwap(layer, i, o, rank=0) for i, o in zip(sorted(block.cpu_tier.experts)[:3], sorted(gpu.experts)[:3])]
     held, order = len(gpu), []
     add, pop = gpu.add, gpu.pop
     gpu.add = lambda e, w: (order.append(("add", e)), add(e, w), held_max.append(len(gpu)))

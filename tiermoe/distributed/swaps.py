@@ -22,7 +22,7 @@ The step stalls for the copies (a few ms per expert on PCIe): simpler than overl
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiermoe.checkpoint.fp8 import fp8_block_size
 from tiermoe.checkpoint.safetensors import Checkpoint
@@ -34,17 +34,10 @@ from tiermoe.placement.policies import Swap
 
 
 @dataclass(frozen=True)
-class RankSwap:
-    layer: int  # of expert_in
-    expert_in: int  # CPU tier -> GPU rank `rank`
-    expert_out: int  # GPU rank `rank` -> CPU tier
-    rank: int
-    layer_out: int | None = None  # of expert_out, for a cross-layer swap (None: `layer`)
+class RankSwap(Swap):
+    """A Swap given to the GPU rank that holds its `expert_out` (and receives `expert_in`)."""
 
-    @property
-    def out_layer(self) -> int:
-        """The layer `expert_out` leaves the GPU tier in."""
-        return self.layer if self.layer_out is None else self.layer_out
+    rank: int = field(kw_only=True)
 
 
 def assign_swaps(hybrid, swaps: list[Swap]) -> list[RankSwap]:
@@ -60,7 +53,7 @@ def assign_swaps(hybrid, swaps: list[Swap]) -> list[RankSwap]:
             continue
         rank = int(row_out[s.expert_out])
         row_in[s.expert_in], row_out[s.expert_out] = rank, -1
-        out.append(RankSwap(s.layer, s.expert_in, s.expert_out, rank, s.layer_out))
+        out.append(RankSwap(s.layer, s.expert_in, s.expert_out, s.layer_out, rank=rank))
     return out
 
 
