@@ -195,7 +195,6 @@ def run_placement(args) -> int:
     if given and args.strategies and "adaptive" not in args.strategies:
         raise TiermoeError(f"{', '.join(given)} set the adaptive strategy's settings; they need adaptive in "
                            f"--strategies (given: {','.join(args.strategies)})")
-    adaptive = adaptive_from_args(args).for_ranks(1)  # the benchmark runs one process
     routing = None if args.routing_trace is None else RoutingTraceSpec(
         args.routing_trace, args.routing_calibration, args.routing_layers, args.seed)
     workload = WorkloadSpec(args.dataset or f"routing trace {args.routing_trace}", args.num_prompts,
@@ -206,7 +205,7 @@ def run_placement(args) -> int:
         workload, model=args.model, gpu_profile=args.gpu_profile, gpu_device=args.gpu_device,
         concurrency=args.concurrency, prefill_chunk=args.prefill_chunk,
         prefill_threshold=args.prefill_threshold or None, repeats=args.repeats, tolerance=args.tolerance,
-        cpu=cpu_from_args(args), routing_trace=routing, adaptive=adaptive,
+        cpu=cpu_from_args(args), routing_trace=routing, adaptive=adaptive_from_args(args),
         **{k: tuple(v) for k, v in options.items()})
     result = run_placement_bench(config)
     text = markdown(result)
