@@ -5,7 +5,6 @@ fit the context is refused before it is tokenised, and tokenising runs off the e
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
@@ -68,11 +67,23 @@ def test_a_prompt_too_long_for_the_context_in_any_tokenisation_is_refused_untoke
 
 
 def test_health_answers_while_a_prompt_is_tokenised(served, monkeypatch):
+    """Causal, not timed: the tokeniser is held until /health has answered, so a tokeniser on the event loop
+    would leave /health unanswered (its timeout fails the test) however loaded the machine is."""
     url, state = served
+    entered, release = threading.Event(), threading.Event()
+
+    def held(real):
+        def tokenise(*a, **k):
+            entered.set()
+            release.wait(60)
+            return real(*a, **k)
+        return tokenise
+
     for name in set(TOKENIZING.values()):
-        real = getattr(state.llm, name)
-        monkeypatch.setattr(state.llm, name, lambda *a, real=real, **k: time.sleep(0.6) or real(*a, **k))
+        monkeypatch.setattr(state.llm, name, held(getattr(state.llm, name)))
     for path, body in ENDPOINTS.items():
+        entered.clear()
+        release.clear()
         answer = {}
 
         def ask_it(path=path, body=body, answer=answer):
@@ -80,9 +91,11 @@ def test_health_answers_while_a_prompt_is_tokenised(served, monkeypatch):
 
         ask = threading.Thread(target=ask_it)
         ask.start()
-        time.sleep(0.2)  # the request is being tokenised now
-        started = time.monotonic()
-        assert httpx.get(url + "/health", timeout=60).status_code == 200
-        assert time.monotonic() - started < 0.3, path
-        ask.join()
+        try:
+            assert entered.wait(30), f"{path}: the request never reached the tokeniser"
+            assert httpx.get(url + "/health", timeout=10).status_code == 200, path
+            assert not release.is_set() and ask.is_alive(), path  # answered while the prompt was held
+        finally:
+            release.set()
+            ask.join()
         assert answer["r"].status_code == 200, answer["r"].text
