@@ -31,6 +31,8 @@ def served(tmp_path_factory):
 def test_a_client_that_leaves_frees_its_slot_within_a_step_or_two(served, path, stream):
     url, state = served
     aborted = state.metrics.requests_aborted
+    steps = []
+    state.llm.engine.after_step_hooks.append(lambda: steps.append(time.monotonic()))
     body = {**ENDPOINTS[path], "stream": stream}
     if stream:  # the client reads a few pieces, then closes the connection
         with httpx.stream("POST", url + path, json=body, timeout=10) as r:
@@ -41,8 +43,12 @@ def test_a_client_that_leaves_frees_its_slot_within_a_step_or_two(served, path, 
         with pytest.raises(httpx.ReadTimeout):  # the client gives up after 0.3 s and closes the connection
             httpx.post(url + path, json=body, timeout=0.3)
     left = time.monotonic()
-    while state.service.running and time.monotonic() - left < 2:
-        time.sleep(0.01)
+    try:
+        while state.service.running and time.monotonic() - left < 10:
+            time.sleep(0.01)
+    finally:
+        state.llm.engine.after_step_hooks.pop()
     assert state.service.running == 0, "the request still generates after its client left"
-    assert time.monotonic() - left < 0.5
+    after = sum(t > left for t in steps)  # counted in engine steps, not seconds: a loaded machine steps slower
+    assert after <= 5, f"{after} engine steps ran after the client left"
     assert state.metrics.requests_aborted == aborted + 1
