@@ -33,7 +33,7 @@ ISA_NAMES = ("base", "avx2", "avx512", "avx512bf16", "amx")
 TORCH_ISA = "torch"  # not a kernel level: "use no kernels"
 # 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp (fused norms, routers), decode attention, rotary;
 # 4: decode attention per ISA (TmAttnArgs.isa)
-ABI_VERSION = 4
+ABI_VERSION = 5
 CSRC = Path(__file__).with_name("csrc")
 CXXFLAGS = ("-O3", "-std=c++20", "-fPIC", "-pthread", "-Wno-psabi")
 
@@ -73,6 +73,17 @@ class TmAttnArgs(ctypes.Structure):
                 ("scale", ctypes.c_float), ("q", ctypes.c_void_p), ("k_slots", ctypes.c_void_p),
                 ("v_slots", ctypes.c_void_p), ("sinks", ctypes.c_void_p), ("tables", ctypes.c_void_p),
                 ("pos", ctypes.c_void_p), ("lo", ctypes.c_void_p), ("out", ctypes.c_void_p)]
+
+
+class TmDeltaArgs(ctypes.Structure):
+    """Decode rows of a gated delta rule updating their states in the pool's slots (csrc/gated_delta.cpp)."""
+
+    _fields_ = [("isa", ctypes.c_int32), ("B", ctypes.c_int32), ("Hk", ctypes.c_int32), ("Hv", ctypes.c_int32),
+                ("dk", ctypes.c_int32), ("dv", ctypes.c_int32), ("x_bf16", ctypes.c_int32),
+                ("qkv_row_stride", ctypes.c_int64), ("q_offset", ctypes.c_int64), ("k_offset", ctypes.c_int64),
+                ("v_offset", ctypes.c_int64), ("qkv", ctypes.c_void_p), ("g", ctypes.c_void_p),
+                ("beta", ctypes.c_void_p), ("state", ctypes.c_void_p), ("read", ctypes.c_void_p),
+                ("write", ctypes.c_void_p), ("out", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True)
@@ -163,6 +174,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tm_paged_decode_attention.restype = ctypes.c_int
     lib.tm_paged_decode_attention.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmAttnArgs), ctypes.c_char_p,
                                               ctypes.c_int]
+    lib.tm_gated_delta_decode.restype = ctypes.c_int
+    lib.tm_gated_delta_decode.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmDeltaArgs), ctypes.c_char_p, ctypes.c_int]
     lib.tm_rotary_inplace.restype = ctypes.c_int
     lib.tm_rotary_inplace.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,

@@ -11,6 +11,9 @@ Used where every attention layer is one of transformers' softmax attentions that
 tiermoe.layers.paged_attention (not MLA, which attends from its latent), the model is on the CPU in fp32 or
 bf16, the kernels are built, and nothing needs gradients; `decode_attention_for` decides. Results equal SDPA's
 within fp32 rounding (scores summed in another order); bf16 rows are computed in fp32 and rounded once.
+The same object runs the decode step of Qwen3-Next's linear attention, the gated delta rule, on states kept in
+the pool's slots (`gated_delta`, csrc/gated_delta.cpp; tiermoe.layers.gated_delta_decode uses it): each state
+read where it lies and written once, not gathered, updated in a dozen torch passes and scattered back.
 Legend: T decode rows, H query heads, Hkv KV heads, d head dim, dv value dim, S pool slots.
 """
 
@@ -22,12 +25,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tiermoe.experts.kernels import Kernels, ThreadTeam, TmAttnArgs
+from tiermoe.experts.kernels import Kernels, ThreadTeam, TmAttnArgs, TmDeltaArgs
 from tiermoe.layers.mla_attention import MLAAttention
 from tiermoe.layers.ragged_step import RaggedStep
 
 # Multiply-adds below which the calling thread attends alone: waking the team costs more than it saves.
 TEAM_MIN_WORK = 1 << 20
+DELTA_MAX_HEAD_DIM = 512  # csrc/gated_delta.cpp's per-task arrays
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -67,6 +71,37 @@ class DecodeAttention:
         decode = step.groups[window].decode
         self.attend(q_THd, k_SHd, v_SHd, decode.tables, step.decode_pos, decode.lo, step.page_size, scale,
                     decode.keys, sinks_H, out_THd)
+
+    def takes_gated_delta(self, qkv: torch.Tensor, states: torch.Tensor) -> bool:
+        """Whether `gated_delta` computes these rows: CPU tensors, rows in fp32 / bf16, fp32 states, no gradient."""
+        return (qkv.device.type == "cpu" and qkv.dtype in _DTYPES and states.dtype == torch.float32
+                and states.is_contiguous() and max(states.shape[-2:]) <= DELTA_MAX_HEAD_DIM and not qkv.requires_grad)
+
+    def gated_delta(self, qkv_bC: torch.Tensor, key_heads: int, head_k_dim: int, g_bH: torch.Tensor,
+                    beta_bH: torch.Tensor, states_SHkv: torch.Tensor, read_b: torch.Tensor, write_b: torch.Tensor,
+                    out_bHv: torch.Tensor) -> None:
+        """One token of a gated delta rule per row (csrc/gated_delta.cpp): each row's state [Hv, dk, dv] read from
+        slot read[b] of `states` and its update written to slot write[b]; its output into out [b, Hv, dv].
+
+        qkv [b, C]: the row's q [Hk, dk], k [Hk, dk], v [Hv, dv] after the conv; g [b, Hv] log decays (fp32);
+        beta [b, Hv] in qkv's dtype; states fp32 contiguous; read / write [b] int64."""
+        b, Hv, dv = out_bHv.shape
+        qkv = qkv_bC.contiguous()
+        g, beta = g_bH.float().contiguous(), beta_bH.to(qkv.dtype).contiguous()
+        read, write = read_b.contiguous(), write_b.contiguous()
+        key_dim = key_heads * head_k_dim
+        if qkv.shape[1] != 2 * key_dim + Hv * dv or states_SHkv.shape[1:] != (Hv, head_k_dim, dv):
+            raise ValueError(f"gated delta shapes disagree: qkv {tuple(qkv.shape)}, states "
+                             f"{tuple(states_SHkv.shape)}, {key_heads} key heads of {head_k_dim}, out {tuple(out_bHv.shape)}")
+        args = TmDeltaArgs(isa=self.kernels.isa, B=b, Hk=key_heads, Hv=Hv, dk=head_k_dim, dv=dv,
+                           x_bf16=int(qkv.dtype == torch.bfloat16), qkv_row_stride=qkv.stride(0), q_offset=0,
+                           k_offset=key_dim, v_offset=2 * key_dim, qkv=qkv.data_ptr(), g=g.data_ptr(),
+                           beta=beta.data_ptr(), state=states_SHkv.data_ptr(), read=read.data_ptr(),
+                           write=write.data_ptr(), out=out_bHv.data_ptr())
+        team = self.team().handle if b * Hv * head_k_dim * dv >= TEAM_MIN_WORK else None
+        err = ctypes.create_string_buffer(256)
+        if self.kernels.lib.tm_gated_delta_decode(team, ctypes.byref(args), err, len(err)) != 0:
+            raise RuntimeError(err.value.decode())
 
     def rotate(self, x_THd: torch.Tensor, cos_Td: torch.Tensor, sin_Td: torch.Tensor) -> None:
         """transformers' rotary embedding (x * cos + rotate_half(x) * sin, with its roundings) applied to x [T, H, d]

@@ -7,9 +7,10 @@ succeeded. So a failed step leaves every state as it was (the engine re-runs par
 state per step beyond what the layer reads and writes anyway.
 
 The layer itself stays transformers' module, its class swapped for a subclass (`use_ragged_linear_attention`,
-weights and names untouched) whose forward runs the original forward once for all decode rows of the step (a
-batch of one token each, the states gathered from their slots) and once per longer segment, each with a
-`SlotStates` as its cache: the cache methods the original calls, on those slots.
+weights and names untouched) whose forward runs all decode rows of the step at once, their states updated where
+they lie (tiermoe.layers.gated_delta_decode, for modules laid out as Qwen3-Next's), and the original forward once
+per longer segment (and for decode rows of any other layout), with a `SlotStates` as its cache: the cache methods
+the original calls, on those slots.
 Legend: b sequences of one call, C conv channels, K conv kernel, H value heads, dk/dv head dims.
 """
 
@@ -20,7 +21,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from tiermoe.layers.gated_delta_decode import decode_rows, decodes_rows
 from tiermoe.layers.paged_attention import STEP_KWARG, PagedStepCache
+from tiermoe.layers.ragged_step import RowPart
 
 BANKS = 2  # tiermoe.placement.kv_layout counts them (LINEAR_STATE_BANKS)
 
@@ -132,8 +135,15 @@ class RaggedLinearAttention:
         step = kwargs.pop(STEP_KWARG, None)
         if step is None or not isinstance(cache, PagedStepCache):
             return super().forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-        outputs = []
-        for part in step.row_parts:
+        outputs, parts = [], step.row_parts
+        decode = RowPart(first_feed=0, b=step.num_decode, q=1, rows=slice(0, step.num_decode))
+        if decode.b and decodes_rows(self, cache.linear, [f.slot for f in step.feeds[:decode.b]]):
+            # every decode row at once, states updated in place (the decode runs split by past length matter
+            # to softmax attention only)
+            outputs.append(decode_rows(self, hidden_states[0, decode.rows], cache.linear, *step.state_rows(decode),
+                                       step.decode_attention))
+            parts = [p for p in parts if p.first_feed >= decode.b]
+        for part in parts:
             feeds = step.feeds[part.first_feed:part.first_feed + part.b]
             states = SlotStates(cache.linear, [f.slot for f in feeds], *step.state_rows(part))
             x = hidden_states[0, part.rows].unflatten(0, (part.b, part.q))  # [b, q, D]

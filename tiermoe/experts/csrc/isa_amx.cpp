@@ -13,6 +13,7 @@
 #include "generic_kernels.inc"
 #define TM_ATTN_DPBF16 1
 #include "decode_attention.inc"
+#include "gated_delta.inc"
 
 namespace {
 
@@ -187,7 +188,7 @@ void release_tiles(void) { _tile_release(); }
 
 const TmKernels kTable = {TM_ISA_AMX, wants_amx, scratch_amx, up_amx, down_amx, release_tiles,
                            transposed_generic, to_bf16_generic, transpose_group_generic,
-                           attend_scratch_floats, attend_task};
+                           attend_scratch_floats, attend_task, delta_task};
 
 }  // namespace
 

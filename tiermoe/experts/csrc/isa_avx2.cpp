@@ -4,11 +4,12 @@
 #define TM_GEN_MT 2
 #include "generic_kernels.inc"
 #include "decode_attention.inc"
+#include "gated_delta.inc"
 
 namespace {
 const TmKernels kTable = {TM_ISA_AVX2, wants_f32, scratch_generic, up_generic, down_generic, finish_nothing,
                            transposed_generic, to_bf16_generic, transpose_group_generic,
-                           attend_scratch_floats, attend_task};
+                           attend_scratch_floats, attend_task, delta_task};
 }
 
 extern "C" const TmKernels* tm_kernels_avx2(void) { return &kTable; }

@@ -12,6 +12,7 @@
 #include "generic_kernels.inc"
 #define TM_ATTN_DPBF16 1
 #include "decode_attention.inc"
+#include "gated_delta.inc"
 
 namespace {
 
@@ -179,7 +180,7 @@ int wants_bf16(int fmt, int) { return fmt == TM_BF16 ? TM_ROWS_BF16 : TM_ROWS_F3
 
 const TmKernels kTable = {TM_ISA_AVX512BF16, wants_bf16, scratch_generic, up_bf16, down_bf16, finish_nothing,
                            transposed_bf16, to_bf16_generic, transpose_group_generic,
-                           attend_scratch_floats, attend_task};
+                           attend_scratch_floats, attend_task, delta_task};
 
 }  // namespace
 

@@ -43,8 +43,9 @@ struct TmLayerArgs {
 
 namespace {
 
-constexpr int kAbiVersion = 4;  // 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp, paged attention, rotary;
-                                // 4: decode attention per ISA (TmAttnArgs.isa)
+constexpr int kAbiVersion = 5;  // 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp, paged attention, rotary;
+                                // 4: decode attention per ISA (TmAttnArgs.isa);
+                                // 5: the gated delta rule's decode step (TmKernels.delta)
 
 bool request_amx_permission() {
 #ifdef __linux__

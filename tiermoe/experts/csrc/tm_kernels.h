@@ -56,6 +56,23 @@ struct TmAttnArgs {
   void* out;              // [T, H, dv], contiguous
 };
 
+// Decode rows of a gated delta rule (Qwen3-Next's linear attention) updating their recurrent states between the
+// pool's banks (gated_delta.cpp has the semantics). One task is one (row, value head): task = b * Hv + h.
+struct TmDeltaArgs {
+  int32_t isa;  // the kernel table that computes the tasks
+  int32_t B, Hk, Hv, dk, dv;
+  int32_t x_bf16;                              // qkv, beta and out are bf16 (1) or fp32 (0)
+  int64_t qkv_row_stride;                      // elements between rows of qkv
+  int64_t q_offset, k_offset, v_offset;        // where a row's q [Hk, dk], k [Hk, dk] and v [Hv, dv] start
+  const void* qkv;
+  const float* g;                              // [B, Hv] log decay
+  const void* beta;                            // [B, Hv]
+  float* state;                                // [slots, Hv, dk, dv] fp32
+  const int64_t* read;                         // [B] the state slot each row reads
+  const int64_t* write;                        // [B] the slot it writes (may equal read)
+  void* out;                                   // [B, Hv, dv], contiguous
+};
+
 struct TmKernels {
   int isa;
   // Which row copies (TM_ROWS_* bits) this table wants for weights of `fmt` and M rows.
@@ -88,6 +105,8 @@ struct TmKernels {
   // Floats of per-thread scratch one decode-attention task needs, and one task (decode_attention.inc).
   size_t (*attend_scratch_floats)(const TmAttnArgs* a);
   void (*attend)(const TmAttnArgs* a, int task, float* scratch);
+  // One task of the gated delta rule's decode step (gated_delta.inc).
+  void (*delta)(const TmDeltaArgs* a, int task);
 };
 
 extern "C" {
