@@ -98,6 +98,26 @@ def test_cpu_backend_gets_exactly_the_cpu_pairs_on_another_thread(tiny_dir):
             assert thread != caller
 
 
+@pytest.mark.parametrize("arch, on_worker", [("qwen3_moe", False), ("deepseek_v3", True)])
+def test_an_all_cpu_layer_hands_its_experts_to_the_worker_only_to_overlap_shared_ones(arch, on_worker, tiny_dir):
+    """With every expert on the CPU tier and no shared experts there is nothing to run meanwhile: the CPU tier
+    computes on the calling thread (a hand-off costs two thread wake-ups a layer); with shared experts it runs on
+    the worker while they compute. Logits exact either way (test_any_mask_gives_reference_logits, all_cpu)."""
+    path = tiny_dir(arch)
+    with load_hybrid_model(path, None, dtype=torch.float32, progress=False) as hybrid:
+        threads = set()
+        for block in hybrid.blocks.values():
+            compute = block.cpu_tier._compute
+
+            def spy(x, ids, w, compute=compute):
+                threads.add(threading.get_ident())
+                return compute(x, ids, w)
+
+            block.cpu_tier._compute = spy
+        hybrid(input_ids=input_ids())
+    assert len(threads) == 1 and (threading.get_ident() not in threads) == on_worker
+
+
 def test_tier_bytes_equal_the_mask_share(tiny_dir):
     path = tiny_dir("qwen3_moe")
     spec = detect(load_config(path))

@@ -41,6 +41,8 @@ class CPUExpertBackend(Protocol):
 
     def start(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> Future: ...
 
+    def compute_here(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor: ...
+
     def add(self, expert: int, weights: ExpertWeights) -> None: ...
 
     def get(self, expert: int) -> ExpertWeights: ...
@@ -135,6 +137,13 @@ class ComputedOnWorker:
     def start(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> Future:
         """The same computation as a job of its own, outside submit/sync (the caller keeps its Future)."""
         return self.worker.submit(self._compute, x_TD, ids_TK, weights_TK)
+
+    def compute_here(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        """The same computation on the calling thread, for a caller with nothing to overlap with it: a job handed
+        to the worker and its result handed back cost two thread wake-ups (per MoE layer of a decode step)."""
+        if self._pending is not None:
+            raise RuntimeError("compute_here called while a submitted job is pending")
+        return self._compute(x_TD, ids_TK, weights_TK)
 
     def sync(self) -> torch.Tensor:
         pending, self._pending = self._pending, None

@@ -119,7 +119,10 @@ class HybridMoE(nn.Module):
 
     def _cpu_only(self, x_TD, ids_TK, weights_TK):
         """A layer whose routed experts are all on the CPU tier: every routed id goes to it as it is (no
-        ownership lookup, no masks, no GPU-tier call); the shared experts run while it computes."""
+        ownership lookup, no masks, no GPU-tier call); the shared experts run while it computes. With nothing to
+        run meanwhile (no shared experts) and the tokens already on the host, it computes on this thread."""
+        if len(self.cpu_tier) > 0 and self.spec.shared_kind == "none" and not self.crosses_to_host:
+            return self.cpu_tier.compute_here(x_TD, ids_TK, weights_TK), None
         if len(self.cpu_tier) > 0:
             self._submit_cpu(x_TD, ids_TK, weights_TK)
         try:
