@@ -134,5 +134,5 @@ def test_a_decode_step_neither_convolves_nor_gathers_recurrent_states(tiny_dir):
         engine.run_to_completion()
         linear = sum(kind == "linear_attention" for kind in llm.engine.model.config.layer_types)
     assert all(len(s.output_ids) == 4 for s in seqs)
-    assert ops.names["convolution"] == 0
+    assert ops.names["conv1d"] == 0
     assert ops.names["index_select"] == linear
