@@ -111,9 +111,10 @@ def test_decode_rows_equal_the_original_forward_over_the_slots(dtype, native):
     states = SlotStates(reference, rows, read, write)
     want = module(x[:, None], cache=states)[:, 0]
     states.finish(module.layer_idx)
-    got = decode_rows(module, x, slots, read, write, DecodeAttention(KERNELS, lambda: None) if native else None)
-    assert _close(got, want)
     layer = module.layer_idx
+    got = decode_rows(module, x, slots.conv[layer], slots.recurrent[layer], read, write,
+                      DecodeAttention(KERNELS, lambda: None) if native else None)
+    assert _close(got, want)
     assert torch.equal(slots.conv[layer], reference.conv[layer])  # the window, copied as transformers keeps it
     assert rel_err(slots.recurrent[layer], reference.recurrent[layer]) <= 1e-5
 

@@ -21,7 +21,6 @@ Results equal transformers' within fp32 rounding (sums in another order). Legend
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,24 +29,21 @@ from transformers.activations import ACT2FN
 
 from tiermoe.layers.decode_attention import DecodeAttention
 
-if TYPE_CHECKING:  # linear_attention_slots calls this module
-    from tiermoe.layers.linear_attention_slots import LinearStateSlots
-
 _PARTS = ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering", "conv1d", "A_log", "dt_bias", "norm",
           "out_proj")
 
 
-def decodes_rows(module: nn.Module, slots: LinearStateSlots, slot_ids: list[int]) -> bool:
-    """Whether `decode_rows` serves these rows: a module laid out as Qwen3-Next's, and states to continue from."""
-    return (all(hasattr(module, name) for name in _PARTS) and module.layer_idx in slots.conv
-            and module.layer_idx in slots.recurrent and all(slots.has_state[s] for s in slot_ids))
+def decodes_in_place(module: nn.Module) -> bool:
+    """Whether `decode_rows` serves this module: laid out as Qwen3-Next's gated DeltaNet."""
+    return all(hasattr(module, name) for name in _PARTS)
 
 
-def decode_rows(module: nn.Module, x_bD: torch.Tensor, slots: LinearStateSlots, read_b: torch.Tensor,
-                write_b: torch.Tensor, native: DecodeAttention | None) -> torch.Tensor:
-    """The layer's output [b, D] for one token per row; the rows' conv and recurrent states are read from slots
-    `read` and written to slots `write` ([b] int64 each, LinearStateSlots.indices)."""
-    b, layer = x_bD.shape[0], module.layer_idx
+def decode_rows(module: nn.Module, x_bD: torch.Tensor, conv_states: torch.Tensor, recurrent_states: torch.Tensor,
+                read_b: torch.Tensor, write_b: torch.Tensor, native: DecodeAttention | None) -> torch.Tensor:
+    """The layer's output [b, D] for one token per row; the rows' states are read from slots `read` and written
+    to slots `write` ([b] int64 each) of the layer's conv states [slots, C, K] and recurrent states
+    [slots, Hv, dk, dv] (tiermoe.layers.linear_attention_slots keeps them)."""
+    b = x_bD.shape[0]
     x = x_bD[:, None]  # [b, 1, D]: the sequence axis transformers' methods expect
     query, key, value, z, beta_logit, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(x),
                                                                                module.in_proj_ba(x))
@@ -55,9 +51,8 @@ def decode_rows(module: nn.Module, x_bD: torch.Tensor, slots: LinearStateSlots, 
     Hv, dv = value.shape[-2:]
     mixed_bC = torch.cat([query.reshape(b, -1), key.reshape(b, -1), value.reshape(b, -1)], dim=-1)
 
-    conv_store = slots.conv[layer]  # [2 slots, C, K]
-    window = torch.cat([conv_store.index_select(0, read_b)[..., 1:], mixed_bC[..., None]], dim=-1)
-    conv_store.index_copy_(0, write_b, window)
+    window = torch.cat([conv_states.index_select(0, read_b)[..., 1:], mixed_bC[..., None]], dim=-1)
+    conv_states.index_copy_(0, write_b, window)
     summed = (window.float() * module.conv1d.weight[:, 0].float()).sum(dim=-1)
     if module.conv1d.bias is not None:
         summed = summed + module.conv1d.bias.float()
@@ -65,7 +60,7 @@ def decode_rows(module: nn.Module, x_bD: torch.Tensor, slots: LinearStateSlots, 
 
     beta_bH = beta_logit.reshape(b, Hv).sigmoid()
     g_bH = -module.A_log.float().exp() * F.softplus(a.reshape(b, Hv).float() + module.dt_bias)
-    states = slots.recurrent[layer]  # [2 slots, Hv, dk, dv]
+    states = recurrent_states
     if native is not None and native.takes_gated_delta(qkv_bC, states):
         core = torch.empty((b, Hv, dv), dtype=qkv_bC.dtype, device=qkv_bC.device)
         native.gated_delta(qkv_bC, Hk, dk, g_bH, beta_bH, states, read_b, write_b, core)

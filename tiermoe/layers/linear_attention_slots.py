@@ -21,7 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from tiermoe.layers.gated_delta_decode import decode_rows, decodes_rows
+from tiermoe.layers.gated_delta_decode import decode_rows, decodes_in_place
 from tiermoe.layers.paged_attention import STEP_KWARG, PagedStepCache
 from tiermoe.layers.ragged_step import RowPart
 
@@ -56,6 +56,10 @@ class LinearStateSlots:
 
     def nbytes(self) -> int:
         return sum(t.nbytes for store in (self.conv, self.recurrent) for t in store.values())
+
+    def continues(self, layer: int, slots: list[int]) -> bool:
+        """Whether every sequence in `slots` has states of `layer` to continue from."""
+        return layer in self.conv and layer in self.recurrent and all(self.has_state[s] for s in slots)
 
     def conv_store(self, layer: int, like: torch.Tensor) -> torch.Tensor:
         """Layer `layer`'s conv states [2 * slots, C, K], reserved on first use like `like` [b, C, K]."""
@@ -137,11 +141,12 @@ class RaggedLinearAttention:
             return super().forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
         outputs, parts = [], step.row_parts
         decode = RowPart(first_feed=0, b=step.num_decode, q=1, rows=slice(0, step.num_decode))
-        if decode.b and decodes_rows(self, cache.linear, [f.slot for f in step.feeds[:decode.b]]):
+        linear, layer = cache.linear, self.layer_idx
+        if decode.b and decodes_in_place(self) and linear.continues(layer, [f.slot for f in step.feeds[:decode.b]]):
             # every decode row at once, states updated in place (the decode runs split by past length matter
             # to softmax attention only)
-            outputs.append(decode_rows(self, hidden_states[0, decode.rows], cache.linear, *step.state_rows(decode),
-                                       step.decode_attention))
+            outputs.append(decode_rows(self, hidden_states[0, decode.rows], linear.conv[layer], linear.recurrent[layer],
+                                       *step.state_rows(decode), step.decode_attention))
             parts = [p for p in parts if p.first_feed >= decode.b]
         for part in parts:
             feeds = step.feeds[part.first_feed:part.first_feed + part.b]
