@@ -1,5 +1,6 @@
 """The adaptive policy's forecasts: how far to trust the served counts over the calibration (shrunk_shares), how much
-of a deviation carries over (PersistenceFit), and the prompts being served as a forecast of their decode (PromptEvidence).
+of a deviation carries over to later passes, scored out of sample (CarryOver, PersistenceFit), and the prompts being
+served as a forecast of their decode (PromptEvidence).
 
 Why the prompt: on real routing (docs/traces.md, BENCHMARKS.md "cross-task") per-request popularity dominates: a
 hot set calibrated on another task is about as good as a random one, and a per-request oracle beats the best
