@@ -3,8 +3,10 @@ task (intent), one token a step, costed with DeepSeek-V2-Lite's experts. An LFU 
 quickly there. The policy tiermoe ships beats LRU and LFU in estimated time (the previous one, which learned once per
 2048 tokens whether to follow the workload, stayed near the calibration's placement: 5-17 points below both).
 Not >= LFU in hit rate over these first 602 tokens: a lasting swap is valued at the cautious end of the served
-rates (so that a workload like its calibration is not chased), which holds it back by 0.6-0.9 points here while it
-pays a third of LFU's copies; over the whole traces it is within 0.1 point of LFU (BENCHMARKS.md, cross-layer)."""
+rates, and a deviation from the calibration is followed only once it carried over to later passes (about 30 tokens
+here), so that a workload like its calibration is not chased; that holds it back by 0.7-1.0 points here (0.6-0.9
+before the carry-over check) while it pays a third of LFU's copies; over the whole traces it is within 0.1 point
+of LFU (BENCHMARKS.md, cross-layer)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The adaptive policy's forecasts: how far to trust the served counts over the calibration (shrunk_shares), how much
-of a deviation carries over (PersistenceFit), and the prompts being served as a forecast of their decode (PromptEvidence).
+of a deviation carries over to later passes, scored out of sample (CarryOver, PersistenceFit), and the prompts being
+served as a forecast of their decode (PromptEvidence).
 
 Why the prompt: on real routing (docs/traces.md, BENCHMARKS.md "cross-task") per-request popularity dominates: a
 hot set calibrated on another task is about as good as a random one, and a per-request oracle beats the best
@@ -17,20 +18,68 @@ import torch
 
 class PersistenceFit:
     """One regression slope through the origin, target on regressor, read at the lower end of its confidence
-    interval: how much of a deviation carries over, counted only once the evidence says so. In [0, 1]."""
+    interval: how much of a deviation carries over, counted only once the evidence says so. In [0, 1].
 
-    def __init__(self):
+    The slope's variance is taken as were there nothing to carry (sum of (x y)^2), or with `residual` from what
+    the slope leaves unexplained (sum of x^2 (y - slope x)^2, the sandwich estimate): the same while nothing
+    carries over, but it does not count a deviation that plainly carries as noise, so the lower end approaches
+    the slope instead of staying below it by the deviation's own spread."""
+
+    def __init__(self, residual: bool = False):
+        self.residual = residual
         self.cov = self.var = self.noise = 0.0
+        self._x3y = self._x4 = 0.0  # for the residual variance: sum x^3 y and sum x^4
 
     def add(self, regressor: torch.Tensor, target: torch.Tensor) -> None:
         self.cov += float((regressor * target).sum())
         self.var += float((regressor * regressor).sum())
         self.noise += float((regressor * target).pow(2).sum())  # variance of cov were there nothing to carry
+        if self.residual:
+            self._x3y += float((regressor.pow(3) * target).sum())
+            self._x4 += float(regressor.pow(4).sum())
 
     def slope(self, z_score: float) -> float:
         if self.var <= 0:
             return 0.0
-        return min(1.0, max(0.0, (self.cov - z_score * self.noise ** 0.5) / self.var))
+        b = self.cov / self.var
+        spread = self.noise - 2 * b * self._x3y + b * b * self._x4 if self.residual else self.noise
+        return min(1.0, max(0.0, b - z_score * max(spread, 0.0) ** 0.5 / self.var))
+
+
+class CarryOver:
+    """How much of a deviation from a base forecast carries over to a later, disjoint stretch of passes (out of
+    sample: the stretch's routing played no part in the deviation), as a PersistenceFit slope. The stretch is
+    `stretch` tokens, or passes with `in_passes` (a pass is one more position of every request decoding, whatever
+    the batch). One forecast is open at a time (overlapping ones would overstate the evidence): opened with the
+    deviation and the base it departs from, scored against the routed pairs per token of the passes after it."""
+
+    def __init__(self, stretch: float, in_passes: bool = False, residual: bool = False):
+        self.stretch, self.in_passes = stretch, in_passes
+        self.fit = PersistenceFit(residual)
+        self._open: list | None = None  # [deviation, base, counts, tokens, stretch so far]
+
+    @property
+    def is_open(self) -> bool:
+        return self._open is not None
+
+    def open(self, deviation_LE: torch.Tensor, base_LE: torch.Tensor) -> None:
+        self._open = [deviation_LE, base_LE, torch.zeros_like(base_LE), 0.0, 0.0]
+
+    def score(self, counts_LE: torch.Tensor, num_tokens: int) -> None:
+        """A pass served after the open forecast (call it before the pass moves the next forecast)."""
+        if self._open is None:
+            return
+        self._open[2] += counts_LE
+        self._open[3] += num_tokens
+        self._open[4] += 1 if self.in_passes else num_tokens
+        if self._open[4] >= self.stretch:
+            deviation, base, counts, tokens, _ = self._open
+            self.fit.add(deviation, counts / tokens - base)
+            self._open = None
+
+    def weight(self, z_score: float) -> float:
+        """The carried share, at the lower end of its `z_score` interval: 0 until the evidence shows it."""
+        return self.fit.slope(z_score)
 
 
 def shrunk_shares(counts_LE: torch.Tensor, prior_share_LE: torch.Tensor, z_score: float,

@@ -1,0 +1,109 @@
+"""The estimate of `tiermoe bench placement --routing-trace` on an ESFT trace, replayed without the model: in seconds
+instead of 11-20 minutes, for checking a policy change against the real-size run (issue 23, honest default).
+
+The workload is formed as the bench forms it (tiermoe.analysis.trace_workload): the model's 4 MoE layers replay trace
+layers 1, 9, 18, 26; the trace's even requests calibrate (their counts), the first `--served` odd ones are served
+`--concurrency` at a time, each with a 1-token prompt (its first token; ESFT requests have no prompt) in the first
+pass, then one token a step. Each pass goes through the same estimate (placement_traffic, pass_seconds_P) with the
+cost model the recorded run fitted: the `calibration` block of its --out JSON (CPU tier, host costs, model costs)
+and its GPU profile. On the recorded workload it gives the run's figures exactly (frequency and adaptive, every
+ratio, both profiles), so what differs after a policy change is the policy.
+
+    PYTHONPATH=$PWD python benchmarks/replay_trace_placement.py \
+        --trace ../shared/routing-data/esft-deepseek-v2-lite/trace_law.txt \
+        --result benchmarks/results/placement_esft_law_rtx4090.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from tiermoe.analysis.placement_traffic import pass_shapes, placement_traffic
+from tiermoe.config import AdaptiveSettings
+from tiermoe.placement.model_costs import ModelCosts, OpCount
+from tiermoe.placement.pass_cost import HostCosts, PassCostModel
+from tiermoe.placement.profiles import load_profile
+from tiermoe.placement.tier_time import TierFit
+from tiermoe.stats.trace_convert import read_routing
+
+
+def recorded_cost_model(result: dict) -> PassCostModel:
+    """The cost model a `bench placement` run estimated with, from its --out JSON."""
+    fit = result["calibration"]
+    model = dict(fit["model"])
+    for unit in ("per_sequence", "per_layer", "per_cpu_call", "per_expert"):
+        model[unit] = OpCount(**model[unit])
+    host = HostCosts(**{k: fit["host"][k] for k in ("op_seconds", "step_seconds", "sequence_seconds")})
+    return PassCostModel(load_profile(result["gpu_profile"]["name"]), ModelCosts(**model),
+                         TierFit(**fit["cpu_backend"]), host)
+
+
+def bench_workload(trace: dict, layers: list[int], served: int, calibration: int, concurrency: int):
+    """(pass shapes of the served requests, calibration counts [1 + MoE layers, E]) as the bench forms them."""
+    columns = [list(trace["moe_layers"]).index(x) for x in layers]
+    ids = trace["topk_ids"][:, columns]
+    request, position = trace["token_request"].long(), trace["token_position"].long()
+    order = list(dict.fromkeys(request.tolist()))
+    m, e = len(layers), int(trace["num_experts"])
+    counts = torch.zeros(m + 1, e, dtype=torch.float64)  # row 0: the model's dense first layer
+    for r in order[0::2][:calibration]:
+        for col in range(m):
+            counts[col + 1] += torch.bincount(ids[request == r][:, col].flatten(), minlength=e).double()
+    length = {r: int(position[request == r].max()) + 1 for r in order[1::2][:served]}
+    rows, running, waiting, step = [], {}, list(length), 0  # (pass, request, position), admitted as slots free
+    while waiting or running:
+        while waiting and len(running) < concurrency:
+            running[waiting.pop(0)] = 0
+        for r in list(running):
+            rows.append((step, r, running[r]))
+            running[r] += 1
+            if running[r] == length[r]:
+                del running[r]
+        step += 1
+    row_of = {(r, p): n for n, (r, p) in enumerate(zip(request.tolist(), position.tolist()))}
+    pick = torch.tensor([row_of[(r, p)] for _, r, p in rows])
+    served_trace = {"token_pass": torch.tensor([s for s, _, _ in rows]), "token_request": request[pick],
+                    "token_position": position[pick], "token_is_prefill": position[pick] == 0,
+                    "topk_ids": ids[pick], "moe_layers": list(range(1, m + 1)), "num_layers": m + 1,
+                    "num_experts": e}
+    return pass_shapes(served_trace), counts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", required=True, help="an ESFT trace_<task>.txt")
+    ap.add_argument("--result", required=True, help="a `bench placement --routing-trace` --out JSON (its cost model)")
+    ap.add_argument("--layers", default="1,9,18,26", help="trace layers the model's MoE layers replay")
+    ap.add_argument("--served", type=int, default=8)
+    ap.add_argument("--calibration", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--ratios", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9")
+    args = ap.parse_args()
+    result = json.loads(Path(args.result).read_text())
+    cost = recorded_cost_model(result)
+    shapes, counts = bench_workload(read_routing(Path(args.trace), "esft-trace"),
+                                    [int(x) for x in args.layers.split(",")], args.served, args.calibration,
+                                    args.concurrency)
+    settings = AdaptiveSettings(**result["setup"]["adaptive"])  # as the run recorded them
+    output = int(shapes.output_tokens_P.sum())
+    print(f"{shapes.num_passes} passes, {output} output tokens; GPU profile {cost.profile.name} (ESTIMATE)\n")
+    print("| ratio | frequency hit | frequency tok/s | adaptive hit | adaptive tok/s | vs frequency | swaps "
+          "| MB copied |")
+    print("|---|---|---|---|---|---|---|---|")
+    for ratio in (float(x) for x in args.ratios.split(",")):
+        cells = {}
+        for strategy in ("frequency", "adaptive"):
+            traffic = placement_traffic(shapes, strategy, ratio, counts, cost, None, settings)
+            cells[strategy] = (traffic, output / float(cost.pass_seconds_P(shapes, traffic).sum()))
+        (freq, f_tps), (adapt, a_tps) = cells["frequency"], cells["adaptive"]
+        copied = adapt.copied_experts() * cost.model.bytes_per_expert / 1e6
+        print(f"| {ratio:.0%} | {freq.hit_rate:.1%} | {f_tps:.1f} | {adapt.hit_rate:.1%} | {a_tps:.1f} | "
+              f"{a_tps / f_tps - 1:+.1%} | {adapt.swaps()} | {copied:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
