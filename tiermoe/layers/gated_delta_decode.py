@@ -60,7 +60,7 @@ def decode_rows(module: nn.Module, x_bD: torch.Tensor, conv_states: torch.Tensor
 
     beta_bH = beta_logit.reshape(b, Hv).sigmoid()
     g_bH = -module.A_log.float().exp() * F.softplus(a.reshape(b, Hv).float() + module.dt_bias)
-    states = recurrent_states
+    states = recurrent_states  # [slots, Hv, dk, dv], fp32 as transformers keeps them
     if native is not None and native.takes_gated_delta(qkv_bC, states):
         core = torch.empty((b, Hv, dv), dtype=qkv_bC.dtype, device=qkv_bC.device)
         native.gated_delta(qkv_bC, Hk, dk, g_bH, beta_bH, states, read_b, write_b, core)
