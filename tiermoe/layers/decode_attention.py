@@ -31,7 +31,7 @@ from tiermoe.layers.ragged_step import RaggedStep
 
 # Multiply-adds below which the calling thread attends alone: waking the team costs more than it saves.
 TEAM_MIN_WORK = 1 << 20
-DELTA_MAX_HEAD_DIM = 512  # csrc/gated_delta.cpp's per-task arrays
+DELTA_MAX_HEAD_DIM = 512  # csrc/tm_kernels.h TM_DELTA_MAX_DIM: the native rule refuses larger head dims
 _DTYPES = (torch.float32, torch.bfloat16)
 
 

@@ -60,17 +60,17 @@ def decode_rows(module: nn.Module, x_bD: torch.Tensor, conv_states: torch.Tensor
 
     beta_bH = beta_logit.reshape(b, Hv).sigmoid()
     g_bH = -module.A_log.float().exp() * F.softplus(a.reshape(b, Hv).float() + module.dt_bias)
-    states = recurrent_states  # [slots, Hv, dk, dv], fp32 as transformers keeps them
-    if native is not None and native.takes_gated_delta(qkv_bC, states):
+    if native is not None and native.takes_gated_delta(qkv_bC, recurrent_states):
         core = torch.empty((b, Hv, dv), dtype=qkv_bC.dtype, device=qkv_bC.device)
-        native.gated_delta(qkv_bC, Hk, dk, g_bH, beta_bH, states, read_b, write_b, core)
+        native.gated_delta(qkv_bC, Hk, dk, g_bH, beta_bH, recurrent_states, read_b, write_b, core)
     else:
         q, k, v = torch.split(qkv_bC, [Hk * dk, Hk * dk, Hv * dv], dim=-1)
         rule = _transformers_recurrent_rule(module)
         core, state = rule(q.reshape(b, 1, Hk, dk), k.reshape(b, 1, Hk, dk), v.reshape(b, 1, Hv, dv),
-                           g=g_bH[:, None], beta=beta_bH[:, None], initial_state=states.index_select(0, read_b),
-                           output_final_state=True, use_qk_l2norm_in_kernel=True)
-        states.index_copy_(0, write_b, state.to(states.dtype))
+                           g=g_bH[:, None], beta=beta_bH[:, None],
+                           initial_state=recurrent_states.index_select(0, read_b), output_final_state=True,
+                           use_qk_l2norm_in_kernel=True)
+        recurrent_states.index_copy_(0, write_b, state.to(recurrent_states.dtype))
     core = module.norm(core.reshape(b * Hv, dv), z.reshape(b * Hv, dv))
     return module.out_proj(core.reshape(b, Hv * dv))
 

@@ -2,6 +2,7 @@
 // scalar conversions between bf16 and fp32. Never included by an ISA unit (see tm_kernels.h); static inline, so
 // each including unit keeps its own copy.
 #pragma once
+#include <cstdio>
 #include <cstring>
 
 #include "tm_kernels.h"
@@ -28,6 +29,12 @@ static inline uint16_t tm_f32_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Writes `msg` into the caller's error buffer (may be null) and returns the entry points' failure status.
+static inline int tm_fail(char* err, int errlen, const char* msg) {
+  if (err && errlen > 0) std::snprintf(err, errlen, "%s", msg);
+  return 1;
 }
 
 static inline size_t tm_align64(size_t n) { return (n + 63) & ~size_t(63); }

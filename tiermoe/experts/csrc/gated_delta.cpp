@@ -7,15 +7,12 @@
 // about a dozen passes over it (each op a full read and write) and scatters it back; here each state is read
 // where it lies and written once. Tasks are (row, value head) pairs, on the team when given.
 // Legend: B rows, Hk key heads, Hv value heads, dk key dim, dv value dim.
-#include <cstdio>
 #include <mutex>
 
 #include "dispatch.h"
 #include "team.h"
 
 namespace {
-
-constexpr int kMaxHeadDim = 512;  // gated_delta.inc's per-task arrays
 
 struct DeltaCtx {
   const TmDeltaArgs* a;
@@ -27,11 +24,6 @@ void run_delta(void* ctx, int /*phase*/, int task, int /*tid*/) {
   c.k->delta(c.a, task);
 }
 
-int fail(char* err, int errlen, const char* msg) {
-  if (err && errlen > 0) std::snprintf(err, errlen, "%s", msg);
-  return 1;
-}
-
 }  // namespace
 
 extern "C" {
@@ -40,9 +32,9 @@ extern "C" {
 int tm_gated_delta_decode(void* team, const TmDeltaArgs* args, char* err, int errlen) {
   const TmDeltaArgs& a = *args;
   if (a.B < 0 || a.Hk < 1 || a.Hv < 1 || a.Hv % a.Hk != 0 || a.dk < 1 || a.dv < 1)
-    return fail(err, errlen, "gated delta shapes must be positive, with value heads a multiple of key heads");
-  if (a.dk > kMaxHeadDim || a.dv > kMaxHeadDim)
-    return fail(err, errlen, "gated delta head dims above 512 are not supported by the native kernel");
+    return tm_fail(err, errlen, "gated delta shapes must be positive, with value heads a multiple of key heads");
+  if (a.dk > TM_DELTA_MAX_DIM || a.dv > TM_DELTA_MAX_DIM)
+    return tm_fail(err, errlen, "gated delta head dims above 512 are not supported by the native kernel");
   if (a.B == 0) return 0;
   DeltaCtx ctx{args, tm_table(a.isa)};
   if (team == nullptr) {

@@ -8,7 +8,6 @@
 // read. The tasks run the vector code of the ISA the caller chose (decode_attention.inc, in every ISA's table).
 // Legend: T rows, H query heads, Hkv KV heads, d key dim, dv value dim, P page size, S slots.
 #include <cstdint>
-#include <cstdio>
 #include <mutex>
 #include <vector>
 
@@ -28,11 +27,6 @@ void run_task(void* ctx, int /*phase*/, int task, int tid) {
   c.k->attend(c.a, task, (float*)c.team->scratch(tid).data());
 }
 
-int fail(char* err, int errlen, const char* msg) {
-  if (err && errlen > 0) std::snprintf(err, errlen, "%s", msg);
-  return 1;
-}
-
 }  // namespace
 
 extern "C" {
@@ -41,7 +35,7 @@ extern "C" {
 int tm_paged_decode_attention(void* team, const TmAttnArgs* args, char* err, int errlen) {
   const TmAttnArgs& a = *args;
   if (a.T < 0 || a.H < 1 || a.Hkv < 1 || a.H % a.Hkv != 0 || a.d < 1 || a.dv < 1 || a.page_size < 1)
-    return fail(err, errlen, "attention shapes must be positive, with query heads a multiple of KV heads");
+    return tm_fail(err, errlen, "attention shapes must be positive, with query heads a multiple of KV heads");
   if (a.T == 0) return 0;
   const TmKernels* k = tm_table(a.isa);
   const size_t floats = k->attend_scratch_floats(args);
@@ -63,7 +57,7 @@ int tm_paged_decode_attention(void* team, const TmAttnArgs* args, char* err, int
     job.ctx = &ctx;
     t.run(job, /*pin=*/false);
   } catch (const std::bad_alloc&) {
-    return fail(err, errlen, "out of memory for decode attention scratch");
+    return tm_fail(err, errlen, "out of memory for decode attention scratch");
   }
   return 0;
 }

@@ -56,6 +56,8 @@ struct TmAttnArgs {
   void* out;              // [T, H, dv], contiguous
 };
 
+enum { TM_DELTA_MAX_DIM = 512 };  // the gated delta rule's largest key / value head dim (per-task arrays)
+
 // Decode rows of a gated delta rule (Qwen3-Next's linear attention) updating their recurrent states between the
 // pool's banks (gated_delta.cpp has the semantics). One task is one (row, value head): task = b * Hv + h.
 struct TmDeltaArgs {
