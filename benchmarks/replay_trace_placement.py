@@ -24,6 +24,7 @@ import torch
 
 from tiermoe.analysis.placement_traffic import pass_shapes, placement_traffic
 from tiermoe.config import AdaptiveSettings
+from tiermoe.errors import TiermoeError
 from tiermoe.placement.model_costs import ModelCosts, OpCount
 from tiermoe.placement.pass_cost import HostCosts, PassCostModel
 from tiermoe.placement.profiles import load_profile
@@ -83,18 +84,33 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--ratios", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9")
     args = ap.parse_args()
-    result = json.loads(Path(args.result).read_text())
-    cost = recorded_cost_model(result)
-    shapes, counts = bench_workload(read_routing(Path(args.trace), "esft-trace"),
-                                    [int(x) for x in args.layers.split(",")], args.served, args.calibration,
-                                    args.concurrency)
+    if min(args.served, args.calibration, args.concurrency) < 1:
+        ap.error("--served, --calibration and --concurrency must be positive")
+    try:
+        layers = [int(x) for x in args.layers.split(",")]
+        ratios = [float(x) for x in args.ratios.split(",")]
+    except ValueError:
+        ap.error("--layers takes comma-separated integers and --ratios comma-separated numbers, e.g. 0.1,0.5")
+    try:
+        result = json.loads(Path(args.result).read_text())
+        cost = recorded_cost_model(result)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        ap.error(f"--result {args.result}: not a readable `bench placement --routing-trace` --out JSON ({e!r})")
+    try:
+        trace = read_routing(Path(args.trace), "esft-trace")
+    except (OSError, TiermoeError) as e:
+        ap.error(f"--trace {args.trace}: {e}")
+    unknown = sorted(set(layers) - {int(x) for x in trace["moe_layers"]})
+    if unknown:
+        ap.error(f"--layers {unknown} are not MoE layers of the trace (it has {list(trace['moe_layers'])})")
+    shapes, counts = bench_workload(trace, layers, args.served, args.calibration, args.concurrency)
     settings = AdaptiveSettings(**result["setup"]["adaptive"])  # as the run recorded them
     output = int(shapes.output_tokens_P.sum())
     print(f"{shapes.num_passes} passes, {output} output tokens; GPU profile {cost.profile.name} (ESTIMATE)\n")
     print("| ratio | frequency hit | frequency tok/s | adaptive hit | adaptive tok/s | vs frequency | swaps "
           "| MB copied |")
     print("|---|---|---|---|---|---|---|---|")
-    for ratio in (float(x) for x in args.ratios.split(",")):
+    for ratio in ratios:
         cells = {}
         for strategy in ("frequency", "adaptive"):
             traffic = placement_traffic(shapes, strategy, ratio, counts, cost, None, settings)
