@@ -83,6 +83,13 @@ def test_a_step_reads_each_sequences_visible_pages_and_writes_its_new_slots():
     assert _visible(sliding.parts[0].mask[0, 0]) == [[False] + [True] * 8 + [False] * 3]
     with pytest.raises(ValueError, match="freed"):  # a visible position on a page handed back
         RaggedStep([SeqFeed(6, 1, {8: [-1, 7]})], 4, {0: 8}, torch.device("cpu"), torch.float32)
+    # attending in place: A's table with its freed page (before the window, never read) as the zero page
+    in_place = RaggedStep(feeds, 4, {0: None, 1: 8}, torch.device("cpu"), torch.float32, decode_attention=object())
+    assert in_place.groups[8].decode.tables.tolist() == [[0, 7, 9, 10]]
+    assert in_place.groups[8].decode.lo.tolist() == [5] and in_place.groups[8].write_index.tolist() == [40, 12, 13, 14]
+    with pytest.raises(ValueError, match="freed"):
+        RaggedStep([SeqFeed(6, 1, {8: [-1, 7]})], 4, {0: 8}, torch.device("cpu"), torch.float32,
+                   decode_attention=object())
 
 
 def test_decode_rows_of_similar_lengths_attend_together_padded_with_the_zero_page():

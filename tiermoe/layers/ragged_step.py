@@ -151,8 +151,9 @@ class RaggedStep:
 
     def _group(self, window: int | None, device: torch.device, mask_dtype: torch.dtype) -> GroupIndex:
         size, low = self.page_size, torch.finfo(mask_dtype).min
-        tables = [torch.tensor(f.pages[window], dtype=torch.long) for f in self.feeds]
-        write = [self._slots(t, f.past, f.past + f.new) for t, f in zip(tables, self.feeds)]
+        # host arithmetic on the page lists: per decode row one slot, where torch would dispatch a few ops a row
+        write = [f.pages[window][p // size] * size + p % size
+                 for f in self.feeds for p in range(f.past, f.past + f.new)]
         read, parts = [], []
         for part in self.row_parts[self.first_gathered:]:
             rows = range(part.first_feed, part.first_feed + part.b)
@@ -162,7 +163,7 @@ class RaggedStep:
             first_read = sum(len(r) for r in read)
             k_pos, q_pos = [], []
             for i, (first, end) in zip(rows, spans):
-                pages = tables[i][first:end]
+                pages = torch.tensor(self.feeds[i].pages[window][first:end], dtype=torch.long)
                 if bool((pages < 0).any()):
                     raise ValueError(f"a query of this step sees a page the pool has already freed (window {window})")
                 read.append(torch.cat([pages, torch.zeros(width - len(pages), dtype=torch.long)]))
@@ -178,7 +179,7 @@ class RaggedStep:
             # per step, not in the buffers (see the module docstring)
             mask = torch.zeros(visible.shape, dtype=mask_dtype).masked_fill_(~visible, low)[:, None].to(device)
             parts.append(PartKeys(first_read, first_read + part.b * width, mask))
-        write_index = self._stage(("write_index", window), torch.cat(write))
+        write_index = self._stage(("write_index", window), torch.tensor(write, dtype=torch.long))
         read_pages = self._stage(("read_pages", window), torch.cat(read) if read else torch.zeros(0, dtype=torch.long))
         decode = self._decode_index(window) if self.decode_attention is not None else None
         return GroupIndex(write_index, read_pages, tuple(parts), decode)
@@ -196,19 +197,14 @@ class RaggedStep:
         ends = [self.feeds[i].past // size + 1 for i in rows]  # pages up to each row's query
         width, out = max(ends), []
         for i in rows:  # host lists: the table's bytes are copied once, into the step buffer
-            pages = self.feeds[i].pages[window][:ends[i]]
-            if any(p < 0 for p in pages[lo[i] // size:]):
+            first = lo[i] // size
+            visible = self.feeds[i].pages[window][first:ends[i]]
+            if min(visible) < 0:
                 raise ValueError(f"a query of this step sees a page the pool has already freed (window {window})")
-            out.append([max(p, 0) for p in pages] + [0] * (width - ends[i]))  # pages before the window: never read
+            out.append([0] * first + visible + [0] * (width - ends[i]))  # pages before the window: never read
         keys = sum(self.feeds[i].past + 1 - lo[i] for i in rows)
         return DecodeIndex(self._stage(("tables", window), torch.tensor(out, dtype=torch.long)),
                            self._stage(("lo", window), torch.tensor(lo, dtype=torch.int32)), keys)
-
-    def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Pool slots of positions [start, end) of a sequence whose page table is `table`."""
-        positions = torch.arange(start, end)
-        return table[positions // self.page_size] * self.page_size + positions % self.page_size
-
 
 def _first_visible(past: int, window: int | None) -> int:
     """The first key position any of a sequence's queries this step sees (its first query is at `past`)."""
