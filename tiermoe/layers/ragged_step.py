@@ -206,6 +206,7 @@ class RaggedStep:
         return DecodeIndex(self._stage(("tables", window), torch.tensor(out, dtype=torch.long)),
                            self._stage(("lo", window), torch.tensor(lo, dtype=torch.int32)), keys)
 
+
 def _first_visible(past: int, window: int | None) -> int:
     """The first key position any of a sequence's queries this step sees (its first query is at `past`)."""
     return 0 if window is None else max(0, past - window + 1)
