@@ -14,6 +14,8 @@ from tiermoe.engine.sampling import SamplingParams
 from tiermoe.placement.adaptive_policy import AdaptivePolicy, AdaptiveSettings
 from tiermoe.placement.pass_cost import expert_cost_model
 from tiermoe.placement.policies import Swap
+from tiermoe.placement.profiles import GPUProfile
+from tiermoe.placement.tier_time import TierFit
 
 PROMPTS = [list(range(5, 30)), [40, 41, 42]]
 
@@ -46,6 +48,20 @@ def test_a_cold_layers_gpu_slot_goes_to_a_hot_expert_of_another_layer():
         after[s.layer, s.expert_in], after[s.out_layer, s.expert_out] = True, False
     assert int(after.sum()) == int(mask.sum())  # the total budget stays
     assert all(s.layer_out is None and s.layer == 0 for s in within.propose(mask, idle))  # layer 1 gets nothing
+
+
+def test_no_swap_where_the_gpu_tier_is_slower_per_expert_than_the_cpu_tier():
+    # the GPU tier on a CPU (--gpu-profile this-cpu): an expert costs it more than the CPU tier's kernels, so the
+    # difference is no saving and hot experts are not swapped out for cold ones
+    slow_gpu = GPUProfile("slow", memory_bandwidth=1e9, compute_flops=1e10, pcie_bandwidth=1e10, launch_overhead=1e-5)
+    fast_cpu = TierFit(1e-4, 1e-6, 0.0, 0.0, 0)
+    cost = expert_cost_model(1 << 20, 2e6, gpu=slow_gpu, cpu=fast_cpu)
+    prior = torch.tensor([[10.0, 9.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    mask = torch.tensor([[True, True, False, False], [False, False, False, False]])
+    policy = AdaptivePolicy(2, 4, cost, AdaptiveSettings(cross_layer=True), prior)
+    _serve(policy, 300)
+    assert float(policy.saving_per_token(policy.rates()).min()) == 0.0
+    assert policy.propose(mask, torch.zeros(2, 4, dtype=torch.bool)) == []
 
 
 class OneSwap:

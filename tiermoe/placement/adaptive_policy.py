@@ -189,7 +189,13 @@ class AdaptivePolicy:
 
     def saving_per_token(self, rate_LE: torch.Tensor) -> torch.Tensor:
         """Expected seconds saved per token [L, E] by having each expert on the GPU tier, over the recent passes:
-        a pass of n tokens touches an expert of rate r with chance 1 - (1 - r)^n and routes n r pairs to it."""
+        a pass of n tokens touches an expert of rate r with chance 1 - (1 - r)^n and routes n r pairs to it.
+
+        Never below 0: where the GPU tier computes an expert slower than the CPU tier (the GPU tier on a CPU:
+        `--gpu-profile this-cpu`), the difference alone would value moving hot experts *off* it, but the two
+        tiers run side by side and a pass waits for the slower one, so the extra CPU-tier load costs more than the
+        difference saves (measured: such swaps fell 9-47% below frequency at 10-30% GPU ratio; BENCHMARKS.md).
+        Clamped, the policy keeps the placement it starts from there."""
         total = torch.zeros_like(rate_LE)
         tokens = 0.0
         for n, weight in self._mix.items():
@@ -198,7 +204,7 @@ class AdaptivePolicy:
             total += weight * (self.cost.expert_seconds(False, touched, pairs)
                                - self.cost.expert_seconds(True, touched, pairs))
             tokens += weight * n
-        return total / tokens if tokens else total
+        return (total / tokens if tokens else total).clamp(min=0.0)
 
     def propose(self, mask_LE: torch.Tensor, busy_LE: torch.Tensor) -> list[Swap]:
         s = self.settings
