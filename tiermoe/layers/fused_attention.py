@@ -45,8 +45,11 @@ class DecodeFusedAttention(nn.Module):
             self.add_module(name, child)
         for name, param in original.named_parameters(recurse=False):  # GPT-OSS's sinks
             self.register_parameter(name, param)
-        for name, value in vars(original).items():  # config, layer_idx, head_dim, scaling, sliding_window...
-            if not name.startswith("_") and name != "training" and name not in self._parameters:
+        # Every attribute the original's own __init__ set beyond nn.Module's: config, layer_idx, head_dim, scaling,
+        # sliding_window... and what decorators of its class add (transformers >= 5.25 wraps attention classes with
+        # kernels' `use_kernelized_func`, whose forward reads the instance's `_kernel_funcs`).
+        for name, value in vars(original).items():
+            if name not in vars(self):
                 setattr(self, name, value)
         self.training = original.training
         self.original_class = type(original)  # its forward runs every other step; its file has the eager attention

@@ -93,6 +93,13 @@ class SlotStates:
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0  # intermediate states are for a cache recording its past (transformers >= 5.25); only the last
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """transformers (>= 5.25) counts here the token a decode's in-place conv update saw; the engine counts each
+        sequence's tokens itself."""
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         if self.fresh or layer_idx not in self.store.conv:
             return None
