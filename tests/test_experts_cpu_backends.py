@@ -32,6 +32,13 @@ BEST = supported_isa()
 ISAS = [*ISA_NAMES[: ISA_NAMES.index(BEST) + 1], "torch"] if BEST else ["torch"]
 
 
+@pytest.fixture(autouse=True)
+def teams_share_every_job(monkeypatch):
+    """This file's experts are small: without this, a team of several would run them on its caller alone
+    (kernels.SOLO_BYTES) and the comparisons across team sizes would not reach the helpers."""
+    monkeypatch.setenv("TIERMOE_TEAM_SOLO_BYTES", "0")
+
+
 def random_experts(d: int, i: int, e: int, seed: int = 0) -> dict[int, ExpertWeights]:
     g = torch.Generator().manual_seed(seed)
     return {x: ExpertWeights(torch.randn(2 * i, d, generator=g) * 0.1, torch.randn(d, i, generator=g) * 0.1)

@@ -13,12 +13,18 @@ from conftest import ARCHS, load_reference
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
+from tiermoe.config import CPUConfig
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
+from tiermoe.experts.kernels import supported_isa
+from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.testing.presets import make_config
 
 VOCAB = 16384  # with the tiny hidden size 64, a bf16 head of 2 MiB: a copy of it is above the 1 MB allowed
 MAX_COPY_BYTES = 1 << 20
+# The head as torch computes it (a CPU-only bf16 model packs it by default, tiermoe.model.cpu_only; on a GPU and in
+# fp32 it stays torch's): the tests below see its aten::linear.
+TORCH_HEAD = CPUConfig(non_expert_dtype="none")
 _ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4}
 
 
@@ -57,7 +63,7 @@ def _head_inputs(events) -> list[list[int]]:
 
 @pytest.mark.parametrize("arch, tied", [(arch, False) for arch in ARCHS] + [("qwen3_moe", True)])
 def test_a_two_token_prefill_copies_no_weight(arch, tied, tmp_path):
-    with LLM(_large_vocab_checkpoint(arch, tmp_path, tied), progress=False) as llm:
+    with LLM(_large_vocab_checkpoint(arch, tmp_path, tied), cpu=TORCH_HEAD, progress=False) as llm:
         assert llm.hybrid.model.lm_head.weight.dtype == torch.bfloat16
         one = SamplingParams(max_tokens=1)
         llm.generate([3, 4], one)  # warm up: the first pass's one-time allocations are not the point
@@ -69,8 +75,21 @@ def test_a_two_token_prefill_copies_no_weight(arch, tied, tmp_path):
         assert _head_inputs(events) == [[3, 64]]  # every prompt row is scored
 
 
-def test_a_batched_decode_runs_the_head_once_on_its_rows(tmp_path):
+@pytest.mark.skipif(supported_isa() is None, reason="the kernel library is unavailable")
+def test_the_packed_head_of_a_cpu_only_run_copies_no_weight_either(tmp_path):
     with LLM(_large_vocab_checkpoint("qwen3_moe", tmp_path), progress=False) as llm:
+        head = llm.hybrid.model.get_output_embeddings()
+        assert isinstance(head, QuantizedLinear) and head.fmt == "bf16"
+        llm.generate([3, 4], SamplingParams(max_tokens=1))
+        rows = []
+        hook = head.register_forward_pre_hook(lambda _, args: rows.append(tuple(args[0].shape)))
+        events = _profile(lambda: llm.generate([8, 9], SamplingParams(max_tokens=1)))
+        hook.remove()
+        assert _large_copies(events) == [] and rows == [(1, 1, 64)]
+
+
+def test_a_batched_decode_runs_the_head_once_on_its_rows(tmp_path):
+    with LLM(_large_vocab_checkpoint("qwen3_moe", tmp_path), cpu=TORCH_HEAD, progress=False) as llm:
         seqs = [llm.engine.add(p, SamplingParams(max_tokens=3, ignore_eos=True)) for p in ([3, 4], [5, 6, 7])]
         llm.engine.step()  # the two prefills
         events = _profile(llm.engine.step)  # one batched decode: one forward for both
@@ -95,7 +114,7 @@ def test_last_row_logits_equal_transformers(arch, tiny_dir):
 
 
 def test_the_head_keeps_its_parameter_names_and_its_tie(tmp_path):
-    with LLM(_large_vocab_checkpoint("qwen3_moe", tmp_path, tied=True), progress=False) as llm:
+    with LLM(_large_vocab_checkpoint("qwen3_moe", tmp_path, tied=True), cpu=TORCH_HEAD, progress=False) as llm:
         model = llm.hybrid.model
         assert "lm_head.weight" in dict(model.named_parameters(remove_duplicate=False))
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight

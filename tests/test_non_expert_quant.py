@@ -158,12 +158,13 @@ def test_the_option_is_refused_off_cpu_for_training_and_when_unknown(tiny_dir):
         load_hybrid_model(path, None, gpu_device="cuda:0", cpu=CPUConfig(non_expert_dtype="int8"), progress=False)
     with pytest.raises(TiermoeError, match="a model to fine-tune keeps its non-expert weights"):
         _load(path, "int4", trainable=True)
-    with pytest.raises(TiermoeError, match="non-expert dtype 'int3' is unknown; choose one of: bf16, int8, int4"):
+    with pytest.raises(TiermoeError, match="non-expert dtype 'int3' is unknown; choose one of: none, bf16, int8, int4"):
         CPUConfig(non_expert_dtype="int3")
     p = argparse.ArgumentParser()
     add_cpu_flags(p)
     assert cpu_from_args(p.parse_args(["--non-expert-dtype", "int4"])).non_expert_dtype == "int4"
     assert cpu_from_args(p.parse_args([])).non_expert_dtype is None
+    assert cpu_from_args(p.parse_args(["--non-expert-dtype", "none"])).non_expert_dtype == "none"
     with pytest.raises(SystemExit):
         p.parse_args(["--non-expert-dtype", "fp4"])
     assert resolve_model("tiermoe-demo")  # the bundled model the generation test uses

@@ -101,6 +101,7 @@ class PlacementConfig:
 CPU_BACKENDS = ("native", "torch", "kt")  # native: tiermoe's kernels (tiermoe.experts.native), the default
 CPU_EXPERT_DTYPES = ("bf16", "int8", "int4")
 NON_EXPERT_DTYPES = ("bf16", "int8", "int4")
+NON_EXPERT_AS_LOADED = "none"  # --non-expert-dtype none: torch's linears in the checkpoint's dtype
 THREADS_PER_CPU = 4
 
 
@@ -122,14 +123,15 @@ class CPUConfig:
     # the next MoE layer (an approximation, tiermoe.layers.deferred_experts); 0 keeps outputs exact.
     deferred_experts: int = 0
     # --non-expert-dtype: CPU-only runs hold the non-expert linears (attention, dense and shared MLPs, LM head)
-    # packed in this format and compute them with the same kernels (tiermoe.model.non_expert_quant); None keeps
-    # the checkpoint's dtype.
+    # packed in this format and compute them with the same kernels (tiermoe.model.non_expert_quant); "none" keeps
+    # torch's linears in the checkpoint's dtype; None: bf16 for a bf16 model run CPU-only, else as loaded
+    # (tiermoe.model.cpu_only).
     non_expert_dtype: str | None = None
 
     def __post_init__(self):
-        if self.non_expert_dtype is not None and self.non_expert_dtype not in NON_EXPERT_DTYPES:
+        if self.non_expert_dtype not in (None, NON_EXPERT_AS_LOADED, *NON_EXPERT_DTYPES):
             raise TiermoeError(f"non-expert dtype '{self.non_expert_dtype}' is unknown; choose one of: "
-                               f"{', '.join(NON_EXPERT_DTYPES)}")
+                               f"{', '.join((NON_EXPERT_AS_LOADED, *NON_EXPERT_DTYPES))}")
         if not isinstance(self.deferred_experts, int) or self.deferred_experts < 0:
             raise TiermoeError(f"deferred experts per token must be an integer >= 0, got {self.deferred_experts!r}")
         if self.numa_nodes is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from tiermoe.cli.flags import non_negative_int, positive_int
-from tiermoe.config import CPU_BACKENDS, CPU_EXPERT_DTYPES, NON_EXPERT_DTYPES, CPUConfig
+from tiermoe.config import CPU_BACKENDS, CPU_EXPERT_DTYPES, NON_EXPERT_AS_LOADED, NON_EXPERT_DTYPES, CPUConfig
 from tiermoe.errors import TiermoeError
 
 KT_METHODS = {"AMXINT4": "int4", "AMXINT8": "int8", "BF16": "bf16", "AMXBF16": "bf16"}
@@ -62,15 +62,17 @@ def add_cpu_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-expert-dtype", choices=CPU_EXPERT_DTYPES, default=None,
                    help="format the CPU-tier experts are stored and computed in, quantised once at load "
                         "(default: the checkpoint's dtype)")
-    g.add_argument("--non-expert-dtype", choices=NON_EXPERT_DTYPES, default=None,
+    g.add_argument("--non-expert-dtype", choices=(NON_EXPERT_AS_LOADED, *NON_EXPERT_DTYPES), default=None,
                    help="CPU-only runs (--gpu-device cpu): hold the non-expert linears (attention, dense and shared "
                         "MLPs, LM head) packed in this format, computed by the same kernels (the head takes int8 "
-                        "under int4; routers, norms, embeddings and MLA's kv_b stay as loaded). Default: the "
-                        "checkpoint's dtype")
+                        "under int4; routers, norms, embeddings and MLA's kv_b stay as loaded); 'none': torch's "
+                        "linears as loaded. Default: bf16 for a bf16 model run CPU-only in one process, with the "
+                        "CPU tier's threads on every physical core; the checkpoint's dtype otherwise")
     g.add_argument("--kt-method", dest="kt_method", type=kt_method, default=None,
                    help="SGLang-kt spelling of the format: AMXINT4 = int4, AMXINT8 = int8, BF16 = bf16")
     g.add_argument("--cpu-threads", "--kt-cpuinfer", dest="cpu_threads", type=cpu_threads, default=None,
-                   help="threads computing the CPU tier (default: physical cores less one)")
+                   help="threads computing the CPU tier (default: every physical core in a CPU-only run of a bf16 "
+                        "model, physical cores less one otherwise)")
     g.add_argument("--kt-numa-nodes", dest="numa_nodes", type=numa_node_ids, nargs="+",
                    action=_ExtendFlat, default=None, metavar="NODE",
                    help="split the CPU-tier threads into one pool per NODE listed, as kt-kernel does, each pinned to "

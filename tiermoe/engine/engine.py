@@ -46,6 +46,7 @@ from tiermoe.engine.sampling import SamplingParams, new_generator, sample
 from tiermoe.engine.sequence import Sequence
 from tiermoe.engine.step_isolation import forward_isolating
 from tiermoe.errors import TiermoeError
+from tiermoe.experts.threads import torch_threads
 from tiermoe.layers.linear_attention_slots import use_ragged_linear_attention
 from tiermoe.layers.paged_attention import STEP_KWARG, PagedStepCache, layer_windows, use_paged_attention
 from tiermoe.layers.ragged_step import SeqFeed
@@ -226,6 +227,11 @@ class Engine:
     def step(self) -> list[Sequence]:
         """One forward pass for every scheduled sequence; returns those that produced a token this step, and those
         that failed in it (finish_reason "error")."""
+        # sampling too: torch's workers, woken by an argmax over the vocabulary, would spin on the team's cores
+        with torch_threads(self.hybrid.torch_threads):
+            return self._step()
+
+    def _step(self) -> list[Sequence]:
         self._admit()
         scheduled = self._schedule()
         if not scheduled:
@@ -377,7 +383,7 @@ class Engine:
         ids = buffers.stage("input_ids", torch.tensor([[t for tokens in inputs for t in tokens]], dtype=torch.long))
         keep, spans = _kept_rows(feeds, rows)
         keep_rows = buffers.stage("logits_to_keep", torch.tensor(keep, dtype=torch.long))
-        with torch.inference_mode(), _on_device(device):
+        with torch.inference_mode(), _on_device(device), torch_threads(self.hybrid.torch_threads):
             cache = PagedStepCache(self.pool.pages, step, self.pool.linear)
             out = self.model(input_ids=ids, position_ids=step.position_ids, attention_mask=_NO_MASK,
                              use_cache=True, logits_to_keep=keep_rows, **{self._cache_kwarg: cache, STEP_KWARG: step})

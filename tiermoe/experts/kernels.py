@@ -32,8 +32,12 @@ from pathlib import Path
 ISA_NAMES = ("base", "avx2", "avx512", "avx512bf16", "amx")
 TORCH_ISA = "torch"  # not a kernel level: "use no kernels"
 # 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp (fused norms, routers), decode attention, rotary;
-# 4: decode attention per ISA (TmAttnArgs.isa)
-ABI_VERSION = 5
+# 4: decode attention per ISA (TmAttnArgs.isa); 5: the gated delta rule; 6: a team's solo_bytes, its shared jobs
+ABI_VERSION = 6
+# A MoE layer or packed product reading fewer weight bytes than this runs on the calling thread alone: a helper
+# asleep between a decode step's calls takes tens of microseconds to wake, more than it saves on half of a job
+# this small (docs/cpu-backends.md, "CPU-only runs", has the measurement).
+SOLO_BYTES = 512 * 1024
 CSRC = Path(__file__).with_name("csrc")
 CXXFLAGS = ("-O3", "-std=c++20", "-fPIC", "-pthread", "-Wno-psabi")
 
@@ -163,9 +167,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tm_abi_version.restype = ctypes.c_int
     lib.tm_cpu_isa.restype = ctypes.c_int
     lib.tm_team_create.restype = ctypes.c_void_p
-    lib.tm_team_create.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+    lib.tm_team_create.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_long]
     lib.tm_team_destroy.argtypes = [ctypes.c_void_p]
     lib.tm_team_size.argtypes = [ctypes.c_void_p]
+    lib.tm_team_shared_jobs.restype = ctypes.c_long
+    lib.tm_team_shared_jobs.argtypes = [ctypes.c_void_p]
     lib.tm_moe_forward.restype = ctypes.c_int
     lib.tm_moe_forward.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmLayerArgs), ctypes.c_char_p, ctypes.c_int]
     for name in ("tm_linear_forward", "tm_linear_transposed"):
@@ -233,17 +240,27 @@ def load_kernels(isa: str | None = None) -> Kernels | None:
 
 class ThreadTeam:
     """`n` threads for the kernels: the calling thread plus n - 1 helpers, pinned to `cpus` (member 0 first) or
-    unpinned when `cpus` is empty. Helpers spin `spin_us` after a layer, then sleep. Closed by `close()` or when
-    collected."""
+    unpinned when `cpus` is empty. Helpers spin `spin_us` after a layer, then sleep. A MoE layer or packed product
+    whose weights are fewer than `solo_bytes` (default SOLO_BYTES, or $TIERMOE_TEAM_SOLO_BYTES) runs on the caller
+    alone. Closed by `close()` or when collected."""
 
-    def __init__(self, kernels: Kernels, n: int, cpus: list[int] | tuple[int, ...] = (), spin_us: int = 50):
+    def __init__(self, kernels: Kernels, n: int, cpus: list[int] | tuple[int, ...] = (), spin_us: int = 50,
+                 solo_bytes: int | None = None):
         arr = (ctypes.c_int * max(len(cpus), 1))(*cpus)
         self.n = n
         self.cpus = tuple(cpus)
-        self.handle = kernels.lib.tm_team_create(n, arr if cpus else None, len(cpus), spin_us)
+        if solo_bytes is None:
+            solo_bytes = int(os.environ.get("TIERMOE_TEAM_SOLO_BYTES", SOLO_BYTES))
+        self.kernels = kernels
+        self.handle = kernels.lib.tm_team_create(n, arr if cpus else None, len(cpus), spin_us, solo_bytes)
         if not self.handle:
             raise RuntimeError("could not start the CPU expert thread team")
         self._finalizer = weakref.finalize(self, kernels.lib.tm_team_destroy, self.handle)
+
+    @property
+    def shared_jobs(self) -> int:
+        """How many jobs so far woke the helpers (the rest ran on the caller alone)."""
+        return self.kernels.lib.tm_team_shared_jobs(self.handle)
 
     def close(self) -> None:
         self._finalizer()

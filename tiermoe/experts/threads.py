@@ -5,7 +5,10 @@ attention, launching GPU kernels), and at least one. Measured on this 2-core mac
 tier (benchmarks/bench_e2e_cpu.py, 2026-12-02; BENCHMARKS.md, "Re-run after this session's host-time work"): the
 48-layer model of width 128 decoded 35.9 tokens/s with this default (1 thread) and 6.3 with `--cpu-threads 2`
 (torch's own threads and the team's spin on the same two cores), the 2-layer Qwen3-30B-A3B-shaped one 18.6 and
-19.2. So the caller keeps its core even when it has no experts to compute. `--cpu-threads` overrides it.
+19.2. So the caller keeps its core even when it has no experts to compute, as long as torch computes beside
+the team. A CPU-only run of a bf16 model computes its non-expert linears on the team too, and there the team takes
+every core and torch one thread during a step (tiermoe.model.cpu_only, `torch_threads` below). `--cpu-threads`
+overrides both.
 
 Pinning: member i of a team of n is pinned to the i-th of the *last* n physical cores (one logical CPU each,
 SMT siblings left alone), so the caller's scheduler-chosen core is most often the first core, outside the team.
@@ -20,7 +23,11 @@ experts' memory stays where the loader put it (kt-kernel also splits the weights
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 from tiermoe.errors import TiermoeError
 
@@ -116,3 +123,18 @@ def numa_team_cpus(n: int, nodes: tuple[int, ...] | list[int]) -> list[int]:
         cpus.extend(free[node][:size])
         free[node] = free[node][size:]
     return cpus
+
+
+@contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to `n` for the block, then restored (None: left as they are). OpenMP keeps
+    the count per calling thread, so a server's engine thread sets its own; a toggle costs under a microsecond."""
+    before = torch.get_num_threads()
+    if n is None or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -19,6 +19,7 @@ from tiermoe.arch.spec import ArchSpec
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.slot_pool import ExpertSlotPool
 from tiermoe.experts.slotted_tier import SlottedExpertSet
+from tiermoe.experts.threads import torch_threads
 from tiermoe.experts.tiers import CPUWorker
 from tiermoe.layers.decode_attention import DecodeAttention
 from tiermoe.layers.hybrid_moe import HybridMoE
@@ -54,7 +55,7 @@ class HybridModel:
     def __init__(self, model: nn.Module, config, spec: ArchSpec, blocks: dict[int, HybridMoE],
                  gpu_device: torch.device, worker: CPUWorker, model_dir: Path, expert_dtype: torch.dtype,
                  share=None, trainable: bool = False, gpu_pool: ExpertSlotPool | None = None,
-                 decode_attention: DecodeAttention | None = None):
+                 decode_attention: DecodeAttention | None = None, torch_threads: int | None = None):
         self.model = model
         self.config = config
         self.spec = spec
@@ -69,13 +70,15 @@ class HybridModel:
         self.decode_attention = decode_attention
         self.trainable = trainable  # loaded for fine-tuning: calls keep autograd (tiermoe.training)
         self.gpu_pool = gpu_pool  # the GPU tiers' shared expert slots (tiermoe.experts.slot_pool)
+        # torch's intra-op threads during a forward (tiermoe.model.cpu_only); None leaves torch's setting alone.
+        self.torch_threads = torch_threads
         # Routing replayed from a trace (tiermoe.layers.trace_routing): engines announce each pass to it first.
         self.routing_override = None
 
     def __call__(self, *args, **kwargs):
         if self.trainable:
             return self.model(*args, **kwargs)
-        with torch.inference_mode():
+        with torch.inference_mode(), torch_threads(self.torch_threads):
             return self.model(*args, **kwargs)
 
     @property

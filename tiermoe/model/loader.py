@@ -39,7 +39,7 @@ from tiermoe.arch import detect, load_config
 from tiermoe.checkpoint.expert_cache import ExpertCache, find_cache
 from tiermoe.checkpoint.fp8 import FP8Linear, fp8_block_size, is_block_fp8, scale_name
 from tiermoe.checkpoint.safetensors import Checkpoint
-from tiermoe.config import CPUConfig
+from tiermoe.config import NON_EXPERT_DTYPES, CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.ffn import ExpertActivation
 from tiermoe.experts.fp8_tier import FP8ExpertSet, fp8_expert_bytes
@@ -57,6 +57,7 @@ from tiermoe.layers.fused_attention import fuse_decode_attention
 from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.layers.lm_head import use_rows_lm_head
 from tiermoe.layers.mla_attention import group_kv_b_rows_of, replace_mla_attention
+from tiermoe.model.cpu_only import cpu_only_defaults, torch_threads_beside
 from tiermoe.model.expert_source import (
     LAYERS_PREFIX,
     ExpertSource,
@@ -110,7 +111,8 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     routed experts of both tiers compute through tiermoe.layers.routed_autograd. One process only.
 
     `cpu.non_expert_dtype` (CPU-only inference): the non-expert linears, once loaded (and merged), are held packed
-    in that format (tiermoe.model.non_expert_quant).
+    in that format (tiermoe.model.non_expert_quant); by default bf16 for a bf16 model run CPU-only, with the CPU
+    tier on every core (tiermoe.model.cpu_only).
 
     Not trainable: RMSNorms and softmax top-k routers whose weights are on the CPU compute as one native call
     each, with the same results (tiermoe.model.fused_layers).
@@ -144,6 +146,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     assignment_LE = plan.assignment
     gpu_device = torch.device(gpu_device)
     dtype = dtype or spec.dtype
+    cpu = cpu_only_defaults(cpu, gpu_device, dtype, trainable, share is not None)
     # Host copies are worth page-locking only when the GPU tier is on CUDA; shared-memory CPU experts are
     # page-locked by their store (tiermoe.distributed.shm_store), slot by slot, not here.
     pin = pins_host_memory(gpu_device) and share is None
@@ -191,7 +194,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         for block in blocks.values():
             block.trainable = True
     else:
-        if cpu.non_expert_dtype is not None:  # CPU only: packed linears on the kernels (the head too)
+        if cpu.non_expert_dtype in NON_EXPERT_DTYPES:  # CPU only: packed linears on the kernels (the head too)
             quantize_non_experts(model, spec.router_attr, cpu, worker)
         fuse_layer_ops(model)  # CPU-resident norms and routers: one native call each (tiermoe.model.fused_layers)
         use_rows_lm_head(model)  # the head on the sampled rows as one 2-D matmul: no copy of its weight per prefill
@@ -202,7 +205,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     if decode_attention is not None:
         fuse_decode_attention(model, decode_attention)
     return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share, trainable, pool,
-                       decode_attention)
+                       decode_attention, torch_threads_beside(cpu))
 
 
 def _usable_cache(cache: ExpertCache, cpu: CPUConfig,

@@ -43,9 +43,10 @@ struct TmLayerArgs {
 
 namespace {
 
-constexpr int kAbiVersion = 5;  // 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp, paged attention, rotary;
+constexpr int kAbiVersion = 6;  // 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp, paged attention, rotary;
                                 // 4: decode attention per ISA (TmAttnArgs.isa);
-                                // 5: the gated delta rule's decode step (TmKernels.delta)
+                                // 5: the gated delta rule's decode step (TmKernels.delta);
+                                // 6: a team's solo_bytes (tm_team_create), tm_team_shared_jobs
 
 bool request_amx_permission() {
 #ifdef __linux__
@@ -262,6 +263,8 @@ int forward(tmoe::Team& team, const TmLayerArgs& a, char* err, int errlen) {
   job.run = run_task;
   job.ctx = &L;
   job.at_end = amx->finish;
+  job.bytes = 0;
+  for (const ExpertWork& w : L.ex) job.bytes += tm_matrix_bytes(a.gate_up[w.e]) + tm_matrix_bytes(a.down[w.e]);
   team.run(job);
   return 0;
 }
@@ -277,9 +280,10 @@ int tm_cpu_isa(void) {
   return isa;
 }
 
-void* tm_team_create(int n, const int* cpus, int ncpus, int spin_us) {
+void* tm_team_create(int n, const int* cpus, int ncpus, int spin_us, long solo_bytes) {
   try {
-    return new tmoe::Team(n, std::vector<int>(cpus, cpus + (cpus ? ncpus : 0)), spin_us);
+    return new tmoe::Team(n, std::vector<int>(cpus, cpus + (cpus ? ncpus : 0)), spin_us,
+                          solo_bytes < 0 ? 0 : (size_t)solo_bytes);
   } catch (...) {
     return nullptr;
   }
@@ -288,6 +292,8 @@ void* tm_team_create(int n, const int* cpus, int ncpus, int spin_us) {
 void tm_team_destroy(void* team) { delete (tmoe::Team*)team; }
 
 int tm_team_size(void* team) { return ((tmoe::Team*)team)->size(); }
+
+long tm_team_shared_jobs(void* team) { return (long)((tmoe::Team*)team)->shared_jobs(); }
 
 int tm_moe_forward(void* team, const TmLayerArgs* args, char* err, int errlen) {
   if (args->isa > tm_cpu_isa())

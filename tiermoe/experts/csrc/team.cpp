@@ -49,8 +49,8 @@ void* Buffer::reserve(size_t bytes) {
   return data_;
 }
 
-Team::Team(int n, std::vector<int> cpus, int spin_us)
-    : n_(n < 1 ? 1 : n), cpus_(std::move(cpus)), spin_us_(spin_us), passed_(n_, 0) {
+Team::Team(int n, std::vector<int> cpus, int spin_us, size_t solo_bytes)
+    : n_(n < 1 ? 1 : n), cpus_(std::move(cpus)), spin_us_(spin_us), solo_bytes_(solo_bytes), passed_(n_, 0) {
   for (auto& c : next_) c.store(0);
   for (int t = 0; t < n_; ++t) scratch_.push_back(new Buffer());
   for (int t = 1; t < n_; ++t) helpers_.emplace_back(&Team::helper_main, this, t);
@@ -74,6 +74,13 @@ void Team::pin_caller() {
 
 void Team::run(const Job& job, bool pin) {
   if (pin) pin_caller();
+  if (n_ == 1 || job.bytes < solo_bytes_) {  // no helper woken, no barrier: phases in order on this thread
+    for (int p = 0; p < job.nphases; ++p)
+      for (int t = 0; t < job.ntasks[p]; ++t) job.run(job.ctx, p, t, 0);
+    if (job.at_end) job.at_end();
+    return;
+  }
+  shared_jobs_.fetch_add(1, std::memory_order_relaxed);
   job_ = job;
   for (int p = 0; p < kMaxPhases; ++p) next_[p].store(0, std::memory_order_relaxed);
   generation_.fetch_add(1, std::memory_order_release);

@@ -22,6 +22,7 @@ struct Job {
   void (*run)(void* ctx, int phase, int task, int tid) = nullptr;
   void* ctx = nullptr;
   void (*at_end)(void) = nullptr;  // each member calls it after the last phase (per-thread cleanup, no ctx)
+  size_t bytes = SIZE_MAX;          // what the job reads, roughly: the team's solo_bytes decides who runs it
 };
 
 // A grow-only, 64-byte aligned buffer.
@@ -41,10 +42,13 @@ class Buffer {
 
 class Team {
  public:
-  // cpus: one CPU per member (member 0 = the caller) to pin to, or empty for no pinning.
-  Team(int n, std::vector<int> cpus, int spin_us);
+  // cpus: one CPU per member (member 0 = the caller) to pin to, or empty for no pinning. A job reading fewer
+  // than solo_bytes runs on the caller alone: waking a helper that has gone to sleep (the gaps between a decode
+  // step's calls outlast its spin) costs tens of microseconds, more than half of a small job takes one core.
+  Team(int n, std::vector<int> cpus, int spin_us, size_t solo_bytes);
   ~Team();
   int size() const { return n_; }
+  uint64_t shared_jobs() const { return shared_jobs_.load(std::memory_order_relaxed); }  // jobs helpers worked on
   // Runs every phase of `job` on all members; returns when the last phase is done. One job at a time (hold
   // mutex()). pin: pin the calling thread to member 0's CPU (the model's worker thread); other callers (training's
   // products from the autograd thread) work as member 0 where the scheduler put them, and stay unpinned.
@@ -62,6 +66,8 @@ class Team {
   int n_;
   std::vector<int> cpus_;
   int spin_us_;
+  size_t solo_bytes_;
+  std::atomic<uint64_t> shared_jobs_{0};
   std::vector<std::thread> helpers_;
   std::vector<Buffer*> scratch_;
   Buffer arena_;

@@ -29,6 +29,11 @@ struct TmMatrix {
   int32_t N, K, fmt, _pad;
 };
 
+// The bytes of a matrix's codes (its scales add a few percent): what a product with it reads.
+inline size_t tm_matrix_bytes(const TmMatrix& W) {
+  return (size_t)W.N * W.K * (W.fmt == TM_BF16 ? 16 : W.fmt == TM_INT8 ? 8 : 4) / 8;
+}
+
 // M rows of activations with row stride ld (elements): an fp32 copy and/or a bf16 copy (whichever the kernel
 // table asked for). The bf16 copy has rows allocated up to a multiple of 16 (AMX tiles read whole tiles).
 struct TmRows {

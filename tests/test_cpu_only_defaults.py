@@ -1,0 +1,109 @@
+"""CPU-only runs of a bf16 model: packed non-expert linears on a kernel team of every core, torch's threads beside
+it (tiermoe.model.cpu_only), and the team running small jobs on the caller alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rel_err
+from torch import nn
+
+from tiermoe.config import CPUConfig
+from tiermoe.engine.llm import LLM
+from tiermoe.engine.sampling import SamplingParams
+from tiermoe.experts.kernels import SOLO_BYTES, ThreadTeam, load_kernels, supported_isa
+from tiermoe.experts.quant import blocked_nbytes
+from tiermoe.experts.threads import physical_cpus, torch_threads
+from tiermoe.layers.quantized_linear import QuantizedLinear
+from tiermoe.model.cpu_only import cpu_only_defaults, torch_threads_beside
+
+needs_kernels = pytest.mark.skipif(supported_isa() is None, reason="the kernel library is unavailable")
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@needs_kernels
+def test_a_bf16_model_run_cpu_only_packs_its_linears_in_bf16_on_every_core():
+    cores = len(physical_cpus())
+    auto = cpu_only_defaults(CPUConfig(), CPU, torch.bfloat16, trainable=False, multi_rank=False)
+    assert (auto.non_expert_dtype, auto.threads) == ("bf16", cores)
+    assert torch_threads_beside(auto) == 1  # every core in the team: torch keeps one, the caller's
+    assert torch_threads_beside(CPUConfig(non_expert_dtype="bf16", threads=1)) == max(1, cores - 1)
+    # an explicit format takes the same team; explicit threads stay
+    assert cpu_only_defaults(CPUConfig(non_expert_dtype="int4"), CPU, torch.bfloat16, False, False).threads == cores
+    assert cpu_only_defaults(CPUConfig(threads=1), CPU, torch.bfloat16, False, False).threads == 1
+
+
+@pytest.mark.parametrize("case", ["fp32", "gpu", "trainable", "ranks", "as loaded", "torch backend"])
+def test_the_defaults_leave_other_runs_as_they_were(case):
+    cpu = CPUConfig(non_expert_dtype="none") if case == "as loaded" else \
+        CPUConfig(backend="torch") if case == "torch backend" else CPUConfig()
+    out = cpu_only_defaults(cpu, CUDA if case == "gpu" else CPU, torch.float32 if case == "fp32" else torch.bfloat16,
+                            trainable=case == "trainable", multi_rank=case == "ranks")
+    assert out == cpu and torch_threads_beside(out) is None
+
+
+def test_without_kernels_nothing_is_packed(monkeypatch):
+    monkeypatch.setenv("TIERMOE_CPU_ISA", "torch")
+    assert cpu_only_defaults(CPUConfig(), CPU, torch.bfloat16, False, False) == CPUConfig()
+
+
+def test_torch_threads_are_set_for_the_block_and_restored():
+    before = torch.get_num_threads()
+    with torch_threads(None):
+        assert torch.get_num_threads() == before
+    with torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), torch_threads(1):
+        raise RuntimeError("a failed step")
+    assert torch.get_num_threads() == before
+
+
+@needs_kernels
+def test_a_loaded_bf16_model_computes_on_the_team_with_torch_beside_it_and_matches_as_loaded(tiny_dir):
+    path = tiny_dir("qwen3_moe")
+    seen = []
+    prompts = [[5, 9, 13, 2, 7], [3, 4]]
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    with LLM(path, dtype=torch.bfloat16, progress=False) as llm:
+        model = llm.hybrid.model
+        attn = model.model.layers[0].self_attn
+        assert isinstance(model.get_output_embeddings(), QuantizedLinear)
+        assert isinstance(attn.o_proj, QuantizedLinear)
+        assert llm.hybrid.torch_threads == 1  # the team has every core
+        hook = attn.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+        before = torch.get_num_threads()
+        packed = [r.token_ids for r in llm.generate(prompts, greedy)]
+        hook.remove()
+        logits = llm.hybrid(input_ids=torch.tensor([prompts[0]])).logits.float()
+    assert seen and set(seen) == {llm.hybrid.torch_threads} and torch.get_num_threads() == before
+    with LLM(path, dtype=torch.bfloat16, cpu=CPUConfig(non_expert_dtype="none"), progress=False) as llm:
+        assert not isinstance(llm.hybrid.model.get_output_embeddings(), QuantizedLinear)
+        assert llm.hybrid.torch_threads is None
+        loaded = [r.token_ids for r in llm.generate(prompts, greedy)]
+        ref = llm.hybrid(input_ids=torch.tensor([prompts[0]])).logits.float()
+    assert rel_err(logits, ref) < 2e-2  # the same bf16 values, summed in another order
+    assert packed == loaded
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_a_small_product_runs_on_the_caller_alone_and_a_large_one_on_the_team_alike(fmt):
+    kernels = load_kernels()
+    g = torch.Generator().manual_seed(0)
+    small, large = nn.Linear(200, 72), nn.Linear(2048, 1024)
+    assert blocked_nbytes(fmt, 72, 200) < SOLO_BYTES < blocked_nbytes(fmt, 1024, 2048)
+    x = torch.randn(3, 2048, generator=g)
+    one, pair, always = ThreadTeam(kernels, 1), ThreadTeam(kernels, 2), ThreadTeam(kernels, 2, solo_bytes=0)
+    try:
+        for linear, solo in ((small, True), (large, False)):
+            xs = x[:, :linear.in_features]
+            before = pair.shared_jobs
+            y = QuantizedLinear(linear, fmt, kernels, lambda: pair)(xs)
+            assert pair.shared_jobs - before == (0 if solo else 1)
+            for team in (one, always):
+                assert torch.equal(QuantizedLinear(linear, fmt, kernels, lambda t=team: t)(xs), y)
+        assert always.shared_jobs == 2 and one.shared_jobs == 0
+    finally:
+        for team in (one, pair, always):
+            team.close()
