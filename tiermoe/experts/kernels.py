@@ -34,9 +34,9 @@ TORCH_ISA = "torch"  # not a kernel level: "use no kernels"
 # 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp (fused norms, routers), decode attention, rotary;
 # 4: decode attention per ISA (TmAttnArgs.isa); 5: the gated delta rule; 6: a team's solo_bytes, its shared jobs
 ABI_VERSION = 6
-# A MoE layer or packed product reading fewer weight bytes than this runs on the calling thread alone: a helper
-# asleep between a decode step's calls takes tens of microseconds to wake, more than it saves on half of a job
-# this small (docs/cpu-backends.md, "CPU-only runs", has the measurement).
+# A MoE layer or packed product whose weight bytes times the rows each multiplies are fewer than this runs on the
+# calling thread alone: a helper asleep between a decode step's calls takes tens of microseconds to wake, more than
+# it saves on half of a job this small (docs/cpu-backends.md, "CPU-only runs", has the measurement).
 SOLO_BYTES = 512 * 1024
 CSRC = Path(__file__).with_name("csrc")
 CXXFLAGS = ("-O3", "-std=c++20", "-fPIC", "-pthread", "-Wno-psabi")
@@ -241,8 +241,8 @@ def load_kernels(isa: str | None = None) -> Kernels | None:
 class ThreadTeam:
     """`n` threads for the kernels: the calling thread plus n - 1 helpers, pinned to `cpus` (member 0 first) or
     unpinned when `cpus` is empty. Helpers spin `spin_us` after a layer, then sleep. A MoE layer or packed product
-    whose weights are fewer than `solo_bytes` (default SOLO_BYTES, or $TIERMOE_TEAM_SOLO_BYTES) runs on the caller
-    alone. Closed by `close()` or when collected."""
+    whose weight bytes times rows are fewer than `solo_bytes` (default SOLO_BYTES, or $TIERMOE_TEAM_SOLO_BYTES)
+    runs on the caller alone. Closed by `close()` or when collected."""
 
     def __init__(self, kernels: Kernels, n: int, cpus: list[int] | tuple[int, ...] = (), spin_us: int = 50,
                  solo_bytes: int | None = None):

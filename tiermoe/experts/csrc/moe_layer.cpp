@@ -263,8 +263,8 @@ int forward(tmoe::Team& team, const TmLayerArgs& a, char* err, int errlen) {
   job.run = run_task;
   job.ctx = &L;
   job.at_end = amx->finish;
-  job.bytes = 0;
-  for (const ExpertWork& w : L.ex) job.bytes += tm_matrix_bytes(a.gate_up[w.e]) + tm_matrix_bytes(a.down[w.e]);
+  job.work = 0;
+  for (const ExpertWork& w : L.ex) job.work += (tm_matrix_bytes(a.gate_up[w.e]) + tm_matrix_bytes(a.down[w.e])) * w.m;
   team.run(job);
   return 0;
 }

@@ -74,7 +74,7 @@ void Team::pin_caller() {
 
 void Team::run(const Job& job, bool pin) {
   if (pin) pin_caller();
-  if (n_ == 1 || job.bytes < solo_bytes_) {  // no helper woken, no barrier: phases in order on this thread
+  if (n_ == 1 || job.work < solo_bytes_) {  // no helper woken, no barrier: phases in order on this thread
     for (int p = 0; p < job.nphases; ++p)
       for (int t = 0; t < job.ntasks[p]; ++t) job.run(job.ctx, p, t, 0);
     if (job.at_end) job.at_end();

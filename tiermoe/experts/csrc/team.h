@@ -22,7 +22,9 @@ struct Job {
   void (*run)(void* ctx, int phase, int task, int tid) = nullptr;
   void* ctx = nullptr;
   void (*at_end)(void) = nullptr;  // each member calls it after the last phase (per-thread cleanup, no ctx)
-  size_t bytes = SIZE_MAX;          // what the job reads, roughly: the team's solo_bytes decides who runs it
+  // The job's size: weight bytes times the rows each weight multiplies (one decode row reads a matrix once; more
+  // rows multiply it from cache, compute the team splits too). Under the team's solo_bytes the caller runs it.
+  size_t work = SIZE_MAX;
 };
 
 // A grow-only, 64-byte aligned buffer.
@@ -42,9 +44,9 @@ class Buffer {
 
 class Team {
  public:
-  // cpus: one CPU per member (member 0 = the caller) to pin to, or empty for no pinning. A job reading fewer
-  // than solo_bytes runs on the caller alone: waking a helper that has gone to sleep (the gaps between a decode
-  // step's calls outlast its spin) costs tens of microseconds, more than half of a small job takes one core.
+  // cpus: one CPU per member (member 0 = the caller) to pin to, or empty for no pinning. A job whose work is under
+  // solo_bytes runs on the caller alone: waking a helper that has gone to sleep (the gaps between a decode step's
+  // calls outlast its spin) costs tens of microseconds, more than half of a small job takes one core.
   Team(int n, std::vector<int> cpus, int spin_us, size_t solo_bytes);
   ~Team();
   int size() const { return n_; }
