@@ -34,10 +34,12 @@ TORCH_ISA = "torch"  # not a kernel level: "use no kernels"
 # 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp (fused norms, routers), decode attention, rotary;
 # 4: decode attention per ISA (TmAttnArgs.isa); 5: the gated delta rule; 6: a team's solo_bytes, its shared jobs
 ABI_VERSION = 6
-# A MoE layer or packed product whose weight bytes times the rows each multiplies are fewer than this runs on the
-# calling thread alone: a helper asleep between a decode step's calls takes tens of microseconds to wake, more than
-# it saves on half of a job this small (docs/cpu-backends.md, "CPU-only runs", has the measurement).
-SOLO_BYTES = 512 * 1024
+# A MoE layer or packed product smaller than this (bytes of weights read, each row of activations beyond the first
+# counted as an eighth more: csrc/tm_kernels.h tm_product_work) runs on the calling thread alone. Waking a helper
+# asleep between a decode step's calls cost about 250 us on this project's 2-vCPU VMs (an idle vCPU is halted),
+# so splitting paid from about 4 MB at one row and 8 rows (docs/cpu-backends.md, "CPU-only runs"); on bare metal a
+# wake costs microseconds and a lower figure would do, but a job this small takes under half a millisecond alone.
+SOLO_BYTES = 4 << 20
 CSRC = Path(__file__).with_name("csrc")
 CXXFLAGS = ("-O3", "-std=c++20", "-fPIC", "-pthread", "-Wno-psabi")
 
@@ -241,8 +243,8 @@ def load_kernels(isa: str | None = None) -> Kernels | None:
 class ThreadTeam:
     """`n` threads for the kernels: the calling thread plus n - 1 helpers, pinned to `cpus` (member 0 first) or
     unpinned when `cpus` is empty. Helpers spin `spin_us` after a layer, then sleep. A MoE layer or packed product
-    whose weight bytes times rows are fewer than `solo_bytes` (default SOLO_BYTES, or $TIERMOE_TEAM_SOLO_BYTES)
-    runs on the caller alone. Closed by `close()` or when collected."""
+    smaller than `solo_bytes` (default SOLO_BYTES, or $TIERMOE_TEAM_SOLO_BYTES) runs on the caller alone. Closed by
+    `close()` or when collected."""
 
     def __init__(self, kernels: Kernels, n: int, cpus: list[int] | tuple[int, ...] = (), spin_us: int = 50,
                  solo_bytes: int | None = None):

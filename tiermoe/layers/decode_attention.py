@@ -25,11 +25,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tiermoe.experts.kernels import Kernels, ThreadTeam, TmAttnArgs, TmDeltaArgs
+from tiermoe.experts.kernels import SOLO_BYTES, Kernels, ThreadTeam, TmAttnArgs, TmDeltaArgs
 from tiermoe.layers.mla_attention import MLAAttention
 from tiermoe.layers.ragged_step import RaggedStep
 
-# Multiply-adds below which the calling thread attends alone: waking the team costs more than it saves.
+# Multiply-adds below which the calling thread runs the gated delta rule alone: waking the team costs more than it
+# saves. (Attention takes the team from SOLO_BYTES of K/V read, as the kernels' products do from SOLO_BYTES of
+# weights: the demo model's 8-row step, 2.8 MB of K/V a layer, attended 2.2x slower on a team of two than alone
+# on this project's 2-vCPU VMs.)
 TEAM_MIN_WORK = 1 << 20
 DELTA_MAX_HEAD_DIM = 512  # csrc/tm_kernels.h TM_DELTA_MAX_DIM: the native rule refuses larger head dims
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -60,7 +63,8 @@ class DecodeAttention:
                           v_slots=v_SHd.data_ptr(), sinks=None if sinks is None else sinks.data_ptr(),
                           tables=tables_TN.data_ptr(), pos=pos_T.data_ptr(), lo=lo_T.data_ptr(),
                           out=out_THd.data_ptr())
-        team = self.team().handle if keys * H * (d + dv) >= TEAM_MIN_WORK else None
+        kv_bytes = keys * Hkv * (d + dv) * k_SHd.element_size()
+        team = self.team().handle if kv_bytes >= SOLO_BYTES else None
         err = ctypes.create_string_buffer(256)
         if self.kernels.lib.tm_paged_decode_attention(team, ctypes.byref(args), err, len(err)) != 0:
             raise RuntimeError(err.value.decode())

@@ -276,7 +276,7 @@ int linear(tmoe::Team& team, const TmLinearArgs& a, bool transposed) {
   job.run = run_task;
   job.ctx = &L;
   job.at_end = L.k->finish;
-  job.work = tm_matrix_bytes(*W) * (size_t)M;
+  job.work = tm_product_work(*W, M);
   team.run(job, /*pin=*/false);  // any thread may call: it works as member 0 without being pinned
   return 0;
 }

@@ -264,7 +264,7 @@ int forward(tmoe::Team& team, const TmLayerArgs& a, char* err, int errlen) {
   job.ctx = &L;
   job.at_end = amx->finish;
   job.work = 0;
-  for (const ExpertWork& w : L.ex) job.work += (tm_matrix_bytes(a.gate_up[w.e]) + tm_matrix_bytes(a.down[w.e])) * w.m;
+  for (const ExpertWork& w : L.ex) job.work += tm_product_work(a.gate_up[w.e], w.m) + tm_product_work(a.down[w.e], w.m);
   team.run(job);
   return 0;
 }

@@ -22,8 +22,8 @@ struct Job {
   void (*run)(void* ctx, int phase, int task, int tid) = nullptr;
   void* ctx = nullptr;
   void (*at_end)(void) = nullptr;  // each member calls it after the last phase (per-thread cleanup, no ctx)
-  // The job's size: weight bytes times the rows each weight multiplies (one decode row reads a matrix once; more
-  // rows multiply it from cache, compute the team splits too). Under the team's solo_bytes the caller runs it.
+  // The job's size in bytes read (tm_product_work: weights, plus rows of compute); under the team's solo_bytes
+  // the caller runs it alone.
   size_t work = SIZE_MAX;
 };
 

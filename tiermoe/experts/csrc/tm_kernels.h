@@ -34,6 +34,10 @@ inline size_t tm_matrix_bytes(const TmMatrix& W) {
   return (size_t)W.N * W.K * (W.fmt == TM_BF16 ? 16 : W.fmt == TM_INT8 ? 8 : 4) / 8;
 }
 
+// A product's work for a team's solo test (team.h), in bytes read: the matrix once, and each further row of
+// activations an eighth of it again (computed from cache: measured, 8 rows cost about twice one).
+inline size_t tm_product_work(const TmMatrix& W, int rows) { return tm_matrix_bytes(W) * (7 + (size_t)rows) / 8; }
+
 // M rows of activations with row stride ld (elements): an fp32 copy and/or a bf16 copy (whichever the kernel
 // table asked for). The bf16 copy has rows allocated up to a multiple of 16 (AMX tiles read whole tiles).
 struct TmRows {
