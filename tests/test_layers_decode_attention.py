@@ -64,9 +64,10 @@ def _case(dtype, sinks: bool, seed: int = 0, d: int = 16, dv: int | None = None)
 def test_rows_attend_their_own_pages_and_window_as_transformers_does(dtype, sinks, team, monkeypatch):
     q, k, v, tables, pos, lo, page_size, scale, sinks_H = _case(dtype, sinks)
     if team:  # work this small runs on the calling thread unless the threshold says otherwise
-        monkeypatch.setattr(decode_module, "TEAM_MIN_WORK", 0)
+        monkeypatch.setattr(decode_module, "TEAM_MIN_KV_BYTES", 0)
     threads = ThreadTeam(KERNELS, 2)
     _check_attention(KERNELS, lambda: threads, dtype, _case(dtype, sinks))
+    assert (threads.shared_jobs > 0) == team  # the helper worked only when the threshold let it
     threads.close()
 
 

@@ -30,10 +30,12 @@ from tiermoe.layers.mla_attention import MLAAttention
 from tiermoe.layers.ragged_step import RaggedStep
 
 # Multiply-adds below which the calling thread runs the gated delta rule alone: waking the team costs more than it
-# saves. (Attention takes the team from SOLO_BYTES of K/V read, as the kernels' products do from SOLO_BYTES of
-# weights: the demo model's 8-row step, 2.8 MB of K/V a layer, attended 2.2x slower on a team of two than alone
-# on this project's 2-vCPU VMs.)
+# saves.
 TEAM_MIN_WORK = 1 << 20
+# K/V bytes below which the calling thread attends alone, as the kernels' products run alone below SOLO_BYTES of
+# weights: the demo model's 8-row step (2.8 MB of K/V a layer) attended 2.2x slower on a team of two than alone on
+# this project's 2-vCPU VMs, where a sleeping helper takes ~250 us to wake.
+TEAM_MIN_KV_BYTES = SOLO_BYTES
 DELTA_MAX_HEAD_DIM = 512  # csrc/tm_kernels.h TM_DELTA_MAX_DIM: the native rule refuses larger head dims
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -64,7 +66,7 @@ class DecodeAttention:
                           tables=tables_TN.data_ptr(), pos=pos_T.data_ptr(), lo=lo_T.data_ptr(),
                           out=out_THd.data_ptr())
         kv_bytes = keys * Hkv * (d + dv) * k_SHd.element_size()
-        team = self.team().handle if kv_bytes >= SOLO_BYTES else None
+        team = self.team().handle if kv_bytes >= TEAM_MIN_KV_BYTES else None
         err = ctypes.create_string_buffer(256)
         if self.kernels.lib.tm_paged_decode_attention(team, ctypes.byref(args), err, len(err)) != 0:
             raise RuntimeError(err.value.decode())

@@ -21,7 +21,7 @@ import dataclasses
 
 import torch
 
-from tiermoe.config import NON_EXPERT_AS_LOADED, NON_EXPERT_DTYPES, CPUConfig
+from tiermoe.config import NON_EXPERT_DTYPES, CPUConfig
 from tiermoe.experts.kernels import load_kernels
 from tiermoe.experts.threads import physical_cpus
 
@@ -38,9 +38,9 @@ def cpu_only_defaults(cpu: CPUConfig, gpu_device: torch.device, dtype: torch.dty
 
 def packs_by_default(cpu: CPUConfig, gpu_device: torch.device, dtype: torch.dtype, trainable: bool,
                      multi_rank: bool) -> bool:
+    """Whether a run that did not choose --non-expert-dtype gets bf16 (the module docstring's conditions)."""
     return (gpu_device.type == "cpu" and not trainable and not multi_rank and dtype == torch.bfloat16
-            and cpu.backend == "native" and cpu.non_expert_dtype != NON_EXPERT_AS_LOADED
-            and load_kernels() is not None)
+            and cpu.backend == "native" and load_kernels() is not None)
 
 
 def torch_threads_beside(cpu: CPUConfig) -> int | None:
