@@ -11,7 +11,7 @@ from torch import nn
 from tiermoe.config import CPUConfig
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
-from tiermoe.experts.kernels import SOLO_BYTES, ThreadTeam, load_kernels, supported_isa
+from tiermoe.experts.kernels import SOLO_BYTES, ThreadTeam, load_kernels, solo_bytes_from_env, supported_isa
 from tiermoe.experts.quant import blocked_nbytes
 from tiermoe.experts.threads import physical_cpus, torch_threads
 from tiermoe.layers.quantized_linear import QuantizedLinear
@@ -45,6 +45,15 @@ def test_the_defaults_leave_other_runs_as_they_were(case):
 def test_without_kernels_nothing_is_packed(monkeypatch):
     monkeypatch.setenv("TIERMOE_CPU_ISA", "torch")
     assert cpu_only_defaults(CPUConfig(), CPU, torch.bfloat16, False, False) == CPUConfig()
+
+
+def test_the_solo_size_can_be_set_for_tests_and_a_bad_one_says_what_is_expected(monkeypatch):
+    assert solo_bytes_from_env() == SOLO_BYTES
+    monkeypatch.setenv("TIERMOE_TEAM_SOLO_BYTES", "0")
+    assert solo_bytes_from_env() == 0
+    monkeypatch.setenv("TIERMOE_TEAM_SOLO_BYTES", "4MB")
+    with pytest.raises(ValueError, match="expected a whole number of bytes"):
+        solo_bytes_from_env()
 
 
 def test_torch_threads_are_set_for_the_block_and_restored():

@@ -12,6 +12,7 @@ build fails, callers fall back to pure torch after a one-line warning.
 
 Forcing a path (tests, comparisons): TIERMOE_CPU_ISA=amx|avx512bf16|avx512|avx2|base caps the ISA, and
 TIERMOE_CPU_ISA=torch disables the library; `load_kernels(isa=...)` does the same per call.
+TIERMOE_TEAM_SOLO_BYTES=N sets the size under which a team runs a job on its caller alone (SOLO_BYTES).
 """
 
 from __future__ import annotations
@@ -240,6 +241,16 @@ def load_kernels(isa: str | None = None) -> Kernels | None:
     return Kernels(lib, level)
 
 
+def solo_bytes_from_env() -> int:
+    """$TIERMOE_TEAM_SOLO_BYTES (0: every job shared; tests, comparisons), else SOLO_BYTES."""
+    text = os.environ.get("TIERMOE_TEAM_SOLO_BYTES")
+    if text is None:
+        return SOLO_BYTES
+    if not text.strip().isdigit():
+        raise ValueError(f"TIERMOE_TEAM_SOLO_BYTES={text!r}: expected a whole number of bytes (0 shares every job)")
+    return int(text)
+
+
 class ThreadTeam:
     """`n` threads for the kernels: the calling thread plus n - 1 helpers, pinned to `cpus` (member 0 first) or
     unpinned when `cpus` is empty. Helpers spin `spin_us` after a layer, then sleep. A MoE layer or packed product
@@ -252,7 +263,7 @@ class ThreadTeam:
         self.n = n
         self.cpus = tuple(cpus)
         if solo_bytes is None:
-            solo_bytes = int(os.environ.get("TIERMOE_TEAM_SOLO_BYTES", SOLO_BYTES))
+            solo_bytes = solo_bytes_from_env()
         self.kernels = kernels
         self.handle = kernels.lib.tm_team_create(n, arr if cpus else None, len(cpus), spin_us, solo_bytes)
         if not self.handle:
