@@ -128,6 +128,11 @@ class CPUConfig:
     # (tiermoe.model.cpu_only).
     non_expert_dtype: str | None = None
 
+    @property
+    def packs_non_experts(self) -> bool:
+        """Whether the non-expert linears are held packed (a format chosen, not None or "none")."""
+        return self.non_expert_dtype in NON_EXPERT_DTYPES
+
     def __post_init__(self):
         if self.non_expert_dtype not in (None, NON_EXPERT_AS_LOADED, *NON_EXPERT_DTYPES):
             raise TiermoeError(f"non-expert dtype '{self.non_expert_dtype}' is unknown; choose one of: "

@@ -21,7 +21,7 @@ import dataclasses
 
 import torch
 
-from tiermoe.config import NON_EXPERT_DTYPES, CPUConfig
+from tiermoe.config import CPUConfig
 from tiermoe.experts.kernels import load_kernels
 from tiermoe.experts.threads import physical_cpus
 
@@ -31,7 +31,7 @@ def cpu_only_defaults(cpu: CPUConfig, gpu_device: torch.device, dtype: torch.dty
     """`cpu` with the CPU-only defaults filled in (see the module docstring); unchanged where they do not apply."""
     if cpu.non_expert_dtype is None and packs_by_default(cpu, gpu_device, dtype, trainable, multi_rank):
         cpu = dataclasses.replace(cpu, non_expert_dtype="bf16")
-    if cpu.non_expert_dtype in NON_EXPERT_DTYPES and cpu.threads is None and not multi_rank:
+    if cpu.packs_non_experts and cpu.threads is None and not multi_rank:
         cpu = dataclasses.replace(cpu, threads=len(physical_cpus()))
     return cpu
 
@@ -46,6 +46,6 @@ def packs_by_default(cpu: CPUConfig, gpu_device: torch.device, dtype: torch.dtyp
 def torch_threads_beside(cpu: CPUConfig) -> int | None:
     """torch's intra-op threads during a forward: with packed non-expert linears, the physical cores the kernel
     team leaves (at least one); None (torch's own setting) otherwise."""
-    if cpu.non_expert_dtype not in NON_EXPERT_DTYPES or cpu.threads is None:
+    if not cpu.packs_non_experts or cpu.threads is None:
         return None
     return max(1, len(physical_cpus()) - cpu.threads)

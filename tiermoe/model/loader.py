@@ -39,7 +39,7 @@ from tiermoe.arch import detect, load_config
 from tiermoe.checkpoint.expert_cache import ExpertCache, find_cache
 from tiermoe.checkpoint.fp8 import FP8Linear, fp8_block_size, is_block_fp8, scale_name
 from tiermoe.checkpoint.safetensors import Checkpoint
-from tiermoe.config import NON_EXPERT_DTYPES, CPUConfig
+from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.ffn import ExpertActivation
 from tiermoe.experts.fp8_tier import FP8ExpertSet, fp8_expert_bytes
@@ -194,7 +194,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         for block in blocks.values():
             block.trainable = True
     else:
-        if cpu.non_expert_dtype in NON_EXPERT_DTYPES:  # CPU only: packed linears on the kernels (the head too)
+        if cpu.packs_non_experts:  # CPU only: packed linears on the kernels (the head too)
             quantize_non_experts(model, spec.router_attr, cpu, worker)
         fuse_layer_ops(model)  # CPU-resident norms and routers: one native call each (tiermoe.model.fused_layers)
         use_rows_lm_head(model)  # the head on the sampled rows as one 2-D matmul: no copy of its weight per prefill

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tiermoe.config import NON_EXPERT_AS_LOADED, CPUConfig
+from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.kernels import load_kernels
 from tiermoe.experts.native import model_team
@@ -34,7 +34,7 @@ HEAD_FORMATS = {"bf16": "bf16", "int8": "int8", "int4": "int8"}
 
 def check_non_expert_dtype(cpu: CPUConfig, gpu_device: torch.device, trainable: bool) -> None:
     """Before anything loads: the option is for CPU-only inference."""
-    if cpu.non_expert_dtype in (None, NON_EXPERT_AS_LOADED):
+    if not cpu.packs_non_experts:
         return
     if gpu_device.type != "cpu":
         raise TiermoeError(f"--non-expert-dtype {cpu.non_expert_dtype} is for CPU-only runs (--gpu-device cpu); "
