@@ -11,6 +11,7 @@ from torch import nn
 from tiermoe.config import CPUConfig
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
+from tiermoe.errors import TiermoeError
 from tiermoe.experts.kernels import SOLO_BYTES, ThreadTeam, load_kernels, solo_bytes_from_env, supported_isa
 from tiermoe.experts.quant import blocked_nbytes
 from tiermoe.experts.threads import physical_cpus, torch_threads
@@ -54,6 +55,9 @@ def test_the_solo_size_can_be_set_for_tests_and_a_bad_one_says_what_is_expected(
     monkeypatch.setenv("TIERMOE_TEAM_SOLO_BYTES", "4MB")
     with pytest.raises(ValueError, match="expected a whole number of bytes"):
         solo_bytes_from_env()
+    if supported_isa() is not None:  # read when the kernels load, so a model load stops there with that message
+        with pytest.raises(TiermoeError, match="TIERMOE_TEAM_SOLO_BYTES='4MB': expected a whole number of bytes"):
+            load_kernels()
 
 
 def test_torch_threads_are_set_for_the_block_and_restored():

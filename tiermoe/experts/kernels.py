@@ -30,6 +30,8 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from tiermoe.errors import TiermoeError
+
 ISA_NAMES = ("base", "avx2", "avx512", "avx512bf16", "amx")
 TORCH_ISA = "torch"  # not a kernel level: "use no kernels"
 # 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp (fused norms, routers), decode attention, rotary;
@@ -95,10 +97,12 @@ class TmDeltaArgs(ctypes.Structure):
 
 @dataclass(frozen=True)
 class Kernels:
-    """The loaded library and the ISA level its calls use."""
+    """The loaded library, the ISA level its calls use, and the size under which its teams run a job on the
+    caller alone (SOLO_BYTES, or $TIERMOE_TEAM_SOLO_BYTES as it was when loaded)."""
 
     lib: ctypes.CDLL
     isa: int
+    solo_bytes: int = SOLO_BYTES
 
     @property
     def isa_name(self) -> str:
@@ -225,10 +229,12 @@ def supported_isa() -> str | None:
 
 def load_kernels(isa: str | None = None) -> Kernels | None:
     """The kernels at level `isa` (None: $TIERMOE_CPU_ISA, else the best this CPU has); None for "torch" or when
-    the library cannot be built. Asking for a level above the CPU's raises ValueError."""
+    the library cannot be built. Asking for a level above the CPU's, or a bad environment variable, raises
+    TiermoeError (a ValueError: one line from the CLI, before a model loads)."""
     requested = isa or os.environ.get("TIERMOE_CPU_ISA") or None
     if requested is not None and requested not in (*ISA_NAMES, TORCH_ISA):
-        raise ValueError(f"unknown CPU ISA '{requested}'; choose one of: {', '.join((*ISA_NAMES, TORCH_ISA))}")
+        raise TiermoeError(f"unknown CPU ISA '{requested}'; choose one of: {', '.join((*ISA_NAMES, TORCH_ISA))}")
+    solo_bytes = solo_bytes_from_env()
     if requested == TORCH_ISA:
         return None
     lib = _library(str(_cache_dir()), _compiler())
@@ -237,8 +243,8 @@ def load_kernels(isa: str | None = None) -> Kernels | None:
     best = lib.tm_cpu_isa()
     level = best if requested is None else ISA_NAMES.index(requested)
     if level > best:
-        raise ValueError(f"CPU ISA '{requested}' is not supported by this CPU (best: {ISA_NAMES[best]})")
-    return Kernels(lib, level)
+        raise TiermoeError(f"CPU ISA '{requested}' is not supported by this CPU (best: {ISA_NAMES[best]})")
+    return Kernels(lib, level, solo_bytes)
 
 
 def solo_bytes_from_env() -> int:
@@ -247,14 +253,14 @@ def solo_bytes_from_env() -> int:
     if text is None:
         return SOLO_BYTES
     if not text.strip().isdigit():
-        raise ValueError(f"TIERMOE_TEAM_SOLO_BYTES={text!r}: expected a whole number of bytes (0 shares every job)")
+        raise TiermoeError(f"TIERMOE_TEAM_SOLO_BYTES={text!r}: expected a whole number of bytes (0 shares every job)")
     return int(text)
 
 
 class ThreadTeam:
     """`n` threads for the kernels: the calling thread plus n - 1 helpers, pinned to `cpus` (member 0 first) or
     unpinned when `cpus` is empty. Helpers spin `spin_us` after a layer, then sleep. A MoE layer or packed product
-    smaller than `solo_bytes` (default SOLO_BYTES, or $TIERMOE_TEAM_SOLO_BYTES) runs on the caller alone. Closed by
+    smaller than `solo_bytes` (default: the kernels', Kernels.solo_bytes) runs on the caller alone. Closed by
     `close()` or when collected."""
 
     def __init__(self, kernels: Kernels, n: int, cpus: list[int] | tuple[int, ...] = (), spin_us: int = 50,
@@ -263,7 +269,7 @@ class ThreadTeam:
         self.n = n
         self.cpus = tuple(cpus)
         if solo_bytes is None:
-            solo_bytes = solo_bytes_from_env()
+            solo_bytes = kernels.solo_bytes
         self.kernels = kernels
         self.handle = kernels.lib.tm_team_create(n, arr if cpus else None, len(cpus), spin_us, solo_bytes)
         if not self.handle:
