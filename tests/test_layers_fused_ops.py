@@ -251,6 +251,9 @@ def decode_ops_per_layer(path, dtype) -> list[int]:
 @needs_ops
 def test_a_decode_step_dispatches_fewer_ops_per_layer_by_what_was_fused(tiny_dir, monkeypatch):
     path = tiny_dir("qwen3_moe")  # q/k norms, a dense layer (no router) between MoE layers
+    # the per-op fusions alone: not the whole-layer call (test_fused_decode_layer) nor the packed router
+    monkeypatch.setattr(loader, "fuse_decode_layers", lambda model, kernels: 0)
+    monkeypatch.setattr(loader, "pack_routers", lambda model, cpu, worker: 0)
     fused = decode_ops_per_layer(path, torch.bfloat16)
     monkeypatch.setattr(loader, "fuse_layer_ops", lambda model: (0, 0))
     original = decode_ops_per_layer(path, torch.bfloat16)

@@ -35,8 +35,9 @@ from tiermoe.errors import TiermoeError
 ISA_NAMES = ("base", "avx2", "avx512", "avx512bf16", "amx")
 TORCH_ISA = "torch"  # not a kernel level: "use no kernels"
 # 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp (fused norms, routers), decode attention, rotary;
-# 4: decode attention per ISA (TmAttnArgs.isa); 5: the gated delta rule; 6: a team's solo_bytes, its shared jobs
-ABI_VERSION = 6
+# 4: decode attention per ISA (TmAttnArgs.isa); 5: the gated delta rule; 6: a team's solo_bytes, its shared jobs;
+# 7: a whole decoder layer of a decode step (tm_decode_layer)
+ABI_VERSION = 7
 # A MoE layer or packed product smaller than this (bytes of weights read, each row of activations beyond the first
 # counted as an eighth more: csrc/tm_kernels.h tm_product_work) runs on the calling thread alone. Waking a helper
 # asleep between a decode step's calls cost about 250 us on this project's 2-vCPU VMs (an idle vCPU is halted),
@@ -93,6 +94,20 @@ class TmDeltaArgs(ctypes.Structure):
                 ("v_offset", ctypes.c_int64), ("qkv", ctypes.c_void_p), ("g", ctypes.c_void_p),
                 ("beta", ctypes.c_void_p), ("state", ctypes.c_void_p), ("read", ctypes.c_void_p),
                 ("write", ctypes.c_void_p), ("out", ctypes.c_void_p)]
+
+
+class TmDecodeLayerArgs(ctypes.Structure):
+    """One decoder layer of a decode step in one call (csrc/decode_layer.cpp; tiermoe.layers.fused_decode_layer)."""
+
+    _fields_ = [*[(n, ctypes.c_int32) for n in ("T", "D", "H", "Hkv", "d", "E", "K", "norm_kind", "sum_lanes",
+                                                "exp_lanes", "qk_norm", "renormalize", "weights_bf16",
+                                                "attend_on_team")],
+                ("eps", ctypes.c_double), ("qk_eps", ctypes.c_double),
+                *[(n, ctypes.c_void_p) for n in ("x", "out", "input_norm", "post_norm", "q_norm", "k_norm")],
+                ("qkv", TmLinearArgs), ("o", TmLinearArgs), ("router", TmLinearArgs),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("cs_row_stride", ctypes.c_int64),
+                ("k_slots", ctypes.c_void_p), ("v_slots", ctypes.c_void_p), ("write_slots", ctypes.c_void_p),
+                ("attn", TmAttnArgs), ("moe", TmLayerArgs), ("ids", ctypes.c_void_p), ("work", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True)
@@ -188,6 +203,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tm_paged_decode_attention.restype = ctypes.c_int
     lib.tm_paged_decode_attention.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmAttnArgs), ctypes.c_char_p,
                                               ctypes.c_int]
+    lib.tm_decode_layer.restype = ctypes.c_int
+    lib.tm_decode_layer.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmDecodeLayerArgs), ctypes.c_char_p, ctypes.c_int]
+    lib.tm_decode_layer_work_bytes.restype = ctypes.c_size_t
+    lib.tm_decode_layer_work_bytes.argtypes = [ctypes.POINTER(TmDecodeLayerArgs)]
     lib.tm_gated_delta_decode.restype = ctypes.c_int
     lib.tm_gated_delta_decode.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmDeltaArgs), ctypes.c_char_p, ctypes.c_int]
     lib.tm_rotary_inplace.restype = ctypes.c_int

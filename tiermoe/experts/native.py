@@ -77,6 +77,7 @@ class NativeCPUExperts(ComputedOnWorker):
         self._shape: tuple[int, int] | None = None  # (D, I)
         self._blocked = False  # decided by the first expert's shape
         self._tables: tuple | None = None  # ctypes arrays (gate_up, down) indexed by expert id
+        self._layer_args: TmLayerArgs | None = None  # `layer_args`, made again when the tables are
 
     # -- holding experts -------------------------------------------------------------------------------------
 
@@ -148,6 +149,7 @@ class NativeCPUExperts(ComputedOnWorker):
                 for old, fresh in zip(self._tables, new):
                     ctypes.memmove(fresh, old, ctypes.sizeof(old))
             self._tables = new
+            self._layer_args = None
         s = self._experts.get(expert)
         for table, m in zip(self._tables, (s.gate_up, s.down) if s else (None, None)):
             table[expert] = c_matrix(m)
@@ -172,6 +174,23 @@ class NativeCPUExperts(ComputedOnWorker):
 
     def _team(self) -> ThreadTeam:
         return kernel_team(self.worker, self.kernels, self.threads, self.numa_nodes)
+
+    def thread_team(self) -> ThreadTeam:
+        """The model's kernel thread team this tier computes on."""
+        return self._team()
+
+    def layer_args(self) -> TmLayerArgs | None:
+        """What the kernels need of this layer's experts (TmLayerArgs less the call's T, x, y, ids and weights), for
+        a caller that computes the layer inside a larger native call (tiermoe.layers.fused_decode_layer); None when
+        this tier computes with torch. Valid until an expert is added beyond its tables' size (then made again)."""
+        if not self._blocked or self._tables is None:
+            return None
+        if self._layer_args is None:
+            (d, i), (gate_up, down) = self._shape, self._tables
+            self._layer_args = TmLayerArgs(isa=self.kernels.isa, amx_min_rows=self.amx_min_rows, D=d, I=i,
+                                           Dp=round_up(d, k_align(self.fmt)), Ip=round_up(i, k_align(self.fmt)),
+                                           n_experts=len(gate_up), gate_up=gate_up, down=down)
+        return self._layer_args
 
     def _kernel_forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         x = x_TD.contiguous() if x_TD.dtype in (torch.bfloat16, torch.float32) else x_TD.float()

@@ -6,7 +6,8 @@ On the CPU at batch 1 their dispatch is the cost, not their arithmetic. `DecodeF
 module's place (its children and parameters under their own names, as HybridMoE takes a MoE block's) and, in a
 step whose rows are all decode rows attending in place (tiermoe.layers.decode_attention), computes:
 - q, k and v with ONE linear: their weights are concatenated once, and the three projections' parameters
-  become row views of the concatenation (no second copy held; the original forward still reads them);
+  become row views of the concatenation (no second copy held; the original forward still reads them); packed
+  projections (--non-expert-dtype) likewise become one packed product (quantized_linear.stack_rows);
 - the model's own q/k norms (Qwen3), as modules;
 - rotary embedding in place, in one native call (csrc/rotary.cpp: the same products, sum and roundings; GPT-OSS's
   half-width form too);
@@ -31,6 +32,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 from tiermoe.layers.decode_attention import DecodeAttention
 from tiermoe.layers.module_swap import swap_modules
 from tiermoe.layers.paged_attention import STEP_KWARG
+from tiermoe.layers.quantized_linear import QuantizedLinear, stack_rows
 
 _FAMILIES = (Qwen3MoeAttention, Qwen2MoeAttention, MixtralAttention, GptOssAttention)
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -55,7 +57,12 @@ class DecodeFusedAttention(nn.Module):
         self.original_class = type(original)  # its forward runs every other step; its file has the eager attention
         self.native = native
         self.heads = (original.config.num_attention_heads, original.config.num_key_value_heads)
-        self.qkv_weight, self.qkv_bias = _concatenated(*(getattr(self, n) for n in _PROJECTIONS))
+        projections = [getattr(self, n) for n in _PROJECTIONS]
+        self.qkv_weight, self.qkv_bias = _concatenated(*projections)
+        # Packed projections (--non-expert-dtype) stacked into one product. Held in a tuple, not as a child module:
+        # its tensors are the projections' own (their buffers are views of them), which the model counts once.
+        stacked = stack_rows(projections) if all(type(p) is QuantizedLinear for p in projections) else None
+        self.stacked_qkv = () if stacked is None else (stacked,)
 
     def forward(self, *args, **kwargs):
         step = kwargs.get(STEP_KWARG)
@@ -81,7 +88,9 @@ class DecodeFusedAttention(nn.Module):
         return self.o_proj(out_THd.view(1, T, -1))
 
     def _qkv(self, x_TD: torch.Tensor) -> torch.Tensor:
-        if self.qkv_weight is None:  # projections that are not plain linears (packed by --non-expert-dtype)
+        if self.stacked_qkv:
+            return self.stacked_qkv[0](x_TD)
+        if self.qkv_weight is None:  # projections that are not plain linears
             return torch.cat([getattr(self, n)(x_TD) for n in _PROJECTIONS], dim=-1)
         return F.linear(x_TD, self.qkv_weight, self.qkv_bias)
 

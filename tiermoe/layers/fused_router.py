@@ -5,7 +5,9 @@ same weights and the same ids in the same order, ties included (the call runs to
 The routers and what they return besides the logits (`router_logits, weights [T, K], ids [T, K]`):
   Qwen2-MoE, Qwen3-MoE, OLMoE, Qwen3-Next: renormalised when `norm_topk_prob`, weights in the logits' dtype
   Mixtral: always renormalised, weights in fp32
-The router's linear stays torch's F.linear (routers are never quantised: tiermoe.model.non_expert_quant).
+The router's linear is torch's F.linear, or, where the run packs its non-expert linears (CPU-only bf16 models,
+tiermoe.model.non_expert_quant.pack_routers), the kernels' product with the weight packed in bf16: the same values
+(routers are never quantised), summed in another order, as every packed linear's are.
 DeepSeek-V2/V3 and GLM-4-MoE's grouped routers: tiermoe.layers.fused_grouped_router. Left as transformers' own:
 GPT-OSS's router (top-k of the logits, then softmax over k in bf16).
 
@@ -58,11 +60,15 @@ class FusedTopKRouter(nn.Module):
         self.weight = router.weight
         self.ops = ops
         self.replaced = type(router).__name__
+        self.packed = None  # a QuantizedLinear of `weight` in bf16 (pack_routers), computing the logits on the CPU
 
     def forward(self, hidden_states: torch.Tensor):
         if hidden_states.dim() != 2:  # HybridMoE passes [T, D] already: no reshape op to dispatch
             hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        logits = F.linear(hidden_states, self.weight)  # (tokens, experts)
+        if self.packed is not None and hidden_states.device.type == "cpu":
+            logits = self.packed(hidden_states)  # (tokens, experts)
+        else:
+            logits = F.linear(hidden_states, self.weight)
         weights_dtype = logits.dtype if self.cast else torch.float32
         if (self.ops.exp_lanes is not None and logits.device.type == "cpu" and logits.dtype in NATIVE_DTYPES
                 and logits.shape[0] <= NATIVE_MAX_ROWS and logits.is_contiguous()

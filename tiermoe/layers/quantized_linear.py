@@ -16,6 +16,7 @@ weight dequantised per call: slower, never wrong.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ from torch import nn
 from tiermoe.experts.kernel_matmuls import PackedMatrix, packed_product
 from tiermoe.experts.kernels import Kernels, ThreadTeam
 from tiermoe.experts.native import AMX_MIN_ROWS
-from tiermoe.experts.quant import block, dequantize, quantize
+from tiermoe.experts.quant import QMatrix, block, dequantize, quantize
 
 _STORED = ("codes", "scale", "gscale", "gzero")  # the QMatrix tensors, held as (non-persistent) buffers
 
@@ -37,13 +38,25 @@ class QuantizedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, fmt: str, kernels: Kernels | None, team: Callable[[], ThreadTeam],
                  amx_min_rows: int = AMX_MIN_ROWS):
         super().__init__()
-        self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
-        self.kernels, self.team, self.amx_min_rows = kernels, team, amx_min_rows
         with torch.no_grad():
-            self.packed = PackedMatrix(block(quantize(linear.weight.detach(), fmt)))
+            self._hold(block(quantize(linear.weight.detach(), fmt)), linear.bias, kernels, team, amx_min_rows)
+
+    @classmethod
+    def holding(cls, q: QMatrix, bias: nn.Parameter | None, kernels: Kernels | None, team: Callable[[], ThreadTeam],
+                amx_min_rows: int = AMX_MIN_ROWS) -> QuantizedLinear:
+        """A QuantizedLinear of a matrix already stored (blocked, one segment)."""
+        linear = cls.__new__(cls)
+        nn.Module.__init__(linear)
+        linear._hold(q, bias, kernels, team, amx_min_rows)
+        return linear
+
+    def _hold(self, q: QMatrix, bias, kernels, team, amx_min_rows) -> None:
+        self.in_features, self.out_features, self.fmt = q.k, q.n, q.fmt
+        self.kernels, self.team, self.amx_min_rows = kernels, team, amx_min_rows
+        self.packed = PackedMatrix(q)
         for name in _STORED:  # buffers, so the model's own accounting (tier_bytes) sees what is held
-            self.register_buffer(name, getattr(self.packed.q, name), persistent=False)
-        self.bias = linear.bias
+            self.register_buffer(name, getattr(q, name), persistent=False)
+        self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is None:
@@ -59,3 +72,35 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"fmt={self.fmt}")
+
+
+def stack_rows(linears: list[QuantizedLinear]) -> QuantizedLinear | None:
+    """One QuantizedLinear whose product is the given ones' side by side ([..., k] -> [..., sum of their n], in
+    their order): attention's q, k and v in one call instead of three and a concatenation. Their stored tensors are
+    concatenated once and each given linear is re-pointed at its own rows of the result, so nothing is held twice;
+    each output row is computed exactly as its own linear computes it (the kernels' strips of 16 rows are
+    independent, and int8 / int4 quantise row by row). None when they do not stack: other formats or inputs, no
+    kernels, biases on some only, or a linear whose rows are not whole strips."""
+    first = linears[0]
+    if (first.kernels is None or any(lin.kernels is not first.kernels for lin in linears)
+            or len({(lin.fmt, lin.in_features) for lin in linears}) > 1
+            or len({lin.bias is None for lin in linears}) > 1
+            or any(lin.out_features % 16 or lin.packed.q.segments != ((0, lin.out_features),) for lin in linears)):
+        return None
+    qs = [lin.packed.q for lin in linears]
+    with torch.no_grad():
+        stored = {name: None if getattr(first.packed.q, name) is None else torch.cat([getattr(q, name) for q in qs])
+                  for name in _STORED}
+        n = sum(q.n for q in qs)
+        stacked = replace(qs[0], n=n, segments=((0, n),), segment_rows=n, **stored)
+        bias = None if first.bias is None else nn.Parameter(torch.cat([lin.bias for lin in linears]),
+                                                            requires_grad=False)
+        start = 0
+        for lin, q in zip(linears, qs):
+            rows = slice(start, start + q.n)
+            strips = slice(start // 16, (start + q.n) // 16)  # codes, gscale, gzero: [strips, ...]; scale: [rows]
+            views = {name: None if t is None else t[rows if name == "scale" else strips] for name, t in stored.items()}
+            lin._hold(replace(q, **views), None if bias is None else nn.Parameter(bias[rows], requires_grad=False),
+                      lin.kernels, lin.team, lin.amx_min_rows)
+            start += q.n
+    return QuantizedLinear.holding(stacked, bias, first.kernels, first.team, first.amx_min_rows)

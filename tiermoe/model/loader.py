@@ -54,6 +54,7 @@ from tiermoe.experts.weights import ExpertWeights
 from tiermoe.layers.decode_attention import decode_attention_for
 from tiermoe.layers.deferred_experts import DeferredExperts
 from tiermoe.layers.fused_attention import fuse_decode_attention
+from tiermoe.layers.fused_decode_layer import fuse_decode_layers
 from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.layers.lm_head import use_rows_lm_head
 from tiermoe.layers.mla_attention import group_kv_b_rows_of, replace_mla_attention
@@ -72,7 +73,7 @@ from tiermoe.model.heap_trim import return_freed_heap
 from tiermoe.model.held_bytes import disk_name, held_nbytes
 from tiermoe.model.hybrid_model import HybridModel
 from tiermoe.model.lora_merge import MergedLoRA
-from tiermoe.model.non_expert_quant import check_non_expert_dtype, quantize_non_experts
+from tiermoe.model.non_expert_quant import check_non_expert_dtype, pack_routers, quantize_non_experts
 from tiermoe.model.plan_source import resolve_plan
 from tiermoe.model.skeleton import build_skeleton, decoder_layers, moe_block_attr, move_buffers
 
@@ -197,6 +198,8 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         if cpu.packs_non_experts:  # CPU only: packed linears on the kernels (the head too)
             quantize_non_experts(model, spec.router_attr, cpu, worker)
         fuse_layer_ops(model)  # CPU-resident norms and routers: one native call each (tiermoe.model.fused_layers)
+        if cpu.packs_non_experts:
+            pack_routers(model, cpu, worker)
         use_rows_lm_head(model)  # the head on the sampled rows as one 2-D matmul: no copy of its weight per prefill
         group_kv_b_rows_of(decoder_layers(model))  # MLA's one re-layout, now that kv_b_proj holds its rows
     return_freed_heap()  # the read buffers the tiers packed or quantised from
@@ -204,6 +207,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     decode_attention = decode_attention_for(model, gpu_device, kernels, model_team(worker, kernels, cpu), trainable)
     if decode_attention is not None:
         fuse_decode_attention(model, decode_attention)
+        fuse_decode_layers(model, kernels)  # where every piece is fused and packed: one native call a layer
     return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share, trainable, pool,
                        decode_attention, torch_threads_beside(cpu))
 

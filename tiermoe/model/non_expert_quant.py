@@ -2,7 +2,8 @@
 
 Which linears: every plain nn.Linear of the decoder layers (attention projections, linear-attention projections,
 dense layers' MLPs, shared experts) and the LM head. Kept as loaded:
-  - the router (the MoE block's `gate` / `router`): a few rows that decide which experts run, and tiny;
+  - the router (the MoE block's `gate` / `router`): a few rows that decide which experts run, and tiny (a bf16
+    one is packed in bf16, the same values, by `pack_routers`);
   - Qwen2-MoE / Qwen3-Next's `shared_expert_gate`: one row, a sigmoid scale on the shared expert;
   - MLA's `kv_b_proj`: MLAAttention re-lays its rows out once and reads them as the W_UK / W_UV views it folds
     into the query (tiermoe.layers.mla_attention), which a packed matrix cannot give without a dequantisation
@@ -25,6 +26,7 @@ from tiermoe.experts.kernels import load_kernels
 from tiermoe.experts.native import model_team
 from tiermoe.experts.quant import blocked_nbytes
 from tiermoe.experts.tiers import CPUWorker
+from tiermoe.layers.fused_router import FusedTopKRouter
 from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.model.skeleton import decoder_layers
 
@@ -71,6 +73,31 @@ def quantize_non_experts(model: nn.Module, router_attr: str, cpu: CPUConfig, wor
         model.set_output_embeddings(QuantizedLinear(head, HEAD_FORMATS[fmt], kernels, team))
         swapped += 1
     return swapped
+
+
+def pack_routers(model: nn.Module, cpu: CPUConfig, worker: CPUWorker) -> int:
+    """Give every fused softmax top-k router (tiermoe.layers.fused_router) of a bf16 weight a packed bf16 copy of it
+    computed on the model's kernel thread team: the same values, so routing stays unquantised, and one kernel call
+    where torch's bf16 product of one row costs 20-50 us. Call after tiermoe.model.fused_layers swapped them in;
+    returns how many were packed. The loaded weight stays the router's parameter (what the state dict and any
+    non-CPU input read); it is E x D, 0.5 MB a layer at Qwen3-30B-A3B's size."""
+    kernels = load_kernels()
+    if kernels is None:
+        return 0
+    team = model_team(worker, kernels, cpu)
+    packed = 0
+    for module in model.modules():
+        if (isinstance(module, FusedTopKRouter) and module.weight.dtype == torch.bfloat16
+                and module.weight.device.type == "cpu"):
+            module.packed = QuantizedLinear(_as_linear(module.weight), "bf16", kernels, team)
+            packed += 1
+    return packed
+
+
+def _as_linear(weight: torch.Tensor) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    return linear
 
 
 def quantized_bytes_change(skeleton: nn.Module, router_attr: str, fmt: str, tied_head: bool) -> int:

@@ -25,23 +25,7 @@
 
 #include "dispatch.h"
 #include "team.h"
-
-extern "C" {
-
-struct TmLinearArgs {
-  int32_t isa;           // kernel level (TM_ISA_*), at most tm_cpu_isa()
-  int32_t amx_min_rows;  // bf16 activations: at least this many rows use AMX tiles (isa == TM_ISA_AMX)
-  int32_t M;             // rows of x / g
-  int32_t N, K;          // W's real shape
-  int32_t seg_rows;      // packed rows per segment of W (a multiple of 16; W->N is a whole number of segments)
-  int32_t seg_len;       // real rows at the start of each segment (N = seg_len * segments)
-  int32_t x_bf16;        // x / g and out are bf16 (1) or fp32 (0)
-  const TmMatrix* W;
-  const void* x;  // forward: [M, K]; transposed: [M, N]; rows contiguous
-  void* out;      // forward: [M, N]; transposed: [M, K]; written
-};
-
-}  // extern "C"
+#include "tm_api.h"
 
 namespace {
 

@@ -26,6 +26,8 @@
 #include <utility>
 #include <vector>
 
+#include "tm_api.h"
+
 namespace {
 
 enum NormKind {

@@ -16,37 +16,20 @@
 
 #include "dispatch.h"
 #include "team.h"
+#include "tm_api.h"
 
 #ifdef __linux__
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
 
-extern "C" {
-
-struct TmLayerArgs {
-  int32_t isa;           // kernel level to use (TM_ISA_*), at most tm_cpu_isa()
-  int32_t amx_min_rows;  // experts with at least this many rows use AMX tiles (isa == TM_ISA_AMX)
-  int32_t T, D, I, K;    // tokens, hidden, intermediate, top-k
-  int32_t Dp, Ip;        // padded hidden / intermediate (multiples of 64)
-  int32_t x_bf16;        // x and y are bf16 (1) or fp32 (0)
-  int32_t n_experts;     // length of gate_up / down
-  const void* x;         // [T, D]
-  void* y;               // [T, D], written
-  const int64_t* ids;    // [T, K], -1 = another tier's pair
-  const float* weights;  // [T, K]
-  const TmMatrix* gate_up;  // [n_experts] packed [2Ip, Dp]; codes == NULL where the expert is not held
-  const TmMatrix* down;     // [n_experts] packed [Dp, Ip]
-};
-
-}  // extern "C"
-
 namespace {
 
-constexpr int kAbiVersion = 6;  // 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp, paged attention, rotary;
+constexpr int kAbiVersion = 7;  // 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp, paged attention, rotary;
                                 // 4: decode attention per ISA (TmAttnArgs.isa);
                                 // 5: the gated delta rule's decode step (TmKernels.delta);
                                 // 6: a team's solo_bytes (tm_team_create), tm_team_shared_jobs
+                                // 7: tm_decode_layer (decode_layer.cpp)
 
 bool request_amx_permission() {
 #ifdef __linux__

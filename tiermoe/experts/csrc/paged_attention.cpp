@@ -13,6 +13,7 @@
 
 #include "dispatch.h"
 #include "team.h"
+#include "tm_api.h"
 
 namespace {
 

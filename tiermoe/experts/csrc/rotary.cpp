@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "dispatch.h"
+#include "tm_api.h"
 
 namespace {
 

@@ -1,0 +1,167 @@
+// One decoder layer of a decode step in one call: Qwen3-MoE's and Mixtral's layer on bf16 rows.
+//
+//   h   = x + o_proj(attention(rotary(norm_q(q)), rotary(norm_k(k)), v))   with q, k, v = qkv_proj(rms_norm(x))
+//   out = h + experts(rms_norm(h), softmax_topk(router(rms_norm(h))))
+//
+// Each step is the library's own entry point, called with what the per-op path (tiermoe.layers.fused_attention,
+// fused_norm, fused_router, quantized_linear and the CPU tier) passes it, so the output is bit for bit that path's:
+// the gain is the host's, one call from Python instead of about sixty dispatched ops and ten native calls per layer.
+// The new K/V rows are written into the layer's pool slots as the per-op path's index_copy_ writes them. The
+// caller owns every buffer: `work` holds the intermediates (tm_decode_layer_work_bytes), `ids` receives the routed
+// experts (the recorder's), `out` the layer's output; nothing is allocated here beyond the entry points' own scratch.
+// Legend: T decode rows, D hidden, H query heads, Hkv KV heads, d head dim, E experts, K top-k.
+#include <cstdint>
+#include <cstring>
+
+#include "dispatch.h"
+#include "tm_api.h"
+
+extern "C" {
+
+struct TmDecodeLayerArgs {
+  int32_t T, D, H, Hkv, d, E, K;
+  int32_t norm_kind, sum_lanes, exp_lanes;  // the RMSNorms' kind (layer_ops.cpp) and torch's lane counts
+  int32_t qk_norm;                          // q and k RMSNorm over each head (Qwen3) before rotary
+  int32_t renormalize, weights_bf16;        // the router's tail: renormalised top-k; weights rounded to bf16 first
+  int32_t attend_on_team;                   // enough K/V to read that the team shares the attention
+  double eps, qk_eps;
+  const uint16_t* x;                 // [T, D] the layer's input
+  uint16_t* out;                     // [T, D] its output
+  const uint16_t* input_norm;        // [D]
+  const uint16_t* post_norm;         // [D]
+  const uint16_t* q_norm;            // [d] (qk_norm)
+  const uint16_t* k_norm;            // [d] (qk_norm)
+  TmLinearArgs qkv, o, router;       // the packed products; M, x and out are set here
+  const uint16_t* cos;               // [T, d] rows cs_row_stride apart
+  const uint16_t* sin;
+  int64_t cs_row_stride;
+  uint16_t* k_slots;                 // [S, Hkv, d] the layer's pool slots
+  uint16_t* v_slots;
+  const int64_t* write_slots;        // [T] where each row's new K/V go
+  TmAttnArgs attn;                   // the step's page tables and positions; q, out, slots and T are set here
+  TmLayerArgs moe;                   // the CPU tier's experts; T, x, y, ids and weights are set here
+  int64_t* ids;                      // [T, K] written: the routed experts
+  void* work;                        // tm_decode_layer_work_bytes
+};
+
+}  // extern "C"
+
+namespace {
+
+// Where the intermediates sit in `work`, each 64-byte aligned.
+struct Work {
+  size_t normed, qkv, qn, kn, attn, proj, logits, weights, weights_f32, total;
+};
+
+Work layout(const TmDecodeLayerArgs& a) {
+  const size_t T = a.T, D = a.D, qkv_width = size_t(a.H + 2 * a.Hkv) * a.d;
+  Work w{};
+  size_t at = 0;
+  auto take = [&at](size_t bytes) { size_t here = at; at += tm_align64(bytes); return here; };
+  w.normed = take(T * D * 2);
+  w.qkv = take(T * qkv_width * 2);
+  w.qn = take(T * a.H * a.d * 2);
+  w.kn = take(T * a.Hkv * a.d * 2);
+  w.attn = take(T * a.H * a.d * 2);
+  w.proj = take(T * D * 2);
+  w.logits = take(T * a.E * 2);
+  w.weights = take(T * a.K * 4);
+  w.weights_f32 = take(T * a.K * 4);
+  w.total = at;
+  return w;
+}
+
+// out = a + b in bf16, as torch adds two bf16 tensors: in fp32, rounded once.
+void add_rows(const uint16_t* a, const uint16_t* b, uint16_t* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) out[i] = tm_f32_to_bf16(tm_bf16_to_f32(a[i]) + tm_bf16_to_f32(b[i]));
+}
+
+int product(void* team, TmLinearArgs p, int M, const void* x, void* out, char* err, int errlen) {
+  p.M = M;
+  p.x = x;
+  p.out = out;
+  return tm_linear_forward(team, &p, err, errlen);
+}
+
+int layer(void* team, const TmDecodeLayerArgs& a, char* err, int errlen) {
+  const int T = a.T, D = a.D, H = a.H, Hkv = a.Hkv, d = a.d;
+  const Work w = layout(a);
+  char* base = (char*)a.work;
+  auto* normed = (uint16_t*)(base + w.normed);
+  auto* qkv = (uint16_t*)(base + w.qkv);
+  auto* attn = (uint16_t*)(base + w.attn);
+  auto* proj = (uint16_t*)(base + w.proj);
+  const int64_t qkv_width = int64_t(H + 2 * Hkv) * d;
+
+  // attention
+  if (tm_rms_norm(a.x, D, a.input_norm, normed, T, D, a.eps, a.norm_kind, 1, 1, 1, a.sum_lanes) != 0)
+    return tm_fail(err, errlen, "input RMSNorm: unknown kind or lane count");
+  if (product(team, a.qkv, T, normed, qkv, err, errlen) != 0) return 1;
+  uint16_t *q = qkv, *k = qkv + int64_t(H) * d;
+  const uint16_t* v = qkv + int64_t(H + Hkv) * d;
+  int64_t q_row = qkv_width, k_row = qkv_width;
+  if (a.qk_norm) {  // per row of heads: the per-op path normalises a contiguous copy of q and of k
+    auto* qn = (uint16_t*)(base + w.qn);
+    auto* kn = (uint16_t*)(base + w.kn);
+    for (int t = 0; t < T; ++t) {
+      if (tm_rms_norm(q + t * qkv_width, d, a.q_norm, qn + int64_t(t) * H * d, H, d, a.qk_eps, a.norm_kind, 1, 1, 1,
+                      a.sum_lanes) != 0 ||
+          tm_rms_norm(k + t * qkv_width, d, a.k_norm, kn + int64_t(t) * Hkv * d, Hkv, d, a.qk_eps, a.norm_kind, 1, 1,
+                      1, a.sum_lanes) != 0)
+        return tm_fail(err, errlen, "q / k RMSNorm: unknown kind or lane count");
+    }
+    q = qn, k = kn, q_row = int64_t(H) * d, k_row = int64_t(Hkv) * d;
+  }
+  if (tm_rotary_inplace(q, T, H, d, q_row, d, a.cos, a.sin, a.cs_row_stride, 0, 1) != 0 ||
+      tm_rotary_inplace(k, T, Hkv, d, k_row, d, a.cos, a.sin, a.cs_row_stride, 0, 1) != 0)
+    return tm_fail(err, errlen, "rotary embedding needs an even head dim");
+  const size_t kv_row = size_t(Hkv) * d;
+  for (int t = 0; t < T; ++t) {
+    std::memcpy(a.k_slots + a.write_slots[t] * kv_row, k + t * k_row, kv_row * 2);
+    std::memcpy(a.v_slots + a.write_slots[t] * kv_row, v + t * qkv_width, kv_row * 2);
+  }
+  TmAttnArgs at = a.attn;
+  at.T = T, at.H = H, at.Hkv = Hkv, at.d = d, at.dv = d, at.x_bf16 = 1;
+  at.q = q, at.q_row_stride = q_row, at.q_head_stride = d;
+  at.k_slots = a.k_slots, at.v_slots = a.v_slots, at.out = attn;
+  if (tm_paged_decode_attention(a.attend_on_team ? team : nullptr, &at, err, errlen) != 0) return 1;
+  if (product(team, a.o, T, attn, proj, err, errlen) != 0) return 1;
+  add_rows(a.x, proj, a.out, size_t(T) * D);
+
+  // experts
+  if (tm_rms_norm(a.out, D, a.post_norm, normed, T, D, a.eps, a.norm_kind, 1, 1, 1, a.sum_lanes) != 0)
+    return tm_fail(err, errlen, "post-attention RMSNorm: unknown kind or lane count");
+  auto* logits = (uint16_t*)(base + w.logits);
+  if (product(team, a.router, T, normed, logits, err, errlen) != 0) return 1;
+  void* weights = base + w.weights;
+  auto* weights_f32 = (float*)(base + w.weights_f32);
+  if (tm_softmax_topk(logits, T, a.E, a.K, 1, a.renormalize, a.weights_bf16, a.exp_lanes, a.sum_lanes, weights,
+                      a.ids) != 0)
+    return tm_fail(err, errlen, "router: top-k larger than the experts, or an unknown lane count");
+  const int tk = T * a.K;
+  for (int i = 0; i < tk; ++i)  // the tier multiplies in fp32 (a bf16 weight widened exactly)
+    weights_f32[i] = a.weights_bf16 ? tm_bf16_to_f32(((const uint16_t*)weights)[i]) : ((const float*)weights)[i];
+  TmLayerArgs moe = a.moe;
+  moe.T = T, moe.K = a.K, moe.x = normed, moe.y = proj, moe.ids = a.ids, moe.weights = weights_f32, moe.x_bf16 = 1;
+  if (tm_moe_forward(team, &moe, err, errlen) != 0) return 1;
+  add_rows(a.out, proj, a.out, size_t(T) * D);
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+size_t tm_decode_layer_work_bytes(const TmDecodeLayerArgs* args) { return layout(*args).total; }
+
+int tm_decode_layer(void* team, const TmDecodeLayerArgs* args, char* err, int errlen) {
+  const TmDecodeLayerArgs& a = *args;
+  if (a.T < 1 || a.D < 1 || a.H < 1 || a.Hkv < 1 || a.H % a.Hkv != 0 || a.d < 2 || a.K < 1 || a.K > a.E)
+    return tm_fail(err, errlen, "decode layer shapes must be positive, with query heads a multiple of KV heads");
+  if (a.qkv.N != (a.H + 2 * a.Hkv) * a.d || a.qkv.K != a.D || a.o.N != a.D || a.o.K != a.H * a.d ||
+      a.router.N != a.E || a.router.K != a.D || a.moe.D != a.D)
+    return tm_fail(err, errlen, "decode layer: a product's shape disagrees with the layer's");
+  return layer(team, a, err, errlen);
+}
+
+}  // extern "C"

@@ -1,0 +1,50 @@
+// The library's entry points that other plain x86-64 units call (decode_layer.cpp chains them), with the argument
+// structs they take. Never included by an ISA unit (see tm_kernels.h).
+#pragma once
+#include <stdint.h>
+
+#include "tm_kernels.h"
+
+extern "C" {
+
+// One packed matrix's product (expert_linear.cpp).
+struct TmLinearArgs {
+  int32_t isa;           // kernel level (TM_ISA_*), at most tm_cpu_isa()
+  int32_t amx_min_rows;  // bf16 activations: at least this many rows use AMX tiles (isa == TM_ISA_AMX)
+  int32_t M;             // rows of x / g
+  int32_t N, K;          // W's real shape
+  int32_t seg_rows;      // packed rows per segment of W (a multiple of 16; W->N is a whole number of segments)
+  int32_t seg_len;       // real rows at the start of each segment (N = seg_len * segments)
+  int32_t x_bf16;        // x / g and out are bf16 (1) or fp32 (0)
+  const TmMatrix* W;
+  const void* x;  // forward: [M, K]; transposed: [M, N]; rows contiguous
+  void* out;      // forward: [M, N]; transposed: [M, K]; written
+};
+
+// One MoE layer's CPU-tier experts (moe_layer.cpp).
+struct TmLayerArgs {
+  int32_t isa;           // kernel level to use (TM_ISA_*), at most tm_cpu_isa()
+  int32_t amx_min_rows;  // experts with at least this many rows use AMX tiles (isa == TM_ISA_AMX)
+  int32_t T, D, I, K;    // tokens, hidden, intermediate, top-k
+  int32_t Dp, Ip;        // padded hidden / intermediate (multiples of 64)
+  int32_t x_bf16;        // x and y are bf16 (1) or fp32 (0)
+  int32_t n_experts;     // length of gate_up / down
+  const void* x;         // [T, D]
+  void* y;               // [T, D], written
+  const int64_t* ids;    // [T, K], -1 = another tier's pair
+  const float* weights;  // [T, K]
+  const TmMatrix* gate_up;  // [n_experts] packed [2Ip, Dp]; codes == NULL where the expert is not held
+  const TmMatrix* down;     // [n_experts] packed [Dp, Ip]
+};
+
+int tm_linear_forward(void* team, const TmLinearArgs* args, char* err, int errlen);
+int tm_moe_forward(void* team, const TmLayerArgs* args, char* err, int errlen);
+int tm_paged_decode_attention(void* team, const TmAttnArgs* args, char* err, int errlen);
+int tm_rms_norm(const void* x, int64_t x_stride, const void* weight, void* out, int rows, int n, double eps, int kind,
+                int x_bf16, int w_bf16, int out_bf16, int sum_lanes);
+int tm_softmax_topk(const void* logits, int rows, int n, int k, int logits_bf16, int renorm, int weights_bf16,
+                    int softmax_lanes, int sum_lanes, void* weights, int64_t* ids);
+int tm_rotary_inplace(void* x, int T, int H, int d, int64_t row_stride, int64_t head_stride, const void* cos,
+                      const void* sin, int64_t cs_row_stride, int half_width, int bf16);
+
+}  // extern "C"

@@ -1,0 +1,165 @@
+"""A decoder layer's decode step in one native call, for CPU-only runs of Qwen3-MoE and Mixtral models in bf16.
+
+After the per-op fusions (fused norms, routers and attention, packed linears) a decode step of a width-128 layer
+still cost about 400 us of host time against llama.cpp's 75: some sixty dispatched torch ops and ten ctypes calls,
+each a few microseconds, around a few microseconds of arithmetic. `FusedDecodeLayer` takes the decoder layer's
+place (its children under their own names, as HybridMoE takes a MoE block's) and, in a step where every row is a
+decode row attending the pool in place and the layer's experts are all on the CPU tier, makes one call:
+csrc/decode_layer.cpp chains the library's own entry points exactly as the per-op path calls them, so the
+output is bit for bit the per-op path's (tests/test_fused_decode_layer.py compares them). Every other step
+(prompt chunks, gradients, experts on a GPU tier, an adapter, deferred experts, more than NATIVE_MAX_ROWS rows)
+runs the layer's original forward, which reaches the per-op modules.
+
+Swapped in where every piece is the fused one: DecodeFusedAttention with its q/k/v stacked into one packed product
+and a packed output projection (no biases, no sinks), FusedRMSNorm norms of one kind, a FusedTopKRouter with its
+packed bf16 weight, and a HybridMoE without shared experts over a CPU tier computed by the kernels: that is, a
+CPU-only bf16 run with packed non-expert linears (the default there, tiermoe.model.cpu_only).
+Legend: T decode rows, D hidden, H query heads, Hkv KV heads, d head dim, K top-k.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
+
+from tiermoe.experts.kernel_matmuls import PackedMatrix
+from tiermoe.experts.kernels import Kernels, TmAttnArgs, TmDecodeLayerArgs, TmLinearArgs
+from tiermoe.experts.layer_ops import LayerOps
+from tiermoe.layers.decode_attention import TEAM_MIN_KV_BYTES
+from tiermoe.layers.fused_attention import DecodeFusedAttention
+from tiermoe.layers.fused_norm import FusedRMSNorm
+from tiermoe.layers.fused_router import NATIVE_MAX_ROWS, FusedTopKRouter
+from tiermoe.layers.hybrid_moe import HybridMoE
+from tiermoe.layers.module_swap import swap_modules
+from tiermoe.layers.paged_attention import STEP_KWARG, PagedStepCache
+from tiermoe.layers.quantized_linear import QuantizedLinear
+
+_FAMILIES = (Qwen3MoeDecoderLayer, MixtralDecoderLayer)
+
+
+class StepWorkspace:
+    """The intermediates' memory every fused layer of one model computes in, one layer at a time (the engine runs
+    one step at a time); grown to the largest step seen, never shrunk."""
+
+    def __init__(self):
+        self.bytes = torch.empty(0, dtype=torch.uint8)
+        self.err = ctypes.create_string_buffer(256)
+
+    def at_least(self, nbytes: int) -> int:
+        if self.bytes.numel() < nbytes:
+            self.bytes = torch.empty(nbytes, dtype=torch.uint8)
+        return self.bytes.data_ptr()
+
+
+class FusedDecodeLayer(nn.Module):
+    """`original`'s place in the model (see the module docstring); `fusable(original)` must hold."""
+
+    def __init__(self, original: nn.Module, kernels: Kernels, ops: LayerOps, workspace: StepWorkspace):
+        super().__init__()
+        for name, child in original.named_children():
+            self.add_module(name, child)
+        for name, value in vars(original).items():  # what its own __init__ and its class's decorators set
+            if name not in vars(self):
+                setattr(self, name, value)
+        self.training = original.training
+        self.gradient_checkpointing = False  # read by transformers' wrapper of the original forward (inference only)
+        self.original_class = type(original)
+        self.kernels, self.workspace = kernels, workspace
+        self._work_bytes: dict[int, int] = {}  # rows -> tm_decode_layer_work_bytes
+        attn, router = self.self_attn, self.mlp._router()
+        H, Hkv = attn.heads
+        norm = self.input_layernorm
+        qk_norm = hasattr(attn, "q_norm")
+        self.args = TmDecodeLayerArgs(
+            D=norm.weight.shape[0], H=H, Hkv=Hkv, d=attn.head_dim, E=router.num_experts, K=router.top_k,
+            norm_kind=norm.kind, sum_lanes=ops.sum_lanes, exp_lanes=ops.exp_lanes, qk_norm=int(qk_norm),
+            renormalize=int(router.renormalize), weights_bf16=int(router.cast), eps=norm.eps,
+            qk_eps=attn.q_norm.eps if qk_norm else 0.0, input_norm=norm.weight.data_ptr(),
+            post_norm=self.post_attention_layernorm.weight.data_ptr(),
+            q_norm=attn.q_norm.weight.data_ptr() if qk_norm else None,
+            k_norm=attn.k_norm.weight.data_ptr() if qk_norm else None,
+            qkv=_product(kernels, attn.stacked_qkv[0]), o=_product(kernels, attn.o_proj),
+            router=_product(kernels, router.packed),
+            attn=TmAttnArgs(isa=kernels.isa, scale=attn.scaling))
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        step = kwargs.get(STEP_KWARG)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        moe = self.mlp
+        if (args or step is None or step.decode_attention is None or step.first_gathered < len(step.row_parts)
+                or not isinstance(cache, PagedStepCache) or torch.is_grad_enabled()
+                or hidden_states.dtype != torch.bfloat16 or hidden_states.device.type != "cpu"
+                or hidden_states.shape[1] > NATIVE_MAX_ROWS or not hidden_states.is_contiguous()
+                or len(moe.gpu_tier) > 0 or len(moe.cpu_tier) == 0 or moe.reduce is not None
+                or not moe.cpu_only_shortcut or moe.crosses_to_host or not moe._plain_inference()):
+            return self.original_class.forward(self, hidden_states, *args, **kwargs)
+        slots = cache.pages.held(self.self_attn.layer_idx)
+        experts = moe.cpu_tier.layer_args()
+        cos, sin = kwargs["position_embeddings"]
+        if (slots is None or experts is None or cos.dtype != torch.bfloat16 or cos.stride(-1) != 1
+                or cos.shape[-1] != self.args.d):
+            return self.original_class.forward(self, hidden_states, *args, **kwargs)
+        return self._decode(hidden_states, step, slots, experts, cos, sin)
+
+    def _decode(self, x_1TD: torch.Tensor, step, slots, experts, cos: torch.Tensor, sin: torch.Tensor):
+        T = x_1TD.shape[1]
+        a, moe = self.args, self.mlp
+        group = step.groups[step.layer_windows[self.self_attn.layer_idx]]
+        decode = group.decode
+        out = torch.empty_like(x_1TD)
+        ids = torch.empty(T, a.K, dtype=torch.int64)
+        a.T, a.x, a.out, a.ids = T, x_1TD.data_ptr(), out.data_ptr(), ids.data_ptr()
+        a.cos, a.sin, a.cs_row_stride = cos.data_ptr(), sin.data_ptr(), cos.stride(-2)
+        a.k_slots, a.v_slots, a.write_slots = slots[0].data_ptr(), slots[1].data_ptr(), group.write_index.data_ptr()
+        a.attn.page_size, a.attn.max_pages = step.page_size, decode.tables.shape[1]
+        a.attn.tables, a.attn.pos, a.attn.lo = decode.tables.data_ptr(), step.decode_pos.data_ptr(), decode.lo.data_ptr()
+        a.attend_on_team = int(decode.keys * a.Hkv * 2 * a.d * 2 >= TEAM_MIN_KV_BYTES)
+        a.moe = experts
+        work = self._work_bytes.get(T)
+        if work is None:
+            work = self._work_bytes[T] = self.kernels.lib.tm_decode_layer_work_bytes(ctypes.byref(a))
+        a.work = self.workspace.at_least(work)
+        err = self.workspace.err
+        if self.kernels.lib.tm_decode_layer(moe.cpu_tier.thread_team().handle, ctypes.byref(a), err, len(err)) != 0:
+            raise RuntimeError(err.value.decode())
+        if moe.recorder.enabled:
+            moe.recorder.record(moe.layer, ids, moe.assignment_E >= 0)
+        return out
+
+
+def _product(kernels: Kernels, linear: QuantizedLinear) -> TmLinearArgs:
+    w: PackedMatrix = linear.packed
+    return TmLinearArgs(isa=kernels.isa, amx_min_rows=linear.amx_min_rows, N=w.n, K=w.k, seg_rows=w.seg_rows,
+                        seg_len=w.seg_len, x_bf16=1, W=w.c_ptr)
+
+
+def fusable(layer: nn.Module) -> bool:
+    """Whether `layer` is a decoder layer FusedDecodeLayer computes (see the module docstring)."""
+    if not isinstance(layer, _FAMILIES):
+        return False
+    attn, moe = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if not isinstance(attn, DecodeFusedAttention) or not isinstance(moe, HybridMoE):
+        return False
+    router = moe._router()
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if hasattr(attn, "q_norm"):
+        norms += [attn.q_norm, attn.k_norm]
+    return (bool(attn.stacked_qkv) and attn.stacked_qkv[0].bias is None and type(attn.o_proj) is QuantizedLinear
+            and attn.o_proj.bias is None and attn.o_proj.kernels is not None and getattr(attn, "sinks", None) is None
+            and all(type(n) is FusedRMSNorm and n.weight.dtype == torch.bfloat16 for n in norms)
+            and len({n.kind for n in norms}) == 1 and len({n.eps for n in norms[:2]}) == 1
+            and isinstance(router, FusedTopKRouter) and router.packed is not None
+            and router.ops.exp_lanes is not None and moe.spec.shared_kind == "none"
+            and not moe.spec.returns_router_scores and hasattr(moe.cpu_tier, "layer_args"))
+
+
+def fuse_decode_layers(model: nn.Module, kernels: Kernels | None) -> int:
+    """Put a FusedDecodeLayer in place of every decoder layer that is `fusable`; returns how many."""
+    if kernels is None:
+        return 0
+    workspace = StepWorkspace()
+    return swap_modules(model, fusable, lambda m: FusedDecodeLayer(m, kernels, m.mlp._router().ops, workspace))
