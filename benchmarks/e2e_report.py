@@ -156,15 +156,15 @@ def speed_table(results: dict) -> list[str]:
 
 def component_table(results: dict) -> list[str]:
     """ms per decode step of one sequence by part, for the backends that reported parts (tiermoe's)."""
-    parts = ("lm_head", "attention", "experts", "rest")
-    lines = ["| model | format | backend | step ms | LM head | attention | experts (MoE blocks) | rest (host) |",
-             "|---|---|---|---|---|---|---|---|"]
+    parts = ("lm_head", "attention", "experts", "fused_layers", "rest")
+    lines = ["| model | format | backend | step ms | LM head | attention | experts (MoE blocks) | whole layers (one "
+             "native call: attention + experts) | rest (host) |", "|---|---|---|---|---|---|---|---|---|"]
     for row in results["rows"]:
         for label, b in row["backends"].items():
             comp = b.get("components_ms")
             if comp:
                 lines.append(f"| {row['model']} | {row['format']} | {label} | {comp['step']:.2f} | "
-                             + " | ".join(f"{comp[p]:.2f}" for p in parts) + " |")
+                             + " | ".join(f"{comp.get(p, 0.0):.2f}" for p in parts) + " |")
     return lines
 
 

@@ -67,20 +67,27 @@ class TiermoeSide:
         return (time.perf_counter() - start) / tokens
 
     def components_ms(self, prompt: list[int], steps: int) -> dict[str, float]:
-        """ms per decode step in the LM head, the attention modules and the MoE blocks (router and experts), timed
-        by forward hooks; "rest" is the step less those: norms, embedding, residuals, the engine and sampling."""
+        """ms per decode step in the LM head, the attention modules, the MoE blocks (router and experts) and the
+        decoder layers computed whole by one native call (tiermoe.layers.fused_decode_layer: their attention and
+        experts together, less any module timed inside them), timed by forward hooks; "rest" is the step less
+        those: norms, embedding, residuals, the engine and sampling."""
         model = self.llm.hybrid.model
         parts = {"lm_head": [model.get_output_embeddings()],
                  "attention": [m for n, m in model.named_modules() if n.endswith(("self_attn", "linear_attn"))],
-                 "experts": list(self.llm.hybrid.blocks.values())}
+                 "experts": list(self.llm.hybrid.blocks.values()),
+                 # by name: an older tree (--compare-commit) has no such class
+                 "fused_layers": [m for m in model.modules() if type(m).__name__ == "FusedDecodeLayer"]}
+        inner = ("lm_head", "attention", "experts")
         totals, started, hooks = dict.fromkeys(parts, 0.0), {}, []
 
         def enter(module, *_):
-            started[id(module)] = time.perf_counter()
+            started[id(module)] = (time.perf_counter(), sum(totals[p] for p in inner))
 
         def leave_into(part):
             def leave(module, *_):
-                totals[part] += time.perf_counter() - started[id(module)]
+                t0, inside = started[id(module)]
+                nested = sum(totals[p] for p in inner) - inside if part == "fused_layers" else 0.0
+                totals[part] += time.perf_counter() - t0 - nested
             return leave
 
         for part, modules in parts.items():

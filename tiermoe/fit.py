@@ -183,7 +183,8 @@ def _bytes(name, spec, cfg, held: HeldBytes, compute, cpu_expert_dtype, source,
                                f"{', '.join(NON_EXPERT_DTYPES)}")
         tied = getattr(text_config(cfg), "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False)
         skeleton = build_skeleton(copy.deepcopy(cfg), compute)
-        non_expert += quantized_bytes_change(skeleton, spec.router_attr, non_expert_dtype, bool(tied))
+        non_expert += quantized_bytes_change(skeleton, spec.router_attr, non_expert_dtype, bool(tied),
+                                             fp8=held.fp8_matrix > 0)
     return ModelBytes(
         name=name, spec=spec, non_expert=non_expert, gpu_bytes_per_expert=held.gpu_expert,
         cpu_bytes_per_expert=cpu_expert_bytes(spec, fmt, compute), load_buffer=spec.bytes_per_expert(compute),

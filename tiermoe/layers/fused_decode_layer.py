@@ -93,6 +93,7 @@ class FusedDecodeLayer(nn.Module):
         if (args or step is None or step.decode_attention is None or step.first_gathered < len(step.row_parts)
                 or not isinstance(cache, PagedStepCache) or torch.is_grad_enabled()
                 or hidden_states.dtype != torch.bfloat16 or hidden_states.device.type != "cpu"
+                or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
                 or hidden_states.shape[1] > NATIVE_MAX_ROWS or not hidden_states.is_contiguous()
                 or len(moe.gpu_tier) > 0 or len(moe.cpu_tier) == 0 or moe.reduce is not None
                 or not moe.cpu_only_shortcut or moe.crosses_to_host or not moe._plain_inference()):

@@ -60,12 +60,12 @@ class FusedTopKRouter(nn.Module):
         self.weight = router.weight
         self.ops = ops
         self.replaced = type(router).__name__
-        self.packed = None  # a QuantizedLinear of `weight` in bf16 (pack_routers), computing the logits on the CPU
+        self.packed = None  # the weight packed in bf16 (pack_routers: `weight` is then None); CPU rows only
 
     def forward(self, hidden_states: torch.Tensor):
         if hidden_states.dim() != 2:  # HybridMoE passes [T, D] already: no reshape op to dispatch
             hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        if self.packed is not None and hidden_states.device.type == "cpu":
+        if self.packed is not None:
             logits = self.packed(hidden_states)  # (tokens, experts)
         else:
             logits = F.linear(hidden_states, self.weight)

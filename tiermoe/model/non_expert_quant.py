@@ -3,7 +3,7 @@
 Which linears: every plain nn.Linear of the decoder layers (attention projections, linear-attention projections,
 dense layers' MLPs, shared experts) and the LM head. Kept as loaded:
   - the router (the MoE block's `gate` / `router`): a few rows that decide which experts run, and tiny (a bf16
-    one is packed in bf16, the same values, by `pack_routers`);
+    one is held packed in bf16, the same values, by `pack_routers`);
   - Qwen2-MoE / Qwen3-Next's `shared_expert_gate`: one row, a sigmoid scale on the shared expert;
   - MLA's `kv_b_proj`: MLAAttention re-lays its rows out once and reads them as the W_UK / W_UV views it folds
     into the query (tiermoe.layers.mla_attention), which a packed matrix cannot give without a dequantisation
@@ -20,13 +20,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tiermoe.checkpoint.fp8 import is_fp8_quantised
 from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.kernels import load_kernels
 from tiermoe.experts.native import model_team
 from tiermoe.experts.quant import blocked_nbytes
 from tiermoe.experts.tiers import CPUWorker
-from tiermoe.layers.fused_router import FusedTopKRouter
+from tiermoe.layers.fused_router import ROUTER_CLASSES, FusedTopKRouter
+from tiermoe.layers.module_swap import class_key
 from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.model.skeleton import decoder_layers
 
@@ -76,20 +78,22 @@ def quantize_non_experts(model: nn.Module, router_attr: str, cpu: CPUConfig, wor
 
 
 def pack_routers(model: nn.Module, cpu: CPUConfig, worker: CPUWorker) -> int:
-    """Give every fused softmax top-k router (tiermoe.layers.fused_router) of a bf16 weight a packed bf16 copy of it
-    computed on the model's kernel thread team: the same values, so routing stays unquantised, and one kernel call
-    where torch's bf16 product of one row costs 20-50 us. Call after tiermoe.model.fused_layers swapped them in;
-    returns how many were packed. The loaded weight stays the router's parameter (what the state dict and any
-    non-CPU input read); it is E x D, 0.5 MB a layer at Qwen3-30B-A3B's size."""
+    """Hold every fused softmax top-k router's (tiermoe.layers.fused_router) bf16 weight packed in bf16, computed on
+    the model's kernel thread team, as the other linears are: the same values, so routing stays unquantised, and
+    one kernel call where torch's bf16 product of one row costs 20-50 us. The packed matrix replaces the loaded
+    weight (the router's `weight` becomes None), so memory is what the packed layout holds (the same bytes where
+    the experts are a multiple of 16). Call after tiermoe.model.fused_layers swapped the routers in; returns how
+    many were packed."""
     kernels = load_kernels()
     if kernels is None:
         return 0
     team = model_team(worker, kernels, cpu)
     packed = 0
     for module in model.modules():
-        if (isinstance(module, FusedTopKRouter) and module.weight.dtype == torch.bfloat16
-                and module.weight.device.type == "cpu"):
+        if (isinstance(module, FusedTopKRouter) and module.weight is not None
+                and module.weight.dtype == torch.bfloat16 and module.weight.device.type == "cpu"):
             module.packed = QuantizedLinear(_as_linear(module.weight), "bf16", kernels, team)
+            module.weight = None
             packed += 1
     return packed
 
@@ -100,15 +104,21 @@ def _as_linear(weight: torch.Tensor) -> nn.Linear:
     return linear
 
 
-def quantized_bytes_change(skeleton: nn.Module, router_attr: str, fmt: str, tied_head: bool) -> int:
+def quantized_bytes_change(skeleton: nn.Module, router_attr: str, fmt: str, tied_head: bool,
+                           fp8: bool = False) -> int:
     """Bytes that quantising to `fmt` adds to the non-expert weights of `skeleton` (a meta model: shapes only;
-    negative: saved). `tiermoe fit` adds it to what the checkpoint's headers say."""
+    negative: saved), bf16 routers packed included. `tiermoe fit` adds it to what the checkpoint's headers say.
+    fp8: the checkpoint stores its decoder linears in FP8, which a load keeps as stored (not packed)."""
     change = 0
-    for _, linear in quantizable_linears(skeleton, router_attr):
+    for name, linear in quantizable_linears(skeleton, router_attr):
         weight = linear.weight
-        change += blocked_nbytes(fmt, *weight.shape) - weight.numel() * weight.element_size()
+        if not (fp8 and is_fp8_quantised(f"{name}.weight", tuple(weight.shape))):
+            change += blocked_nbytes(fmt, *weight.shape) - weight.numel() * weight.element_size()
     head = skeleton.get_output_embeddings()
     if type(head) is nn.Linear:
         packed = blocked_nbytes(HEAD_FORMATS[fmt], *head.weight.shape)
         change += packed if tied_head else packed - head.weight.numel() * head.weight.element_size()
+    for module in skeleton.modules():  # pack_routers
+        if class_key(module) in ROUTER_CLASSES and module.weight.dtype == torch.bfloat16:
+            change += blocked_nbytes("bf16", *module.weight.shape) - module.weight.numel() * 2
     return change
