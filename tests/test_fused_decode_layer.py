@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_mask
+from conftest import make_mask, rel_err
 
 import tiermoe.model.loader as loader
 from tiermoe.arch import detect, load_config
@@ -87,6 +87,7 @@ def per_op(monkeypatch):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_a_fused_decode_step_is_bit_for_bit_the_per_op_path(arch, checkpoint, monkeypatch):
     path = checkpoint(arch)
+    monkeypatch.setattr(fused_decode_layer, "PROMPT_ROWS", 0)  # prompts by the per-op path in both runs
     calls = Calls(monkeypatch)
     logits, fused, tokens = decode_logits(path)
     spec = detect(load_config(path))
@@ -95,6 +96,34 @@ def test_a_fused_decode_step_is_bit_for_bit_the_per_op_path(arch, checkpoint, mo
         per_op(m)
         want, none, want_tokens = decode_logits(path)
     assert none == 0 and torch.equal(logits, want) and tokens == want_tokens
+
+
+def test_short_prompts_take_the_whole_layer_call_each_row_attending_in_place(checkpoint, monkeypatch):
+    """Prompt rows attend like decode rows (RaggedStep.rows_in_place): the prompt step's logits equal the per-op
+    path's (SDPA over the gathered past) within bf16 rounding; a step mixing decode rows and a prompt chunk, too;
+    prompt rows that would see more than PROMPT_KEYS keys keep the per-op path."""
+    path = checkpoint("qwen3_moe")
+    monkeypatch.setattr(fused_decode_layer, "PROMPT_KEYS", 150)
+    rows = {}
+    for fuse in (True, False):
+        with monkeypatch.context() as m:
+            if not fuse:
+                per_op(m)
+            calls = Calls(m)
+            with LLM(path, dtype=torch.bfloat16, page_size=4, progress=False) as llm:
+                engine = llm.engine
+                first, second, third = (engine.new_sequence() for _ in range(3))
+                prompt = engine.feed([first], [PROMPTS[2]])[0]  # 13 rows, 91 keys: fused
+                taken = calls.n
+                mixed = engine.feed([first, second], [[5], PROMPTS[1]])  # a decode row and 9 prompt rows
+                taken = (taken, calls.n - taken)
+                engine.feed([third], [list(range(3, 20))])  # 17 rows, 153 keys: beyond PROMPT_KEYS
+                rows[fuse] = (prompt, mixed, taken, calls.n - sum(taken))
+    (prompt, mixed, taken, long), (want_prompt, want_mixed, _, _) = rows[True], rows[False]
+    assert taken == (2, 2) and long == 0  # each step through both MoE layers; the long prompt by the per-op path
+    assert rel_err(prompt.float(), want_prompt.float()) < 2e-2  # bf16 rows, attention summed in another order
+    for got, want in zip(mixed, want_mixed):
+        assert rel_err(got.float(), want.float()) < 2e-2
 
 
 def test_a_fused_decode_step_dispatches_a_few_torch_ops_per_layer(checkpoint):

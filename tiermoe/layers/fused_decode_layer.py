@@ -6,9 +6,10 @@ each a few microseconds, around a few microseconds of arithmetic. `FusedDecodeLa
 place (its children under their own names, as HybridMoE takes a MoE block's) and, in a step where every row is a
 decode row attending the pool in place and the layer's experts are all on the CPU tier, makes one call:
 csrc/decode_layer.cpp chains the library's own entry points exactly as the per-op path calls them, so the
-output is bit for bit the per-op path's (tests/test_fused_decode_layer.py compares them). Every other step
-(prompt chunks, gradients, experts on a GPU tier, an adapter, deferred experts, more than NATIVE_MAX_ROWS rows)
-runs the layer's original forward, which reaches the per-op modules.
+output is bit for bit the per-op path's (tests/test_fused_decode_layer.py compares them). A step with prompt rows,
+PROMPT_ROWS rows at most, takes the same call with every row attending in place (see PROMPT_ROWS). Every other
+step (longer prompts, gradients, experts on a GPU tier, an adapter, deferred experts, more than NATIVE_MAX_ROWS
+rows) runs the layer's original forward, which reaches the per-op modules.
 
 Swapped in where every piece is the fused one: DecodeFusedAttention with its q/k/v stacked into one packed product
 and a packed output projection (no biases, no sinks), FusedRMSNorm norms of one kind, a FusedTopKRouter with its
@@ -39,6 +40,13 @@ from tiermoe.layers.paged_attention import STEP_KWARG, PagedStepCache
 from tiermoe.layers.quantized_linear import QuantizedLinear
 
 _FAMILIES = (Qwen3MoeDecoderLayer, MixtralDecoderLayer)
+# Rows of a step with prompt rows that still takes the whole-layer call: each row attends in place like a decode
+# row (RaggedStep.rows_in_place), where the per-op path gathers the prompt's past and calls SDPA; the same products,
+# attention summed in another order (the per-op path's decode steps stay bit for bit the same). A short prompt's
+# first token (time to first token) is the gain; longer prompts are worth SDPA's many-query kernels, and so are
+# prompt rows after a long past (each row reads its keys on its own): PROMPT_KEYS bounds what they see together.
+PROMPT_ROWS = NATIVE_MAX_ROWS
+PROMPT_KEYS = 4096
 
 
 class StepWorkspace:
@@ -70,6 +78,7 @@ class FusedDecodeLayer(nn.Module):
         self.original_class = type(original)
         self.kernels, self.workspace = kernels, workspace
         self._work_bytes: dict[int, int] = {}  # rows -> tm_decode_layer_work_bytes
+        self.kv_like = torch.empty(0, self.self_attn.heads[1], self.self_attn.head_dim, dtype=torch.bfloat16)
         attn, router = self.self_attn, self.mlp._router()
         H, Hkv = attn.heads
         norm = self.input_layernorm
@@ -90,34 +99,36 @@ class FusedDecodeLayer(nn.Module):
         step = kwargs.get(STEP_KWARG)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         moe = self.mlp
-        if (args or step is None or step.decode_attention is None or step.first_gathered < len(step.row_parts)
-                or not isinstance(cache, PagedStepCache) or torch.is_grad_enabled()
+        if (args or step is None or not isinstance(cache, PagedStepCache) or torch.is_grad_enabled()
                 or hidden_states.dtype != torch.bfloat16 or hidden_states.device.type != "cpu"
                 or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
-                or hidden_states.shape[1] > NATIVE_MAX_ROWS or not hidden_states.is_contiguous()
+                or not (_in_place(step) or step.segment_keys <= PROMPT_KEYS)
+                or hidden_states.shape[1] > (NATIVE_MAX_ROWS if _in_place(step) else PROMPT_ROWS)
+                or not hidden_states.is_contiguous()
                 or len(moe.gpu_tier) > 0 or len(moe.cpu_tier) == 0 or moe.reduce is not None
                 or not moe.cpu_only_shortcut or moe.crosses_to_host or not moe._plain_inference()):
             return self.original_class.forward(self, hidden_states, *args, **kwargs)
-        slots = cache.pages.held(self.self_attn.layer_idx)
         experts = moe.cpu_tier.layer_args()
         cos, sin = kwargs["position_embeddings"]
-        if (slots is None or experts is None or cos.dtype != torch.bfloat16 or cos.stride(-1) != 1
-                or cos.shape[-1] != self.args.d):
+        if experts is None or cos.dtype != torch.bfloat16 or cos.stride(-1) != 1 or cos.shape[-1] != self.args.d:
             return self.original_class.forward(self, hidden_states, *args, **kwargs)
+        layer = self.self_attn.layer_idx  # its K/V slots, reserved by the first step that writes them
+        slots = cache.pages.slots(layer, step.layer_windows[layer], self.kv_like, self.kv_like)
         return self._decode(hidden_states, step, slots, experts, cos, sin)
 
     def _decode(self, x_1TD: torch.Tensor, step, slots, experts, cos: torch.Tensor, sin: torch.Tensor):
         T = x_1TD.shape[1]
         a, moe = self.args, self.mlp
-        group = step.groups[step.layer_windows[self.self_attn.layer_idx]]
-        decode = group.decode
+        window = step.layer_windows[self.self_attn.layer_idx]
+        group = step.groups[window]
+        decode, pos = (group.decode, step.decode_pos) if _in_place(step) else step.rows_in_place(window)
         out = torch.empty_like(x_1TD)
         ids = torch.empty(T, a.K, dtype=torch.int64)
         a.T, a.x, a.out, a.ids = T, x_1TD.data_ptr(), out.data_ptr(), ids.data_ptr()
         a.cos, a.sin, a.cs_row_stride = cos.data_ptr(), sin.data_ptr(), cos.stride(-2)
         a.k_slots, a.v_slots, a.write_slots = slots[0].data_ptr(), slots[1].data_ptr(), group.write_index.data_ptr()
         a.attn.page_size, a.attn.max_pages = step.page_size, decode.tables.shape[1]
-        a.attn.tables, a.attn.pos, a.attn.lo = decode.tables.data_ptr(), step.decode_pos.data_ptr(), decode.lo.data_ptr()
+        a.attn.tables, a.attn.pos, a.attn.lo = decode.tables.data_ptr(), pos.data_ptr(), decode.lo.data_ptr()
         a.attend_on_team = int(decode.keys * a.Hkv * 2 * a.d * 2 >= TEAM_MIN_KV_BYTES)
         a.moe = experts
         work = self._work_bytes.get(T)
@@ -130,6 +141,11 @@ class FusedDecodeLayer(nn.Module):
         if moe.recorder.enabled:
             moe.recorder.record(moe.layer, ids, moe.assignment_E >= 0)
         return out
+
+
+def _in_place(step) -> bool:
+    """Whether every row of `step` is a decode row attending the pool in place (its index is built already)."""
+    return step.decode_attention is not None and step.first_gathered == len(step.row_parts)
 
 
 def _product(kernels: Kernels, linear: QuantizedLinear) -> TmLinearArgs:

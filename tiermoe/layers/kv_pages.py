@@ -58,10 +58,6 @@ class KVPages:
             self._slots[layer_idx], self._windows[layer_idx] = held, window
         return held
 
-    def held(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Layer `layer_idx`'s K and V slots if reserved (its first step reserves them), else None."""
-        return self._slots.get(layer_idx)
-
     def nbytes(self) -> int:
         """Bytes reserved so far (every layer's slots, page 0 included)."""
         return sum(t.nbytes for pair in self._slots.values() for t in pair)

@@ -148,6 +148,10 @@ class RaggedStep:
             self.state_write = self._stage("state_write", torch.tensor(state_indices[1]))
         self.groups = {w: self._group(w, device, mask_dtype) for w in dict.fromkeys(layer_windows.values())
                        if not isinstance(w, str)}
+        self._in_place: dict[int | None, tuple[DecodeIndex, torch.Tensor]] = {}  # rows_in_place, per group
+        # keys the segments' rows see in full attention (each row its past and itself): what attending them in
+        # place, row by row, would read
+        self.segment_keys = sum(f.new * f.past + f.new * (f.new + 1) // 2 for f in feeds[num_decode:])
 
     def _group(self, window: int | None, device: torch.device, mask_dtype: torch.dtype) -> GroupIndex:
         size, low = self.page_size, torch.finfo(mask_dtype).min
@@ -183,6 +187,31 @@ class RaggedStep:
         read_pages = self._stage(("read_pages", window), torch.cat(read) if read else torch.zeros(0, dtype=torch.long))
         decode = self._decode_index(window) if self.decode_attention is not None else None
         return GroupIndex(write_index, read_pages, tuple(parts), decode)
+
+    def rows_in_place(self, window: int | None) -> tuple[DecodeIndex, torch.Tensor]:
+        """Every row of the step (decode rows and prompt rows alike) as one query attending its sequence's pages in
+        place: (DecodeIndex of all T rows, pos [T] int32), for a whole-layer call (tiermoe.layers.fused_decode_layer)
+        on a step with prompt rows. A row sees its sequence's keys up to its own position, whose K/V the same call
+        writes first, so a prompt is causal row by row. Built on first use per group (host lists, fresh tensors:
+        never on a path a CUDA graph captures), then kept."""
+        if window not in self._in_place:
+            size = self.page_size
+            tables, pos, lo, keys = [], [], [], 0
+            for f in self.feeds:
+                for p in range(f.past, f.past + f.new):
+                    first = _first_visible(p, window)
+                    visible = f.pages[window][first // size:p // size + 1]
+                    if min(visible) < 0:
+                        raise ValueError(f"a query of this step sees a page the pool has already freed (window {window})")
+                    tables.append([0] * (first // size) + visible)
+                    pos.append(p)
+                    lo.append(first)
+                    keys += p + 1 - first
+            width = max(len(t) for t in tables)
+            table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+            self._in_place[window] = (DecodeIndex(table, torch.tensor(lo, dtype=torch.int32), keys),
+                                      torch.tensor(pos, dtype=torch.int32))
+        return self._in_place[window]
 
     def state_rows(self, part: RowPart) -> tuple[torch.Tensor, torch.Tensor]:
         """The linear-attention states the feeds of `part` read and write ([b] int64 each)."""
