@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_mask, rel_err
+from conftest import load_reference, make_mask, rel_err
 
 import tiermoe.model.loader as loader
 from tiermoe.arch import detect, load_config
@@ -122,6 +122,9 @@ def test_short_prompts_take_the_whole_layer_call_each_row_attending_in_place(che
     (prompt, mixed, taken, long), (want_prompt, want_mixed, _, _) = rows[True], rows[False]
     assert taken == (2, 2) and long == 0  # each step through both MoE layers; the long prompt by the per-op path
     assert rel_err(prompt.float(), want_prompt.float()) < 2e-2  # bf16 rows, attention summed in another order
+    with torch.no_grad():  # and transformers' fp32 model, within bf16 rounding (the per-op path: the same bound)
+        reference = load_reference(path)(torch.tensor([PROMPTS[2]])).logits[0, -1]
+    assert rel_err(prompt[-1].float(), reference) < 2e-2
     for got, want in zip(mixed, want_mixed):
         assert rel_err(got.float(), want.float()) < 2e-2
 
