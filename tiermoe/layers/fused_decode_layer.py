@@ -50,17 +50,56 @@ PROMPT_KEYS = 4096
 
 
 class StepWorkspace:
-    """The intermediates' memory every fused layer of one model computes in, one layer at a time (the engine runs
-    one step at a time); grown to the largest step seen, never shrunk."""
+    """What every fused layer of one model shares, one layer at a time (the engine runs one step at a time): the
+    intermediates' memory, grown to the largest step seen and never shrunk, and the current step's StepPlan."""
 
     def __init__(self):
         self.bytes = torch.empty(0, dtype=torch.uint8)
         self.err = ctypes.create_string_buffer(256)
+        self.step, self.plan = None, None  # the step last planned (held: `is` compares it) and its plan
 
     def at_least(self, nbytes: int) -> int:
         if self.bytes.numel() < nbytes:
             self.bytes = torch.empty(nbytes, dtype=torch.uint8)
         return self.bytes.data_ptr()
+
+    def plan_for(self, step, x_1TD: torch.Tensor, kwargs: dict) -> StepPlan | None:
+        """The step's plan, made by its first fused layer; None when the step takes the per-op path."""
+        if step is not self.step:
+            self.step, self.plan = step, StepPlan.of(step, x_1TD, kwargs)
+        return self.plan
+
+
+class StepPlan:
+    """What a step's fused layers share: its rows' attention index per page group and its rotary tables. Made
+    only for a step the whole-layer call takes (`of`)."""
+
+    def __init__(self, step, cos: torch.Tensor, sin: torch.Tensor):
+        self.step, self.cos, self.sin = step, cos, sin
+        self.in_place = _in_place(step)
+        self.groups: dict = {}  # window -> (write_index, DecodeIndex, pos)
+
+    @staticmethod
+    def of(step, x_1TD: torch.Tensor, kwargs: dict) -> StepPlan | None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if (step is None or not isinstance(cache, PagedStepCache) or torch.is_grad_enabled()
+                or x_1TD.dtype != torch.bfloat16 or x_1TD.device.type != "cpu" or x_1TD.dim() != 3
+                or x_1TD.shape[0] != 1 or not (_in_place(step) or step.segment_keys <= PROMPT_KEYS)
+                or x_1TD.shape[1] > (NATIVE_MAX_ROWS if _in_place(step) else PROMPT_ROWS)):
+            return None
+        cos, sin = kwargs["position_embeddings"]
+        if cos.dtype != torch.bfloat16 or cos.stride(-1) != 1:
+            return None
+        return StepPlan(step, cos, sin)
+
+    def group(self, window):
+        """(write_index [T], DecodeIndex, pos [T]) of the step's rows in the page group of `window`."""
+        found = self.groups.get(window)
+        if found is None:
+            group = self.step.groups[window]
+            index, pos = (group.decode, self.step.decode_pos) if self.in_place else self.step.rows_in_place(window)
+            found = self.groups[window] = (group.write_index, index, pos)
+        return found
 
 
 class FusedDecodeLayer(nn.Module):
@@ -79,6 +118,10 @@ class FusedDecodeLayer(nn.Module):
         self.kernels, self.workspace = kernels, workspace
         self._work_bytes: dict[int, int] = {}  # rows -> tm_decode_layer_work_bytes
         self.kv_like = torch.empty(0, self.self_attn.heads[1], self.self_attn.head_dim, dtype=torch.bfloat16)
+        # plain attributes, not submodules (these are children already): read per call without nn.Module's lookup
+        self.__dict__["moe"] = self.mlp
+        self.layer = self.self_attn.layer_idx
+        self.team = None  # the kernel thread team, taken on the first call
         attn, router = self.self_attn, self.mlp._router()
         H, Hkv = attn.heads
         norm = self.input_layernorm
@@ -96,47 +139,41 @@ class FusedDecodeLayer(nn.Module):
             attn=TmAttnArgs(isa=kernels.isa, scale=attn.scaling))
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        step = kwargs.get(STEP_KWARG)
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        moe = self.mlp
-        if (args or step is None or not isinstance(cache, PagedStepCache) or torch.is_grad_enabled()
-                or hidden_states.dtype != torch.bfloat16 or hidden_states.device.type != "cpu"
-                or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
-                or not (_in_place(step) or step.segment_keys <= PROMPT_KEYS)
-                or hidden_states.shape[1] > (NATIVE_MAX_ROWS if _in_place(step) else PROMPT_ROWS)
-                or not hidden_states.is_contiguous()
+        moe = self.moe
+        plan = None if args else self.workspace.plan_for(kwargs.get(STEP_KWARG), hidden_states, kwargs)
+        if (plan is None or plan.cos.shape[-1] != self.args.d or not hidden_states.is_contiguous()
                 or len(moe.gpu_tier) > 0 or len(moe.cpu_tier) == 0 or moe.reduce is not None
                 or not moe.cpu_only_shortcut or moe.crosses_to_host or not moe._plain_inference()):
             return self.original_class.forward(self, hidden_states, *args, **kwargs)
         experts = moe.cpu_tier.layer_args()
-        cos, sin = kwargs["position_embeddings"]
-        if experts is None or cos.dtype != torch.bfloat16 or cos.stride(-1) != 1 or cos.shape[-1] != self.args.d:
+        if experts is None:
             return self.original_class.forward(self, hidden_states, *args, **kwargs)
-        layer = self.self_attn.layer_idx  # its K/V slots, reserved by the first step that writes them
-        slots = cache.pages.slots(layer, step.layer_windows[layer], self.kv_like, self.kv_like)
-        return self._decode(hidden_states, step, slots, experts, cos, sin)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        window = plan.step.layer_windows[self.layer]
+        slots = cache.pages.slots(self.layer, window, self.kv_like, self.kv_like)  # reserved by a first step
+        return self._decode(hidden_states, plan, window, slots, experts)
 
-    def _decode(self, x_1TD: torch.Tensor, step, slots, experts, cos: torch.Tensor, sin: torch.Tensor):
+    def _decode(self, x_1TD: torch.Tensor, plan: StepPlan, window, slots, experts) -> torch.Tensor:
         T = x_1TD.shape[1]
-        a, moe = self.args, self.mlp
-        window = step.layer_windows[self.self_attn.layer_idx]
-        group = step.groups[window]
-        decode, pos = (group.decode, step.decode_pos) if _in_place(step) else step.rows_in_place(window)
+        a, moe = self.args, self.moe
+        write_index, index, pos = plan.group(window)
         out = torch.empty_like(x_1TD)
         ids = torch.empty(T, a.K, dtype=torch.int64)
         a.T, a.x, a.out, a.ids = T, x_1TD.data_ptr(), out.data_ptr(), ids.data_ptr()
-        a.cos, a.sin, a.cs_row_stride = cos.data_ptr(), sin.data_ptr(), cos.stride(-2)
-        a.k_slots, a.v_slots, a.write_slots = slots[0].data_ptr(), slots[1].data_ptr(), group.write_index.data_ptr()
-        a.attn.page_size, a.attn.max_pages = step.page_size, decode.tables.shape[1]
-        a.attn.tables, a.attn.pos, a.attn.lo = decode.tables.data_ptr(), pos.data_ptr(), decode.lo.data_ptr()
-        a.attend_on_team = int(decode.keys * a.Hkv * 2 * a.d * 2 >= TEAM_MIN_KV_BYTES)
+        a.cos, a.sin, a.cs_row_stride = plan.cos.data_ptr(), plan.sin.data_ptr(), plan.cos.stride(-2)
+        a.k_slots, a.v_slots, a.write_slots = slots[0].data_ptr(), slots[1].data_ptr(), write_index.data_ptr()
+        a.attn.page_size, a.attn.max_pages = plan.step.page_size, index.tables.shape[1]
+        a.attn.tables, a.attn.pos, a.attn.lo = index.tables.data_ptr(), pos.data_ptr(), index.lo.data_ptr()
+        a.attend_on_team = int(index.keys * a.Hkv * 2 * a.d * 2 >= TEAM_MIN_KV_BYTES)
         a.moe = experts
         work = self._work_bytes.get(T)
         if work is None:
             work = self._work_bytes[T] = self.kernels.lib.tm_decode_layer_work_bytes(ctypes.byref(a))
         a.work = self.workspace.at_least(work)
+        if self.team is None:  # the model's kernel team: one lookup, then held as long as this layer
+            self.team = moe.cpu_tier.thread_team()
         err = self.workspace.err
-        if self.kernels.lib.tm_decode_layer(moe.cpu_tier.thread_team().handle, ctypes.byref(a), err, len(err)) != 0:
+        if self.kernels.lib.tm_decode_layer(self.team.handle, ctypes.byref(a), err, len(err)) != 0:
             raise RuntimeError(err.value.decode())
         if moe.recorder.enabled:
             moe.recorder.record(moe.layer, ids, moe.assignment_E >= 0)
