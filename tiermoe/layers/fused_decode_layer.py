@@ -74,23 +74,24 @@ class StepPlan:
     """What a step's fused layers share: its rows' attention index per page group and its rotary tables. Made
     only for a step the whole-layer call takes (`of`)."""
 
-    def __init__(self, step, cos: torch.Tensor, sin: torch.Tensor):
-        self.step, self.cos, self.sin = step, cos, sin
-        self.in_place = _in_place(step)
+    def __init__(self, step, in_place: bool, cos: torch.Tensor, sin: torch.Tensor):
+        self.step, self.in_place, self.cos, self.sin = step, in_place, cos, sin
         self.groups: dict = {}  # window -> (write_index, DecodeIndex, pos)
 
     @staticmethod
     def of(step, x_1TD: torch.Tensor, kwargs: dict) -> StepPlan | None:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if (step is None or not isinstance(cache, PagedStepCache) or torch.is_grad_enabled()
-                or x_1TD.dtype != torch.bfloat16 or x_1TD.device.type != "cpu" or x_1TD.dim() != 3
-                or x_1TD.shape[0] != 1 or not (_in_place(step) or step.segment_keys <= PROMPT_KEYS)
-                or x_1TD.shape[1] > (NATIVE_MAX_ROWS if _in_place(step) else PROMPT_ROWS)):
+        if step is None or not isinstance(cache, PagedStepCache) or torch.is_grad_enabled():
+            return None
+        in_place = _in_place(step)  # every row a decode row, its index built: else the rows are planned here
+        if (x_1TD.dtype != torch.bfloat16 or x_1TD.device.type != "cpu" or x_1TD.dim() != 3 or x_1TD.shape[0] != 1
+                or not (in_place or step.segment_keys <= PROMPT_KEYS)
+                or x_1TD.shape[1] > (NATIVE_MAX_ROWS if in_place else PROMPT_ROWS)):
             return None
         cos, sin = kwargs["position_embeddings"]
         if cos.dtype != torch.bfloat16 or cos.stride(-1) != 1:
             return None
-        return StepPlan(step, cos, sin)
+        return StepPlan(step, in_place, cos, sin)
 
     def group(self, window):
         """(write_index [T], DecodeIndex, pos [T]) of the step's rows in the page group of `window`."""

@@ -195,15 +195,11 @@ class RaggedStep:
         writes first, so a prompt is causal row by row. Built on first use per group (host lists, fresh tensors:
         never on a path a CUDA graph captures), then kept."""
         if window not in self._in_place:
-            size = self.page_size
             tables, pos, lo, keys = [], [], [], 0
             for f in self.feeds:
                 for p in range(f.past, f.past + f.new):
                     first = _first_visible(p, window)
-                    visible = f.pages[window][first // size:p // size + 1]
-                    if min(visible) < 0:
-                        raise ValueError(f"a query of this step sees a page the pool has already freed (window {window})")
-                    tables.append([0] * (first // size) + visible)
+                    tables.append(self._table_row(f.pages[window], first, p, window))
                     pos.append(p)
                     lo.append(first)
                     keys += p + 1 - first
@@ -220,17 +216,23 @@ class RaggedStep:
         feeds = slice(part.first_feed, part.first_feed + part.b)
         return self.state_read[feeds], self.state_write[feeds]
 
+    def _table_row(self, pages: list[int], lo: int, pos: int, window: int | None) -> list[int]:
+        """A query's page table: the page ids covering key positions 0..pos, zeros for pages before its first
+        visible position `lo` (never read). ValueError when a page it sees has been freed."""
+        first = lo // self.page_size
+        visible = pages[first:pos // self.page_size + 1]
+        if min(visible) < 0:
+            raise ValueError(f"a query of this step sees a page the pool has already freed (window {window})")
+        return [0] * first + visible
+
     def _decode_index(self, window: int | None) -> DecodeIndex:
         size, rows = self.page_size, range(self.num_decode)
         lo = [_first_visible(self.feeds[i].past, window) for i in rows]
         ends = [self.feeds[i].past // size + 1 for i in rows]  # pages up to each row's query
         width, out = max(ends), []
         for i in rows:  # host lists: the table's bytes are copied once, into the step buffer
-            first = lo[i] // size
-            visible = self.feeds[i].pages[window][first:ends[i]]
-            if min(visible) < 0:
-                raise ValueError(f"a query of this step sees a page the pool has already freed (window {window})")
-            out.append([0] * first + visible + [0] * (width - ends[i]))  # pages before the window: never read
+            out.append(self._table_row(self.feeds[i].pages[window], lo[i], self.feeds[i].past, window)
+                       + [0] * (width - ends[i]))
         keys = sum(self.feeds[i].past + 1 - lo[i] for i in rows)
         return DecodeIndex(self._stage(("tables", window), torch.tensor(out, dtype=torch.long)),
                            self._stage(("lo", window), torch.tensor(lo, dtype=torch.int32)), keys)

@@ -25,7 +25,7 @@ from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.kernels import load_kernels
 from tiermoe.experts.native import model_team
-from tiermoe.experts.quant import blocked_nbytes
+from tiermoe.experts.quant import block, blocked_nbytes, quantize
 from tiermoe.experts.tiers import CPUWorker
 from tiermoe.layers.fused_router import ROUTER_CLASSES, FusedTopKRouter
 from tiermoe.layers.module_swap import class_key
@@ -92,16 +92,11 @@ def pack_routers(model: nn.Module, cpu: CPUConfig, worker: CPUWorker) -> int:
     for module in model.modules():
         if (isinstance(module, FusedTopKRouter) and module.weight is not None
                 and module.weight.dtype == torch.bfloat16 and module.weight.device.type == "cpu"):
-            module.packed = QuantizedLinear(_as_linear(module.weight), "bf16", kernels, team)
+            module.packed = QuantizedLinear.holding(block(quantize(module.weight.detach(), "bf16")), None, kernels,
+                                                    team)
             module.weight = None
             packed += 1
     return packed
-
-
-def _as_linear(weight: torch.Tensor) -> nn.Linear:
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-    return linear
 
 
 def quantized_bytes_change(skeleton: nn.Module, router_attr: str, fmt: str, tied_head: bool,
