@@ -13,8 +13,8 @@
 // K; transposed: g in W's packed row order, with W's row scales multiplied in where the kernels want them), 1. the
 // product, split over N (forward: strips of 16 rows) or over K (transposed: groups of 32 columns), so no two tasks
 // write one output. Which kernels: fp32 activations use the fp32 vector kernels (exactly dequantised weights, never
-// bf16 rounding); bf16 activations the best level's, VDPBF16PS and AMX tiles, with the many-row paths below
-// (kManyRows). The forward product is each table's `down` kernel with unit weights; the transposed one is its
+// bf16 rounding); bf16 activations the best level's, VDPBF16PS, VPDPBUSD and AMX tiles, with the many-row paths
+// below (kManyRows). The forward product is each table's `down` kernel with unit weights; the transposed one is its
 // `transposed` kernel, or, from kManyRows rows, the forward kernels on each group of columns transposed.
 // Compiled for plain x86-64 (see tm_kernels.h). Legend: Np, Kp W's padded shape; M rows of activations.
 #include <algorithm>
@@ -32,8 +32,9 @@ namespace {
 constexpr int kRowsPerTask = 16;  // phase 0: rows converted per task
 // bf16 activations on a CPU with VDPBF16PS, from this many rows: int8 / int4 strips are dequantised to bf16 once
 // for the bf16 kernels, and transposed products transpose each group of 32 columns for the forward kernels.
-// Fewer rows are memory-bound: they keep the exact fp32 kernels (int8 / int4) and the lane-pairing transposed
-// kernel (bf16), which need no extra pass over the weights.
+// Fewer rows are memory-bound: they keep the level's vector kernels (int8 / int4: activations quantised to int8 in
+// blocks of 32, int8_activations.inc) and the lane-pairing transposed kernel (bf16), which need no extra pass over
+// the weights.
 constexpr int kManyRows = 16;
 
 struct Linear {

@@ -3,8 +3,9 @@
 // One 64-byte line of a packed strip holds 16 rows x 2 consecutive k, which is exactly VDPBF16PS's operand: each
 // lane adds w[n][k] * x[k] + w[n][k+1] * x[k+1], with the activation pair broadcast as one 32-bit value. So a
 // token costs one load and one instruction per 64 bytes of weights, and decode runs at the speed memory streams.
-// int8 / int4 weights use the portable kernels compiled for AVX-512 (fp32 activations, exact dequantisation).
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+// int8 / int4 weights multiply activations quantised to int8 with VPDPBUSD (int8_activations.inc; every CPU with
+// AVX512-BF16 has AVX512-VNNI, and the level requires both); their other kernels are the portable ones.
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c")
 #include <immintrin.h>
 
 #define TM_GEN_VEC 512
@@ -22,6 +23,12 @@ namespace {
 // software prefetch at all (libraries built both ways, alternating in one process, 15 calls each, 2026-12-04).
 constexpr int kPrefetch = 2048;
 constexpr int kMaxRows = 8;
+
+}  // namespace
+
+#include "int8_activations.inc"
+
+namespace {
 
 template <int MT, int S>
 inline void dot_dp(const TmMatrix* W, const int* strip, const uint16_t* x, int ldx, v16f (&out)[MT][S]) {
@@ -88,7 +95,8 @@ void down_dp_tile(const TmMatrix* W, const uint16_t* h, int ldh, int c, int c0, 
   }
 
 void up_bf16(const TmMatrix* W, const TmRows* x, int j0, int j1, float* hf, uint16_t* hb, int ldh, void* scratch) {
-  if (W->fmt != TM_BF16) return up_generic(W, x, j0, j1, hf, hb, ldh, scratch);
+  if (W->fmt == TM_INT8) return up_q8<TM_INT8>(W, x, j0, j1, hf, hb, ldh, scratch);
+  if (W->fmt == TM_INT4) return up_q8<TM_INT4>(W, x, j0, j1, hf, hb, ldh, scratch);
   const int M = x->M;
   for (int j = j0; j < j1; ++j)
     for (int m0 = 0; m0 < M; m0 += kMaxRows) {
@@ -103,7 +111,8 @@ void up_bf16(const TmMatrix* W, const TmRows* x, int j0, int j1, float* hf, uint
 
 void down_bf16(const TmMatrix* W, const TmRows* h, int c0, int c1, const int32_t* out, const float* w, float* y,
                int ldy, void* scratch) {
-  if (W->fmt != TM_BF16) return down_generic(W, h, c0, c1, out, w, y, ldy, scratch);
+  if (W->fmt == TM_INT8) return down_q8<TM_INT8>(W, h, c0, c1, out, w, y, ldy, scratch);
+  if (W->fmt == TM_INT4) return down_q8<TM_INT4>(W, h, c0, c1, out, w, y, ldy, scratch);
   const int M = h->M;
   for (int c = c0; c < c1; c += 2)
     for (int m0 = 0; m0 < M; m0 += kMaxRows) {
@@ -181,7 +190,12 @@ void transposed_bf16(const TmMatrix* W, const TmRows* g, int p0, int p1, float* 
 
 int wants_bf16(int fmt, int) { return fmt == TM_BF16 ? TM_ROWS_BF16 : TM_ROWS_F32; }
 
-const TmKernels kTable = {TM_ISA_AVX512BF16, wants_bf16, scratch_generic, up_bf16, down_bf16, finish_nothing,
+size_t scratch_bf16(int K, int M) {
+  const size_t exact = scratch_generic(K, M), q8 = q8_scratch_bytes(K, M);
+  return exact > q8 ? exact : q8;
+}
+
+const TmKernels kTable = {TM_ISA_AVX512BF16, wants_bf16, scratch_bf16, up_bf16, down_bf16, finish_nothing,
                            transposed_bf16, to_bf16_generic, transpose_group_generic,
                            attend_scratch_floats, attend_task, delta_task};
 

@@ -47,7 +47,7 @@ int detect_isa() {
   if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
       !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq"))
     return TM_ISA_AVX2;
-  if (!__builtin_cpu_supports("avx512bf16")) return TM_ISA_AVX512;
+  if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512vnni")) return TM_ISA_AVX512;
   if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && request_amx_permission())
     return TM_ISA_AMX;
   return TM_ISA_AVX512BF16;
@@ -189,12 +189,17 @@ int forward(tmoe::Team& team, const TmLayerArgs& a, char* err, int errlen) {
   }
 
   // Kernels and buffers per routed expert; the busiest experts first, so the last tasks are the short ones.
+  // fp32 activations keep int8 / int4 weights on the exact kernels (the AVX512-BF16 level quantises activations
+  // to int8 for them: int8_activations.inc); bf16 weights multiply bf16-rounded activations on every level.
   const TmKernels* vec = tm_table(std::min(a.isa, (int)TM_ISA_AVX512BF16));
-  const TmKernels* amx = a.isa >= TM_ISA_AMX ? tm_table(TM_ISA_AMX) : vec;
+  const TmKernels* exact = tm_table(std::min(a.isa, (int)TM_ISA_AVX512));
+  const TmKernels* amx = a.isa >= TM_ISA_AMX ? tm_table(TM_ISA_AMX) : nullptr;
   for (int e = 0; e < a.n_experts; ++e)
     if (count[e + 1] > 0) {
       const int m = count[e + 1];
-      const TmKernels* k = m >= a.amx_min_rows ? amx : vec;
+      const TmKernels* k = amx && m >= a.amx_min_rows            ? amx
+                           : a.x_bf16 || a.gate_up[e].fmt == TM_BF16 ? vec
+                                                                      : exact;
       L.ex.push_back({e, m, start[e], k, k->wants(a.gate_up[e].fmt, m), nullptr, nullptr, nullptr, nullptr});
     }
   std::stable_sort(L.ex.begin(), L.ex.end(), [](const ExpertWork& x, const ExpertWork& y) { return x.m > y.m; });
@@ -245,7 +250,7 @@ int forward(tmoe::Team& team, const TmLayerArgs& a, char* err, int errlen) {
   job.ntasks[2] = L.nchunks;
   job.run = run_task;
   job.ctx = &L;
-  job.at_end = amx->finish;
+  job.at_end = (amx ? amx : vec)->finish;
   job.work = 0;
   for (const ExpertWork& w : L.ex) job.work += tm_product_work(a.gate_up[w.e], w.m) + tm_product_work(a.down[w.e], w.m);
   team.run(job);
