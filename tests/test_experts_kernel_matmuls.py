@@ -6,9 +6,10 @@ Legend: M rows routed to the expert, D hidden, I intermediate. Shapes: multiples
 
 Tolerances: with fp32 activations the kernels multiply exactly dequantised weights and accumulate in fp32, so only
 the summation order differs from torch: 1e-5 of the largest output (the measure of tests/conftest.rel_err). With
-bf16 activations each output is rounded once to bf16 (relative up to 2^-8 ~ 4e-3), and from 16 rows int8 / int4
-weights are rounded to bf16 too (AMX tiles, or strips dequantised for VDPBF16PS; as `tier.get` in bf16 rounds
-them), so 1e-2 (measured: at most 4.1e-3).
+bf16 activations each output is rounded once to bf16 (relative up to 2^-8 ~ 4e-3); int8 / int4 weights are rounded
+to bf16 too in AMX tiles and in transposed products from 16 rows (strips dequantised for VDPBF16PS; as `tier.get`
+in bf16 rounds them), and their forward products on the AVX512-BF16 level quantise the activations to int8 in
+blocks of 32 (tests/test_int8_activations.py), so 1e-2 (measured: at most 8.0e-3).
 """
 
 from __future__ import annotations
