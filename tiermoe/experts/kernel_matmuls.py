@@ -5,7 +5,8 @@ What training's backward through the CPU tier computes with: gate_up / down (x W
 input gradients gate_up_t / down_t (g W). The frozen weights are read in the format the tier holds them (bf16,
 int8 or int4 strips, csrc/tm_kernels.h) by `tm_linear_forward` / `tm_linear_transposed` (csrc/expert_linear.cpp),
 never dequantised as a whole expert; accumulation is fp32. fp32 activations get fp32 products on exactly
-dequantised weights; bf16 activations get bf16 products (VDPBF16PS / AMX where the CPU has them).
+dequantised weights; bf16 activations get bf16 products (VDPBF16PS / AMX where the CPU has them; forward products
+of int8 / int4 weights on AVX512-BF16 CPUs quantise the activations to int8 in blocks of 32: docs/cpu-backends.md).
 
 Any thread may call (the training loop, autograd's thread, the tier's CPU worker): each call runs on the model's
 kernel thread team with the caller as its first member, unpinned, and the team's own lock orders it with the
