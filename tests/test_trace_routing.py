@@ -132,6 +132,7 @@ def test_bench_placement_builds_its_table_on_the_trace_routing(model_dir, tmp_pa
     assert by["frequency"]["hit_rate"] == 1.0 and by["uniform"]["hit_rate"] < 0.5  # the trace's routing, not the model's
     routing = data["setup"]["routing"]
     assert routing["source"] == "trace" and routing["trace_layers"] == [0, 3] and routing["rows_from_trace"] > 0
+    assert data["setup"]["dataset"] == "routing trace hot.csv"  # what the plot's title names
     assert "Routing from the trace" in result.stdout
 
 

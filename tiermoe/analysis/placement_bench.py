@@ -302,7 +302,10 @@ def _measure_all(llm, workload, calibration_LE, config, profile, cpu_fit: TierFi
 
 def _setup(llm, config: PlacementBenchConfig, calibration: Workload, heldout: Workload, device: str) -> dict:
     spec = llm.hybrid.spec
-    dataset = config.workload.dataset if calibration.prompt_names else "token-id workloads"
+    if config.routing_trace is not None:  # the prompts are placeholders: the trace's routing is the workload
+        dataset = f"routing trace {Path(config.routing_trace.path).name}"
+    else:
+        dataset = config.workload.dataset if calibration.prompt_names else "token-id workloads"
     return {
         "model": str(llm.model_dir), "model_name": Path(llm.model_dir).name, "model_type": spec.model_type,
         "moe_layers": spec.num_moe_layers, "experts": spec.num_experts, "top_k": spec.top_k,
