@@ -61,11 +61,7 @@ void up_dp_tile(const TmMatrix* W, const uint16_t* x, int ldx, int j, float* hf,
   const int strip[2] = {j, W->N / 32 + j};
   v16f acc[MT][2];
   dot_dp<MT, 2>(W, strip, x, ldx, acc);
-  for (int m = 0; m < MT; ++m) {
-    v16f h = silu_mul(acc[m][0], acc[m][1]);
-    if (hf) st_f32x16(hf + (size_t)m * ldh + 16 * j, h);
-    if (hb) st_bf16x16(hb + (size_t)m * ldh + 16 * j, h);
-  }
+  store_glu<MT>(W, strip, acc, j, hf, hb, ldh);  // bf16: row scales 1, exact
 }
 
 template <int MT, int S>
@@ -75,11 +71,7 @@ void down_dp_tile(const TmMatrix* W, const uint16_t* h, int ldh, int c, int c0, 
   for (int s = 0; s < S; ++s) strip[s] = c + s;
   v16f acc[MT][S];
   dot_dp<MT, S>(W, strip, h, ldh, acc);
-  for (int s = 0; s < S; ++s)
-    for (int m = 0; m < MT; ++m) {
-      float* yr = y + (size_t)out[m] * ldy + 16 * (c - c0 + s);
-      st_f32x16(yr, ld_f32x16(yr) + acc[m][s] * w[m]);
-    }
+  add_weighted<MT, S>(W, c, c0, acc, out, w, y, ldy);  // bf16: row scales 1, exact
 }
 
 #define TM_ROWS_SWITCH(n, CALL) \
