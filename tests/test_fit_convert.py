@@ -90,6 +90,8 @@ def test_fit_cli_from_config_alone_prints_every_part_and_fails_when_it_will_not_
     assert "does not fit" in small.stdout and "GPU memory" in small.stdout and "host memory" in small.stdout
     none = run_cli("fit", "--model", str(config))
     assert none.returncode == 2 and "--dtype" in none.stderr and "Traceback" not in none.stderr
+    head = run_cli("fit", "--model", str(config), "--dtype", "bf16", "--head-dtype", "int4")
+    assert head.returncode == 2 and "give --non-expert-dtype too" in head.stderr and "Traceback" not in head.stderr
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

@@ -20,13 +20,13 @@ from tiermoe.experts.quant import block, blocked_nbytes, dequantize, quantize
 from tiermoe.fit import model_bytes
 from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.model.loader import load_hybrid_model
-from tiermoe.model.non_expert_quant import KEPT_LINEARS, quantizable_linears
+from tiermoe.model.non_expert_quant import KEPT_LINEARS, head_format, quantizable_linears
 from tiermoe.models import resolve_model
 
 needs_kernels = pytest.mark.skipif(supported_isa() is None, reason="the kernel library is unavailable")
 
 # Median over positions of max |logits - fp32| / max |fp32 logits|, on tiny models with random weights
-# (initializer_range 0.1, hidden 64): measured int8 0.009-0.017, int4 (groups of 32, an int8 head) 0.10-0.26; random
+# (initializer_range 0.1, hidden 64): measured int8 0.009-0.017, int4 (groups of 32) 0.10-0.26; random
 # Gaussian weights are int4's worst case, and a random router's near-tied scores flip a few positions much further
 # under any weight error (bf16 weights flip them too), hence the median. Exactness is the other check: the
 # quantised model computes, to fp32 rounding, the model whose linears hold the dequantised stored weights.
@@ -76,19 +76,18 @@ def test_blocked_nbytes_is_what_a_blocked_matrix_holds_and_small_matrices_unbloc
             assert torch.equal(dequantize(blocked, torch.float32), dequantize(quantize(w, fmt), torch.float32))
 
 
-def _load(path, fmt, **kwargs):
+def _load(path, fmt, head=None, **kwargs):
     return load_hybrid_model(path, None, gpu_device="cpu", dtype=torch.float32, progress=False,
-                             cpu=CPUConfig(non_expert_dtype=fmt), **kwargs)
+                             cpu=CPUConfig(non_expert_dtype=fmt, head_dtype=head), **kwargs)
 
 
 def _params(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in module.named_parameters()}
 
 
-def _dequantized_reference(hybrid, router_attr: str, fmt: str) -> None:
-    """Put into a plain model's linears the weights `fmt` stores (dequantised to fp32): what a quantised load
-    must compute exactly."""
-    head_fmt = {"int8": "int8", "int4": "int8"}[fmt]
+def _dequantized_reference(hybrid, router_attr: str, fmt: str, head_fmt: str) -> None:
+    """Put into a plain model's linears the weights `fmt` stores, into its head those `head_fmt` stores
+    (dequantised to fp32): what a quantised load must compute exactly."""
     with torch.no_grad():
         for _, linear in quantizable_linears(hybrid.model, router_attr):
             linear.weight.copy_(dequantize(block(quantize(linear.weight, fmt)), torch.float32))
@@ -109,15 +108,16 @@ def test_quantized_non_experts_compute_their_stored_weights_and_keep_routers_and
         plain_bytes = plain.tier_bytes().non_expert
         linears = len(quantizable_linears(plain.model, spec.router_attr))
     exact = {}
-    for fmt in ("int8", "int4"):
+    formats = (("int8", None), ("int4", None), ("int4", "int8"))  # (--non-expert-dtype, --head-dtype)
+    for fmt, head in formats:
         with _load(path, None) as reference:
-            _dequantized_reference(reference, spec.router_attr, fmt)
-            exact[fmt] = reference(input_ids=ids).logits
+            _dequantized_reference(reference, spec.router_attr, fmt, head_format(fmt, head))
+            exact[fmt, head] = reference(input_ids=ids).logits
     assert linears >= 4 * spec.num_layers  # at least q, k / kv, o... of every layer
-    for fmt in ("int8", "int4"):
-        with _load(path, fmt) as hybrid:
+    for fmt, head in formats:
+        with _load(path, fmt, head) as hybrid:
             logits = hybrid(input_ids=ids).logits
-            assert rel_err(logits, exact[fmt]) < 1e-4  # the stored weights, computed by the kernels in fp32
+            assert rel_err(logits, exact[fmt, head]) < 1e-4  # the stored weights, computed by the kernels in fp32
             per_position = (logits - ref).abs().amax(-1).flatten() / ref.abs().max()
             tolerance = ARCH_TOLERANCE.get(arch, TOLERANCE)[fmt]
             assert tolerance is None or per_position.median() < tolerance, (fmt, per_position)
@@ -132,7 +132,7 @@ def test_quantized_non_experts_compute_their_stored_weights_and_keep_routers_and
             held = hybrid.tier_bytes().non_expert
             # fp32 linears: int8 holds about a quarter of their bytes (a tied head gets a copy of its own)
             assert held < plain_bytes * (0.75 if not load_config(path).tie_word_embeddings else 1.0)
-            assert held == model_bytes(path, non_expert_dtype=fmt).non_expert + (
+            assert held == model_bytes(path, non_expert_dtype=fmt, head_dtype=head).non_expert + (
                 plain_bytes - model_bytes(path).non_expert)  # `tiermoe fit` counts what the load holds
 
 
@@ -167,4 +167,13 @@ def test_the_option_is_refused_off_cpu_for_training_and_when_unknown(tiny_dir):
     assert cpu_from_args(p.parse_args(["--non-expert-dtype", "none"])).non_expert_dtype == "none"
     with pytest.raises(SystemExit):
         p.parse_args(["--non-expert-dtype", "fp4"])
+    assert cpu_from_args(p.parse_args(["--non-expert-dtype", "int4", "--head-dtype", "int8"])).head_dtype == "int8"
+    with pytest.raises(TiermoeError, match="LM head dtype 'int2' is unknown; choose one of: bf16, int8, int4"):
+        CPUConfig(non_expert_dtype="int4", head_dtype="int2")
+    with pytest.raises(TiermoeError, match=r"--head-dtype int8 is for CPU-only runs"):
+        load_hybrid_model(path, None, gpu_device="cuda:0", cpu=CPUConfig(head_dtype="int8"), progress=False)
+    with pytest.raises(TiermoeError, match="--non-expert-dtype none keeps torch's linears: drop one of the two"):
+        _load(path, "none", head="int8")
+    with pytest.raises(TiermoeError, match="applies where the non-expert linears are packed"):
+        _load(path, None, head="int8")  # an fp32 load keeps its linears as loaded unless told
     assert resolve_model("tiermoe-demo")  # the bundled model the generation test uses

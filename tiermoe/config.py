@@ -127,6 +127,9 @@ class CPUConfig:
     # torch's linears in the checkpoint's dtype; None: bf16 for a bf16 model run CPU-only, else as loaded
     # (tiermoe.model.cpu_only).
     non_expert_dtype: str | None = None
+    # --head-dtype: the format of the packed LM head, where the non-expert linears are packed; None follows
+    # --non-expert-dtype (tiermoe.model.non_expert_quant.head_format).
+    head_dtype: str | None = None
 
     @property
     def packs_non_experts(self) -> bool:
@@ -137,6 +140,9 @@ class CPUConfig:
         if self.non_expert_dtype not in (None, NON_EXPERT_AS_LOADED, *NON_EXPERT_DTYPES):
             raise TiermoeError(f"non-expert dtype '{self.non_expert_dtype}' is unknown; choose one of: "
                                f"{', '.join((NON_EXPERT_AS_LOADED, *NON_EXPERT_DTYPES))}")
+        if self.head_dtype not in (None, *NON_EXPERT_DTYPES):
+            raise TiermoeError(f"LM head dtype '{self.head_dtype}' is unknown; choose one of: "
+                               f"{', '.join(NON_EXPERT_DTYPES)}")
         if not isinstance(self.deferred_experts, int) or self.deferred_experts < 0:
             raise TiermoeError(f"deferred experts per token must be an integer >= 0, got {self.deferred_experts!r}")
         if self.numa_nodes is not None:

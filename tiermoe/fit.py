@@ -126,11 +126,11 @@ def _non_expert_from_config(cfg, dtype: torch.dtype, fp8: bool) -> tuple[int, in
 
 
 def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: str | None = None,
-                non_expert_dtype: str | None = None) -> ModelBytes:
+                non_expert_dtype: str | None = None, head_dtype: str | None = None) -> ModelBytes:
     """Memory of `model`: a checkpoint directory (safetensors headers), a GGUF file or directory, or a
     config.json (or a directory holding only one) with `dtype` (bf16, fp16, fp32 or fp8) naming its weights.
     `non_expert_dtype` (--non-expert-dtype): the non-expert linears counted packed in that format, as a CPU-only
-    load holds them (tiermoe.model.non_expert_quant)."""
+    load holds them (tiermoe.model.non_expert_quant), the LM head in `head_dtype` if given (--head-dtype)."""
 
     path = Path(model)
     if not path.exists():
@@ -141,7 +141,7 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
         spec = detect(cfg)
         compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
         return _bytes(path.name, spec, cfg, held_from_headers(path, compute, cfg, spec), compute,
-                      cpu_expert_dtype, "GGUF headers (converted at load)", non_expert_dtype)
+                      cpu_expert_dtype, "GGUF headers (converted at load)", non_expert_dtype, head_dtype)
     config_file = path if path.is_file() else path / "config.json"
     if config_file.name != "config.json" or not config_file.is_file():
         raise TiermoeError(f"'{path}' is neither a checkpoint directory, a config.json nor a GGUF file")
@@ -170,11 +170,12 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
         fp8_expert = fp8_expert_dequant_bytes(spec, DEFAULT_BLOCK, compute) if fp8 else 0
         held = HeldBytes(non_expert, gpu_expert, fp8_matrix, fp8_expert)
         source = f"config.json ({dtype})"
-    return _bytes(config_file.parent.name, spec, cfg, held, compute, cpu_expert_dtype, source, non_expert_dtype)
+    return _bytes(config_file.parent.name, spec, cfg, held, compute, cpu_expert_dtype, source, non_expert_dtype,
+                  head_dtype)
 
 
 def _bytes(name, spec, cfg, held: HeldBytes, compute, cpu_expert_dtype, source,
-           non_expert_dtype: str | None = None) -> ModelBytes:
+           non_expert_dtype: str | None = None, head_dtype: str | None = None) -> ModelBytes:
     fmt = cpu_format(cpu_expert_dtype, compute)
     non_expert = held.non_expert
     if non_expert_dtype is not None:
@@ -184,7 +185,7 @@ def _bytes(name, spec, cfg, held: HeldBytes, compute, cpu_expert_dtype, source,
         tied = getattr(text_config(cfg), "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False)
         skeleton = build_skeleton(copy.deepcopy(cfg), compute)
         non_expert += quantized_bytes_change(skeleton, spec.router_attr, non_expert_dtype, bool(tied),
-                                             fp8=held.fp8_matrix > 0)
+                                             fp8=held.fp8_matrix > 0, head_dtype=head_dtype)
     return ModelBytes(
         name=name, spec=spec, non_expert=non_expert, gpu_bytes_per_expert=held.gpu_expert,
         cpu_bytes_per_expert=cpu_expert_bytes(spec, fmt, compute), load_buffer=spec.bytes_per_expert(compute),

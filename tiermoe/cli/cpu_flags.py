@@ -64,10 +64,15 @@ def add_cpu_flags(p: argparse.ArgumentParser) -> None:
                         "(default: the checkpoint's dtype)")
     g.add_argument("--non-expert-dtype", choices=(NON_EXPERT_AS_LOADED, *NON_EXPERT_DTYPES), default=None,
                    help="CPU-only runs (--gpu-device cpu): hold the non-expert linears (attention, dense and shared "
-                        "MLPs, LM head) packed in this format, computed by the same kernels (the head takes int8 "
-                        "under int4; routers, norms, embeddings and MLA's kv_b stay as loaded); 'none': torch's "
+                        "MLPs, LM head) packed in this format, computed by the same kernels (routers, norms, "
+                        "embeddings and MLA's kv_b stay as loaded); 'none': torch's "
                         "linears as loaded. Default: bf16 for a bf16 model run CPU-only in one process, with the "
                         "CPU tier's threads on every physical core; the checkpoint's dtype otherwise")
+    g.add_argument("--head-dtype", choices=NON_EXPERT_DTYPES, default=None,
+                   help="format of the packed LM head, where the non-expert linears are packed (default: theirs). "
+                        "int4 reads 0.55 bytes a weight, int8 1.0: under int4 the careful choice is int8, what "
+                        "llama.cpp's Q4_K_M does with its 6.6-bit output matrix (docs/cpu-backends.md has the "
+                        "measured loss of both)")
     g.add_argument("--kt-method", dest="kt_method", type=kt_method, default=None,
                    help="SGLang-kt spelling of the format: AMXINT4 = int4, AMXINT8 = int8, BF16 = bf16")
     g.add_argument("--cpu-threads", "--kt-cpuinfer", dest="cpu_threads", type=cpu_threads, default=None,
@@ -97,4 +102,5 @@ def cpu_from_args(args) -> CPUConfig:
     return CPUConfig(backend=getattr(args, "cpu_backend", CPUConfig().backend), expert_dtype=fmt or method,
                      threads=getattr(args, "cpu_threads", None), numa_nodes=tuple(nodes) if nodes else None,
                      deferred_experts=getattr(args, "deferred_experts", 0),
-                     non_expert_dtype=getattr(args, "non_expert_dtype", None))
+                     non_expert_dtype=getattr(args, "non_expert_dtype", None),
+                     head_dtype=getattr(args, "head_dtype", None))

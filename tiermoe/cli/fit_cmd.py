@@ -8,6 +8,7 @@ from tiermoe.cli.flags import (
     non_negative_int,
     positive_int,
 )
+from tiermoe.errors import TiermoeError
 from tiermoe.fit import fit_report, model_bytes
 
 
@@ -40,12 +41,16 @@ def add_parser(sub) -> None:
     p.add_argument("--non-expert-dtype", choices=("bf16", "int8", "int4"),
                    help="count the non-expert linears packed in this format, as a CPU-only load with "
                         "--non-expert-dtype holds them (default: the compute dtype)")
+    p.add_argument("--head-dtype", choices=("bf16", "int8", "int4"),
+                   help="with --non-expert-dtype: the LM head's format, as --head-dtype loads it (default: theirs)")
     p.add_argument("--gpu-experts", type=non_negative_int,
                    help="GPU-tier experts in total to check (default: the largest count that fits)")
 
 
 def run(args) -> int:
-    model = model_bytes(args.model, args.dtype, args.cpu_expert_dtype, args.non_expert_dtype)
+    if args.head_dtype is not None and args.non_expert_dtype is None:
+        raise TiermoeError("--head-dtype counts a packed LM head: give --non-expert-dtype too")
+    model = model_bytes(args.model, args.dtype, args.cpu_expert_dtype, args.non_expert_dtype, args.head_dtype)
     report = fit_report(model, args.gpu_experts, args.max_total_tokens, args.gpu_prefill_buffer_gb,
                         args.gpu_memory_gb, args.ram_gb, args.max_running_requests)
     print(report.describe())

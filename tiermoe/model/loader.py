@@ -73,7 +73,12 @@ from tiermoe.model.heap_trim import return_freed_heap
 from tiermoe.model.held_bytes import disk_name, held_nbytes
 from tiermoe.model.hybrid_model import HybridModel
 from tiermoe.model.lora_merge import MergedLoRA
-from tiermoe.model.non_expert_quant import check_non_expert_dtype, pack_routers, quantize_non_experts
+from tiermoe.model.non_expert_quant import (
+    check_head_dtype,
+    check_non_expert_dtype,
+    pack_routers,
+    quantize_non_experts,
+)
 from tiermoe.model.plan_source import resolve_plan
 from tiermoe.model.skeleton import build_skeleton, decoder_layers, moe_block_attr, move_buffers
 
@@ -148,6 +153,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     gpu_device = torch.device(gpu_device)
     dtype = dtype or spec.dtype
     cpu = cpu_only_defaults(cpu, gpu_device, dtype, trainable, share is not None)
+    check_head_dtype(cpu)
     # Host copies are worth page-locking only when the GPU tier is on CUDA; shared-memory CPU experts are
     # page-locked by their store (tiermoe.distributed.shm_store), slot by slot, not here.
     pin = pins_host_memory(gpu_device) and share is None

@@ -9,10 +9,13 @@ dense layers' MLPs, shared experts) and the LM head. Kept as loaded:
     into the query (tiermoe.layers.mla_attention), which a packed matrix cannot give without a dequantisation
     per forward;
   - norms and embeddings (not linears), and FP8-stored linears (FP8Linear, kept as stored).
-The LM head takes int8 when the rest is int8 or int4 (as Q4_K_M keeps its output matrix at 6 bits: the logits
-are the one place where weight error is not averaged away by later layers), bf16 when the rest is bf16. A head
-tied to the embeddings gets a packed copy of its own; the embeddings keep the loaded table (one row is read per
-token).
+The LM head takes the format of the rest unless --head-dtype says otherwise (CPUConfig.head_dtype). It is the
+largest matrix a decode token reads on a Qwen3-30B-A3B-class model (151,936 x 2048), so its format decides much
+of a 4-bit model's step: int4 reads 166 MB of it, int8 311 MB, llama.cpp's Q4_K_M keeps it at Q6_K (255 MB)
+because logits are the one place where weight error is not averaged away by later layers. Measured held-out loss
+(BENCHMARKS.md, "An int4 LM head") puts an int4 head within the issue's bound of Q4_K_M's; `--head-dtype int8`
+is the careful choice at about 1.9x the head's bytes. A head tied to the embeddings gets a packed copy of its
+own; the embeddings keep the loaded table (one row is read per token).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 from torch import nn
 
 from tiermoe.checkpoint.fp8 import is_fp8_quantised
-from tiermoe.config import CPUConfig
+from tiermoe.config import NON_EXPERT_AS_LOADED, CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.kernels import load_kernels
 from tiermoe.experts.native import model_team
@@ -33,19 +36,35 @@ from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.model.skeleton import decoder_layers
 
 KEPT_LINEARS = ("shared_expert_gate", "kv_b_proj")  # see the module's docstring
-HEAD_FORMATS = {"bf16": "bf16", "int8": "int8", "int4": "int8"}
+
+
+def head_format(non_expert_dtype: str, head_dtype: str | None = None) -> str:
+    """The packed LM head's format: --head-dtype if given, else the non-expert linears' (module docstring)."""
+    return head_dtype or non_expert_dtype
 
 
 def check_non_expert_dtype(cpu: CPUConfig, gpu_device: torch.device, trainable: bool) -> None:
-    """Before anything loads: the option is for CPU-only inference."""
-    if not cpu.packs_non_experts:
+    """Before anything loads: the options are for CPU-only inference."""
+    if cpu.head_dtype is not None and cpu.non_expert_dtype == NON_EXPERT_AS_LOADED:
+        raise TiermoeError(f"--head-dtype {cpu.head_dtype} packs the LM head with the other non-expert linears; "
+                           "--non-expert-dtype none keeps torch's linears: drop one of the two")
+    chosen = cpu.non_expert_dtype if cpu.packs_non_experts else cpu.head_dtype
+    if chosen is None:
         return
+    flag = "--non-expert-dtype" if cpu.packs_non_experts else "--head-dtype"
     if gpu_device.type != "cpu":
-        raise TiermoeError(f"--non-expert-dtype {cpu.non_expert_dtype} is for CPU-only runs (--gpu-device cpu); "
+        raise TiermoeError(f"{flag} {chosen} is for CPU-only runs (--gpu-device cpu); "
                            f"on {gpu_device} the non-expert weights stay in the model's dtype")
     if trainable:
-        raise TiermoeError(f"--non-expert-dtype {cpu.non_expert_dtype} quantises weights for inference; a model to "
+        raise TiermoeError(f"{flag} {chosen} quantises weights for inference; a model to "
                            "fine-tune keeps its non-expert weights as loaded")
+
+
+def check_head_dtype(cpu: CPUConfig) -> None:
+    """Once the CPU-only defaults are filled in (tiermoe.model.cpu_only): a head format needs a packed head."""
+    if cpu.head_dtype is not None and not cpu.packs_non_experts:
+        raise TiermoeError(f"--head-dtype {cpu.head_dtype} applies where the non-expert linears are packed: this "
+                           "run keeps them as loaded (a model that is not bf16): give --non-expert-dtype too")
 
 
 def quantizable_linears(model: nn.Module, router_attr: str) -> list[tuple[str, nn.Linear]]:
@@ -72,7 +91,7 @@ def quantize_non_experts(model: nn.Module, router_attr: str, cpu: CPUConfig, wor
         swapped += 1
     head = model.get_output_embeddings()
     if type(head) is nn.Linear:
-        model.set_output_embeddings(QuantizedLinear(head, HEAD_FORMATS[fmt], kernels, team))
+        model.set_output_embeddings(QuantizedLinear(head, head_format(fmt, cpu.head_dtype), kernels, team))
         swapped += 1
     return swapped
 
@@ -100,10 +119,11 @@ def pack_routers(model: nn.Module, cpu: CPUConfig, worker: CPUWorker) -> int:
 
 
 def quantized_bytes_change(skeleton: nn.Module, router_attr: str, fmt: str, tied_head: bool,
-                           fp8: bool = False) -> int:
-    """Bytes that quantising to `fmt` adds to the non-expert weights of `skeleton` (a meta model: shapes only;
-    negative: saved), bf16 routers packed included. `tiermoe fit` adds it to what the checkpoint's headers say.
-    fp8: the checkpoint stores its decoder linears in FP8, which a load keeps as stored (not packed)."""
+                           fp8: bool = False, head_dtype: str | None = None) -> int:
+    """Bytes that quantising to `fmt` (the head to `head_format(fmt, head_dtype)`) adds to the non-expert weights of
+    `skeleton` (a meta model: shapes only; negative: saved), bf16 routers packed included. `tiermoe fit` adds it
+    to what the checkpoint's headers say. fp8: the checkpoint stores its decoder linears in FP8, which a load
+    keeps as stored (not packed)."""
     change = 0
     for name, linear in quantizable_linears(skeleton, router_attr):
         weight = linear.weight
@@ -111,7 +131,7 @@ def quantized_bytes_change(skeleton: nn.Module, router_attr: str, fmt: str, tied
             change += blocked_nbytes(fmt, *weight.shape) - weight.numel() * weight.element_size()
     head = skeleton.get_output_embeddings()
     if type(head) is nn.Linear:
-        packed = blocked_nbytes(HEAD_FORMATS[fmt], *head.weight.shape)
+        packed = blocked_nbytes(head_format(fmt, head_dtype), *head.weight.shape)
         change += packed if tied_head else packed - head.weight.numel() * head.weight.element_size()
     for module in skeleton.modules():  # pack_routers
         if class_key(module) in ROUTER_CLASSES and module.weight.dtype == torch.bfloat16:
