@@ -2,15 +2,15 @@
 
 The bundled model (or --model) is loaded CPU-only (gpu_device "cpu", every routed expert on the CPU tier, in the
 checkpoint's dtype) once per configuration: non-expert linears as loaded (torch's, --non-expert-dtype none), or packed
-bf16 / int8 / int4 (tiermoe.model.non_expert_quant), with the experts bf16, and the "4-bit model": int4 non-experts
-with int4 experts (--cpu-expert-dtype int4), what a llama.cpp Q4_K_M file is, with its LM head int4 (the default) and
-int8 (--head-dtype int8, nearer Q4_K_M's 6-bit output matrix). For each: the held-out loss (nats) of the same GSM8K
-prompts bench_format_loss.py scores (the demo model never saw them), its change against the unquantised model, the KL
-divergence from the unquantised model's next-token distribution and how often their top tokens agree (the loss of a
-small model moves by chance either way under a few per mille of weight error; the KL does not), the non-expert bytes
-held, and the weight bytes one decode token reads (non-expert linears and head, plus top-k experts per MoE layer; an
-embedding row is negligible). Then decode speed: the same greedy generations (ignore_eos, fixed length) for every
-configuration, alternating within each round, best of the rounds.
+bf16 / int8 / int4 (tiermoe.model.non_expert_quant), with the experts bf16 (bf16 also with an int4 LM head alone), and
+the "4-bit model": int4 non-experts with int4 experts (--cpu-expert-dtype int4), what a llama.cpp Q4_K_M file is, with
+its LM head int4 (the default) and int8 (--head-dtype int8, nearer Q4_K_M's 6-bit output matrix). For each: the
+held-out loss (nats) of the same GSM8K prompts bench_format_loss.py scores (the demo model never saw them), its change
+against the unquantised model, the KL divergence from the unquantised model's next-token distribution and how often
+their top tokens agree (the loss of a small model moves by chance either way under a few per mille of weight error;
+the KL does not), the non-expert bytes held, and the weight bytes one decode token reads (non-expert linears and head,
+plus top-k experts per MoE layer; an embedding row is negligible). Then decode speed: the same greedy generations
+(ignore_eos, fixed length) for every configuration, alternating within each round, best of the rounds.
 
     python benchmarks/bench_non_expert_quant.py                      # bundled model, 64 prompts, 3 rounds
     python benchmarks/bench_non_expert_quant.py --model DIR --num-prompts 32 --rounds 5 --tokens 128
@@ -39,6 +39,7 @@ from tiermoe.placement.plan import PlacementPlan  # noqa: E402
 CONFIGS = (
     ("as loaded", "none", None, None),  # torch's linears (a bf16 model's default packs them in bf16)
     ("bf16", "bf16", None, None),
+    ("bf16, head int4", "bf16", None, "int4"),  # what the int4 head alone changes
     ("int8", "int8", None, None),
     ("int4", "int4", None, None),
     ("int4, experts int4", "int4", "int4", None),
