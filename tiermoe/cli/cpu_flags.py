@@ -70,9 +70,9 @@ def add_cpu_flags(p: argparse.ArgumentParser) -> None:
                         "CPU tier's threads on every physical core; the checkpoint's dtype otherwise")
     g.add_argument("--head-dtype", choices=NON_EXPERT_DTYPES, default=None,
                    help="format of the packed LM head, where the non-expert linears are packed (default: theirs). "
-                        "int4 reads 0.55 bytes a weight, int8 1.0: under int4 the careful choice is int8, what "
-                        "llama.cpp's Q4_K_M does with its 6.6-bit output matrix (docs/cpu-backends.md has the "
-                        "measured loss of both)")
+                        "int4 reads 0.55 bytes a weight, int8 1.0: under int4 the careful choice is int8, nearer "
+                        "the 6.6-bit output matrix of llama.cpp's Q4_K_M (docs/cpu-backends.md has the measured "
+                        "cost of both)")
     g.add_argument("--kt-method", dest="kt_method", type=kt_method, default=None,
                    help="SGLang-kt spelling of the format: AMXINT4 = int4, AMXINT8 = int8, BF16 = bf16")
     g.add_argument("--cpu-threads", "--kt-cpuinfer", dest="cpu_threads", type=cpu_threads, default=None,

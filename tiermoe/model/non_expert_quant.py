@@ -12,9 +12,9 @@ dense layers' MLPs, shared experts) and the LM head. Kept as loaded:
 The LM head takes the format of the rest unless --head-dtype says otherwise (CPUConfig.head_dtype). It is the
 largest matrix a decode token reads on a Qwen3-30B-A3B-class model (151,936 x 2048), so its format decides much
 of a 4-bit model's step: int4 reads 166 MB of it, int8 311 MB, llama.cpp's Q4_K_M keeps it at Q6_K (255 MB)
-because logits are the one place where weight error is not averaged away by later layers. Measured held-out loss
-(BENCHMARKS.md, "An int4 LM head") puts an int4 head within the issue's bound of Q4_K_M's; `--head-dtype int8`
-is the careful choice at about 1.9x the head's bytes. A head tied to the embeddings gets a packed copy of its
+because logits are the one place where weight error is not averaged away by later layers. The measured held-out
+loss of a 4-bit model with an int4 head stays within Q4_K_M's change + 0.01 nats (BENCHMARKS.md, "An int4 LM
+head"); `--head-dtype int8` is the careful choice, at 1.9x the head's bytes. A head tied to the embeddings gets a packed copy of its
 own; the embeddings keep the loaded table (one row is read per token).
 """
 
@@ -63,8 +63,8 @@ def check_non_expert_dtype(cpu: CPUConfig, gpu_device: torch.device, trainable: 
 def check_head_dtype(cpu: CPUConfig) -> None:
     """Once the CPU-only defaults are filled in (tiermoe.model.cpu_only): a head format needs a packed head."""
     if cpu.head_dtype is not None and not cpu.packs_non_experts:
-        raise TiermoeError(f"--head-dtype {cpu.head_dtype} applies where the non-expert linears are packed: this "
-                           "run keeps them as loaded (a model that is not bf16): give --non-expert-dtype too")
+        raise TiermoeError(f"--head-dtype {cpu.head_dtype} applies where the non-expert linears are packed, and "
+                           "this run keeps them as loaded: give --non-expert-dtype too")
 
 
 def quantizable_linears(model: nn.Module, router_attr: str) -> list[tuple[str, nn.Linear]]:
