@@ -40,6 +40,7 @@ def add_parser(sub) -> None:
         'tiermoe generate --prompt "Hi" --kt-num-gpu-experts 4 --kt-expert-placement-strategy uniform',
         'tiermoe generate --prompt "Hi" --plan plan.json',
         'tiermoe generate --prompt "Hi" --cpu-expert-dtype int4 --cpu-threads 2',
+        'tiermoe generate --prompt "Hi" --cpu-expert-dtype int4 --non-expert-dtype int4 --head-dtype int8',
         'tiermoe generate --prompt "Hi" --lora runs/sft/adapter',
         'tiermoe generate --prompt "Hi" --kt-gpu-experts-ratio 0.25 --placement-policy adaptive '
         '--no-adaptive-cross-layer --adaptive-prompt-evidence',
