@@ -8,6 +8,8 @@ oracle at ratios up to 0.4 (the issue's goal: within 10 points). Nothing is repl
 
     python benchmarks/placement_verdict.py benchmarks/results/cross_task_full.json \\
         --markdown benchmarks/results/cross_task_full_verdict.md
+
+`--adaptive 'adaptive[NAME]'` judges a variant replayed beside it (bench_cross_task.py --adaptive-variant) instead.
 """
 
 from __future__ import annotations
@@ -30,10 +32,15 @@ def load_rows(path: str) -> list[dict]:
     return rows
 
 
-def cells(rows: list[dict]) -> dict:
+def cells(rows: list[dict], judged: str = "adaptive") -> dict:
+    """Rows by cell and policy; the `judged` policy's rows stand as "adaptive" (the shipped one's are dropped)."""
     out: dict = {}
     for r in rows:
-        out.setdefault((r["gpu_profile"], r["calibration"], r["replayed"], round(r["gpu_ratio"], 6)), {})[r["policy"]] = r
+        policy = r["policy"]
+        if policy == "adaptive" and judged != "adaptive":
+            continue
+        key = (r["gpu_profile"], r["calibration"], r["replayed"], round(r["gpu_ratio"], 6))
+        out.setdefault(key, {})["adaptive" if policy == judged else policy] = r
     return out
 
 
@@ -58,8 +65,8 @@ def _kind(key) -> str:
     return "trace" if key[1] == "-" else ("same" if key[1] == key[2] else "cross")
 
 
-def report(rows: list[dict]) -> str:
-    table = cells(rows)
+def report(rows: list[dict], judged: str = "adaptive") -> str:
+    table = cells(rows, judged)
     lines = []
     groups = sorted({(k[0], _kind(k)) for k in table})
     summary = ["| profile | pairs | cells | adaptive >= every baseline: hit rate | est. tokens/s | both | worst hit "
@@ -98,8 +105,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rows", nargs="+", help="JSON files: bench_cross_task.py --out or tiermoe bench dynamic --json")
     ap.add_argument("--markdown", help="write the report here too")
+    ap.add_argument("--adaptive", default="adaptive", metavar="POLICY",
+                    help="the policy judged, e.g. 'adaptive[sz05]' (a variant's rows; default: adaptive)")
     args = ap.parse_args()
-    text = report([r for path in args.rows for r in load_rows(path)])
+    rows = [r for path in args.rows for r in load_rows(path)]
+    if not any(r["policy"] == args.adaptive for r in rows):
+        raise SystemExit(f"placement_verdict: no rows of policy {args.adaptive!r} in {', '.join(args.rows)}; "
+                         f"present: {', '.join(sorted({r['policy'] for r in rows}))}")
+    text = report(rows, args.adaptive)
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text)

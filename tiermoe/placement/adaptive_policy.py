@@ -42,7 +42,8 @@ class AdaptivePolicy:
     1. Lasting rate of each expert: decayed routed pairs (`half_life_tokens`) shrunk toward the calibration
        shares (shrunk_shares: evidence decides how far), and of that deviation from the calibration only the
        share u that carried over to the next LASTING_CHECK_PASSES passes (CarryOver, scored out of sample, read
-       at the lower end of its `z_score` interval: 0 until shown). Before any routing it is the calibration.
+       at the lower end of its `z_score` interval: 0 until shown; 1 without a calibration, which leaves nothing to
+       defend). Before any routing it is the calibration.
     2. Request rate (`prompt_evidence`): lasting + v x (prompt rate - lasting) over what is left of the running
        requests' decode (PromptEvidence: v learned by scoring each prompt against its decode, 0 until shown).
        Without it, the lasting rate.
@@ -72,7 +73,8 @@ class AdaptivePolicy:
         self._tokens = 0.0
         self.recent_LE = torch.zeros(shape, dtype=torch.float64)  # routed pairs over the short window
         self._recent_tokens = 0.0
-        if initial_counts_LE is not None:
+        self.calibrated = initial_counts_LE is not None
+        if self.calibrated:
             prior = initial_counts_LE.detach().to("cpu", torch.float64).clamp(min=0)
         else:
             prior = torch.ones(shape, dtype=torch.float64)
@@ -100,8 +102,10 @@ class AdaptivePolicy:
     @property
     def lasting_weight(self) -> float:
         """u: how much of the served counts' deviation from the calibration carried over to a later stretch
-        (lower confidence end; 0 until shown, so a workload like its calibration never moves)."""
-        return self._lasting_check.weight(self.settings.z_score)
+        (lower confidence end; 0 until shown, so a workload like its calibration never moves). Without a
+        calibration, 1: a uniform prior is no placement to defend, and the served counts (shrunk toward it by their
+        noise alone) are all the evidence there is."""
+        return self._lasting_check.weight(self.settings.z_score) if self.calibrated else 1.0
 
     @property
     def prompt_weight(self) -> float:
