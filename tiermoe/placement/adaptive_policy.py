@@ -73,16 +73,17 @@ class AdaptivePolicy:
         self._tokens = 0.0
         self.recent_LE = torch.zeros(shape, dtype=torch.float64)  # routed pairs over the short window
         self._recent_tokens = 0.0
-        self.calibrated = initial_counts_LE is not None
-        if self.calibrated:
+        if initial_counts_LE is not None:
             prior = initial_counts_LE.detach().to("cpu", torch.float64).clamp(min=0)
         else:
             prior = torch.ones(shape, dtype=torch.float64)
         totals = prior.sum(dim=1, keepdim=True)
         self.prior_share_LE = torch.where(totals > 0, prior / totals.clamp(min=1e-300), 1.0 / num_experts)
         self._locality = CarryOver(self.settings.recent_half_life_tokens)  # the short window's deviation
-        # the served counts' deviation from the calibration, over the next passes (positions of every request)
-        self._lasting_check = CarryOver(LASTING_CHECK_PASSES, in_passes=True, residual=True)
+        # the served counts' deviation from the calibration, over the next passes (positions of every request);
+        # none without a calibration: a uniform prior is nothing to defend (lasting_weight)
+        self._lasting_check = (CarryOver(LASTING_CHECK_PASSES, in_passes=True, residual=True)
+                               if initial_counts_LE is not None else None)
         self.prompts = PromptEvidence(shape)
         self.dispersion = Dispersion(shape)
         self._mix: dict[int, float] = {}  # decayed weight of recent passes by their tokens
@@ -105,7 +106,7 @@ class AdaptivePolicy:
         (lower confidence end; 0 until shown, so a workload like its calibration never moves). Without a
         calibration, 1: a uniform prior is no placement to defend, and the served counts (shrunk toward it by their
         noise alone) are all the evidence there is."""
-        return self._lasting_check.weight(self.settings.z_score) if self.calibrated else 1.0
+        return self._lasting_check.weight(self.settings.z_score) if self._lasting_check is not None else 1.0
 
     @property
     def prompt_weight(self) -> float:
@@ -119,7 +120,8 @@ class AdaptivePolicy:
         s = self.settings
         counts = counts_LE.detach().to("cpu", torch.float64)
         self._locality.score(counts, num_tokens)
-        self._lasting_check.score(counts, num_tokens)
+        if self._lasting_check is not None:
+            self._lasting_check.score(counts, num_tokens)
         if s.prompt_evidence:
             if is_prefill:  # scored against the lasting rate before the prompt itself moves it
                 k_L = counts.sum(dim=1, keepdim=True) / num_tokens
@@ -142,7 +144,7 @@ class AdaptivePolicy:
         self._mix[num_tokens] = self._mix.get(num_tokens, 0.0) + 1.0
         self._passes += 1
         self.last_LE = counts
-        if not self._lasting_check.is_open:
+        if self._lasting_check is not None and not self._lasting_check.is_open:
             followed, prior = self._followed_and_prior()
             if not torch.allclose(followed, prior):  # no deviation yet: a forecast of it would teach nothing
                 self._lasting_check.open(followed - prior, prior)
