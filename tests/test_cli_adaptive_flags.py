@@ -20,12 +20,13 @@ from tiermoe.engine.dynamic import make_policy
 from tiermoe.errors import TiermoeError
 
 EVERY_FLAG = ("--no-adaptive-cross-layer", "--adaptive-prompt-weight", "0.25", "--adaptive-swap-z", "0",
-              "--adaptive-z", "1.5", "--adaptive-half-life", "512", "--adaptive-recent-half-life", "4",
-              "--adaptive-horizon", "128", "--adaptive-margin", "2", "--adaptive-max-swaps", "8",
-              "--adaptive-replan-every", "3")
+              "--adaptive-settled-swap-z", "0.5", "--adaptive-z", "1.5", "--adaptive-half-life", "512",
+              "--adaptive-recent-half-life", "4", "--adaptive-horizon", "128", "--adaptive-margin", "2",
+              "--adaptive-max-swaps", "8", "--adaptive-replan-every", "3")
 FROM_EVERY_FLAG = AdaptiveSettings(half_life_tokens=512, replan_every=3, horizon_tokens=128, margin=2.0,
                                    max_swaps_in_flight=8, z_score=1.5, recent_half_life_tokens=4, cross_layer=False,
-                                   swap_z_score=0.0, prompt_evidence=True, prompt_weight=0.25)
+                                   swap_z_score=0.0, settled_swap_z_score=0.5, prompt_evidence=True,
+                                   prompt_weight=0.25)
 
 
 def parsed(command: str, *argv: str):
@@ -67,8 +68,9 @@ def test_without_flags_the_policy_keeps_its_defaults():
 
 
 @pytest.mark.parametrize("flag,value", [("--adaptive-prompt-weight", "1.5"), ("--adaptive-swap-z", "-1"),
-                                        ("--adaptive-half-life", "0"), ("--adaptive-max-swaps", "0"),
-                                        ("--adaptive-margin", "nan"), ("--adaptive-replan-every", "x")])
+                                        ("--adaptive-settled-swap-z", "x"), ("--adaptive-half-life", "0"),
+                                        ("--adaptive-max-swaps", "0"), ("--adaptive-margin", "nan"),
+                                        ("--adaptive-replan-every", "x")])
 def test_a_bad_value_is_a_one_line_error(flag, value):
     result = run_cli("generate", "--prompt", "x", "--placement-policy", "adaptive", flag, value)
     assert result.returncode == 2 and "Traceback" not in result.stderr
@@ -117,8 +119,8 @@ def test_bench_placement_takes_every_flag():
 
 
 def test_the_library_refuses_bad_settings_in_one_line():
-    for bad in ({"prompt_weight": 1.5}, {"swap_z_score": -1.0}, {"horizon_tokens": 0.0}, {"max_swaps_in_flight": -1},
-                {"recent_half_life_tokens": float("inf")}):
+    for bad in ({"prompt_weight": 1.5}, {"swap_z_score": -1.0}, {"settled_swap_z_score": float("nan")},
+                {"horizon_tokens": 0.0}, {"max_swaps_in_flight": -1}, {"recent_half_life_tokens": float("inf")}):
         with pytest.raises(TiermoeError) as err:
             AdaptiveSettings(**bad)
         assert next(iter(bad)) in str(err.value) and "\n" not in str(err.value)

@@ -313,13 +313,16 @@ class AdaptiveSettings:
     cross_layer: bool | None = None
     swap_z_score: float = 1.0  # cautious valuation: a lasting swap counts the served rates this many standard
     # errors against it (0: off)
+    settled_swap_z_score: float = 0.1  # the same once the served workload's deviation from the calibration has been
+    # shown to last over the longer check (adaptive_policy.LONG_CHECK_PASSES)
     prompt_evidence: bool = False  # off: on the ESFT traces it gains nothing (BENCHMARKS.md, cross-layer)
     prompt_weight: float | None = None  # how far a prompt's routing forecasts its decode: None learned, else fixed
 
     def __post_init__(self):
         positive = {"half_life_tokens": self.half_life_tokens, "recent_half_life_tokens": self.recent_half_life_tokens,
                     "horizon_tokens": self.horizon_tokens if self.horizon_tokens is not None else 1.0}
-        at_least_zero = {"margin": self.margin, "z_score": self.z_score, "swap_z_score": self.swap_z_score}
+        at_least_zero = {"margin": self.margin, "z_score": self.z_score, "swap_z_score": self.swap_z_score,
+                         "settled_swap_z_score": self.settled_swap_z_score}
         for name, value in positive.items():
             if not (math.isfinite(value) and value > 0):
                 raise TiermoeError(f"adaptive setting {name} must be a finite number > 0, got {value}")

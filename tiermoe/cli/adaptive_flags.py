@@ -20,6 +20,7 @@ FLAGS = {
     "--adaptive-prompt-evidence": "prompt_evidence",
     "--adaptive-prompt-weight": "prompt_weight",
     "--adaptive-swap-z": "swap_z_score",
+    "--adaptive-settled-swap-z": "settled_swap_z_score",
     "--adaptive-z": "z_score",
     "--adaptive-half-life": "half_life_tokens",
     "--adaptive-recent-half-life": "recent_half_life_tokens",
@@ -55,6 +56,10 @@ def add_adaptive_flags(p: argparse.ArgumentParser, mode: str = POLICY) -> None:
     g.add_argument("--adaptive-swap-z", dest=DEST + "swap_z_score", type=non_negative_float, metavar="Z",
                    help="cautious valuation: a lasting swap counts the served rates Z standard errors against it, "
                         f"so near-ties are not swapped on noise (default {d.swap_z_score:g}; 0 = off)")
+    g.add_argument("--adaptive-settled-swap-z", dest=DEST + "settled_swap_z_score", type=non_negative_float,
+                   metavar="Z", help="the same once the served workload's departure from the calibration has been "
+                                     f"shown to last beyond a request's own popularity (default "
+                                     f"{d.settled_swap_z_score:g})")
     g.add_argument("--adaptive-z", dest=DEST + "z_score", type=non_negative_float, metavar="Z",
                    help="follow the served workload (and learn the short-window and prompt weights) only this many "
                         f"standard errors past noise (default {d.z_score:g})")

@@ -1,6 +1,6 @@
 """The adaptive policy's forecasts: how far to trust the served counts over the calibration (shrunk_shares), how much
-of a deviation carries over to later passes, scored out of sample (CarryOver, PersistenceFit), and the prompts being
-served as a forecast of their decode (PromptEvidence).
+of a deviation carries over to later passes, scored out of sample (CarryOver, PersistenceFit, LastingCheck), and the
+prompts being served as a forecast of their decode (PromptEvidence).
 
 Why the prompt: on real routing (docs/traces.md, BENCHMARKS.md "cross-task") per-request popularity dominates: a
 hot set calibrated on another task is about as good as a random one, and a per-request oracle beats the best
@@ -56,6 +56,7 @@ class CarryOver:
     def __init__(self, stretch: float, in_passes: bool = False, residual: bool = False):
         self.stretch, self.in_passes = stretch, in_passes
         self.fit = PersistenceFit(residual)
+        self.scored = 0  # forecasts scored so far
         self._open: list | None = None  # [deviation, base, counts, tokens, stretch so far]
 
     @property
@@ -75,11 +76,48 @@ class CarryOver:
         if self._open[4] >= self.stretch:
             deviation, base, counts, tokens, _ = self._open
             self.fit.add(deviation, counts / tokens - base)
+            self.scored += 1
             self._open = None
 
     def weight(self, z_score: float) -> float:
         """The carried share, at the lower end of its `z_score` interval: 0 until the evidence shows it."""
         return self.fit.slope(z_score)
+
+
+class LastingCheck:
+    """How much of the served counts' deviation from the calibration lasts, as two CarryOver checks of the same
+    deviations: over the next `short` passes at first, over the next `long` passes once that has scored
+    `settle_after` forecasts (`settled`). Why both: the short check opens within a few dozen passes, which a short
+    workload needs (a 128-token decode calibrated on another workload's heat), but it also sees a request's own
+    popularity carry over, which does not last beyond the request; the long one tells the two apart, but only after
+    `long` x `settle_after` passes."""
+
+    def __init__(self, short: int, long: int, settle_after: int):
+        self.short = CarryOver(short, in_passes=True, residual=True)
+        self.long = CarryOver(long, in_passes=True, residual=True)
+        self.settle_after = settle_after
+
+    @property
+    def settled(self) -> bool:
+        return self.long.scored >= self.settle_after
+
+    def score(self, counts_LE: torch.Tensor, num_tokens: int) -> None:
+        self.short.score(counts_LE, num_tokens)
+        self.long.score(counts_LE, num_tokens)
+
+    @property
+    def wants_forecast(self) -> bool:
+        return not (self.short.is_open and self.long.is_open)
+
+    def open(self, deviation_LE: torch.Tensor, base_LE: torch.Tensor) -> None:
+        """Each check that has none open takes this deviation as its next forecast."""
+        for check in (self.short, self.long):
+            if not check.is_open:
+                check.open(deviation_LE, base_LE)
+
+    def weight(self, z_score: float) -> float:
+        """The share that lasts, at the lower end of its `z_score` interval (the long check's once settled)."""
+        return (self.long if self.settled else self.short).weight(z_score)
 
 
 def shrunk_shares(counts_LE: torch.Tensor, prior_share_LE: torch.Tensor, z_score: float,
