@@ -17,7 +17,7 @@ shift, made 64-111 swaps, mostly in the first 10 passes, and lost 1.5-7.6% of es
 with the check it makes none, and on another task it follows within about 30 passes. That check, 4 passes ahead,
 also sees a request's own popularity carry over, which does not last beyond the request, so it needed the valuation's
 full caution (1 standard error) and left LFU ahead in some ESFT cross-task cells; once a second check, 16 passes
-ahead, has enough evidence it decides instead, and the caution is lighter (`settled_swap_z_score`).
+ahead, has enough evidence it caps what the first one follows, and the caution is lighter (`settled_swap_z_score`).
 Legend: L layers, E experts; rates are routed pairs per token.
 """
 
@@ -37,9 +37,9 @@ from tiermoe.placement.swap_pairing import best_swaps
 # later (256 tokens: 1.5-3 hit-rate points below the unchecked policy on the cross-task pairs, 4: within 0.1)
 LASTING_CHECK_PASSES = 4
 # ...and once it has been scored LONG_CHECK_SCORED times over the next LONG_CHECK_PASSES passes, that longer check
-# decides instead, and a lasting swap is valued at `settled_swap_z_score` rather than `swap_z_score`. A 16-pass check
-# alone kept the honest default with a light valuation (0.25) and met the cross-task goal on the ESFT matrix, but
-# opened too late for a 128-token decode (3-7% below LFU); settling after 8 forecasts (128 passes) keeps both
+# caps it (LastingCheck), and a lasting swap is valued at `settled_swap_z_score` rather than `swap_z_score`. A 16-pass
+# check alone kept the honest default with a light valuation (0.25) and met the cross-task goal on the ESFT matrix,
+# but opened too late for a 128-token decode (3-7% below LFU); settling after 8 forecasts (128 passes) keeps both
 LONG_CHECK_PASSES = 16
 LONG_CHECK_SCORED = 8
 
@@ -50,10 +50,10 @@ class AdaptivePolicy:
 
     1. Lasting rate of each expert: decayed routed pairs (`half_life_tokens`) shrunk toward the calibration
        shares (shrunk_shares: evidence decides how far), and of that deviation from the calibration only the
-       share u that carried over to the next LASTING_CHECK_PASSES passes, or LONG_CHECK_PASSES once that
-       longer check has settled (LastingCheck, scored out of sample, read at the lower end of its `z_score`
-       interval: 0 until shown; 1 without a calibration, which leaves nothing to defend). Before any routing it is
-       the calibration.
+       share u that carried over to the next LASTING_CHECK_PASSES passes, capped by what carried over the next
+       LONG_CHECK_PASSES once that longer check has settled (LastingCheck, scored out of sample, read at the
+       lower end of its `z_score` interval: 0 until shown; 1 without a calibration, which leaves nothing to
+       defend). Before any routing it is the calibration.
     2. Request rate (`prompt_evidence`): lasting + v x (prompt rate - lasting) over what is left of the running
        requests' decode (PromptEvidence: v learned by scoring each prompt against its decode, 0 until shown).
        Without it, the lasting rate.
@@ -121,8 +121,8 @@ class AdaptivePolicy:
     @property
     def swap_z_score(self) -> float:
         """Standard errors a lasting swap counts against it: `swap_z_score` while u rests on the short check (its
-        deviation carried over a few passes, not yet shown to last), `settled_swap_z_score` once the long check
-        decides. Without a calibration there is no check, and the caution stays."""
+        deviation carried over a few passes, not yet checked further), `settled_swap_z_score` once the long check
+        caps it. Without a calibration there is no check, and the caution stays."""
         check = self._lasting_check
         return self.settings.settled_swap_z_score if check is not None and check.settled else self.settings.swap_z_score
 
