@@ -14,10 +14,10 @@ LAYERS, EXPERTS, REQUEST_PASSES = 4, 16, 8
 
 
 def _serve(policy: AdaptivePolicy, passes: int, task_experts: bool) -> list[tuple[bool, float, float]]:
-    """One token a pass, top-2. Each request (8 passes) has its own two hot experts per layer (85% of its pairs,
-    with `task_experts` 50% go to experts 0 and 1 of every layer first: the served task's). The calibration is
-    uniform, which over many requests is what the request popularity averages to. Returns, per pass, (settled,
-    the short check's share, the share the policy follows)."""
+    """One token a pass, top-2. Each request (8 passes) has its own two hot experts per layer, which take 85% of
+    its pairs (the rest are random); with `task_experts`, half of all pairs go to experts 0 and 1 of every layer
+    first (the served task's). The calibration is uniform, which is what the request popularity averages to over
+    many requests. Returns, per pass, (settled, the short check's share, the share the policy follows)."""
     gen = torch.Generator().manual_seed(0)
     seen = []
     for p in range(passes):
