@@ -6,7 +6,7 @@ below both). Not >= LFU in hit rate over these first 602 tokens: a deviation fro
 once it carried over to later passes (about 30 tokens here), and valued at the cautious end of the served rates
 until a longer check has shown it lasts (about 130 tokens), so that a workload like its calibration is not chased;
 that holds it back by 0.4-0.7 points here while it pays 60-75% of LFU's copies. Over the whole traces it is at or
-above LFU in estimated tokens/s in every cross-task cell and within 0.13 point of its hit rate (BENCHMARKS.md)."""
+above LFU in estimated tokens/s in every cross-task cell and within 0.11 point of its hit rate (BENCHMARKS.md)."""
 
 from __future__ import annotations
 

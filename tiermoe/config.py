@@ -313,8 +313,8 @@ class AdaptiveSettings:
     cross_layer: bool | None = None
     swap_z_score: float = 1.0  # cautious valuation: a lasting swap counts the served rates this many standard
     # errors against it (0: off)
-    settled_swap_z_score: float = 0.1  # the same once the served workload's deviation from the calibration has been
-    # shown to last over the longer check (adaptive_policy.LONG_CHECK_PASSES)
+    settled_swap_z_score: float = 0.1  # the same once the longer carry-over check (adaptive_policy.LONG_CHECK_PASSES)
+    # has settled and caps what is followed
     prompt_evidence: bool = False  # off: on the ESFT traces it gains nothing (BENCHMARKS.md, cross-layer)
     prompt_weight: float | None = None  # how far a prompt's routing forecasts its decode: None learned, else fixed
 

@@ -57,8 +57,8 @@ def add_adaptive_flags(p: argparse.ArgumentParser, mode: str = POLICY) -> None:
                    help="cautious valuation: a lasting swap counts the served rates Z standard errors against it, "
                         f"so near-ties are not swapped on noise (default {d.swap_z_score:g}; 0 = off)")
     g.add_argument("--adaptive-settled-swap-z", dest=DEST + "settled_swap_z_score", type=non_negative_float,
-                   metavar="Z", help="the same once the served workload's departure from the calibration has been "
-                                     f"shown to last beyond a request's own popularity (default "
+                   metavar="Z", help="the same once a longer check has enough evidence to tell a lasting departure "
+                                     "from the calibration from a request's own popularity (default "
                                      f"{d.settled_swap_z_score:g})")
     g.add_argument("--adaptive-z", dest=DEST + "z_score", type=non_negative_float, metavar="Z",
                    help="follow the served workload (and learn the short-window and prompt weights) only this many "

@@ -51,9 +51,9 @@ class AdaptivePolicy:
     1. Lasting rate of each expert: decayed routed pairs (`half_life_tokens`) shrunk toward the calibration
        shares (shrunk_shares: evidence decides how far), and of that deviation from the calibration only the
        share u that carried over to the next LASTING_CHECK_PASSES passes, capped by what carried over the next
-       LONG_CHECK_PASSES once that longer check has settled (LastingCheck, scored out of sample, read at the
-       lower end of its `z_score` interval: 0 until shown; 1 without a calibration, which leaves nothing to
-       defend). Before any routing it is the calibration.
+       LONG_CHECK_PASSES once that longer check has settled (LastingCheck, scored out of sample; the short check
+       read at the lower end of its `z_score` interval, 0 until shown, the cap at the upper end of its own; 1
+       without a calibration, which leaves nothing to defend). Before any routing it is the calibration.
     2. Request rate (`prompt_evidence`): lasting + v x (prompt rate - lasting) over what is left of the running
        requests' decode (PromptEvidence: v learned by scoring each prompt against its decode, 0 until shown).
        Without it, the lasting rate.
