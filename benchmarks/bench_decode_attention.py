@@ -1,12 +1,15 @@
 """Decode attention of one layer over the paged KV pool: tiermoe's kernel per ISA against torch's SDPA.
 
 One decode row attends a past of each length (`--past`) with the attention shapes of real models (Qwen3-30B-A3B:
-32 query heads, 4 KV heads, head dim 128; GPT-OSS: 64 / 8 / 64 with sinks; the bundled demo model: 4 / 2 / 64),
-the past in pages of 16 in a shuffled page order as the pool holds it. Columns:
+32 query heads, 4 KV heads, head dim 128; GPT-OSS: 64 / 8 / 64 with sinks; the bundled demo model: 4 / 2 / 64;
+absorbed MLA, every head on one latent of 512 and a roped key of 64: DeepSeek-V2-Lite's 16 heads and DeepSeek-V3's
+128), the past in pages of 16 in a shuffled page order as the pool holds it. Columns:
 - tiermoe's kernel (`tiermoe.layers.decode_attention`, reading the pages in place) at each ISA level this CPU runs
   (the best one is what tiermoe uses; the lower ones are what other CPUs get from the same build);
-- torch's `scaled_dot_product_attention` on K/V already gathered into contiguous [H, past, d] tensors (a
-  generous peer: the gather it needs from a paged pool is not timed; GQA repeated by SDPA's `enable_gqa`);
+- torch on K/V already gathered into contiguous tensors (a generous peer: the gather it needs from a paged pool
+  is not timed): `scaled_dot_product_attention` (GQA repeated by its `enable_gqa`), or for MLA the absorbed
+  attention tiermoe computed with torch before its kernel took two-part keys (`mla_math.latent_attention`: two
+  matmuls and a softmax over the latent);
 - the K/V bytes the step must read over the best kernel time (GB/s), against the bandwidth this process measures
   reading a buffer of the same size on one thread (the floor).
 Times are the best of `--rounds` rounds of `--calls` calls, the columns alternating within each round, on the
@@ -14,6 +17,7 @@ calling thread alone (a kernel team of one: one row of one layer is what a decod
 
     python benchmarks/bench_decode_attention.py
     python benchmarks/bench_decode_attention.py --past 1024 4096 16384 --rounds 5 --dtype fp32
+    python benchmarks/bench_decode_attention.py --shapes deepseek-v2-lite deepseek-v3
 """
 
 from __future__ import annotations
@@ -27,39 +31,50 @@ import torch.nn.functional as F
 
 from tiermoe.experts.kernels import ISA_NAMES, ThreadTeam, load_kernels
 from tiermoe.layers.decode_attention import DecodeAttention
+from tiermoe.layers.mla_math import latent_attention
 
-SHAPES = {  # name: (query heads, KV heads, head dim, sinks)
-    "qwen3-30b-a3b": (32, 4, 128, False),
-    "gpt-oss": (64, 8, 64, True),
-    "demo": (4, 2, 64, False),
+SHAPES = {  # name: (query heads, KV heads, head dim, sinks, rope dim: MLA's second key part, the head dim its latent)
+    "qwen3-30b-a3b": (32, 4, 128, False, 0),
+    "gpt-oss": (64, 8, 64, True, 0),
+    "demo": (4, 2, 64, False, 0),
+    "deepseek-v2-lite": (16, 1, 512, False, 64),
+    "deepseek-v3": (128, 1, 512, False, 64),
 }
 PAGE = 16
 
 
-def _case(H: int, Hkv: int, d: int, past: int, dtype: torch.dtype, sinks: bool, seed: int = 0) -> dict:
+def _case(H: int, Hkv: int, d: int, past: int, dtype: torch.dtype, sinks: bool, rope: int, seed: int = 0) -> dict:
+    """One row's query, the pool's K/V slots (MLA: latent as K and V, roped key as KR) and the same gathered."""
     g = torch.Generator().manual_seed(seed)
     pages = past // PAGE + 1
     order = torch.randperm(pages, generator=g) + 1  # page 0 unused, as in the pool
     k = torch.randn((pages + 1) * PAGE, Hkv, d, generator=g).to(dtype)
-    v = torch.randn((pages + 1) * PAGE, Hkv, d, generator=g).to(dtype)
+    v = k if rope else torch.randn((pages + 1) * PAGE, Hkv, d, generator=g).to(dtype)
+    kr = torch.randn((pages + 1) * PAGE, Hkv, rope, generator=g).to(dtype) if rope else None
     slots = order[torch.arange(past) // PAGE] * PAGE + torch.arange(past) % PAGE
-    return dict(q=torch.randn(1, H, d, generator=g).to(dtype), k=k, v=v, tables=order[None].long(),
+    gathered = {name: x[slots].transpose(0, 1).contiguous()[None]  # [1, Hkv, past, *]
+                for name, x in (("k", k), ("v", v), ("kr", kr)) if x is not None and (name != "v" or not rope)}
+    return dict(q=torch.randn(1, H, d + rope, generator=g).to(dtype), k=k, v=v, kr=kr, tables=order[None].long(),
                 pos=torch.tensor([past - 1], dtype=torch.int32), lo=torch.zeros(1, dtype=torch.int32),
-                sinks=torch.randn(H, generator=g) if sinks else None,
-                k_gathered=k[slots].transpose(0, 1).contiguous()[None],  # [1, Hkv, past, d]
-                v_gathered=v[slots].transpose(0, 1).contiguous()[None])
+                sinks=torch.randn(H, generator=g) if sinks else None, gathered=gathered,
+                scale=(d + rope) ** -0.5)
 
 
-def _kernel_call(attention: DecodeAttention, c: dict, d: int):
-    out = torch.empty(1, c["q"].shape[1], d, dtype=c["q"].dtype)
+def _kernel_call(attention: DecodeAttention, c: dict, dv: int):
+    out = torch.empty(1, c["q"].shape[1], dv, dtype=c["q"].dtype)
     keys = int(c["pos"][0]) + 1
-    return lambda: attention.attend(c["q"], c["k"], c["v"], c["tables"], c["pos"], c["lo"], PAGE, d ** -0.5, keys,
-                                    c["sinks"], out)
+    return lambda: attention.attend(c["q"], c["k"], c["v"], c["tables"], c["pos"], c["lo"], PAGE, c["scale"], keys,
+                                    c["sinks"], out, c["kr"])
 
 
-def _sdpa_call(c: dict):
-    q = c["q"][:, :, None]  # [1, H, 1, d]
-    return lambda: F.scaled_dot_product_attention(q, c["k_gathered"], c["v_gathered"], enable_gqa=True)
+def _torch_call(c: dict, d: int):
+    """The peer on the gathered K/V: SDPA, or MLA's torch absorbed attention."""
+    q = c["q"][:, :, None]  # [1, H, 1, d (+ rope)]
+    if c["kr"] is None:
+        return lambda: F.scaled_dot_product_attention(q, c["gathered"]["k"], c["gathered"]["v"], enable_gqa=True)
+    latent, k_pe = c["gathered"]["k"][:, 0], c["gathered"]["kr"][:, 0]  # [1, past, R], [1, past, P]
+    q_latent, q_pe = q[..., :d], q[..., d:]
+    return lambda: latent_attention(q_latent, q_pe, latent, k_pe, c["scale"])
 
 
 def _bandwidth_call(nbytes: int):
@@ -100,23 +115,23 @@ def main() -> None:
     kernels = {isa: DecodeAttention(load_kernels(isa=isa), lambda: team) for isa in isas}
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; {args.dtype}; one thread", flush=True)
     head = "| shape | past | " + " | ".join(f"tiermoe {isa}, ms" for isa in isas) + \
-        " | torch SDPA (gathered), ms | SDPA / best | K/V GB/s (best) | floor GB/s |"
+        " | torch (gathered), ms | torch / best | K/V GB/s (best) | floor GB/s |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     print(lines[0], flush=True)
     for name in args.shapes:
-        H, Hkv, d, sinks = SHAPES[name]
+        H, Hkv, d, sinks, rope = SHAPES[name]
         for past in args.past:
-            c = _case(H, Hkv, d, past, dtype, sinks)
-            kv_bytes = c["k_gathered"].nbytes + c["v_gathered"].nbytes
+            c = _case(H, Hkv, d, past, dtype, sinks, rope)
+            kv_bytes = sum(x.nbytes for x in c["gathered"].values())
             calls = {isa: _kernel_call(attention, c, d) for isa, attention in kernels.items()}
-            if not sinks:  # SDPA has no sink logits: no like-for-like row for GPT-OSS
-                calls["sdpa"] = _sdpa_call(c)
+            if not sinks:  # torch's attention has no sink logits: no like-for-like row for GPT-OSS
+                calls["torch"] = _torch_call(c, d)
             calls["floor"] = _bandwidth_call(kv_bytes)
             t = best_times(calls, args.calls, args.rounds)
             ours = t[isas[-1]]
-            sdpa = f"{t['sdpa'] * 1e3:.3f} | {t['sdpa'] / ours:.1f}x" if "sdpa" in t else "- | -"
+            peer = f"{t['torch'] * 1e3:.3f} | {t['torch'] / ours:.1f}x" if "torch" in t else "- | -"
             lines.append(f"| {name} | {past} | " + " | ".join(f"{t[i] * 1e3:.3f}" for i in isas) +
-                         f" | {sdpa} | {kv_bytes / ours / 1e9:.1f} | {kv_bytes / t['floor'] / 1e9:.1f} |")
+                         f" | {peer} | {kv_bytes / ours / 1e9:.1f} | {kv_bytes / t['floor'] / 1e9:.1f} |")
             print(lines[-1], flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 

@@ -13,6 +13,7 @@ from conftest import rel_err
 from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb as gpt_oss_rotary
 from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
+from tiermoe.arch import load_config
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.experts.kernels import ISA_NAMES, ThreadTeam, load_kernels
@@ -82,6 +83,49 @@ def test_every_isa_attends_every_head_size(isa):
             _check_attention(kernels, None, dtype, _case(dtype, sinks=d == 64, seed=d, d=d, dv=dv))
 
 
+def _mla_case(dtype, seed: int, R: int, P: int, H: int = 6):
+    """Absorbed MLA's shape of the same rows: one KV head, a key of two parts (latent R, roped P: K and KR slots),
+    the latent as the value."""
+    q, latent, _, tables, pos, lo, page_size, _, _ = _case(dtype, sinks=False, seed=seed, d=R)
+    g = torch.Generator().manual_seed(seed + 1)
+    latent = latent[:, :1].contiguous()
+    k_pe = torch.randn(latent.shape[0], 1, P, generator=g).to(dtype)
+    q = torch.randn(H, 4, R + P, generator=g).to(dtype).transpose(0, 1)
+    return q, latent, k_pe, tables, pos, lo, page_size, (R + P) ** -0.5
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISA_NAMES[:KERNELS.isa + 1] if KERNELS else [])
+@pytest.mark.parametrize("threads", [1, 16])
+def test_a_two_part_key_whose_first_part_is_the_value_attends_as_absorbed_mla(isa, threads, monkeypatch):
+    """MLA's decode: every head scores [latent | k_pe] and sums the latent, read from two slot tensors in place.
+    16 threads for 4 rows of one KV head split each row's heads in blocks (of 2 for 6 heads: tm_attn_tasks)."""
+    kernels = load_kernels(isa=isa)
+    team = ThreadTeam(kernels, threads)
+    monkeypatch.setattr(decode_module, "TEAM_MIN_MLA_WORK", 0)  # these rows are too little work for a team
+    for dtype in (torch.float32, torch.bfloat16):
+        for R, P in ((32, 16), (72, 8), (512, 64)):  # a tail in either part; DeepSeek's own widths
+            q, latent, k_pe, tables, pos, lo, page_size, scale = _mla_case(dtype, R, R, P)
+            out = torch.empty(q.shape[0], q.shape[1], R, dtype=dtype)
+            keys = int((pos - lo + 1).sum())
+            attention = DecodeAttention(kernels, lambda: team)
+            attention.attend(q, latent, latent, tables, pos, lo, page_size, scale, keys, None, out, kr_SHd=k_pe)
+            want = _reference(q, torch.cat((latent, k_pe), dim=-1), latent, tables, pos, lo, page_size, scale, None)
+            if dtype == torch.float32:
+                assert rel_err(out, want) <= 1e-5, (R, P)
+            else:
+                assert (out.float() - want).abs().max() <= 2 * 2 ** -8 * want.abs().max(), (R, P)
+    assert (team.shared_jobs > 0) == (threads > 1)
+    team.close()
+
+
+def test_a_team_splits_heads_only_where_rows_and_kv_heads_leave_threads_idle():
+    assert decode_module.head_block(rows=8, heads=32, kv_heads=4, threads=16) == 8  # 32 tasks: heads stay whole
+    assert decode_module.head_block(rows=1, heads=128, kv_heads=1, threads=16) == 8  # one MLA row: 16 blocks
+    assert decode_module.head_block(rows=2, heads=6, kv_heads=1, threads=8) == 2  # 3 blocks a row: 6 tasks
+    assert decode_module.head_block(rows=1, heads=4, kv_heads=4, threads=32) == 1  # never below one head
+
+
 def _check_attention(kernels, team, dtype, case) -> None:
     q, k, v, tables, pos, lo, page_size, scale, sinks_H = case
     out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=dtype)
@@ -95,12 +139,13 @@ def _check_attention(kernels, team, dtype, case) -> None:
 
 
 @needs_kernels
-def test_a_decode_step_reads_the_past_where_it_lies(tiny_dir):
-    """No gather of past K/V in a decode step (index_select was one per layer per K and V), and the greedy
-    tokens equal those of the gathered path."""
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_a_decode_step_reads_the_past_where_it_lies(arch, tiny_dir):
+    """No gather of past K/V in a decode step (index_select was one per layer per K and V: for MLA, per latent
+    and roped key), and the greedy tokens equal those of the gathered path."""
     got = {}
     for in_place in (True, False):
-        with LLM(tiny_dir("qwen3_moe"), dtype=torch.float32, page_size=4, progress=False) as llm:
+        with LLM(tiny_dir(arch), dtype=torch.float32, page_size=4, progress=False) as llm:
             if not in_place:
                 llm.engine.decode_attention = None
             engine = llm.engine
@@ -143,8 +188,14 @@ def test_rotary_in_place_equals_gpt_oss_half_width_form_bit_for_bit(dtype):
 
 @needs_kernels
 def test_in_place_decode_is_used_only_where_the_kernel_computes_it(tiny_dir):
-    """fp32 / bf16 standard attention on the CPU: yes; fp16 (the kernel reads fp32 or bf16) and MLA: no."""
+    """fp32 / bf16 standard attention and MLA on the CPU: yes; fp16 (the kernel reads fp32 or bf16), and MLA of
+    more heads than the kernel is faster for: no."""
     for arch, dtype, expected in (("qwen3_moe", torch.bfloat16, True), ("qwen3_moe", torch.float16, False),
-                                  ("deepseek_v3", torch.float32, False)):
+                                  ("deepseek_v3", torch.float32, True), ("deepseek_v2", torch.float16, False)):
         with LLM(tiny_dir(arch), dtype=dtype, progress=False) as llm:
             assert (llm.hybrid.decode_attention is not None) == expected, (arch, dtype)
+    path = tiny_dir("deepseek_v2")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode_module, "MLA_KERNEL_MAX_HEADS", load_config(path).num_attention_heads - 1)
+        with LLM(path, dtype=torch.bfloat16, progress=False) as llm:
+            assert llm.hybrid.decode_attention is None

@@ -7,10 +7,12 @@ arithmetic. `tm_paged_decode_attention` (tiermoe/experts/csrc/paged_attention.cp
 its page table instead: no copy, no padding, no mask. Prompt chunks (several queries per row) keep the gathered
 SDPA path, whose kernels are faster for many queries.
 
-Used where every attention layer is one of transformers' softmax attentions that the pool serves through
-tiermoe.layers.paged_attention (not MLA, which attends from its latent), the model is on the CPU in fp32 or
-bf16, the kernels are built, and nothing needs gradients; `decode_attention_for` decides. Results equal SDPA's
-within fp32 rounding (scores summed in another order); bf16 rows are computed in fp32 and rounded once.
+Used where the model is on the CPU in fp32 or bf16, the kernels are built, and nothing needs gradients
+(`decode_attention_for` decides), by transformers' softmax attentions that the pool serves through
+tiermoe.layers.paged_attention and by MLA (tiermoe.layers.mla_attention), whose absorbed decode is attention of
+every head over one shared key [latent | roped key] and value (the latent): a two-part key, read where both
+parts lie. Results equal SDPA's within fp32 rounding (scores summed in another order); bf16 rows are computed
+in fp32 and rounded once.
 The same object runs the decode step of Qwen3-Next's linear attention, the gated delta rule, on states kept in
 the pool's slots (`gated_delta`, csrc/gated_delta.cpp; tiermoe.layers.gated_delta_decode uses it): each state
 read where it lies and written once, not gathered, updated in a dozen torch passes and scattered back.
@@ -36,6 +38,15 @@ TEAM_MIN_WORK = 1 << 20
 # weights: the demo model's 8-row step (2.8 MB of K/V a layer) attended 2.2x slower on a team of two than alone on
 # this project's 2-vCPU VMs, where a sleeping helper takes ~250 us to wake.
 TEAM_MIN_KV_BYTES = SOLO_BYTES
+# Multiply-adds beyond which a team attends absorbed MLA rows however few bytes they read: all of a row's heads (16
+# to 128) read one latent, so its arithmetic, not its reads, is the cost (a GQA row's heads read their own KV
+# heads: the bytes decide there).
+TEAM_MIN_MLA_WORK = 16 << 20
+# MLA query heads up to which the kernel attends a decode row faster than torch on its gathered latent, on one
+# thread (benchmarks/bench_decode_attention.py, bf16, AVX512-BF16: 1.2-2.6x at 16-32 heads and 1k-4k keys; at 64
+# heads 0.75-0.98x; DeepSeek-V3's 128 heads 0.53-0.66x: the kernel's arithmetic grows with the heads, while torch's
+# batched matmuls reuse each latent row across heads). Past it the decode rows are gathered and attend through torch.
+MLA_KERNEL_MAX_HEADS = 32
 DELTA_MAX_HEAD_DIM = 512  # csrc/tm_kernels.h TM_DELTA_MAX_DIM: the native rule refuses larger head dims
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -48,35 +59,45 @@ class DecodeAttention:
 
     def attend(self, q_THd: torch.Tensor, k_SHd: torch.Tensor, v_SHd: torch.Tensor, tables_TN: torch.Tensor,
                pos_T: torch.Tensor, lo_T: torch.Tensor, page_size: int, scale: float, keys: int,
-               sinks_H: torch.Tensor | None, out_THd: torch.Tensor) -> None:
+               sinks_H: torch.Tensor | None, out_THd: torch.Tensor, kr_SHd: torch.Tensor | None = None) -> None:
         """Fill out [T, H, dv] (contiguous) with each row's attention over key positions [lo, pos] of its pages.
 
-        q [T, H, d] may be strided (head dims contiguous); K/V slots [S, Hkv, d | dv] are the pool's; tables
-        [T, N] int64 page ids; pos, lo [T] int32; keys: the rows' visible keys in total (sizes the work)."""
-        T, H, d = q_THd.shape
-        Hkv, dv = k_SHd.shape[1], v_SHd.shape[2]
-        if k_SHd.dtype != q_THd.dtype or v_SHd.dtype != q_THd.dtype or out_THd.dtype != q_THd.dtype:
+        q [T, H, d (+ dr)] may be strided (head dims contiguous); K/V slots [S, Hkv, d | dv] are the pool's;
+        kr [S, Hkv, dr]: a key's second part, where a key is [K slot | KR slot] (absorbed MLA: the latent and
+        the roped key; its V slots are the K slots themselves); tables [T, N] int64 page ids; pos, lo [T] int32;
+        keys: the rows' visible keys in total (sizes the work)."""
+        T, H, dq = q_THd.shape
+        Hkv, d, dv = k_SHd.shape[1], k_SHd.shape[2], v_SHd.shape[2]
+        dr = 0 if kr_SHd is None else kr_SHd.shape[2]
+        if any(x.dtype != q_THd.dtype for x in (k_SHd, v_SHd, out_THd) + (() if kr_SHd is None else (kr_SHd,))):
             raise ValueError(f"decode attention needs one dtype, got q {q_THd.dtype}, K {k_SHd.dtype}, "
                              f"V {v_SHd.dtype}, out {out_THd.dtype}")
+        if dq != d + dr or (kr_SHd is not None and kr_SHd.shape[:2] != k_SHd.shape[:2]):
+            raise ValueError(f"decode attention's query has {dq} values a head, its keys {d} + {dr}")
         sinks = None if sinks_H is None else sinks_H.detach().float().contiguous()
-        args = TmAttnArgs(isa=self.kernels.isa, T=T, H=H, Hkv=Hkv, d=d, dv=dv, page_size=page_size, max_pages=tables_TN.shape[1],
-                          x_bf16=int(q_THd.dtype == torch.bfloat16), q_row_stride=q_THd.stride(0),
-                          q_head_stride=q_THd.stride(1), scale=scale, q=q_THd.data_ptr(), k_slots=k_SHd.data_ptr(),
+        kv_bytes = keys * Hkv * (d + dr + (0 if v_SHd.data_ptr() == k_SHd.data_ptr() else dv)) * k_SHd.element_size()
+        mla_work = 0 if kr_SHd is None else keys * H * (d + dr + dv)
+        team = self.team() if kv_bytes >= TEAM_MIN_KV_BYTES or mla_work >= TEAM_MIN_MLA_WORK else None
+        args = TmAttnArgs(isa=self.kernels.isa, T=T, H=H, Hkv=Hkv, d=d, dv=dv, dr=dr, page_size=page_size,
+                          max_pages=tables_TN.shape[1], x_bf16=int(q_THd.dtype == torch.bfloat16),
+                          q_row_stride=q_THd.stride(0), q_head_stride=q_THd.stride(1), scale=scale,
+                          head_block=0 if team is None else head_block(T, H, Hkv, team.n), q=q_THd.data_ptr(),
+                          k_slots=k_SHd.data_ptr(), kr_slots=None if kr_SHd is None else kr_SHd.data_ptr(),
                           v_slots=v_SHd.data_ptr(), sinks=None if sinks is None else sinks.data_ptr(),
                           tables=tables_TN.data_ptr(), pos=pos_T.data_ptr(), lo=lo_T.data_ptr(),
                           out=out_THd.data_ptr())
-        kv_bytes = keys * Hkv * (d + dv) * k_SHd.element_size()
-        team = self.team().handle if kv_bytes >= TEAM_MIN_KV_BYTES else None
         err = ctypes.create_string_buffer(256)
-        if self.kernels.lib.tm_paged_decode_attention(team, ctypes.byref(args), err, len(err)) != 0:
+        if self.kernels.lib.tm_paged_decode_attention(None if team is None else team.handle, ctypes.byref(args),
+                                                      err, len(err)) != 0:
             raise RuntimeError(err.value.decode())
 
     def attend_step(self, step: RaggedStep, window: int | None, q_THd: torch.Tensor, k_SHd: torch.Tensor,
-                    v_SHd: torch.Tensor, scale: float, sinks_H: torch.Tensor | None, out_THd: torch.Tensor) -> None:
+                    v_SHd: torch.Tensor, scale: float, sinks_H: torch.Tensor | None, out_THd: torch.Tensor,
+                    kr_SHd: torch.Tensor | None = None) -> None:
         """`attend` for the decode rows of `step` (its first num_decode rows) in the page group of `window`."""
         decode = step.groups[window].decode
         self.attend(q_THd, k_SHd, v_SHd, decode.tables, step.decode_pos, decode.lo, step.page_size, scale,
-                    decode.keys, sinks_H, out_THd)
+                    decode.keys, sinks_H, out_THd, kr_SHd)
 
     def takes_gated_delta(self, qkv: torch.Tensor, states: torch.Tensor) -> bool:
         """Whether `gated_delta` computes these rows: CPU tensors, rows in fp32 / bf16, fp32 states, no gradient."""
@@ -123,13 +144,22 @@ class DecodeAttention:
             raise ValueError(f"rotary embedding needs an even head dim, got {d}")
 
 
+def head_block(rows: int, heads: int, kv_heads: int, threads: int) -> int:
+    """Query heads per task of a team's decode attention: all that share a KV head, unless the rows and KV heads
+    are fewer tasks than the team has threads (one row of MLA: one KV head for all its heads); then the heads are
+    split in blocks of equal size, as many as the threads need."""
+    group = heads // kv_heads
+    blocks = min(group, -(-threads // (rows * kv_heads)))
+    return -(-group // blocks)
+
+
 def decode_attention_for(model: nn.Module, device: torch.device, kernels: Kernels | None,
                          team: Callable[[], ThreadTeam], trainable: bool) -> DecodeAttention | None:
     """The native decode attention for `model`, or None where it does not apply (see the module docstring):
-    a GPU device, no kernels, training, a dtype the kernels do not take (fp16), or an attention module the pool
-    does not serve through tiermoe.layers.paged_attention (MLA)."""
+    a GPU device, no kernels, training, a dtype the kernels do not take (fp16), or MLA layers of more heads than
+    the kernel is faster for (MLA_KERNEL_MAX_HEADS)."""
     if trainable or kernels is None or torch.device(device).type != "cpu" or model.dtype not in _DTYPES:
         return None
-    if any(isinstance(m, MLAAttention) for m in model.modules()):
+    if any(isinstance(m, MLAAttention) and m.num_heads > MLA_KERNEL_MAX_HEADS for m in model.modules()):
         return None
     return DecodeAttention(kernels, team)

@@ -29,8 +29,22 @@ import transformers.models.deepseek_v3.modeling_deepseek_v3 as deepseek_v3
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from tiermoe.layers.mla_math import absorbed_attention, attend_expanded, group_kv_b_rows, split_kv_b
-from tiermoe.layers.paged_attention import PAGED_PREFIX, STEP_KWARG, attend_parts, part_keys, part_queries
+from tiermoe.layers.mla_math import (
+    absorb_query,
+    absorbed_attention,
+    attend_expanded,
+    group_kv_b_rows,
+    split_kv_b,
+    values_from_latent,
+)
+from tiermoe.layers.paged_attention import (
+    PAGED_PREFIX,
+    STEP_KWARG,
+    attend_parts,
+    gather_pages,
+    part_keys,
+    part_queries,
+)
 
 # What the forward needs of the original module besides its submodules.
 _ATTRIBUTES = ("config", "layer_idx", "num_heads", "q_lora_rank", "qk_rope_head_dim", "kv_lora_rank", "v_head_dim",
@@ -86,12 +100,32 @@ class MLAAttention(nn.Module):
         if step is None:
             out_BQHV = self._attend(q_nope, q_pe, latent, k_pe, attention_mask, **kwargs)
         else:  # the engine's ragged step over the KV pool: each part (decode batch, segment) on its own keys
-            out_BQHV = attend_parts(step, step.layer_windows[self.layer_idx], q_nope.new_empty((1, Q, self.num_heads,
-                                                                                                  self.v_head_dim)),
+            window = step.layer_windows[self.layer_idx]
+            out_BQHV = q_nope.new_empty((1, Q, self.num_heads, self.v_head_dim))
+            if step.decode_attention is not None:  # latent and k_pe are the layer's slots [S, 1, *]
+                latent, k_pe = self._decode_in_place(step, window, q_nope, q_pe, latent, k_pe, out_BQHV[0])
+            out_BQHV = attend_parts(step, window, out_BQHV,
                                     lambda part: self._attend(part_queries(q_nope, part), part_queries(q_pe, part),
                                                               part_keys(latent, part), part_keys(k_pe, part),
                                                               part.mask, **kwargs))
         return self.o_proj(out_BQHV.reshape(B, Q, -1)), None
+
+    def _decode_in_place(self, step, window, q_nope_1HQN, q_pe_1HQP, latent_SR, k_pe_SP,
+                         out_QHV) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode rows' absorbed attention read from the slots where they lie (latent [S, 1, R] and k_pe
+        [S, 1, P]: a two-part key whose first part is also the value; tiermoe.layers.decode_attention) into out's
+        first rows; returns the segments' gathered latent and k_pe [1, 1, K, *] (what the parts read)."""
+        n, R = step.num_decode, self.kv_lora_rank
+        w_uk, w_uv = self._kv_b_halves(q_nope_1HQN.dtype)
+        query_nHX = torch.cat((absorb_query(q_nope_1HQN[:, :, :n], w_uk), q_pe_1HQP[:, :, :n]), dim=-1)[0]
+        out_latent_nHR = q_nope_1HQN.new_empty((n, self.num_heads, R))
+        step.decode_attention.attend_step(step, window, query_nHX.transpose(0, 1), latent_SR, latent_SR,
+                                          self.scaling, None, out_latent_nHR, kr_SHd=k_pe_SP)
+        out_QHV[:n] = values_from_latent(out_latent_nHR.transpose(0, 1)[None], w_uv)[0].transpose(0, 1)
+        if step.first_gathered == len(step.row_parts):  # decode rows only: nothing to gather
+            return latent_SR, k_pe_SP
+        pages = step.groups[window].read_pages
+        return gather_pages(latent_SR, pages, step.page_size), gather_pages(k_pe_SP, pages, step.page_size)
 
     def _attend(self, q_nope, q_pe, latent_B1LR, k_pe_B1LP, attention_mask, **kwargs) -> torch.Tensor:
         """[B, Q, H, V] from queries [B, H, Q, *] and the latent [B, 1, L, *]: expanded or absorbed, whichever

@@ -91,7 +91,7 @@ class PagedStepCache(Cache):
         if self.step.decode_attention is not None:  # the attention function reads the slots where they lie
             return k_slots, v_slots
         pages = self.step.groups[self.step.layer_windows[layer_idx]].read_pages
-        return _read(k_slots, pages, self.step.page_size), _read(v_slots, pages, self.step.page_size)
+        return gather_pages(k_slots, pages, self.step.page_size), gather_pages(v_slots, pages, self.step.page_size)
 
     def write(self, layer_idx: int, k_THd: torch.Tensor, v_THd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's new K/V [T, H, d] into their pool slots; returns the layer's K and V slots [S, H, d]."""
@@ -104,7 +104,7 @@ class PagedStepCache(Cache):
 
 
 
-def _read(slots_SHd: torch.Tensor, pages_N: torch.Tensor, page_size: int) -> torch.Tensor:
+def gather_pages(slots_SHd: torch.Tensor, pages_N: torch.Tensor, page_size: int) -> torch.Tensor:
     """Whole pages gathered: [S, H, d] slots -> [1, H, N * P, d]. Each page as one flat row: index_select copies
     rows of a 2-D tensor several times faster than of a 4-D one (3.4x measured for 4 KB pages in bf16)."""
     rows = slots_SHd.view(slots_SHd.shape[0] // page_size, -1)  # [pages, P * H * d]
@@ -185,4 +185,4 @@ def _decode_in_place(step: RaggedStep, window: int | None, query: torch.Tensor, 
     if step.first_gathered == len(step.row_parts):  # decode rows only: nothing to gather
         return k_SHd, v_SHd
     pages = step.groups[window].read_pages
-    return _read(k_SHd, pages, step.page_size), _read(v_SHd, pages, step.page_size)
+    return gather_pages(k_SHd, pages, step.page_size), gather_pages(v_SHd, pages, step.page_size)

@@ -25,11 +25,12 @@
 
 namespace {
 
-constexpr int kAbiVersion = 7;  // 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp, paged attention, rotary;
+constexpr int kAbiVersion = 8;  // 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp, paged attention, rotary;
                                 // 4: decode attention per ISA (TmAttnArgs.isa);
                                 // 5: the gated delta rule's decode step (TmKernels.delta);
                                 // 6: a team's solo_bytes (tm_team_create), tm_team_shared_jobs
                                 // 7: tm_decode_layer (decode_layer.cpp)
+                                // 8: decode attention with a two-part key and head blocks (TmAttnArgs)
 
 bool request_amx_permission() {
 #ifdef __linux__

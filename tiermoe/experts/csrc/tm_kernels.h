@@ -46,24 +46,39 @@ struct TmRows {
   int32_t M, ld;
 };
 
-// Decode rows attending the paged KV pool in place (paged_attention.cpp has the semantics). One task is one
-// (row, KV head) pair: task = t * Hkv + g.
+// Decode rows attending the paged KV pool in place (paged_attention.cpp has the semantics). One task is one row, one
+// KV head and one block of the query heads that share it: task = (t * Hkv + g) * blocks + b, where G = H / Hkv
+// and blocks = ceil(G / head_block) (head_block 0: all G heads in one task).
 struct TmAttnArgs {
   int32_t isa;  // the kernel table that computes the tasks
   int32_t T, H, Hkv, d, dv;
   int32_t page_size, max_pages;
   int32_t x_bf16;                       // q, K/V slots and out are bf16 (1) or fp32 (0)
-  int64_t q_row_stride, q_head_stride;  // elements; each head's d values are contiguous
+  int32_t dr;                           // a key's second part (0: none): MLA's roped key beside its latent
+  int64_t q_row_stride, q_head_stride;  // elements; each head's d + dr values are contiguous
   float scale;
+  int32_t head_block;     // query heads per task (0: all that share a KV head)
   const void* q;
   const void* k_slots;    // [S, Hkv, d]
-  const void* v_slots;    // [S, Hkv, dv]
+  const void* kr_slots;   // [S, Hkv, dr], the key's last dr values (null when dr is 0)
+  const void* v_slots;    // [S, Hkv, dv] (may be k_slots itself: MLA's value is its latent)
   const float* sinks;     // [H] or null
   const int64_t* tables;  // [T, max_pages] page ids
   const int32_t* pos;     // [T] the row's query position (its last visible key)
   const int32_t* lo;      // [T] its first visible key position
   void* out;              // [T, H, dv], contiguous
 };
+
+// Query heads per task, and tasks, of a decode attention call (TmAttnArgs' task numbering). Static: every ISA
+// unit's copy stays its own (see the top of this file).
+static inline int tm_attn_head_block(const TmAttnArgs& a) {
+  const int G = a.H / a.Hkv;
+  return a.head_block > 0 && a.head_block < G ? a.head_block : G;
+}
+static inline int tm_attn_tasks(const TmAttnArgs& a) {
+  const int G = a.H / a.Hkv, block = tm_attn_head_block(a);
+  return a.T * a.Hkv * ((G + block - 1) / block);
+}
 
 enum { TM_DELTA_MAX_DIM = 512 };  // the gated delta rule's largest key / value head dim (per-task arrays)
 
