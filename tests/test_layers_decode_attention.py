@@ -119,6 +119,14 @@ def test_a_two_part_key_whose_first_part_is_the_value_attends_as_absorbed_mla(is
     team.close()
 
 
+def test_mla_rows_go_to_the_kernel_where_it_was_measured_faster():
+    bf16, avx2 = ISA_NAMES.index("avx512bf16"), ISA_NAMES.index("avx2")
+    assert decode_module.kernel_attends_mla(128, torch.bfloat16, bf16)  # DeepSeek-V3 with pair products
+    assert decode_module.kernel_attends_mla(16, torch.bfloat16, avx2)  # DeepSeek-V2-Lite without
+    assert not decode_module.kernel_attends_mla(128, torch.bfloat16, avx2)
+    assert not decode_module.kernel_attends_mla(16, torch.float32, bf16)  # torch's fp32 matmuls are faster
+
+
 def test_a_team_splits_heads_only_where_rows_and_kv_heads_leave_threads_idle():
     assert decode_module.head_block(rows=8, heads=32, kv_heads=4, threads=16) == 8  # 32 tasks: heads stay whole
     assert decode_module.head_block(rows=1, heads=128, kv_heads=1, threads=16) == 8  # one MLA row: 16 blocks
@@ -139,13 +147,13 @@ def _check_attention(kernels, team, dtype, case) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
-def test_a_decode_step_reads_the_past_where_it_lies(arch, tiny_dir):
+@pytest.mark.parametrize("arch, dtype", [("qwen3_moe", torch.float32), ("deepseek_v2", torch.bfloat16)])
+def test_a_decode_step_reads_the_past_where_it_lies(arch, dtype, tiny_dir):
     """No gather of past K/V in a decode step (index_select was one per layer per K and V: for MLA, per latent
-    and roped key), and the greedy tokens equal those of the gathered path."""
+    and roped key; the kernel takes MLA rows in bf16), and the greedy tokens equal those of the gathered path."""
     got = {}
     for in_place in (True, False):
-        with LLM(tiny_dir(arch), dtype=torch.float32, page_size=4, progress=False) as llm:
+        with LLM(tiny_dir(arch), dtype=dtype, page_size=4, progress=False) as llm:
             if not in_place:
                 llm.engine.decode_attention = None
             engine = llm.engine
@@ -188,14 +196,15 @@ def test_rotary_in_place_equals_gpt_oss_half_width_form_bit_for_bit(dtype):
 
 @needs_kernels
 def test_in_place_decode_is_used_only_where_the_kernel_computes_it(tiny_dir):
-    """fp32 / bf16 standard attention and MLA on the CPU: yes; fp16 (the kernel reads fp32 or bf16), and MLA of
-    more heads than the kernel is faster for: no."""
+    """fp32 / bf16 standard attention on the CPU: yes; fp16 (the kernel reads fp32 or bf16): no. MLA where the
+    kernel is faster than torch: bf16, and more than MLA_KERNEL_MAX_HEADS heads only with AVX512-BF16."""
     for arch, dtype, expected in (("qwen3_moe", torch.bfloat16, True), ("qwen3_moe", torch.float16, False),
-                                  ("deepseek_v3", torch.float32, True), ("deepseek_v2", torch.float16, False)):
+                                  ("deepseek_v3", torch.bfloat16, True), ("deepseek_v3", torch.float32, False)):
         with LLM(tiny_dir(arch), dtype=dtype, progress=False) as llm:
             assert (llm.hybrid.decode_attention is not None) == expected, (arch, dtype)
     path = tiny_dir("deepseek_v2")
+    pair_products = KERNELS.isa >= ISA_NAMES.index("avx512bf16")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(decode_module, "MLA_KERNEL_MAX_HEADS", load_config(path).num_attention_heads - 1)
         with LLM(path, dtype=torch.bfloat16, progress=False) as llm:
-            assert llm.hybrid.decode_attention is None
+            assert (llm.hybrid.decode_attention is not None) == pair_products

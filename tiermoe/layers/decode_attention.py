@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tiermoe.experts.kernels import SOLO_BYTES, Kernels, ThreadTeam, TmAttnArgs, TmDeltaArgs
+from tiermoe.experts.kernels import ISA_NAMES, SOLO_BYTES, Kernels, ThreadTeam, TmAttnArgs, TmDeltaArgs
 from tiermoe.layers.mla_attention import MLAAttention
 from tiermoe.layers.ragged_step import RaggedStep
 
@@ -42,11 +42,13 @@ TEAM_MIN_KV_BYTES = SOLO_BYTES
 # to 128) read one latent, so its arithmetic, not its reads, is the cost (a GQA row's heads read their own KV
 # heads: the bytes decide there).
 TEAM_MIN_MLA_WORK = 16 << 20
-# MLA query heads up to which the kernel attends a decode row faster than torch on its gathered latent, on one
-# thread (benchmarks/bench_decode_attention.py, bf16, AVX512-BF16: 1.2-2.6x at 16-32 heads and 1k-4k keys; at 64
-# heads 0.75-0.98x; DeepSeek-V3's 128 heads 0.53-0.66x: the kernel's arithmetic grows with the heads, while torch's
-# batched matmuls reuse each latent row across heads). Past it the decode rows are gathered and attend through torch.
-MLA_KERNEL_MAX_HEADS = 32
+# Where the kernel attends MLA decode rows faster than torch on their gathered latent (one thread,
+# benchmarks/bench_decode_attention.py; torch's time leaves out the gather it needs). bf16 with AVX512-BF16, whose
+# pair products sum the values two keys at a time: 3.0-4.4x at DeepSeek-V2-Lite's 16 heads, 0.9-1.1x at
+# DeepSeek-V3's 128 (no past copied). bf16 without them: 1.4-1.9x at 16 heads, 0.8-1.1x at 32, 0.4-0.7x beyond.
+# fp32: 0.5-0.8x at every head count (torch's fp32 matmuls), so fp32 MLA rows are gathered. The kernel's arithmetic
+# grows with the heads, while torch's batched matmuls reuse each latent row across them.
+MLA_KERNEL_MAX_HEADS = 32  # without pair products
 DELTA_MAX_HEAD_DIM = 512  # csrc/tm_kernels.h TM_DELTA_MAX_DIM: the native rule refuses larger head dims
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -156,10 +158,17 @@ def head_block(rows: int, heads: int, kv_heads: int, threads: int) -> int:
 def decode_attention_for(model: nn.Module, device: torch.device, kernels: Kernels | None,
                          team: Callable[[], ThreadTeam], trainable: bool) -> DecodeAttention | None:
     """The native decode attention for `model`, or None where it does not apply (see the module docstring):
-    a GPU device, no kernels, training, a dtype the kernels do not take (fp16), or MLA layers of more heads than
-    the kernel is faster for (MLA_KERNEL_MAX_HEADS)."""
+    a GPU device, no kernels, training, a dtype the kernels do not take (fp16), or MLA layers where the kernel
+    is slower than torch (`kernel_attends_mla`)."""
     if trainable or kernels is None or torch.device(device).type != "cpu" or model.dtype not in _DTYPES:
         return None
-    if any(isinstance(m, MLAAttention) and m.num_heads > MLA_KERNEL_MAX_HEADS for m in model.modules()):
+    mla_heads = max((m.num_heads for m in model.modules() if isinstance(m, MLAAttention)), default=0)
+    if mla_heads and not kernel_attends_mla(mla_heads, model.dtype, kernels.isa):
         return None
     return DecodeAttention(kernels, team)
+
+
+def kernel_attends_mla(heads: int, dtype: torch.dtype, isa: int) -> bool:
+    """Whether the kernel attends MLA decode rows of `heads` heads faster than torch (measured: see
+    MLA_KERNEL_MAX_HEADS): bf16 rows, and either the ISA's bf16 pair products or few heads."""
+    return dtype == torch.bfloat16 and (isa >= ISA_NAMES.index("avx512bf16") or heads <= MLA_KERNEL_MAX_HEADS)

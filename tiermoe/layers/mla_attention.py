@@ -8,12 +8,15 @@ head to [W_UK; W_UV] (group_kv_b_rows) so both views are contiguous.
 
 Per token and layer the cache holds only the normalised compressed KV [.., kv_lora_rank] (as a cache layer's
 "keys") and the roped key part [.., qk_rope_head_dim] ("values"): one head, so the engine's KV pool
-(tiermoe.layers.paged_attention) stores and gathers it as it does any attention layer's K/V. Decode attends with
-W_UK folded into the query and W_UV applied after the sum, so the past is read as cached and never expanded; a
-prefill chunk long enough for the expansion to be cheaper (mla_math.attend_expanded: and the past short enough
-for its expansion to stay small) expands the past for that forward only, and attends with the model's attention
+(tiermoe.layers.paged_attention) stores it as it does any attention layer's K/V. Decode attends with W_UK folded
+into the query and W_UV applied after the sum, so the past is read as cached and never expanded; a prefill chunk
+long enough for the expansion to be cheaper (mla_math.attend_expanded: and the past short enough for its
+expansion to stay small) expands the past for that forward only, and attends with the model's attention
 implementation, exactly as transformers does. In the engine's ragged step each part (the decode rows as one
-padded batch, each chunk alone) chooses for itself.
+padded batch, each chunk alone) chooses for itself, on the pages the pool gathers for it; where the step's decode
+rows attend in place (tiermoe.layers.decode_attention: on the CPU, for up to MLA_KERNEL_MAX_HEADS heads) they read
+the latent and roped key where they lie, as one two-part key per position whose first part is also the value,
+and only the chunks' pages are gathered.
 
 Rope stays the model's own function: complex rotation in V2, cos/sin (interleaved or not, `rope_interleave`) in
 V3; the softmax scale is the original's (yarn's mscale included).
