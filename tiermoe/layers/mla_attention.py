@@ -14,7 +14,7 @@ long enough for the expansion to be cheaper (mla_math.attend_expanded: and the p
 expansion to stay small) expands the past for that forward only, and attends with the model's attention
 implementation, exactly as transformers does. In the engine's ragged step each part (the decode rows as one
 padded batch, each chunk alone) chooses for itself, on the pages the pool gathers for it; where the step's decode
-rows attend in place (tiermoe.layers.decode_attention: on the CPU, for up to MLA_KERNEL_MAX_HEADS heads) they read
+rows attend in place (tiermoe.layers.decode_attention: on the CPU, bf16, where its kernel_attends_mla) they read
 the latent and roped key where they lie, as one two-part key per position whose first part is also the value,
 and only the chunks' pages are gathered.
 
