@@ -99,10 +99,12 @@ def _mla_case(dtype, seed: int, R: int, P: int, H: int = 6):
 @pytest.mark.parametrize("threads", [1, 16])
 def test_a_two_part_key_whose_first_part_is_the_value_attends_as_absorbed_mla(isa, threads, monkeypatch):
     """MLA's decode: every head scores [latent | k_pe] and sums the latent, read from two slot tensors in place.
-    16 threads for 4 rows of one KV head split each row's heads in blocks (of 2 for 6 heads: tm_attn_tasks)."""
+    16 threads for 4 rows of one KV head split each row's keys in 4 ranges, merged after (the one-key row leaves
+    three empty)."""
     kernels = load_kernels(isa=isa)
     team = ThreadTeam(kernels, threads)
     monkeypatch.setattr(decode_module, "TEAM_MIN_MLA_WORK", 0)  # these rows are too little work for a team
+    monkeypatch.setattr(decode_module, "MIN_SPLIT_KEYS", 1)
     for dtype in (torch.float32, torch.bfloat16):
         for R, P in ((32, 16), (72, 8), (512, 64)):  # a tail in either part; DeepSeek's own widths
             q, latent, k_pe, tables, pos, lo, page_size, scale = _mla_case(dtype, R, R, P)
@@ -119,6 +121,18 @@ def test_a_two_part_key_whose_first_part_is_the_value_attends_as_absorbed_mla(is
     team.close()
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_keys_merge_to_the_whole_rows_attention_with_sinks_counted_once(dtype, monkeypatch):
+    """4 rows of 2 KV heads on 16 threads: each row's keys in 2 ranges whose partial softmaxes are merged."""
+    monkeypatch.setattr(decode_module, "TEAM_MIN_KV_BYTES", 0)
+    monkeypatch.setattr(decode_module, "MIN_SPLIT_KEYS", 1)
+    threads = ThreadTeam(KERNELS, 16)
+    _check_attention(KERNELS, lambda: threads, dtype, _case(dtype, sinks=True))
+    assert threads.shared_jobs > 0
+    threads.close()
+
+
 def test_mla_rows_go_to_the_kernel_where_it_was_measured_faster():
     bf16, avx2 = ISA_NAMES.index("avx512bf16"), ISA_NAMES.index("avx2")
     assert decode_module.kernel_attends_mla(128, torch.bfloat16, bf16)  # DeepSeek-V3 with pair products
@@ -127,11 +141,13 @@ def test_mla_rows_go_to_the_kernel_where_it_was_measured_faster():
     assert not decode_module.kernel_attends_mla(16, torch.float32, bf16)  # torch's fp32 matmuls are faster
 
 
-def test_a_team_splits_heads_only_where_rows_and_kv_heads_leave_threads_idle():
-    assert decode_module.head_block(rows=8, heads=32, kv_heads=4, threads=16) == 8  # 32 tasks: heads stay whole
-    assert decode_module.head_block(rows=1, heads=128, kv_heads=1, threads=16) == 8  # one MLA row: 16 blocks
-    assert decode_module.head_block(rows=2, heads=6, kv_heads=1, threads=8) == 2  # 3 blocks a row: 6 tasks
-    assert decode_module.head_block(rows=1, heads=4, kv_heads=4, threads=32) == 1  # never below one head
+def test_a_team_splits_keys_only_where_rows_and_kv_heads_leave_threads_idle():
+    split = decode_module.key_splits
+    assert split(rows=8, kv_heads=4, threads=16, keys=8 * 4096) == 1  # 32 tasks already
+    assert split(rows=1, kv_heads=1, threads=16, keys=16384) == 16  # one long MLA row: 16 ranges of 1,024
+    assert split(rows=1, kv_heads=4, threads=16, keys=16384) == 4  # Qwen3's 4 KV heads: 4 ranges each
+    assert split(rows=1, kv_heads=1, threads=16, keys=1024) == 1024 // decode_module.MIN_SPLIT_KEYS  # short row
+    assert split(rows=2, kv_heads=1, threads=8, keys=100) == 1  # too short to split
 
 
 def _check_attention(kernels, team, dtype, case) -> None:

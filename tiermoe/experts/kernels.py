@@ -36,8 +36,8 @@ ISA_NAMES = ("base", "avx2", "avx512", "avx512bf16", "amx")
 TORCH_ISA = "torch"  # not a kernel level: "use no kernels"
 # 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp (fused norms, routers), decode attention, rotary;
 # 4: decode attention per ISA (TmAttnArgs.isa); 5: the gated delta rule; 6: a team's solo_bytes, its shared jobs;
-# 7: a whole decoder layer of a decode step (tm_decode_layer); 8: decode attention with a two-part key (MLA) and head
-# blocks
+# 7: a whole decoder layer of a decode step (tm_decode_layer); 8: decode attention with a two-part key (MLA) and key
+# splits
 ABI_VERSION = 8
 # A MoE layer or packed product smaller than this (bytes of weights read, each row of activations beyond the first
 # counted as an eighth more: csrc/tm_kernels.h tm_product_work) runs on the calling thread alone. Waking a helper
@@ -81,7 +81,7 @@ class TmAttnArgs(ctypes.Structure):
                 ("d", ctypes.c_int32), ("dv", ctypes.c_int32), ("page_size", ctypes.c_int32),
                 ("max_pages", ctypes.c_int32), ("x_bf16", ctypes.c_int32), ("dr", ctypes.c_int32),
                 ("q_row_stride", ctypes.c_int64), ("q_head_stride", ctypes.c_int64), ("scale", ctypes.c_float),
-                ("head_block", ctypes.c_int32), ("q", ctypes.c_void_p), ("k_slots", ctypes.c_void_p),
+                ("key_splits", ctypes.c_int32), ("q", ctypes.c_void_p), ("k_slots", ctypes.c_void_p),
                 ("kr_slots", ctypes.c_void_p), ("v_slots", ctypes.c_void_p), ("sinks", ctypes.c_void_p),
                 ("tables", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("lo", ctypes.c_void_p),
                 ("out", ctypes.c_void_p)]

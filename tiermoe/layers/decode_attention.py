@@ -49,6 +49,8 @@ TEAM_MIN_MLA_WORK = 16 << 20
 # fp32: 0.5-0.8x at every head count (torch's fp32 matmuls), so fp32 MLA rows are gathered. The kernel's arithmetic
 # grows with the heads, while torch's batched matmuls reuse each latent row across them.
 MLA_KERNEL_MAX_HEADS = 32  # without pair products
+# Keys a split of a row takes at least: below it the merge and the wake of another thread cost more than they save.
+MIN_SPLIT_KEYS = 256
 DELTA_MAX_HEAD_DIM = 512  # csrc/tm_kernels.h TM_DELTA_MAX_DIM: the native rule refuses larger head dims
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -83,7 +85,7 @@ class DecodeAttention:
         args = TmAttnArgs(isa=self.kernels.isa, T=T, H=H, Hkv=Hkv, d=d, dv=dv, dr=dr, page_size=page_size,
                           max_pages=tables_TN.shape[1], x_bf16=int(q_THd.dtype == torch.bfloat16),
                           q_row_stride=q_THd.stride(0), q_head_stride=q_THd.stride(1), scale=scale,
-                          head_block=0 if team is None else head_block(T, H, Hkv, team.n), q=q_THd.data_ptr(),
+                          key_splits=1 if team is None else key_splits(T, Hkv, team.n, keys), q=q_THd.data_ptr(),
                           k_slots=k_SHd.data_ptr(), kr_slots=None if kr_SHd is None else kr_SHd.data_ptr(),
                           v_slots=v_SHd.data_ptr(), sinks=None if sinks is None else sinks.data_ptr(),
                           tables=tables_TN.data_ptr(), pos=pos_T.data_ptr(), lo=lo_T.data_ptr(),
@@ -146,13 +148,14 @@ class DecodeAttention:
             raise ValueError(f"rotary embedding needs an even head dim, got {d}")
 
 
-def head_block(rows: int, heads: int, kv_heads: int, threads: int) -> int:
-    """Query heads per task of a team's decode attention: all that share a KV head, unless the rows and KV heads
-    are fewer tasks than the team has threads (one row of MLA: one KV head for all its heads); then the heads are
-    split in blocks of equal size, as many as the threads need."""
-    group = heads // kv_heads
-    blocks = min(group, -(-threads // (rows * kv_heads)))
-    return -(-group // blocks)
+def key_splits(rows: int, kv_heads: int, threads: int, keys: int) -> int:
+    """Ranges each row's keys are split into for a team (csrc/paged_attention.cpp: partial softmaxes, merged): one
+    where the rows and KV heads are tasks enough for the threads; else as many as the idle threads need, each of
+    at least MIN_SPLIT_KEYS keys of an average row (`keys`: the rows' visible keys in total)."""
+    tasks = rows * kv_heads
+    if tasks >= threads:
+        return 1
+    return max(1, min(-(-threads // tasks), keys // rows // MIN_SPLIT_KEYS))
 
 
 def decode_attention_for(model: nn.Module, device: torch.device, kernels: Kernels | None,

@@ -30,7 +30,7 @@ constexpr int kAbiVersion = 8;  // 2: tm_linear_forward / tm_linear_transposed; 
                                 // 5: the gated delta rule's decode step (TmKernels.delta);
                                 // 6: a team's solo_bytes (tm_team_create), tm_team_shared_jobs
                                 // 7: tm_decode_layer (decode_layer.cpp)
-                                // 8: decode attention with a two-part key and head blocks (TmAttnArgs)
+                                // 8: decode attention with a two-part key and key splits (TmAttnArgs)
 
 bool request_amx_permission() {
 #ifdef __linux__

@@ -47,8 +47,9 @@ struct TmRows {
 };
 
 // Decode rows attending the paged KV pool in place (paged_attention.cpp has the semantics). One task is one row, one
-// KV head and one block of the query heads that share it: task = (t * Hkv + g) * blocks + b, where G = H / Hkv
-// and blocks = ceil(G / head_block) (head_block 0: all G heads in one task).
+// KV head (the query heads that share it) and one of `key_splits` contiguous ranges of the row's keys: task =
+// (t * Hkv + g) * splits + sp. With more than one split each task leaves a partial softmax (running max, total,
+// unnormalised sum per head) that a second pass merges (flash-decoding): a few long rows can then keep a team busy.
 struct TmAttnArgs {
   int32_t isa;  // the kernel table that computes the tasks
   int32_t T, H, Hkv, d, dv;
@@ -57,7 +58,7 @@ struct TmAttnArgs {
   int32_t dr;                           // a key's second part (0: none): MLA's roped key beside its latent
   int64_t q_row_stride, q_head_stride;  // elements; each head's d + dr values are contiguous
   float scale;
-  int32_t head_block;     // query heads per task (0: all that share a KV head)
+  int32_t key_splits;     // ranges each row's keys are split into (0 or 1: none)
   const void* q;
   const void* k_slots;    // [S, Hkv, d]
   const void* kr_slots;   // [S, Hkv, dr], the key's last dr values (null when dr is 0)
@@ -69,16 +70,12 @@ struct TmAttnArgs {
   void* out;              // [T, H, dv], contiguous
 };
 
-// Query heads per task, and tasks, of a decode attention call (TmAttnArgs' task numbering). Static: every ISA
-// unit's copy stays its own (see the top of this file).
-static inline int tm_attn_head_block(const TmAttnArgs& a) {
-  const int G = a.H / a.Hkv;
-  return a.head_block > 0 && a.head_block < G ? a.head_block : G;
-}
-static inline int tm_attn_tasks(const TmAttnArgs& a) {
-  const int G = a.H / a.Hkv, block = tm_attn_head_block(a);
-  return a.T * a.Hkv * ((G + block - 1) / block);
-}
+// Key splits, and tasks, of a decode attention call (TmAttnArgs' task numbering); a split's partial result per
+// query head: running max, total and dv sums. Static: every ISA unit's copy stays its own (see the top of this
+// file).
+static inline int tm_attn_splits(const TmAttnArgs& a) { return a.key_splits > 1 ? a.key_splits : 1; }
+static inline int tm_attn_tasks(const TmAttnArgs& a) { return a.T * a.Hkv * tm_attn_splits(a); }
+static inline size_t tm_attn_partial_floats(const TmAttnArgs& a) { return (size_t)(a.H / a.Hkv) * (a.dv + 2); }
 
 enum { TM_DELTA_MAX_DIM = 512 };  // the gated delta rule's largest key / value head dim (per-task arrays)
 
@@ -130,7 +127,8 @@ struct TmKernels {
   void (*transpose_group)(const uint16_t* lines, size_t strip_stride, int S, uint16_t* dst, int kt);
   // Floats of per-thread scratch one decode-attention task needs, and one task (decode_attention.inc).
   size_t (*attend_scratch_floats)(const TmAttnArgs* a);
-  void (*attend)(const TmAttnArgs* a, int task, float* scratch);
+  // partial: where the task leaves its partial result (tm_attn_partial_floats), or null to write the output.
+  void (*attend)(const TmAttnArgs* a, int task, float* scratch, float* partial);
   // One task of the gated delta rule's decode step (gated_delta.inc).
   void (*delta)(const TmDeltaArgs* a, int task);
 };
