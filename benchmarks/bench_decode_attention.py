@@ -13,11 +13,13 @@ absorbed MLA, every head on one latent of 512 and a roped key of 64: DeepSeek-V2
 - the K/V bytes the step must read over the best kernel time (GB/s), against the bandwidth this process measures
   reading a buffer of the same size on one thread (the floor).
 Times are the best of `--rounds` rounds of `--calls` calls, the columns alternating within each round, on the
-calling thread alone (a kernel team of one: one row of one layer is what a decode step hands it).
+calling thread alone (a kernel team of one: one row of one layer is what a decode step hands it); `--team N` adds
+the best kernel on a team of N threads.
 
     python benchmarks/bench_decode_attention.py
     python benchmarks/bench_decode_attention.py --past 1024 4096 16384 --rounds 5 --dtype fp32
-    python benchmarks/bench_decode_attention.py --shapes deepseek-v2-lite deepseek-v3
+    python benchmarks/bench_decode_attention.py --shapes deepseek-v2-lite deepseek-v3 --mla-heads 32 64
+    python benchmarks/bench_decode_attention.py --shapes deepseek-v2-lite deepseek-v3 qwen3-30b-a3b --team 2
 """
 
 from __future__ import annotations
@@ -99,12 +101,22 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--past", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--mla-heads", type=int, nargs="*", default=[],
+                        help="also MLA shapes of these head counts (latent 512, roped key 64): where the kernel "
+                             "stops beating torch decides MLA_KERNEL_MAX_HEADS")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--calls", type=int, default=10, help="calls per timed round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--team", type=int, default=0,
+                        help="also the best kernel on a team of this many threads (a row's keys split among them "
+                             "where its KV heads are too few tasks), and its speed-up over one thread")
     args = parser.parse_args()
-    if min(args.past) < 1 or args.calls < 1 or args.rounds < 1:
-        parser.error("--past, --calls and --rounds must be positive")
+    if min(args.past) < 1 or args.calls < 1 or args.rounds < 1 or min(args.mla_heads, default=1) < 1:
+        parser.error("--past, --calls, --rounds and --mla-heads must be positive")
+    if not 0 <= args.team <= (os.cpu_count() or 1):
+        parser.error(f"--team takes 0 (none) to this machine's {os.cpu_count()} CPUs, got {args.team}")
+    shapes = {name: SHAPES[name] for name in args.shapes}
+    shapes.update({f"mla-{h}-heads": (h, 1, 512, False, 64) for h in args.mla_heads})
     best = load_kernels()
     if best is None:
         parser.error("the CPU kernels are not built here (no C++ compiler?)")
@@ -113,13 +125,16 @@ def main() -> None:
     isas = ISA_NAMES[:best.isa + 1]
     team = ThreadTeam(best, 1)  # the calling thread alone
     kernels = {isa: DecodeAttention(load_kernels(isa=isa), lambda: team) for isa in isas}
+    if args.team:
+        threads = ThreadTeam(best, args.team)
+        kernels["team"] = DecodeAttention(best, lambda: threads)
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; {args.dtype}; one thread", flush=True)
     head = "| shape | past | " + " | ".join(f"tiermoe {isa}, ms" for isa in isas) + \
+        (f" | tiermoe {isas[-1]} on {args.team} threads, ms | speed-up" if args.team else "") + \
         " | torch (gathered), ms | torch / best | K/V GB/s (best) | floor GB/s |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     print(lines[0], flush=True)
-    for name in args.shapes:
-        H, Hkv, d, sinks, rope = SHAPES[name]
+    for name, (H, Hkv, d, sinks, rope) in shapes.items():
         for past in args.past:
             c = _case(H, Hkv, d, past, dtype, sinks, rope)
             kv_bytes = sum(x.nbytes for x in c["gathered"].values())
@@ -130,7 +145,8 @@ def main() -> None:
             t = best_times(calls, args.calls, args.rounds)
             ours = t[isas[-1]]
             peer = f"{t['torch'] * 1e3:.3f} | {t['torch'] / ours:.1f}x" if "torch" in t else "- | -"
-            lines.append(f"| {name} | {past} | " + " | ".join(f"{t[i] * 1e3:.3f}" for i in isas) +
+            team_cells = f" | {t['team'] * 1e3:.3f} | {ours / t['team']:.2f}x" if args.team else ""
+            lines.append(f"| {name} | {past} | " + " | ".join(f"{t[i] * 1e3:.3f}" for i in isas) + team_cells +
                          f" | {peer} | {kv_bytes / ours / 1e9:.1f} | {kv_bytes / t['floor'] / 1e9:.1f} |")
             print(lines[-1], flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
