@@ -34,6 +34,7 @@ import psutil
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tiermoe.config import CPUConfig
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.testing.make_model import make_model
@@ -115,7 +116,7 @@ def _decode_time(engine, seqs, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def part_mixed(root: Path, steps: int, rounds: int) -> list[str]:
+def part_mixed(root: Path, steps: int, rounds: int, cpu_threads: int | None = None) -> list[str]:
     lines = ["| model | past lengths | 8 alone, s | 8 together, s | gain | gain per round |",
              "|---|---|---|---|---|---|"]
     models = [("demo (qwen3_moe, bundled)", None, MIXED_DEMO),
@@ -123,7 +124,7 @@ def part_mixed(root: Path, steps: int, rounds: int) -> list[str]:
               ("tiny qwen3_next", checkpoint(root, "qwen3_next", None, None, 256), MIXED_TINY)]
     for name, path, lengths in models:
         alone, together = [], []  # per round: each sequence's time alone; the 8's time together
-        with LLM(path, max_running=8, progress=False) as llm:
+        with LLM(path, max_running=8, progress=False, cpu=CPUConfig(threads=cpu_threads)) as llm:
             engine = llm.engine
             for _ in range(rounds):  # fresh sequences each round: the longest stays within the context
                 seqs = [engine.new_sequence() for _ in lengths]
@@ -194,11 +195,15 @@ def main() -> None:
     parser.add_argument("--first-turn", type=int, default=4096, help="tokens of the chat's first turn (ttft)")
     parser.add_argument("--memory-steps", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="mixed: the kernels' thread team (default: tiermoe's, --cpu-threads of the CLI)")
     parser.add_argument("--out", help="also write the tables (markdown) here")
     args = parser.parse_args()
     for flag in ("steps", "rounds", "layers", "first_turn", "memory_steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.cpu_threads is not None and not 1 <= args.cpu_threads <= (os.cpu_count() or 1):
+        parser.error(f"--cpu-threads takes 1 to this machine's {os.cpu_count()} CPUs, got {args.cpu_threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     root = Path(args.dir)
@@ -209,7 +214,7 @@ def main() -> None:
         if "decode" in args.parts:
             tables.append(part_decode(root, args.past, args.steps, args.layers))
         if "mixed" in args.parts:
-            tables.append(part_mixed(root, args.steps, args.rounds))
+            tables.append(part_mixed(root, args.steps, args.rounds, args.cpu_threads))
         if "ttft" in args.parts:
             tables.append(part_ttft(root, args.layers, args.first_turn))
         if "memory" in args.parts:
