@@ -12,7 +12,8 @@ Used where the model is on the CPU in fp32 or bf16, the kernels are built, and n
 tiermoe.layers.paged_attention and by MLA (tiermoe.layers.mla_attention), whose absorbed decode is attention of
 every head over one shared key [latent | roped key] and value (the latent): a two-part key, read where both
 parts lie. Results equal SDPA's within fp32 rounding (scores summed in another order); bf16 rows are computed
-in fp32 and rounded once.
+in fp32 and rounded once, but for their probabilities, which are rounded to bf16 before the product with V where
+the ISA sums values in bf16 pairs (AVX512-BF16), as torch's bf16 attention rounds them.
 The same object runs the decode step of Qwen3-Next's linear attention, the gated delta rule, on states kept in
 the pool's slots (`gated_delta`, csrc/gated_delta.cpp; tiermoe.layers.gated_delta_decode uses it): each state
 read where it lies and written once, not gathered, updated in a dozen torch passes and scattered back.
