@@ -1,4 +1,4 @@
-"""Decode attention of one layer over the paged KV pool: tiermoe's kernel per ISA against torch (SDPA; MLA's absorbed form).
+"""Decode attention of one layer over the paged KV pool: tiermoe's kernel per ISA against torch's attention.
 
 One decode row attends a past of each length (`--past`) with the attention shapes of real models (Qwen3-30B-A3B:
 32 query heads, 4 KV heads, head dim 128; GPT-OSS: 64 / 8 / 64 with sinks; the bundled demo model: 4 / 2 / 64;
