@@ -45,8 +45,9 @@ TEAM_MIN_KV_BYTES = SOLO_BYTES
 TEAM_MIN_MLA_WORK = 16 << 20
 # Where the kernel attends MLA decode rows faster than torch on their gathered latent (one thread,
 # benchmarks/bench_decode_attention.py; torch's time leaves out the gather it needs). bf16 with AVX512-BF16, whose
-# pair products sum the values two keys at a time: 2.9-4.4x at DeepSeek-V2-Lite's 16 heads, 0.9-1.1x at
-# DeepSeek-V3's 128 (no past copied). bf16 without them: 1.3-1.9x at 16 heads, 0.8-1.1x at 32, 0.4-0.7x beyond.
+# pair products sum the values two keys at a time for groups of heads: 4.1-6.1x at DeepSeek-V2-Lite's 16 heads,
+# 1.3-1.6x at DeepSeek-V3's 128 (and no past copied). bf16 without them: 1.3-1.9x at 16 heads, 0.8-1.1x at 32,
+# 0.4-0.7x beyond.
 # fp32: 0.5-0.8x at every head count (torch's fp32 matmuls), so fp32 MLA rows are gathered. The kernel's arithmetic
 # grows with the heads, while torch's batched matmuls reuse each latent row across them.
 MLA_KERNEL_MAX_HEADS = 32  # without pair products
