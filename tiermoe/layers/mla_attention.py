@@ -44,9 +44,9 @@ from tiermoe.layers.paged_attention import (
     PAGED_PREFIX,
     STEP_KWARG,
     attend_parts,
-    gather_pages,
     part_keys,
     part_queries,
+    segment_keys,
 )
 
 # What the forward needs of the original module besides its submodules.
@@ -125,10 +125,7 @@ class MLAAttention(nn.Module):
         step.decode_attention.attend_step(step, window, query_nHX.transpose(0, 1), latent_SR, latent_SR,
                                           self.scaling, None, out_latent_nHR, kr_SHd=k_pe_SP)
         out_QHV[:n] = values_from_latent(out_latent_nHR.transpose(0, 1)[None], w_uv)[0].transpose(0, 1)
-        if step.first_gathered == len(step.row_parts):  # decode rows only: nothing to gather
-            return latent_SR, k_pe_SP
-        pages = step.groups[window].read_pages
-        return gather_pages(latent_SR, pages, step.page_size), gather_pages(k_pe_SP, pages, step.page_size)
+        return segment_keys(step, window, latent_SR, k_pe_SP)
 
     def _attend(self, q_nope, q_pe, latent_B1LR, k_pe_B1LP, attention_mask, **kwargs) -> torch.Tensor:
         """[B, Q, H, V] from queries [B, H, Q, *] and the latent [B, 1, L, *]: expanded or absorbed, whichever

@@ -182,6 +182,13 @@ def _decode_in_place(step: RaggedStep, window: int | None, query: torch.Tensor, 
     step.decode_attention.attend_step(step, window, query[0, :, :n].transpose(0, 1), k_SHd, v_SHd,
                                       query.shape[-1] ** -0.5 if scale is None else scale, kwargs.get("s_aux"),
                                       out_1THd[0, :n])
+    return segment_keys(step, window, k_SHd, v_SHd)
+
+
+def segment_keys(step: RaggedStep, window: int | None, k_SHd: torch.Tensor,
+                 v_SHd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """After the decode rows attended in place: the K/V slots [S, Hkv, *] gathered into what the step's segments
+    read ([1, Hkv, K, *], whole pages), or the slots as they are when the step has no segment."""
     if step.first_gathered == len(step.row_parts):  # decode rows only: nothing to gather
         return k_SHd, v_SHd
     pages = step.groups[window].read_pages
