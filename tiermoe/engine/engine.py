@@ -375,6 +375,13 @@ class Engine:
         past), on this engine's pool; commits their linear-attention states when it succeeds. Returns each
         sequence's logits [T_i, V] (fp32, on the host) for `rows[i]` ("last" when not given: T_i = 1; "all": every
         fed position; "none": T_i = 0). Does not advance any sequence (the caller does)."""
+        # the step's setup and its logits' copy too: an op at more threads wakes torch's OpenMP workers, which then
+        # spin on the kernel team's cores through the next steps (as in `step`)
+        with torch_threads(self.hybrid.torch_threads):
+            return self._forward_feeds(feeds, inputs, rows)
+
+    def _forward_feeds(self, feeds: list[SeqFeed], inputs: list[list[int]],
+                       rows: list[str] | None) -> list[torch.Tensor]:
         device = self.hybrid.gpu_device
         rows = rows or ["last"] * len(feeds)
         num_decode = next((i for i, f in enumerate(feeds) if not (f.new == 1 and f.past > 0)), len(feeds))
@@ -383,7 +390,7 @@ class Engine:
         ids = buffers.stage("input_ids", torch.tensor([[t for tokens in inputs for t in tokens]], dtype=torch.long))
         keep, spans = _kept_rows(feeds, rows)
         keep_rows = buffers.stage("logits_to_keep", torch.tensor(keep, dtype=torch.long))
-        with torch.inference_mode(), _on_device(device), torch_threads(self.hybrid.torch_threads):
+        with torch.inference_mode(), _on_device(device):
             cache = PagedStepCache(self.pool.pages, step, self.pool.linear)
             out = self.model(input_ids=ids, position_ids=step.position_ids, attention_mask=_NO_MASK,
                              use_cache=True, logits_to_keep=keep_rows, **{self._cache_kwarg: cache, STEP_KWARG: step})
