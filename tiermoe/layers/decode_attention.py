@@ -37,8 +37,9 @@ from tiermoe.layers.ragged_step import RaggedStep
 TEAM_MIN_WORK = 1 << 20
 # K/V bytes below which the calling thread attends alone, as the kernels' products run alone below SOLO_BYTES of
 # weights: waking a sleeping helper costs ~250 us on this project's 2-vCPU VMs. A lower threshold helps one case
-# and hurts another (BENCHMARKS.md, "Sharing smaller attentions"): at 1 MB the demo model's 8-row step (2.8 MB of K/V a layer)
-# decodes 20-25% faster, but a Qwen3-30B-A3B-shaped row alone at a 1k past (2 MB a layer) about 10% slower.
+# and hurts another (BENCHMARKS.md, "Sharing smaller attentions"): at 1 MB the demo model's 8-row step (2.8 MB of
+# K/V a layer) decodes 20-25% faster, but a Qwen3-30B-A3B-shaped row alone at a 1k past (2 MB a layer) about 10%
+# slower.
 TEAM_MIN_KV_BYTES = SOLO_BYTES
 # Multiply-adds beyond which a team attends absorbed MLA rows however few bytes they read: all of a row's heads (16
 # to 128) read one latent, so its arithmetic, not its reads, is the cost (a GQA row's heads read their own KV
