@@ -153,3 +153,4 @@ def test_a_small_product_runs_on_the_caller_alone_and_a_large_one_on_the_team_al
     finally:
         for team in (one, pair, always):
             team.close()
+

@@ -15,6 +15,7 @@ from tiermoe.arch import detect, load_config
 from tiermoe.engine.kv_pool import KVPool
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
+from tiermoe.errors import TiermoeError
 from tiermoe.layers.ragged_step import RaggedStep, SeqFeed, decode_runs
 
 FP32_TOL = 2e-5
@@ -156,3 +157,18 @@ def test_a_follower_pool_zeroes_the_pages_rank_0_hands_out_before_they_are_writt
                     t[2 * 4:] = float("nan")  # every page from 2 on: never handed out by this pool
         got = engine.forward_feeds([SeqFeed(0, len(prompt), {None: [5, 9]})], [prompt], ["all"])[0]
         assert rel_err(got, want) <= FP32_TOL
+
+
+def test_feeding_past_the_models_context_is_one_clear_error_and_takes_no_page(tiny_dir):
+    with LLM(tiny_dir("qwen3_moe"), max_running=1, progress=False) as llm:
+        engine = llm.engine
+        context = engine.max_context
+        seq = engine.new_sequence()
+        for start in range(0, context - 1, 64):  # chunks a step holds
+            engine.feed([seq], [[5] * min(64, context - 1 - start)], rows=["none"])
+        free = engine.pool.free_pages()
+        with pytest.raises(TiermoeError, match=rf"would hold {context + 1} tokens; the model's context is {context}"):
+            engine.feed([seq], [[5, 6]])
+        assert engine.pool.free_pages() == free and seq.num_fed == context - 1
+        engine.feed([seq], [[5]])  # the last position still fits
+        engine.release(seq)

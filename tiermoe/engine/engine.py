@@ -353,6 +353,10 @@ class Engine:
     def feed(self, seqs: list[Sequence], inputs: list[list[int]], rows: list[str] | None = None) -> list[torch.Tensor]:
         """Feed inputs[i] to seqs[i] in one forward now, outside the scheduler (pages reserved, `num_fed`
         advanced); each sequence's logits as `forward_feeds` gives them, in the order given."""
+        for seq, tokens in zip(seqs, inputs):
+            if self.max_context is not None and seq.num_fed + len(tokens) > self.max_context:
+                raise TiermoeError(f"sequence {seq.seq_id} would hold {seq.num_fed + len(tokens)} tokens; the model's "
+                                   f"context is {self.max_context}")
         self.pool.step_buffers.check(len(seqs), sum(len(tokens) for tokens in inputs))  # before taking any page
         for seq, tokens in zip(seqs, inputs):
             if not self.pool.reserve(seq.pages, seq.num_fed, seq.num_fed + len(tokens)):
