@@ -25,13 +25,17 @@ POLICIES = ("lfu", "adaptive", "belady")
 
 
 def load(paths: list[str]) -> tuple[dict, list[int], list[float]]:
-    """{(policy, budget, ratio): (mean hit rate, mean tokens/s)} over the cross-task pairs of each run."""
+    """{(policy, budget, ratio): (mean hit rate, mean tokens/s)} over the cross-task pairs of each run (runs of one
+    GPU profile)."""
     cells: dict[tuple, list[dict]] = {}
     for path in paths:
         run = json.loads(Path(path).read_text())
         for row in run["rows"]:
             if row["calibration"] != row["replayed"]:
                 cells.setdefault((row["policy"], run["copy_budget"], row["gpu_ratio"]), []).append(row)
+    profiles = {row["gpu_profile"] for rows in cells.values() for row in rows}
+    if len(profiles) > 1:  # their tokens/s are estimates for different GPUs: a mean of both would be neither's
+        raise ValueError(f"the runs hold GPU profiles {sorted(profiles)}; give runs of one profile")
     means = {key: (sum(r["hit_rate"] for r in rows) / len(rows),
                    sum(r["estimated_output_tokens_per_s"] for r in rows) / len(rows)) for key, rows in cells.items()}
     budgets = sorted({b for _, b, _ in means})

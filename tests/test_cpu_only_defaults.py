@@ -130,6 +130,7 @@ def test_a_fed_step_runs_every_op_at_the_engines_torch_threads_the_logits_copy_t
             engine.release(seq)
     assert logits[0].dtype == torch.float32 and ops.seen and set(ops.seen) == {1}, ops.seen
 
+
 @needs_kernels
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_a_small_product_runs_on_the_caller_alone_and_a_large_one_on_the_team_alike(fmt):
@@ -153,4 +154,3 @@ def test_a_small_product_runs_on_the_caller_alone_and_a_large_one_on_the_team_al
     finally:
         for team in (one, pair, always):
             team.close()
-
