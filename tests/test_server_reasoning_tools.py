@@ -48,11 +48,13 @@ def model_dir(tmp_path_factory):
 def forced(monkeypatch):
     """forced(ids): every sequence samples these ids in order, then the tokenizer's EOS (258)."""
     script = {"ids": []}
-    positions: dict[int, int] = {}
+    # keyed by the generator itself, which keeps it alive: a finished sequence's id() would be reused by a later
+    # sequence's generator, which would then start past the end of the script
+    positions: dict[torch.Generator, int] = {}
 
     def scripted(logits_V, params, gen):
-        pos = positions.get(id(gen), 0)
-        positions[id(gen)] = pos + 1
+        pos = positions.get(gen, 0)
+        positions[gen] = pos + 1
         return script["ids"][pos] if pos < len(script["ids"]) else 258
 
     monkeypatch.setattr(engine_module, "sample", scripted)
