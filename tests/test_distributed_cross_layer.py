@@ -58,8 +58,17 @@ def rank_main(job_file: str) -> None:
                 report = {"before": _holdings(rm), "applied": _record_applied_swaps(group.rank)}
                 if leads:
                     rm.share.queue_swaps([Swap(*s) for s in case["swaps"]])  # applied before the first step
+                    promoted = {(s[0], s[1]): rm.hybrid.blocks[s[0]].cpu_tier.get(s[1]) for s in case["swaps"]}
                     outs = rm.llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
                     report["tokens"] = [o.token_ids for o in outs]
+                    if case.get("round_trip"):  # the same swaps undone: the promoted experts come back
+                        rm.share.queue_swaps([Swap(layer_out, e_out, e_in, layer)
+                                              for layer, e_in, e_out, layer_out in case["swaps"]])
+                        rm.llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, ignore_eos=True))
+                        report["came_back_as_stored"] = all(
+                            all(torch.equal(a, b) for a, b in zip(rm.hybrid.blocks[layer].cpu_tier.get(e).tensors(),
+                                                                  w.tensors()))
+                            for (layer, e), w in promoted.items())
                     report["swaps"] = rm.hybrid.swap_stats.swaps
                 else:
                     report["steps"] = rm.follow()
@@ -98,6 +107,8 @@ def cross_layer_run(tmp_path_factory):
     fp8 = write_fp8_checkpoint(path, tmp_path_factory.mktemp("xlayer-fp8") / "m")
     cases.append(dict(base, path=str(fp8), swaps=swaps, adaptive=False, cpu_dtype=None))
     cases.append(dict(base, swaps=[], adaptive=True, cpu_dtype=None))
+    if "native" in CPU_BACKENDS:  # int4 experts promoted and demoted again come back with their stored codes
+        cases.append(dict(base, swaps=swaps, adaptive=False, cpu_dtype="int4", round_trip=True))
     for case in cases:
         with open_checkpoint(case["path"]) as ckpt:  # FP8 GPU tiers hold experts as stored
             case["gpu_bytes_per_expert"] = gpu_expert_bytes(ckpt, spec, torch.float32)
@@ -112,7 +123,7 @@ def test_a_queued_cross_layer_swap_moves_one_slot_on_its_rank_and_every_rank_app
         expected[layer, expert_in], expected[layer_out, expert_out] = int(assignment[layer_out, expert_out]), -1
     bpe = spec.bytes_per_expert(torch.float32)
     for i, case in enumerate(cases):
-        if case["adaptive"]:
+        if case["adaptive"] or case.get("round_trip"):
             continue
         assert reports[0][i]["swaps"] == 2 * len(swaps)  # two experts moved per swap
         for rank in (0, 1):
@@ -132,6 +143,8 @@ def test_two_ranks_with_cross_layer_moves_give_one_process_tokens(cross_layer_ru
     _, _, assignment, _, cases, reports = cross_layer_run
     references = {}
     for i, case in enumerate(cases):
+        if case.get("round_trip"):
+            continue
         key = (case["path"], case["cpu_dtype"])
         if key not in references:
             references[key] = single_process(case["path"], assignment, case["cpu_dtype"])[1]
@@ -152,6 +165,18 @@ def test_the_adaptive_policy_moves_slots_between_layers_on_two_ranks_when_asked(
     assert torch.equal(after[0], after[1])
     for rank in (0, 1):
         assert int((after[0] == rank).sum()) == int((assignment == rank).sum())  # each rank keeps its total
+
+
+def test_int4_experts_swapped_back_across_ranks_come_back_as_stored(cross_layer_run):
+    _, _, assignment, swaps, cases, reports = cross_layer_run
+    trips = [i for i, case in enumerate(cases) if case.get("round_trip")]
+    if not trips:
+        pytest.skip("the native CPU backend is not built here")
+    for i in trips:
+        assert reports[0][i]["came_back_as_stored"]
+        assert reports[0][i]["swaps"] == 4 * len(swaps)
+        for rank in (0, 1):
+            assert torch.equal(torch.tensor(reports[rank][i]["after"]["assignment"]), assignment)
 
 
 if __name__ == "__main__":

@@ -190,9 +190,12 @@ def test_get_gives_the_canonical_expert_back_and_pop_releases_it(worker):
         assert got.gate_up.shape == (96, 64) and got.down.shape == (64, 48) and got.gate_up.dtype == torch.float32
         if fmt == "bf16":
             assert torch.equal(got.gate_up, experts[1].gate_up.to(torch.bfloat16).float())
-        assert 1 not in tier and len(tier) == 2 and tier.nbytes == before * 2 // 3
+        assert 1 not in tier and len(tier) == 2
+        # int4 keeps the stored form (the next test): its bytes stay until the expert comes back
+        assert tier.parked(1) == (fmt == "int4") and tier.nbytes == (before if fmt == "int4" else before * 2 // 3)
         tier.add(1, got)  # back again: quantising dequantised weights keeps them
         assert rel_err(tier.get(1).down, got.down) < (1e-6 if fmt != "int4" else 0.05)
+        assert not tier.parked(1) and tier.nbytes == before  # what is added replaces a kept form
 
 
 def test_registry_picks_backends_and_keeps_fp32_experts_exact(worker):
@@ -247,6 +250,37 @@ def test_a_model_on_the_native_backend_gives_transformers_logits(fmt, tol, tiny_
         hybrid.move_experts(spec.moe_layers[0], [5], to_gpu=True)
         hybrid.move_experts(spec.moe_layers[0], [1], to_gpu=False)
         assert rel_err(hybrid(input_ids=input_ids()).logits, ref) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int4_expert_comes_back_from_the_gpu_tier_as_it_was_stored(dtype, tiny_dir):
+    """int4 quantised again from its dequantised copy moves about a tenth of the codes, so an expert would drift
+    with every round trip through the GPU tier; the tier keeps the stored form instead, and a demotion restores
+    it without a copy."""
+    path = tiny_dir("qwen3_moe")
+    from tiermoe.arch import detect, load_config
+    from tiermoe.experts.copier import AsyncCopier
+
+    spec = detect(load_config(path))
+    layer = spec.moe_layers[0]
+    mask = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.bool)
+    with torch.no_grad(), load_hybrid_model(path, mask, dtype=dtype, cpu=CPUConfig(expert_dtype="int4"),
+                                            progress=False) as hybrid:
+        block = hybrid.blocks[layer]
+        before, held = hybrid(input_ids=input_ids()).logits, block.cpu_tier.nbytes
+        hybrid.move_experts(layer, [1, 2, 3], to_gpu=True)
+        assert all(block.cpu_tier.parked(e) and e not in block.cpu_tier for e in (1, 2, 3))
+        assert block.cpu_tier.nbytes == held  # the kept forms are host memory, counted
+        assert hybrid.move_experts(layer, [1], to_gpu=False) == 0  # the tier swap path: nothing copied
+        copier = AsyncCopier()  # and dynamic placement's asynchronous path
+        ticket = block.start_move(2, False, copier)
+        assert ticket.landed() and block.finish_move(2, False, ticket.result()) == 0
+        copier.close()
+        assert 1 in block.cpu_tier and 2 in block.cpu_tier and not block.cpu_tier.parked(2)
+        assert block.cpu_tier.parked(3) and 3 in block.gpu_tier
+        hybrid.move_experts(layer, [3], to_gpu=False)
+        assert torch.equal(hybrid(input_ids=input_ids()).logits, before)
+        assert block.cpu_tier.nbytes == held
 
 
 def test_gpt_oss_layers_keep_the_torch_path(tiny_dir):

@@ -14,8 +14,8 @@ shared-memory slots (or, for a rank on another host than rank 0, through the che
 2. barrier; the GPU rank drops `expert_out` and then copies `expert_in` from its slot (or the checkpoint) to its
    GPU, one swap at a time, so its GPU never holds more experts than before;
 3. barrier; rank 0's CPU tier takes `expert_out` from its slot (re-read from the checkpoint when the GPU rank is
-   on another host) and drops `expert_in`; the slots it no longer computes from are released; every rank
-   updates its assignment.
+   on another host; restored as it was stored when the tier kept it, see tiermoe.experts.tiers) and drops
+   `expert_in`; the slots it no longer computes from are released; every rank updates its assignment.
 The step stalls for the copies (a few ms per expert on PCIe): simpler than overlapping them, and exact.
 """
 
@@ -83,11 +83,15 @@ def apply_swaps(hybrid, share, swaps: list[RankSwap]) -> None:
         share.group.barrier("an expert swap (reading slots)")
         if share.holds_cpu_tier:  # 3.
             for s in swaps:
-                if share.same_host(s.rank):
-                    host = store.slot(s.out_layer, s.expert_out)
+                cpu_out = hybrid.blocks[s.out_layer].cpu_tier
+                if cpu_out.parked(s.expert_out):  # its stored form was kept: exact, unlike converting the slot's
+                    cpu_out.restore(s.expert_out)
                 else:
-                    host = store.write(s.out_layer, s.expert_out, disk.read(s.out_layer, s.expert_out))
-                hybrid.blocks[s.out_layer].cpu_tier.add(s.expert_out, host)
+                    if share.same_host(s.rank):
+                        host = store.slot(s.out_layer, s.expert_out)
+                    else:
+                        host = store.write(s.out_layer, s.expert_out, disk.read(s.out_layer, s.expert_out))
+                    cpu_out.add(s.expert_out, host)
                 hybrid.blocks[s.layer].cpu_tier.pop(s.expert_in)
                 store.release(s.layer, s.expert_in)
                 if not share.kept(s.out_layer):

@@ -6,7 +6,9 @@ policy's new swaps, and starts as many queued copies as the in-flight budget all
 copy, and every pass computes each expert from exactly one tier that holds it, so outputs stay exact.
 
 A swap runs in two copies, in this order, so it never needs more GPU memory than it frees:
-1. demote `expert_out`: copy it to the CPU tier; once landed the CPU tier computes it and the GPU tier frees it;
+1. demote `expert_out`: copy it to the CPU tier (none when the CPU tier kept its stored form, see
+   tiermoe.experts.tiers: that copy has landed at once); once landed the CPU tier computes it and the GPU tier
+   frees it;
 2. promote `expert_in`: only then copy it to the GPU tier (its destination can take the block just freed);
    once landed the GPU tier computes it and the CPU tier releases it.
 A cross-layer swap (Swap.layer_out set: a GPU slot moves from a cold layer to a hot one) runs the same way, the

@@ -102,6 +102,9 @@ class KtCPUExperts(ComputedOnWorker):
         self._moe = None
         return w
 
+    def parked(self, expert: int) -> bool:
+        return False  # bf16 is held (kt quantises its own copy at each build): a round trip gives it back exactly
+
     def _build(self, top_k: int):
         """Stack the held experts into kt's layout and load a new operator. int8 / int4: kt quantises its own
         copy at load, so the stacked bf16 is dropped afterwards; bf16: kt reads it, so the held experts become

@@ -74,6 +74,12 @@ class NativeCPUExperts(ComputedOnWorker):
         self.threads, self.amx_min_rows = threads, amx_min_rows
         self.kernels = load_kernels(isa) if act.kind == "silu_glu" else None
         self._experts: dict[int, _Stored] = {}
+        # Promoted experts' stored forms, kept (int4 only) so a demotion restores the exact codes: int4 quantised
+        # again from its own dequantised copy is not the same (about 10% of the codes move, and the expert drifts
+        # further with every round trip), whereas int8 per row and bf16 come back exactly. Bounded by the GPU
+        # tier's experts at about a quarter of their bf16 bytes.
+        self._parked: dict[int, _Stored] = {}
+        self._parks = fmt == "int4"
         self._shape: tuple[int, int] | None = None  # (D, I)
         self._blocked = False  # decided by the first expert's shape
         self._tables: tuple | None = None  # ctypes arrays (gate_up, down) indexed by expert id
@@ -93,7 +99,8 @@ class NativeCPUExperts(ComputedOnWorker):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self._experts.values() for t in s.tensors())
+        held = [*self._experts.values(), *self._parked.values()]
+        return sum(t.numel() * t.element_size() for s in held for t in s.tensors())
 
     @property
     def path(self) -> str:
@@ -124,6 +131,7 @@ class NativeCPUExperts(ComputedOnWorker):
         d, i = down.n, down.k
         self._adopt_shape(expert, d, i)
         gate_up, down = expert_in_layout(gate_up, down, "blocked" if self._blocked else "rows")
+        self._parked.pop(expert, None)  # what is added now replaces a kept form
         self._experts[expert] = _Stored(gate_up, down, gate_up_bias, down_bias)
         self._set_table(expert)
 
@@ -134,9 +142,18 @@ class NativeCPUExperts(ComputedOnWorker):
 
     def pop(self, expert: int) -> ExpertWeights:
         weights = self.get(expert)
-        del self._experts[expert]
+        stored = self._experts.pop(expert)
+        if self._parks:
+            self._parked[expert] = stored
         self._set_table(expert)
         return weights
+
+    def parked(self, expert: int) -> bool:
+        return expert in self._parked
+
+    def restore(self, expert: int) -> None:
+        self._experts[expert] = self._parked.pop(expert)
+        self._set_table(expert)
 
     def _set_table(self, expert: int) -> None:
         """Point the kernels' per-expert table entry at the stored tensors (or clear it)."""

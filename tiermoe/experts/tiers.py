@@ -28,6 +28,9 @@ class CPUExpertBackend(Protocol):
     add(e, weights) takes an expert in tiermoe's canonical layout and stores it in the backend's own format
     (quantising if that format is int8/int4); get(e) gives it back in the canonical layout (dequantised), so an
     expert can move to the GPU tier; pop(e) also releases it. nbytes counts what the backend really holds.
+    A backend whose format does not survive the round trip (int4: quantising the dequantised copy again moves
+    codes) keeps a popped expert's stored form: parked(e) says so, and restore(e) takes it back as it was, in
+    place of add (no copy, no conversion).
     """
 
     device: torch.device
@@ -48,6 +51,10 @@ class CPUExpertBackend(Protocol):
     def get(self, expert: int) -> ExpertWeights: ...
 
     def pop(self, expert: int) -> ExpertWeights: ...
+
+    def parked(self, expert: int) -> bool: ...
+
+    def restore(self, expert: int) -> None: ...
 
     def __contains__(self, expert: int) -> bool: ...
 
@@ -165,6 +172,9 @@ class TorchCPUExperts(ComputedOnWorker, ExpertSet):
     def __init__(self, worker: CPUWorker, act: ExpertActivation, pin: bool = False):
         super().__init__("cpu", act, pin)
         self.worker = worker
+
+    def parked(self, expert: int) -> bool:
+        return False  # the checkpoint's own dtype: a round trip gives the expert back exactly
 
     def _compute(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():

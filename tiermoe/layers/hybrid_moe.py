@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiermoe.arch.spec import ArchSpec
+from tiermoe.experts.copier import CopyTicket
 from tiermoe.experts.host_slab import copy_to_tier, slab_destination
 from tiermoe.experts.tiers import CPUExpertBackend, ExpertSet
 from tiermoe.layers.deferred_experts import DeferredExperts, split_deferred
@@ -207,21 +208,27 @@ class HybridMoE(nn.Module):
             raise ValueError(f"layer {self.layer} expert {expert} is not on the {source} tier, so it cannot leave it")
 
     def start_move(self, expert: int, to_gpu: bool, copier):
-        """Begin copying `expert` to the other tier (asynchronously); its assignment does not change yet."""
+        """Begin copying `expert` to the other tier (asynchronously); its assignment does not change yet. A
+        demotion the CPU tier kept the stored form for copies nothing: its ticket has landed already."""
         self.check_movable(expert, to_gpu)
         src, dst = self._tiers(to_gpu)
+        if not to_gpu and self.cpu_tier.parked(expert):
+            return CopyTicket()
         return copier.start(src.get(expert), dst.device, pin=dst.pin, out=slab_destination(dst, expert))
 
     def finish_move(self, expert: int, to_gpu: bool, landed) -> int:
-        """The copy has landed: the destination takes it, the assignment changes, the source releases its copy.
-        Returns the bytes copied."""
+        """The copy has landed (None: a demotion the CPU tier kept the stored form for): the destination takes
+        it, the assignment changes, the source releases its copy. Returns the bytes copied."""
         src, dst = self._tiers(to_gpu)
         if self.deferred is not None:
             self.deferred.drain()  # a stopped forward's deferred job may still read the expert about to be released
-        dst.add(expert, landed)
+        if landed is None:
+            self.cpu_tier.restore(expert)
+        else:
+            dst.add(expert, landed)
         self.assign(expert, self.rank if to_gpu else -1)
         src.pop(expert)
-        return landed.nbytes
+        return 0 if landed is None else landed.nbytes
 
     def move_experts(self, experts: Iterable[int], to_gpu: bool) -> int:
         """Move experts between tiers now; returns the bytes copied.
@@ -235,6 +242,7 @@ class HybridMoE(nn.Module):
         moved = 0
         for e in experts:
             self.check_movable(e, to_gpu)
-            dst = self._tiers(to_gpu)[1]
-            moved += self.finish_move(e, to_gpu, copy_to_tier(self._tiers(to_gpu)[0].get(e), dst, e))
+            src, dst = self._tiers(to_gpu)
+            kept = not to_gpu and self.cpu_tier.parked(e)
+            moved += self.finish_move(e, to_gpu, None if kept else copy_to_tier(src.get(e), dst, e))
         return moved
