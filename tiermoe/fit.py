@@ -10,7 +10,9 @@ Where the bytes go (what the loader really allocates):
     tiermoe.placement.budget.cublas_workspace_bytes) and the transient copies FP8 weights are dequantised into
     (tiermoe.placement.budget.fp8_transient_bytes).
   Host: CPU-tier experts in the --cpu-expert-dtype format (bf16 2 bytes/param, int8 1 byte + 4 per row, int4
-    0.547 bytes + 4 per row, see tiermoe.experts.quant), plus one expert of streaming buffer while loading.
+    0.547 bytes + 4 per row, see tiermoe.experts.quant), plus one expert of streaming buffer while loading. An int4
+    tier also keeps the stored form of each expert it promoted (tiermoe.experts.native): up to the GPU tier's
+    expert count more, reported beside the total.
 A checkpoint on disk may be larger (fp32) or smaller (FP8, GGUF) than what it becomes in memory; these counts
 are of memory. Shapes: E experts per layer, H hidden, I expert intermediate size.
 """
@@ -299,6 +301,10 @@ class FitReport:
             ("host: total", f"{_gib(self.host_total)} (with a one-expert load buffer)"
                             + (f" of {_gib(self.ram)}" if self.ram else "")),
         ]
+        if m.cpu_format == "int4" and self.gpu_experts:  # tiermoe.experts.native: restored exactly on demotion
+            rows.append(("host: kept int4 forms", (f"up to {self.gpu_experts} x {_mib(m.cpu_bytes_per_expert)} = "
+                                                   f"{_gib(self.gpu_experts * m.cpu_bytes_per_expert)} more once "
+                                                   "dynamic placement has promoted CPU-tier experts")))
         if self.max_gpu_experts is not None:
             rows.append(("largest GPU expert count", (f"{self.max_gpu_experts} of {m.total_experts} "
                                                       f"(--num-gpu-experts {per_layer} per MoE layer)")))
