@@ -29,6 +29,18 @@ def test_esft_trace_becomes_decode_tokens_of_the_moe_layers(tmp_path):
     assert trace_passes(trace).num_passes == 40  # one token a step
 
 
+def test_prompt_share_marks_the_first_part_of_each_request_as_one_prefill_pass(tmp_path):
+    assert main(["trace", "convert", str(DATA / "esft_law_slice.txt"), str(tmp_path / "law.csv"),
+                 "--prompt-share", "0.3"]) == 0
+    trace = load_trace(tmp_path / "law.csv")
+    # requests of 24 and 16 tokens: prompts of ceil(7.2) = 8 and ceil(4.8) = 5 tokens
+    assert trace["token_is_prefill"].tolist() == [True] * 8 + [False] * 16 + [True] * 5 + [False] * 11
+    assert trace_passes(trace).tokens_P.tolist() == [8] + [1] * 16 + [5] + [1] * 11
+    assert main(["trace", "convert", str(DATA / "esft_law_slice.txt"), str(tmp_path / "all.csv"),
+                 "--prompt-share", "0"]) == 0
+    assert not load_trace(tmp_path / "all.csv")["token_is_prefill"].any()
+
+
 def test_route_trace_keeps_prefill_as_one_pass_slot_order_and_gaps(tmp_path):
     done = convert(DATA / "qwen_route_slice.csv", tmp_path / "q.csv")
     assert (done.layout, done.tokens, done.num_layers, done.num_experts) == ("route-trace", 8, 48, 128)
@@ -91,3 +103,7 @@ def test_convert_errors_are_one_line(tmp_path, capsys):
                  str(tmp_path / "o.csv")]) == 2
     err = capsys.readouterr().err
     assert "not a route_trace v1 file" in err and len(err.strip().splitlines()) == 1
+    assert main(["trace", "convert", str(DATA / "esft_counts_law.csv"), str(tmp_path / "o.csv"),
+                 "--prompt-share", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "marks prompts in a per-token trace" in err and len(err.strip().splitlines()) == 1

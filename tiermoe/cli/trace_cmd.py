@@ -3,7 +3,7 @@ formats."""
 
 from __future__ import annotations
 
-from tiermoe.cli.flags import add_command, non_negative_int, output_file
+from tiermoe.cli.flags import add_command, fraction, non_negative_int, output_file
 from tiermoe.cli.trace_generate import add_generate_parser, run_generate
 from tiermoe.stats.trace_convert import convert
 from tiermoe.stats.trace_import import LAYOUTS
@@ -29,6 +29,7 @@ def add_parser(sub) -> None:
         "tiermoe trace convert esft-deepseek-v2-lite/counts_intent.csv intent_heat.csv",
         "tiermoe trace convert --from sglang expert_distribution_recorder_1730000000.0_0.pt sglang.csv",
         "tiermoe trace convert decode-route-traces/qwen.route.csv qwen.csv",
+        "tiermoe trace convert esft-deepseek-v2-lite/trace_law.txt law_prompts.csv --prompt-share 0.5",
     )
     c.prog = "tiermoe trace convert"
     c.add_argument("source", help="the file to convert")
@@ -37,7 +38,9 @@ def add_parser(sub) -> None:
                    "detected)")
     c.add_argument("--first-moe-layer", type=non_negative_int, default=1,
                    help="ESFT layouts: decoder layer of the first logged MoE layer (default 1, DeepSeek-V2-Lite's)")
-
+    c.add_argument("--prompt-share", type=fraction, default=None,
+                   help="mark the first SHARE of each request's tokens (rounded up) as its prompt, in place of the "
+                        "source's marks: for traces that mark none (ESFT's), so prefill-time placement has prompts")
 
     add_generate_parser(commands)
 
@@ -45,5 +48,5 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     if args.trace_command == "generate":
         return run_generate(args)
-    print(convert(args.source, args.out, args.layout, args.first_moe_layer).describe())
+    print(convert(args.source, args.out, args.layout, args.first_moe_layer, args.prompt_share).describe())
     return 0

@@ -16,7 +16,7 @@ import torch
 from tiermoe.errors import TiermoeError
 from tiermoe.stats.heat_csv import write_heat_csv
 from tiermoe.stats.text_files import is_text_file, read_text_statistics
-from tiermoe.stats.trace_csv import write_trace_csv
+from tiermoe.stats.trace_csv import one_request_passes, write_trace_csv
 from tiermoe.stats.trace_import import (
     LAYOUTS,
     read_esft_counts,
@@ -93,17 +93,37 @@ def read_routing(path: Path, layout: str, first_moe_layer: int = 1) -> dict:
     raise TiermoeError(f"unknown layout '{layout}'; choose one of: {', '.join(LAYOUTS)}")
 
 
-def convert(src: str | Path, dst: str | Path, layout: str | None = None, first_moe_layer: int = 1) -> Converted:
-    """Convert `src` (layout detected when None) to a trace CSV or heat CSV at `dst`."""
+def with_prompts(trace: dict, share: float) -> dict:
+    """`trace` with the first ceil(share x length) positions of every request marked as its prompt (the rest its
+    answer), requests one at a time: for traces that mark no prompt, such as ESFT's teacher-forced text, so that
+    prefill-time placement (KT's layerwise prefill, adaptive's prompt evidence) has prompts to act on."""
+    seq_N, pos_N = trace["token_request"].long(), trace["token_position"].long()
+    length_N = torch.zeros(int(seq_N.max()) + 1, dtype=torch.long).scatter_reduce(
+        0, seq_N, pos_N + 1, reduce="amax")[seq_N]
+    prefill_N = pos_N < torch.ceil(share * length_N.double()).long()
+    prompts = int(prefill_N.sum())
+    return {**trace, "token_is_prefill": prefill_N, "token_pass": one_request_passes(seq_N, prefill_N),
+            "num_prefill_tokens": prompts, "num_decode_tokens": int(seq_N.numel()) - prompts}
+
+
+def convert(src: str | Path, dst: str | Path, layout: str | None = None, first_moe_layer: int = 1,
+            prompt_share: float | None = None) -> Converted:
+    """Convert `src` (layout detected when None) to a trace CSV or heat CSV at `dst`; `prompt_share`: mark that
+    share of each request as its prompt (`with_prompts`; a trace only)."""
     src = Path(src)
     layout = layout or detect_layout(src)
     data = read_routing(src, layout, first_moe_layer)
     if isinstance(data, dict) and data.get("mode") == "per_token" and "topk_ids" in data:
-        write_trace_csv(data, dst, source=f"{src.name} ({layout})")
+        if prompt_share is not None:
+            data = with_prompts(data, prompt_share)
+        write_trace_csv(data, dst, source=f"{src.name} ({layout})" + (
+            f", the first {prompt_share:g} of each request marked as its prompt" if prompt_share is not None else ""))
         ids = data["topk_ids"]
         missing = int((ids < 0).all(-1).sum())
         return Converted(Path(dst), "trace", layout, int(data["num_layers"]), int(data["num_experts"]),
                          ids.shape[0], missing)
+    if prompt_share is not None:
+        raise TiermoeError(f"--prompt-share marks prompts in a per-token trace; '{src}' holds counts ({layout})")
     counts = _counts_LE(data, src)
     moe = data.get("moe_layers") if isinstance(data, dict) else None
     write_heat_csv(counts, dst, moe or None, source=f"{src.name} ({layout})",
