@@ -267,6 +267,10 @@ def test_bench_placement_estimates_without_cuda_and_labels_it(model_dir, dataset
     static = [s for s in data["strategies"] if s not in ("dynamic", "adaptive")]
     assert all(by[(s, 0.0)]["hit_rate"] == 0.0 for s in static)
     assert by[("dynamic", 0.0)]["hit_rate"] > 0 and by[("dynamic", 0.0)]["expert_bytes_copied"] > 0  # layerwise
+    # adaptive serves prompts with the same layerwise prefill: at 0% (nothing to place) it is dynamic's cell
+    assert by[("adaptive", 0.0)]["hit_rate"] == by[("dynamic", 0.0)]["hit_rate"]
+    assert by[("adaptive", 0.0)]["output_tokens_per_s"] == by[("dynamic", 0.0)]["output_tokens_per_s"]
+    assert "Layerwise GPU prefill (--prefill-threshold 16)" in md.read_text()
     assert by[("frequency", 0.5)]["hit_rate"] >= by[("uniform", 0.5)]["hit_rate"] - 0.1
     assert all(c["output_tokens_per_s"] > 0 and c["ttft_seconds"]["mean"] > 0 for c in data["cells"])
     assert "| GPU Expert Ratio | random | uniform |" in result.stdout and "| 50% |" in result.stdout

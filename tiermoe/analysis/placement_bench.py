@@ -67,9 +67,11 @@ DEFAULT_RATIOS = tuple(i / 10 for i in range(11))
 @dataclass(frozen=True)
 class PlacementBenchConfig:
     """Everything `tiermoe bench placement` takes. gpu_device None: cuda:0 when CUDA is available (measured),
-    else the CPU (estimated). prefill_threshold: layerwise GPU prefill of `dynamic` (KTransformers' dynamic update
-    fires after such batches; None: off). `adaptive`: the settings of the adaptive strategy (the `adaptive`
-    placement policy, whose swaps the column shows; tiermoe.config.AdaptiveSettings)."""
+    else the CPU (estimated). prefill_threshold: layerwise GPU prefill of the dynamic strategies (KTransformers'
+    dynamic update fires after such batches; adaptive gets the same prefill, as a user serving it with
+    --kt-gpu-prefill-token-threshold would, so the two columns differ by their placement only; None: off; the
+    static strategies never have it, as in KTransformers' table). `adaptive`: the settings of the adaptive strategy
+    (the `adaptive` placement policy, whose swaps the column shows; tiermoe.config.AdaptiveSettings)."""
 
     workload: WorkloadSpec
     model: str | Path | None = None
@@ -240,7 +242,7 @@ def _time_gpu_tier(hybrid) -> TierFit:
 def estimate_cell(model: PassCostModel, shapes: PassShapes, workload: Workload, strategy: str, ratio: float,
                   calibration_LE, config: PlacementBenchConfig) -> Cell:
     """One cell from the trace and the cost model."""
-    threshold = config.prefill_threshold if strategy == "dynamic" else None
+    threshold = config.prefill_threshold if strategy in DYNAMIC_STRATEGIES else None
     traffic = placement_traffic(shapes, strategy, ratio, calibration_LE, model, threshold, config.adaptive,
                                 seed=config.seed)
     seconds_P = model.pass_seconds_P(shapes, traffic)

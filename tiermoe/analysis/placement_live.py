@@ -63,14 +63,15 @@ def measure_configuration(llm, workload: Workload, strategy: str, ratio: float, 
                           cost: PassCostModel | None = None, seed: int = 42, on_step=None,
                           adaptive: AdaptiveSettings | None = None) -> tuple[RunTiming, dict]:
     """Serve `workload` with `strategy` at `ratio`; returns its timing and traffic (the tier split it had).
-    `prefill_threshold` turns on layerwise GPU prefill for `dynamic` (whose update follows such batches); `cost`
+    `prefill_threshold` turns on layerwise GPU prefill for the dynamic strategies (KTransformers' update follows
+    such batches; adaptive serves its prompts the same way); `cost`
     is what `adaptive` decides with (default: tiermoe.engine.dynamic's, assumed figures), `adaptive` its
     settings (default: AdaptiveSettings())."""
     hybrid = llm.hybrid
     spec = hybrid.spec
     hybrid.apply_mask(strategy_mask(strategy, spec.moe_row_mask(), spec.num_experts, ratio, calibration_LE, seed))
     dynamic = strategy in DYNAMIC_STRATEGIES
-    threshold = prefill_threshold if strategy == "dynamic" else None  # layerwise prefill: KTransformers' update
+    threshold = prefill_threshold if dynamic else None  # layerwise prefill
     recorder = TierTrafficRecorder(spec.num_experts, hybrid.gpu_device, threshold)
     engine = make_engine(llm, concurrency, prefill_chunk, recorder)
     manager = None

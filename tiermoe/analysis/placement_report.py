@@ -64,6 +64,11 @@ def markdown(result: PlacementBenchResult) -> str:
     check = validation_table(result)
     if check:
         parts.append(check)
+    threshold = result.setup.get("prefill_threshold")
+    if threshold:
+        parts.append(f"Layerwise GPU prefill (--prefill-threshold {threshold}): dynamic and adaptive run every expert "
+                     f"of a pass of at least {threshold} prompt tokens on the GPU, streaming the CPU tier's; the "
+                     "static strategies never do.")
     adaptive = result.setup.get("adaptive")
     if adaptive:  # which settings the adaptive column ran with, those that differ from the defaults first
         parts.append(adaptive_line(adaptive))

@@ -154,8 +154,9 @@ def add_placement_parser(benches) -> None:
     p.add_argument("--heldout-fraction", type=fraction, default=0.1,
                    help="share of conversations in the held-out split (default 0.1)")
     p.add_argument("--prefill-threshold", type=non_negative_int, default=512,
-                   help="layerwise GPU prefill threshold of `dynamic`, tokens (its update follows such batches); "
-                        "0 = off (default 512, KTransformers' tutorial value)")
+                   help="layerwise GPU prefill threshold of the dynamic strategies, tokens (KTransformers' update "
+                        "follows such batches; adaptive serves prompts the same way, so the two differ by their "
+                        "placement only); 0 = off (default 512, KTransformers' tutorial value)")
     p.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt tokens per step (default 512)")
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="timed runs per measured configuration on this machine, best taken (default 3)")
