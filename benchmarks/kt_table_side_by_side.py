@@ -4,9 +4,10 @@ KTransformers' expert-scheduling tutorial (kt-kernel `doc/en/kt-kernel/experts-s
 summarised in ../shared/reference/ktransformers-behaviour.md, section 9) gives output tokens/s of Qwen3-Next-80B-A3B
 FP8 on 4x RTX 4090 with a Xeon Gold 6454S, TP=4, ShareGPT prompts, for random / uniform / front-loading /
 frequency / its dynamic update at GPU expert ratios 0-100%. Its machine, model and prompts are not ours, so the
-tokens/s cannot be compared; what can be is each table's shape. Every row is divided by the same strategy's 0% row
-(all experts on the CPU tier), which gives the speed-up a strategy buys at each ratio, and each strategy is set
-against the best static strategy of the same table.
+tokens/s cannot be compared; what can be is each table's shape. Every cell is divided by the table's frequency
+cell at 0% (all experts on the CPU tier, prompts prefilled there too), which gives the speed-up a strategy buys at
+each ratio (dynamic and adaptive also prefill long prompts layerwise on the GPU, so they start above 1), and each
+strategy is set against the best static strategy of the same table.
 
 Reads `tiermoe bench placement --out` files (each labelled LABEL=FILE) and prints the side-by-side tables; `--plot`
 draws the speed-ups.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from pathlib import Path
 
 KT_SOURCE = ("KTransformers experts-sched tutorial: Qwen3-Next-80B-A3B FP8, 4x RTX 4090, Xeon Gold 6454S, TP=4, "
@@ -50,8 +52,9 @@ def our_table(path: str) -> tuple[dict, dict]:
 
 
 def speedups(cells: dict) -> dict:
-    """Each cell over its strategy's 0% cell."""
-    return {(s, r): v / cells[(s, 0.0)] for (s, r), v in cells.items() if cells.get((s, 0.0))}
+    """Each cell over the table's all-on-CPU cell (frequency at 0%)."""
+    base = cells[("frequency", 0.0)]
+    return {key: v / base for key, v in cells.items()}
 
 
 def best_static(cells: dict, ratio: float) -> tuple[str, float]:
@@ -68,7 +71,7 @@ def side_by_side(tables: list[tuple[str, dict]]) -> str:
         strategies = [s for s in SHOWN if (s, 0.0) in cells]
         ratios = sorted({r for _, r in cells})
         up = speedups(cells)
-        out += [f"\n**{label}**: output tokens/s (speed-up over the strategy's own 0% row)\n",
+        out += [f"\n**{label}**: output tokens/s (speed-up over frequency at 0%: every expert on the CPU tier)\n",
                 "| GPU ratio | " + " | ".join(strategies) + " | best static | dynamic vs best static | "
                 "adaptive vs best static |", "|---" * (len(strategies) + 4) + "|"]
         for r in ratios:
@@ -82,19 +85,20 @@ def side_by_side(tables: list[tuple[str, dict]]) -> str:
 def shape_summary(tables: list[tuple[str, dict]]) -> str:
     """The features of each table's shape that compare across machines, one line per table."""
     lines = ["\n| table | frequency over random, 10-50% | frequency over random, 60-90% | all on GPU over all on CPU "
-             "(frequency) | dynamic over frequency, 10-40% | adaptive over best static, 10-90% |",
-             "|---|---|---|---|---|---|"]
+             "(frequency) | dynamic over frequency, 10-40% | adaptive over best static, 10-90% | adaptive over dynamic, "
+             "10-90% |", "|---|---|---|---|---|---|---|"]
     for label, cells in tables:
         def gain(a, b, ratios):
             values = [cells[(a, r)] / cells[(b, r)] - 1 for r in ratios if (a, r) in cells and (b, r) in cells]
-            return f"{min(values):+.0%} to {max(values):+.0%}" if values else "-"
-        adaptive = [cells[("adaptive", r)] / best_static(cells, r)[1] - 1 for r in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6,
-                    0.7, 0.8, 0.9) if ("adaptive", r) in cells]
+            return f"{min(values):+.1%} to {max(values):+.1%}" if values else "-"
+        middle = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+        adaptive = [cells[("adaptive", r)] / best_static(cells, r)[1] - 1 for r in middle if ("adaptive", r) in cells]
         full = cells.get(("frequency", 1.0), 0) / cells[("frequency", 0.0)]
         lines.append(f"| {label} | {gain('frequency', 'random', (0.1, 0.2, 0.3, 0.4, 0.5))} | "
                      f"{gain('frequency', 'random', (0.6, 0.7, 0.8, 0.9))} | {full:.2f}x | "
                      f"{gain('dynamic', 'frequency', (0.1, 0.2, 0.3, 0.4))} | "
-                     + (f"{min(adaptive):+.1%} to {max(adaptive):+.1%}" if adaptive else "-") + " |")
+                     + (f"{min(adaptive):+.1%} to {max(adaptive):+.1%}" if adaptive else "-") + " | "
+                     + gain("adaptive", "dynamic", middle) + " |")
     return "\n".join(lines)
 
 
@@ -104,16 +108,20 @@ def plot(tables: list[tuple[str, dict]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(tables), figsize=(5.2 * len(tables), 4.2), squeeze=False)
-    for ax, (label, cells) in zip(axes[0], tables):
+    cols = 2
+    rows = -(-len(tables) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.4 * rows), squeeze=False)
+    for ax in axes.flat[len(tables):]:
+        ax.set_visible(False)
+    for ax, (label, cells) in zip(axes.flat, tables):
         up = speedups(cells)
         for s in SHOWN:
             ratios = sorted(r for (x, r) in up if x == s)
             if ratios:
                 ax.plot([100 * r for r in ratios], [up[(s, r)] for r in ratios], marker="o", ms=3, label=s)
-        ax.set_title(label, fontsize=8)
+        ax.set_title("\n".join(textwrap.wrap(label, 70)), fontsize=8)
         ax.set_xlabel("GPU expert ratio (%)")
-        ax.set_ylabel("output tokens/s over the 0% row")
+        ax.set_ylabel("output tokens/s over all experts on the CPU")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
