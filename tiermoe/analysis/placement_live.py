@@ -64,9 +64,8 @@ def measure_configuration(llm, workload: Workload, strategy: str, ratio: float, 
                           adaptive: AdaptiveSettings | None = None) -> tuple[RunTiming, dict]:
     """Serve `workload` with `strategy` at `ratio`; returns its timing and traffic (the tier split it had).
     `prefill_threshold` turns on layerwise GPU prefill for the dynamic strategies (KTransformers' update follows
-    such batches; adaptive serves its prompts the same way); `cost`
-    is what `adaptive` decides with (default: tiermoe.engine.dynamic's, assumed figures), `adaptive` its
-    settings (default: AdaptiveSettings())."""
+    such batches; adaptive serves its prompts the same way); `cost` is what `adaptive` decides with (default:
+    tiermoe.engine.dynamic's, assumed figures), `adaptive` its settings (default: AdaptiveSettings())."""
     hybrid = llm.hybrid
     spec = hybrid.spec
     hybrid.apply_mask(strategy_mask(strategy, spec.moe_row_mask(), spec.num_experts, ratio, calibration_LE, seed))

@@ -10,7 +10,7 @@ A swap runs in two copies, in this order, so it never needs more GPU memory than
    tiermoe.experts.tiers: that copy has landed at once); once landed the CPU tier computes it and the GPU tier
    frees it;
 2. promote `expert_in`: only then copy it to the GPU tier (its destination can take the block just freed);
-   once landed the GPU tier computes it and the CPU tier releases it.
+   once landed the GPU tier computes it and the CPU tier releases it (an int4 tier keeps its stored form).
 A cross-layer swap (Swap.layer_out set: a GPU slot moves from a cold layer to a hot one) runs the same way, the
 demotion in `layer_out`, the promotion in `layer`, so the GPU tier never holds more experts than the budget.
 Between the two both experts are computed on the CPU tier. A burst of swaps (kt-dynamic after a large prefill
