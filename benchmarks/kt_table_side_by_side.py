@@ -43,12 +43,12 @@ def kt_table() -> dict:
     return {(s, r): v for s, row in KT_TABLE.items() for r, v in zip(KT_RATIOS, row)}
 
 
-def our_table(path: str) -> tuple[dict, dict]:
-    """{(strategy, ratio): output tokens/s} of one `bench placement --out` file, and its setup."""
+def our_table(path: str) -> tuple[dict, str]:
+    """{(strategy, ratio): output tokens/s} of one `bench placement --out` file, and how it was obtained."""
     run = json.loads(Path(path).read_text())
     cells = {(c["strategy"], round(c["ratio"], 2)): c["output_tokens_per_s"] for c in run["cells"]}
-    return cells, {"estimated": run.get("estimated"), "profile": run.get("gpu_profile", {}).get("name"),
-                   "model": run["setup"].get("model_name"), "workload": run["setup"].get("workload")}
+    kind = "estimate" if run.get("estimated") else "measured"
+    return cells, f"{kind}, profile {run.get('gpu_profile', {}).get('name')}"
 
 
 def speedups(cells: dict) -> dict:
@@ -139,9 +139,8 @@ def main() -> None:
         label, sep, path = spec.rpartition("=")
         if not sep or not label:
             raise SystemExit(f"'{spec}': give LABEL=FILE")
-        cells, setup = our_table(path)
-        kind = "estimate" if setup["estimated"] else "measured"
-        tables.append((f"{label} ({kind}, profile {setup['profile']})", cells))
+        cells, how = our_table(path)
+        tables.append((f"{label} ({how})", cells))
     text = side_by_side(tables) + "\n" + shape_summary(tables)
     print(text)
     if args.markdown:

@@ -58,7 +58,8 @@ def rank_main(job_file: str) -> None:
                 report = {"before": _holdings(rm), "applied": _record_applied_swaps(group.rank)}
                 if leads:
                     rm.share.queue_swaps([Swap(*s) for s in case["swaps"]])  # applied before the first step
-                    promoted = {(s[0], s[1]): rm.hybrid.blocks[s[0]].cpu_tier.get(s[1]) for s in case["swaps"]}
+                    promoted = {(s[0], s[1]): rm.hybrid.blocks[s[0]].cpu_tier.get(s[1]) for s in case["swaps"]
+                                if case.get("round_trip")}
                     outs = rm.llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
                     report["tokens"] = [o.token_ids for o in outs]
                     if case.get("round_trip"):  # the same swaps undone: the promoted experts come back

@@ -79,7 +79,6 @@ class NativeCPUExperts(ComputedOnWorker):
         # further with every round trip), whereas int8 per row and bf16 come back exactly. Bounded by the GPU
         # tier's experts at about a quarter of their bf16 bytes.
         self._parked: dict[int, _Stored] = {}
-        self._parks = fmt == "int4"
         self._shape: tuple[int, int] | None = None  # (D, I)
         self._blocked = False  # decided by the first expert's shape
         self._tables: tuple | None = None  # ctypes arrays (gate_up, down) indexed by expert id
@@ -143,7 +142,7 @@ class NativeCPUExperts(ComputedOnWorker):
     def pop(self, expert: int) -> ExpertWeights:
         weights = self.get(expert)
         stored = self._experts.pop(expert)
-        if self._parks:
+        if self.fmt == "int4":  # see _parked
             self._parked[expert] = stored
         self._set_table(expert)
         return weights
