@@ -6,8 +6,9 @@ layers 1, 9, 18, 26; the trace's even requests calibrate (their counts), the fir
 `--concurrency` at a time, each with a 1-token prompt (its first token; ESFT requests have no prompt) in the first
 pass, then one token a step. Each pass goes through the same estimate (placement_traffic, pass_seconds_P) with the
 cost model the recorded run fitted: the `calibration` block of its --out JSON (CPU tier, host costs, model costs)
-and its GPU profile. On the recorded workload it gives the run's figures exactly (frequency and adaptive, every
-ratio, both profiles), so what differs after a policy change is the policy.
+and its GPU profile. With the cost model of the run's time it gives the run's figures exactly (frequency and adaptive,
+every ratio, both profiles), so what differs after a policy change is the policy. (Runs recorded before the cost
+model charged one non-expert forward per pass, 2026-12-05, replay with today's model: their figures differ.)
 
     PYTHONPATH=$PWD python benchmarks/replay_trace_placement.py \
         --trace ../shared/routing-data/esft-deepseek-v2-lite/trace_law.txt \
@@ -25,7 +26,7 @@ import torch
 from tiermoe.analysis.placement_traffic import pass_shapes, placement_traffic
 from tiermoe.config import AdaptiveSettings
 from tiermoe.errors import TiermoeError
-from tiermoe.placement.model_costs import ModelCosts, OpCount
+from tiermoe.placement.model_costs import ModelCosts
 from tiermoe.placement.pass_cost import HostCosts, PassCostModel
 from tiermoe.placement.profiles import load_profile
 from tiermoe.placement.tier_time import TierFit
@@ -35,11 +36,8 @@ from tiermoe.stats.trace_convert import read_routing
 def recorded_cost_model(result: dict) -> PassCostModel:
     """The cost model a `bench placement` run estimated with, from its --out JSON."""
     fit = result["calibration"]
-    model = dict(fit["model"])
-    for unit in ("per_sequence", "per_layer", "per_cpu_call", "per_expert"):
-        model[unit] = OpCount(**model[unit])
     host = HostCosts(**{k: fit["host"][k] for k in ("op_seconds", "step_seconds", "sequence_seconds")})
-    return PassCostModel(load_profile(result["gpu_profile"]["name"]), ModelCosts(**model),
+    return PassCostModel(load_profile(result["gpu_profile"]["name"]), ModelCosts.from_dict(fit["model"]),
                          TierFit(**fit["cpu_backend"]), host)
 
 

@@ -13,7 +13,7 @@ from conftest import run_cli as cli
 from conftest import save_char_tokenizer, save_tiny
 
 from tiermoe.analysis.host_cost_fit import fit_host_costs, measure_op_seconds
-from tiermoe.analysis.model_op_count import measure_model_costs
+from tiermoe.analysis.model_op_count import count_decode_step, measure_model_costs
 from tiermoe.analysis.placement_bench import PlacementBenchConfig, run_placement_bench, ttft_seconds
 from tiermoe.analysis.placement_live import measure_configuration
 from tiermoe.analysis.placement_traffic import pass_shapes, placement_traffic, strategy_mask
@@ -22,6 +22,7 @@ from tiermoe.analysis.tier_time_fit import fit_abc
 from tiermoe.analysis.trace_replay import TracePasses, replay
 from tiermoe.analysis.workload_runs import make_engine, record_trace
 from tiermoe.engine.llm import LLM
+from tiermoe.errors import TiermoeError
 from tiermoe.placement.model_costs import ModelCosts, OpCount
 from tiermoe.placement.pass_cost import HostCosts, PassCostModel, expert_cost_model
 from tiermoe.placement.pass_traffic import static_traffic
@@ -140,8 +141,8 @@ def test_dynamic_policies_stream_and_swap_in_the_replay(shapes):
 
 
 def small_costs(**kw) -> ModelCosts:
-    fields = dict(per_sequence=OpCount(100, 80), per_layer=OpCount(20, 15), per_cpu_call=OpCount(5, 4),
-                  per_expert=OpCount(10, 8), sequence_bytes=1_000_000, sequence_flops=1e6, token_flops=2e6,
+    fields = dict(per_forward=OpCount(100, 80), per_layer=OpCount(20, 15), per_cpu_call=OpCount(5, 4),
+                  per_expert=OpCount(10, 8), forward_bytes=1_000_000, sequence_flops=1e6, token_flops=2e6,
                   attention_flops_per_context=1e3, kv_bytes_per_token=1000, bytes_per_expert=1 << 20,
                   flops_per_pair=6e6, hidden_bytes=512, num_moe_layers=2, num_experts=8)
     return ModelCosts(**{**fields, **kw})
@@ -198,8 +199,10 @@ def test_a_timed_gpu_tier_costs_exactly_what_was_timed(shapes):
                           False, gpu_tier=gpu)
     ones = torch.ones(len(shapes.moe_layers), shapes.num_experts, dtype=torch.bool)
     traffic = static_traffic(shapes, ones)
-    expected = (gpu.per_expert * traffic.gpu_distinct_PM + gpu.per_pair * traffic.gpu_pairs_PM).sum(-1).double()
-    assert torch.allclose(model.moe_seconds_P(traffic, shapes.tokens_P), expected)
+    # every timed term: a per expert, b per pair, c per call where the tier computes (not in an idle layer)
+    called = (traffic.gpu_distinct_PM > 0).double()
+    expected = gpu.seconds(traffic.gpu_distinct_PM.double(), traffic.gpu_pairs_PM.double(), called).sum(-1)
+    assert float(called.min()) == 1.0 and torch.allclose(model.moe_seconds_P(traffic, shapes.tokens_P), expected)
     one = torch.ones((), dtype=torch.float64)  # what the adaptive policy decides with on this CPU: the same a, b
     assert float(model.expert_seconds(True, one, 10 * one)) == pytest.approx(3e-4 + 10 * 2e-6)
 
@@ -242,13 +245,81 @@ def test_model_costs_count_the_work_of_a_pass(llm):
     costs = measure_model_costs(llm, lambda m: make_engine(m, 1, 64))
     assert torch.equal(llm.placement, before)  # the placement is restored
     assert costs.per_expert.ops >= costs.per_expert.kernels > 0
-    assert costs.per_sequence.ops > costs.per_layer.ops > 0 and costs.per_cpu_call.ops > 0
+    assert costs.per_forward.ops > costs.per_layer.ops > 0 and costs.per_cpu_call.ops > 0
     assert costs.bytes_per_expert == 3 * 64 * 32 * 4 and costs.num_moe_layers == 2
+
+
+def test_the_gpu_tiers_grouped_gemm_costs_the_same_ops_whatever_its_experts(llm):
+    """A decode step of 4 sequences routes to more distinct experts than one of 1; with the GPU tier's grouped
+    GEMM (torch >= 2.10 runs it on the CPU as well) each MoE block dispatches the same ops, and the counted model
+    says so: per layer and per GPU-tier call, nothing per expert. (Counted expert by expert, the model charged 13
+    more ops per distinct expert and made the per-layer count up by subtracting k of them from the block's.)"""
+    spec = llm.hybrid.spec
+    costs = measure_model_costs(llm, lambda m: make_engine(m, 1, 64))
+    assert costs.grouped_gemm and costs.gpu_call.ops > 0 and costs.per_layer.kernels > 0
+    before = llm.placement.clone()
+    try:
+        llm.hybrid.apply_mask(spec.moe_row_mask()[:, None].expand(-1, spec.num_experts).clone())
+        block_ops, _ = count_decode_step(llm, lambda m: make_engine(m, 4, 64), sequences=4)
+    finally:
+        llm.hybrid.apply_mask(before)
+    per_block = OpCount(block_ops[0] / spec.num_moe_layers, block_ops[1] / spec.num_moe_layers)
+    assert per_block == costs.per_layer + costs.gpu_call
+
+
+def test_one_forward_reads_the_weights_once_whatever_its_sequences(shapes):
+    """Every pass is one forward over its sequences (the KV pool): its non-expert weights cost one read."""
+    profile = GPUProfile("test", 1e11, 1e14, 1e10, 1e-6)
+    costs = small_costs(kv_bytes_per_token=0, sequence_flops=0.0, token_flops=0.0, attention_flops_per_context=0.0)
+    model = PassCostModel(profile, costs, TierFit(0.0, 0.0, 0.0, 0.0, 0), HostCosts(0.0, 0.0, 0.0))
+    assert int(shapes.seqs_P.max()) > 1
+    once = costs.forward_bytes / profile.memory_bandwidth + profile.launch_overhead * costs.per_forward.kernels
+    layers = profile.launch_overhead * costs.per_layer.kernels * costs.num_moe_layers
+    assert torch.allclose(model.fixed_seconds_P(shapes), torch.full((shapes.num_passes,), once + layers,
+                                                                      dtype=torch.float64))
+    per_sequence = replace(model, host=HostCosts(0.0, 1e-3, 2e-3))  # host time: per step and per sequence
+    assert torch.allclose(per_sequence.fixed_seconds_P(shapes), 1e-3 + 2e-3 * shapes.seqs_P.double() + layers)
+
+
+def test_the_gpu_tier_dispatches_per_call_or_per_expert_as_its_path_does():
+    distinct = torch.tensor([1.0, 8.0, 32.0], dtype=torch.float64)
+    pairs = 2 * distinct
+    host = HostCosts(6e-6, 0.0, 0.0)
+    grouped = small_costs(grouped_gemm=True, gpu_call=OpCount(40, 27))
+    fused = PassCostModel(GPUProfile("sm90", 4.8e12, 1e15, 5e10, 4e-6, fused_grouped_gemm=True), grouped,
+                          TierFit(0.0, 0.0, 0.0, 0.0, 0), host)
+    roofline = torch.maximum(distinct * grouped.bytes_per_expert / 4.8e12, pairs * grouped.flops_per_pair / 1e15)
+    assert torch.allclose(fused.gpu_tier_seconds(distinct, pairs),
+                          torch.maximum(torch.full_like(distinct, 40 * 6e-6), 27 * 4e-6 + roofline))
+    looped = replace(fused, profile=replace(fused.profile, fused_grouped_gemm=False))  # 2 launches per expert
+    assert torch.allclose(looped.gpu_tier_seconds(distinct, pairs),
+                          torch.maximum(torch.full_like(distinct, 40 * 6e-6), (27 + 2 * distinct) * 4e-6 + roofline))
+    loop = replace(fused, model=replace(grouped, grouped_gemm=False))  # expert by expert: ops per expert
+    assert torch.allclose(loop.gpu_tier_seconds(distinct, pairs), torch.maximum(
+        (40 + 10 * distinct) * 6e-6, (27 + 8 * distinct) * 4e-6 + roofline))
+    idle = fused.gpu_tier_seconds(torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
+    assert float(idle) == 0.0  # a layer whose GPU tier computes nothing does not call it
+    one = torch.ones((), dtype=torch.float64)  # one expert's worth leaves the call out
+    assert float(fused.expert_seconds(True, one, one)) == pytest.approx(float(roofline[0]))
 
 
 def test_profiles_round_trip_through_json(tmp_path):
     profile = GPUProfile("mine", 2e12, 3e14, 4e10, 6e-6)
     assert load_profile(str(save_profile(profile, tmp_path / "p.json", measured_by="test"))) == profile
+    fused = replace(profile, fused_grouped_gemm=True)
+    assert load_profile(str(save_profile(fused, tmp_path / "f.json"))) == fused
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**profile.as_dict(), "fused_grouped_gemm": "yes"}))
+    with pytest.raises(TiermoeError, match="fused_grouped_gemm.*true or false"):
+        load_profile(str(bad))
+
+
+def test_model_costs_read_back_records_from_before_one_forward_per_step():
+    costs = small_costs(grouped_gemm=True, gpu_call=OpCount(40, 27))
+    assert ModelCosts.from_dict(json.loads(json.dumps(costs.as_dict()))) == costs
+    old = {("per_sequence" if k == "per_forward" else "sequence_bytes" if k == "forward_bytes" else k): v
+           for k, v in small_costs().as_dict().items() if k not in ("gpu_call", "grouped_gemm")}
+    assert ModelCosts.from_dict(old) == small_costs()
 
 
 def test_bench_placement_estimates_without_cuda_and_labels_it(model_dir, dataset, tmp_path):

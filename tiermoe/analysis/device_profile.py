@@ -79,8 +79,10 @@ def measure_profile(device: str | torch.device, hidden: int, inter: int, dtype: 
         flops = 2.0 * rows * rows_per_expert * hidden / t_math
         copy = _copy_bandwidth(device, hidden, inter, dtype, repeats)
     label = name or ("this-cpu" if device.type == "cpu" else torch.cuda.get_device_name(device))
+    # torch's grouped GEMM is one kernel per projection on compute capability 9.x, a loop over the groups elsewhere
+    fused = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
     return GPUProfile(label, memory_bandwidth=bandwidth, compute_flops=flops, pcie_bandwidth=copy,
-                      launch_overhead=launch)
+                      launch_overhead=launch, fused_grouped_gemm=fused)
 
 
 def _copy_bandwidth(device: torch.device, hidden: int, inter: int, dtype: torch.dtype, repeats: int) -> float:

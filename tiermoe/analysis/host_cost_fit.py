@@ -1,5 +1,5 @@
 """The host's costs on this machine, measured and curve-fitted (tiermoe.placement.pass_cost.HostCosts): one
-dispatched op, and per engine step and per sequence forward.
+dispatched op, and per engine step and per sequence in a step.
 
 1. t_op (measure_op_seconds): the tiers' expert loop timed on tiny experts, where nothing but dispatch costs
    time (Python, the dispatcher, launching): seconds per op. Not fitted on runs: a pass's ops grow with its
@@ -12,9 +12,10 @@ dispatched op, and per engine step and per sequence forward.
    model with the GPU tier on this CPU: the caller computes the GPU tier's experts while the CPU tier's worker
    computes the others, and they share the cores' caches, the memory bus and the GIL (t_both > 0: they slow
    each other; < 0: they overlap). Only the split run has layers with both tiers, so it alone sets t_both.
-   t_seq is a sequence forward's host time as the runs show it (dispatching its ops, Python between them, thread
-   hand-offs), not ops x t_op: the sequence forward's ops (many views, small norms) cost less each than the expert
-   loop's that t_op is timed on. Least squares over every pass of every run, both >= 0; absolute error, so the
+   A step is one forward over all its sequences: t_step is its host time as the runs show it (dispatching the
+   forward's ops, Python between them, thread hand-offs), not ops x t_op (the forward's ops, many views and small
+   norms, cost less each than the expert loop's that t_op is timed on); t_seq what each sequence adds (its pages,
+   its rows, its sampling). Least squares over every pass of every run, both >= 0; absolute error, so the
    fit is best where the time is (the total of a run).
 """
 

@@ -5,8 +5,10 @@ The cost model needs, per pass: framework ops the host dispatches and kernels a 
 bound by these, not by bytes), weight bytes read and flops. They are counted once, structurally:
 - ops: a TorchDispatchMode counts every aten op of a one-sequence decode step on the calling thread (views
   included: they cost the host a dispatch; `kernels` leaves them out: they launch nothing on a GPU). MoE block
-  ops are told apart with forward hooks; per-expert ops from direct calls of the tiers' feed-forward.
-- bytes: every non-expert weight is read once per sequence per pass (each sequence runs its own forward; the
+  ops are told apart with forward hooks; the GPU tier's own ops from direct calls of the model's GPU tier with one
+  and with two experts (a grouped GEMM dispatches the same ops for both), the expert-by-expert loop's from the
+  tiers' feed-forward.
+- bytes: every non-expert weight is read once per pass (a step is one forward over all its sequences; the
   embedding only by rows, so it counts only when it doubles as the tied LM head); KV cache per context token.
 - flops: 2 per weight per token, the LM head once per sequence (logits of the last position only).
 """
@@ -20,7 +22,7 @@ from tiermoe.engine.sampling import SamplingParams
 from tiermoe.experts.ffn import routed_experts_forward
 from tiermoe.experts.weights import ExpertWeights
 from tiermoe.placement.kv_layout import kv_layout
-from tiermoe.placement.model_costs import ModelCosts, OpCount
+from tiermoe.placement.model_costs import NO_OPS, ModelCosts, OpCount
 
 
 class _OpCounter(TorchDispatchMode):
@@ -52,8 +54,28 @@ def count_expert_ops(act, hidden: int = 8, inter: int = 4) -> OpCount:
     return OpCount(counted[1][0] - counted[0][0], counted[1][1] - counted[0][1])
 
 
-def _count_decode_step(llm, engine_factory) -> tuple[list[int], list[int]]:
-    """(block ops, other ops) of one decode step of one sequence at the current placement."""
+def count_gpu_tier_ops(tier, hidden: int, dtype: torch.dtype) -> tuple[OpCount, OpCount]:
+    """(ops of one call, ops each distinct expert adds) of `tier`'s forward, which must hold at least two experts:
+    a call routing two tokens to one expert against one routing them to two."""
+    first, second = sorted(tier.experts)[:2]
+    x = torch.zeros(2, hidden, dtype=dtype, device=tier.device)
+    weights = torch.ones(2, 1, dtype=dtype, device=tier.device)
+    counted = []
+    with torch.inference_mode():
+        tier.forward(x, torch.tensor([[first], [first]], device=tier.device), weights)  # once: probes, caches
+        for ids in ([[first], [first]], [[first], [second]]):
+            counter = _OpCounter()
+            with counter:
+                tier.forward(x, torch.tensor(ids, device=tier.device), weights)
+            counted.append(OpCount(*counter.counts["rest"]))
+    one, two = counted
+    per_expert = OpCount(two.ops - one.ops, two.kernels - one.kernels)
+    return OpCount(one.ops - per_expert.ops, one.kernels - per_expert.kernels), per_expert
+
+
+def count_decode_step(llm, engine_factory, sequences: int = 1) -> tuple[list[int], list[int]]:
+    """(block ops, other ops) of one decode step of `sequences` sequences at the current placement
+    (engine_factory must run that many side by side)."""
     engine = engine_factory(llm)
     counter = _OpCounter()
     hooks = []
@@ -61,7 +83,8 @@ def _count_decode_step(llm, engine_factory) -> tuple[list[int], list[int]]:
         hooks.append(block.register_forward_pre_hook(lambda *a: setattr(counter, "inside", counter.inside + 1)))
         hooks.append(block.register_forward_hook(lambda *a: setattr(counter, "inside", counter.inside - 1)))
     try:
-        engine.add([1, 2, 3, 4], SamplingParams(max_tokens=3, ignore_eos=True))
+        for i in range(sequences):  # different prompts: different experts
+            engine.add([1 + i, 2, 3 + 2 * i, 4], SamplingParams(max_tokens=3, ignore_eos=True))
         engine.step()  # prefill: builds the cache
         with counter:
             engine.step()  # one decode token
@@ -76,6 +99,8 @@ def _count_decode_step(llm, engine_factory) -> tuple[list[int], list[int]]:
 def measure_model_costs(llm, engine_factory) -> ModelCosts:
     """Count `llm`'s work per pass. Moves every expert to the GPU tier, then to the CPU tier, and back to the
     placement it had (the GPU tier must be able to hold all experts: a CPU gpu_device or a model that fits).
+    The GPU tier is counted as this machine runs it: where its grouped GEMM runs here (as it does on a GPU with
+    torch >= 2.10) its ops do not scale with its experts (`grouped_gemm`).
     The CPU call is counted as a layer with both tiers on a GPU dispatches it (its host copies packed, no
     all-CPU shortcut), whatever device this machine runs.
 
@@ -89,21 +114,25 @@ def measure_model_costs(llm, engine_factory) -> ModelCosts:
     expert = count_expert_ops(next(iter(hybrid.blocks.values())).gpu_tier.act)
     try:
         hybrid.apply_mask(spec.moe_row_mask()[:, None].expand(-1, spec.num_experts).clone())
-        gpu_block, rest = _count_decode_step(llm, engine_factory)  # one token: k distinct experts per layer
+        gpu_block, rest = count_decode_step(llm, engine_factory)  # one token: k distinct experts per layer
+        block = next(iter(hybrid.blocks.values()))
+        gpu_call, gpu_per_expert = count_gpu_tier_ops(block.gpu_tier, spec.hidden_size, hybrid.model.dtype)
         hybrid.apply_mask(torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.bool))
         saved = [(b, b.cpu_only_shortcut, b.crosses_to_host) for b in hybrid.blocks.values()]
         for block, _, _ in saved:  # count the CPU call as a layer with both tiers on a GPU makes it
             block.cpu_only_shortcut, block.crosses_to_host = False, True
-        cpu_block, _ = _count_decode_step(llm, engine_factory)
+        cpu_block, _ = count_decode_step(llm, engine_factory)
     finally:
         for block, shortcut, crosses in saved:
             block.cpu_only_shortcut, block.crosses_to_host = shortcut, crosses
         hybrid.apply_mask(original)
-    per_layer = OpCount(gpu_block[0] / m, gpu_block[1] / m) + expert.scaled(-k)
+    grouped = gpu_per_expert.ops == 0  # its ops do not grow with the experts it computes
+    tier_in_block = gpu_call + (NO_OPS if grouped else expert.scaled(k))
+    per_layer = OpCount(gpu_block[0] / m - tier_in_block.ops, gpu_block[1] / m - tier_in_block.kernels)
     per_cpu_call = OpCount(cpu_block[0] / m - per_layer.ops, cpu_block[1] / m - per_layer.kernels)
     return ModelCosts(
-        per_sequence=OpCount(*rest), per_layer=per_layer, per_cpu_call=per_cpu_call, per_expert=expert,
-        **_bytes_and_flops(llm))
+        per_forward=OpCount(*rest), per_layer=per_layer, per_cpu_call=per_cpu_call, per_expert=expert,
+        gpu_call=gpu_call, grouped_gemm=grouped, **_bytes_and_flops(llm))
 
 
 def _bytes_and_flops(llm) -> dict:
@@ -118,7 +147,7 @@ def _bytes_and_flops(llm) -> dict:
     numel = sum(p.numel() for p in params.values()) + (head_numel if packed_head else 0)
     tied = head is not None and getattr(head, "weight", None) is embed
     # the embedding is read by rows only, unless it is also the LM head, which reads all of it
-    sequence_bytes = total if tied else total - embed.numel() * embed.element_size()
+    forward_bytes = total if tied else total - embed.numel() * embed.element_size()
     layer_numel = numel - embed.numel() - (0 if tied else head_numel)
     text = getattr(config, "text_config", None) or config
     heads = getattr(text, "num_attention_heads", 0)
@@ -126,7 +155,7 @@ def _bytes_and_flops(llm) -> dict:
     itemsize = embed.element_size()
     kv = kv_layout(text, itemsize)
     return {
-        "sequence_bytes": int(sequence_bytes), "sequence_flops": 2.0 * head_numel, "token_flops": 2.0 * layer_numel,
+        "forward_bytes": int(forward_bytes), "sequence_flops": 2.0 * head_numel, "token_flops": 2.0 * layer_numel,
         "attention_flops_per_context": 4.0 * heads * head_dim * spec.num_layers,
         # the cost model reads every attention layer's K/V per context token (sliding windows not capped yet)
         "kv_bytes_per_token": kv.full_per_token + kv.sliding_per_token,

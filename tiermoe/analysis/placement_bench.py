@@ -206,7 +206,7 @@ def _estimate_all(llm, workload: Workload, calibration_LE, config: PlacementBenc
         f"; a MoE layer with both tiers busy costs {on_host.both_tiers_seconds * 1e6:+.0f} us beyond the two "
         f"(fitted on uniform@{config.contention_ratio:g})")
     log(f"[placement]   host: {host.op_seconds * 1e6:.2f} us per op, {host.step_seconds * 1e3:.2f} ms per step, "
-        f"{host.sequence_seconds * 1e3:.2f} ms per sequence forward{both}")
+        f"{host.sequence_seconds * 1e3:.2f} ms per sequence in a step{both}")
     model = on_host if target is None else PassCostModel(target, costs, cpu_fit, host, device_is_host=False)
     validation = []
     if target is None:

@@ -7,12 +7,14 @@ per-expert reading (`expert_seconds`, `copy_seconds`), so what the benchmark che
 Where nothing was measured, `expert_cost_model` fills the parameters with assumed figures.
 
 Per pass p (sequences s, MoE layers m):
-    T_p = t_step                                                            host: engine bookkeeping, sampling
-        + sum_s  t_seq (+) [kernels_seq x launch + roofline(weights + KV read, flops)]   each sequence's non-expert
-                                                                            forward: host dispatch, device work
+    T_p = t_step + t_seq x sequences_p                                      host: the step's dispatch, bookkeeping,
+                                                                            sampling, per sequence and per step
+          (+) [kernels_forward x launch + roofline(weights + sum_s KV read, sum_s flops)]   ONE non-expert forward
+                                                                            over all the pass's sequences
         + sum_m [ dispatch(ops_layer) + cpu_called x t_op x ops_cpu_call    router, split, combine
                   + combine( CPU tier: a d_c + b p_c + c (+ hidden rows over PCIe),
-                             GPU tier: dispatch(d_g ops_expert) (+) roofline(d_g expert bytes, p_g pair flops) ) ]
+                             GPU tier: dispatch(ops_gpu_call (+ d_g ops_expert)) (+) roofline(d_g expert bytes,
+                                                                                           p_g pair flops) ) ]
         + copies that block (layerwise prefill streaming; on one CPU also swap copies)
 - The CPU tier (a, b, c) is measured on this machine's CPU backend (tiermoe.analysis.tier_time_fit).
 - The GPU tier, the non-expert device work and copies come from a GPUProfile (bandwidth, flops, PCIe, launch).
@@ -21,8 +23,12 @@ Per pass p (sequences s, MoE layers m):
   run at the rate of one large matrix, and the rest of the forward does not run at the rate of the expert loop.
 - Host costs are measured on this machine and carried to the estimate (the GPU machine's host runs the same
   Python): t_op per op dispatched in the MoE blocks, from the experts' loop timed on tiny experts; t_step per
-  step and t_seq per sequence forward (its dispatch and thread hand-offs), fitted on timed runs
+  step (the forward's dispatch) and t_seq per sequence in it (its pages, its sampling), fitted on timed runs
   (tiermoe.analysis.host_cost_fit).
+- The GPU tier's ops: its grouped GEMM (tiermoe.experts.slotted_tier) dispatches the same ops whatever experts
+  it computes, so a call costs ops_gpu_call and no op per expert; on a device where torch loops over the groups
+  (GPUProfile.fused_grouped_gemm False) each expert adds two kernel launches. Where the tier computes expert by
+  expert, each distinct expert adds its ops (ModelCosts.per_expert).
 - With a GPU beside the CPU (`device_is_host` False) the device runs behind the host, so host (+) device is
   max(host seconds, kernels x launch + roofline). With the GPU tier on the host CPU (this-cpu) the caller thread
   computes it itself, so host and device time add up, the layerwise streamer copies nothing (the weights are
@@ -44,12 +50,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tiermoe.placement.model_costs import ModelCosts, OpCount
+from tiermoe.placement.model_costs import NO_OPS, ModelCosts, OpCount
 from tiermoe.placement.pass_traffic import PassShapes, Traffic
 from tiermoe.placement.profiles import PRESETS, GPUProfile
 from tiermoe.placement.tier_time import TierFit, assumed_cpu_tier
 
 DEFAULT_GPU = "rtx4090"  # the GPU profile assumed where none is given
+# torch's grouped GEMM where it loops over the groups (GPUProfile.fused_grouped_gemm False): one matrix product per
+# expert and projection, launched from C++ (no Python op). Not counted: the offsets' copy to the host it waits for.
+GROUPED_GEMM_LOOP = OpCount(ops=0.0, kernels=2.0)
 
 
 @dataclass(frozen=True)
@@ -80,34 +89,41 @@ class PassCostModel:
     def _combine(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.maximum(a, b) if self.tiers_overlap else a + b
 
-    def _dispatch(self, count: OpCount, times: torch.Tensor, device_seconds: torch.Tensor) -> torch.Tensor:
-        """`times` x count ops issued by the host and run by the device, plus `device_seconds` of device work."""
-        host = self.host.op_seconds * count.ops * times
+    def _dispatch(self, count: OpCount, times: torch.Tensor, device_seconds: torch.Tensor,
+                  more: tuple[OpCount, torch.Tensor] | None = None) -> torch.Tensor:
+        """`times` x count ops (and `more`: another count x its times) issued by the host and run by the device,
+        plus `device_seconds` of device work."""
+        ops = count.ops * times + (more[0].ops * more[1] if more else 0.0)
+        kernels = count.kernels * times + (more[0].kernels * more[1] if more else 0.0)
+        host = self.host.op_seconds * ops
         if self.device_is_host:
             return host + device_seconds
-        return torch.maximum(host, self.profile.launch_overhead * count.kernels * times + device_seconds)
+        return torch.maximum(host, self.profile.launch_overhead * kernels + device_seconds)
 
     def _roofline(self, nbytes: torch.Tensor, flops: torch.Tensor) -> torch.Tensor:
         return torch.maximum(nbytes / self.profile.memory_bandwidth, flops / self.profile.compute_flops)
 
     # ---- per pass ----------------------------------------------------------------------------------------
     def fixed_seconds_P(self, shapes: PassShapes) -> torch.Tensor:
-        """Placement-independent seconds per pass: host step costs and every sequence's non-expert forward."""
+        """Placement-independent seconds per pass: the host's step and per-sequence costs, and the pass's one
+        non-expert forward (the weights read once; every sequence's K/V and its tokens' flops)."""
         mc = self.model
         tokens = shapes.row_tokens_S.double()
         context = shapes.row_context_S.double()
-        nbytes = mc.sequence_bytes + context * mc.kv_bytes_per_token
-        flops = mc.sequence_flops + tokens * mc.token_flops + tokens * context * mc.attention_flops_per_context
-        device = self._roofline(nbytes, flops)
-        host = torch.full_like(device, self.host.sequence_seconds)
-        if self.device_is_host:
-            per_row = host + device
-        else:
-            per_row = torch.maximum(host, self.profile.launch_overhead * mc.per_sequence.kernels + device)
-        rows = torch.zeros(shapes.num_passes, dtype=torch.float64).index_add_(0, shapes.row_pass_S, per_row)
+        per_pass = lambda values_S: torch.zeros(shapes.num_passes, dtype=torch.float64).index_add_(
+            0, shapes.row_pass_S, values_S)
+        kv_bytes = per_pass(context * mc.kv_bytes_per_token)
+        flops = per_pass(mc.sequence_flops + tokens * mc.token_flops
+                         + tokens * context * mc.attention_flops_per_context)
+        device = self._roofline(mc.forward_bytes + kv_bytes, flops)
         seqs = shapes.seqs_P.double()
+        host = self.host.step_seconds + self.host.sequence_seconds * seqs
+        if self.device_is_host:
+            forward = host + device
+        else:
+            forward = torch.maximum(host, self.profile.launch_overhead * mc.per_forward.kernels + device)
         layers = self._dispatch(mc.per_layer, torch.full_like(seqs, mc.num_moe_layers), torch.zeros_like(seqs))
-        return self.host.step_seconds + rows + layers
+        return forward + layers
 
     def moe_seconds_P(self, traffic: Traffic, tokens_P: torch.Tensor) -> torch.Tensor:
         """Placement-dependent seconds per pass: both tiers of every MoE layer, and blocking copies."""
@@ -124,23 +140,30 @@ class PassCostModel:
         cpu = self.cpu.seconds(traffic.cpu_distinct_PM.double(), traffic.cpu_pairs_PM.double(), called)
         if not self.device_is_host:  # the rows go to host memory and come back
             cpu = cpu + called * tokens_P.double()[:, None] * 2 * mc.hidden_bytes / self.profile.pcie_bandwidth
-        gpu_d = traffic.gpu_distinct_PM.double()
-        gpu = self.gpu_tier_seconds(gpu_d, traffic.gpu_pairs_PM.double())
-        gpu = torch.where(gpu_d > 0, gpu, torch.zeros_like(gpu))
+        gpu = self.gpu_tier_seconds(traffic.gpu_distinct_PM.double(), traffic.gpu_pairs_PM.double())
         return cpu, gpu, called * self.host.op_seconds * mc.per_cpu_call.ops
 
     def pass_seconds_P(self, shapes: PassShapes, traffic: Traffic) -> torch.Tensor:
         return self.fixed_seconds_P(shapes) + self.moe_seconds_P(traffic, shapes.tokens_P)
 
-    def gpu_tier_seconds(self, distinct: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
-        """The GPU tier's compute for `distinct` experts and `pairs` routed pairs: timed like the CPU tier (this-cpu;
-        its call overhead is in the block's own ops), else its ops dispatched by the host and its bytes and flops
-        on the profile's roofline."""
+    def gpu_tier_seconds(self, distinct: torch.Tensor, pairs: torch.Tensor,
+                         called: torch.Tensor | float | None = None) -> torch.Tensor:
+        """The GPU tier's compute for `distinct` experts and `pairs` routed pairs, and its call where `called`
+        (default: where it computes any expert; what one expert adds leaves it out). Timed like the CPU tier
+        (this-cpu), else its ops dispatched by the host and its bytes and flops on the profile's roofline."""
+        if called is None:
+            called = (distinct > 0).double()
         if self.gpu_tier is not None:
-            return self.gpu_tier.per_expert * distinct + self.gpu_tier.per_pair * pairs
+            return self.gpu_tier.seconds(distinct, pairs, called)
         mc = self.model
-        return self._dispatch(mc.per_expert, distinct, self._roofline(distinct * mc.bytes_per_expert,
-                                                                      pairs * mc.flops_per_pair))
+        device = self._roofline(distinct * mc.bytes_per_expert, pairs * mc.flops_per_pair)
+        return self._dispatch(mc.gpu_call, called, device, (self._gpu_per_expert(), distinct))
+
+    def _gpu_per_expert(self) -> OpCount:
+        """What each distinct expert adds to the GPU tier's dispatch."""
+        if not self.model.grouped_gemm:
+            return self.model.per_expert  # the expert-by-expert loop
+        return NO_OPS if self.profile.fused_grouped_gemm else GROUPED_GEMM_LOOP
 
     # ---- one expert, one copy: what the dynamic policies decide with -------------------------------------
     def expert_seconds(self, on_gpu: bool, touched: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
@@ -148,7 +171,7 @@ class PassCostModel:
         that it does), `pairs` its routed pairs. The CPU tier's a x touched + b x pairs; the GPU tier's own terms
         for one expert."""
         if on_gpu:
-            return self.gpu_tier_seconds(touched, pairs)
+            return self.gpu_tier_seconds(touched, pairs, called=0.0)
         return self.cpu.per_expert * touched + self.cpu.per_pair * pairs
 
     def copy_seconds(self, experts: int = 1) -> float:

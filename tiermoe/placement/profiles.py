@@ -23,6 +23,10 @@ class GPUProfile:
     compute_flops: float  # bf16 FLOP/s
     pcie_bandwidth: float  # host -> device bytes/s, pinned
     launch_overhead: float  # seconds per kernel launch
+    # torch's grouped GEMM runs as one kernel per projection (CUTLASS, compute capability 9.x). Elsewhere torch
+    # loops over the groups on the host (one matrix product per expert and projection), so the GPU tier's grouped
+    # call launches two kernels per expert it computes (tiermoe.placement.pass_cost.gpu_tier_seconds)
+    fused_grouped_gemm: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -38,9 +42,12 @@ class GPUProfile:
 #          datasheet's "PCIe Gen5: 128GB/s" is both directions, 64 GB/s host-to-device; pinned copies reach about 55
 #          (80-85% of a link, as above; not a datasheet figure).
 # launch overhead (5e-6, 4e-6): a kernel launch's order of magnitude on either, assumed, not published.
+# fused grouped GEMM: torch runs `_grouped_mm` as one CUTLASS kernel on compute capability 9.x (the H200 is 9.0);
+#          on 8.x (the RTX 4090 is 8.9) it falls back to a loop of matrix products over the groups
+#          (aten/src/ATen/native/GroupedMMUtils.h, `_grouped_mm_fallback`).
 PRESETS = {
-    "rtx4090": GPUProfile("rtx4090", 1.008e12, 1.65e14, 25e9, 5e-6),
-    "h200": GPUProfile("h200", 4.8e12, 9.89e14, 55e9, 4e-6),
+    "rtx4090": GPUProfile("rtx4090", 1.008e12, 1.65e14, 25e9, 5e-6, fused_grouped_gemm=False),
+    "h200": GPUProfile("h200", 4.8e12, 9.89e14, 55e9, 4e-6, fused_grouped_gemm=True),
 }
 
 
@@ -59,16 +66,20 @@ def load_profile(name_or_file: str) -> GPUProfile:
         raise TiermoeError(f"--gpu-profile '{name_or_file}' is neither a preset ({', '.join(PRESETS)}) nor a file"
                            " (`tiermoe bench placement` also takes this-cpu)")
     expected = ("expected a JSON object with memory_bandwidth, compute_flops, pcie_bandwidth (finite numbers > 0) "
-                "and optionally launch_overhead (>= 0) and name")
+                "and optionally launch_overhead (>= 0), fused_grouped_gemm (true or false) and name")
     try:
         data = json.loads(path.read_text())
         if not isinstance(data, dict):
             raise TypeError(f"it holds a JSON {type(data).__name__}, not an object")
         rates = {key: float(data[key]) for key in ("memory_bandwidth", "compute_flops", "pcie_bandwidth")}
         overhead = float(data.get("launch_overhead", 5e-6))
+        fused = data.get("fused_grouped_gemm", False)
+        if not isinstance(fused, bool):
+            raise TypeError(f"fused_grouped_gemm is {fused!r}, not true or false")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError) as err:
         raise TiermoeError(f"GPU profile file '{path}' is malformed ({err}); {expected}") from None
     if not all(math.isfinite(v) and v > 0 for v in rates.values()) or not (math.isfinite(overhead) and overhead >= 0):
         raise TiermoeError(f"GPU profile file '{path}' has a value out of range ({rates}, launch_overhead "
                            f"{overhead}); {expected}")
-    return GPUProfile(name=str(data.get("name", path.stem)), launch_overhead=overhead, **rates)
+    return GPUProfile(name=str(data.get("name", path.stem)), launch_overhead=overhead, fused_grouped_gemm=fused,
+                      **rates)
