@@ -144,7 +144,9 @@ def add_placement_parser(benches) -> None:
                    help=f"comma-separated, from {','.join(BENCH_STRATEGIES)} (default: all)")
     p.add_argument("--gpu-profile", default="rtx4090",
                    help="rtx4090 (default), h200, this-cpu (measure this CPU as the GPU tier and validate the cost "
-                        "model), or a JSON file (e.g. from benchmarks/gpu_check.sh)")
+                        "model), or a JSON file (e.g. from benchmarks/gpu_check.sh: memory_bandwidth, compute_flops, "
+                        "pcie_bandwidth, launch_overhead, fused_grouped_gemm: true where torch runs its grouped GEMM "
+                        "as one kernel, compute capability 9.x)")
     p.add_argument("--gpu-device", default=None,
                    help="GPU tier device (default: cuda:0 when CUDA is available, else the CPU with estimates)")
     p.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight (default 8)")
