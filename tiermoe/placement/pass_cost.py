@@ -89,16 +89,12 @@ class PassCostModel:
     def _combine(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.maximum(a, b) if self.tiers_overlap else a + b
 
-    def _dispatch(self, count: OpCount, times: torch.Tensor, device_seconds: torch.Tensor,
-                  more: tuple[OpCount, torch.Tensor] | None = None) -> torch.Tensor:
-        """`times` x count ops (and `more`: another count x its times) issued by the host and run by the device,
-        plus `device_seconds` of device work."""
-        ops = count.ops * times + (more[0].ops * more[1] if more else 0.0)
-        kernels = count.kernels * times + (more[0].kernels * more[1] if more else 0.0)
-        host = self.host.op_seconds * ops
+    def _dispatch(self, count: OpCount, times: torch.Tensor, device_seconds: torch.Tensor) -> torch.Tensor:
+        """`times` x count ops issued by the host and run by the device, plus `device_seconds` of device work."""
+        host = self.host.op_seconds * count.ops * times
         if self.device_is_host:
             return host + device_seconds
-        return torch.maximum(host, self.profile.launch_overhead * kernels + device_seconds)
+        return torch.maximum(host, self.profile.launch_overhead * count.kernels * times + device_seconds)
 
     def _roofline(self, nbytes: torch.Tensor, flops: torch.Tensor) -> torch.Tensor:
         return torch.maximum(nbytes / self.profile.memory_bandwidth, flops / self.profile.compute_flops)
@@ -157,7 +153,8 @@ class PassCostModel:
             return self.gpu_tier.seconds(distinct, pairs, called)
         mc = self.model
         device = self._roofline(distinct * mc.bytes_per_expert, pairs * mc.flops_per_pair)
-        return self._dispatch(mc.gpu_call, called, device, (self._gpu_per_expert(), distinct))
+        ops = mc.gpu_call.scaled(called) + self._gpu_per_expert().scaled(distinct)  # per layer call (tensors)
+        return self._dispatch(ops, 1.0, device)
 
     def _gpu_per_expert(self) -> OpCount:
         """What each distinct expert adds to the GPU tier's dispatch."""
