@@ -3,16 +3,22 @@ instead of 11-20 minutes, for checking a policy change against the real-size run
 
 The workload is formed as the bench forms it (tiermoe.analysis.trace_workload): the model's 4 MoE layers replay trace
 layers 1, 9, 18, 26; the trace's even requests calibrate (their counts), the first `--served` odd ones are served
-`--concurrency` at a time, each with a 1-token prompt (its first token; ESFT requests have no prompt) in the first
-pass, then one token a step. Each pass goes through the same estimate (placement_traffic, pass_seconds_P) with the
-cost model the recorded run fitted: the `calibration` block of its --out JSON (CPU tier, host costs, model costs)
-and its GPU profile. With the cost model of the run's time it gives the run's figures exactly (frequency and adaptive,
-every ratio, both profiles), so what differs after a policy change is the policy. (Runs recorded before the cost
-model charged one non-expert forward per pass, 2026-12-05, replay with today's model: their figures differ.)
+`--concurrency` at a time (with `--calibration FILE`, as the bench's --routing-calibration: that statistics file's
+counts calibrate and the first `--served` requests of the trace are served), each with a 1-token prompt (its first
+token; ESFT requests have no prompt) in the first pass, then one token a step. Each pass goes through the same estimate
+(placement_traffic, pass_seconds_P) with the cost model the recorded run fitted: the `calibration` block of its --out
+JSON (CPU tier, host costs, model costs) and its GPU profile. With the cost model of the run's time it gives the run's
+figures exactly (frequency and adaptive, every ratio, both profiles), so what differs after a policy change is the
+policy. (Runs recorded before the cost model charged one non-expert forward per pass, 2026-12-05, replay with today's
+model: their figures differ.)
 
     PYTHONPATH=$PWD python benchmarks/replay_trace_placement.py \
         --trace ../shared/routing-data/esft-deepseek-v2-lite/trace_law.txt \
         --result benchmarks/results/placement_esft_law_rtx4090.json
+    PYTHONPATH=$PWD python benchmarks/replay_trace_placement.py --served 16 \
+        --trace ../shared/routing-data/esft-deepseek-v2-lite/trace_law.txt \
+        --calibration ../shared/routing-data/esft-deepseek-v2-lite/counts_intent.csv \
+        --result benchmarks/results/placement_esft_intent_to_law_rtx4090_settled.json
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from tiermoe.placement.model_costs import ModelCosts
 from tiermoe.placement.pass_cost import HostCosts, PassCostModel
 from tiermoe.placement.profiles import load_profile
 from tiermoe.placement.tier_time import TierFit
+from tiermoe.stats.io import load_counts
 from tiermoe.stats.trace_convert import read_routing
 
 
@@ -41,18 +48,25 @@ def recorded_cost_model(result: dict) -> PassCostModel:
                          TierFit(**fit["cpu_backend"]), host)
 
 
-def bench_workload(trace: dict, layers: list[int], served: int, calibration: int, concurrency: int):
-    """(pass shapes of the served requests, calibration counts [1 + MoE layers, E]) as the bench forms them."""
+def bench_workload(trace: dict, layers: list[int], served: int, calibration: int, concurrency: int,
+                   calibration_LE: torch.Tensor | None = None):
+    """(pass shapes of the served requests, calibration counts [1 + MoE layers, E]) as the bench forms them;
+    calibration_LE: counts [trace layers, E] of a statistics file instead of the trace's even requests."""
     columns = [list(trace["moe_layers"]).index(x) for x in layers]
     ids = trace["topk_ids"][:, columns]
     request, position = trace["token_request"].long(), trace["token_position"].long()
     order = list(dict.fromkeys(request.tolist()))
     m, e = len(layers), int(trace["num_experts"])
     counts = torch.zeros(m + 1, e, dtype=torch.float64)  # row 0: the model's dense first layer
-    for r in order[0::2][:calibration]:
-        for col in range(m):
-            counts[col + 1] += torch.bincount(ids[request == r][:, col].flatten(), minlength=e).double()
-    length = {r: int(position[request == r].max()) + 1 for r in order[1::2][:served]}
+    if calibration_LE is not None:
+        counts[1:] = calibration_LE[layers]
+        served_requests = order[:served]
+    else:
+        for r in order[0::2][:calibration]:
+            for col in range(m):
+                counts[col + 1] += torch.bincount(ids[request == r][:, col].flatten(), minlength=e).double()
+        served_requests = order[1::2][:served]
+    length = {r: int(position[request == r].max()) + 1 for r in served_requests}
     rows, running, waiting, step = [], {}, list(length), 0  # (pass, request, position), admitted as slots free
     while waiting or running:
         while waiting and len(running) < concurrency:
@@ -78,12 +92,16 @@ def main() -> None:
     ap.add_argument("--result", required=True, help="a `bench placement --routing-trace` --out JSON (its cost model)")
     ap.add_argument("--layers", default="1,9,18,26", help="trace layers the model's MoE layers replay")
     ap.add_argument("--served", type=int, default=8)
-    ap.add_argument("--calibration", type=int, default=16)
+    ap.add_argument("--calibration-requests", type=int, default=16,
+                    help="even requests of the trace that calibrate (default 16; the bench's --calibration-prompts)")
+    ap.add_argument("--calibration", metavar="FILE",
+                    help="a statistics file of the trace model's shape that calibrates instead (the bench's "
+                         "--routing-calibration); the first --served requests are then served")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--ratios", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9")
     args = ap.parse_args()
-    if min(args.served, args.calibration, args.concurrency) < 1:
-        ap.error("--served, --calibration and --concurrency must be positive")
+    if min(args.served, args.calibration_requests, args.concurrency) < 1:
+        ap.error("--served, --calibration-requests and --concurrency must be positive")
     try:
         layers = [int(x) for x in args.layers.split(",")]
         ratios = [float(x) for x in args.ratios.split(",")]
@@ -101,7 +119,14 @@ def main() -> None:
     unknown = sorted(set(layers) - {int(x) for x in trace["moe_layers"]})
     if unknown:
         ap.error(f"--layers {unknown} are not MoE layers of the trace (it has {list(trace['moe_layers'])})")
-    shapes, counts = bench_workload(trace, layers, args.served, args.calibration, args.concurrency)
+    calibration_LE = None
+    if args.calibration:
+        try:
+            calibration_LE = load_counts(args.calibration, int(trace["num_layers"]), int(trace["num_experts"]))
+        except (OSError, TiermoeError) as e:
+            ap.error(f"--calibration {args.calibration}: {e}")
+    shapes, counts = bench_workload(trace, layers, args.served, args.calibration_requests, args.concurrency,
+                                    calibration_LE)
     settings = AdaptiveSettings(**result["setup"]["adaptive"])  # as the run recorded them
     output = int(shapes.output_tokens_P.sum())
     print(f"{shapes.num_passes} passes, {output} output tokens; GPU profile {cost.profile.name} (ESTIMATE)\n")

@@ -14,7 +14,9 @@ rows) runs the layer's original forward, which reaches the per-op modules.
 Swapped in where every piece is the fused one: DecodeFusedAttention with its q/k/v stacked into one packed product
 and a packed output projection (no biases, no sinks), FusedRMSNorm norms of one kind, a FusedTopKRouter with its
 packed bf16 weight, and a HybridMoE without shared experts over a CPU tier computed by the kernels: that is, a
-CPU-only bf16 run with packed non-expert linears (the default there, tiermoe.model.cpu_only).
+CPU-only bf16 run with packed non-expert linears (the default there, tiermoe.model.cpu_only). A step takes the call
+only while the MoE block's router is still that FusedTopKRouter: a router put in its place (the trace's routing of
+`bench placement --routing-trace`) is asked by the per-op path, which the native call would bypass.
 Legend: T decode rows, D hidden, H query heads, Hkv KV heads, d head dim, K top-k.
 """
 
@@ -124,6 +126,7 @@ class FusedDecodeLayer(nn.Module):
         self.layer = self.self_attn.layer_idx
         self.team = None  # the kernel thread team, taken on the first call
         attn, router = self.self_attn, self.mlp._router()
+        self.__dict__["fused_router"] = router  # the router the native call computes (see the module docstring)
         H, Hkv = attn.heads
         norm = self.input_layernorm
         qk_norm = hasattr(attn, "q_norm")
@@ -144,6 +147,7 @@ class FusedDecodeLayer(nn.Module):
         plan = None if args else self.workspace.plan_for(kwargs.get(STEP_KWARG), hidden_states, kwargs)
         if (plan is None or plan.cos.shape[-1] != self.args.d or not hidden_states.is_contiguous()
                 or len(moe.gpu_tier) > 0 or len(moe.cpu_tier) == 0 or moe.reduce is not None
+                or moe._router() is not self.fused_router
                 or not moe.cpu_only_shortcut or moe.crosses_to_host or not moe._plain_inference()):
             return self.original_class.forward(self, hidden_states, *args, **kwargs)
         experts = moe.cpu_tier.layer_args()
