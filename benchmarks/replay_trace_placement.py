@@ -37,7 +37,7 @@ from tiermoe.placement.pass_cost import HostCosts, PassCostModel
 from tiermoe.placement.profiles import load_profile
 from tiermoe.placement.tier_time import TierFit
 from tiermoe.stats.io import load_counts
-from tiermoe.stats.trace_convert import read_routing
+from tiermoe.stats.trace_convert import detect_layout, read_routing
 
 
 def recorded_cost_model(result: dict) -> PassCostModel:
@@ -67,20 +67,23 @@ def bench_workload(trace: dict, layers: list[int], served: int, calibration: int
                 counts[col + 1] += torch.bincount(ids[request == r][:, col].flatten(), minlength=e).double()
         served_requests = order[1::2][:served]
     length = {r: int(position[request == r].max()) + 1 for r in served_requests}
+    prompt = {r: min(length[r], max(1, int(trace["token_is_prefill"][request == r].sum()))) for r in length}
     rows, running, waiting, step = [], {}, list(length), 0  # (pass, request, position), admitted as slots free
     while waiting or running:
         while waiting and len(running) < concurrency:
             running[waiting.pop(0)] = 0
         for r in list(running):
-            rows.append((step, r, running[r]))
-            running[r] += 1
+            fed = prompt[r] if running[r] == 0 else 1  # the prompt in its first pass, then a token a step
+            rows += [(step, r, running[r] + i) for i in range(fed)]
+            running[r] += fed
             if running[r] == length[r]:
                 del running[r]
         step += 1
     row_of = {(r, p): n for n, (r, p) in enumerate(zip(request.tolist(), position.tolist()))}
     pick = torch.tensor([row_of[(r, p)] for _, r, p in rows])
     served_trace = {"token_pass": torch.tensor([s for s, _, _ in rows]), "token_request": request[pick],
-                    "token_position": position[pick], "token_is_prefill": position[pick] == 0,
+                    "token_position": position[pick],
+                    "token_is_prefill": torch.tensor([p < prompt[r] for _, r, p in rows]),
                     "topk_ids": ids[pick], "moe_layers": list(range(1, m + 1)), "num_layers": m + 1,
                     "num_experts": e}
     return pass_shapes(served_trace), counts
@@ -113,7 +116,7 @@ def main() -> None:
     except (OSError, ValueError, KeyError, TypeError) as e:
         ap.error(f"--result {args.result}: not a readable `bench placement --routing-trace` --out JSON ({e!r})")
     try:
-        trace = read_routing(Path(args.trace), "esft-trace")
+        trace = read_routing(Path(args.trace), detect_layout(Path(args.trace)))
     except (OSError, TiermoeError) as e:
         ap.error(f"--trace {args.trace}: {e}")
     unknown = sorted(set(layers) - {int(x) for x in trace["moe_layers"]})
