@@ -71,3 +71,27 @@ def test_without_a_calibration_there_is_no_check_and_the_caution_stays():
     policy = AdaptivePolicy(LAYERS, EXPERTS, expert_cost_model(2**20, 2e6), AdaptiveSettings())
     policy.observe(torch.ones(LAYERS, EXPERTS, dtype=torch.int64), 8, False)
     assert policy.lasting_weight == 1.0 and policy.swap_z_score == policy.settings.swap_z_score
+
+
+def test_a_lasting_swap_must_pay_over_the_range_of_the_share_the_long_check_allows():
+    """lasting_range: the forecasts at u and at the long check's point estimate. Before settling they are one; on a
+    request's own popularity the range reaches back toward the calibration (a swap that pays only at u, the upper
+    end, is not made); on a lasting departure the long check confirms u and the range stays narrow."""
+    for task_experts in (False, True):
+        early = _policy()
+        _serve(early, 100, task_experts)
+        low, high = early.lasting_range()
+        assert not early._lasting_check.settled and torch.equal(low, high) and torch.equal(low, early.lasting_rates())
+        policy = _policy()
+        _serve(policy, 400, task_experts)
+        check, lasting, u = policy._lasting_check, policy.lasting_rates(), policy.lasting_weight
+        followed, prior = policy._followed_and_prior()
+        low, high = policy.lasting_range()
+        assert check.settled and bool((low <= lasting).all()) and bool((lasting <= high).all())
+        point = min(u, check.long.weight(0.0))
+        # the range is the share between the point estimate and u, of each expert's deviation from the calibration
+        assert torch.allclose(high - low, (u - point) * (followed - prior).abs())
+        if task_experts:
+            assert point == u  # confirmed: valued as followed
+        else:
+            assert point < 0.6 * u  # doubted: a swap must pay even at the lower share

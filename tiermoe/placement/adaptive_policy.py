@@ -18,6 +18,9 @@ with the check it makes none, and on another task it follows within about 30 pas
 also sees a request's own popularity carry over, which does not last beyond the request, so it needed the valuation's
 full caution (1 standard error) and left LFU ahead in some ESFT cross-task cells; once a second check, 16 passes
 ahead, has enough evidence it caps what the first one follows, and the caution is lighter (`settled_swap_z_score`).
+The cap is that check's upper end, so a lasting swap is valued over the whole share between its point estimate and
+the cap (lasting_range): at the cap alone the real-size same-task runs made 1-4 swaps at settling that lost 0.1-0.5%
+of estimated tokens/s to frequency; the cost is 0.3-1.8% of a +5..+30% lead on the real-size cross-task run.
 Legend: L layers, E experts; rates are routed pairs per token.
 """
 
@@ -60,14 +63,14 @@ class AdaptivePolicy:
     3. Near-term rate over the next `recent_half_life_tokens` tokens: request + w x (recent - request), recent
        from counts decayed over that short window; w in [0, 1] is learned online the same way (0 until shown, so
        a workload without temporal locality is never chased).
-    4. What an expert saves per token on the GPU tier is the cost model's (tiermoe.placement.pass_cost) over the
-       recent mix of pass sizes (saving_per_token). A swap (one in, one out) is worth the best of: staying
-       (near-term saving over the short window, request saving over the request's rest, lasting saving up to
-       `horizon_tokens`, less its copies), leaving with the request or after the short window (those savings
-       only, less its copies and the copies back). It is made when that exceeds `margin` x its copies, best
-       first, at most `max_swaps_in_flight` at once, never on an expert whose copy is in flight. Within a layer,
-       or with `cross_layer` between layers (a GPU slot of a cold layer goes to a hot expert of another; the
-       total GPU budget stays, swap_pairing.best_swaps).
+    4. What an expert saves per token on the GPU tier is the cost model's (tiermoe.placement.pass_cost) over the recent
+       mix of pass sizes (saving_per_token). A swap (one in, one out) is worth the best of: staying (near-term saving
+       over the short window, request saving over the request's rest, lasting saving up to `horizon_tokens` at the low
+       end of lasting_range for what it promotes and the high end for what it demotes, less its copies), leaving with
+       the request or after the short window (those savings only, less its copies and the copies back). It is made when
+       that exceeds `margin` x its copies, best first, at most `max_swaps_in_flight` at once, never on an expert whose
+       copy is in flight. Within a layer, or with `cross_layer` between layers (a GPU slot of a cold layer goes to a hot
+       expert of another; the total GPU budget stays, swap_pairing.best_swaps).
     Candidates to promote: an expert the last pass used (on demand, as LFU), or one the running prompts used
     once their evidence counts (v > 0).
     """
@@ -186,6 +189,21 @@ class AdaptivePolicy:
             self._lasting = prior + self.lasting_weight * (followed - prior)
         return self._lasting.clone()
 
+    def lasting_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lowest and highest forecast [L, E] of lasting_rates for u between the long check's point estimate and
+        u itself (once settled; before, lasting_rates twice). u reads the long check at the upper end of its
+        interval, so as not to undo a real shift for lack of evidence; a swap bought on that reading alone was a bet
+        on the served requests' own popularity lasting (the real-size same-task runs: 1-4 swaps at settling that
+        lost 0.1-0.5% of estimated tokens/s to frequency, 10-20x their copies). Valued at the low end for what it
+        promotes and the high end for what it demotes, a lasting swap must pay for itself over that whole range."""
+        lasting = self.lasting_rates()
+        check = self._lasting_check
+        if check is None or not check.settled or self._tokens <= 0:
+            return lasting, lasting
+        followed, prior = self._followed_and_prior()
+        point = prior + min(self.lasting_weight, check.long.weight(0.0)) * (followed - prior)
+        return torch.minimum(lasting, point), torch.maximum(lasting, point)
+
     def lasting_uncertainty(self) -> torch.Tensor:
         """Standard error [L, E] of lasting_rates: binomial in the served pairs, times the dispersion (a swap
         between two near-tied experts must not be paid for by noise over a long horizon: winner's curse)."""
@@ -239,9 +257,10 @@ class AdaptivePolicy:
             return []
         window = min(s.recent_half_life_tokens, self.horizon)
         near_LE = window * self.saving_per_token(self.rates())
-        lasting, spread = self.lasting_rates(), self.swap_z_score * self.lasting_uncertainty()
-        lasting_low = self.saving_per_token((lasting - spread).clamp(min=0.0))  # promoted at the low end
-        lasting_high = self.saving_per_token(lasting + spread)  # demoted at the high end
+        low, high = self.lasting_range()
+        spread = self.swap_z_score * self.lasting_uncertainty()
+        lasting_low = self.saving_per_token((low - spread).clamp(min=0.0))  # promoted at the low end
+        lasting_high = self.saving_per_token(high + spread)  # demoted at the high end
         wanted = ~mask_LE & ~busy_LE & (self.last_LE > 0)  # promote on demand: the next token likely reuses it
         request = window
         if self.prompt_weight > 0 and self.prompts.active:  # the running prompts' experts are wanted too
@@ -252,6 +271,5 @@ class AdaptivePolicy:
         rest = self.horizon - request
         options = [(with_request + rest * lasting_low, with_request + rest * lasting_high, copies),  # lasting
                    (with_request, with_request, 2 * copies),  # back once the running requests are done
-                   
                    (near_LE, near_LE, 2 * copies)]  # back after the short window
         return best_swaps(options, wanted, mask_LE & ~busy_LE, budget, s.cross_layer)
