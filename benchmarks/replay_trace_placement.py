@@ -1,23 +1,25 @@
-"""The estimate of `tiermoe bench placement --routing-trace` on an ESFT trace, replayed without the model: in seconds
+"""The estimate of `tiermoe bench placement --routing-trace` on a routing trace, replayed without the model: in seconds
 instead of 11-20 minutes, for checking a policy change against the real-size run (issue 23, honest default).
 
-The workload is formed as the bench forms it (tiermoe.analysis.trace_workload): the model's 4 MoE layers replay trace
-layers 1, 9, 18, 26; the trace's even requests calibrate (their counts), the first `--served` odd ones are served
-`--concurrency` at a time (with `--calibration FILE`, as the bench's --routing-calibration: that statistics file's
-counts calibrate and the first `--served` requests of the trace are served), each with a 1-token prompt (its first
-token; ESFT requests have no prompt) in the first pass, then one token a step. Each pass goes through the same estimate
-(placement_traffic, pass_seconds_P) with the cost model the recorded run fitted: the `calibration` block of its --out
-JSON (CPU tier, host costs, model costs) and its GPU profile. With the cost model of the run's time it gives the run's
-figures exactly (frequency and adaptive, every ratio, both profiles), so what differs after a policy change is the
-policy. (Runs recorded before the cost model charged one non-expert forward per pass, 2026-12-05, replay with today's
-model: their figures differ.)
+The workload is formed as the bench forms it (tiermoe.analysis.trace_workload): the model's 4 MoE layers replay the
+trace layers `--layers` (1, 9, 18, 26 for the ESFT traces); the trace's even requests calibrate (their counts), the
+first `--served` odd ones are served `--concurrency` at a time (with `--calibration FILE`, as the bench's
+--routing-calibration: that statistics file's counts calibrate and the first `--served` requests of the trace are
+served), each with its prompt (the trace's prefill tokens, at least its first token: ESFT requests have none) in its
+first pass, then one token a step. Each pass goes through the same estimate (placement_traffic, pass_seconds_P) with the
+cost model the recorded run fitted: the `calibration` block of its --out JSON (CPU tier, host costs, model costs) and
+its GPU profile. With the cost model of the run's time it gives the ESFT runs' figures exactly (frequency and adaptive,
+every ratio, both profiles), so what differs after a policy change is the policy; a trace with rows it does not log (the
+Qwen3 decode trace: 27), or a run whose prefill passes reach the layerwise-prefill threshold (512 prompt tokens), only
+approximately (the run routes those rows by the model, and streams the experts of those passes). (Runs recorded before
+the cost model charged one non-expert forward per pass, 2026-12-05, replay with today's model: their figures differ.)
 
     PYTHONPATH=$PWD python benchmarks/replay_trace_placement.py \
         --trace ../shared/routing-data/esft-deepseek-v2-lite/trace_law.txt \
         --result benchmarks/results/placement_esft_law_rtx4090.json
+    tiermoe trace convert ../shared/routing-data/esft-deepseek-v2-lite/counts_intent.csv /tmp/esft_intent_heat.csv
     PYTHONPATH=$PWD python benchmarks/replay_trace_placement.py --served 16 \
-        --trace ../shared/routing-data/esft-deepseek-v2-lite/trace_law.txt \
-        --calibration ../shared/routing-data/esft-deepseek-v2-lite/counts_intent.csv \
+        --trace ../shared/routing-data/esft-deepseek-v2-lite/trace_law.txt --calibration /tmp/esft_intent_heat.csv \
         --result benchmarks/results/placement_esft_intent_to_law_rtx4090_settled.json
 """
 
@@ -57,7 +59,7 @@ def bench_workload(trace: dict, layers: list[int], served: int, calibration: int
     request, position = trace["token_request"].long(), trace["token_position"].long()
     order = list(dict.fromkeys(request.tolist()))
     m, e = len(layers), int(trace["num_experts"])
-    counts = torch.zeros(m + 1, e, dtype=torch.float64)  # row 0: the model's dense first layer
+    counts = torch.zeros(m + 1, e, dtype=torch.float64)  # row 0: a dense first layer (empty where the model has none)
     if calibration_LE is not None:
         counts[1:] = calibration_LE[layers]
         served_requests = order[:served]
