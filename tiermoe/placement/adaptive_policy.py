@@ -102,6 +102,7 @@ class AdaptivePolicy:
         self._mix: dict[int, float] = {}  # decayed weight of recent passes by their tokens
         self._passes = 0
         self._lasting: torch.Tensor | None = None  # lasting_rates of the passes seen so far
+        self._shares: tuple[torch.Tensor, torch.Tensor] | None = None  # _followed_and_prior of the same passes
         self.last_LE = torch.zeros(shape, dtype=torch.float64)  # the last pass's routed pairs
 
     @property
@@ -151,7 +152,7 @@ class AdaptivePolicy:
             else:
                 self.prompts.on_decode(counts, num_tokens)
         decay = 0.5 ** (num_tokens / s.half_life_tokens)
-        self._lasting = None
+        self._lasting = self._shares = None
         self.load_LE.mul_(decay).add_(counts)
         self.dispersion.add(counts, num_tokens, self.load_LE)
         self._tokens = self._tokens * decay + num_tokens
@@ -176,9 +177,11 @@ class AdaptivePolicy:
     def _followed_and_prior(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Routed pairs per token [L, E]: the served counts shrunk toward the calibration (shrunk_shares), and the
         calibration itself, at the served pairs per token."""
-        per_layer_k = self.load_LE.sum(dim=1, keepdim=True) / self._tokens
-        shares = shrunk_shares(self.load_LE, self.prior_share_LE, self.settings.z_score, self.dispersion.value)
-        return shares * per_layer_k, self.prior_share_LE * per_layer_k
+        if self._shares is None:  # computed once per pass: observe, lasting_rates and lasting_range all read it
+            per_layer_k = self.load_LE.sum(dim=1, keepdim=True) / self._tokens
+            shares = shrunk_shares(self.load_LE, self.prior_share_LE, self.settings.z_score, self.dispersion.value)
+            self._shares = shares * per_layer_k, self.prior_share_LE * per_layer_k
+        return self._shares
 
     def lasting_rates(self) -> torch.Tensor:
         """Forecast routed pairs per token [L, E] of the served workload (the calibration until routing is seen)."""
