@@ -19,10 +19,11 @@ from tiermoe.testing.presets import TINY, make_config
 ARCHS = tuple(TINY)
 
 
-def save_tiny(arch: str, out, seed: int = 0, **save_kwargs):
+def save_tiny(arch: str, out, seed: int = 0, sizes: dict | None = None, **save_kwargs):
+    """A tiny checkpoint of `arch` (fp32; `sizes`: config values in place of the tiny ones)."""
     from transformers import AutoModelForCausalLM
 
-    cfg = make_config(arch, initializer_range=0.1)
+    cfg = make_config(arch, initializer_range=0.1, **(sizes or {}))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(out, **save_kwargs)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import load_reference, make_mask, rel_err
+from conftest import load_reference, make_mask, rel_err, save_tiny
 
 import tiermoe.model.loader as loader
 from tiermoe.arch import detect, load_config
@@ -20,7 +20,6 @@ from tiermoe.layers.fused_decode_layer import FusedDecodeLayer
 from tiermoe.stats.model_shape import ModelShape
 from tiermoe.stats.stat_recorder import StatRecorder
 from tiermoe.testing.op_counter import OpCounter
-from tiermoe.testing.presets import make_config
 
 pytestmark = pytest.mark.skipif(supported_isa() is None, reason="the kernel library is unavailable")
 PROMPTS = [[3 + (5 * i + 7 * s) % 200 for i in range(n)] for s, n in enumerate([4, 9, 13])]
@@ -35,12 +34,7 @@ def checkpoint(tmp_path_factory):
 
     def get(arch: str):
         if arch not in made:
-            from transformers import AutoModelForCausalLM
-
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(make_config(arch, initializer_range=0.1, **SIZES[arch]))
-            made[arch] = tmp_path_factory.mktemp(arch)
-            model.save_pretrained(made[arch])
+            made[arch] = save_tiny(arch, tmp_path_factory.mktemp(arch), sizes=SIZES[arch])
         return made[arch]
 
     return get

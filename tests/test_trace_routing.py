@@ -19,7 +19,6 @@ from tiermoe.layers.fused_decode_layer import FusedDecodeLayer
 from tiermoe.layers.trace_routing import TraceRouter, install_trace_routing, remove_trace_routing
 from tiermoe.stats.recording import PassInfo
 from tiermoe.stats.trace_csv import write_trace_csv
-from tiermoe.testing.presets import make_config
 
 E, K = 8, 2
 LENGTHS, PROMPTS = (6, 5, 7, 4), (3, 0, 2, 1)  # tokens and prefill tokens of trace requests 10, 11, 12, 13
@@ -87,13 +86,9 @@ def test_a_fused_decode_layer_routes_by_the_trace_too(tmp_path):
     """A CPU-only bf16 Qwen3-MoE run computes each decode step of a layer in one native call, router included
     (FusedDecodeLayer); with the trace's router in place the step must ask it (a real-size Qwen3 run recorded the
     model's own routing before: hit rates of 4% where the trace gives 24%)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)  # expert sizes the kernels take (multiples of 32)
-    AutoModelForCausalLM.from_config(make_config("qwen3_moe", initializer_range=0.1, moe_intermediate_size=64),
-                                     dtype=torch.bfloat16).save_pretrained(tmp_path / "m")
+    path = save_tiny("qwen3_moe", tmp_path / "m", sizes={"moe_intermediate_size": 64})  # sizes the kernels take
     trace = make_trace()
-    with LLM(tmp_path / "m", dtype=torch.bfloat16, progress=False) as llm:
+    with LLM(path, dtype=torch.bfloat16, progress=False) as llm:
         assert any(isinstance(layer, FusedDecodeLayer) for layer in llm.hybrid.model.model.layers)
         traced = trace_workloads(RoutingTraceSpec(str(write_trace_csv(trace, tmp_path / "t.csv"))),
                                  llm.hybrid.spec, 256, 8, 8)
