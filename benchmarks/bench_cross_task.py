@@ -4,8 +4,8 @@ The three ESFT traces of a DeepSeek-V2-Lite-layout model (intent, law, summary; 
 top-6) are split by request: even-numbered requests calibrate, odd-numbered ones are replayed, one token a step.
 For every (calibration task, replayed task) pair, GPU ratio and GPU profile, every policy of `tiermoe bench
 dynamic` is replayed (static strategies, KT dynamic, LRU / LFU caches, adaptive, and the ceilings: Belady with the
-same copy budget, the trace's own static top-k, the per-window oracle), costed with DeepSeek-V2-Lite's experts
-(bf16, from its config.json alone). Same-task pairs calibrate on the other half of the same task.
+same copy budget, the trace's own static top-k, the per-request and per-window oracles), costed with
+DeepSeek-V2-Lite's experts (bf16, from its config.json alone). Same-task pairs calibrate on the other half of the same task.
 
     PYTHONPATH=$PWD python benchmarks/bench_cross_task.py --data ../shared/routing-data/esft-deepseek-v2-lite \
         --out benchmarks/results/cross_task.json --markdown benchmarks/results/cross_task.md \
@@ -52,7 +52,7 @@ TASKS = ("intent", "law", "summary")
 PROFILES = ("rtx4090", "h200")
 STATIC = ("uniform", "front-loading", "random", "frequency", "balanced")
 BASELINES = STATIC + ("kt-dynamic", "lru", "lfu")
-CEILINGS = ("belady", "oracle-static", "oracle-window")
+CEILINGS = ("belady", "oracle-static", "oracle-request", "oracle-window")
 
 
 def select_tokens(trace: dict, keep_N: torch.Tensor) -> dict:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from tiermoe.analysis.dynamic_bench import run_dynamic_bench
 from tiermoe.analysis.trace_replay import replay, trace_passes
+from tiermoe.errors import TiermoeError
 from tiermoe.placement.adaptive_policy import AdaptiveSettings
 from tiermoe.placement.global_topk import generate_gpu_experts_masks
 from tiermoe.placement.metrics import hit_rate
@@ -102,6 +105,47 @@ def test_kt_dynamic_reselects_after_a_large_prefill_only():
     assert kt.swaps_P[1:] == [0] * (passes.num_passes - 1)
     never = replay(passes, "kt-dynamic", 0.25, COST, prefill_threshold=1000)
     assert sum(never.swaps_P) == 0 and never.hit_rate_P[0] < 1.0
+
+
+def requests_in_turn(*traces):
+    """The traces as requests 0, 1, ... served one after another (passes renumbered)."""
+    out, offset = [], 0
+    for r, t in enumerate(traces):
+        out.append(dict(t, token_pass=t["token_pass"] + offset, token_request=torch.full_like(t["token_request"], r)))
+        offset += int(t["token_pass"].max()) + 1
+    return {k: (torch.cat([t[k] for t in out]) if isinstance(v, torch.Tensor) and k != "logical_count" else v)
+            for k, v in out[0].items()}
+
+
+def test_the_per_request_oracle_places_each_request_for_its_own_routing():
+    first, second = make_trace([(40, 1, [0, 1])], seed=6), make_trace([(60, 1, [5, 6])], seed=7)
+    passes = trace_passes(requests_in_turn(first, second))
+    assert passes.request_runs_P.tolist() == [0] * 40 + [1] * 60
+    expected = 0.0
+    for t in (first, second):
+        total = trace_passes(t).total_LE()
+        expected += float((total * generate_gpu_experts_masks(total, 4)).sum())
+    oracle = replay(passes, "oracle-request", 0.25, COST)
+    assert abs(oracle.gpu_pairs - expected) < 1e-9 and oracle.bytes_copied == 0
+    assert oracle.hit_rate > replay(passes, "oracle-static", 0.25, COST).hit_rate + 0.2  # two hot sets, one budget
+    assert replay(passes, "oracle-window", 0.25, COST, window=100).hit_rate == pytest.approx(
+        replay(passes, "oracle-static", 0.25, COST).hit_rate)
+
+
+def test_a_pass_with_other_requests_starts_a_new_oracle_run():
+    trace = make_trace([(4, 2, [0, 1])])
+    trace["token_request"] = torch.tensor([0, 1, 0, 1, 0, 0, 2, 0], dtype=torch.int32)  # {0,1} {0,1} {0} {0,2}
+    assert trace_passes(trace).request_runs_P.tolist() == [0, 0, 1, 2]
+
+
+def test_a_trace_without_its_requests_has_no_per_request_oracle():
+    trace = make_trace([(20, 2, [0, 1])])
+    del trace["token_request"]
+    passes = trace_passes(trace)
+    with pytest.raises(TiermoeError, match="oracle-request needs the trace's requests"):
+        replay(passes, "oracle-request", 0.25, COST)
+    bench = run_dynamic_bench(passes, COST, ratios=(0.25,))
+    assert "oracle-request" not in bench.policies and "oracle-window" in bench.policies
 
 
 def test_bench_dynamic_command_prints_tables(tmp_path):

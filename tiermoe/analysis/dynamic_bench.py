@@ -2,8 +2,8 @@
 
 Static strategies (statistics from a calibration trace or stats file), KT-compatible dynamic, the LRU and LFU
 expert caches (`copy_budget` swaps a pass), adaptive, and the ceilings (Belady with the same copy budget, the
-trace's static top-k, the per-window oracle); per ratio the GPU hit rate, the estimated time (copies charged)
-and the copy traffic.
+trace's static top-k, the per-request and per-window oracles); per ratio the GPU hit rate, the estimated time
+(copies charged) and the copy traffic.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def run_dynamic_bench(passes: TracePasses, cost: PassCostModel, ratios=DEFAULT_R
                       policies=REPLAY_POLICIES, progress=None, copy_budget: int = DEFAULT_COPY_BUDGET,
                       adaptive: AdaptiveSettings | None = None) -> DynamicBenchResult:
     """adaptive: the adaptive policy's settings (default: its defaults with `copy_budget` swaps in flight)."""
-    chosen = [p for p in policies if calibration_LE is not None or p not in NEEDS_STATISTICS]
+    chosen = [p for p in policies if (calibration_LE is not None or p not in NEEDS_STATISTICS)
+              and (passes.request_runs_P is not None or p != "oracle-request")]  # a trace without its requests
     rows = []
     for ratio in ratios:
         for policy in chosen:

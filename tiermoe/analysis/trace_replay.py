@@ -9,8 +9,10 @@ For every pass: GPU hit rate, CPU expert bytes read, bytes copied, swaps, and an
 model (tiermoe.placement.pass_cost: each MoE layer's two tiers, the streamed copies) that also charges the swap
 copies in full (they overlap compute on the GPU, but every byte promoted or demoted also crosses host memory,
 whose bandwidth the CPU tier is bound by). Oracles for comparison: Belady's cache with the same copy budget (it
-knows the future: a ceiling for caches), the static top-k of the trace itself, and the best placement of every
-window of passes (hindsight, copies free: an upper bound).
+knows the future: a ceiling for caches), the static top-k of the trace itself, and two with hindsight and free
+copies (upper bounds): the best placement for the requests running (`oracle-request`: re-chosen whenever a request
+joins or leaves; one request at a time, the per-request oracle), and for every window of passes (`oracle-window`,
+32 by default: it also sees how routing moves within a request).
 Legend: P passes, M MoE layers, E experts, K top-k.
 """
 
@@ -32,7 +34,7 @@ from tiermoe.placement.strategies import STRATEGIES, place
 from tiermoe.stats.sglang_records import from_records, is_records_file
 
 DYNAMIC = ("kt-dynamic", "lru", "lfu", "adaptive", "belady")
-ORACLES = ("belady", "oracle-static", "oracle-window")
+ORACLES = ("belady", "oracle-static", "oracle-request", "oracle-window")
 REPLAY_POLICIES = STRATEGIES + DYNAMIC + ORACLES[1:]
 
 
@@ -45,6 +47,7 @@ class TracePasses:
     moe_layers: tuple[int, ...]
     num_layers: int
     num_experts: int
+    request_runs_P: torch.Tensor | None = None  # int64: runs of passes with the same requests (None: not recorded)
 
     @property
     def num_passes(self) -> int:
@@ -122,11 +125,27 @@ def trace_passes(trace: dict) -> TracePasses:
     flat = (pass_N[:, None, None] * m + torch.arange(m)[None, :, None]) * num_experts + ids_NMK.clamp(min=0)
     counts = torch.bincount(flat[valid], minlength=num_passes * m * num_experts)
     tokens = torch.bincount(pass_N, minlength=num_passes)
+    request_N = trace.get("token_request")
+    runs = None
+    if isinstance(request_N, torch.Tensor) and request_N.shape == pass_N.shape and not (
+            request_N.is_floating_point() or request_N.is_complex()):
+        runs = request_runs(pass_N, request_N.long(), num_passes)
     return TracePasses(
         counts_PME=counts.reshape(num_passes, m, num_experts), tokens_P=tokens,
         prefill_P=torch.bincount(pass_N[prefill_N], minlength=num_passes) > 0,
         decode_tokens_P=torch.bincount(pass_N[~prefill_N], minlength=num_passes),
-        moe_layers=moe_layers, num_layers=num_layers, num_experts=num_experts)
+        moe_layers=moe_layers, num_layers=num_layers, num_experts=num_experts, request_runs_P=runs)
+
+
+def request_runs(pass_N: torch.Tensor, request_N: torch.Tensor, num_passes: int) -> torch.Tensor:
+    """[P] int64: the run each pass belongs to, a new run starting at every pass whose set of requests differs from
+    the previous pass's (passes numbered 0..P-1, every one holding a token)."""
+    request_N = torch.unique(request_N, return_inverse=True)[1]  # 0..R-1: pass x R + request cannot overflow
+    r = int(request_N.max()) + 1
+    pairs = torch.unique(pass_N * r + request_N)  # every (pass, request) once, sorted by pass
+    sets = [x.tolist() for x in torch.split(pairs % r, torch.bincount(pairs // r, minlength=num_passes).tolist())]
+    new_run = [p == 0 or sets[p] != sets[p - 1] for p in range(num_passes)]
+    return torch.cumsum(torch.tensor(new_run, dtype=torch.int64), 0) - 1
 
 
 @dataclass
@@ -168,7 +187,7 @@ def _initial_mask(policy: str, passes: TracePasses, total: int, calibration_LE, 
         return generate_gpu_experts_masks(passes.total_LE(), total)[list(passes.moe_layers)]
     calibrated = "frequency" if calibration_LE is not None else "uniform"
     strategy = {"kt-dynamic": "uniform", "adaptive": calibrated, "lru": calibrated, "lfu": calibrated,
-                "belady": calibrated, "oracle-window": "uniform"}.get(policy, policy)
+                "belady": calibrated, "oracle-window": "uniform", "oracle-request": "uniform"}.get(policy, policy)
     return place(strategy, rows, passes.num_experts, total, calibration_LE, seed)[list(passes.moe_layers)]
 
 
@@ -232,13 +251,13 @@ def replay(trace: dict | TracePasses, policy: str, gpu_ratio: float, cost_model:
 def _replay_static(passes: TracePasses, policy: str, gpu_ratio: float, mask_ME: torch.Tensor,
                    cost_model: PassCostModel, total: int, window: int) -> ReplayResult:
     """A placement that copies nothing: a static strategy, or an oracle (oracle-window re-places for free every
-    `window` passes). All passes at once."""
+    `window` passes, oracle-request at every run of passes with the same requests). All passes at once."""
     num_p = passes.num_passes
     mask_PME = mask_ME[None].expand(num_p, -1, -1).clone()
-    if policy == "oracle-window":
-        for start in range(0, num_p, window):
-            upcoming = passes.counts_PME[start:start + window].sum(dim=0).double()
-            mask_PME[start:start + window] = generate_gpu_experts_masks(upcoming, total)
+    if policy in ("oracle-window", "oracle-request"):
+        for start, end in _oracle_windows(passes, policy, window):
+            upcoming = passes.counts_PME[start:end].sum(dim=0).double()
+            mask_PME[start:end] = generate_gpu_experts_masks(upcoming, total)
     traffic = masked_traffic(passes.counts_PME, mask_PME)
     pairs_P = (traffic.cpu_pairs_PM + traffic.gpu_pairs_PM).sum(-1)
     gpu_pairs_P = traffic.gpu_pairs_PM.sum(-1)
@@ -251,6 +270,19 @@ def _replay_static(passes: TracePasses, policy: str, gpu_ratio: float, mask_ME: 
     result.pairs, result.gpu_pairs = int(pairs_P.sum()), int(gpu_pairs_P.sum())
     result.output_tokens = int(passes.decode_tokens_P.sum()) + int(passes.prefill_P.sum())
     return result
+
+
+def _oracle_windows(passes: TracePasses, policy: str, window: int) -> list[tuple[int, int]]:
+    """The [start, end) pass ranges an oracle places for: every `window` passes, or every run of passes with the
+    same requests."""
+    num_p = passes.num_passes
+    if policy == "oracle-window":
+        return [(start, min(num_p, start + window)) for start in range(0, num_p, window)]
+    if passes.request_runs_P is None:
+        raise TiermoeError("oracle-request needs the trace's requests (token_request, one per token); this trace "
+                           "has none: replay oracle-window instead")
+    ends = torch.cumsum(torch.bincount(passes.request_runs_P), 0).tolist()
+    return list(zip([0] + ends[:-1], ends))
 
 
 def _replay_dynamic(passes: TracePasses, policy: str, gpu_ratio: float, mask_ME: torch.Tensor,
