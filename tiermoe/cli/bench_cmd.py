@@ -72,8 +72,9 @@ def add_parser(sub) -> None:
         "Replay a per_token trace (tiermoe record --mode per_token, or a trace CSV) through every placement policy "
         "at each GPU ratio: the static strategies, KT's dynamic update, LRU and LFU expert caches (--copy-budget "
         "swaps a step), adaptive, and the ceilings (Belady with the same copy budget, the trace's own static top-k, "
-        "the per-request and per-window oracles): hit rate (measured on the trace), estimated time and tokens/s (cost model; copies "
-        "charged in full), copy traffic. Static strategies take their statistics from --calibration.",
+        "the per-request and per-window oracles): hit rate (measured on the trace), estimated time and tokens/s "
+        "(cost model; copies charged in full), copy traffic. Static strategies take their statistics from "
+        "--calibration.",
         "tiermoe bench dynamic --trace held_out.pt --calibration calib.pt",
         "tiermoe bench dynamic --trace t.pt --calibration c.pt --ratios 0.1,0.25,0.5 --gpu-profile h200 --json",
         "tiermoe bench dynamic --trace law.csv --calibration intent_heat.csv --model DeepSeek-V2-Lite/config.json",
