@@ -5,7 +5,8 @@ top-6) are split by request: even-numbered requests calibrate, odd-numbered ones
 For every (calibration task, replayed task) pair, GPU ratio and GPU profile, every policy of `tiermoe bench
 dynamic` is replayed (static strategies, KT dynamic, LRU / LFU caches, adaptive, and the ceilings: Belady with the
 same copy budget, the trace's own static top-k, the per-request and per-window oracles), costed with
-DeepSeek-V2-Lite's experts (bf16, from its config.json alone). Same-task pairs calibrate on the other half of the same task.
+DeepSeek-V2-Lite's experts (bf16, from its config.json alone). Same-task pairs calibrate on the other half of the
+same task.
 
     PYTHONPATH=$PWD python benchmarks/bench_cross_task.py --data ../shared/routing-data/esft-deepseek-v2-lite \
         --out benchmarks/results/cross_task.json --markdown benchmarks/results/cross_task.md \

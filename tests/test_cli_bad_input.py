@@ -229,6 +229,8 @@ def _trace(**changes):
     (_trace(topk_ids=torch.tensor([[[1, 2], [1, 2]], [[0, 3], [1, 2]]])), "moe_layers"),
     (_trace(token_pass=torch.tensor([0, 1, 2])), "token_pass"),
     (_trace(token_pass=torch.tensor([0.5, 1.0])), "token_pass"),
+    (_trace(token_request=torch.tensor([0, 1, 2])), "token_request"),
+    (_trace(token_request=torch.tensor([0.5, 1.0])), "token_request"),
     (_trace(moe_layers=[5]), "moe_layers"),
     (_trace(num_experts="four"), "num_experts"),
     (_trace(num_experts=-4), "num_experts"),

@@ -82,14 +82,17 @@ def _count(trace: dict, key: str) -> int:
     return value
 
 
-def _checked_trace(trace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...], int, int]:
-    """The fields replay reads, each checked against the format (a file that is not a trace is one line)."""
+def _checked_trace(trace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, ...],
+                                   int, int]:
+    """The fields replay reads, each checked against the format (a file that is not a trace is one line);
+    token_request may be missing (None: no per-request oracle)."""
     if not isinstance(trace, dict):
         raise TiermoeError(f"not a per_token trace: the file holds a {type(trace).__name__}, not a dict; {RECORD_ONE}")
     try:
         pass_N = _tensor(trace, "token_pass", 1).long()
         ids_NMK = _tensor(trace, "topk_ids", 3).long()
         prefill_N = _tensor(trace, "token_is_prefill", 1, integer=False).bool()
+        request_N = _tensor(trace, "token_request", 1).long() if "token_request" in trace else None
         layers = trace["moe_layers"]
         num_layers, num_experts = _count(trace, "num_layers"), _count(trace, "num_experts")
     except KeyError as err:
@@ -99,23 +102,24 @@ def _checked_trace(trace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tup
     except (TypeError, ValueError):
         raise TiermoeError("not a per_token trace: moe_layers must be a list of layer indices") from None
     n, m = ids_NMK.shape[0], ids_NMK.shape[1]
-    if pass_N.shape[0] != n or prefill_N.shape[0] != n:
+    if pass_N.shape[0] != n or prefill_N.shape[0] != n or (request_N is not None and request_N.shape[0] != n):
+        rows = "" if request_N is None else f", token_request [{request_N.shape[0]}]"
         raise TiermoeError(f"not a per_token trace: token_pass [{pass_N.shape[0]}], token_is_prefill "
-                           f"[{prefill_N.shape[0]}] and topk_ids [{n}, ...] must have one row per token")
+                           f"[{prefill_N.shape[0]}]{rows} and topk_ids [{n}, ...] must have one row per token")
     if len(moe_layers) != m or any(not 0 <= layer < num_layers for layer in moe_layers):
         raise TiermoeError(f"not a per_token trace: moe_layers {list(moe_layers)[:8]} must name topk_ids' {m} MoE "
                            f"layers, each in 0..{num_layers - 1}")
     if n and (int(ids_NMK.min()) < -1 or int(ids_NMK.max()) >= num_experts):
         raise TiermoeError(f"not a per_token trace: topk_ids hold {int(ids_NMK.min())}..{int(ids_NMK.max())}; "
                            f"expected expert ids 0..{num_experts - 1} (or -1)")
-    return pass_N, ids_NMK, prefill_N, moe_layers, num_layers, num_experts
+    return pass_N, ids_NMK, prefill_N, request_N, moe_layers, num_layers, num_experts
 
 
 def trace_passes(trace: dict) -> TracePasses:
     """Per-pass routing of a per_token trace (tiermoe.stats.traces format, or SGLang's per_token records)."""
     if is_records_file(trace):
         trace = from_records(trace, "the trace")
-    pass_N, ids_NMK, prefill_N, moe_layers, num_layers, num_experts = _checked_trace(trace)
+    pass_N, ids_NMK, prefill_N, request_N, moe_layers, num_layers, num_experts = _checked_trace(trace)
     if pass_N.numel() == 0:
         raise TiermoeError("the trace holds no tokens")
     # passes numbered 0.. in order; a recorded trace has no gaps, and a forged one cannot make the tables huge
@@ -125,11 +129,7 @@ def trace_passes(trace: dict) -> TracePasses:
     flat = (pass_N[:, None, None] * m + torch.arange(m)[None, :, None]) * num_experts + ids_NMK.clamp(min=0)
     counts = torch.bincount(flat[valid], minlength=num_passes * m * num_experts)
     tokens = torch.bincount(pass_N, minlength=num_passes)
-    request_N = trace.get("token_request")
-    runs = None
-    if isinstance(request_N, torch.Tensor) and request_N.shape == pass_N.shape and not (
-            request_N.is_floating_point() or request_N.is_complex()):
-        runs = request_runs(pass_N, request_N.long(), num_passes)
+    runs = request_runs(pass_N, request_N, num_passes) if request_N is not None else None
     return TracePasses(
         counts_PME=counts.reshape(num_passes, m, num_experts), tokens_P=tokens,
         prefill_P=torch.bincount(pass_N[prefill_N], minlength=num_passes) > 0,
