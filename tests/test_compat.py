@@ -39,6 +39,7 @@ def test_toy_example_prints_the_documented_mask():
     assert "layer 1 expert 2: cuda:0" in out and "layer 0 expert 0: cpu" in out
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("arch", ARCHS)
 def test_arch_config_paths_resolve_on_the_real_module_tree(arch, tiny_dir):
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -32,6 +32,7 @@ def chat_model(tmp_path_factory):
     return path
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next"])
 def test_batched_greedy_equals_alone_equals_transformers(arch, tiny_dir):
     path = tiny_dir(arch)
@@ -150,6 +151,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_without_stalling_decodes(tiny_dir)
         assert steps == -(-97 // 8)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("arch", ["olmoe", "qwen3_next"])
 def test_a_full_pool_preempts_and_seeded_runs_give_the_unconstrained_tokens(arch, tiny_dir):
     prompts = [[5] * 7, [6, 7, 8], [9] * 5]

@@ -29,6 +29,7 @@ def eager_adaptive():
         half_life_tokens=8, replan_every=1, margin=0.0, max_swaps_in_flight=2))
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_outputs_stay_exact_while_experts_move(arch, tiny_dir):
     path = tiny_dir(arch)

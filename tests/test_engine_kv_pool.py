@@ -30,6 +30,7 @@ def _prompt(n: int, salt: int) -> list[int]:
     return [3 + (7 * i + 11 * salt) % 240 for i in range(n)]
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("arch", ARCHS)
 def test_eight_sequences_in_one_forward_per_step_equal_transformers(arch, tiny_dir):
     path = tiny_dir(arch)

@@ -20,6 +20,7 @@ def _second_turn(first) -> list[int]:
     return FIRST_TURN + first.token_ids + [7, 8, 9, 10, 11]
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
 def test_a_second_turn_reuses_the_first_turns_pages_and_gives_the_same_tokens(arch, tiny_dir):
     with LLM(tiny_dir(arch), dtype=torch.float32, page_size=4, prefix_cache=False, progress=False) as llm:

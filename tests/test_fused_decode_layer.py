@@ -78,6 +78,7 @@ def per_op(monkeypatch):
     monkeypatch.setattr(loader, "fuse_decode_layers", lambda model, kernels: 0)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_a_fused_decode_step_is_bit_for_bit_the_per_op_path(arch, checkpoint, monkeypatch):
     path = checkpoint(arch)

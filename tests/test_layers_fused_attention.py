@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(load_kernels() is None, reason="the CPU kernels 
 FP32_TOL = 2e-5
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
 def test_decode_steps_of_fused_attention_equal_transformers(arch, tiny_dir):
     path = tiny_dir(arch)

@@ -49,6 +49,7 @@ def norm_inputs(n: int, dtype: torch.dtype, g: torch.Generator) -> list[torch.Te
             rand(1, NATIVE_MAX_ROWS + 6, n)]
 
 
+@pytest.mark.exactness
 @needs_ops
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_rms_norm_of_every_architecture_is_fused_bit_for_bit(arch):
@@ -141,6 +142,7 @@ def router_cases(arch: str):
             {experts: 128, "num_experts_per_tok": 8, **renorm[1]}, {experts: 512, "num_experts_per_tok": 10}]
 
 
+@pytest.mark.exactness
 @needs_ops
 @pytest.mark.parametrize("arch", ROUTER_ARCHS)
 def test_every_softmax_top_k_router_is_fused_bit_for_bit_ties_included(arch):
@@ -171,6 +173,7 @@ GROUPED_CASES = {  # (config overrides, the routers' names of the expert count)
 }
 
 
+@pytest.mark.exactness
 @needs_ops
 @pytest.mark.parametrize("arch", tuple(GROUPED_CASES))
 def test_every_grouped_router_is_fused_bit_for_bit_in_torch_order(arch):
@@ -269,6 +272,7 @@ def test_a_decode_step_dispatches_fewer_ops_per_layer_by_what_was_fused(tiny_dir
     assert [o - f for o, f in zip(original, fused)] == expected
 
 
+@pytest.mark.exactness
 @needs_ops
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_loaded_model_computes_the_same_logits_fused_as_transformers_modules(tiny_dir, monkeypatch, arch):

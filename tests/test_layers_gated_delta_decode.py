@@ -25,6 +25,8 @@ from tiermoe.layers.linear_attention_slots import LinearStateSlots, SlotStates
 from tiermoe.testing.op_counter import OpCounter
 from tiermoe.testing.presets import make_config
 
+pytestmark = pytest.mark.exactness  # transformers' own gated delta rule is the reference
+
 KERNELS = load_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the CPU kernels are not built here")
 BF16_STEPS = 2 * 2 ** -8  # two bf16 steps, relative to the largest value

@@ -18,6 +18,7 @@ def input_ids(vocab: int = 256) -> torch.Tensor:
     return torch.randint(3, vocab, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("arch", ARCHS)
 def test_any_mask_gives_reference_logits(arch, tiny_dir):
     path = tiny_dir(arch)
@@ -32,6 +33,7 @@ def test_any_mask_gives_reference_logits(arch, tiny_dir):
             assert rel_err(hybrid(input_ids=ids).logits, ref) < FP32_TOL, kind
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("arch", ARCHS)
 def test_routed_experts_matter_so_the_comparison_can_fail(arch, tiny_dir):
     """Zeroing one tier's experts must move the logits far beyond the tolerance used above."""
@@ -45,6 +47,7 @@ def test_routed_experts_matter_so_the_comparison_can_fail(arch, tiny_dir):
         assert rel_err(hybrid(input_ids=ids).logits, ref) > 100 * FP32_TOL
 
 
+@pytest.mark.exactness
 def test_special_routers_are_exact(tiny_dir):
     """DeepSeek-V3 with n_group > 1 and topk_group > 1, Qwen2-MoE's shared-expert gate, GPT-OSS biases and clamp."""
     v3 = detect(load_config(tiny_dir("deepseek_v3")))
@@ -132,6 +135,7 @@ def test_tier_bytes_equal_the_mask_share(tiny_dir):
         assert tb.non_expert + tb.gpu_experts + tb.cpu_experts == ref_bytes
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss"])
 def test_tier_swap_keeps_logits_exact_and_releases_the_source(arch, tiny_dir):
     """The CPU tier releases what it gives up; the GPU tier's pool keeps a demoted expert's slot for the next

@@ -132,6 +132,7 @@ def test_only_long_chunks_over_a_short_past_expand_it():
     assert not attend_expanded(512, 8192, **v3)  # 896 MiB: attends from the latent, in blocks of queries
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_chunked_prefill_and_batched_decode_logits_equal_transformers(name, variant_dir):
     path = variant_dir(name)
@@ -164,6 +165,7 @@ def test_chunked_prefill_and_batched_decode_logits_equal_transformers(name, vari
             assert k_slots.shape[1:] == (1, cfg.kv_lora_rank) and v_slots.shape[1:] == (1, cfg.qk_rope_head_dim)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("kind", MASKS)
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
 def test_greedy_alone_and_batched_equal_transformers_for_every_placement(arch, kind, tiny_dir, reference_greedy):

@@ -98,6 +98,7 @@ def test_a_batched_decode_runs_the_head_once_on_its_rows(tmp_path):
         assert _head_inputs(events) == [[2, 64]]
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("arch", ARCHS)
 def test_last_row_logits_equal_transformers(arch, tiny_dir):
     """The head on the last row of a 3-token prompt (a strided slice) and on every row: transformers' logits."""

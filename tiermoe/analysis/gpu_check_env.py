@@ -2,7 +2,7 @@
 
 The device machine's image brings its own torch and transformers (2.11 and 5.17 when last read); tiermoe has
 never been imported there. So: the versions actually imported (the carried wheels must win over the image's),
-transformers at least our floor, every tiermoe module importable on this torch (an API newer than it fails
+transformers in the range we test (pyproject.toml), every tiermoe module importable on this torch (an API newer than it fails
 here, not halfway through a check), the C++ CPU kernels built with this machine's compiler and right on every
 instruction set its CPU has (a server CPU may have AMX, which no developer's machine had), and CUDA itself:
 a bf16 matrix product against the CPU's, a pinned buffer, a copy there and back.
@@ -22,6 +22,7 @@ from packaging.version import Version
 
 import tiermoe
 from tiermoe.analysis.gpu_check_plan import NOT_CARRIED, CheckContext
+from tiermoe.arch.transformers_version import declared_range
 from tiermoe.experts.ffn import ExpertActivation, routed_experts_forward
 from tiermoe.experts.kernels import ISA_NAMES, supported_isa
 from tiermoe.experts.native import NativeCPUExperts
@@ -29,7 +30,6 @@ from tiermoe.experts.threads import default_threads
 from tiermoe.experts.tiers import CPUWorker
 from tiermoe.experts.weights import ExpertWeights
 
-MIN_TRANSFORMERS = "5.20"  # pyproject.toml's floor
 KERNEL_TOLERANCE = 2e-2  # bf16 activations (AMX, AVX512-BF16): the unit tests' bound
 
 
@@ -37,8 +37,10 @@ def check_environment(ctx: CheckContext) -> dict:
     result = {"torch": torch.__version__, "torch_file": torch.__file__, "transformers": transformers.__version__,
               "transformers_file": transformers.__file__, "tiermoe_file": tiermoe.__file__}
     problems = []
-    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
-        problems.append(f"transformers {transformers.__version__} < {MIN_TRANSFORMERS} (the wheels were not used?)")
+    tested = declared_range()
+    if tested is None or not tested.contains(Version(transformers.__version__), prereleases=True):
+        problems.append(f"transformers {transformers.__version__} is outside the tested range {tested} (the wheels "
+                        "were not used?)")
     imports = import_every_module()
     result["imports"] = imports
     if imports["failed"]:

@@ -36,6 +36,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tiermoe.arch import detect, load_config
+from tiermoe.arch.transformers_version import check_transformers_for
 from tiermoe.checkpoint.expert_cache import ExpertCache, find_cache
 from tiermoe.checkpoint.fp8 import FP8Linear, fp8_block_size, is_block_fp8, scale_name
 from tiermoe.checkpoint.safetensors import Checkpoint
@@ -144,6 +145,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         cpu, cache = _usable_cache(cache, cpu, lora)
     config = load_config(model_dir)
     spec = detect(config)
+    check_transformers_for(spec.model_type)
     if cpu.deferred_experts > spec.top_k:
         raise TiermoeError(f"--kt-max-deferred-experts-per-token {cpu.deferred_experts}: this model routes each token "
                            f"to {spec.top_k} experts, so at most {spec.top_k} can be deferred (0 keeps outputs exact)")
