@@ -16,6 +16,7 @@ from tiermoe.cli.serve_http import build_state, serve, show_tiermoe_logs
 from tiermoe.cli.serve_ranks import leave_on_rank_failure, serve_rank, serve_with_local_ranks
 from tiermoe.cli.sglang_flags import report_ignored
 from tiermoe.distributed.group import RankEnv, check_local_ranks, check_world
+from tiermoe.engine.device_errors import DeviceLostError
 from tiermoe.errors import TiermoeError
 from tiermoe.placement.plan import PlacementPlan
 from tiermoe.server.engine_service import StuckStepError
@@ -75,6 +76,7 @@ def run(args) -> int:
     try:
         serve(state)
     finally:
-        if not isinstance(state.service.fatal_error, StuckStepError):  # a stuck step still holds the model
+        # a stuck step still holds the model; a poisoned GPU context fails every call, a close's included
+        if not isinstance(state.service.fatal_error, (StuckStepError, DeviceLostError)):
             state.llm.close()
     return 0

@@ -44,6 +44,7 @@ from tiermoe.engine.logprobs import logprobs_at
 from tiermoe.engine.pool_size import auto_pool_tokens
 from tiermoe.engine.sampling import SamplingParams, new_generator, sample
 from tiermoe.engine.sequence import Sequence
+from tiermoe.engine.device_errors import device_lost, sticky_device_error
 from tiermoe.engine.step_isolation import forward_isolating
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.threads import torch_threads
@@ -255,6 +256,9 @@ class Engine:
                     continue
                 self._next_token(seq, logits[i][-1])
             except Exception as err:  # noqa: BLE001 - this sequence's scoring, sampling or stop check: it alone fails
+                sticky = sticky_device_error(err)  # an asynchronous CUDA fault surfaces at the sampler's sync
+                if sticky is not None:
+                    raise device_lost(sticky) from err
                 self._fail(seq, err)
             produced.append(seq)
             if seq.finished and seq in self.running:

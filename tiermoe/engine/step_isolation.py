@@ -5,6 +5,9 @@ or fails alone. This does not depend on how the step's forward batches its seque
 fails as a whole and is split here. Re-running needs nothing rolled back: a forward writes K/V only at positions
 its sequences have not fed yet (a re-run writes them again), and linear-attention states are committed only when
 the forward succeeds (tiermoe.layers.linear_attention_slots).
+
+A sticky device error (tiermoe.engine.device_errors) is not bisected: every re-run on a poisoned CUDA context fails
+the same way and would blame every sequence. It is raised at once as a fatal DeviceLostError.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from tiermoe.engine.device_errors import device_lost, sticky_device_error
 from tiermoe.engine.sequence import Sequence
 
 Forward = Callable[[list[Sequence], list[list[int]]], list[torch.Tensor]]
@@ -20,7 +24,8 @@ Forward = Callable[[list[Sequence], list[list[int]]], list[torch.Tensor]]
 
 def forward_isolating(forward: Forward, batch: list[Sequence],
                       inputs: list[list[int]]) -> tuple[list[torch.Tensor | None], dict[int, BaseException]]:
-    """`forward(batch, inputs)` -> (each sequence's logits, {index: error} of the sequences that failed)."""
+    """`forward(batch, inputs)` -> (each sequence's logits, {index: error} of the sequences that failed).
+    Raises DeviceLostError (fatal) on a sticky device error, without re-running anything."""
     logits: list[torch.Tensor | None] = [None] * len(batch)
     errors: dict[int, BaseException] = {}
 
@@ -31,6 +36,9 @@ def forward_isolating(forward: Forward, batch: list[Sequence],
             return
         except Exception as err:  # noqa: BLE001 - found below: which sequence(s) it belongs to
             failure = err
+        sticky = sticky_device_error(failure)
+        if sticky is not None:
+            raise device_lost(sticky) from failure
         if len(rows) == 1:
             errors[rows[0]] = failure
             return

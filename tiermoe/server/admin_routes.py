@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from tiermoe.errors import TiermoeError
 from tiermoe.server.error_format import api_error
@@ -19,6 +19,11 @@ def _state(request: Request) -> ServerState:
 
 @router.get("/health")
 async def health(request: Request):
+    """200 while requests can be served; 503 once the engine stopped for good (a supervisor restarts us)."""
+    service = _state(request).service
+    if not service.healthy:
+        error = service.fatal_error or "the engine thread is not running"
+        return JSONResponse({"status": "error", "error": str(error)}, status_code=503)
     return {"status": "ok"}
 
 

@@ -6,9 +6,11 @@ between steps, and read token events from a per-request asyncio queue that the e
 
 A sequence that fails inside a step (the engine isolates it: tiermoe.engine.engine) ends its request with an
 error event; the others go on. A step that fails as a whole fails its requests and the service goes on, unless
-the error is fatal (`fatal = True` somewhere in
-its cause chain, e.g. a rank of a multi-rank run died): then every request fails, the engine thread stops, and
-`on_fatal(err)` lets the server exit with that error instead of serving from a broken process group.
+the error is fatal (`fatal = True` somewhere in its cause chain, e.g. a rank of a multi-rank run died; or a sticky
+CUDA error, tiermoe.engine.device_errors): then every request fails, the engine thread stops, and `on_fatal(err)`
+lets the server exit with that error instead of serving from a broken process group or a poisoned GPU. An error
+that escapes the engine thread's loop anywhere else (emitting a token, applying a command) takes the same exit:
+a dead engine thread must not leave a server that answers /health and never replies. `healthy` says which.
 
 `--watchdog-timeout S` (SGLang's flag): a step that runs longer than S seconds (a hung kernel, a deadlocked CPU
 tier) is treated the same way, from a watchdog thread, since the stuck engine thread cannot notice it itself: one
@@ -25,6 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from tiermoe.engine.device_errors import device_lost, sticky_device_error
 from tiermoe.engine.logprobs import TokenLogprob
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.engine.sequence import Sequence
@@ -37,6 +40,12 @@ log = logging.getLogger(__name__)
 
 class StuckStepError(TiermoeError):
     """An engine step ran past --watchdog-timeout: the engine cannot be trusted to go on."""
+
+    fatal = True
+
+
+class EngineThreadDied(TiermoeError):
+    """An error escaped the engine thread's loop: nothing would serve the requests."""
 
     fatal = True
 
@@ -146,8 +155,21 @@ class EngineService:
     def running(self) -> int:
         return len(self.engine.running)
 
+    @property
+    def healthy(self) -> bool:
+        """Whether requests can still be served: the engine thread runs and has not stopped for good."""
+        return self.fatal_error is None and self._thread.is_alive()
+
     # --- the engine thread ------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve_steps()
+        except Exception as err:  # noqa: BLE001 - the one exit path: fail every request, let the server exit
+            log.error("the engine thread stopped: %s: %s", type(err).__name__, err, exc_info=err)
+            self._stop_for_good(EngineThreadDied(f"the engine thread stopped ({type(err).__name__}: {err}); "
+                                                 "every request in flight failed"))
+
+    def _serve_steps(self) -> None:
         while not self._stop.is_set():
             self._apply_commands(block=not self.engine.has_work())
             if not self.engine.has_work():
@@ -277,7 +299,11 @@ class EngineService:
 
 
 def _fatal(err: BaseException | None) -> BaseException | None:
-    """The error in `err`'s cause chain that marks the engine unusable (`fatal = True`), if any."""
+    """The error in `err`'s cause chain that marks the engine unusable (`fatal = True`, or a sticky device error
+    raised outside the step's isolation), if any."""
+    sticky = sticky_device_error(err) if err is not None else None
+    if sticky is not None and not getattr(err, "fatal", False):
+        return device_lost(sticky)
     seen = set()
     while err is not None and id(err) not in seen:
         if getattr(err, "fatal", False):
