@@ -28,7 +28,21 @@ GOOD_BODIES = {
     "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 2}},
     "/api/chat": {"messages": [{"role": "user", "content": "hi"}], "stream": False, "options": {"num_predict": 2}},
     "/api/generate": {"prompt": "hi", "stream": False, "options": {"num_predict": 2}},
+    "/v1/messages": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
 }
+
+
+def error_of(path: str, r) -> tuple[str | None, str]:
+    """(error type, message) of an error response in its API's format: Ollama's a string (no type), Anthropic's
+    {"type": "error", "error": {"type", "message"}}, OpenAI's and SGLang's an object whose code is the status."""
+    body = r.json()
+    if path.startswith("/api/"):
+        return None, body["error"]
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        return body["error"]["type"], body["error"]["message"]
+    assert body["error"]["code"] == r.status_code, body
+    return body["error"]["type"], body["error"]["message"]
 
 
 @contextmanager

@@ -46,10 +46,12 @@ def _fill_then_refuse(url: str, state) -> list[httpx.Response]:
         assert r.headers["retry-after"] == "1"
         message = "the server is busy: 3 requests are running or queued (--max-running-requests 2 + " \
                   "--max-queued-requests 1); retry after 1 s"
-        if not path.startswith("/api/"):  # OpenAI and SGLang: an error object; Ollama: a string
-            assert r.json() == {"error": {"message": message, "type": "server_error", "param": None, "code": 503}}
-        else:
+        if path.startswith("/api/"):  # Ollama: a string; Anthropic: its error shape; OpenAI, SGLang: an object
             assert r.json() == {"error": message}
+        elif path.startswith("/v1/messages"):
+            assert r.json() == {"type": "error", "error": {"type": "overloaded_error", "message": message}}
+        else:
+            assert r.json() == {"error": {"message": message, "type": "server_error", "param": None, "code": 503}}
     for t in threads:
         t.join()
     return answers

@@ -86,7 +86,10 @@ def check_answer(client: httpx.Client, path: str, body: dict) -> None:
     assert r.status_code < 500, (path, body, r.status_code, text[:500])
     assert "Traceback" not in text
     if r.status_code == 200 and "event-stream" in r.headers.get("content-type", ""):
-        assert text.rstrip().endswith("data: [DONE]"), (path, body, text[-300:])
+        last = text.rstrip().splitlines()[-1]
+        ends = ('data: {"type": "message_stop"}', 'data: {"type": "error"') if path.startswith("/v1/messages") \
+            else ("data: [DONE]",)
+        assert last.startswith(ends), (path, body, text[-300:])
     elif r.status_code == 200 and "ndjson" in r.headers.get("content-type", ""):
         assert json.loads(text.strip().splitlines()[-1])["done"] is True, (path, body, text[-300:])
 

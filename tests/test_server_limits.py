@@ -8,12 +8,12 @@ import threading
 
 import httpx
 import pytest
-from server_thread import GOOD_BODIES, server_thread
+from server_thread import GOOD_BODIES, error_of, server_thread
 
 LIMIT = 16 << 10
 ENDPOINTS = GOOD_BODIES
 TOKENIZING = {"/v1/chat/completions": "chat_prompt_ids", "/v1/completions": "encode", "/generate": "encode",
-              "/api/chat": "chat_prompt_ids", "/api/generate": "chat_prompt_ids"}
+              "/api/chat": "chat_prompt_ids", "/api/generate": "chat_prompt_ids", "/v1/messages": "chat_prompt_ids"}
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,7 @@ def _with_text(path: str, text: str) -> dict:
 
 def _assert_format(path: str, r: httpx.Response, status: int, fragment: str) -> None:
     assert r.status_code == status, r.text
-    error = r.json()["error"]
-    message = error if path.startswith("/api/") else error["message"]  # Ollama: a string; OpenAI, SGLang: an object
+    _, message = error_of(path, r)
     assert fragment in message, message
 
 

@@ -421,9 +421,9 @@ class Engine:
             return
         if params.stop:
             text = self.detokenize(seq.output_ids)
-            ends = [text.find(s) for s in params.stop if s in text]
+            ends = [(text.find(s), s) for s in params.stop if s in text]
             if ends:
-                seq.stop_text_end = min(ends)
+                seq.stop_text_end, seq.stop_string = min(ends)
                 seq.finish_reason = "stop"
                 return
         if len(seq.output_ids) >= params.max_tokens:

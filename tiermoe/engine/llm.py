@@ -157,11 +157,16 @@ class LLM:
         prompts = [self.chat_prompt_ids(c) for c in conversations]
         return self.generate(prompts, sampling)
 
-    def chat_prompt_ids(self, conversation: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def chat_prompt_ids(self, conversation: list[dict], tools: list[dict] | None = None,
+                        continue_final: bool = False, template_kwargs: dict | None = None) -> list[int]:
         """The conversation through the chat template, with `tools` (OpenAI's function list) for templates that
-        show them."""
+        show them. `continue_final`: the reply continues the conversation's last (assistant) message rather than
+        starting a new one. `template_kwargs`: variables the template reads (e.g. `enable_thinking`)."""
         extra = {"tools": tools} if tools else {}
-        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, **extra)
+        if continue_final:
+            extra["continue_final_message"] = True
+        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=not continue_final, tokenize=True,
+                                                 **extra, **(template_kwargs or {}))
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)

@@ -29,6 +29,7 @@ class Sequence:
     preemptions: int = 0  # times the pool took its pages back (it then recomputed them)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_text_end: int | None = None  # where the returned text ends when a stop string matched
+    stop_string: str | None = None  # the stop string that matched first
     error: str | None = None  # finish_reason "error": what failed, one line
     error_from_request: bool = False  # the error is the request's own fault (a TiermoeError): a 4xx, not a 5xx
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id (params.logprobs set)

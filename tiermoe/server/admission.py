@@ -18,7 +18,8 @@ from __future__ import annotations
 from tiermoe.server.error_format import api_error
 from tiermoe.server.metrics import ServerMetrics
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate", "/api/chat", "/api/generate"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate", "/api/chat", "/api/generate",
+                              "/v1/messages"})
 # A slot frees whenever any running request ends, and a refusal costs the server nothing: clients may come back
 # soon. Waiting longer is their choice (the openai client backs off further on repeated refusals).
 RETRY_AFTER_S = 1

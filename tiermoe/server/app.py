@@ -12,7 +12,14 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tiermoe.errors import TiermoeError
-from tiermoe.server import admin_routes, completion_routes, ollama_routes, openai_routes, sglang_routes
+from tiermoe.server import (
+    admin_routes,
+    anthropic_routes,
+    completion_routes,
+    ollama_routes,
+    openai_routes,
+    sglang_routes,
+)
 from tiermoe.server.admission import AdmissionMiddleware
 from tiermoe.server.error_format import api_error
 from tiermoe.server.generation import GenerationFailed
@@ -31,7 +38,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="tiermoe", lifespan=lifespan)
     app.state.tiermoe = state
-    for module in (openai_routes, completion_routes, sglang_routes, ollama_routes, admin_routes):
+    for module in (openai_routes, completion_routes, anthropic_routes, sglang_routes, ollama_routes, admin_routes):
         app.include_router(module.router)
 
     # Each middleware added wraps the ones before it: admission is the innermost (a request refused for its
@@ -43,10 +50,12 @@ def create_app(state: ServerState) -> FastAPI:
     async def check_api_key(request: Request, call_next):
         key = state.config.api_key
         if key and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            # Anthropic's clients send the key as x-api-key, everyone else's as a bearer token: the same key
+            given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix(
+                "Bearer ").strip()
             if not hmac.compare_digest(given.encode(), key.encode()):
-                return api_error(request.url.path, 401,
-                                 "missing or wrong API key (send 'Authorization: Bearer KEY')", "authentication_error")
+                return api_error(request.url.path, 401, "missing or wrong API key (send 'Authorization: Bearer KEY' "
+                                 "or 'x-api-key: KEY')", "authentication_error")
         return await call_next(request)
 
     app.add_middleware(OriginCheck, config=state.config, open_paths=OPEN_PATHS)

@@ -65,6 +65,7 @@ class Event:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None
     status: int | None = None
+    stop_string: str | None = None  # on the last event: the stop string the answer ended before, if one did
 
     @property
     def error_status(self) -> int:
@@ -247,7 +248,8 @@ class EngineService:
         text = handle.stream.delta(seq.output_ids, seq.finished, seq.stop_text_end) if handle.stream else ""
         prompt_scores = list(seq.prompt_logprobs) if first and seq.params.prompt_logprobs is not None else None
         handle.push(Event(text, new_ids, seq.finish_reason, error=seq.error, client_error=seq.error_from_request,
-                          logprobs=seq.output_logprobs[sent:], prompt_logprobs=prompt_scores))
+                          logprobs=seq.output_logprobs[sent:], prompt_logprobs=prompt_scores,
+                          stop_string=seq.stop_string))
         if seq.finished:
             self._finish(handle)
             if seq.error is not None:

@@ -37,6 +37,7 @@ class Collected:
     finish_reason: str
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked
     prompt_logprobs: list[TokenLogprob] | None = None  # when asked
+    stop_string: str | None = None  # the stop string the answer ended before, if one did
 
 
 async def stream_events(state: ServerState, request: Request, prompt_ids: list[int],
@@ -97,6 +98,7 @@ async def collect(state: ServerState, request: Request, prompt_ids: list[int], p
         out.logprobs += event.logprobs
         out.prompt_logprobs = event.prompt_logprobs if event.prompt_logprobs is not None else out.prompt_logprobs
         out.finish_reason = event.finish_reason or out.finish_reason
+        out.stop_string = event.stop_string or out.stop_string
     return out
 
 
