@@ -14,6 +14,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # Triton kernels run on the CPU under Triton's interpreter (set before import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tiermoe.testing.presets import TINY, make_config
 
 ARCHS = tuple(TINY)

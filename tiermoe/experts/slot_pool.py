@@ -9,13 +9,20 @@ The pool is sized once at load for the experts the placement puts on this device
 a slot (its memory stays in the pool, for the next promotion), a promotion takes the free slot nearest its
 layer's others (so a layer's slots stay a short window of the pool; see SlottedExpertSet). Only a placement
 that puts more experts on the GPU than the pool was sized for grows it, by copying it. `nbytes` is the whole
-pool, what the device really holds. Legend: S slots.
+pool, what the device really holds. Which kernel computes over the slots is chosen once per activation dtype
+(tiermoe.experts.gpu_tier_kernel). Legend: S slots.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tiermoe.experts import triton_grouped
+from tiermoe.experts.gpu_tier_kernel import (
+    KernelChoice,
+    choose_kernel,
+    device_capability,
+)
 from tiermoe.experts.weights import ExpertWeights
 
 Fields = list[torch.Tensor | None]  # gate_up, down, gate_up_bias, down_bias (None: the model has no such tensor)
@@ -26,15 +33,18 @@ def weight_fields(w: ExpertWeights) -> Fields:
 
 
 class ExpertSlotPool:
-    """Stacked expert slots on `device`: stacks[f] is [S, ...] for each ExpertWeights field f."""
+    """Stacked expert slots on `device`: stacks[f] is [S, ...] for each ExpertWeights field f. `kernel` forces
+    the GPU tier's kernel ("grouped_mm", "triton", "per_expert"; tests run the Triton one on the CPU under
+    Triton's interpreter), None chooses it by the device."""
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, kernel: str | None = None):
         self.device = torch.device(device)
         self.stacks: Fields | None = None
         self._free: list[int] = []  # ascending
         self._reserved = 0
         self._users: list = []  # the tiers whose views must follow when the pool grows
-        self._grouped: dict[torch.dtype, bool] = {}  # dtype -> whether torch._grouped_mm takes these stacks
+        self._forced = kernel
+        self._kernels: dict[torch.dtype, KernelChoice] = {}  # activation dtype -> the kernel chosen for it
 
     @property
     def capacity(self) -> int:
@@ -88,11 +98,22 @@ class ExpertSlotPool:
         """The stacks' slots [lo, hi), as views (contiguous: what a grouped GEMM takes)."""
         return [None if s is None else s[lo:hi] for s in self.stacks]
 
-    def grouped_mm_runs(self, dtype: torch.dtype) -> bool:
-        """Whether torch._grouped_mm takes these stacks for activations of `dtype` (probed once per dtype)."""
-        if dtype not in self._grouped:
-            self._grouped[dtype] = _probe_grouped_mm(self.stacks, dtype)
-        return self._grouped[dtype]
+    def kernel(self, dtype: torch.dtype) -> KernelChoice:
+        """The kernel for activations of `dtype` (chosen once per dtype). One whose weights are not of the
+        activations' dtype computes expert by expert (where F.linear refuses the mix, as it should)."""
+        if dtype not in self._kernels:
+            self._kernels[dtype] = self._choose(dtype)
+        return self._kernels[dtype]
+
+    def _choose(self, dtype: torch.dtype) -> KernelChoice:
+        gate_up = self.stacks[0]
+        if gate_up.dtype != dtype:
+            return KernelChoice("per_expert", f"{gate_up.dtype} weights, {dtype} activations")
+        if self._forced is not None:
+            return KernelChoice(self._forced, "forced")
+        capability = device_capability(self.device)
+        probed = capability is None and _probe_grouped_mm(self.stacks, dtype)
+        return choose_kernel(capability, dtype, triton_available=triton_grouped.available(), grouped_mm_runs=probed)
 
     def _allocate(self, like: ExpertWeights, slots: int) -> None:
         self.stacks = [None if t is None else torch.empty((slots, *t.shape), dtype=t.dtype, device=self.device)
@@ -112,7 +133,7 @@ def _probe_grouped_mm(stacks: Fields, dtype: torch.dtype) -> bool:
     """One tiny grouped GEMM per projection on the real stacks: the dtype must match the stacks' (as F.linear
     would demand), and the device must take the dtype and the rows' alignment."""
     gate_up, down = stacks[0], stacks[1]
-    if getattr(torch, "_grouped_mm", None) is None or gate_up.dtype != dtype or down.dtype != dtype:
+    if getattr(torch, "_grouped_mm", None) is None or down.dtype != dtype:
         return False
     offs = torch.ones(1, dtype=torch.int32, device=gate_up.device)
     try:

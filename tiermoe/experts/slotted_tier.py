@@ -10,16 +10,19 @@ highest slot; slots of other layers inside it are empty groups): every shape is 
 window the host already knows, so the host queues the whole layer without waiting, and a CUDA graph can
 capture it.
 
-Where `torch._grouped_mm` does not take the device, dtype or shapes (it needs 16-byte aligned rows; which dtypes
-a device takes is probed once), the forward computes expert by expert on the slot views instead, as every tier
-did before: same results, with those syncs. Legend: T tokens, D hidden, I expert width, K top-k, P = T * K
-pairs, W slots in the layer's window.
+The kernel over the window is chosen once per activation dtype by the device (tiermoe.experts.gpu_tier_kernel):
+`torch._grouped_mm` where it runs on the device alone (bf16 on sm90/sm100), the Triton grouped GEMM elsewhere on
+CUDA (tiermoe.experts.triton_grouped: the pairs' rows padded per slot, shapes fixed by T, K and W), and expert by
+expert on the slot views only where neither applies (no CUDA, or no triton package): same results, with those
+syncs. Legend: T tokens, D hidden, I expert width, K top-k, P = T * K pairs, W slots in the layer's window, R padded
+rows.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tiermoe.experts import triton_grouped
 from tiermoe.experts.ffn import ExpertActivation, routed_experts_forward
 from tiermoe.experts.slot_pool import ExpertSlotPool, weight_fields
 from tiermoe.experts.tiers import ExpertSet
@@ -79,10 +82,10 @@ class SlottedExpertSet(ExpertSet):
     def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         if not self.experts:
             return torch.zeros_like(x_TD)
-        if not self.pool.grouped_mm_runs(x_TD.dtype):
+        kernel = self.pool.kernel(x_TD.dtype).name
+        if kernel == "per_expert":
             return routed_experts_forward(self.experts, x_TD, ids_TK, weights_TK, self.act)
         lo, hi = self._window()
-        gate_up_W2ID, down_WDI, gate_up_bias_W2I, down_bias_WD = self.pool.window(lo, hi)
         width, k = hi - lo, ids_TK.shape[1]
         ids_P = ids_TK.reshape(-1)
         slot_P = self.slot_E[ids_P.clamp(min=0)]
@@ -90,17 +93,38 @@ class SlottedExpertSet(ExpertSet):
         order_P = group_P.argsort(stable=True)  # pairs grouped by slot, each token's in router order
         group_sorted_P = group_P[order_P]
         token_P = order_P // k
+        run = self._grouped_mm if kernel == "grouped_mm" else self._triton
+        y_PD = run(x_TD, group_P, group_sorted_P, token_P, self.pool.window(lo, hi), width)
+        y_PD = y_PD * weights_TK.reshape(-1)[order_P, None]
+        y_PD = torch.where((group_sorted_P < width)[:, None], y_PD, 0)  # pairs of no slot here: dropped
+        return torch.zeros_like(x_TD).index_add_(0, token_P, y_PD.to(x_TD.dtype))
+
+    def _grouped_mm(self, x_TD, group_P, group_sorted_P, token_P, window, width) -> torch.Tensor:
+        """[P, D] in sorted order by torch._grouped_mm (rows past the last group are not computed)."""
+        gate_up_W2ID, down_WDI, gate_up_bias_W2I, down_bias_WD = window
         sizes_W = torch.zeros(width + 1, dtype=torch.int64, device=x_TD.device)
         sizes_W.index_add_(0, group_P, torch.ones_like(group_P))
         ends_W = sizes_W[:-1].cumsum(0).to(torch.int32)
         h_P2I = torch._grouped_mm(x_TD[token_P], gate_up_W2ID.transpose(1, 2), offs=ends_W)
-        in_group_P = group_sorted_P < width
         group_clamped_P = group_sorted_P.clamp(max=width - 1)
         if gate_up_bias_W2I is not None:
             h_P2I = h_P2I + gate_up_bias_W2I[group_clamped_P]
         y_PD = torch._grouped_mm(self.act(h_P2I), down_WDI.transpose(1, 2), offs=ends_W)
         if down_bias_WD is not None:
             y_PD = y_PD + down_bias_WD[group_clamped_P]
-        y_PD = y_PD * weights_TK.reshape(-1)[order_P, None]
-        y_PD = torch.where(in_group_P[:, None], y_PD, 0)  # rows past the last group are not computed: drop them
-        return torch.zeros_like(x_TD).index_add_(0, token_P, y_PD.to(x_TD.dtype))
+        return y_PD
+
+    def _triton(self, x_TD, group_P, group_sorted_P, token_P, window, width) -> torch.Tensor:
+        """[P, D] in sorted order by the Triton grouped GEMM over the padded rows."""
+        gate_up_W2ID, down_WDI, gate_up_bias_W2I, down_bias_WD = window
+        layout = triton_grouped.grouped_rows(group_sorted_P, token_P, width)
+        slot_R = layout.block_slot_B.repeat_interleave(triton_grouped.BLOCK_M).clamp(min=0)
+        h_R2I = triton_grouped.grouped_matmul(x_TD, layout, gate_up_W2ID)
+        if gate_up_bias_W2I is not None:
+            h_R2I = h_R2I + gate_up_bias_W2I[slot_R]
+        # padding rows hold whatever the allocation held: they are never read back
+        own_R = torch.where(layout.rows_R >= 0, torch.arange(layout.padded, device=x_TD.device), -1)
+        y_RD = triton_grouped.grouped_matmul(self.act(h_R2I), layout, down_WDI, rows_R=own_R)
+        if down_bias_WD is not None:
+            y_RD = y_RD + down_bias_WD[slot_R]
+        return y_RD[layout.pair_row_P.clamp(max=layout.padded - 1)]

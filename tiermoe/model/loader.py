@@ -198,6 +198,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
                 lora.merge_non_experts(model)  # before MLA's kv_b re-layout and the LM head's swap below
             _load_experts(blocks, sources, ckpt, spec, assignment_LE, reads, rank, share, dtype, pin, bar, cache,
                           lora)
+    _log_gpu_tier_kernel(pool, fp8_layers, assignment_LE == rank, gpu_device, dtype)
     _tie_and_check(model, config)
     if trainable:
         for block in blocks.values():
@@ -218,6 +219,20 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         fuse_decode_layers(model, kernels)  # where every piece is fused and packed: one native call a layer
     return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share, trainable, pool,
                        decode_attention, torch_threads_beside(cpu))
+
+
+def _log_gpu_tier_kernel(pool: ExpertSlotPool, fp8_layers: set[int], on_gpu_LE: torch.Tensor, device: torch.device,
+                         dtype: torch.dtype) -> None:
+    """One line at load: which kernel computes the GPU tier on this CUDA device, and why (a CPU "GPU tier" is a
+    test device: nothing to say)."""
+    if device.type != "cuda":
+        return
+    if pool.stacks is not None:
+        choice = pool.kernel(dtype)
+        log.info("GPU tier: %s kernel (%s)", choice.name, choice.why)
+    if any(bool(on_gpu_LE[layer].any()) for layer in fp8_layers):
+        log.warning("GPU tier: FP8 layers compute their experts one at a time (3 + g host syncs per layer per step); "
+                    "a grouped FP8 path is not built yet")
 
 
 def _usable_cache(cache: ExpertCache, cpu: CPUConfig,

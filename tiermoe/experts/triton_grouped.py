@@ -1,0 +1,104 @@
+"""A grouped GEMM for the GPU tier, in Triton: fixed shapes and no host sync on every GPU Triton runs on.
+
+Why: `torch._grouped_mm` is sync-free only for bf16 on compute capability 9.x/10.x; elsewhere (sm80/86/89, fp16,
+fp32) it loops on the host over `offs.cpu()`, a sync per layer per step. Here the (token, slot) pairs are sorted by
+slot and each slot's rows padded to a multiple of BLOCK_M (the layout of vLLM's fused-MoE kernel): the padded
+length is bounded by P + W * (BLOCK_M - 1), which the host knows from the shapes alone, so the row metadata is
+computed on the device and the host queues the launches without waiting, as a CUDA graph needs.
+
+Weights are the pool's slot stacks as they lie, [W, N, K] (a layer's window of slots). FP8 weights are passed as
+their bytes and decoded in the kernel, then multiplied by their block scales (W = q * s[n // bn, k // bk], as
+tiermoe.experts.fp8_blocks dequantises): Triton on sm80/86 has no e4m3 type, and the weights stay FP8 in memory.
+fp32 products use IEEE precision (not TF32), so an fp32 run stays within 1e-5 of torch's.
+
+Under Triton's interpreter (TRITON_INTERPRET=1, how the suite runs this on a CPU) `tl.dot` gets bf16/fp16 operands
+wrong, so there they are widened to fp32 first: the same products a tensor core makes (exact products of the
+narrow inputs, fp32 sums). Legend: T tokens, P pairs, W slots, N out features, K in features, R padded rows,
+B blocks of BLOCK_M rows.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
+
+
+def available() -> bool:
+    """Whether the triton package is installed (torch's CUDA builds bring it; it is imported on first use only,
+    so a CPU-only run never pays for it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+@dataclass(frozen=True)
+class GroupedRows:
+    """Where each sorted pair's row goes in the padded layout (all on the device, shapes fixed by P and W).
+
+    rows_R: the activation row each padded row reads (-1: padding); pair_row_P: the padded row of each sorted
+    pair (R for pairs of no slot here, past the end); block_slot_B: the slot of each block (-1: none)."""
+
+    rows_R: torch.Tensor
+    pair_row_P: torch.Tensor
+    block_slot_B: torch.Tensor
+
+    @property
+    def padded(self) -> int:
+        return self.rows_R.shape[0]
+
+
+def grouped_rows(slot_sorted_P: torch.Tensor, source_P: torch.Tensor, width: int,
+                 block_m: int = BLOCK_M) -> GroupedRows:
+    """The padded layout of pairs sorted by slot. `slot_sorted_P` [P]: each pair's slot in the window, sorted
+    ascending, `width` for a pair of no slot here (those sort last); `source_P` [P]: the activation row each reads."""
+    device, pairs = slot_sorted_P.device, slot_sorted_P.shape[0]
+    padded = -(-(pairs + width * (block_m - 1)) // block_m) * block_m  # R: any split of P over W slots fits
+    sizes_W = torch.zeros(width + 1, dtype=torch.int64, device=device)
+    sizes_W.index_add_(0, slot_sorted_P, torch.ones_like(slot_sorted_P))
+    sizes_W = sizes_W[:width]
+    padded_W = (sizes_W + block_m - 1) // block_m * block_m
+    pad_end_W = padded_W.cumsum(0)
+    first_W = sizes_W.cumsum(0) - sizes_W  # each slot's first sorted pair
+    slot_P = slot_sorted_P.clamp(max=width - 1)
+    here_P = slot_sorted_P < width
+    rank_P = torch.arange(pairs, device=device) - first_W[slot_P]
+    pair_row_P = torch.where(here_P, pad_end_W[slot_P] - padded_W[slot_P] + rank_P, padded)
+    rows_R = torch.full((padded + 1,), -1, dtype=torch.int64, device=device)
+    rows_R.scatter_(0, pair_row_P, source_P.to(torch.int64))  # pairs of no slot here land in the extra row R
+    starts_B = torch.arange(0, padded, block_m, device=device)
+    block_slot_B = torch.searchsorted(pad_end_W, starts_B, right=True)
+    block_slot_B = torch.where(block_slot_B < width, block_slot_B, -1)
+    return GroupedRows(rows_R[:padded].contiguous(), pair_row_P, block_slot_B.contiguous())
+
+
+def grouped_matmul(x_MK: torch.Tensor, layout: GroupedRows, w_WNK: torch.Tensor, rows_R: torch.Tensor | None = None,
+                   scale_Wnk: torch.Tensor | None = None, scale_block: tuple[int, int] = (128, 128),
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """out [R, N]: padded row r = x[rows_R[r]] @ w[slot of r's block].T (rows of padding are left unwritten).
+
+    `rows_R` defaults to the layout's (the activation rows of the pairs); a second product over the padded
+    output of a first passes the padded rows themselves. FP8 weights: `w_WNK` holds e4m3 codes and `scale_Wnk`
+    their fp32 block scales [W, ceil(N/bn), ceil(K/bk)]."""
+    if not available():
+        raise RuntimeError("the Triton grouped GEMM needs the triton package")
+    from tiermoe.experts.triton_grouped_kernel import grouped_kernel
+
+    rows_R = layout.rows_R if rows_R is None else rows_R
+    _, n, k = w_WNK.shape
+    out_dtype = out_dtype or x_MK.dtype
+    out = torch.empty((layout.padded, n), dtype=out_dtype, device=x_MK.device)
+    fp8 = scale_Wnk is not None
+    w = w_WNK.view(torch.uint8) if fp8 else w_WNK
+    scale = scale_Wnk if fp8 else w_WNK  # unused without FP8 (the kernel needs some pointer)
+    widen = os.environ.get("TRITON_INTERPRET") == "1" or x_MK.dtype == torch.float32
+    grid = (layout.padded // BLOCK_M, -(-n // BLOCK_N))
+    grouped_kernel[grid](
+        x_MK, rows_R, layout.block_slot_B, w, scale, out, n, k,
+        x_MK.stride(0), x_MK.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        scale.stride(0), scale.stride(1) if fp8 else 0, scale.stride(2) if fp8 else 0, out.stride(0),
+        SCALE_N=scale_block[0], SCALE_K=scale_block[1], FP8=fp8, WIDEN=widen,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    return out
