@@ -1,5 +1,7 @@
 """FP8 block-quantised checkpoints (DeepSeek-V3 / Qwen3-FP8 layout): exact against the dequantised reference on
-every tier, with non-expert Linear weights held at about 1 byte per parameter."""
+every tier, with non-expert Linear weights held at about 1 byte per parameter. The GPU tier's FP8 experts are
+checked on both of its forms: expert by expert (a CPU device), and slots of codes computed by the Triton grouped
+GEMM (a CUDA device's, faked: run by Triton's interpreter)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ from tiermoe.checkpoint.fp8 import FP8Linear, scale_name
 from tiermoe.checkpoint.safetensors import Checkpoint
 from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
+from tiermoe.experts import slot_pool, triton_grouped
 from tiermoe.experts.fp8_blocks import dequantize_fp8, quantize_fp8
+from tiermoe.experts.fp8_tier import FP8ExpertSet
+from tiermoe.experts.slotted_fp8_tier import SlottedFP8ExpertSet
 from tiermoe.model.loader import load_hybrid_model
 from tiermoe.testing.fp8_write import write_fp8_checkpoint
 from tiermoe.testing.presets import make_config
@@ -69,6 +74,17 @@ def fp8_case(request, tmp_path_factory):
     return fp8_dir, ids, logits, root / "ref"
 
 
+@pytest.fixture(params=["per_expert", "triton"])
+def fp8_tier(request, monkeypatch):
+    """The GPU tier class FP8 layers get: expert by expert, or (a faked sm86 device) slots on the Triton kernel."""
+    if request.param == "per_expert":
+        return FP8ExpertSet
+    if not triton_grouped.available():
+        pytest.skip("triton is not installed")
+    monkeypatch.setattr(slot_pool, "device_capability", lambda _: (8, 6))
+    return SlottedFP8ExpertSet
+
+
 def test_quantize_dequantize_round_trip_is_within_e4m3_precision():
     w = torch.randn(300, 200)
     q, s = quantize_fp8(w)
@@ -95,6 +111,15 @@ def test_the_written_checkpoint_is_in_the_released_layout(fp8_case):
 def test_fp8_checkpoint_matches_the_dequantised_reference_on_every_tier(fp8_case, tier):
     fp8_dir, ids, ref, _ = fp8_case
     assert rel_err(logits_on_tier(fp8_dir, tier, ids), ref) < TOL
+
+
+def test_fp8_slots_on_the_triton_kernel_match_the_dequantised_reference(fp8_case, fp8_tier):
+    fp8_dir, ids, ref, _ = fp8_case
+    spec = detect(load_config(fp8_dir))
+    mask = torch.rand(spec.num_layers, spec.num_experts, generator=torch.Generator().manual_seed(3)) < 0.5
+    with load_hybrid_model(fp8_dir, mask, gpu_device="cpu", dtype=torch.float32, progress=False) as hybrid:
+        assert {type(b.gpu_tier) for b in hybrid.blocks.values()} == {fp8_tier}
+        assert rel_err(hybrid(input_ids=ids).logits, ref) < TOL
 
 
 def test_non_expert_linear_weights_stay_fp8_at_about_one_byte_per_parameter(fp8_case):
@@ -152,7 +177,7 @@ def _codes(w) -> list[torch.Tensor]:
     return [t.view(torch.uint8) for t in (w.gate, w.up, w.down)]
 
 
-def test_gpu_tier_experts_stay_fp8_with_the_checkpoints_own_codes(fp8_case):
+def test_gpu_tier_experts_stay_fp8_with_the_checkpoints_own_codes(fp8_case, fp8_tier):
     from tiermoe.experts.fp8_tier import FP8ExpertWeights
     from tiermoe.fit import model_bytes
     from tiermoe.model.plan_source import placement_target
@@ -166,6 +191,7 @@ def test_gpu_tier_experts_stay_fp8_with_the_checkpoints_own_codes(fp8_case):
         layer = spec.moe_layers[0]
         e = int(mask[layer].nonzero()[0])
         kept = hybrid.blocks[layer].gpu_tier.experts[e]
+        assert isinstance(hybrid.blocks[layer].gpu_tier, fp8_tier)
     assert isinstance(kept, FP8ExpertWeights)
     params = int(mask.sum()) * spec.params_per_expert
     assert held / params < 1.01  # about one byte per parameter, not bf16's two
@@ -179,20 +205,28 @@ def test_gpu_tier_experts_stay_fp8_with_the_checkpoints_own_codes(fp8_case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_experts_moved_to_the_cpu_tier_and_back_keep_their_codes_and_the_output(fp8_case, dtype):
+def test_fp8_experts_moved_to_the_cpu_tier_and_back_keep_their_codes_and_the_output(fp8_case, dtype, fp8_tier):
     from tiermoe.experts.copier import AsyncCopier
+    from tiermoe.experts.fp8_tier import FP8ExpertWeights
 
     fp8_dir, ids, ref, _ = fp8_case
     spec = detect(load_config(fp8_dir))
+    if fp8_tier is SlottedFP8ExpertSet and (dtype != torch.float32 or spec.model_type != "qwen3_moe"):
+        pytest.skip("Triton's interpreter takes 10-20 s a case: the slots' moves are checked in fp32 on qwen3_moe "
+                    "(the kernel's bf16 and DeepSeek's layers by the tests beside this one)")
     mask = torch.ones(spec.num_layers, spec.num_experts, dtype=torch.bool)
     layer = spec.moe_layers[-1]
     with load_hybrid_model(fp8_dir, mask, gpu_device="cpu", dtype=dtype, progress=False) as hybrid:
         before = hybrid(input_ids=ids).logits
         block = hybrid.blocks[layer]
-        kept = {e: block.gpu_tier.experts[e] for e in range(spec.num_experts)}
+        # copies: a slotted tier's experts are views of slots, which the moves below hand to other experts
+        kept = {e: FP8ExpertWeights(*(t.clone() for t in w.tensors()), w.block)
+                for e, w in block.gpu_tier.experts.items()}
         hybrid.move_experts(layer, range(spec.num_experts), to_gpu=False)
         assert len(block.gpu_tier) == 0 and block.cpu_tier.nbytes > 0
-        assert rel_err(hybrid(input_ids=ids).logits, before) < (1e-6 if dtype == torch.float32 else 1e-2)
+        # bf16 through the Triton kernel under the interpreter, which rounds fp32 -> bf16 its own way: 2 steps
+        bf16_bound = 1e-2 if fp8_tier is FP8ExpertSet else 2e-2
+        assert rel_err(hybrid(input_ids=ids).logits, before) < (1e-6 if dtype == torch.float32 else bf16_bound)
         hybrid.move_experts(layer, range(0, spec.num_experts, 2), to_gpu=True)  # the tier swap path
         copier = AsyncCopier()  # and dynamic placement's asynchronous path
         for e in range(1, spec.num_experts, 2):
@@ -205,10 +239,11 @@ def test_fp8_experts_moved_to_the_cpu_tier_and_back_keep_their_codes_and_the_out
             # scales: exact through an fp32 tier, within bf16's rounding of each block's maximum through bf16
             for a, b in ((new.gate_scale, old.gate_scale), (new.up_scale, old.up_scale), (new.down_scale, old.down_scale)):
                 assert rel_err(a, b) <= (0 if dtype == torch.float32 else 2 ** -8)
-    if dtype == torch.float32:
-        assert rel_err(after, ref) < TOL and torch.equal(after, before)
+    if dtype == torch.float32:  # slots: the same products, summed per token in the new slots' order
+        same = torch.equal(after, before) if fp8_tier is FP8ExpertSet else rel_err(after, before) <= 1e-6
+        assert rel_err(after, ref) < TOL and same
     else:
-        assert rel_err(after.float(), before.float()) < 1e-2
+        assert rel_err(after.float(), before.float()) < bf16_bound
 
 
 def test_an_fp8_expert_quantises_as_the_releases_do_and_refuses_biases():

@@ -32,10 +32,11 @@ def test_the_pool_chooses_a_sync_free_kernel_on_every_capability(device, dtype, 
 
 
 @pytest.mark.parametrize("device", list(CAPABILITIES))
-def test_fp8_weights_get_the_kernel_that_decodes_their_codes(device):
+def test_fp8_layers_get_slots_on_the_kernel_that_decodes_their_codes(device, monkeypatch):
+    monkeypatch.setattr(slot_pool, "device_capability", lambda _: CAPABILITIES[device])
     for dtype in (torch.bfloat16, torch.float16):
-        choice = choose_kernel(CAPABILITIES[device], dtype, fp8=True)
-        assert choice.name == "triton" and "FP8" in choice.why
+        choice = slot_pool.fp8_kernel(torch.device("cpu"), dtype)  # what the loader asks for an FP8 layer
+        assert choice.sync_free and choice.name == "triton" and "FP8" in choice.why
 
 
 def test_without_triton_a_cuda_device_says_it_syncs_and_a_cpu_device_takes_what_torch_takes():

@@ -16,10 +16,10 @@ PCIe, twice the FP8 bytes, on purpose: quantising or dequantising on the host in
 scarce resource while the CPU tier computes, to save a copy that runs on a side stream anyway.
 
 Cost: each forward dequantises the experts it uses (two passes over the weight, see dequantize_fp8) before the
-matmul reads them; an FP8 grouped GEMM would not, and is not used yet (the `fp8_gpu_tier` check of
-benchmarks/gpu_check.sh times the two tiers side by side on a GPU). Computing expert by expert also costs the host
-3 + g synchronisations per layer (g: the experts a step routes here), which the bf16 GPU tier
-(tiermoe.experts.slotted_tier) no longer pays.
+matmul reads them, and computing expert by expert costs the host 3 + g synchronisations per layer (g: the experts
+a step routes here). So on CUDA the loader gives FP8 layers tiermoe.experts.slotted_fp8_tier instead (slots of
+codes, a grouped GEMM that decodes them in the kernel, no sync); this tier remains where that kernel cannot run
+(a CPU device, no triton package), and is the reference the slotted one is tested against.
 """
 
 from __future__ import annotations

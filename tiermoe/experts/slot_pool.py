@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from tiermoe.experts import triton_grouped
+from tiermoe.experts.fp8_blocks import FP8_DTYPES
 from tiermoe.experts.gpu_tier_kernel import (
     KernelChoice,
     choose_kernel,
@@ -25,11 +26,16 @@ from tiermoe.experts.gpu_tier_kernel import (
 )
 from tiermoe.experts.weights import ExpertWeights
 
-Fields = list[torch.Tensor | None]  # gate_up, down, gate_up_bias, down_bias (None: the model has no such tensor)
+# gate_up, down, gate_up_bias, down_bias (None: the model has no such tensor); or an FP8 expert's codes and scales
+Fields = list[torch.Tensor | None]
 
 
-def weight_fields(w: ExpertWeights) -> Fields:
-    return [w.gate_up, w.down, w.gate_up_bias, w.down_bias]
+def weight_fields(w) -> Fields:
+    """The tensors a slot stacks: ExpertWeights' four, or FP8ExpertWeights' (tiermoe.experts.fp8_tier) codes and
+    scales of gate, up and down."""
+    if isinstance(w, ExpertWeights):
+        return [w.gate_up, w.down, w.gate_up_bias, w.down_bias]
+    return w.tensors()
 
 
 class ExpertSlotPool:
@@ -106,14 +112,16 @@ class ExpertSlotPool:
         return self._kernels[dtype]
 
     def _choose(self, dtype: torch.dtype) -> KernelChoice:
-        gate_up = self.stacks[0]
-        if gate_up.dtype != dtype:
-            return KernelChoice("per_expert", f"{gate_up.dtype} weights, {dtype} activations")
+        first = self.stacks[0]
+        fp8 = first.dtype in FP8_DTYPES  # codes, decoded to the activations' dtype by the kernel
+        if first.dtype != dtype and not fp8:
+            return KernelChoice("per_expert", f"{first.dtype} weights, {dtype} activations")
         if self._forced is not None:
             return KernelChoice(self._forced, "forced")
         capability = device_capability(self.device)
-        probed = capability is None and _probe_grouped_mm(self.stacks, dtype)
-        return choose_kernel(capability, dtype, triton_available=triton_grouped.available(), grouped_mm_runs=probed)
+        probed = capability is None and not fp8 and _probe_grouped_mm(self.stacks, dtype)
+        return choose_kernel(capability, dtype, fp8, triton_available=triton_grouped.available(),
+                             grouped_mm_runs=probed)
 
     def _allocate(self, like: ExpertWeights, slots: int) -> None:
         self.stacks = [None if t is None else torch.empty((slots, *t.shape), dtype=t.dtype, device=self.device)
@@ -127,6 +135,11 @@ class ExpertSlotPool:
         self._free += list(range(old, slots))
         for tier in self._users:
             tier.follow_pool()
+
+
+def fp8_kernel(device: torch.device, dtype: torch.dtype) -> KernelChoice:
+    """The kernel a pool of FP8 codes on `device` would run for activations of `dtype` (before it holds any)."""
+    return choose_kernel(device_capability(device), dtype, fp8=True, triton_available=triton_grouped.available())
 
 
 def _probe_grouped_mm(stacks: Fields, dtype: torch.dtype) -> bool:

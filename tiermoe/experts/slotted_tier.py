@@ -53,7 +53,11 @@ class SlottedExpertSet(ExpertSet):
                 view.copy_(t)
         self._slot_of[expert] = slot
         self.slot_E[expert] = slot
-        self.experts[expert] = ExpertWeights(*views)
+        self.experts[expert] = self._held(views)
+
+    def _held(self, views) -> ExpertWeights:
+        """What `experts` holds for a slot: views of its stacked fields."""
+        return ExpertWeights(*views)
 
     def pop(self, expert: int) -> ExpertWeights:
         """Give `expert`'s slot back to the pool; what it returns views that slot, valid until the pool reuses it."""
@@ -68,7 +72,7 @@ class SlottedExpertSet(ExpertSet):
     def follow_pool(self) -> None:
         """The pool was reallocated: the views move to the new storage."""
         for expert, slot in self._slot_of.items():
-            self.experts[expert] = ExpertWeights(*self.pool.views(slot))
+            self.experts[expert] = self._held(self.pool.views(slot))
 
     @property
     def nbytes(self) -> int:

@@ -111,11 +111,12 @@ class HybridModel:
         # Routed experts live in the tiers, not in the module tree, so every model tensor is a non-expert one.
         tensors = {id(t): t for t in list(self.model.parameters()) + list(self.model.buffers())}
         non_expert = sum(t.numel() * t.element_size() for t in tensors.values())
-        pooled = self.gpu_pool.nbytes if self.gpu_pool is not None else 0  # held slots and free ones
+        slotted = [b.gpu_tier for b in self.blocks.values() if isinstance(b.gpu_tier, SlottedExpertSet)]
+        pooled = sum({id(t.pool): t.pool.nbytes for t in slotted}.values())  # each pool once: held slots and free
         return TierBytes(
             non_expert=non_expert,
             gpu_experts=pooled + sum(b.gpu_tier.nbytes for b in self.blocks.values()
-                                     if not isinstance(b.gpu_tier, SlottedExpertSet)),  # FP8 tiers
+                                     if not isinstance(b.gpu_tier, SlottedExpertSet)),  # FP8 tiers of no pool
             cpu_experts=sum(b.cpu_tier.nbytes for b in self.blocks.values()),
         )
 

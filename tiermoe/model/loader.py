@@ -48,7 +48,8 @@ from tiermoe.experts.host_slab import HostSlab, expert_shapes, pins_host_memory
 from tiermoe.experts.kernels import load_kernels
 from tiermoe.experts.native import model_team
 from tiermoe.experts.registry import make_cpu_tier
-from tiermoe.experts.slot_pool import ExpertSlotPool
+from tiermoe.experts.slot_pool import ExpertSlotPool, fp8_kernel
+from tiermoe.experts.slotted_fp8_tier import SlottedFP8ExpertSet
 from tiermoe.experts.slotted_tier import SlottedExpertSet
 from tiermoe.experts.tiers import CPUWorker, ExpertSet
 from tiermoe.experts.weights import ExpertWeights
@@ -198,7 +199,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
                 lora.merge_non_experts(model)  # before MLA's kv_b re-layout and the LM head's swap below
             _load_experts(blocks, sources, ckpt, spec, assignment_LE, reads, rank, share, dtype, pin, bar, cache,
                           lora)
-    _log_gpu_tier_kernel(pool, fp8_layers, assignment_LE == rank, gpu_device, dtype)
+    _log_gpu_tier_kernel(blocks, gpu_device, dtype)
     _tie_and_check(model, config)
     if trainable:
         for block in blocks.values():
@@ -221,18 +222,19 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
                        decode_attention, torch_threads_beside(cpu))
 
 
-def _log_gpu_tier_kernel(pool: ExpertSlotPool, fp8_layers: set[int], on_gpu_LE: torch.Tensor, device: torch.device,
-                         dtype: torch.dtype) -> None:
-    """One line at load: which kernel computes the GPU tier on this CUDA device, and why (a CPU "GPU tier" is a
-    test device: nothing to say)."""
+def _log_gpu_tier_kernel(blocks: dict[int, HybridMoE], device: torch.device, dtype: torch.dtype) -> None:
+    """One line per pool at load: which kernel computes the GPU tier on this CUDA device, and why (a CPU "GPU
+    tier" is a test device: nothing to say)."""
     if device.type != "cuda":
         return
-    if pool.stacks is not None:
+    tiers = [b.gpu_tier for b in blocks.values() if len(b.gpu_tier)]
+    pools = {id(t.pool): t.pool for t in tiers if isinstance(t, SlottedExpertSet)}
+    for pool in pools.values():
         choice = pool.kernel(dtype)
         log.info("GPU tier: %s kernel (%s)", choice.name, choice.why)
-    if any(bool(on_gpu_LE[layer].any()) for layer in fp8_layers):
-        log.warning("GPU tier: FP8 layers compute their experts one at a time (3 + g host syncs per layer per step); "
-                    "a grouped FP8 path is not built yet")
+    if any(isinstance(t, FP8ExpertSet) for t in tiers):
+        log.warning("GPU tier: FP8 experts compute one at a time, with 3 + g host syncs per layer per step (%s)",
+                    fp8_kernel(device, dtype).why)
 
 
 def _usable_cache(cache: ExpertCache, cpu: CPUConfig,
@@ -281,7 +283,7 @@ def _expert_bytes(reads_LE, on_gpu_LE, fp8_layers, spec, dtype, block) -> int:
 def _inject_hybrid_blocks(model: nn.Module, spec, gpu_device, act, worker, pin, cpu: CPUConfig,
                           dtype: torch.dtype, fp8_layers: set[int], fp8_block, gpu_experts_L: list[int],
                           pool: ExpertSlotPool) -> dict[int, HybridMoE]:
-    blocks = {}
+    blocks, fp8_pool = {}, None
     for i, layer in enumerate(decoder_layers(model)):
         attr = moe_block_attr(layer)
         if (attr is not None) != spec.is_moe_layer(i):
@@ -289,8 +291,13 @@ def _inject_hybrid_blocks(model: nn.Module, spec, gpu_device, act, worker, pin, 
                                f"but the config rule says otherwise for {spec.model_type}")
         if attr is None:
             continue
-        # FP8 checkpoints: the GPU tier keeps the stored codes (about half of bf16's bytes)
-        if i in fp8_layers:
+        # FP8 checkpoints: the GPU tier keeps the stored codes (about half of bf16's bytes), in slots of a pool of
+        # codes where a kernel decodes them without a host sync (on CUDA), else expert by expert
+        if i in fp8_layers and fp8_kernel(gpu_device, dtype).sync_free:
+            fp8_pool = fp8_pool or ExpertSlotPool(gpu_device)
+            gpu_tier = SlottedFP8ExpertSet(act, spec.num_experts, fp8_pool, fp8_block, dtype)
+            fp8_pool.reserve(gpu_experts_L[i])
+        elif i in fp8_layers:
             gpu_tier = FP8ExpertSet(gpu_device, act, fp8_block, dtype)
         else:  # slots of the model's pool, sized once for the experts the placement gives this rank
             gpu_tier = SlottedExpertSet(act, spec.num_experts, pool)
