@@ -47,9 +47,9 @@ def _count_cpu_submits(hybrid) -> list[int]:
     for block in hybrid.blocks.values():
         submit = block.cpu_tier.submit
 
-        def counted(*args, submit=submit):
+        def counted(*args, submit=submit, **kwargs):
             calls[0] += 1
-            return submit(*args)
+            return submit(*args, **kwargs)
 
         block.cpu_tier.submit = counted
     return calls

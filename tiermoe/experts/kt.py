@@ -135,7 +135,8 @@ class KtCPUExperts(ComputedOnWorker):
             keep += (gate, up, down)
         return moe, top_k, infer, keep
 
-    def _compute(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    def _compute(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         if self._moe is None or self._moe[1] != ids_TK.shape[1]:
             self._moe = self._build(ids_TK.shape[1])
         moe, _, infer, _ = self._moe

@@ -182,10 +182,11 @@ class NativeCPUExperts(ComputedOnWorker):
         return KernelMatmuls(self.kernels, self._team, stored.gate_up, stored.down, stored.gate_up_bias,
                              stored.down_bias, dtype, self.amx_min_rows)
 
-    def _compute(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    def _compute(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         with torch.inference_mode():
             if self._blocked and x_TD.shape[0] > 0:
-                return self._kernel_forward(x_TD, ids_TK, weights_TK)
+                return self._kernel_forward(x_TD, ids_TK, weights_TK, out)
             return self._torch_forward(x_TD, ids_TK, weights_TK)
 
     def _team(self) -> ThreadTeam:
@@ -208,11 +209,14 @@ class NativeCPUExperts(ComputedOnWorker):
                                            n_experts=len(gate_up), gate_up=gate_up, down=down)
         return self._layer_args
 
-    def _kernel_forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    def _kernel_forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
         x = x_TD.contiguous() if x_TD.dtype in (torch.bfloat16, torch.float32) else x_TD.float()
         ids = ids_TK.to(torch.int64).contiguous()
         w = weights_TK.to(torch.float32).contiguous()
-        y = torch.empty_like(x)
+        # the kernels write the result where it is to go (a page-locked ring buffer) when its layout is theirs
+        fits = out is not None and out.dtype == x.dtype and out.shape == x.shape and out.is_contiguous()
+        y = out if fits else torch.empty_like(x)
         (d, i), (t, k) = self._shape, ids.shape
         gate_up, down = self._tables
         args = TmLayerArgs(isa=self.kernels.isa, amx_min_rows=self.amx_min_rows, T=t, D=d, I=i, K=k,

@@ -36,7 +36,8 @@ class CPUExpertBackend(Protocol):
     device: torch.device
     pin: bool
 
-    def submit(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None: ...
+    def submit(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+               out: torch.Tensor | None = None) -> None: ...
 
     def sync(self) -> torch.Tensor: ...
 
@@ -136,10 +137,13 @@ class ComputedOnWorker:
     worker: CPUWorker
     _pending: Future | None = None
 
-    def submit(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
+    def submit(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+               out: torch.Tensor | None = None) -> None:
+        """Start the layer's CPU part; `sync` returns its result, written into `out` [T, D] when given (a
+        page-locked buffer the result goes back to the GPU from: tiermoe.layers.host_ring)."""
         if self._pending is not None:
             raise RuntimeError("submit called twice without sync")
-        self._pending = self.start(x_TD, ids_TK, weights_TK)
+        self._pending = self.worker.submit(self._compute_into, x_TD, ids_TK, weights_TK, out)
 
     def start(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> Future:
         """The same computation as a job of its own, outside submit/sync (the caller keeps its Future)."""
@@ -151,6 +155,15 @@ class ComputedOnWorker:
         if self._pending is not None:
             raise RuntimeError("compute_here called while a submitted job is pending")
         return self._compute(x_TD, ids_TK, weights_TK)
+
+    def _compute_into(self, x_TD, ids_TK, weights_TK, out):
+        if out is None:  # the CPU main device's path: no staging buffer, the call as it always was
+            return self._compute(x_TD, ids_TK, weights_TK)
+        y_TD = self._compute(x_TD, ids_TK, weights_TK, out)  # a backend that can, writes into `out` itself
+        if y_TD.data_ptr() == out.data_ptr():
+            return y_TD
+        with torch.inference_mode():  # `out` is a view made inside the forward's inference mode
+            return out.copy_(y_TD)
 
     def sync(self) -> torch.Tensor:
         pending, self._pending = self._pending, None
@@ -176,6 +189,7 @@ class TorchCPUExperts(ComputedOnWorker, ExpertSet):
     def parked(self, expert: int) -> bool:
         return False  # the checkpoint's own dtype: a round trip gives the expert back exactly
 
-    def _compute(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    def _compute(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         with torch.inference_mode():
             return self.forward(x_TD, ids_TK, weights_TK)

@@ -6,7 +6,8 @@ attribute names (so checkpoint names and routing stay exactly transformers'); on
 dropped. Legend: T tokens, D hidden, K top-k, E experts.
 
 On a GPU the host waits once per layer: the CPU part's inputs go to the host in one copy and its result comes back
-without a wait (tiermoe.layers.host_copies); the GPU tier computes without one (tiermoe.experts.slotted_tier).
+without a wait, both through the layer's page-locked ring, allocated once (tiermoe.layers.host_ring); the GPU tier
+computes without one (tiermoe.experts.slotted_tier).
 With deferred experts (tiermoe.layers.deferred_experts) part of the CPU part is added by the next MoE layer.
 
 With several ranks (tiermoe.distributed) every rank runs the block on the same tokens: its GPU tier computes
@@ -29,7 +30,8 @@ from tiermoe.experts.host_slab import copy_to_tier, slab_destination
 from tiermoe.experts.tiers import CPUExpertBackend, ExpertSet
 from tiermoe.layers.deferred_experts import DeferredExperts, split_deferred
 from tiermoe.layers.expert_lora import ExpertLoRA
-from tiermoe.layers.host_copies import to_device_async, to_host_together
+from tiermoe.layers.host_copies import to_device_async
+from tiermoe.layers.host_ring import HostRing
 from tiermoe.layers.routed_autograd import RoutedExperts
 from tiermoe.stats.recording import NO_RECORDER
 
@@ -65,12 +67,25 @@ class HybridMoE(nn.Module):
         # they are host memory already: no packing, no copies (about 20 ops per layer of a decode step). The
         # host-sync counter (tiermoe.testing.host_syncs) sets it to see the copies a GPU would make.
         self.crosses_to_host = gpu_tier.device.type != "cpu"
+        self._host_ring: HostRing | None = None  # made on the first crossing (host_ring)
         # A layer with no GPU-tier expert skips the ownership lookup and the GPU tier (`_cpu_only`). The cost
         # model's op count (tiermoe.analysis.model_op_count) turns it off to count what a mixed layer dispatches.
         self.cpu_only_shortcut = True
 
     def _router(self) -> nn.Module:
         return self._modules[self.spec.router_attr]
+
+    @property
+    def host_ring(self) -> HostRing:
+        """The CPU part's page-locked staging (in and out), made when the layer first crosses to the host."""
+        if self._host_ring is None:
+            self._host_ring = HostRing(self.gpu_tier.device)
+        return self._host_ring
+
+    def _cpu_result(self, device: torch.device) -> torch.Tensor:
+        """The submitted CPU part's result on `device`, the host not waiting for the copy."""
+        y_TD = self.cpu_tier.sync()
+        return self.host_ring.to_device(y_TD) if self.crosses_to_host else to_device_async(y_TD, device)
 
     def join_ranks(self, rank: int, reduce) -> None:
         """Make this block one rank's part of a multi-rank layer (call before any expert is placed).
@@ -132,7 +147,7 @@ class HybridMoE(nn.Module):
             if len(self.cpu_tier) > 0:
                 self.cpu_tier.drain()
             raise
-        y_TD = to_device_async(self.cpu_tier.sync(), x_TD.device) if len(self.cpu_tier) > 0 else torch.zeros_like(x_TD)
+        y_TD = self._cpu_result(x_TD.device) if len(self.cpu_tier) > 0 else torch.zeros_like(x_TD)
         return y_TD, shared_TD
 
     def _routed_overlapped(self, x_TD, ids_TK, weights_TK, on_gpu_TK, mine_TK):
@@ -160,7 +175,7 @@ class HybridMoE(nn.Module):
                 wait([carried])
             raise
         if use_cpu:
-            y_TD = y_TD + to_device_async(self.cpu_tier.sync(), y_TD.device)
+            y_TD = y_TD + self._cpu_result(y_TD.device)
         if carried is not None:  # what the MoE layer before this one deferred (its job ran before this one's)
             y_TD = y_TD + to_device_async(carried.result(), y_TD.device)
         return y_TD, shared_TD
@@ -168,13 +183,15 @@ class HybridMoE(nn.Module):
     def _submit_cpu(self, x_TD, cpu_ids_TK, weights_TK) -> None:
         """Start the CPU tier's part: all of it, or (deferred experts) the slots kept now, then the deferred ones
         as a second job for the next MoE layer to add."""
+        out_TD = None
         if self.crosses_to_host:
-            x_TD, cpu_ids_TK, weights_TK = to_host_together(x_TD, cpu_ids_TK, weights_TK)  # the layer's one wait
+            x_TD, cpu_ids_TK, weights_TK = self.host_ring.to_host(x_TD, cpu_ids_TK, weights_TK)  # the one wait
+            out_TD = self.host_ring.result(x_TD)
         if self.deferred is None or not self.deferred.defers(self.layer):
-            self.cpu_tier.submit(x_TD, cpu_ids_TK, weights_TK)
+            self.cpu_tier.submit(x_TD, cpu_ids_TK, weights_TK, out=out_TD)
             return
         now_TK, later_TK = split_deferred(cpu_ids_TK, weights_TK, self.deferred.per_token)
-        self.cpu_tier.submit(x_TD, now_TK, weights_TK)
+        self.cpu_tier.submit(x_TD, now_TK, weights_TK, out=out_TD)
         job = self.cpu_tier.start(x_TD, later_TK, weights_TK) if bool((later_TK >= 0).any()) else None
         self.deferred.put(self.layer, job)
 
