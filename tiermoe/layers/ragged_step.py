@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiermoe.layers.host_copies import to_device_async
 from tiermoe.layers.step_buffers import StepBuffers
 
 # Key positions a decode run may pad beyond half its real keys: a run that small is cheaper padded than split.
@@ -180,8 +181,9 @@ class RaggedStep:
             visible = (k_bw[:, None, :] >= 0) & (k_bw[:, None, :] <= q_bq[:, :, None])  # [b, q, w]
             if window is not None:
                 visible &= k_bw[:, None, :] > q_bq[:, :, None] - window
-            # per step, not in the buffers (see the module docstring)
-            mask = torch.zeros(visible.shape, dtype=mask_dtype).masked_fill_(~visible, low)[:, None].to(device)
+            # per step, not in the buffers (see the module docstring); uploaded without the host waiting
+            mask = to_device_async(torch.zeros(visible.shape, dtype=mask_dtype).masked_fill_(~visible, low)[:, None],
+                                   device)
             parts.append(PartKeys(first_read, first_read + part.b * width, mask))
         write_index = self._stage(("write_index", window), torch.tensor(write, dtype=torch.long))
         read_pages = self._stage(("read_pages", window), torch.cat(read) if read else torch.zeros(0, dtype=torch.long))

@@ -82,8 +82,8 @@ class StepBuffers:
                                f"{buffer.numel()} ({limit})")
         with torch.inference_mode():
             out = buffer[:n].view(host.shape)
-            if self._mirrors is None:
-                return out.copy_(host)
+            if self._mirrors is None:  # the CPU device: host memory both (written as the CUDA upload is, no wait)
+                return out.copy_(host, non_blocking=True)
             done = self._uploaded.get(name)
             if done is not None:
                 done.synchronize()
