@@ -17,49 +17,27 @@ from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
 from tiermoe.layers.ragged_step import RaggedStep, SeqFeed, decode_runs
+from tiermoe.testing.pool_exactness import (
+    CHUNK,
+    DECODE_STEPS,
+    PROMPT_LENGTHS,
+    eight_sequences_against,
+)
 
 FP32_TOL = 2e-5
-# 8 sequences of different lengths; chunks of 7 put chunk boundaries inside GPT-OSS's window (16) and through
-# Qwen3-Next's linear-attention layers, and decode rows run beside chunks in the same forward
-PROMPT_LENGTHS = [1, 3, 9, 17, 23, 30, 5, 12]
-CHUNK = 7
-DECODE_STEPS = 3
-
-
-def _prompt(n: int, salt: int) -> list[int]:
-    return [3 + (7 * i + 11 * salt) % 240 for i in range(n)]
 
 
 @pytest.mark.exactness
 @pytest.mark.parametrize("arch", ARCHS)
 def test_eight_sequences_in_one_forward_per_step_equal_transformers(arch, tiny_dir):
     path = tiny_dir(arch)
-    ref = load_reference(path)
     mask = make_mask("random_half", detect(load_config(path)))
     with LLM(path, placement=mask, dtype=torch.float32, max_running=8, page_size=4, progress=False) as llm:
-        engine = llm.engine
-        prompts = [_prompt(n, i) for i, n in enumerate(PROMPT_LENGTHS)]
-        seqs = [engine.new_sequence() for _ in prompts]
-        tokens = [list(p) for p in prompts]  # what each sequence has fed or will feed
-        got: list[list[torch.Tensor]] = [[] for _ in prompts]  # logits of each fed position that was sampled
-        forwards = 0
-        while any(s.num_fed < len(p) + DECODE_STEPS for s, p in zip(seqs, prompts)):
-            feeding = [i for i, (s, p) in enumerate(zip(seqs, prompts)) if s.num_fed < len(p) + DECODE_STEPS]
-            inputs = [tokens[i][seqs[i].num_fed:seqs[i].num_fed + CHUNK] for i in feeding]
-            logits = engine.feed([seqs[i] for i in feeding], inputs)
-            forwards += 1
-            for i, row in zip(feeding, logits):
-                if seqs[i].num_fed == len(tokens[i]):  # its known tokens are through: it "samples" greedily
-                    got[i].append(row[-1])
-                    tokens[i].append(int(row[-1].argmax()))
-        assert forwards == 5 + DECODE_STEPS  # the longest prompt's 5 chunks, then its decodes: one forward each
-        for i, prompt in enumerate(prompts):
-            with torch.no_grad():
-                want = ref(torch.tensor([tokens[i][:-1]])).logits[0]
-            for k, row in enumerate(got[i]):
-                assert rel_err(row, want[len(prompt) - 1 + k]) <= FP32_TOL, (arch, i, k)
-            engine.release(seqs[i])
-        assert set(engine.pool.used_pages().values()) == {0}
+        result = eight_sequences_against(llm, load_reference(path))
+    # the longest prompt's chunks, then its decodes: one forward each for all eight
+    assert result.forwards == -(-max(PROMPT_LENGTHS) // CHUNK) + DECODE_STEPS
+    assert result.worst_rel_err <= FP32_TOL and result.tokens_equal, (arch, result)
+    assert result.pages_left == 0
 
 
 def _visible(mask) -> list:

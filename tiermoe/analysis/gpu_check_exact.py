@@ -4,7 +4,10 @@
 - bf16 with the native C++ kernels computing the CPU tier at ratio 0.5: the CUDA run against the same run with
   the GPU tier on the CPU device, both against fp32 (bf16 cannot be exact: CUDA must be no worse than the CPU);
 - greedy generation of 8 prompts batched together against each prompt alone (batching changes no token);
-- dynamic placement (adaptive swaps, and kt-dynamic's burst of swaps after a large prefill) against static.
+- dynamic placement (adaptive swaps, and kt-dynamic's burst of swaps after a large prefill) against static;
+- the engine itself (Engine steps over the paged pool, 8 sequences of mixed lengths, chunked) against the
+  unmodified transformers model on the same GPU, fp32, on a tiny GPT-OSS (sinks, sliding window) and a tiny
+  DeepSeek-V3 (MLA), the suite's own test (tiermoe.testing.pool_exactness), with the GPU tier's kernel recorded.
 """
 
 from __future__ import annotations
@@ -19,19 +22,49 @@ from tiermoe.analysis.gpu_check_models import (
     logits,
     model_shape,
     rel_err,
+    tiny_checkpoint,
     token_prompts,
     uniform_mask,
     vocab_of,
 )
 from tiermoe.analysis.gpu_check_plan import CheckContext
+from tiermoe.arch import detect, load_config
 from tiermoe.config import AdaptiveSettings, CPUConfig, DynamicPlacementConfig
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
+from tiermoe.experts.slotted_tier import SlottedExpertSet
+from tiermoe.testing.pool_exactness import eight_sequences_against
 
 # bf16 is judged against the CPU device's own bf16 error (4 layers of random weights: about 5% of the largest
 # logit here), not against a fixed tolerance: CUDA must be no worse than the CPU.
 ERROR_FACTOR = 2.0  # CUDA's error against fp32 may be this many times the CPU device's (+ 1e-3)
 AGREEMENT_SLACK = 0.05  # CUDA's argmax agreement with fp32 may be this much below the CPU run's
+
+
+ENGINE_ARCHS = ("gpt_oss", "deepseek_v3")
+ENGINE_TOLERANCE = 1e-5  # the suite's bound for the same comparison on the CPU (observed <= 2e-6 there)
+
+
+def check_engine_vs_transformers(ctx: CheckContext) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    results = {}
+    for arch in ENGINE_ARCHS:
+        path = tiny_checkpoint(ctx, arch)
+        reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(ctx.device).eval()
+        with LLM(path, placement=uniform_mask(detect(load_config(path)), 0.5), gpu_device=ctx.device,
+                 dtype=torch.float32, max_running=8, page_size=4, progress=False) as llm:
+            found = eight_sequences_against(llm, reference)
+            pools = {id(b.gpu_tier.pool): b.gpu_tier.pool for b in llm.hybrid.blocks.values()
+                     if isinstance(b.gpu_tier, SlottedExpertSet) and b.gpu_tier.pool.stacks is not None}
+            choices = [p.kernel(torch.float32) for p in pools.values()]
+            kernels = sorted({f"{c.name} ({c.why})" for c in choices})
+        del reference
+        results[arch] = {"relative_error": found.worst_rel_err, "greedy_tokens_equal": found.tokens_equal,
+                         "forwards": found.forwards, "pages_left": found.pages_left, "gpu_tier_kernels": kernels}
+    passed = all(r["relative_error"] <= ENGINE_TOLERANCE and r["greedy_tokens_equal"] and not r["pages_left"]
+                 for r in results.values())
+    return {"status": "pass" if passed else "fail", "device": ctx.device, "tolerance": ENGINE_TOLERANCE, **results}
 
 
 def check_exactness_fp32(ctx: CheckContext) -> dict:

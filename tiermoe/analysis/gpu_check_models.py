@@ -21,6 +21,7 @@ from tiermoe.analysis.placement_traffic import strategy_mask
 from tiermoe.arch import detect, load_config
 from tiermoe.arch.spec import ArchSpec
 from tiermoe.testing.make_model import make_model
+from tiermoe.testing.presets import make_config
 
 SIZES = {
     "small": dict(hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512, num_hidden_layers=4,
@@ -103,3 +104,19 @@ def skipped(reason: str) -> dict:
 
 
 NO_CUDA = skipped("no CUDA")
+
+
+def tiny_checkpoint(ctx: CheckContext, arch: str) -> Path:
+    """A tiny fp32 checkpoint of `arch` (tiermoe.testing.presets' config, the suite's), written once per run like
+    `checkpoint`: GPT-OSS has attention sinks and sliding-window layers, DeepSeek-V3 MLA."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(ctx.work_dir) / f"tiny-{arch}"
+    if not path.exists():
+        partial = Path(ctx.work_dir) / f"tiny-{arch}.partial-{os.getpid()}"
+        shutil.rmtree(partial, ignore_errors=True)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(make_config(arch, initializer_range=0.1), dtype=torch.float32).save_pretrained(
+            partial)
+        partial.rename(path)
+    return path

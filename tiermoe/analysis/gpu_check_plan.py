@@ -40,7 +40,10 @@ def _c(name: str, stage: str, budget_s: float, module: str, shows: str) -> Check
 CHECKS = (
     _c("environment", "environment", 45, "gpu_check_env",
        "versions in use, the GPU, every tiermoe module imports on this torch, the C++ CPU kernels build (ISA)"),
-    _c("exactness_fp32", "exactness", 35, "gpu_check_exact",
+    _c("engine_vs_transformers", "exactness", 35, "gpu_check_exact",
+       "Engine steps over the paged pool (8 mixed-length sequences) against transformers on this GPU, fp32 "
+       "(<= 1e-5, equal greedy tokens): tiny GPT-OSS (sinks, window) and DeepSeek-V3 (MLA); the GPU-tier kernel"),
+    _c("exactness_fp32", "exactness", 25, "gpu_check_exact",
        "fp32 logits at GPU ratios 0..1 against the all-CPU run (<= 1e-3)"),
     _c("exactness_bf16_native", "exactness", 30, "gpu_check_exact",
        "bf16, native CPU kernels, ratio 0.5: CUDA against the CPU-device run (argmax agreement + tolerance)"),
@@ -52,7 +55,7 @@ CHECKS = (
        "host synchronisations per MoE layer in one decode step (torch.cuda.set_sync_debug_mode), by source line"),
     _c("deferred_decode", "syncs/overlap", 15, "gpu_check_syncs",
        "ms per decode step (8 sequences, ratio 0.5) with deferred experts 0 and 2 of top-8"),
-    _c("overlap_real_shapes", "syncs/overlap", 45, "gpu_check_syncs",
+    _c("overlap_real_shapes", "syncs/overlap", 35, "gpu_check_syncs",
        "one layer at real shapes (H 2048, I 768, E 128, K 8): CPU tier, GPU tier, both; overlap"),
     _c("pinned_copies", "syncs/overlap", 25, "gpu_check_copies",
        "CPU-tier experts pinned, copies asynchronous, landed bytes equal, pinned faster than pageable"),
@@ -66,7 +69,7 @@ CHECKS = (
        "FP8 GPU-tier experts: exact against their dequantised values, 1 byte/param, codes kept through moves"),
     _c("decode_profile", "profile", 25, "gpu_check_profile",
        "a torch.profiler table of one decode step (decode_profile.txt)"),
-    _c("cost_model_calibration", "profile", 45, "gpu_check_items",
+    _c("cost_model_calibration", "profile", 30, "gpu_check_items",
        "this GPU's profile (gpu_profile.json) and the CPU-only estimate against the measurement"),
 )
 

@@ -30,7 +30,10 @@ from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 
 PACKAGE = str(Path(tiermoe.__file__).parent)
-MOE_FILES = (f"{PACKAGE}/layers/", f"{PACKAGE}/experts/")
+# the MoE code: the block, its host round trip and the tiers (the rest of layers/ is attention and the step's
+# metadata, whose uploads would read as false alarms here)
+MOE_FILES = tuple(f"{PACKAGE}/{part}" for part in ("layers/hybrid_moe.py", "layers/host_ring.py",
+                                                   "layers/host_copies.py", "layers/deferred_experts.py", "experts/"))
 TARGET_SYNCS_PER_LAYER = 1
 
 
