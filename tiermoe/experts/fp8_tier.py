@@ -84,6 +84,12 @@ class FP8ExpertWeights:
         return FP8ExpertWeights(*(t.to(device, copy=True) for t in self.tensors()), self.block)
 
 
+def as_fp8(weights: ExpertWeights | FP8ExpertWeights, block: tuple[int, int]) -> FP8ExpertWeights:
+    """An expert arriving at an FP8 GPU tier: as it is, or (a canonical one, from the CPU tier) quantised where it
+    landed, with the releases' block rule."""
+    return weights if isinstance(weights, FP8ExpertWeights) else FP8ExpertWeights.quantize(weights, block)
+
+
 def fp8_expert_bytes(spec, block: tuple[int, int]) -> int:
     """Bytes of one FP8 expert of `spec` (an ArchSpec): a byte per parameter plus an fp32 scale per block."""
     h, i = spec.hidden_size, spec.expert_intermediate_size
@@ -102,9 +108,7 @@ class FP8ExpertSet(ExpertSet):
         self.dtype = dtype
 
     def add(self, expert: int, weights: ExpertWeights | FP8ExpertWeights) -> None:
-        if not isinstance(weights, FP8ExpertWeights):  # from the CPU tier: quantised where it landed
-            weights = FP8ExpertWeights.quantize(weights, self.block)
-        super().add(expert, weights)
+        super().add(expert, as_fp8(weights, self.block))
 
     def get(self, expert: int) -> ExpertWeights:
         return self.experts[expert].dequantized(self.dtype)

@@ -23,7 +23,7 @@ from tiermoe.experts.ffn import (
     ExpertActivation,
     routed_experts_forward,
 )
-from tiermoe.experts.fp8_tier import FP8ExpertWeights
+from tiermoe.experts.fp8_tier import FP8ExpertWeights, as_fp8
 from tiermoe.experts.slot_pool import ExpertSlotPool
 from tiermoe.experts.slotted_tier import SlottedExpertSet
 from tiermoe.experts.weights import ExpertWeights
@@ -40,9 +40,7 @@ class SlottedFP8ExpertSet(SlottedExpertSet):
         self.dtype = dtype
 
     def add(self, expert: int, weights: ExpertWeights | FP8ExpertWeights) -> None:
-        if not isinstance(weights, FP8ExpertWeights):  # from the CPU tier: quantised where it landed
-            weights = FP8ExpertWeights.quantize(weights, self.block)
-        super().add(expert, weights)
+        super().add(expert, as_fp8(weights, self.block))
 
     def _held(self, views) -> FP8ExpertWeights:
         return FP8ExpertWeights(*views, self.block)
