@@ -22,6 +22,7 @@ from tiermoe.analysis.gpu_check_models import (
     logits,
     model_shape,
     rel_err,
+    TINY_ARCHS,
     tiny_checkpoint,
     token_prompts,
     uniform_mask,
@@ -41,7 +42,7 @@ ERROR_FACTOR = 2.0  # CUDA's error against fp32 may be this many times the CPU d
 AGREEMENT_SLACK = 0.05  # CUDA's argmax agreement with fp32 may be this much below the CPU run's
 
 
-ENGINE_ARCHS = ("gpt_oss", "deepseek_v3")
+ENGINE_ARCHS = TINY_ARCHS
 ENGINE_TOLERANCE = 1e-5  # the suite's bound for the same comparison on the CPU (observed <= 2e-6 there)
 
 
