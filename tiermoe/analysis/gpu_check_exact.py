@@ -16,13 +16,13 @@ import torch
 
 from tiermoe.analysis.gpu_check_models import (
     EXACT_TOLERANCE,
+    TINY_ARCHS,
     argmax_agreement,
     checkpoint,
     first_difference,
     logits,
     model_shape,
     rel_err,
-    TINY_ARCHS,
     tiny_checkpoint,
     token_prompts,
     uniform_mask,
