@@ -64,8 +64,7 @@ class SlottedFP8ExpertSet(SlottedExpertSet):
         layout = triton_grouped.grouped_rows(group_sorted_P, token_P, width)
         gate_RI = triton_grouped.grouped_matmul(x_TD, layout, gate_WIH, scale_Wnk=gate_scale, scale_block=self.block)
         up_RI = triton_grouped.grouped_matmul(x_TD, layout, up_WIH, scale_Wnk=up_scale, scale_block=self.block)
-        own_R = torch.where(layout.rows_R >= 0, torch.arange(layout.padded, device=x_TD.device), -1)
         a_RI = self.act(torch.cat([gate_RI, up_RI], dim=-1))  # the canonical gate_up layout: gate first
-        y_RD = triton_grouped.grouped_matmul(a_RI, layout, down_WHI, rows_R=own_R, scale_Wnk=down_scale,
+        y_RD = triton_grouped.grouped_matmul(a_RI, layout, down_WHI, rows_R=layout.own_rows(), scale_Wnk=down_scale,
                                              scale_block=self.block)
-        return y_RD[layout.pair_row_P.clamp(max=layout.padded - 1)]
+        return layout.pair_rows(y_RD)

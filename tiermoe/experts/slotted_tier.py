@@ -127,8 +127,7 @@ class SlottedExpertSet(ExpertSet):
         if gate_up_bias_W2I is not None:
             h_R2I = h_R2I + gate_up_bias_W2I[slot_R]
         # padding rows hold whatever the allocation held: they are never read back
-        own_R = torch.where(layout.rows_R >= 0, torch.arange(layout.padded, device=x_TD.device), -1)
-        y_RD = triton_grouped.grouped_matmul(self.act(h_R2I), layout, down_WDI, rows_R=own_R)
+        y_RD = triton_grouped.grouped_matmul(self.act(h_R2I), layout, down_WDI, rows_R=layout.own_rows())
         if down_bias_WD is not None:
             y_RD = y_RD + down_bias_WD[slot_R]
-        return y_RD[layout.pair_row_P.clamp(max=layout.padded - 1)]
+        return layout.pair_rows(y_RD)

@@ -52,6 +52,14 @@ class GroupedRows:
     def padded(self) -> int:
         return self.rows_R.shape[0]
 
+    def own_rows(self) -> torch.Tensor:
+        """[R] rows for a product over a first product's padded output: each row reads itself (-1: padding)."""
+        return torch.where(self.rows_R >= 0, torch.arange(self.padded, device=self.rows_R.device), -1)
+
+    def pair_rows(self, out_RN: torch.Tensor) -> torch.Tensor:
+        """[P, N] each sorted pair's row of a padded output (a pair of no slot here: some row, to be dropped)."""
+        return out_RN[self.pair_row_P.clamp(max=self.padded - 1)]
+
 
 def grouped_rows(slot_sorted_P: torch.Tensor, source_P: torch.Tensor, width: int,
                  block_m: int = BLOCK_M) -> GroupedRows:
@@ -78,19 +86,17 @@ def grouped_rows(slot_sorted_P: torch.Tensor, source_P: torch.Tensor, width: int
 
 
 def grouped_matmul(x_MK: torch.Tensor, layout: GroupedRows, w_WNK: torch.Tensor, rows_R: torch.Tensor | None = None,
-                   scale_Wnk: torch.Tensor | None = None, scale_block: tuple[int, int] = (128, 128),
-                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   scale_Wnk: torch.Tensor | None = None, scale_block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """out [R, N]: padded row r = x[rows_R[r]] @ w[slot of r's block].T (rows of padding are left unwritten).
 
     `rows_R` defaults to the layout's (the activation rows of the pairs); a second product over the padded
-    output of a first passes the padded rows themselves. FP8 weights: `w_WNK` holds e4m3 codes and `scale_Wnk`
+    output of a first passes `layout.own_rows()`. FP8 weights: `w_WNK` holds e4m3 codes and `scale_Wnk`
     their fp32 block scales [W, ceil(N/bn), ceil(K/bk)]."""
     if not available():
         raise RuntimeError("the Triton grouped GEMM needs the triton package")
     rows_R = layout.rows_R if rows_R is None else rows_R
     _, n, k = w_WNK.shape
-    out_dtype = out_dtype or x_MK.dtype
-    out = torch.empty((layout.padded, n), dtype=out_dtype, device=x_MK.device)
+    out = torch.empty((layout.padded, n), dtype=x_MK.dtype, device=x_MK.device)
     fp8 = scale_Wnk is not None
     w = w_WNK.view(torch.uint8) if fp8 else w_WNK
     scale = scale_Wnk if fp8 else w_WNK  # unused without FP8 (the kernel needs some pointer)
