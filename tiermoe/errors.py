@@ -5,5 +5,17 @@ message as one line and exits with status 2, without a traceback. Messages say w
 """
 
 
+from collections.abc import Iterator
+
+
 class TiermoeError(ValueError):
     """Bad input from the user: printed as one line by the CLI."""
+
+
+def cause_chain(err: BaseException | None) -> Iterator[BaseException]:
+    """`err`, then what caused it (`__cause__`, else `__context__`), and so on, each once."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        yield err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__

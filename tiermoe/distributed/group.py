@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tiermoe.errors import TiermoeError
+from tiermoe.errors import TiermoeError, cause_chain
 
 DEFAULT_DIST_TIMEOUT_S = 300.0  # longer than any one layer's CPU work, short enough to notice a hung rank
 MIN_LOAD_TIMEOUT_S = 3600.0
@@ -230,13 +230,7 @@ class RankGroup:
 
 def fatal_cause(err: BaseException | None) -> RankFailure | None:
     """The RankFailure behind `err` (e.g. a batch aborted because one layer's all-reduce failed), if any."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, RankFailure):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
+    return next((e for e in cause_chain(err) if isinstance(e, RankFailure)), None)
 
 
 def _first_line(err: BaseException) -> str:

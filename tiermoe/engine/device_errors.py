@@ -11,7 +11,7 @@ supervisor to restart it (tiermoe.server.engine_service).
 
 from __future__ import annotations
 
-from tiermoe.errors import TiermoeError
+from tiermoe.errors import TiermoeError, cause_chain
 
 # cudaGetErrorString's text of the errors that corrupt the context (cudaErrorIllegalAddress, Assert, LaunchFailure,
 # IllegalInstruction, MisalignedAddress, InvalidAddressSpace, InvalidPc, HardwareStackError, LaunchTimeout,
@@ -36,15 +36,10 @@ class DeviceLostError(TiermoeError):
     fatal = True
 
 
-def sticky_device_error(err: BaseException) -> BaseException | None:
+def sticky_device_error(err: BaseException | None) -> BaseException | None:
     """The error in `err`'s cause chain that poisons the CUDA context, if any."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, RuntimeError) and any(text in str(err).lower() for text in STICKY_CUDA_ERRORS):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
+    return next((e for e in cause_chain(err) if isinstance(e, RuntimeError)
+                 and any(text in str(e).lower() for text in STICKY_CUDA_ERRORS)), None)
 
 
 def device_lost(err: BaseException) -> DeviceLostError:

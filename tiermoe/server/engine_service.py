@@ -32,7 +32,7 @@ from tiermoe.engine.logprobs import TokenLogprob
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.engine.sequence import Sequence
 from tiermoe.engine.text_stream import TextStream
-from tiermoe.errors import TiermoeError
+from tiermoe.errors import TiermoeError, cause_chain
 from tiermoe.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -303,13 +303,7 @@ class EngineService:
 def _fatal(err: BaseException | None) -> BaseException | None:
     """The error in `err`'s cause chain that marks the engine unusable (`fatal = True`, or a sticky device error
     raised outside the step's isolation), if any."""
-    sticky = sticky_device_error(err) if err is not None else None
+    sticky = sticky_device_error(err)
     if sticky is not None and not getattr(err, "fatal", False):
         return device_lost(sticky)
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if getattr(err, "fatal", False):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
+    return next((e for e in cause_chain(err) if getattr(e, "fatal", False)), None)
