@@ -44,8 +44,8 @@ def pins(monkeypatch):
     seen = {"pinned_empty": 0, "pin_memory": 0, "register": []}
     # by name, so that a tree without the module fails each test here rather than the whole file at import
     monkeypatch.setattr("tiermoe.experts.host_slab.register_host",
-                        lambda address, nbytes: seen["register"].append(nbytes))
-    monkeypatch.setattr("tiermoe.experts.host_slab.unregister_host", lambda address: None)
+                        lambda address, nbytes, cuda=None: seen["register"].append(nbytes))
+    monkeypatch.setattr("tiermoe.experts.host_slab.unregister_host", lambda address, cuda=None: None)
     with PinCounter(seen):
         yield seen
 

@@ -13,7 +13,8 @@ Stream rules on CUDA (what makes a copy safe while the compute stream keeps runn
   may still read (a freed expert that queued kernels use) nor reads a source compute work still writes;
 - both tensors are marked used by the side stream (record_stream), so freeing either before the copy lands
   cannot hand its memory to anyone while the copy runs.
-The stream operations go through a `CudaStreams` object; tests give a recorder with the same methods.
+The stream operations go through a `CudaStreams` object, which makes its CUDA calls through the `cuda` namespace
+it is given: tests give a recorder with the same methods, or CudaStreams over tiermoe.testing.fake_cuda.
 """
 
 from __future__ import annotations
@@ -59,16 +60,15 @@ class CudaStreams(CudaQueues):
     side streams, plus allocation on the current stream and stream-to-stream ordering."""
 
     def empty(self, like: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
-        """A destination like `like` on `device`, allocated on the current stream."""
-        if device.type == "cpu":
-            return torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
-        return torch.empty(like.shape, dtype=like.dtype, device=device)
+        """A destination like `like` on `device`, allocated on the current stream (page-locked on the host when
+        `pin`)."""
+        return torch.empty(like.shape, dtype=like.dtype, device=device, pin_memory=pin and device.type == "cpu")
 
     def wait_stream(self, waiter, waited) -> None:
         waiter.wait_stream(waited)
 
     def event(self):
-        return torch.cuda.Event()
+        return self.cuda.Event()
 
     def used_by(self, t: torch.Tensor, stream) -> None:
         if t.is_cuda:
@@ -76,14 +76,15 @@ class CudaStreams(CudaQueues):
 
 
 class AsyncCopier:
-    """streams: where CUDA copies run (default: CudaStreams of the device involved); given, every copy takes the
-    stream path, which lets tests check its ordering on the CPU."""
+    """streams: where CUDA copies run (default: CudaStreams over `cuda` of the device involved); given, every copy
+    takes the stream path, which lets tests check its ordering on the CPU."""
 
     def __init__(self, copy_fn: Callable[[ExpertWeights, torch.device, bool], ExpertWeights] = plain_copy,
-                 streams=None):
+                 streams=None, cuda=torch.cuda):
         self.copy_fn = copy_fn
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-copy")
         self._streams = streams
+        self._cuda = cuda
 
     def start(self, weights: ExpertWeights, device: torch.device, pin: bool = False,
               out: ExpertWeights | None = None) -> CopyTicket:
@@ -93,7 +94,7 @@ class AsyncCopier:
         uses_cuda = device.type == "cuda" or weights.device.type == "cuda"
         if self._streams is not None or (uses_cuda and self.copy_fn is plain_copy):
             if self._streams is None:
-                self._streams = CudaStreams(device if device.type == "cuda" else weights.device)
+                self._streams = CudaStreams(device if device.type == "cuda" else weights.device, self._cuda)
             return self._start_on_streams(weights, device, pin, out)
         return CopyTicket(future=self._pool.submit(_copy_into, self.copy_fn, weights, device, pin, out))
 

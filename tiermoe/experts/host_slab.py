@@ -39,36 +39,37 @@ def expert_shapes(spec) -> list[tuple[int, ...]]:
     return shapes
 
 
-def register_host(address: int, nbytes: int) -> None:
-    """Page-lock [address, address + nbytes) for fast, asynchronous copies to the GPU (cudaHostRegister)."""
+def register_host(address: int, nbytes: int, cuda=torch.cuda) -> None:
+    """Page-lock [address, address + nbytes) for fast, asynchronous copies to the GPU (cudaHostRegister; `cuda`:
+    torch.cuda, or tiermoe.testing.fake_cuda's stand-in)."""
     portable = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process, not just the current
-    code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, portable))
+    code = int(cuda.cudart().cudaHostRegister(address, nbytes, portable))
     if code != 0:
         raise TiermoeError(f"could not pin {nbytes} bytes of expert memory (cudaHostRegister error {code}); "
                            "the locked-memory limit (ulimit -l) may be too low")
 
 
-def unregister_host(address: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(address)
+def unregister_host(address: int, cuda=torch.cuda) -> None:
+    cuda.cudart().cudaHostUnregister(address)
 
 
-def _unlock(flat: torch.Tensor, unregister) -> None:
+def _unlock(flat: torch.Tensor, cuda) -> None:
     # the finalizer holds `flat` until the slab is gone, so its memory is unlocked before it can be freed
-    unregister(flat.data_ptr())
+    unregister_host(flat.data_ptr(), cuda)
 
 
 class HostSlab:
-    """`slots` experts of `shapes` in `dtype`, in one host allocation (page-locked when `pin`)."""
+    """`slots` experts of `shapes` in `dtype`, in one host allocation (page-locked through `cuda` when `pin`)."""
 
-    def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, slots: int, pin: bool):
+    def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, slots: int, pin: bool, cuda=torch.cuda):
         self.shapes = shapes
         self.slot_elems = sum(math.prod(s) for s in shapes)
         self.flat = torch.empty(slots * self.slot_elems, dtype=dtype)
         self.nbytes = self.flat.nbytes
         self.pinned = pin and self.nbytes > 0
         if self.pinned:
-            register_host(self.flat.data_ptr(), self.nbytes)
-            weakref.finalize(self, _unlock, self.flat, unregister_host)  # the unlock that matches this lock
+            register_host(self.flat.data_ptr(), self.nbytes, cuda)
+            weakref.finalize(self, _unlock, self.flat, cuda)  # the unlock that matches this lock
         self._expert: list[int | None] = [None] * slots  # the expert each slot was last given to
         self._reserved: set[int] = set()  # slots given to a copy that has not landed in its tier yet
 

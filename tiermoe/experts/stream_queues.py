@@ -2,8 +2,10 @@
 
 The layerwise-prefill streamer issues its copies and computes through this small interface, so one code path
 serves CUDA (two streams, events) and the host (work runs as it is issued: nothing to order), and a test can
-log the order with fakes. The expert copier's CudaStreams builds on CudaQueues. A stream here is whatever `compute()` / `side()` return; an event is what `record`
-returns and `wait` takes.
+log the order with fakes. The expert copier's CudaStreams and the MoE layer's host ring build on these queues. A
+stream here is whatever `compute()` / `side()` return; an event is what `record` returns and `wait` / `wait_host`
+take. CudaQueues makes every CUDA call through the `cuda` namespace it is given (torch.cuda, or
+tiermoe.testing.fake_cuda's stand-in, with which the suite runs these branches on a machine without CUDA).
 """
 
 from __future__ import annotations
@@ -31,32 +33,40 @@ class HostQueues:
     def wait(self, stream, event) -> None:
         pass
 
+    def wait_host(self, event) -> None:
+        pass
+
 
 class CudaQueues:
     """The caller's current stream computes; one side stream (made on first use) copies."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, cuda=torch.cuda):
         self.device = device
+        self.cuda = cuda
         self._side = None
 
     def compute(self):
-        return torch.cuda.current_stream(self.device)
+        return self.cuda.current_stream(self.device)
 
     def side(self):
         if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
+            self._side = self.cuda.Stream(self.device)
         return self._side
 
     def on(self, stream):
-        return torch.cuda.stream(stream)
+        return self.cuda.stream(stream)
 
     def record(self, stream):
-        event = torch.cuda.Event()
+        event = self.cuda.Event()
         event.record(stream)
         return event
 
     def wait(self, stream, event) -> None:
         stream.wait_event(event)
+
+    def wait_host(self, event) -> None:
+        """The host waits until `event` (recorded on a stream) has been reached."""
+        event.synchronize()
 
 
 def queues_for(device: torch.device):

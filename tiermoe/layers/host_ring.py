@@ -11,21 +11,24 @@ page-locked memory, grown only when a step needs more rows than any before:
   `non_blocking`; an event recorded after that copy is waited on before the slot's buffer is written again, DEPTH
   uses later (a step later at least: long done).
 On a CPU main device nothing crosses (HybridMoE.crosses_to_host is False) and this is not used. With the host-sync
-counter (tiermoe.testing.host_syncs) it runs on the CPU device as it would on CUDA, minus the page-locking and the
-events, which need CUDA.
+counter (tiermoe.testing.host_syncs) it runs on the CPU device as it would on CUDA, minus the page-locking; the events
+go through the device's queues (tiermoe.experts.stream_queues), which a test gives CUDA's calls faked on the CPU.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tiermoe.experts.stream_queues import queues_for
+
 DEPTH = 2  # slots per layer: a slot is written again only after the other one was used
 
 
 class HostRing:
-    def __init__(self, device: torch.device, depth: int = DEPTH):
+    def __init__(self, device: torch.device, depth: int = DEPTH, queues=None):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.queues = queues if queues is not None else queues_for(self.device)
         self._in: list[torch.Tensor | None] = [None] * depth  # uint8, page-locked on CUDA
         self._out: list[torch.Tensor | None] = [None] * depth
         self._out_read: list = [None] * depth  # event after the copy that reads the slot's output buffer
@@ -39,10 +42,7 @@ class HostRing:
         packed = torch.cat([tensors[i].contiguous().reshape(-1).view(torch.uint8) for i in order])
         staged = self._buffer(self._in, packed.numel())[:packed.numel()]
         staged.copy_(packed, non_blocking=self.cuda)
-        if self.cuda:
-            landed = torch.cuda.Event()
-            landed.record()
-            landed.synchronize()  # the layer's one wait: the CPU tier reads these bytes next
+        self.queues.wait_host(self.queues.record(self.queues.compute()))  # the layer's one wait: the CPU tier reads next
         out: list[torch.Tensor | None] = [None] * len(tensors)
         offset = 0
         for i in order:
@@ -56,16 +56,14 @@ class HostRing:
         """This slot's output buffer, shaped and typed like `like` [T, D], for the CPU tier to write into."""
         read = self._out_read[self._slot]
         if read is not None:
-            read.synchronize()  # the copy that read this buffer DEPTH uses ago (done by now, in practice)
+            self.queues.wait_host(read)  # the copy that read this buffer DEPTH uses ago (done by now, in practice)
         nbytes = like.numel() * like.element_size()
         return self._buffer(self._out, nbytes)[:nbytes].view(like.dtype).view(like.shape)
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """`host` (this slot's output buffer) on the device without the host waiting; the slot is then done."""
         on_device = host.to(self.device, non_blocking=True)  # page-locked on CUDA: the host goes on at once
-        if self.cuda:
-            self._out_read[self._slot] = torch.cuda.Event()
-            self._out_read[self._slot].record()
+        self._out_read[self._slot] = self.queues.record(self.queues.compute())
         self._slot = (self._slot + 1) % len(self._in)
         return on_device
 
