@@ -41,7 +41,7 @@ import e2e_llama_cpp as llama  # noqa: E402
 from bench_cpu_experts import MachineProbe  # noqa: E402
 from decode_rounds import print_load_average  # noqa: E402
 from e2e_models import MODELS, dir_bytes, prepare  # noqa: E402
-from e2e_report import LLAMA, TIERMOE, evaluate_goals, keep_best, report  # noqa: E402
+from e2e_report import LLAMA, TIERMOE, evaluate_goals, keep_round, report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "e2e_worker.py"
@@ -99,7 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="threads of each side (default 2)")
     p.add_argument("--tiermoe-threads", default=None, metavar="N|default",
                    help="tiermoe's --cpu-threads and torch threads if not --threads; 'default': tiermoe's own choice")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best counts (default 3)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median counts, the spread is shown "
+                                                  "(default 3)")
     p.add_argument("--tokens", type=int, default=64, help="decode steps timed per round (default 64)")
     p.add_argument("--component-steps", type=int, default=16, help="decode steps timed by part (default 16)")
     p.add_argument("--loss-prompts", type=int, default=32, help="held-out prompts scored (default 32; 0: no loss)")
@@ -206,7 +207,7 @@ def run_row(model, fmt: str, files: dict, args, compare, probe: MachineProbe, rn
         print(f"{tag} the sides do not fit in memory together: each loads anew every round", flush=True)
     vocab = json.loads((files["hf"] / "config.json").read_text())["vocab_size"]
     workers: dict[str, Worker] = {}
-    best: dict[str, dict] = {s[0]: {} for s in sides}
+    best: dict[str, dict] = {s[0]: {} for s in sides}  # per side: the medians of the rounds so far
     layers = []
 
     def on_side(side, task) -> None:
@@ -243,8 +244,8 @@ def run_row(model, fmt: str, files: dict, args, compare, probe: MachineProbe, rn
             for _ in range(PROBES):  # the floor is the machine's best read rate, not one unlucky sample
                 probe.probe(args.threads)
             for side in list(sides):
-                on_side(side, lambda w: keep_best(best[w.label], measure_round(w, rng, vocab, args.tokens)))
-            print(f"{tag} round {r + 1}/{args.rounds}: " + "; ".join(
+                on_side(side, lambda w: keep_round(best[w.label], measure_round(w, rng, vocab, args.tokens)))
+            print(f"{tag} round {r + 1}/{args.rounds} (medians so far): " + "; ".join(
                 f"{label} {b['decode_tok_s']:.1f} tok/s, TTFT16 {b['ttft16_s'] * 1e3:.0f} ms, "
                 f"prefill512 {b['prefill512_tok_s']:.0f} tok/s" for label, b in best.items()), flush=True)
         for side in list(sides):

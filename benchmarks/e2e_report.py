@@ -5,7 +5,9 @@ results dict the benchmark also writes as JSON, so they are tested without llama
 results = {"machine": {"read_bandwidth": bytes/s, ...},
            "rows": [{"model", "format" ("bf16" | "4-bit"), "layers", optional "host_bound" (a model of next to no
                      bytes, where a step is host time: the host goal is judged there, the floor goal elsewhere),
-                     "backends": {label: {"decode_tok_s", "ttft16_s", "prefill512_tok_s", "bytes_per_token",
+                     "backends": {label: {"decode_tok_s", "ttft16_s", "prefill512_tok_s" (medians of the rounds;
+                                          "rounds" {figure: every value}, "spread" {figure: [min, max]}),
+                                          "bytes_per_token",
                                           optional "components_ms" {part: ms per step}, "ops_per_layer"}}}],
            "loss": [{"model", "vocab", "tokens", "tiermoe bf16", "tiermoe 4-bit", "llama.cpp bf16",
                      "llama.cpp Q4_K_M"}]}
@@ -15,6 +17,7 @@ A backend that did not run is absent; a figure that was not measured is absent o
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 LLAMA = "llama.cpp"
@@ -36,11 +39,28 @@ class Goal:
     reached: bool | None  # None: not measured (a side missing)
 
 
-def keep_best(best: dict, new: dict) -> None:
-    """Per figure the best of the rounds so far: the highest rate (..._tok_s), the shortest time (other ..._s)."""
+ROUND_FIGURES = ("decode_tok_s", "ttft16_s", "prefill512_tok_s")  # measured once per round
+
+
+def keep_round(figures: dict, new: dict) -> None:
+    """Add one round's figures: each figure is the median of the rounds so far, its spread [min, max] beside it
+    (figures["rounds"][key]: every round's value, in order)."""
+    rounds = figures.setdefault("rounds", {})
     for key, value in new.items():
-        better = max if key.endswith("_tok_s") else min
-        best[key] = value if key not in best else better(best[key], value)
+        rounds.setdefault(key, []).append(value)
+        figures[key] = statistics.median(rounds[key])
+        figures.setdefault("spread", {})[key] = [min(rounds[key]), max(rounds[key])]
+
+
+def _with_spread(b: dict, key: str, spec: str, scale: float = 1.0) -> str:
+    """'median (min-max)' of a figure measured each round; just the figure when there was one round."""
+    value, spread = b.get(key), b.get("spread", {}).get(key)
+    if value is None:
+        return "-"
+    text = format(value * scale, spec)
+    if spread and len(b["rounds"][key]) > 1:
+        text += f" ({format(spread[0] * scale, spec)}-{format(spread[1] * scale, spec)})"
+    return text
 
 
 def floor_tok_s(backend: dict, bandwidth: float) -> float | None:
@@ -143,11 +163,11 @@ def speed_table(results: dict) -> list[str]:
             host = host_us_per_layer(b, bandwidth, row["layers"])
             ttft = b.get("ttft16_s")
             lines.append(
-                f"| {row['model']} | {row['format']} | {label} | {_fmt(b.get('decode_tok_s'), '.1f')} | "
+                f"| {row['model']} | {row['format']} | {label} | {_with_spread(b, 'decode_tok_s', '.1f')} | "
                 f"{_fmt(_ratio(b.get('decode_tok_s'), ref.get('decode_tok_s')), '.2f')}x | "
                 f"{_fmt(_ratio(b.get('decode_tok_s'), floor_tok_s(b, bandwidth)), '.0%')} | "
-                f"{_fmt(ttft and ttft * 1e3, '.1f')} | {_fmt(_ratio(ttft, ref.get('ttft16_s')), '.2f')}x | "
-                f"{_fmt(b.get('prefill512_tok_s'), '.0f')} | "
+                f"{_with_spread(b, 'ttft16_s', '.1f', 1e3)} | {_fmt(_ratio(ttft, ref.get('ttft16_s')), '.2f')}x | "
+                f"{_with_spread(b, 'prefill512_tok_s', '.0f')} | "
                 f"{_fmt(_ratio(b.get('prefill512_tok_s'), ref.get('prefill512_tok_s')), '.2f')}x | "
                 f"{_fmt(host, '.0f')} | {_fmt(_ratio(host, ref_host), '.2f')}x | "
                 f"{_fmt(b.get('ops_per_layer'), '.0f')} |")
@@ -188,7 +208,8 @@ def goal_table(goals: list[Goal]) -> list[str]:
 
 def report(results: dict) -> str:
     """Every table, markdown."""
-    sections = [("Speed (best of the rounds; ratios against llama.cpp on the same model)", speed_table(results)),
+    sections = [("Speed (median of the alternating rounds, min-max in brackets; ratios of the medians against "
+                 "llama.cpp on the same model)", speed_table(results)),
                 ("Time per part of one decode step", component_table(results))]
     if results.get("loss"):
         sections.append(("Held-out loss (nats), each 4-bit form against its own bf16 model", loss_table(results)))

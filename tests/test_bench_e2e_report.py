@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from e2e_report import evaluate_goals, host_us_per_layer, keep_best, report  # noqa: E402
+from e2e_report import evaluate_goals, host_us_per_layer, keep_round, report  # noqa: E402
 
 GB = 1e9
 
@@ -89,8 +89,10 @@ def test_loss_goal_compares_each_4bit_change_against_its_own_bf16():
     assert f"{math.log(151936):.4f}" in report(_results({}, {}, loss=[loss]))
 
 
-def test_the_best_round_is_the_fastest_rate_and_the_shortest_time():
-    best = {}
-    keep_best(best, {"decode_tok_s": 10.0, "ttft16_s": 0.2, "prefill512_tok_s": 100.0})
-    keep_best(best, {"decode_tok_s": 5.0, "ttft16_s": 0.1, "prefill512_tok_s": 200.0})
-    assert best == {"decode_tok_s": 10.0, "ttft16_s": 0.1, "prefill512_tok_s": 200.0}
+def test_each_figure_is_the_median_of_the_rounds_with_its_spread_in_the_table():
+    figures = {}
+    for decode, ttft in ((10.0, 0.2), (5.0, 0.1), (7.0, 0.3), (30.0, 0.15), (6.0, 0.12)):
+        keep_round(figures, {"decode_tok_s": decode, "ttft16_s": ttft, "prefill512_tok_s": 100.0})
+    assert figures["decode_tok_s"] == 7.0 and figures["ttft16_s"] == 0.15  # one fast outlier moves nothing
+    assert figures["spread"]["decode_tok_s"] == [5.0, 30.0] and len(figures["rounds"]["ttft16_s"]) == 5
+    assert "| 7.0 (5.0-30.0) |" in report(_results(figures, {}))
