@@ -17,6 +17,7 @@ from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
 from tiermoe.layers.ragged_step import RaggedStep, SeqFeed, decode_runs
+from tiermoe.layers.triton_paged_attention import TritonPagedAttention
 from tiermoe.testing.pool_exactness import (
     CHUNK,
     DECODE_STEPS,
@@ -37,6 +38,21 @@ def test_eight_sequences_in_one_forward_per_step_equal_transformers(arch, tiny_d
     # the longest prompt's chunks, then its decodes: one forward each for all eight
     assert result.forwards == -(-max(PROMPT_LENGTHS) // CHUNK) + DECODE_STEPS
     assert result.worst_rel_err <= FP32_TOL and result.tokens_equal, (arch, result)
+    assert result.pages_left == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eight_sequences_on_the_cuda_attention_path_equal_transformers(arch, tiny_dir):
+    """The CUDA path's attention, run here: decode rows read the pool in place through the Triton kernel (under
+    its interpreter), prompt chunks and linear-attention states gathered, as on a GPU."""
+    path = tiny_dir(arch)
+    mask = make_mask("random_half", detect(load_config(path)))
+    # a pool of 512 tokens: the interpreter copies every tensor a launch takes, the pool's slots included
+    with LLM(path, placement=mask, dtype=torch.float32, max_running=8, page_size=4, max_total_tokens=512,
+             progress=False, attention_backend="triton") as llm:
+        assert isinstance(llm.engine.decode_attention, TritonPagedAttention)
+        result = eight_sequences_against(llm, load_reference(path))
+    assert result.worst_rel_err <= 1e-5 and result.tokens_equal, (arch, result)
     assert result.pages_left == 0
 
 

@@ -260,8 +260,8 @@ def test_every_check_rehearses_with_the_gpu_tier_on_the_cpu_device(tmp_path):
     assert not [name for name, r in checks.items() if r["status"] in ("fail", "timeout")], checks
     env = checks["environment"]
     assert env["tiermoe_file"].startswith(str(REPO)) and not env["imports"]["failed"]
-    for name in ("engine_vs_transformers", "exactness_fp32", "greedy_concurrency", "dynamic_vs_static",
-                 "layerwise_prefill", "fp8_gpu_tier"):
+    for name in ("engine_vs_transformers", "attention_in_place", "exactness_fp32", "greedy_concurrency",
+                 "dynamic_vs_static", "layerwise_prefill", "fp8_gpu_tier"):
         assert checks[name]["status"] == "pass", name
     assert checks["engine_vs_transformers"]["gpt_oss"]["greedy_tokens_equal"]
     assert checks["dynamic_vs_static"]["adaptive"]["swaps_landed"] > 0

@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.time()
     device = "cuda:0" if torch.cuda.is_available() and not args.rehearse else "cpu"
+    if device == "cpu":  # a rehearsal runs the Triton kernels on the host: under Triton's interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     header = {"versions": versions(), **cuda_summary(), "device": device, "rehearsal": args.rehearse,
               "limit_s": args.limit, "setup_seconds": args.setup_seconds,
               "plan": [{"name": c.name, "stage": c.stage, "budget_s": c.budget_s} for c in checks]}

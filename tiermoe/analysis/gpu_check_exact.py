@@ -60,9 +60,11 @@ def check_engine_vs_transformers(ctx: CheckContext) -> dict:
                      if isinstance(b.gpu_tier, SlottedExpertSet) and b.gpu_tier.pool.stacks is not None}
             choices = [p.kernel(torch.float32) for p in pools.values()]
             kernels = sorted({f"{c.name} ({c.why})" for c in choices})
+            attention = type(llm.engine.decode_attention).__name__  # on CUDA: TritonPagedAttention, in place
         del reference
         results[arch] = {"relative_error": found.worst_rel_err, "greedy_tokens_equal": found.tokens_equal,
-                         "forwards": found.forwards, "pages_left": found.pages_left, "gpu_tier_kernels": kernels}
+                         "forwards": found.forwards, "pages_left": found.pages_left, "gpu_tier_kernels": kernels,
+                         "decode_attention": attention}
     passed = all(r["relative_error"] <= ENGINE_TOLERANCE and r["greedy_tokens_equal"] and not r["pages_left"]
                  for r in results.values())
     return {"status": "pass" if passed else "fail", "device": ctx.device, "tolerance": ENGINE_TOLERANCE, **results}

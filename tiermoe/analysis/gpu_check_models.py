@@ -108,18 +108,24 @@ def skipped(reason: str) -> dict:
 NO_CUDA = skipped("no CUDA")
 
 
-def tiny_checkpoint(ctx: CheckContext, arch: str) -> Path:
+LONG_CONTEXT = 16400  # the long-context checkpoint's positions: a 16k past and its decode steps
+
+
+def tiny_checkpoint(ctx: CheckContext, arch: str, long_context: bool = False) -> Path:
     """A tiny fp32 checkpoint of `arch` (tiermoe.testing.presets' config, the suite's), written once per run like
-    `checkpoint`: GPT-OSS has attention sinks and sliding-window layers, DeepSeek-V3 MLA."""
+    `checkpoint`: GPT-OSS has attention sinks and sliding-window layers, DeepSeek-V3 MLA. `long_context`: with
+    LONG_CONTEXT positions (the tiny configs have 256)."""
     from transformers import AutoModelForCausalLM
 
-    path = Path(ctx.work_dir) / f"tiny-{arch}"
+    name = f"tiny-{arch}" + ("-long" if long_context else "")
+    path = Path(ctx.work_dir) / name
     if not path.exists():
-        partial = Path(ctx.work_dir) / f"tiny-{arch}.partial-{os.getpid()}"
+        partial = Path(ctx.work_dir) / f"{name}.partial-{os.getpid()}"
         shutil.rmtree(partial, ignore_errors=True)
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(make_config(arch, initializer_range=0.1), dtype=torch.float32).save_pretrained(
-            partial)
+        extra = {"max_position_embeddings": LONG_CONTEXT} if long_context else {}
+        config = make_config(arch, initializer_range=0.1, **extra)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(partial)
         partial.rename(path)
     return path
 
@@ -129,7 +135,8 @@ def check_checkpoints(ctx: CheckContext) -> dict:
     not the writing of a 1.2 GB file (a check run alone still writes what it needs itself)."""
     seconds = {}
     for name, write in (("small", lambda: checkpoint(ctx, "small")), ("real", lambda: checkpoint(ctx, "real")),
-                        *((f"tiny-{arch}", lambda arch=arch: tiny_checkpoint(ctx, arch)) for arch in TINY_ARCHS)):
+                        *((f"tiny-{arch}", lambda arch=arch: tiny_checkpoint(ctx, arch)) for arch in TINY_ARCHS),
+                        ("tiny-qwen3_moe-long", lambda: tiny_checkpoint(ctx, "qwen3_moe", long_context=True))):
         started = time.perf_counter()
         write()
         seconds[name] = round(time.perf_counter() - started, 2)

@@ -45,13 +45,16 @@ CHECKS = (
     _c("engine_vs_transformers", "exactness", 35, "gpu_check_exact",
        "Engine steps over the paged pool (8 mixed-length sequences) against transformers on this GPU, fp32 "
        "(<= 1e-5, equal greedy tokens): tiny GPT-OSS (sinks, window) and DeepSeek-V3 (MLA); the GPU-tier kernel"),
+    _c("attention_in_place", "exactness", 20, "gpu_check_attention",
+       "decode rows read the KV pool in place (Triton): the K/V bytes a decode step writes at pasts of 1k and 16k "
+       "(equal), greedy tokens equal to the CPU run's"),
     _c("exactness_fp32", "exactness", 20, "gpu_check_exact",
        "fp32 logits at GPU ratios 0..1 against the all-CPU run (<= 1e-3)"),
     _c("exactness_bf16_native", "exactness", 30, "gpu_check_exact",
        "bf16, native CPU kernels, ratio 0.5: CUDA against the CPU-device run (argmax agreement + tolerance)"),
     _c("greedy_concurrency", "exactness", 30, "gpu_check_exact",
        "greedy generation of 8 prompts at concurrency 8 equals each prompt run alone"),
-    _c("dynamic_vs_static", "exactness", 35, "gpu_check_exact",
+    _c("dynamic_vs_static", "exactness", 25, "gpu_check_exact",
        "outputs with swaps in flight (adaptive; kt-dynamic after a large prefill) equal static placement's"),
     _c("host_syncs", "syncs/overlap", 25, "gpu_check_syncs",
        "host synchronisations per MoE layer in one decode step (torch.cuda.set_sync_debug_mode), by source line"),
@@ -71,7 +74,7 @@ CHECKS = (
        "FP8 GPU-tier experts: exact against their dequantised values, 1 byte/param, codes kept through moves"),
     _c("decode_profile", "profile", 20, "gpu_check_profile",
        "a torch.profiler table of one decode step (decode_profile.txt)"),
-    _c("cost_model_calibration", "profile", 30, "gpu_check_items",
+    _c("cost_model_calibration", "profile", 20, "gpu_check_items",
        "this GPU's profile (gpu_profile.json) and the CPU-only estimate against the measurement"),
 )
 

@@ -61,6 +61,8 @@ class LLM:
     (tiermoe.engine.pool_size). page_size: tokens per page of the pool. prefix_cache: a prompt that starts with
     pages already in the pool reuses them (tiermoe.engine.prefix_index). lora: a LoRA adapter merged into the
     weights as they load (tiermoe.training.adapter_merge.merged_lora reads one from a PEFT adapter directory).
+    attention_backend: what decode rows attend the pool in place with ("auto", "native", "triton", "torch";
+    tiermoe.layers.decode_attention.decode_attention_for).
     """
 
     def __init__(self, model: str | Path | None = None, gpu_device: str = "cpu", placement=None,
@@ -68,7 +70,7 @@ class LLM:
                  max_total_tokens: int | None = None, cpu: CPUConfig = CPUConfig(),
                  recorder: ExpertRecorder = NO_RECORDER, dynamic: DynamicPlacementConfig | None = None,
                  progress: bool = True, share=None, page_size: int = DEFAULT_PAGE_SIZE, prefix_cache: bool = True,
-                 lora: MergedLoRA | None = None):
+                 lora: MergedLoRA | None = None, attention_backend: str = "auto"):
         self.model_dir = resolve_model(model)
         spec = detect(load_config(self.model_dir))
         num_gpus = 1 if share is None else share.num_ranks
@@ -77,7 +79,8 @@ class LLM:
         # to it, so the KV cache cannot grow into the memory the GPU experts were given
         max_total_tokens = max_total_tokens or plan.budget.get("kv_cache_tokens")
         self.hybrid = load_hybrid_model(self.model_dir, plan, gpu_device=gpu_device, dtype=dtype, cpu=cpu,
-                                        progress=progress, share=share, lora=lora)
+                                        progress=progress, share=share, lora=lora,
+                                        attention_backend=attention_backend)
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.generation_defaults = load_generation_defaults(self.model_dir)
         detokenize = None

@@ -23,14 +23,27 @@ Legend: T decode rows, H query heads, Hkv KV heads, d head dim, dv value dim, S 
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from tiermoe.experts.kernels import ISA_NAMES, SOLO_BYTES, Kernels, ThreadTeam, TmAttnArgs, TmDeltaArgs
+from tiermoe.errors import TiermoeError
+from tiermoe.experts.kernels import (
+    ISA_NAMES,
+    SOLO_BYTES,
+    Kernels,
+    ThreadTeam,
+    TmAttnArgs,
+    TmDeltaArgs,
+)
+from tiermoe.layers import triton_paged_attention
 from tiermoe.layers.mla_attention import MLAAttention
 from tiermoe.layers.ragged_step import RaggedStep
+from tiermoe.layers.triton_paged_attention import TritonPagedAttention
+
+log = logging.getLogger(__name__)
 
 # Multiply-adds below which the calling thread runs the gated delta rule alone: waking the team costs more than it
 # saves.
@@ -162,12 +175,38 @@ def key_splits(rows: int, kv_heads: int, threads: int, keys: int) -> int:
     return max(1, min(-(-threads // tasks), keys // rows // MIN_SPLIT_KEYS))
 
 
+ATTENTION_BACKENDS = ("auto", "native", "triton", "torch")
+
+
+def check_attention_backend(backend: str) -> None:
+    if backend not in ATTENTION_BACKENDS:
+        raise TiermoeError(f"attention backend '{backend}' is unknown; choose one of: {', '.join(ATTENTION_BACKENDS)}")
+
+
 def decode_attention_for(model: nn.Module, device: torch.device, kernels: Kernels | None,
-                         team: Callable[[], ThreadTeam], trainable: bool) -> DecodeAttention | None:
-    """The native decode attention for `model`, or None where it does not apply (see the module docstring):
-    a GPU device, no kernels, training, a dtype the kernels do not take (fp16), or MLA layers where the kernel
-    is slower than torch (`kernel_attends_mla`)."""
-    if trainable or kernels is None or torch.device(device).type != "cpu" or model.dtype not in _DTYPES:
+                         team: Callable[[], ThreadTeam], trainable: bool,
+                         backend: str = "auto") -> DecodeAttention | TritonPagedAttention | None:
+    """What the decode rows of `model` on `device` attend the pool in place with, or None where they are gathered
+    (transformers' attention function over the pages each step reads). `backend` (`--attention-backend`):
+    - "auto": on the CPU the native kernel where it applies (kernels built, fp32 / bf16, no training, MLA only
+      where `kernel_attends_mla`); on CUDA the Triton kernel (tiermoe.layers.triton_paged_attention) when triton
+      is installed;
+    - "native": the native kernel where it applies (else gathered); "triton": the Triton kernel on any device
+      (on the CPU under its interpreter: how the suite checks the CUDA path); "torch": always gathered."""
+    check_attention_backend(backend)
+    on_cpu = torch.device(device).type == "cpu"
+    if trainable or backend == "torch":
+        return None
+    if backend == "triton" or (backend == "auto" and not on_cpu):
+        if not triton_paged_attention.available():
+            if backend == "triton":
+                raise TiermoeError("--attention-backend triton needs the triton package (pip install triton)")
+            log.info("attention: no triton package, so decode rows gather their past from the KV pool each step")
+            return None
+        log.info("attention: decode rows read the KV pool in place (Triton kernel); prompt chunks and Qwen3-Next's "
+                 "linear-attention states keep the gathered path")
+        return TritonPagedAttention()
+    if kernels is None or not on_cpu or model.dtype not in _DTYPES:
         return None
     mla_heads = max((m.num_heads for m in model.modules() if isinstance(m, MLAAttention)), default=0)
     if mla_heads and not kernel_attends_mla(mla_heads, model.dtype, kernels.isa):

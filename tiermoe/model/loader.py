@@ -53,7 +53,11 @@ from tiermoe.experts.slotted_fp8_tier import SlottedFP8ExpertSet
 from tiermoe.experts.slotted_tier import SlottedExpertSet
 from tiermoe.experts.tiers import CPUWorker, ExpertSet
 from tiermoe.experts.weights import ExpertWeights
-from tiermoe.layers.decode_attention import decode_attention_for
+from tiermoe.layers.decode_attention import (
+    DecodeAttention,
+    check_attention_backend,
+    decode_attention_for,
+)
 from tiermoe.layers.deferred_experts import DeferredExperts
 from tiermoe.layers.fused_attention import fuse_decode_attention
 from tiermoe.layers.fused_decode_layer import fuse_decode_layers
@@ -104,7 +108,7 @@ class RankShare(Protocol):
 def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str | torch.device = "cpu",
                       dtype: torch.dtype | None = None, cpu: CPUConfig = CPUConfig(),
                       progress: bool = True, share: RankShare | None = None, trainable: bool = False,
-                      lora: MergedLoRA | None = None) -> HybridModel:
+                      lora: MergedLoRA | None = None, attention_backend: str = "auto") -> HybridModel:
     """Load `model_dir` with routed experts placed by `placement`: a PlacementPlan (what the edge hands on), or
     anything `tiermoe.model.plan_source.resolve_plan` turns into one (a bool mask [L, E], True = GPU tier; a
     PlacementConfig; None = the checkpoint's own mask, the environment, or all CPU).
@@ -127,8 +131,12 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
 
     `lora`: an adapter merged into the weights as they load (tiermoe.model.lora_merge): non-expert weights once
     loaded, each routed expert before its tier takes it (so a quantising CPU tier quantises the merged expert).
+
+    `attention_backend`: what decode rows attend the KV pool in place with (tiermoe.layers.decode_attention's
+    decode_attention_for: "auto", "native", "triton", "torch").
     """
     model_dir = Path(model_dir)
+    check_attention_backend(attention_backend)
     if trainable and share is not None:
         raise TiermoeError("training runs in one process: a trainable model cannot be one rank of several")
     if lora is not None and trainable:
@@ -214,8 +222,9 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         group_kv_b_rows_of(decoder_layers(model))  # MLA's one re-layout, now that kv_b_proj holds its rows
     return_freed_heap()  # the read buffers the tiers packed or quantised from
     kernels = load_kernels()
-    decode_attention = decode_attention_for(model, gpu_device, kernels, model_team(worker, kernels, cpu), trainable)
-    if decode_attention is not None:
+    decode_attention = decode_attention_for(model, gpu_device, kernels, model_team(worker, kernels, cpu), trainable,
+                                            attention_backend)
+    if isinstance(decode_attention, DecodeAttention):  # the CPU's native kernels: whole layers fused around them
         fuse_decode_attention(model, decode_attention)
         fuse_decode_layers(model, kernels)  # where every piece is fused and packed: one native call a layer
     return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share, trainable, pool,

@@ -1,0 +1,81 @@
+"""The CUDA path's attention over the KV pool (tiermoe.layers.triton_paged_attention), under Triton's interpreter:
+the kernel against a float64 reference for every kind it covers, and a decode step on that path reading the past
+where it lies: no op of the step makes bytes that grow with the context (the gathered path copies every past
+K/V of every layer, and builds masks as wide)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rel_err
+
+from tiermoe.engine.llm import LLM
+from tiermoe.errors import TiermoeError
+from tiermoe.layers import triton_paged_attention
+from tiermoe.layers.triton_paged_attention import TritonPagedAttention
+from tiermoe.testing.step_bytes import decode_step_bytes
+
+pytestmark = pytest.mark.skipif(not triton_paged_attention.available(), reason="triton is not installed")
+PAGE = 4
+
+
+def reference(q, k, v, tables, pos, lo, scale, sinks=None, kr=None) -> torch.Tensor:
+    """Each row over key positions [lo, pos] of its pages, in float64."""
+    T, H, _ = q.shape
+    group = H // k.shape[1]
+    out = torch.empty(T, H, v.shape[2], dtype=torch.float64)
+    for t in range(T):
+        keys = torch.arange(int(lo[t]), int(pos[t]) + 1)
+        slots = tables[t][keys // PAGE] * PAGE + keys % PAGE
+        for h in range(H):
+            kk = k[slots, h // group].double()
+            if kr is not None:
+                kk = torch.cat([kk, kr[slots, h // group].double()], -1)
+            s = kk @ q[t, h].double() * scale
+            if sinks is not None:
+                s = torch.cat([s, sinks[h:h + 1].double()])
+            out[t, h] = torch.softmax(s, 0)[:len(keys)] @ v[slots, h // group].double()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gqa", "window_and_sinks", "mla", "wide_group", "bf16"])
+def test_the_kernel_equals_attention_over_each_rows_pages(kind):
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, d, dr, slots = 4, 2, 16, 0, 64
+    if kind == "mla":  # one latent head, read as a two-part key whose first part is also the value
+        Hkv, d, dr = 1, 24, 8
+    if kind == "wide_group":  # more query heads per KV head than one program takes
+        H = 40
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    k = torch.randn(slots, Hkv, d, generator=g).to(dtype)
+    v = k if kind == "mla" else torch.randn(slots, Hkv, 16, generator=g).to(dtype)
+    kr = torch.randn(slots, Hkv, dr, generator=g).to(dtype) if dr else None
+    q = torch.randn(5, H, d + dr, generator=g).to(dtype)
+    pos = torch.tensor([0, 3, 9, 40, 13], dtype=torch.int32)
+    lo = torch.tensor([0, 0, 5, 20, 0] if kind == "window_and_sinks" else [0] * 5, dtype=torch.int32)
+    tables = torch.randint(1, slots // PAGE, (5, 11), generator=g)
+    sinks = torch.randn(H, generator=g) if kind in ("window_and_sinks", "wide_group") else None
+    out = torch.empty(5, H, v.shape[2], dtype=dtype)
+    TritonPagedAttention().attend(q, k, v, tables, pos, lo, PAGE, 0.3, 0, sinks, out, kr)
+    want = reference(q, k, v, tables, pos, lo, 0.3, sinks, kr)
+    if dtype == torch.float32:
+        assert rel_err(out.double(), want) <= 1e-5
+    else:  # fp32 inside, rounded once (the interpreter's cast to bf16 truncates: 2^-7, where a GPU's rounds: 2^-8)
+        assert (out.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_decode_step_on_the_cuda_path_makes_no_bytes_that_grow_with_the_past(tiny_dir, backend):
+    """"triton": what CUDA runs; "torch": the gathered path it replaces, whose bytes grow (the check can fail)."""
+    with LLM(tiny_dir("qwen3_moe"), dtype=torch.float32, page_size=PAGE, max_total_tokens=512, progress=False,
+             attention_backend=backend) as llm:
+        (short, _), (long, _) = decode_step_bytes(llm, 10), decode_step_bytes(llm, 202)  # same offset in a page
+    if backend == "triton":
+        assert long == short
+    else:
+        assert long > short + 2 * 192 * 4 * 8  # at least K and V of the extra past, one layer, 8 floats a key
+
+
+def test_an_unknown_attention_backend_is_one_clear_error(tiny_dir):
+    with pytest.raises(TiermoeError, match="attention backend 'flash' is unknown; choose one of: auto, native"):
+        LLM(tiny_dir("qwen3_moe"), attention_backend="flash", progress=False)
