@@ -1,7 +1,9 @@
 """Would-be host syncs of a whole engine decode step (Engine.step over the paged pool), as a CUDA main device runs it:
-transformers' own routers and the gathered attention path (the CPU device's fused native calls are not taken on
-CUDA), the CPU tier's inputs crossing to the host, the GPU tier on either of its grouped kernels. Exactly one per MoE layer with CPU-tier experts (its inputs in one
-copy), none for a layer whose experts are all on the GPU tier, at most three for the rest of the step."""
+transformers' own routers and the attention CUDA chooses (with the grouped GEMM: the Triton kernel over the pool in
+place, run by Triton's interpreter; with the Triton GEMM: the gathered path; the CPU device's fused native calls are
+not taken on CUDA), the CPU tier's inputs crossing to the host, the GPU tier on either of its grouped kernels.
+Exactly one per MoE layer with CPU-tier experts (its inputs in one copy), none for a layer whose experts are all on
+the GPU tier, at most three for the rest of the step."""
 
 from __future__ import annotations
 
@@ -34,7 +36,12 @@ def test_a_decode_step_syncs_once_per_moe_layer_with_cpu_experts_and_not_for_an_
             pytest.skip("triton is not installed")
         monkeypatch.setattr(slot_pool, "device_capability", lambda _: KERNELS[kernel])
     monkeypatch.setattr(loader, "fuse_layer_ops", lambda model: None)  # CUDA keeps transformers' routers
-    monkeypatch.setattr(loader, "decode_attention_for", lambda *args: None)  # and its gathered attention path
+    if KERNELS[kernel] is None:  # and the attention a CUDA device gets (on one kernel: the interpreter is slow)
+        chosen = loader.decode_attention_for
+        monkeypatch.setattr(loader, "decode_attention_for", lambda model, device, *args: chosen(
+            model, torch.device("cuda"), *args))
+    else:  # the gathered path a CUDA device without the kernel takes
+        monkeypatch.setattr(loader, "decode_attention_for", lambda *args: None)
     path = tiny_dir(arch)
     spec = detect(load_config(path))
     mask = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.bool)

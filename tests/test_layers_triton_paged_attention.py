@@ -12,6 +12,8 @@ from conftest import rel_err
 from tiermoe.engine.llm import LLM
 from tiermoe.errors import TiermoeError
 from tiermoe.layers import triton_paged_attention
+from tiermoe.layers.decode_attention import decode_attention_for
+from tiermoe.layers.ragged_step import RaggedStep, SeqFeed
 from tiermoe.layers.triton_paged_attention import TritonPagedAttention
 from tiermoe.testing.step_bytes import decode_step_bytes
 
@@ -64,18 +66,52 @@ def test_the_kernel_equals_attention_over_each_rows_pages(kind):
         assert (out.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
 
 
+@pytest.mark.parametrize("window, sinks", [(None, False), (6, True)])
+def test_prompt_chunks_attend_their_pages_in_place_causally_and_within_the_window(window, sinks):
+    """Two chunks of one step (20 rows after a past of 10: two blocks; 5 rows of a new sequence), every query
+    against its own keys; 12 query heads on 2 KV heads: more than one program takes."""
+    g = torch.Generator().manual_seed(1)
+    H, Hkv, d, slots = 12, 2, 16, 256
+    feeds = [SeqFeed(10, 20, {window: (torch.randperm(60, generator=g)[:8] + 1).tolist()}),
+             SeqFeed(0, 5, {window: [61, 62]})]
+    step = RaggedStep(feeds, PAGE, {0: window}, torch.device("cpu"), torch.float32, num_decode=0,
+                      decode_attention=TritonPagedAttention())
+    assert step.chunk_attention is not None and step.first_gathered == len(step.row_parts)
+    k, v = torch.randn(slots, Hkv, d, generator=g), torch.randn(slots, Hkv, d, generator=g)
+    q, out = torch.randn(25, H, d, generator=g), torch.empty(25, H, d)
+    sinks_H = torch.randn(H, generator=g) if sinks else None
+    step.chunk_attention.attend_chunks(step, window, q, k, v, 0.25, sinks_H, out)
+    pos = torch.tensor([10 + i for i in range(20)] + list(range(5)), dtype=torch.int32)
+    lo = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp(min=0)
+    tables = torch.stack([torch.tensor(feeds[0].pages[window])] * 20 + [torch.tensor(feeds[1].pages[window] +
+                                                                                     [0] * 6)] * 5)
+    assert rel_err(out.double(), reference(q, k, v, tables, pos, lo, 0.25, sinks_H)) <= 1e-5
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_a_decode_step_on_the_cuda_path_makes_no_bytes_that_grow_with_the_past(tiny_dir, backend):
     """"triton": what CUDA runs; "torch": the gathered path it replaces, whose bytes grow (the check can fail)."""
     with LLM(tiny_dir("qwen3_moe"), dtype=torch.float32, page_size=PAGE, max_total_tokens=512, progress=False,
              attention_backend=backend) as llm:
-        (short, _), (long, _) = decode_step_bytes(llm, 10), decode_step_bytes(llm, 202)  # same offset in a page
+        (short, _), (long, _) = decode_step_bytes(llm, 10), decode_step_bytes(llm, 74)  # same offset in a page
     if backend == "triton":
         assert long == short
     else:
-        assert long > short + 2 * 192 * 4 * 8  # at least K and V of the extra past, one layer, 8 floats a key
+        assert long > short + 2 * 64 * 4 * 8  # at least K and V of the extra past, one layer, 8 floats a key
 
 
 def test_an_unknown_attention_backend_is_one_clear_error(tiny_dir):
     with pytest.raises(TiermoeError, match="attention backend 'flash' is unknown; choose one of: auto, native"):
         LLM(tiny_dir("qwen3_moe"), attention_backend="flash", progress=False)
+
+
+def test_triton_on_a_cpu_without_the_interpreter_and_sglangs_other_kernels_choose_as_auto(monkeypatch):
+    """A KTransformers launch line's `--attention-backend triton` (or flashinfer) on a CPU serves; torch_native is
+    the gathered path."""
+    model = torch.nn.Linear(1, 1)
+    assert isinstance(decode_attention_for(model, torch.device("cpu"), None, lambda: None, False, "triton"),
+                      TritonPagedAttention)  # the suite runs under the interpreter
+    monkeypatch.delenv("TRITON_INTERPRET")
+    for name in ("triton", "flashinfer", "auto"):  # no kernels here: auto has nothing in place on the CPU
+        assert decode_attention_for(model, torch.device("cpu"), None, lambda: None, False, name) is None
+    assert decode_attention_for(model, torch.device("cpu"), None, lambda: None, False, "torch_native") is None

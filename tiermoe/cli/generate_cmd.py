@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from tiermoe.arch import detect, load_config
@@ -25,6 +26,8 @@ from tiermoe.cli.placement_flags import (
 from tiermoe.cli.recorder_flags import add_recorder_flags, recorder_from_args
 from tiermoe.config import check_device
 from tiermoe.engine.llm import LLM
+from tiermoe.errors import TiermoeError
+from tiermoe.layers.decode_attention import ATTENTION_BACKENDS, check_attention_backend
 from tiermoe.models import resolve_model
 from tiermoe.stats.io import dump_recorder_files
 
@@ -61,7 +64,20 @@ def add_model_flags(p) -> None:
                    help="checkpoint directory (default: the bundled demo model)")
     p.add_argument("--gpu-device", "--kt-gpu-device", dest="gpu_device", default="cpu",
                    help="device of the GPU tier and non-expert weights: cuda, cuda:N or cpu (default cpu)")
+    p.add_argument("--attention-backend", type=attention_backend, default="auto", metavar="NAME",
+                   help=f"how attention reads the KV pool in place: {', '.join(ATTENTION_BACKENDS)} (default auto: "
+                        "the CPU's native kernel; on CUDA the Triton kernel when triton is installed); triton on a "
+                        "CPU runs only under TRITON_INTERPRET=1; torch gathers each step's pages. SGLang's names are "
+                        "taken (torch_native; its other kernels as auto)")
     add_lora_flag(p)
+
+
+def attention_backend(value: str) -> str:
+    try:
+        check_attention_backend(value)
+    except TiermoeError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return value
 
 
 def add_sampling_flags(p) -> None:
@@ -83,7 +99,7 @@ def run(args) -> int:
     plan = plan_from_args(args, device)
     check_fit_from_args(args, plan, device)
     llm = LLM(args.model, gpu_device=device, placement=plan, dynamic=dynamic, recorder=recorder,
-              cpu=cpu_from_args(args), lora=lora)
+              cpu=cpu_from_args(args), lora=lora, attention_backend=args.attention_backend)
     lora = None  # merged into the weights now: its factors (GBs for a large model) need not stay
     with llm:
         # what the flags leave out comes from the checkpoint's generation_config.json, as in vLLM and SGLang

@@ -36,7 +36,7 @@ def build_state(args, llm=None):
                   dynamic=dynamic_from_args(args), max_running=config.max_running_requests,
                   prefill_chunk=config.chunked_prefill_size, max_total_tokens=config.max_total_tokens,
                   cpu=cpu_from_args(args), page_size=args.page_size, prefix_cache=not args.no_prefix_cache,
-                  lora=lora)
+                  lora=lora, attention_backend=args.attention_backend)
     hits = TierHitCounter(llm.hybrid.spec.num_layers, llm.hybrid.gpu_device)
     llm.engine.add_recorder(hits)
     control = None

@@ -111,7 +111,7 @@ def serve_rank(args, env: RankEnv, on_group=None) -> int:
                          prefill_chunk=args.chunked_prefill_size, max_total_tokens=args.max_total_tokens,
                          dynamic=dynamic_from_args(args) if leads else None, progress=leads,
                          cpu=cpu_from_args(args), page_size=args.page_size,
-                         prefix_cache=not args.no_prefix_cache) as ranked:
+                         prefix_cache=not args.no_prefix_cache, attention_backend=args.attention_backend) as ranked:
         if not leads:
             ranked.follow()
             return 0

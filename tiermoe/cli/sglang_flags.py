@@ -16,7 +16,6 @@ IGNORED = {
     "--kt-weight-path": (True, "experts are quantised from --model at load (or converted once: `tiermoe convert`)"),
     "--kt-threadpool-count": (True, "one CPU thread team (--cpu-threads), split into pools only by --kt-numa-nodes, "
                                     "which must then list as many nodes"),
-    "--attention-backend": (True, "attention runs transformers' own implementation"),
     "--trust-remote-code": (False, "models are built from transformers' own classes"),
     "--mem-fraction-static": (True, "GPU memory is sized by placement (--gpu-memory-gb) and --max-total-tokens"),
     "--enable-mixed-chunk": (False, "prefill chunks always share steps with running decodes"),

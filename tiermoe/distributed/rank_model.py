@@ -41,9 +41,11 @@ class RankModel:
     def __init__(self, group: RankGroup, model=None, placement=None, *, dtype: torch.dtype | None = None,
                  max_running: int = 16, prefill_chunk: int = 512, max_total_tokens: int | None = None,
                  cpu: CPUConfig = CPUConfig(), recorder=NO_RECORDER, dynamic=None, progress: bool = True,
-                 shm_dir=SHM_DIR, page_size: int = DEFAULT_PAGE_SIZE, prefix_cache: bool = True):
+                 shm_dir=SHM_DIR, page_size: int = DEFAULT_PAGE_SIZE, prefix_cache: bool = True,
+                 attention_backend: str = "auto"):
         self.group = group
         self._pool_options = dict(page_size=page_size, prefix_cache=prefix_cache)  # rank 0's; the others follow it
+        self._attention_backend = attention_backend  # every rank's
         self.model_dir = resolve_model(model)
         self.llm = None
         self.engine = None
@@ -106,7 +108,7 @@ class RankModel:
         if self.group.rank == 0:
             self.llm = LLM(self.model_dir, gpu_device=device, placement=plan, dtype=dtype, max_running=max_running,
                            prefill_chunk=prefill_chunk, max_total_tokens=max_total_tokens, cpu=cpu,
-                           **self._pool_options,
+                           **self._pool_options, attention_backend=self._attention_backend,
                            recorder=recorder, dynamic=dynamic, progress=progress, share=self.share)
             self.hybrid, self.engine = self.llm.hybrid, self.llm.engine
             self.leader = self.share.leader = self.engine.leader = Leader(self.share, self.hybrid)
@@ -114,7 +116,8 @@ class RankModel:
                                  what="sizing the KV pool")
         else:
             self.hybrid = load_hybrid_model(self.model_dir, plan, gpu_device=device, dtype=dtype, cpu=cpu,
-                                            progress=False, share=self.share)
+                                            progress=False, share=self.share,
+                                            attention_backend=self._attention_backend)
             # rank 0's steps carry its page tables: every rank's pool has rank 0's size and page layout
             leader_config = self.group.broadcast(what="sizing the KV pool")
             self.engine = Engine(self.hybrid, config=leader_config)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -176,11 +177,17 @@ def key_splits(rows: int, kv_heads: int, threads: int, keys: int) -> int:
 
 
 ATTENTION_BACKENDS = ("auto", "native", "triton", "torch")
+# SGLang's names (`--attention-backend` on a KTransformers launch line): its torch path is ours; the kernels tiermoe
+# does not build leave the choice to "auto", said once in the log.
+SGLANG_ALIASES = {"torch_native": "torch"}
+SGLANG_ONLY = ("flashinfer", "fa3", "fa4", "flashmla", "cutlass_mla", "trtllm_mla", "trtllm_mha", "aiter", "wave",
+               "flex_attention", "dual_chunk_flash_attn", "intel_amx", "ascend")
 
 
 def check_attention_backend(backend: str) -> None:
-    if backend not in ATTENTION_BACKENDS:
-        raise TiermoeError(f"attention backend '{backend}' is unknown; choose one of: {', '.join(ATTENTION_BACKENDS)}")
+    if backend not in (*ATTENTION_BACKENDS, *SGLANG_ALIASES, *SGLANG_ONLY):
+        raise TiermoeError(f"attention backend '{backend}' is unknown; choose one of: {', '.join(ATTENTION_BACKENDS)}"
+                           f" (SGLang's names are taken too)")
 
 
 def decode_attention_for(model: nn.Module, device: torch.device, kernels: Kernels | None,
@@ -191,21 +198,32 @@ def decode_attention_for(model: nn.Module, device: torch.device, kernels: Kernel
     - "auto": on the CPU the native kernel where it applies (kernels built, fp32 / bf16, no training, MLA only
       where `kernel_attends_mla`); on CUDA the Triton kernel (tiermoe.layers.triton_paged_attention) when triton
       is installed;
-    - "native": the native kernel where it applies (else gathered); "triton": the Triton kernel on any device
-      (on the CPU under its interpreter: how the suite checks the CUDA path); "torch": always gathered."""
+    - "native": the native kernel where it applies (else gathered); "triton": the Triton kernel (on a CPU device
+      only under Triton's interpreter, TRITON_INTERPRET=1: how the suite checks the CUDA path; without it, as
+      "auto"); "torch" (SGLang's "torch_native"): always gathered; SGLang's other kernels: as "auto"."""
     check_attention_backend(backend)
+    backend = SGLANG_ALIASES.get(backend, backend)
+    if backend in SGLANG_ONLY:
+        log.info("attention: SGLang's '%s' backend is not built into tiermoe; choosing as 'auto' does", backend)
+        backend = "auto"
     on_cpu = torch.device(device).type == "cpu"
     if trainable or backend == "torch":
         return None
+    if backend == "triton" and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        log.info("attention: the Triton kernel runs on a CUDA device (on the CPU only under TRITON_INTERPRET=1, to "
+                 "check the CUDA path); choosing as 'auto' does")
+        backend = "auto"
     if backend == "triton" or (backend == "auto" and not on_cpu):
         if not triton_paged_attention.available():
             if backend == "triton":
                 raise TiermoeError("--attention-backend triton needs the triton package (pip install triton)")
             log.info("attention: no triton package, so decode rows gather their past from the KV pool each step")
             return None
-        log.info("attention: decode rows read the KV pool in place (Triton kernel); prompt chunks and Qwen3-Next's "
-                 "linear-attention states keep the gathered path")
-        return TritonPagedAttention()
+        mla = any(isinstance(m, MLAAttention) for m in model.modules())
+        log.info("attention: decode rows%s read the KV pool in place (Triton kernel); %sQwen3-Next's "
+                 "linear-attention states keep the gathered path", "" if mla else " and prompt chunks",
+                 "MLA's prompt chunks and " if mla else "")
+        return TritonPagedAttention(reads_chunks=not mla)
     if kernels is None or not on_cpu or model.dtype not in _DTYPES:
         return None
     mla_heads = max((m.num_heads for m in model.modules() if isinstance(m, MLAAttention)), default=0)

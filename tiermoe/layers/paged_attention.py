@@ -13,7 +13,8 @@ attention modules stay transformers' (their projections, norms and rope); two th
   forward with a transformers cache, e.g. from a test) it is the original function with the original masks.
 A step whose decode rows attend in place (step.decode_attention, tiermoe.layers.decode_attention) gets the
 layer's slots themselves from `update`, no gather: the decode rows read them through their page tables in one
-native call, and only the segments' pages are gathered, by the attention function.
+native call, and only the segments' pages are gathered, by the attention function. Where the step's prompt chunks
+attend in place too (step.chunk_attention: the Triton kernel, CUDA's), nothing is gathered.
 Legend: T new tokens, K read keys, H heads, d head dim, b rows of one attention call, q its queries, w its keys.
 """
 
@@ -88,8 +89,8 @@ class PagedStepCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """New K/V [1, H, T, d] -> the K/V the step reads [1, H, K, d] (new ones included; K = pages read x P)."""
         k_slots, v_slots = self.write(layer_idx, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
-        if self.step.decode_attention is not None:  # the attention function reads the slots where they lie
-            return k_slots, v_slots
+        if self.step.decode_attention is not None or self.step.chunk_attention is not None:
+            return k_slots, v_slots  # the attention function reads the slots where they lie
         pages = self.step.groups[self.step.layer_windows[layer_idx]].read_pages
         return gather_pages(k_slots, pages, self.step.page_size), gather_pages(v_slots, pages, self.step.page_size)
 
@@ -163,8 +164,12 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         return attend(module, query, key, value, attention_mask, **kwargs)
     window = step.layer_windows[module.layer_idx]
     out = query.new_empty((1, query.shape[2], query.shape[1], value.shape[-1]))
+    scale = query.shape[-1] ** -0.5 if kwargs.get("scaling") is None else kwargs["scaling"]
     if step.decode_attention is not None:
-        key, value = _decode_in_place(step, window, query, key, value, out, kwargs)
+        key, value = _decode_in_place(step, window, query, key, value, out, scale, kwargs.get("s_aux"))
+    if step.chunk_attention is not None:  # every row in place: no part is left to gather
+        step.chunk_attention.attend_chunks(step, window, query[0].transpose(0, 1), key, value, scale,
+                                           kwargs.get("s_aux"), out[0])
 
     def one_part(part: Part) -> torch.Tensor:
         result, _ = attend(module, part_queries(query, part), part_keys(key, part), part_keys(value, part),
@@ -175,12 +180,12 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
 
 
 def _decode_in_place(step: RaggedStep, window: int | None, query: torch.Tensor, k_SHd: torch.Tensor,
-                     v_SHd: torch.Tensor, out_1THd: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+                     v_SHd: torch.Tensor, out_1THd: torch.Tensor, scale: float,
+                     sinks_H: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode rows' attention, read from the slots [S, Hkv, d] in place, into out's first rows; returns the
     segments' gathered K/V [1, Hkv, K, d] (what the parts read)."""
-    n, scale = step.num_decode, kwargs.get("scaling")
-    step.decode_attention.attend_step(step, window, query[0, :, :n].transpose(0, 1), k_SHd, v_SHd,
-                                      query.shape[-1] ** -0.5 if scale is None else scale, kwargs.get("s_aux"),
+    n = step.num_decode
+    step.decode_attention.attend_step(step, window, query[0, :, :n].transpose(0, 1), k_SHd, v_SHd, scale, sinks_H,
                                       out_1THd[0, :n])
     return segment_keys(step, window, k_SHd, v_SHd)
 

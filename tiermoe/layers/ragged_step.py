@@ -16,7 +16,9 @@ So a step writes only its new tokens and reads the past where it lies. Masks are
 Given a `decode_attention` (tiermoe.layers.decode_attention: on the CPU, where every attention layer is served by
 tiermoe.layers.paged_attention), the decode rows attend the pool in place instead: they get no gathered pages,
 padding or masks, but per group each row's page table and first visible position (`DecodeIndex`), and the
-gathered parts are the segments only (`first_gathered` indexes them in row_parts).
+gathered parts are the segments only (`first_gathered` indexes them in row_parts). Where that attention also
+reads prompt chunks in place (`reads_chunks`: the Triton kernel, CUDA's), nothing is gathered: each chunk gets its
+page table (`GroupIndex.chunk_tables`) and its rows are cut into blocks of CHUNK_ROWS (`chunk_blocks`).
 
 The engine's steps write their tensors into the pool's step buffers (tiermoe.layers.step_buffers: the same
 addresses every step), all but the gathered parts' masks: a mask holds a value per key read, so a buffer for them
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from tiermoe.layers.host_copies import to_device_async
-from tiermoe.layers.step_buffers import StepBuffers
+from tiermoe.layers.step_buffers import CHUNK_ROWS, StepBuffers
 
 # Key positions a decode run may pad beyond half its real keys: a run that small is cheaper padded than split.
 PAD_ALLOWANCE = 256
@@ -89,6 +91,7 @@ class GroupIndex:
     read_pages: torch.Tensor  # [N] int64 page ids of the gathered parts
     parts: tuple[PartKeys, ...]  # in step.row_parts[step.first_gathered:] order
     decode: DecodeIndex | None = None  # when the decode rows attend in place
+    chunk_tables: torch.Tensor | None = None  # [chunks, W] int64 when the prompt chunks attend in place
 
 
 def decode_runs(pasts: list[int], allowance: int = PAD_ALLOWANCE) -> list[tuple[int, int]]:
@@ -132,6 +135,9 @@ class RaggedStep:
         self.row_parts = [RowPart(a, b - a, 1, slice(a, b)) for a, b in decode_runs(
             [f.past for f in feeds[:num_decode]])]
         self.decode_attention = decode_attention if num_decode > 0 else None
+        # the prompt chunks attend in place too where the attention reads them (the Triton kernel, CUDA's)
+        reads_chunks = getattr(decode_attention, "reads_chunks", False) and num_decode < len(feeds)
+        self.chunk_attention = decode_attention if reads_chunks else None
         self.first_gathered = len(self.row_parts) if self.decode_attention is not None else 0
         self.decode_pos = None  # [num_decode] int32 query positions, when the decode rows attend in place
         if self.decode_attention is not None:
@@ -141,6 +147,14 @@ class RaggedStep:
         for i, f in enumerate(feeds[num_decode:], start=num_decode):
             self.row_parts.append(RowPart(i, 1, f.new, slice(row, row + f.new)))
             row += f.new
+        self.chunk_blocks = None  # [B, 4] int32 (first row, rows, chunk, first query position) per block
+        if self.chunk_attention is not None:
+            self.first_gathered = len(self.row_parts)
+            blocks, row = [], num_decode
+            for j, f in enumerate(feeds[num_decode:]):
+                blocks += [[row + b, min(CHUNK_ROWS, f.new - b), j, f.past + b] for b in range(0, f.new, CHUNK_ROWS)]
+                row += f.new
+            self.chunk_blocks = self._stage("chunk_blocks", torch.tensor(blocks, dtype=torch.int32))
         self.position_ids = self._stage("position_ids", torch.tensor([[f.past + i for f in feeds
                                                                        for i in range(f.new)]]))
         self.state_read = self.state_write = None  # [F] int64, per feed
@@ -188,7 +202,8 @@ class RaggedStep:
         write_index = self._stage(("write_index", window), torch.tensor(write, dtype=torch.long))
         read_pages = self._stage(("read_pages", window), torch.cat(read) if read else torch.zeros(0, dtype=torch.long))
         decode = self._decode_index(window) if self.decode_attention is not None else None
-        return GroupIndex(write_index, read_pages, tuple(parts), decode)
+        chunks = self._chunk_tables(window) if self.chunk_attention is not None else None
+        return GroupIndex(write_index, read_pages, tuple(parts), decode, chunks)
 
     def rows_in_place(self, window: int | None) -> tuple[DecodeIndex, torch.Tensor]:
         """Every row of the step (decode rows and prompt rows alike) as one query attending its sequence's pages in
@@ -226,6 +241,15 @@ class RaggedStep:
         if min(visible) < 0:
             raise ValueError(f"a query of this step sees a page the pool has already freed (window {window})")
         return [0] * first + visible
+
+    def _chunk_tables(self, window: int | None) -> torch.Tensor:
+        """Each prompt chunk's page table [chunks, W]: its page ids from position 0 to its last query's page,
+        zeros before its first query's first visible key (never read)."""
+        rows = [self._table_row(f.pages[window], _first_visible(f.past, window), f.past + f.new - 1, window)
+                for f in self.feeds[self.num_decode:]]
+        width = max(len(r) for r in rows)
+        return self._stage(("chunk_tables", window),
+                           torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long))
 
     def _decode_index(self, window: int | None) -> DecodeIndex:
         size, rows = self.page_size, range(self.num_decode)

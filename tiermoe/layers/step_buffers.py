@@ -3,7 +3,8 @@
 A ragged step (tiermoe.layers.ragged_step) hands its forward small integer tensors: the token ids, their positions,
 the rows whose logits are kept, the pool slots the new K/V go to, per page group the pages the gathered parts
 read, and for decode rows that attend the pool in place each row's page table, query position and first visible
-key (plus, with linear-attention layers, each row's state slots). Made fresh every step they would lie at a new
+key, for prompt chunks that do each chunk's page table and its rows' blocks (plus, with linear-attention layers,
+each row's state slots). Made fresh every step they would lie at a new
 address each time, and a CUDA graph replays the addresses it captured. So the KV pool reserves one `StepBuffers`
 on its device, sized for the largest step its engine schedules, and each step writes into prefixes of it: a
 buffer's first n entries, viewed in the step's shape, start at the buffer's own address whatever n is.
@@ -26,6 +27,9 @@ import torch
 from tiermoe.errors import TiermoeError
 
 Name = str | tuple[str, int | None]  # a step-wide buffer, or (kind, window) of a page group's
+# Query rows of one prompt chunk that one program of an in-place attention kernel takes (a chunk's rows are cut into
+# blocks of at most this many: tiermoe.layers.triton_paged_attention).
+CHUNK_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -47,10 +51,12 @@ class StepBuffers:
         sizes: dict[Name, tuple[int, torch.dtype, str]] = {
             "input_ids": (T, long, "tokens"), "position_ids": (T, long, "tokens"),
             "logits_to_keep": (T, long, "tokens"), "decode_pos": (R, int32, "rows"),
-            "state_read": (R, long, "rows"), "state_write": (R, long, "rows")}
+            "state_read": (R, long, "rows"), "state_write": (R, long, "rows"),
+            "chunk_blocks": ((T // CHUNK_ROWS + R) * 4, int32, "tokens")}
         for w in windows:
             sizes |= {("write_index", w): (T, long, "tokens"), ("read_pages", w): (R * P, long, "pages"),
-                      ("tables", w): (R * P, long, "pages"), ("lo", w): (R, int32, "rows")}
+                      ("tables", w): (R * P, long, "pages"), ("lo", w): (R, int32, "rows"),
+                      ("chunk_tables", w): (R * P, long, "pages")}
         self._limit = {name: limit for name, (_, _, limit) in sizes.items()}
         # empty: a step reads only the entries it wrote (on the host, pages never written stay unmapped); inference
         # tensors: written in place whether or not the caller is in inference mode

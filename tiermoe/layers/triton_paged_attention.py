@@ -1,23 +1,28 @@
-"""Attention that reads the paged KV pool where it lies, in Triton: the CUDA path's decode rows, no past gathered.
+"""Attention that reads the paged KV pool where it lies, in Triton: CUDA's decode rows and prompt chunks, no past
+gathered.
 
-Without it a CUDA decode step gathers every row's past K/V out of the pool for every layer (a copy of O(context)
-bytes per token and layer) and builds padded masks whose shapes change every step. Here each row reads its keys
-through its page table, as the CPU's native kernel (tiermoe.layers.decode_attention) does, and takes the same
-per-row metadata from the step buffers (tiermoe.layers.step_buffers: fixed addresses): the page table, the query
-position and the first visible key. One program per (row, KV head, BLOCK_H of its query heads): it walks the
-row's visible keys [lo, pos] in blocks of BLOCK_N, each key's slot = table[key // P] * P + key % P, read once for
-all the program's heads, with an online softmax in fp32.
+Without it a CUDA step gathers every row's past K/V out of the pool for every layer (a copy of O(context) bytes per
+token and layer) and builds padded masks whose shapes change every step. Here each query reads its keys through
+its sequence's page table, as the CPU's native kernel (tiermoe.layers.decode_attention) does for decode rows, with
+the metadata in the step buffers (tiermoe.layers.step_buffers: fixed addresses), an online softmax in fp32, and
+each key's slot = table[key // P] * P + key % P:
+- decode rows (`attend`, `attend_step`): one program per (row, KV head, BLOCK_H of its query heads), over the
+  row's visible keys [lo, pos] (the step's decode tables, lo and pos); each key block is read once for all the
+  program's heads;
+- prompt chunks (`attend_chunks`): a chunk's rows are cut into blocks of CHUNK_ROWS consecutive queries
+  (RaggedStep.chunk_blocks); one program per (block, KV head, CHUNK_HEADS of its query heads) walks the keys from
+  the block's first visible one to its last query, each query masked causally and to its window.
 
-Kinds covered: grouped-query attention (a query head reads KV head h // (H / Hkv)), sliding windows (lo), attention
-sinks (GPT-OSS: one logit per head that joins the softmax's denominator and no value), and MLA's absorbed decode
-(a two-part key [latent | roped key] whose first part is also the value; tiermoe.layers.mla_attention). Not
-covered, so kept on their torch path: Qwen3-Next's gated-delta states (`takes_gated_delta` is False) and prompt
-chunks (gathered per part, as before; their keys are read once per chunk rather than once per token).
+Kinds covered: grouped-query attention (a query head reads KV head h // (H / Hkv)), sliding windows, attention
+sinks (GPT-OSS: one logit per head that joins the softmax's denominator and no value), and MLA's absorbed decode (a
+two-part key [latent | roped key] whose first part is also the value; tiermoe.layers.mla_attention). Kept on their
+torch path, said once in the log at load: MLA's prompt chunks (they choose per part between the absorbed and the
+expanded form) and Qwen3-Next's gated-delta states (`takes_gated_delta` is False).
 
 Products and sums are fp32 whatever the pool's dtype (bf16 K/V are widened as they load, the products take IEEE
 precision, not TF32; the output is rounded once), so fp32 rows equal SDPA's within fp32 rounding. The suite runs
-it under Triton's interpreter (TRITON_INTERPRET=1) on the CPU. Legend: T rows, H query heads, Hkv KV heads, d key dim (+ dr, MLA's roped part),
-dv value dim, S pool slots, W pages in a row's table.
+it under Triton's interpreter (TRITON_INTERPRET=1) on the CPU. Legend: T rows, H query heads, Hkv KV heads, d key
+dim (+ dr, MLA's roped part), dv value dim, S pool slots, W pages in a table.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from tiermoe.layers.ragged_step import RaggedStep
+from tiermoe.layers.step_buffers import CHUNK_ROWS
 
 try:
     import triton
@@ -36,6 +42,8 @@ BLOCK_N = 32  # keys per iteration of a program
 # Query heads per program: the heads of one KV head share each key block they read (a tensor-core product needs
 # 16 rows; GQA groups of fewer heads leave the rest masked).
 BLOCK_H = 16
+# Query heads of one KV head a chunk program takes beside its CHUNK_ROWS rows (64 queries a program at most).
+CHUNK_HEADS = 4
 
 
 def available() -> bool:
@@ -44,9 +52,11 @@ def available() -> bool:
 
 class TritonPagedAttention:
     """The decode rows' attention over the pool, for RaggedStep's `decode_attention` (same calls as the native
-    DecodeAttention's)."""
+    DecodeAttention's), and with `reads_chunks` the prompt chunks' too (`attend_chunks`; not for MLA, whose
+    chunks choose between the absorbed and the expanded form per part: tiermoe.layers.mla_attention)."""
 
-    name = "triton"
+    def __init__(self, reads_chunks: bool = True):
+        self.reads_chunks = reads_chunks
 
     def attend(self, q_THd: torch.Tensor, k_SHd: torch.Tensor, v_SHd: torch.Tensor, tables_TN: torch.Tensor,
                pos_T: torch.Tensor, lo_T: torch.Tensor, page_size: int, scale: float, keys: int,
@@ -84,6 +94,25 @@ class TritonPagedAttention:
         self.attend(q_THd, k_SHd, v_SHd, decode.tables, step.decode_pos, decode.lo, step.page_size, scale,
                     decode.keys, sinks_H, out_THd, kr_SHd)
 
+    def attend_chunks(self, step: RaggedStep, window: int | None, q_THd: torch.Tensor, k_SHd: torch.Tensor,
+                      v_SHd: torch.Tensor, scale: float, sinks_H: torch.Tensor | None, out_THd: torch.Tensor) -> None:
+        """The prompt chunks' rows of `step` (its rows from num_decode on) attending their sequences' pages in
+        place, causally within each chunk: q [T, H, d] and out [T, H, dv] are the whole step's rows."""
+        blocks, tables = step.chunk_blocks, step.groups[window].chunk_tables
+        H, d = q_THd.shape[1:]
+        Hkv, dv = k_SHd.shape[1], v_SHd.shape[2]
+        if q_THd.stride(-1) != 1 or k_SHd.stride(-1) != 1 or v_SHd.stride(-1) != 1 or out_THd.stride(-1) != 1:
+            raise ValueError("paged attention needs contiguous head values")
+        sinks = q_THd if sinks_H is None else sinks_H.detach().contiguous()
+        group = H // Hkv
+        block_g = min(triton.next_power_of_2(group), CHUNK_HEADS)
+        _chunk_kernel[(blocks.shape[0], Hkv, -(-group // block_g))](
+            q_THd, k_SHd, v_SHd, sinks, out_THd, tables, blocks, step.page_size, window or 0, float(scale),
+            q_THd.stride(0), q_THd.stride(1), k_SHd.stride(0), k_SHd.stride(1), v_SHd.stride(0), v_SHd.stride(1),
+            out_THd.stride(0), out_THd.stride(1), tables.stride(0),
+            GROUP=group, D=d, DV=dv, BLOCK_M=CHUNK_ROWS, BLOCK_G=block_g, BLOCK_D=triton.next_power_of_2(d),
+            BLOCK_DV=triton.next_power_of_2(dv), BLOCK_N=BLOCK_N, HAS_SINKS=sinks_H is not None)
+
     def takes_gated_delta(self, qkv: torch.Tensor, states: torch.Tensor) -> bool:
         return False  # Qwen3-Next's linear attention keeps transformers' rule on gathered states
 
@@ -107,7 +136,9 @@ if triton is not None:
         dk = tl.arange(0, BLOCK_D)
         q = tl.load(q_rows + dk[None, :], mask=head_ok[:, None] & (dk[None, :] < D), other=0.0).to(tl.float32)
         dr = tl.arange(0, BLOCK_DR)
-        qr = tl.load(q_rows + D + dr[None, :], mask=head_ok[:, None] & (dr[None, :] < DR), other=0.0).to(tl.float32)
+        qr = tl.zeros([BLOCK_H, BLOCK_DR], dtype=tl.float32)
+        if DR > 0:
+            qr = tl.load(q_rows + D + dr[None, :], mask=head_ok[:, None] & (dr[None, :] < DR), other=0.0).to(tl.float32)
         dv = tl.arange(0, BLOCK_DV)
         m_i = tl.full([BLOCK_H], -float("inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -142,3 +173,60 @@ if triton is not None:
         out = acc / l_i[:, None]
         tl.store(out_ptr + row * stride_ot + head[:, None] * stride_oh + dv[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & (dv[None, :] < DV))
+
+
+    @triton.jit
+    def _chunk_kernel(q_ptr, k_ptr, v_ptr, sinks_ptr, out_ptr, tables_ptr, blocks_ptr, page_size, window, scale,
+                      stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
+                      stride_tt, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HAS_SINKS: tl.constexpr):
+        """One block of a prompt chunk (up to BLOCK_M consecutive query rows of one sequence) for BLOCK_G query heads
+        of one KV head: BLOCK_M x BLOCK_G queries (row m, head g) that share every key block they read."""
+        block, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        row0 = tl.load(blocks_ptr + block * 4)
+        rows = tl.load(blocks_ptr + block * 4 + 1)
+        chunk = tl.load(blocks_ptr + block * 4 + 2)
+        pos0 = tl.load(blocks_ptr + block * 4 + 3)
+        r = tl.arange(0, BLOCK_M * BLOCK_G)
+        m, g = r // BLOCK_G, part * BLOCK_G + r % BLOCK_G
+        query_ok = (m < rows) & (g < GROUP)
+        head = kv_head * GROUP + g
+        qpos = pos0 + m
+        qlo = tl.where(window > 0, tl.maximum(qpos - window + 1, 0), 0)  # each query's first visible key
+        dk = tl.arange(0, BLOCK_D)
+        dv = tl.arange(0, BLOCK_DV)
+        q = tl.load(q_ptr + (row0 + m)[:, None] * stride_qt + head[:, None] * stride_qh + dk[None, :],
+                    mask=query_ok[:, None] & (dk[None, :] < D), other=0.0).to(tl.float32)
+        m_i = tl.full([BLOCK_M * BLOCK_G], -float("inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M * BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_DV], dtype=tl.float32)
+        last = pos0 + rows - 1
+        for start in range(tl.where(window > 0, tl.maximum(pos0 - window + 1, 0), 0), last + 1, BLOCK_N):
+            key = start + tl.arange(0, BLOCK_N)
+            key_ok = key <= last
+            page = tl.load(tables_ptr + chunk * stride_tt + key // page_size, mask=key_ok, other=0)
+            slot = page.to(tl.int64) * page_size + (key % page_size)
+            k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + dk[None, :],
+                        mask=key_ok[:, None] & (dk[None, :] < D), other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            visible = (key[None, :] <= qpos[:, None]) & (key[None, :] >= qlo[:, None]) & query_ok[:, None]
+            s = tl.where(visible, s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a query none of whose keys came yet
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + dv[None, :],
+                        mask=key_ok[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        if HAS_SINKS:  # the sink's logit joins the denominator and adds no value
+            sink = tl.load(sinks_ptr + head, mask=query_ok, other=0.0).to(tl.float32)
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp(sink - m_new)
+        l_i = tl.where(query_ok, l_i, 1.0)  # queries past the block's end or the group: never stored
+        tl.store(out_ptr + (row0 + m)[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
+                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=query_ok[:, None] & (dv[None, :] < DV))
