@@ -10,6 +10,7 @@ import torch
 from conftest import rel_err
 
 from tiermoe.engine.llm import LLM
+from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
 from tiermoe.layers import triton_paged_attention
 from tiermoe.layers.decode_attention import decode_attention_for
@@ -115,3 +116,24 @@ def test_triton_on_a_cpu_without_the_interpreter_and_sglangs_other_kernels_choos
     for name in ("triton", "flashinfer", "auto"):  # no kernels here: auto has nothing in place on the CPU
         assert decode_attention_for(model, torch.device("cpu"), None, lambda: None, False, name) is None
     assert decode_attention_for(model, torch.device("cpu"), None, lambda: None, False, "torch_native") is None
+
+
+def test_the_cuda_paths_step_metadata_lies_in_the_step_buffers(tiny_dir):
+    """Every tensor the in-place attention reads besides the pool (decode tables, first keys, query positions;
+    chunk tables and blocks) is written into the pool's step buffers: the same addresses every step."""
+    with LLM(tiny_dir("gpt_oss"), dtype=torch.float32, page_size=PAGE, max_total_tokens=512, progress=False,
+             attention_backend="triton") as llm:
+        engine, steps = llm.engine, []
+        build = engine.pool.step
+        engine.pool.step = lambda *args, **kwargs: steps.append(build(*args, **kwargs)) or steps[-1]
+        first = engine.add(list(range(3, 20)), SamplingParams(max_tokens=3, ignore_eos=True))
+        engine.step()
+        engine.add(list(range(5, 14)), SamplingParams(max_tokens=2, ignore_eos=True))  # a chunk beside a decode row
+        engine.run_to_completion()
+    assert first.output_ids and any(s.num_decode and s.chunk_attention for s in steps)
+    buffers = engine.pool.step_buffers
+    for step in steps:
+        metadata = [step.decode_pos, step.chunk_blocks]
+        for group in step.groups.values():
+            metadata += [group.chunk_tables] + ([group.decode.tables, group.decode.lo] if group.decode else [])
+        assert all(buffers.holds(t) for t in metadata if t is not None)
