@@ -76,6 +76,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=seconds, default=None, metavar="SECONDS",
                    help="stop a request that has been queued and generating for longer (the engine frees its "
                         "slot within a step): a 504, or a stream that ends with an error event (default: no limit)")
+    p.add_argument("--body-timeout", type=seconds, default=30.0, metavar="SECONDS",
+                   help="a generation request's whole body must arrive within this many seconds, or it is answered "
+                        "408; it holds no admission slot meanwhile, so slow or silent clients cannot lock others "
+                        "out (default 30)")
     p.add_argument("--watchdog-timeout", type=seconds, default=None, metavar="SECONDS",
                    help="stop the server when one engine step runs longer (a hung GPU kernel or CPU tier): every "
                         "request fails, one error line is logged, and the process exits with status 2, as SGLang's "
@@ -132,7 +136,8 @@ def server_config_from_args(args) -> ServerConfig:
                         api_key=api_key_from_args(args), max_running_requests=running, max_total_tokens=budget,
                         chunked_prefill_size=args.chunked_prefill_size, default_max_tokens=args.default_max_tokens,
                         max_request_bytes=args.max_request_bytes, max_queued_requests=args.max_queued_requests,
-                        request_timeout=args.request_timeout, allowed_origins=tuple(args.allowed_origins or ()),
+                        request_timeout=args.request_timeout, body_timeout=args.body_timeout,
+                        allowed_origins=tuple(args.allowed_origins or ()),
                         watchdog_timeout=args.watchdog_timeout,
                         expert_distribution_metrics=args.enable_expert_distribution_metrics,
                         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)

@@ -44,7 +44,8 @@ def create_app(state: ServerState) -> FastAPI:
     # Each middleware added wraps the ones before it: admission is the innermost (a request refused for its
     # origin or its key never takes a slot), the origin check the outermost (it answers CORS preflights, which
     # carry no key, and puts CORS headers on every answer to an allowed page, a 401 included).
-    app.add_middleware(AdmissionMiddleware, admission=state.admission, metrics=state.metrics)
+    app.add_middleware(AdmissionMiddleware, admission=state.admission, metrics=state.metrics,
+                       max_body_bytes=state.config.max_request_bytes, body_timeout=state.config.body_timeout)
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):

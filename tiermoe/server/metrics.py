@@ -60,8 +60,8 @@ class ServerMetrics:
         metric("requests_total", "counter", "Requests received.", self.requests_total)
         metric("requests_failed_total", "counter", "Requests that ended in an error.", self.requests_failed)
         metric("requests_aborted_total", "counter", "Requests whose client went away.", self.requests_aborted)
-        metric("requests_refused_total", "counter", "Requests refused on arrival (503): the running and queued "
-               "ones filled --max-running-requests + --max-queued-requests.", self.requests_refused)
+        metric("requests_refused_total", "counter", "Requests refused once their body arrived (503): the running and "
+               "queued ones filled --max-running-requests + --max-queued-requests.", self.requests_refused)
         metric("requests_timed_out_total", "counter", "Requests stopped by --request-timeout.",
                self.requests_timed_out)
         metric("prompt_tokens_total", "counter", "Prompt tokens processed.", self.prompt_tokens)
