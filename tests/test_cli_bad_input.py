@@ -288,4 +288,5 @@ def test_serve_refuses_a_host_or_port_it_cannot_listen_on_before_loading():
         taken.listen()
         port = str(taken.getsockname()[1])
         assert_one_line_error(run_cli("serve", "--port", port), f"port {port} on 127.0.0.1 is in use")
-    assert_one_line_error(run_cli("serve", "--host", "no-such-host.invalid"), "--host 'no-such-host.invalid'")
+    assert_one_line_error(run_cli("serve", "--host", "no-such-host.invalid", "--allowed-hosts", "*"),
+                          "--host 'no-such-host.invalid'")

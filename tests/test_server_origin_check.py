@@ -7,6 +7,7 @@ open. All this happens before the API key check (a preflight carries no key)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import httpx
@@ -135,3 +136,35 @@ def test_allowed_origins_come_as_a_list_or_repeated_and_reach_the_ranks_as_given
                                                              "http://c.example")
     flags = rank_flags(args)
     assert flags[flags.index("--allowed-origins") + 1] == "http://a.example,https://b.example:8443,http://c.example"
+
+
+def test_off_loopback_the_server_starts_only_with_a_key_or_the_host_names_it_answers_to():
+    """The measured hole: --host 0.0.0.0 with no key answered `Host: evil.example` with 200 and CORS for a matching
+    Origin (DNS rebinding). Now such a server does not start; with --allowed-hosts other Hosts get 421."""
+    with pytest.raises(TiermoeError, match=r"--host 0.0.0.0 lets other machines reach the server.*--allowed-hosts"):
+        ServerConfig(host="0.0.0.0")
+    assert_one_line_error(run_cli("serve", "--host", "0.0.0.0", "--port", "1"), "give --api-key-file PATH")
+    ServerConfig(host="0.0.0.0", api_key="k")
+    ServerConfig(host="0.0.0.0", allowed_hosts=("*",))
+    from tiermoe.cli.serve_flags import host_names
+
+    assert host_names("chat.example, 10.0.0.5,[::1]") == ["chat.example", "10.0.0.5", "[::1]"]
+    with pytest.raises(argparse.ArgumentTypeError, match="expected host names"):
+        host_names("http://chat.example/")
+
+    from starlette.responses import PlainTextResponse
+    from starlette.testclient import TestClient
+
+    from tiermoe.server.origin_check import OriginCheck
+
+    config = ServerConfig(host="0.0.0.0", port=8080, allowed_hosts=("Chat.Example", "[::1]"))
+    client = TestClient(OriginCheck(PlainTextResponse("ran"), config), base_url="http://chat.example:8080")
+    assert client.get("/v1/models").text == "ran"
+    assert client.get("/v1/models", headers={"Host": "[::1]:8080"}).text == "ran"
+    rebound = client.post("/v1/completions", content="{}", headers={"Host": "evil.example:8080", "Origin": EVIL,
+                                                                     "Content-Type": "text/plain"})
+    assert rebound.status_code == 421 and "access-control-allow-origin" not in rebound.headers
+    assert "--allowed-hosts: ::1, chat.example" in rebound.json()["error"]["message"]
+    anyone = ServerConfig(host="0.0.0.0", port=8080, allowed_hosts=("*",))
+    assert TestClient(OriginCheck(PlainTextResponse("ran"), anyone)).get(
+        "/v1/models", headers={"Host": "evil.example"}).text == "ran"

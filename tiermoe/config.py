@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import resource
@@ -215,6 +216,17 @@ def normalise_origin(value: str) -> str:
     return f"{parts.scheme}://{host}" + (f":{port}" if port not in (None, default_port) else "")
 
 
+def is_loopback(name: str) -> bool:
+    """Whether a host name (without port; IPv6 with or without brackets) always means this machine."""
+    name = name.strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """`tiermoe serve`: where it listens, who may call it, and how much it batches and queues."""
@@ -232,6 +244,7 @@ class ServerConfig:
     request_timeout: float | None = None  # seconds a request may spend in the engine; None: no limit
     body_timeout: float = 30.0  # seconds from a request's arrival by which its whole body must have come (408 after)
     allowed_origins: tuple[str, ...] = ()  # web pages (besides the server's own) that may call it (CORS)
+    allowed_hosts: tuple[str, ...] = ()  # Host names it answers to off loopback ("*": any); () with a key: any
     watchdog_timeout: float | None = None  # seconds one engine step may run before the server stops; None: no limit
     expert_distribution_metrics: bool = False  # per-layer expert routing on /metrics
     reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content in chat replies
@@ -256,6 +269,12 @@ class ServerConfig:
         if self.watchdog_timeout is not None and not 0 < self.watchdog_timeout < math.inf:
             raise TiermoeError(f"watchdog_timeout must be a finite number of seconds > 0, got {self.watchdog_timeout}")
         object.__setattr__(self, "allowed_origins", tuple(normalise_origin(o) for o in self.allowed_origins))
+        object.__setattr__(self, "allowed_hosts", tuple(h.strip().strip("[]").lower() for h in self.allowed_hosts))
+        if not is_loopback(self.host) and not self.api_key and not self.allowed_hosts:
+            raise TiermoeError(f"--host {self.host} lets other machines reach the server, and without a key anyone of "
+                               "them (or a web page, through DNS rebinding) can use it: give --api-key-file PATH (or "
+                               "$TIERMOE_API_KEY), or --allowed-hosts NAME,... (the Host names it answers to; '*' to "
+                               "answer any, on purpose)")
 
     def _check_load_bounds(self) -> None:
         running, queued = self.max_running_requests, self.max_queued_requests

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from pathlib import Path
 
 from tiermoe.cli.cpu_flags import add_cpu_flags
@@ -41,6 +42,16 @@ def seconds(value: str) -> float:
     return number
 
 
+def host_names(value: str) -> list[str]:
+    """--allowed-hosts: a comma-separated list of host names (no port), or '*'."""
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    bad = [name for name in names if name != "*" and not re.fullmatch(r"\[?[A-Za-z0-9.:_-]+\]?", name)]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected host names separated by commas (e.g. chat.example.com,10.0.0.5) "
+                                         f"or '*', got '{value}'")
+    return names
+
+
 def origins(value: str) -> list[str]:
     """--allowed-origins: a comma-separated list of web origins (the flag may also be repeated)."""
     try:
@@ -63,6 +74,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="web pages (origins, e.g. http://localhost:3000) that may call the server from a browser, "
                         "besides its own: they get CORS headers for their origin; a request from any other page is "
                         "refused (403). '*' is not accepted: any page the browser opens could then use the server")
+    p.add_argument("--allowed-hosts", type=host_names, action="extend", default=None, metavar="NAME[,NAME...]",
+                   help="bound off loopback (--host 0.0.0.0): the Host names the server answers to (others get "
+                        "421: a web page that points its own name at the server, DNS rebinding, is refused); "
+                        "'*' answers any. Off loopback the server starts only with this or an API key")
     p.add_argument("--max-running-requests", type=running_count, default=None,
                    help=f"requests decoded together at most; more wait in a queue (default "
                         f"{DEFAULT_MAX_RUNNING_REQUESTS}; at most {MAX_RUNNING_REQUESTS}, and --max-total-tokens / "
@@ -138,6 +153,7 @@ def server_config_from_args(args) -> ServerConfig:
                         max_request_bytes=args.max_request_bytes, max_queued_requests=args.max_queued_requests,
                         request_timeout=args.request_timeout, body_timeout=args.body_timeout,
                         allowed_origins=tuple(args.allowed_origins or ()),
+                        allowed_hosts=tuple(args.allowed_hosts or ()),
                         watchdog_timeout=args.watchdog_timeout,
                         expert_distribution_metrics=args.enable_expert_distribution_metrics,
                         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)

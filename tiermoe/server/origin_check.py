@@ -7,7 +7,8 @@ anything else runs (the API key check included; /health stays open), three check
 - Host, when bound to a loopback address: only loopback names are answered (localhost, 127.x.x.x, [::1]; any
   port). A page whose own name its DNS turns into 127.0.0.1 (DNS rebinding) is same-origin with the server in
   the browser's eyes and could read every answer; its requests still carry its name in Host: 421 Misdirected
-  Request. Bound to another address the server cannot know its own names: run it with --api-key.
+  Request. Bound to another address the server cannot know its own names: it starts only with --api-key or
+  --allowed-hosts (the names it answers to; other Hosts get 421; "*" answers any, on purpose).
 - Origin: a request that carries one is refused (403) unless it is the server's own (the Host it was sent to,
   or on loopback any loopback name at the server's port) or one of --allowed-origins. Browsers send Origin on
   every cross-origin request but the GETs of images, scripts and links; curl and the SDKs send none and are
@@ -21,14 +22,13 @@ its preflights (OPTIONS) answered here.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import Response
 
-from tiermoe.config import ServerConfig
+from tiermoe.config import ServerConfig, is_loopback
 from tiermoe.server.error_format import api_error
 
 ALLOWED_METHODS = "GET, POST, OPTIONS"
@@ -36,17 +36,6 @@ ALLOWED_HEADERS = ("Authorization", "Content-Type")
 PREFLIGHT_MAX_AGE_S = 600
 CROSS_SITE = ("cross-site", "same-site")  # Sec-Fetch-Site of a request made by another site's page
 HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")  # an HTTP token: nothing that could split a header
-
-
-def is_loopback(name: str) -> bool:
-    """Whether a host name (without port; IPv6 with or without brackets) always means this machine."""
-    name = name.strip("[]").lower()
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 def _host_and_port(authority: str) -> tuple[str, int | None] | None:
@@ -64,6 +53,8 @@ class OriginCheck:
     def __init__(self, app, config: ServerConfig, open_paths: tuple[str, ...] = ()):
         self.app = app
         self.loopback = is_loopback(config.host)
+        # off loopback: the Host names it answers to (--allowed-hosts; none given, or "*": any, the key protects)
+        self.hosts = None if self.loopback or "*" in config.allowed_hosts else frozenset(config.allowed_hosts) or None
         self.port = config.port
         self.allowed = frozenset(config.allowed_origins)
         self.open_paths = open_paths
@@ -78,6 +69,10 @@ class OriginCheck:
                                               "answers to localhost, 127.0.0.1 and [::1] only (a page that gives "
                                               "its own name this address, DNS rebinding, is refused)",
                                    "permission_error")(scope, receive, send)
+        if self.hosts is not None and not self._allowed_host(host):
+            return await api_error(path, 421, f"Host '{host}' is not one this server answers to (--allowed-hosts: "
+                                              f"{', '.join(sorted(self.hosts))})", "permission_error")(
+                scope, receive, send)
         allowed = origin is not None and self._allowed(origin, host)
         if origin is not None and not allowed:
             return await api_error(path, 403, f"a web page of origin '{origin}' may not use this server; start it "
@@ -102,6 +97,10 @@ class OriginCheck:
     def _loopback_host(self, host: str) -> bool:
         parsed = _host_and_port(host)
         return parsed is not None and is_loopback(parsed[0])
+
+    def _allowed_host(self, host: str | None) -> bool:
+        parsed = None if host is None else _host_and_port(host)
+        return parsed is not None and parsed[0].lower() in self.hosts
 
     def _allowed(self, origin: str, host: str | None) -> bool:
         """The server's own origin (same-origin: sent to the Host it names; on loopback also any loopback name at
