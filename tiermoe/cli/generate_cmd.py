@@ -26,6 +26,7 @@ from tiermoe.cli.placement_flags import (
 from tiermoe.cli.recorder_flags import add_recorder_flags, recorder_from_args
 from tiermoe.config import check_device
 from tiermoe.engine.llm import LLM
+from tiermoe.engine.text_stream import TextStream
 from tiermoe.errors import TiermoeError
 from tiermoe.layers.decode_attention import ATTENTION_BACKENDS, check_attention_backend
 from tiermoe.models import resolve_model
@@ -111,17 +112,16 @@ def run(args) -> int:
             prompt = llm.chat_prompt_ids(messages + [{"role": "user", "content": args.prompt}])
         else:
             prompt = args.prompt
-        printed = 0
+        streams: dict[int, TextStream] = {}
 
         def stream(produced):
-            nonlocal printed
             for seq in produced:
-                text = llm.tokenizer.decode(seq.output_ids, skip_special_tokens=True) if llm.tokenizer else ""
-                if seq.stop_text_end is not None:
-                    text = text[:seq.stop_text_end]
-                sys.stdout.write(text[printed:])
+                if llm.tokenizer is None:
+                    continue
+                text = streams.get(seq.seq_id) or streams.setdefault(
+                    seq.seq_id, TextStream(llm.engine.decoded_text(seq), sampling.stop))
+                sys.stdout.write(text.delta(seq.output_ids, seq.finished, seq.stop_text_end))  # a few ids decoded
                 sys.stdout.flush()
-                printed = len(text)
 
         result = llm.generate(prompt, sampling, on_step=stream)[0]
         if llm.tokenizer is None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from tiermoe.config import DEFAULT_PAGE_SIZE, MAX_RUNNING_REQUESTS
+from tiermoe.engine.incremental_text import IncrementalText, find_stop
 from tiermoe.engine.kv_pool import KVPool
 from tiermoe.engine.logprobs import logprobs_at
 from tiermoe.engine.pool_size import auto_pool_tokens
@@ -414,16 +415,23 @@ class Engine:
             if on_step is not None:
                 on_step(produced)
 
+    def decoded_text(self, seq: Sequence) -> IncrementalText:
+        """`seq`'s output text, decoded as it grows (made on first use; its stop strings are searched in it)."""
+        if seq.decoded is None:
+            seq.decoded = IncrementalText(self.detokenize)
+        return seq.decoded
+
     def _check_stop(self, seq: Sequence) -> None:
         token, params = seq.output_ids[-1], seq.params
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             seq.finish_reason = "stop"
             return
         if params.stop:
-            text = self.detokenize(seq.output_ids)
-            ends = [(text.find(s), s) for s in params.stop if s in text]
-            if ends:
-                seq.stop_text_end, seq.stop_string = min(ends)
+            decoded = self.decoded_text(seq)
+            added = decoded.update(seq.output_ids)
+            found = find_stop(decoded.text, len(added), params.stop)
+            if found is not None:
+                seq.stop_text_end, seq.stop_string = found
                 seq.finish_reason = "stop"
                 return
         if len(seq.output_ids) >= params.max_tokens:

@@ -139,7 +139,7 @@ class LLM:
             raise TiermoeError(f"{self.model_dir} has no tokenizer; streaming text needs one")
         sampling = self.default_sampling() if sampling is None else sampling
         seq = self.engine.add(self.encode(prompt), sampling)
-        text = TextStream(self.engine.detokenize, sampling.stop)
+        text = TextStream(self.engine.decoded_text(seq), sampling.stop)
         try:
             while not seq.finished:
                 if seq in self.engine.step():
@@ -176,10 +176,10 @@ class LLM:
 
     def _result(self, seq) -> RequestOutput:
         text = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and seq.stop_text_end is not None:  # an index into the text it was found in
+            text = self.engine.decoded_text(seq).text[:seq.stop_text_end]
+        elif self.tokenizer is not None:
             text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-            if seq.stop_text_end is not None:
-                text = text[:seq.stop_text_end]
         params = seq.params
         return RequestOutput(seq.prompt_ids, list(seq.output_ids), text, seq.finish_reason, seq.error,
                              list(seq.output_logprobs) if params.logprobs is not None else None,

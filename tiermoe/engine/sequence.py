@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiermoe.engine.incremental_text import IncrementalText
 from tiermoe.engine.kv_pool import SeqPages
 from tiermoe.engine.logprobs import TokenLogprob
 from tiermoe.engine.sampling import SamplingParams
@@ -34,6 +35,7 @@ class Sequence:
     error_from_request: bool = False  # the error is the request's own fault (a TiermoeError): a 4xx, not a 5xx
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id (params.logprobs set)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt ids 1.. (params.prompt_logprobs set)
+    decoded: IncrementalText | None = None  # its output's text, decoded as it grows (Engine.decoded_text)
 
     @property
     def finished(self) -> bool:

@@ -229,7 +229,8 @@ class EngineService:
             handle.push(Event("", [], "error", error=str(err), client_error=isinstance(err, TiermoeError)))
             self.metrics.add(requests_failed=1)
             return
-        handle.stream = TextStream(self.detokenize, handle.params.stop) if self.detokenize else None
+        handle.stream = TextStream(self.engine.decoded_text(handle.seq), handle.params.stop) if self.detokenize \
+            else None
         self._handles[handle.seq.seq_id] = handle
         self.metrics.add(prompt_tokens=len(handle.prompt_ids))
 
