@@ -85,3 +85,36 @@ def test_bad_logprob_settings_are_refused(kwargs, message):
 def test_ties_come_in_token_id_order():
     lp = logprobs_at(torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.5]]), [2], top=3)[0]
     assert [i for i, _ in lp.top] == [1, 2, 3]
+
+
+def test_alternatives_equal_a_stable_sort_of_the_vocabulary_and_the_transient_stays_bounded():
+    """Scoring an `echo` prompt (issue: serving under hostile load, class 3): a top-k, not a sort of the vocabulary
+    per row, with the same answer (ties in token-id order, many ties included), taking ROWS_AT_ONCE rows at a
+    time so no tensor of [rows, vocab] larger than that is made."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tiermoe.engine.logprobs import ROWS_AT_ONCE
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and func.overloadpacket.__name__ != "slice":
+                    Largest.numel = max(Largest.numel, t.numel() if not func.is_view else 0)
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 3 * ROWS_AT_ONCE + 5, 500
+    logits = (torch.randn(rows, vocab, generator=g) * 2).round() / 2  # coarse values: ties everywhere
+    logits[7] = 0.0  # a row of nothing but ties
+    ids = torch.randint(0, vocab, (rows,), generator=g).tolist()
+    with Largest():
+        got = logprobs_at(logits, ids, top=5)
+    assert Largest.numel <= ROWS_AT_ONCE * vocab
+    logp = torch.log_softmax(logits, dim=-1)
+    best = torch.sort(logp, dim=-1, descending=True, stable=True)
+    for t, lp in enumerate(got):
+        assert lp.top == tuple(zip(best.indices[t, :5].tolist(), best.values[t, :5].tolist())), t
+        assert lp.logprob == logp[t, ids[t]].item()
