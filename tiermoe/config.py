@@ -308,7 +308,7 @@ class ServerConfig:
 
     def check_prompt_batch(self, prompts: int) -> None:
         """Refuse a request of more prompts than the server holds at once (a batch in /v1/completions or
-        /generate): admission counts the request once, its prompts all run."""
+        /generate): each of its prompts takes an admission slot (tiermoe.server.admission.take_batch)."""
         if prompts > self.in_flight_limit:
             raise TiermoeError(f"a batch of {prompts} prompts is more than this server holds at once "
                                f"({self.in_flight_limit}: --max-running-requests + --max-queued-requests)")

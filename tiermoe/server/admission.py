@@ -6,7 +6,10 @@ Per generation POST, in order:
 1. the body is read whole, at most --max-request-bytes of it (413 beyond, found while reading) and within
    --body-timeout seconds of the request's arrival (408 after: a client trickling a byte every few seconds cannot
    hold a connection open for ever); a client gone meanwhile ends it with one log line;
-2. then it takes a slot, or is refused with 503 and Retry-After;
+2. then it takes a slot, or is refused with 503 and Retry-After; a batch of prompts (/v1/completions, /generate)
+   takes one slot per prompt once its route has read how many (`take_batch`): a batch larger than the free slots
+   is a 503 with Retry-After, larger than all of them a 400 (ServerConfig.check_prompt_batch), so admission
+   counts sequences and the engine's queue never holds more than the slots;
 3. the route reads the body from memory (the receive channel is replayed to it), and the slot is held until the
    response has been sent or abandoned in any way: finished, failed, refused by validation, timed out, or its
    client gone. A plain ASGI middleware sees exactly that span: the app call returns only once a streamed body has
@@ -36,22 +39,48 @@ GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/gener
 RETRY_AFTER_S = 1
 
 
+BATCH_SLOTS = "tiermoe_batch_slots"  # the slots a batch's prompts beyond its first took, in the request's scope state
+
+
 class Admission:
-    """Generation requests in flight, counted on the event loop (one thread: no lock)."""
+    """Generation sequences in flight (a request, or each prompt of a batch), counted on the event loop (one
+    thread: no lock)."""
 
     def __init__(self, limit: int, running: int, queued: int):
         self.limit = limit
         self.in_flight = 0
         self.what = f"--max-running-requests {running} + --max-queued-requests {queued}"
 
-    def enter(self) -> bool:
-        if self.in_flight >= self.limit:
+    def enter(self, slots: int = 1) -> bool:
+        if self.in_flight + slots > self.limit:
             return False
-        self.in_flight += 1
+        self.in_flight += slots
         return True
 
-    def leave(self) -> None:
-        self.in_flight -= 1
+    def leave(self, slots: int = 1) -> None:
+        self.in_flight -= slots
+
+    def busy(self, asked: int = 1) -> str:
+        if asked == 1:
+            return (f"the server is busy: {self.limit} requests are running or queued ({self.what}); retry after "
+                    f"{RETRY_AFTER_S} s")
+        return (f"the server is busy: {self.in_flight} of its {self.limit} slots are taken by running or queued "
+                f"requests ({self.what}), too many for a batch of {asked} prompts; retry after {RETRY_AFTER_S} s")
+
+
+class AdmissionRefused(Exception):
+    """A 503 with Retry-After (tiermoe.server.app answers it)."""
+
+
+def take_batch(scope_state: dict, admission: Admission, prompts: int) -> None:
+    """A batch's prompts beyond its first take a slot each (the first took the request's); the middleware gives
+    them back when the response ends. AdmissionRefused when the free slots are too few."""
+    extra = prompts - 1
+    if extra <= 0:
+        return
+    if not admission.enter(extra):
+        raise AdmissionRefused(admission.busy(prompts))
+    scope_state[BATCH_SLOTS] = scope_state.get(BATCH_SLOTS, 0) + extra
 
 
 class BodyRefused(Exception):
@@ -88,6 +117,10 @@ async def read_whole_body(scope, receive, limit: int, timeout_s: float) -> bytes
 
 def _too_large(limit: int) -> BodyRefused:
     return BodyRefused(413, f"the request body is longer than this server takes ({limit} bytes; --max-request-bytes)")
+
+
+def busy_response(path: str, message: str):
+    return api_error(path, 503, message, "server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def replayed(body: bytes, receive):
@@ -127,11 +160,9 @@ class AdmissionMiddleware:
                 scope, receive, send)
         if not self.admission.enter():
             self.metrics.add(requests_refused=1)
-            response = api_error(path, 503, f"the server is busy: {self.admission.limit} requests are running or "
-                                            f"queued ({self.admission.what}); retry after {RETRY_AFTER_S} s",
-                                 "server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
-            return await response(scope, receive, send)
+            return await busy_response(path, self.admission.busy())(scope, receive, send)
+        request_state = scope.setdefault("state", {})  # the route adds a batch's slots here (take_batch)
         try:
             await self.app(scope, replayed(body, receive), send)
         finally:
-            self.admission.leave()
+            self.admission.leave(1 + request_state.pop(BATCH_SLOTS, 0))

@@ -20,7 +20,11 @@ from tiermoe.server import (
     openai_routes,
     sglang_routes,
 )
-from tiermoe.server.admission import AdmissionMiddleware
+from tiermoe.server.admission import (
+    AdmissionMiddleware,
+    AdmissionRefused,
+    busy_response,
+)
 from tiermoe.server.error_format import api_error
 from tiermoe.server.generation import GenerationFailed
 from tiermoe.server.origin_check import OriginCheck
@@ -75,6 +79,11 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(TiermoeError)
     async def user_error(request: Request, err: TiermoeError):
         return api_error(request.url.path, 400, str(err))
+
+    @app.exception_handler(AdmissionRefused)
+    async def batch_refused(request: Request, err: AdmissionRefused):
+        state.metrics.add(requests_refused=1)
+        return busy_response(request.url.path, str(err))
 
     @app.exception_handler(GenerationFailed)
     async def generation_failed(request: Request, err: GenerationFailed):

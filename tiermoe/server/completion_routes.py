@@ -3,8 +3,8 @@ SGLang take them, streamed over SSE or not.
 
 Each prompt is one choice, `index` its place in the list; `usage` adds up every prompt. A batch is checked whole
 before any prompt runs (one bad prompt is a 400 for the request, as for SGLang's /generate), then its prompts run
-concurrently, each its own engine request; a batch holds one admission slot, so it may hold at most
---max-running-requests + --max-queued-requests prompts. A stream interleaves the prompts' chunks as they come.
+concurrently, each its own engine request; a batch takes an admission slot per prompt (503 with
+Retry-After when too few are free; 400 beyond --max-running-requests + --max-queued-requests). A stream interleaves the prompts' chunks as they come.
 `echo` and `logprobs` (with max_tokens 0 to score a text, as evaluation harnesses do) apply to every prompt.
 """
 
@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from tiermoe.engine.sampling import SamplingParams
+from tiermoe.server.admission import take_batch
 from tiermoe.server.body import openapi_body, read_body
 from tiermoe.server.generation import collect, merged_streams, stream_events
 from tiermoe.server.logprob_format import completion_logprobs
@@ -57,6 +58,7 @@ async def completions(request: Request):
     body = await read_body(request, CompletionRequest, state.config.max_request_bytes)
     texts = body.prompts()
     state.config.check_prompt_batch(len(texts))
+    take_batch(request.scope.setdefault("state", {}), state.admission, len(texts))  # a slot each
     prompts = [await _prepare(state, body, text) for text in texts]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}

@@ -9,7 +9,8 @@ streams sends `data: {"error": {...}}` in its place and the others go on.
 
 A batch is checked whole before any prompt runs (as SGLang tokenises and validates every prompt first): one bad
 prompt or sampling value is a 400 for the request. Its prompts then run concurrently, each its own engine request;
-a batch holds one admission slot, so it may hold at most --max-running-requests + --max-queued-requests prompts.
+a batch takes an admission slot per prompt (503 with Retry-After when too few are free; 400 beyond
+--max-running-requests + --max-queued-requests).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from tiermoe.engine.sampling import SamplingParams
+from tiermoe.server.admission import take_batch
 from tiermoe.server.body import openapi_body, read_body
 from tiermoe.server.generation import collect, merged_streams, stream_events
 from tiermoe.server.protocol import (
@@ -52,6 +54,7 @@ async def generate(request: Request):
     body = await read_body(request, SGLangGenerateRequest, state.config.max_request_bytes)
     texts = body.prompts()
     state.config.check_prompt_batch(len(texts))
+    take_batch(request.scope.setdefault("state", {}), state.admission, len(texts))  # a slot each
     prompts = [await _prepare(state, body, i, text) for i, text in enumerate(texts)]
     if body.stream:
         return StreamingResponse(_stream(state, request, prompts, body.is_batch()), media_type="text/event-stream")
