@@ -46,10 +46,10 @@ def prompts_of(state, monkeypatch) -> list[list[int]]:
     seen = []
     submit = state.service.submit
 
-    def spy(ids, params):
+    def spy(ids, params, **kwargs):
         seen.append(ids)
         spy.params.append(params)
-        return submit(ids, params)
+        return submit(ids, params, **kwargs)
 
     spy.params = []
     monkeypatch.setattr(state.service, "submit", spy)

@@ -43,3 +43,23 @@ def test_batches_are_answered_by_the_free_slots_and_release_them(tmp_path):
         too_big = httpx.post(url + "/v1/completions", json={"prompt": ["a"] * 4, "max_tokens": 2}, timeout=60)
         assert too_big.status_code == 400 and "more than this server holds at once" in too_big.text
         assert state.admission.in_flight == 0
+
+
+def test_a_lone_request_is_admitted_beside_a_big_batch_not_behind_it(tmp_path):
+    """The engine admits round-robin across requests: with 2 running slots, a batch of 6 queued first, a lone
+    request queued after it starts at the first step (it used to wait for the whole batch)."""
+    import torch
+    from conftest import save_tiny
+
+    from tiermoe.engine.llm import LLM
+    from tiermoe.engine.sampling import SamplingParams
+
+    with LLM(save_tiny("qwen3_moe", tmp_path), dtype=torch.float32, max_running=2, progress=False) as llm:
+        engine = llm.engine
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        batch = [engine.add([5, 6, 7], params, group=1) for _ in range(6)]
+        lone = engine.add([8, 9], params)
+        engine.step()
+        assert engine.running == [batch[0], lone]
+        engine.run_to_completion()
+        assert all(len(s.output_ids) == 3 for s in [*batch, lone])

@@ -47,7 +47,8 @@ def test_a_forced_call_comes_back_as_tool_calls(model_dir, tmp_path, forced, mon
             state.llm.tokenizer.chat_template = CHATML.replace("assistant\n", "assistant\n<think>\n")
         prompts = []
         submit = state.service.submit
-        monkeypatch.setattr(state.service, "submit", lambda ids, params: prompts.append(ids) or submit(ids, params))
+        monkeypatch.setattr(state.service, "submit",
+                            lambda ids, params, **kwargs: prompts.append(ids) or submit(ids, params, **kwargs))
         client = openai.OpenAI(base_url=url + "/v1", api_key="x")
         request = {"model": "tiny", "messages": [{"role": "user", "content": "weather in Paris?"}], "max_tokens": 300,
                    "tools": [OTHER_TOOL, *TOOLS]}

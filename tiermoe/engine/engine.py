@@ -31,7 +31,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -147,8 +147,9 @@ class Engine:
                 raise TiermoeError(f"{field}: token id {shown} at position {position} is outside the model's "
                                    f"vocabulary (0 to {self.vocab_size - 1})")
 
-    def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue a request; returns its Sequence (filled in as steps run)."""
+    def add(self, prompt_ids: list[int], params: SamplingParams, group: int | None = None) -> Sequence:
+        """Queue a request; returns its Sequence (filled in as steps run). `group`: the request it is one prompt of
+        (a batch); admission takes turns between requests."""
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise TiermoeError("a prompt needs at least one token")
@@ -161,7 +162,8 @@ class Engine:
         if len(prompt_ids) + params.max_tokens > capacity:
             raise TiermoeError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                                f"the KV pool's {capacity} tokens (max_total_tokens)")
-        seq = Sequence(next(self._ids), prompt_ids, params, new_generator(params.seed), pages=self.pool.new_share())
+        seq = Sequence(next(self._ids), prompt_ids, params, new_generator(params.seed), pages=self.pool.new_share(),
+                       group=group)
         self.waiting.append(seq)
         return seq
 
@@ -178,10 +180,14 @@ class Engine:
         return bool(self.waiting or self.running)
 
     def _admit(self) -> None:
-        """Admit waiting sequences, oldest first, while a slot is free and the pool has pages for their first
-        chunk (preempted ones come back first: they wait at the head of the queue)."""
+        """Admit waiting sequences while a slot is free and the pool has pages for their first chunk: preempted
+        ones first (they wait at the head of the queue), then round-robin across requests (the oldest sequence of
+        the request with the fewest running), so a lone request is admitted before the rest of a big batch."""
+        running_of = Counter(s.request for s in self.running)
         while self.waiting and len(self.running) < self.config.max_running:
             seq = self.waiting[0]
+            if not seq.preemptions:
+                seq = min(self.waiting, key=lambda s: running_of[s.request] if not s.preemptions else -1)
             if seq.num_fed == 0 and seq.params.prompt_logprobs is None:  # logprobs need every prompt row computed
                 seq.num_fed = self.pool.match(seq.pages, seq.known_ids, seq.num_tokens - 1)
                 self.prefix_hit_tokens += seq.num_fed
@@ -190,7 +196,9 @@ class Engine:
                 self._release(seq)  # a waiting sequence holds no pages: the matched ones stay findable, idle
                 seq.num_fed = 0
                 break
-            self.running.append(self.waiting.popleft())
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            running_of[seq.request] += 1
 
     def _schedule(self) -> list[tuple[Sequence, list[int]]]:
         """This step's (sequence, tokens to feed): every decode, and prompt chunks within the prefill budget; each

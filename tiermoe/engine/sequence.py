@@ -36,6 +36,12 @@ class Sequence:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id (params.logprobs set)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt ids 1.. (params.prompt_logprobs set)
     decoded: IncrementalText | None = None  # its output's text, decoded as it grows (Engine.decoded_text)
+    group: int | None = None  # the request it belongs to (a batch's prompts share one; None: its own)
+
+    @property
+    def request(self) -> int:
+        """What admission takes turns over: its request's group, or itself alone."""
+        return self.group if self.group is not None else -1 - self.seq_id
 
     @property
     def finished(self) -> bool:

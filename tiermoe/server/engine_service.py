@@ -86,6 +86,7 @@ class RequestHandle:
     first_token_at: float | None = None
     done: bool = False
     timed_out: bool = False  # stopped by --request-timeout (counted as that, not as aborted by its client)
+    group: int | None = None  # the request it belongs to (Engine.add)
 
     def push(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -123,8 +124,10 @@ class EngineService:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
-        handle = RequestHandle(prompt_ids, params, asyncio.Queue(), asyncio.get_running_loop())
+    def submit(self, prompt_ids: list[int], params: SamplingParams, group: int | None = None) -> RequestHandle:
+        """Queue a prompt for the engine; `group`: the request it belongs to (a batch's prompts share one: the
+        engine admits round-robin across requests)."""
+        handle = RequestHandle(prompt_ids, params, asyncio.Queue(), asyncio.get_running_loop(), group=group)
         self.metrics.add(requests_total=1)
         if self.fatal_error is not None:  # the engine thread is gone: fail now instead of waiting forever
             handle.done = True
@@ -223,7 +226,7 @@ class EngineService:
 
     def _add(self, handle: RequestHandle) -> None:
         try:
-            handle.seq = self.engine.add(handle.prompt_ids, handle.params)
+            handle.seq = self.engine.add(handle.prompt_ids, handle.params, group=handle.group)
         except Exception as err:  # noqa: BLE001 - reported to the client as an error event
             handle.done = True
             handle.push(Event("", [], "error", error=str(err), client_error=isinstance(err, TiermoeError)))

@@ -46,7 +46,7 @@ async def stream_events(state: ServerState, request: Request, prompt_ids: list[i
     to its client). If the client goes away (the connection closes, or the consumer is cancelled), the request
     is aborted at once, streaming or not: the engine frees its slot between the next two steps. Past
     --request-timeout it is aborted the same way, and the last event is an error with status 504."""
-    handle = state.service.submit(prompt_ids, params)
+    handle = state.service.submit(prompt_ids, params, group=id(request))  # a batch's prompts: one request
     timeout = state.config.request_timeout
     deadline = None if timeout is None else handle.created + timeout
     watcher = asyncio.create_task(_on_disconnect(request, lambda: handle.events.put_nowait(DISCONNECTED)))
