@@ -15,6 +15,7 @@ from tiermoe.config import ServerConfig
 from tiermoe.distributed.launch import free_port
 from tiermoe.engine.llm import LLM
 from tiermoe.server.app import create_app
+from tiermoe.server.idle_connections import idle_closing_h11
 from tiermoe.server.engine_service import EngineService
 from tiermoe.server.expert_metrics import ExpertLoadCounter
 from tiermoe.server.metrics import ServerMetrics
@@ -68,7 +69,9 @@ def server_thread(tmp_dir, step_sleep: float = 0.0, model_dir=None, **config):
     state = ServerState(llm=llm, config=server_config, metrics=metrics, model_name="tiny", service=service,
                         hits=TierHitCounter(llm.hybrid.spec.num_layers), expert_load=expert_load)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=server_config.port,
-                                           log_config=None, log_level="warning"))
+                                           log_config=None, log_level="warning",
+                                           timeout_keep_alive=server_config.keep_alive_timeout,
+                                           http=idle_closing_h11(server_config.body_timeout)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

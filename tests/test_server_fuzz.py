@@ -133,7 +133,7 @@ def fuzz(server, examples: int) -> None:
 
 
 def test_fuzz_every_post_endpoint_while_a_long_stream_runs(server):
-    fuzz(server, 120)  # per endpoint; test_fuzz_long (-m slow) sends 2000
+    fuzz(server, 80)  # per endpoint; test_fuzz_long (-m slow) sends 2000
 
 
 @pytest.mark.slow

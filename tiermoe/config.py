@@ -243,6 +243,7 @@ class ServerConfig:
     max_queued_requests: int | None = None  # waiting beyond the running ones; None: see queue_limit
     request_timeout: float | None = None  # seconds a request may spend in the engine; None: no limit
     body_timeout: float = 30.0  # seconds from a request's arrival by which its whole body must have come (408 after)
+    keep_alive_timeout: float = 5.0  # seconds a connection may stay silent (uvicorn's --timeout-keep-alive)
     allowed_origins: tuple[str, ...] = ()  # web pages (besides the server's own) that may call it (CORS)
     allowed_hosts: tuple[str, ...] = ()  # Host names it answers to off loopback ("*": any); () with a key: any
     watchdog_timeout: float | None = None  # seconds one engine step may run before the server stops; None: no limit
@@ -264,8 +265,9 @@ class ServerConfig:
         self._check_load_bounds()
         if self.request_timeout is not None and not 0 < self.request_timeout < math.inf:
             raise TiermoeError(f"request_timeout must be a finite number of seconds > 0, got {self.request_timeout}")
-        if not 0 < self.body_timeout < math.inf:
-            raise TiermoeError(f"body_timeout must be a finite number of seconds > 0, got {self.body_timeout}")
+        for name in ("body_timeout", "keep_alive_timeout"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise TiermoeError(f"{name} must be a finite number of seconds > 0, got {getattr(self, name)}")
         if self.watchdog_timeout is not None and not 0 < self.watchdog_timeout < math.inf:
             raise TiermoeError(f"watchdog_timeout must be a finite number of seconds > 0, got {self.watchdog_timeout}")
         object.__setattr__(self, "allowed_origins", tuple(normalise_origin(o) for o in self.allowed_origins))

@@ -95,6 +95,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="a generation request's whole body must arrive within this many seconds, or it is answered "
                         "408; it holds no admission slot meanwhile, so slow or silent clients cannot lock others "
                         "out (default 30)")
+    p.add_argument("--timeout-keep-alive", dest="keep_alive_timeout", type=seconds, default=5.0, metavar="SECONDS",
+                   help="close a connection silent for this long: between requests, and from its start (default 5, "
+                        "uvicorn's); a request's headers must come within --body-timeout")
     p.add_argument("--watchdog-timeout", type=seconds, default=None, metavar="SECONDS",
                    help="stop the server when one engine step runs longer (a hung GPU kernel or CPU tier): every "
                         "request fails, one error line is logged, and the process exits with status 2, as SGLang's "
@@ -152,6 +155,7 @@ def server_config_from_args(args) -> ServerConfig:
                         chunked_prefill_size=args.chunked_prefill_size, default_max_tokens=args.default_max_tokens,
                         max_request_bytes=args.max_request_bytes, max_queued_requests=args.max_queued_requests,
                         request_timeout=args.request_timeout, body_timeout=args.body_timeout,
+                        keep_alive_timeout=args.keep_alive_timeout,
                         allowed_origins=tuple(args.allowed_origins or ()),
                         allowed_hosts=tuple(args.allowed_hosts or ()),
                         watchdog_timeout=args.watchdog_timeout,

@@ -16,6 +16,7 @@ from tiermoe.cli.serve_flags import server_config_from_args
 from tiermoe.config import check_device
 from tiermoe.engine.llm import LLM
 from tiermoe.server.app import create_app
+from tiermoe.server.idle_connections import idle_closing_h11
 from tiermoe.server.engine_service import EngineService
 from tiermoe.server.expert_metrics import ExpertLoadCounter
 from tiermoe.server.metrics import ServerMetrics
@@ -106,7 +107,8 @@ def serve(state) -> None:
     print(f"serving {state.model_name} on http://{state.config.host}:{state.config.port} "
           f"(OpenAI: /v1, Ollama: /api, metrics: /metrics)", flush=True)
     config = uvicorn.Config(create_app(state), host=state.config.host, port=state.config.port, log_level="info",
-                            timeout_graceful_shutdown=60)
+                            timeout_graceful_shutdown=60, timeout_keep_alive=state.config.keep_alive_timeout,
+                            http=idle_closing_h11(state.config.body_timeout))
     server = DrainingServer(config)
 
     def stop_serving(err) -> None:  # called from the engine thread: uvicorn polls should_exit
