@@ -186,8 +186,8 @@ class Engine:
         running_of = Counter(s.request for s in self.running)
         while self.waiting and len(self.running) < self.config.max_running:
             seq = self.waiting[0]
-            if not seq.preemptions:
-                seq = min(self.waiting, key=lambda s: running_of[s.request] if not s.preemptions else -1)
+            if not seq.preemptions:  # (preempted sequences are all at the head)
+                seq = min(self.waiting, key=lambda s: running_of[s.request])
             if seq.num_fed == 0 and seq.params.prompt_logprobs is None:  # logprobs need every prompt row computed
                 seq.num_fed = self.pool.match(seq.pages, seq.known_ids, seq.num_tokens - 1)
                 self.prefix_hit_tokens += seq.num_fed
