@@ -41,7 +41,6 @@ from tiermoe.experts.kernels import (
 )
 from tiermoe.layers import triton_paged_attention
 from tiermoe.layers.mla_attention import MLAAttention
-from tiermoe.layers.ragged_step import RaggedStep
 from tiermoe.layers.triton_paged_attention import TritonPagedAttention
 
 log = logging.getLogger(__name__)
@@ -112,14 +111,6 @@ class DecodeAttention:
         if self.kernels.lib.tm_paged_decode_attention(None if team is None else team.handle, ctypes.byref(args),
                                                       err, len(err)) != 0:
             raise RuntimeError(err.value.decode())
-
-    def attend_step(self, step: RaggedStep, window: int | None, q_THd: torch.Tensor, k_SHd: torch.Tensor,
-                    v_SHd: torch.Tensor, scale: float, sinks_H: torch.Tensor | None, out_THd: torch.Tensor,
-                    kr_SHd: torch.Tensor | None = None) -> None:
-        """`attend` for the decode rows of `step` (its first num_decode rows) in the page group of `window`."""
-        decode = step.groups[window].decode
-        self.attend(q_THd, k_SHd, v_SHd, decode.tables, step.decode_pos, decode.lo, step.page_size, scale,
-                    decode.keys, sinks_H, out_THd, kr_SHd)
 
     def takes_gated_delta(self, qkv: torch.Tensor, states: torch.Tensor) -> bool:
         """Whether `gated_delta` computes these rows: CPU tensors, rows in fp32 / bf16, fp32 states, no gradient."""

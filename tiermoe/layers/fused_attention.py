@@ -83,7 +83,7 @@ class DecodeFusedAttention(nn.Module):
         self.native.rotate(k_THd, cos[0], sin[0])
         k_slots, v_slots = cache.write(self.layer_idx, k_THd, v_THd)
         out_THd = q_THd.new_empty((T, H, v_THd.shape[-1]))
-        self.native.attend_step(step, step.layer_windows[self.layer_idx], q_THd, k_slots, v_slots, self.scaling,
+        step.attend_decode_rows(step.layer_windows[self.layer_idx], q_THd, k_slots, v_slots, self.scaling,
                                 getattr(self, "sinks", None), out_THd)
         return self.o_proj(out_THd.view(1, T, -1))
 

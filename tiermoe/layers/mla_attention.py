@@ -122,8 +122,8 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = self._kv_b_halves(q_nope_1HQN.dtype)
         query_nHX = torch.cat((absorb_query(q_nope_1HQN[:, :, :n], w_uk), q_pe_1HQP[:, :, :n]), dim=-1)[0]
         out_latent_nHR = q_nope_1HQN.new_empty((n, self.num_heads, R))
-        step.decode_attention.attend_step(step, window, query_nHX.transpose(0, 1), latent_SR, latent_SR,
-                                          self.scaling, None, out_latent_nHR, kr_SHd=k_pe_SP)
+        step.attend_decode_rows(window, query_nHX.transpose(0, 1), latent_SR, latent_SR, self.scaling, None,
+                                out_latent_nHR, kr_SHd=k_pe_SP)
         out_QHV[:n] = values_from_latent(out_latent_nHR.transpose(0, 1)[None], w_uv)[0].transpose(0, 1)
         return segment_keys(step, window, latent_SR, k_pe_SP)
 

@@ -185,8 +185,7 @@ def _decode_in_place(step: RaggedStep, window: int | None, query: torch.Tensor, 
     """The decode rows' attention, read from the slots [S, Hkv, d] in place, into out's first rows; returns the
     segments' gathered K/V [1, Hkv, K, d] (what the parts read)."""
     n = step.num_decode
-    step.decode_attention.attend_step(step, window, query[0, :, :n].transpose(0, 1), k_SHd, v_SHd, scale, sinks_H,
-                                      out_1THd[0, :n])
+    step.attend_decode_rows(window, query[0, :, :n].transpose(0, 1), k_SHd, v_SHd, scale, sinks_H, out_1THd[0, :n])
     return segment_keys(step, window, k_SHd, v_SHd)
 
 

@@ -226,6 +226,15 @@ class RaggedStep:
                                       torch.tensor(pos, dtype=torch.int32))
         return self._in_place[window]
 
+    def attend_decode_rows(self, window: int | None, q_THd: torch.Tensor, k_SHd: torch.Tensor, v_SHd: torch.Tensor,
+                           scale: float, sinks_H: torch.Tensor | None, out_THd: torch.Tensor,
+                           kr_SHd: torch.Tensor | None = None) -> None:
+        """The step's decode rows (its first num_decode rows) attending the pool in place in the page group of
+        `window`, through `decode_attention.attend` (the native kernel's or the Triton kernel's: one signature)."""
+        decode = self.groups[window].decode
+        self.decode_attention.attend(q_THd, k_SHd, v_SHd, decode.tables, self.decode_pos, decode.lo, self.page_size,
+                                     scale, decode.keys, sinks_H, out_THd, kr_SHd)
+
     def state_rows(self, part: RowPart) -> tuple[torch.Tensor, torch.Tensor]:
         """The linear-attention states the feeds of `part` read and write ([b] int64 each)."""
         if self.state_read is None:

@@ -6,9 +6,9 @@ token and layer) and builds padded masks whose shapes change every step. Here ea
 its sequence's page table, as the CPU's native kernel (tiermoe.layers.decode_attention) does for decode rows, with
 the metadata in the step buffers (tiermoe.layers.step_buffers: fixed addresses), an online softmax in fp32, and
 each key's slot = table[key // P] * P + key % P:
-- decode rows (`attend`, `attend_step`): one program per (row, KV head, BLOCK_H of its query heads), over the
-  row's visible keys [lo, pos] (the step's decode tables, lo and pos); each key block is read once for all the
-  program's heads;
+- decode rows (`attend`, fed a step's by RaggedStep.attend_decode_rows): one program per (row, KV head, BLOCK_H
+  of its query heads), over the row's visible keys [lo, pos] (the step's decode tables, lo and pos); each key
+  block is read once for all the program's heads;
 - prompt chunks (`attend_chunks`): a chunk's rows are cut into blocks of CHUNK_ROWS consecutive queries
   (RaggedStep.chunk_blocks); one program per (block, KV head, CHUNK_HEADS of its query heads) walks the keys from
   the block's first visible one to its last query, each query masked causally and to its window.
@@ -85,14 +85,6 @@ class TritonPagedAttention:
             GROUP=group, D=d, DR=dr, DV=dv, BLOCK_H=BLOCK_H, BLOCK_D=triton.next_power_of_2(d),
             BLOCK_DR=triton.next_power_of_2(max(dr, 1)), BLOCK_DV=triton.next_power_of_2(dv), BLOCK_N=BLOCK_N,
             HAS_SINKS=sinks_H is not None)
-
-    def attend_step(self, step: RaggedStep, window: int | None, q_THd: torch.Tensor, k_SHd: torch.Tensor,
-                    v_SHd: torch.Tensor, scale: float, sinks_H: torch.Tensor | None, out_THd: torch.Tensor,
-                    kr_SHd: torch.Tensor | None = None) -> None:
-        """`attend` for the decode rows of `step` (its first num_decode rows) in the page group of `window`."""
-        decode = step.groups[window].decode
-        self.attend(q_THd, k_SHd, v_SHd, decode.tables, step.decode_pos, decode.lo, step.page_size, scale,
-                    decode.keys, sinks_H, out_THd, kr_SHd)
 
     def attend_chunks(self, step: RaggedStep, window: int | None, q_THd: torch.Tensor, k_SHd: torch.Tensor,
                       v_SHd: torch.Tensor, scale: float, sinks_H: torch.Tensor | None, out_THd: torch.Tensor) -> None:
