@@ -42,7 +42,8 @@ class HostRing:
         packed = torch.cat([tensors[i].contiguous().reshape(-1).view(torch.uint8) for i in order])
         staged = self._buffer(self._in, packed.numel())[:packed.numel()]
         staged.copy_(packed, non_blocking=self.cuda)
-        self.queues.wait_host(self.queues.record(self.queues.compute()))  # the layer's one wait: the CPU tier reads next
+        # the layer's one wait: the CPU tier reads these bytes next
+        self.queues.wait_host(self.queues.record(self.queues.compute()))
         out: list[torch.Tensor | None] = [None] * len(tensors)
         offset = 0
         for i in order:

@@ -112,6 +112,24 @@ class TritonPagedAttention:
 if triton is not None:
 
     @triton.jit
+    def _online_softmax(s, v, m_i, l_i, acc):
+        """One key block into a running softmax: scores s [M, N] (-inf where a key is not visible), values v [N, DV],
+        the rows' running maximum m [M], denominator l [M] and weighted sum acc [M, DV] -> their updates."""
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row none of whose keys came yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+
+    @triton.jit
+    def _with_sinks(sink, m_i, l_i, acc):
+        """The sinks' logits [M] joined to the running softmax's denominator (they add no value) -> (l, acc)."""
+        sink = sink.to(tl.float32)
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m_new)
+        return l_i * alpha + tl.exp(sink - m_new), acc * alpha[:, None]
+
+    @triton.jit
     def _paged_attention_kernel(q_ptr, k_ptr, kr_ptr, v_ptr, sinks_ptr, out_ptr, tables_ptr, pos_ptr, lo_ptr,
                                 page_size, scale, stride_qt, stride_qh, stride_ks, stride_kh, stride_krs, stride_krh,
                                 stride_vs, stride_vh, stride_ot, stride_oh, stride_tt,
@@ -130,7 +148,8 @@ if triton is not None:
         dr = tl.arange(0, BLOCK_DR)
         qr = tl.zeros([BLOCK_H, BLOCK_DR], dtype=tl.float32)
         if DR > 0:
-            qr = tl.load(q_rows + D + dr[None, :], mask=head_ok[:, None] & (dr[None, :] < DR), other=0.0).to(tl.float32)
+            qr = tl.load(q_rows + D + dr[None, :], mask=head_ok[:, None] & (dr[None, :] < DR),
+                         other=0.0).to(tl.float32)
         dv = tl.arange(0, BLOCK_DV)
         m_i = tl.full([BLOCK_H], -float("inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -148,20 +167,11 @@ if triton is not None:
                              mask=valid[:, None] & (dr[None, :] < DR), other=0.0).to(tl.float32)
                 s += tl.dot(qr, tl.trans(kr), input_precision="ieee")
             s = tl.where(valid[None, :], s * scale, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
             v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + dv[None, :],
                         mask=valid[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-        if HAS_SINKS:  # the sink's logit joins the denominator and adds no value
-            sink = tl.load(sinks_ptr + head, mask=head_ok, other=0.0).to(tl.float32)
-            m_new = tl.maximum(m_i, sink)
-            alpha = tl.exp(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha + tl.exp(sink - m_new)
+            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc)
+        if HAS_SINKS:
+            l_i, acc = _with_sinks(tl.load(sinks_ptr + head, mask=head_ok, other=0.0), m_i, l_i, acc)
         out = acc / l_i[:, None]
         tl.store(out_ptr + row * stride_ot + head[:, None] * stride_oh + dv[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & (dv[None, :] < DV))
@@ -204,21 +214,11 @@ if triton is not None:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             visible = (key[None, :] <= qpos[:, None]) & (key[None, :] >= qlo[:, None]) & query_ok[:, None]
             s = tl.where(visible, s, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a query none of whose keys came yet
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
             v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + dv[None, :],
                         mask=key_ok[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-        if HAS_SINKS:  # the sink's logit joins the denominator and adds no value
-            sink = tl.load(sinks_ptr + head, mask=query_ok, other=0.0).to(tl.float32)
-            m_new = tl.maximum(m_i, sink)
-            alpha = tl.exp(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha + tl.exp(sink - m_new)
+            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc)
+        if HAS_SINKS:
+            l_i, acc = _with_sinks(tl.load(sinks_ptr + head, mask=query_ok, other=0.0), m_i, l_i, acc)
         l_i = tl.where(query_ok, l_i, 1.0)  # queries past the block's end or the group: never stored
         tl.store(out_ptr + (row0 + m)[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
                  (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=query_ok[:, None] & (dv[None, :] < DV))
