@@ -27,6 +27,7 @@ import asyncio
 import logging
 import time
 
+from tiermoe.server.body import too_large_message
 from tiermoe.server.error_format import api_error
 from tiermoe.server.metrics import ServerMetrics
 
@@ -116,7 +117,7 @@ async def read_whole_body(scope, receive, limit: int, timeout_s: float) -> bytes
 
 
 def _too_large(limit: int) -> BodyRefused:
-    return BodyRefused(413, f"the request body is longer than this server takes ({limit} bytes; --max-request-bytes)")
+    return BodyRefused(413, too_large_message(limit))
 
 
 def busy_response(path: str, message: str):

@@ -89,9 +89,13 @@ async def read_bytes(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def too_large_message(limit: int) -> str:
+    """What a 413 says (here, and where the admission middleware reads a generation request's body)."""
+    return f"the request body is longer than this server takes ({limit} bytes; --max-request-bytes)"
+
+
 def _too_large(limit: int) -> HTTPException:
-    return HTTPException(413, f"the request body is longer than this server takes ({limit} bytes; "
-                              "--max-request-bytes)")
+    return HTTPException(413, too_large_message(limit))
 
 
 def openapi_body(model: type[BaseModel]) -> dict:
