@@ -19,12 +19,12 @@ from tiermoe.server.admission import (
 
 
 def test_a_batch_takes_a_slot_per_prompt_and_gives_them_back():
-    admission, state = Admission(4, 2, 2), {}
+    admission, scope = Admission(4, 2, 2), {}
     assert admission.enter()  # the request's own slot (the middleware's)
-    take_batch(state, admission, 4)
-    assert admission.in_flight == 4 and state[BATCH_SLOTS] == 3
+    take_batch(scope, admission, 4)
+    assert admission.in_flight == 4 and scope["state"][BATCH_SLOTS] == 3
     assert not admission.enter()
-    admission.leave(1 + state.pop(BATCH_SLOTS))
+    admission.leave(1 + scope["state"].pop(BATCH_SLOTS))
     assert admission.enter() and admission.enter()  # two requests: two slots free
     with pytest.raises(AdmissionRefused, match="2 of its 4 slots are taken .* a batch of 4 prompts; retry after"):
         take_batch({}, admission, 4)  # its own slot and 3 more: one too many

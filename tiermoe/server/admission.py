@@ -73,15 +73,17 @@ class AdmissionRefused(Exception):
     """A 503 with Retry-After (tiermoe.server.app answers it)."""
 
 
-def take_batch(scope_state: dict, admission: Admission, prompts: int) -> None:
-    """A batch's prompts beyond its first take a slot each (the first took the request's); the middleware gives
-    them back when the response ends. AdmissionRefused when the free slots are too few."""
+def take_batch(scope: dict, admission: Admission, prompts: int) -> None:
+    """A batch's prompts beyond its first take a slot each (the first took the request's); they are noted in the
+    request's scope state, and the middleware gives them back when the response ends. AdmissionRefused when the
+    free slots are too few."""
     extra = prompts - 1
     if extra <= 0:
         return
     if not admission.enter(extra):
         raise AdmissionRefused(admission.busy(prompts))
-    scope_state[BATCH_SLOTS] = scope_state.get(BATCH_SLOTS, 0) + extra
+    state = scope.setdefault("state", {})
+    state[BATCH_SLOTS] = state.get(BATCH_SLOTS, 0) + extra
 
 
 class BodyRefused(Exception):

@@ -58,7 +58,7 @@ async def completions(request: Request):
     body = await read_body(request, CompletionRequest, state.config.max_request_bytes)
     texts = body.prompts()
     state.config.check_prompt_batch(len(texts))
-    take_batch(request.scope.setdefault("state", {}), state.admission, len(texts))  # a slot each
+    take_batch(request.scope, state.admission, len(texts))  # a slot each
     prompts = [await _prepare(state, body, text) for text in texts]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}

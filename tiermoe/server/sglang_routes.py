@@ -54,7 +54,7 @@ async def generate(request: Request):
     body = await read_body(request, SGLangGenerateRequest, state.config.max_request_bytes)
     texts = body.prompts()
     state.config.check_prompt_batch(len(texts))
-    take_batch(request.scope.setdefault("state", {}), state.admission, len(texts))  # a slot each
+    take_batch(request.scope, state.admission, len(texts))  # a slot each
     prompts = [await _prepare(state, body, i, text) for i, text in enumerate(texts)]
     if body.stream:
         return StreamingResponse(_stream(state, request, prompts, body.is_batch()), media_type="text/event-stream")
