@@ -132,7 +132,7 @@ async def messages(request: Request):
     async def events():
         yield sse("message_start", {"type": "message_start", "message": head})
         yield sse("ping", {"type": "ping"})
-        generated, text, splitter = 0, "", StreamSplitter(parser) if parser else None
+        generated, splitter = 0, StreamSplitter(parser, prefix) if parser else None
         async for event in stream_events(state, request, prompt_ids, params):
             generated += len(event.token_ids)
             if event.error is not None:
@@ -144,8 +144,7 @@ async def messages(request: Request):
             if splitter is None:
                 reasoning, content, calls = "", event.text, []
             else:
-                text += event.text
-                reasoning, content, calls = splitter.feed(prefix + text, final=final)
+                reasoning, content, calls = splitter.feed(event.text, final=final)
             for chunk in writer.delta("thinking", reasoning) + writer.delta("text", content):
                 yield chunk
             if final:

@@ -25,7 +25,7 @@ class GenerateReply:
 
 class ChatReply:
     def __init__(self, parser: OutputParser | None):
-        self.parser, self.text = parser, ""
+        self.parser = parser
         self.splitter = StreamSplitter(parser) if parser is not None else None
 
     def whole(self, text: str) -> dict:
@@ -37,8 +37,7 @@ class ChatReply:
     def delta(self, text: str, final: bool) -> dict | None:
         if self.splitter is None:
             return _message(text) if text else None
-        self.text += text
-        _, content, calls = self.splitter.feed(self.text, final)
+        _, content, calls = self.splitter.feed(text, final)
         calls = ollama_tool_calls(calls)
         return _message(content, calls) if content or calls else None
 

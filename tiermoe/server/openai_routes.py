@@ -137,14 +137,13 @@ async def chat_completions(request: Request):
         chunk = {**head, "object": "chat.completion.chunk"}
         yield sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                           "finish_reason": None}]})
-        generated, text, splitter = 0, "", StreamSplitter(parser) if parser is not None else None
+        generated, splitter = 0, StreamSplitter(parser, reply_prefix) if parser is not None else None
         async for event in stream_events(state, request, prompt_ids, params):
             generated += len(event.token_ids)
             finish, delta = event.finish_reason, {"content": event.text} if event.text else {}
             if splitter is not None:
-                text += event.text
                 final = finish is not None and event.error is None
-                reasoning, content, calls = splitter.feed(reply_prefix + text, final=final)
+                reasoning, content, calls = splitter.feed(event.text, final=final)
                 delta = {**({"reasoning_content": reasoning} if reasoning else {}),
                          **({"content": content} if content else {})}
                 if calls:

@@ -11,9 +11,11 @@ in the formats the models emit:
 | glm45 | `<think>...</think>` when opened | `<tool_call>NAME` + `<arg_key>K</arg_key><arg_value>V</arg_value>` pairs |
 | gpt-oss | harmony's `analysis` channel | harmony's `commentary to=functions.NAME` messages; the answer is the `final` channel |
 
-`split(text, final)` parses the text so far. A stream re-parses at each step and sends what grew: text that could
-be the start of a marker is held back until it is known, and from a tool call's first marker on, text is held
-until the reply ends, when its calls are sent whole (the openai client gathers deltas the same way).
+`StreamSplitter` splits a reply as it streams: each piece of text is scanned once (with a held tail shorter than
+a marker), so a step's work does not grow with the reply. Text that could be the start of a marker is held back
+until it is known, and from a tool call's first marker on, text is held until the reply ends, when its calls are
+parsed and sent whole (the openai client gathers deltas the same way). `OutputParser.split` is the same splitter fed
+the whole reply at once, so a stream and a whole reply split alike.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from tiermoe.server.harmony_stream import HarmonySplitter
+from tiermoe.server.marker_scan import MarkerScanner
+
 REASONING_PARSERS = ("qwen3", "deepseek-r1", "deepseek-v3", "glm45", "gpt-oss")
 TOOL_CALL_PARSERS = ("qwen25", "qwen", "qwen3", "deepseekv3", "glm45", "gpt-oss")
 THINK, END_THINK = "<think>", "</think>"
@@ -30,9 +35,6 @@ DS_CALLS, DS_CALL, DS_SEP, DS_CALL_END = "<｜tool▁calls▁begin｜>", "<｜to
     "<｜tool▁call▁end｜>"
 TOOL_CALL_START = {"qwen25": "<tool_call>", "qwen": "<tool_call>", "qwen3": "<tool_call>", "glm45": "<tool_call>",
                    "deepseekv3": DS_CALLS}
-HARMONY = re.compile(r"<\|channel\|>(\w+)([^<]*)(?:<\|constrain\|>\w+)?<\|message\|>(.*?)"
-                     r"(?=<\|end\|>|<\|call\|>|<\|return\|>|<\|start\|>|$)", re.S)
-HARMONY_MARKERS = ("<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|start|>", "<|constrain|>", "<|return|>")
 
 
 @dataclass
@@ -40,14 +42,6 @@ class Split:
     reasoning: str = ""
     content: str = ""
     tool_calls: list[dict] = field(default_factory=list)  # {"name", "arguments" (a JSON string)}
-
-
-def _held(text: str, markers) -> str:
-    """`text` less a tail that could be the start of one of `markers` (so no marker is ever sent in pieces)."""
-    for cut in range(min(len(text), max(map(len, markers)) - 1), 0, -1):
-        if any(m.startswith(text[-cut:]) for m in markers):
-            return text[:-cut]
-    return text
 
 
 def _call(name: str, arguments) -> dict:
@@ -93,49 +87,10 @@ class OutputParser:
         return "gpt-oss" in (self.reasoning, self.tools)
 
     def split(self, text: str, final: bool) -> Split:
-        if self.harmony:
-            return self._split_harmony(text, final)
-        out = Split()
-        rest = text
-        if self.reasoning is not None:
-            if not final and THINK.startswith(rest.lstrip()):
-                return out  # the reply may yet open a think block: wait until it is known
-            opened = rest.lstrip().startswith(THINK)
-            if opened or self.reasoning == "deepseek-r1":
-                body = rest.lstrip()[len(THINK):] if opened else rest
-                thought, ended, rest = body.partition(END_THINK)
-                out.reasoning = thought if ended or final else _held(thought, (END_THINK,))
-                if not ended:
-                    return out
-                rest = rest.lstrip("\n")
-        start = TOOL_CALL_START.get(self.tools)
-        if start is not None and start in rest:
-            before, _, calls = rest.partition(start)
-            out.content = before.rstrip()  # the whitespace that led up to the calls
-            out.tool_calls = _tool_calls(self.tools, start + calls) if final else []
-            return out
-        # whitespace is held too while a tool call may follow it
-        out.content = rest if final or start is None else _held(rest, (start,)).rstrip()
-        return out
-
-    def _split_harmony(self, text: str, final: bool) -> Split:
-        out = Split()
-        if "<|channel|>" not in text:
-            out.content = text if final else _held(text, HARMONY_MARKERS)
-            return out
-        for match in HARMONY.finditer(text):
-            channel, header, body = match.groups()
-            complete = final or match.end() < len(text)
-            body = body if complete else _held(body, HARMONY_MARKERS)
-            target = re.search(r"to=functions\.([\w.-]+)", header)
-            if target and self.tools == "gpt-oss":
-                if complete:
-                    out.tool_calls.append(_call(target.group(1), body.strip()))
-            elif channel == "analysis" and self.reasoning == "gpt-oss":
-                out.reasoning += body
-            elif channel == "final" or channel not in ("analysis", "commentary"):
-                out.content += body
-        return out
+        """The reply `text` split (`final`: it is the whole reply; else what could still change is held back)."""
+        splitter = StreamSplitter(self)
+        reasoning, content, calls = splitter.feed(text, final)
+        return Split(reasoning, content, calls)
 
 
 def tool_call_objects(calls: list[dict], streamed: bool = False) -> list[dict]:
@@ -158,14 +113,88 @@ def keeping_markers(tokenizer, markers) -> callable:
 
 
 class StreamSplitter:
-    """A stream's deltas: feed the text so far, get the reasoning and content not yet sent; the calls at the end."""
+    """A stream's deltas: feed each new piece of the reply (the first after `prefix`, the reply's opening that the
+    prompt holds); get the reasoning and content not yet sent, and at the end (`final`) the tool calls."""
 
-    def __init__(self, parser: OutputParser):
-        self.parser, self.sent = parser, Split()
+    def __init__(self, parser: OutputParser, prefix: str = ""):
+        self.parser, self.prefix = parser, prefix
+        if parser.harmony:
+            self.harmony = HarmonySplitter(parser.reasoning == "gpt-oss", parser.tools == "gpt-oss")
+            return
+        self.harmony = None
+        self.state = "opening" if parser.reasoning is not None else "answer"
+        self.lead, self.seen = "", ""  # the reply's leading whitespace, and what follows while a think block may open
+        self.spaces = ""  # answer whitespace held while a tool call may follow it
+        self.call_start = TOOL_CALL_START.get(parser.tools)
+        self.think_end = MarkerScanner((END_THINK,))
+        self.answer = MarkerScanner((self.call_start,)) if self.call_start else None
+        self.calls_text: list[str] = []
 
-    def feed(self, text: str, final: bool) -> tuple[str, str, list[dict]]:
-        now = self.parser.split(text, final)
-        reasoning = now.reasoning[len(self.sent.reasoning):] if now.reasoning.startswith(self.sent.reasoning) else ""
-        content = now.content[len(self.sent.content):] if now.content.startswith(self.sent.content) else ""
-        self.sent = Split(self.sent.reasoning + reasoning, self.sent.content + content)
-        return reasoning, content, now.tool_calls if final else []
+    def feed(self, piece: str, final: bool) -> tuple[str, str, list[dict]]:
+        piece, self.prefix = self.prefix + piece, ""
+        out = Split()
+        if self.harmony is not None:
+            self.harmony.feed(piece, final, out)
+            calls = [_call(name, args) for name, args in self.harmony.calls] if final else []
+            return out.reasoning, out.content, calls
+        while piece is not None:
+            piece = getattr(self, "_" + self.state)(piece, final, out)
+        if final and self.calls_text:
+            out.tool_calls = _tool_calls(self.parser.tools, "".join(self.calls_text))
+        return out.reasoning, out.content, out.tool_calls
+
+    def _opening(self, piece, final, out):
+        """Whether the reply opens a think block is known once its first characters past whitespace are."""
+        if not self.seen:
+            stripped = piece.lstrip()
+            self.lead += piece[:len(piece) - len(stripped)]
+            piece = stripped
+        self.seen += piece
+        if not final and THINK.startswith(self.seen):
+            return None
+        if self.seen.startswith(THINK):
+            self.state = "thinking"
+            return self.seen[len(THINK):]
+        self.state = "thinking" if self.parser.reasoning == "deepseek-r1" else "answer"  # its template opens it
+        return self.lead + self.seen
+
+    def _thinking(self, piece, final, out):
+        before, marker, after = self.think_end.feed(piece, final)
+        out.reasoning += before
+        if marker is None:
+            return None
+        self.state = "after_think"
+        return after
+
+    def _after_think(self, piece, final, out):
+        """The newlines that follow `</think>` belong to neither part."""
+        piece = piece.lstrip("\n")
+        if not piece:
+            return None
+        self.state = "answer"
+        return piece
+
+    def _answer(self, piece, final, out):
+        if self.answer is None:
+            out.content += piece
+            return None
+        before, marker, after = self.answer.feed(piece, final)
+        if marker is not None:
+            out.content += (self.spaces + before).rstrip()  # the whitespace that led up to the calls
+            self.spaces, self.state, self.calls_text = "", "calls", [marker]
+            return after
+        if final:
+            out.content += self.spaces + before
+            return None
+        stripped = before.rstrip()
+        if stripped:
+            out.content += self.spaces + stripped
+            self.spaces = before[len(stripped):]
+        else:
+            self.spaces += before
+        return None
+
+    def _calls(self, piece, final, out):
+        """From the first call's marker on, the text is parsed once, when the reply ends."""
+        self.calls_text.append(piece)
+        return None
