@@ -78,8 +78,8 @@ def run_steps(tok: Tokenizer, ids: list[int], monkeypatch, splitter: StreamSplit
         scanned_by_parsers.append(parsed[0])
     assert not seq.finished
     send(stream.delta(seq.output_ids, finished=True), final=True)
-    reasoning, content, calls = ("".join(split[0]), "".join(split[1]), sum(split[2], [])) if splitter else ("",) * 3
-    return decoded, searched, scanned_by_parsers, "".join(out), (reasoning, content, calls)
+    parts = ("".join(split[0]), "".join(split[1]), [call for calls in split[2] for call in calls])
+    return decoded, searched, scanned_by_parsers, "".join(out), parts
 
 
 @pytest.mark.parametrize("length", [40, 4000])

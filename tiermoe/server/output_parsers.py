@@ -195,6 +195,6 @@ class StreamSplitter:
         return None
 
     def _calls(self, piece, final, out):
-        """From the first call's marker on, the text is parsed once, when the reply ends."""
+        """From the first call's marker on, the text is parsed once, when the reply ends (the None return, as
+        every state's, says the piece is consumed)."""
         self.calls_text.append(piece)
-        return None
