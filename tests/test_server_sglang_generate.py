@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from server_thread import server_thread
+
+from tiermoe.server import sglang_routes
 
 GREEDY = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
 
@@ -85,6 +89,43 @@ def test_stream_sends_the_text_so_far(server):
     batch = events(client, {"text": ["hello", "abc"], "sampling_params": GREEDY, "stream": True})
     last = {e["index"]: e for e in batch}
     assert sorted(last) == [0, 1] and last[0]["text"] == whole["text"]
+
+
+def test_incremental_streaming_output_sends_each_events_new_text_and_ids(server):
+    client, state = server
+    whole = client.post("/generate", json={"text": "hello", "sampling_params": GREEDY}).json()
+    config = state.config
+    state.config = dataclasses.replace(config, incremental_streaming_output=True)
+    try:
+        streamed = events(client, {"text": "hello", "sampling_params": GREEDY, "stream": True})
+    finally:
+        state.config = config
+    assert len(streamed) >= 2 and "".join(e["text"] for e in streamed) == whole["text"]
+    assert [i for e in streamed for i in e["output_ids"]] == whole["output_ids"]
+    assert streamed[-1]["meta_info"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("length", [40, 4000])
+def test_a_stream_event_encodes_only_its_new_text_and_ids(length, monkeypatch):
+    """The text and ids so far are re-sent at each event (SGLang's contract), but encoded a piece at a time."""
+    encoded = [0]
+
+    def counted_dumps(value):
+        encoded[0] += len(value) if isinstance(value, str | list) else 0
+        return json.dumps(value)
+
+    monkeypatch.setattr(sglang_routes, "json", SimpleNamespace(dumps=counted_dumps))
+    out = sglang_routes._StreamedOutput(sglang_routes._Prompt("r", [1, 2], None), incremental=False)
+    per_event, text, ids = [], "", []
+    for i in range(length):
+        piece = "é\"x\n" if i % 2 else "🙂 "
+        encoded[0] = 0
+        payload = json.loads(out.event(piece, [i], "length" if i == length - 1 else None, None, {"index": 3}))
+        per_event.append(encoded[0])
+        text, ids = text + piece, ids + [i]
+        assert (payload["text"], payload["output_ids"], payload["index"]) == (text, ids, 3)
+    assert payload["meta_info"]["finish_reason"] == {"type": "length", "length": length}
+    assert max(per_event) <= 16, max(per_event)  # the new piece, its id, and the key "index"
 
 
 @pytest.mark.parametrize("body, where", [

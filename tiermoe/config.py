@@ -189,6 +189,27 @@ def open_files_limit() -> int:
     return 2**31 if soft == resource.RLIM_INFINITY else soft
 
 
+# What the soft open-file limit is raised to when the hard limit is unlimited: Linux's default fs.nr_open, the most
+# one process may open there anyway.
+OPEN_FILES_WANTED = 1 << 20
+
+
+def raise_open_files_limit() -> tuple[int, int] | None:
+    """Raise the soft RLIMIT_NOFILE (`ulimit -n`) to the hard limit, as nginx and SGLang do: every connection holds
+    a file descriptor, and the soft limit many systems start processes with (1024) is filled by a few hundred idle
+    or slow clients, after which accept() fails for everyone. Any process may raise its soft limit up to the hard
+    one. Returns (old, new) when raised; None when already there or the system refused (the old limit stays)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else hard
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return None
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ValueError, OSError):  # macOS refuses more than kern.maxfilesperproc with an unlimited hard limit
+        return None
+    return soft, wanted
+
+
 def connection_room() -> int:
     """Requests that may be in flight at once: one connection (file descriptor) each."""
     return max(1, open_files_limit() - FILE_DESCRIPTORS_KEPT)
@@ -250,6 +271,7 @@ class ServerConfig:
     expert_distribution_metrics: bool = False  # per-layer expert routing on /metrics
     reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content in chat replies
     tool_call_parser: str | None = None  # --tool-call-parser: tool_calls in chat replies
+    incremental_streaming_output: bool = False  # /generate streams send each event's new text and ids, not all
 
     def __post_init__(self):
         if not 0 < self.port < 65536:

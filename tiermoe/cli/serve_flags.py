@@ -98,6 +98,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-keep-alive", dest="keep_alive_timeout", type=seconds, default=5.0, metavar="SECONDS",
                    help="close a connection silent for this long: between requests, and from its start (default 5, "
                         "uvicorn's); a request's headers must come within --body-timeout")
+    p.add_argument("--incremental-streaming-output", action="store_true",
+                   help="SGLang's: each event of a /generate stream carries the text and output_ids new since the "
+                        "last one (default: all so far, as SGLang sends them)")
     p.add_argument("--watchdog-timeout", type=seconds, default=None, metavar="SECONDS",
                    help="stop the server when one engine step runs longer (a hung GPU kernel or CPU tier): every "
                         "request fails, one error line is logged, and the process exits with status 2, as SGLang's "
@@ -160,7 +163,8 @@ def server_config_from_args(args) -> ServerConfig:
                         allowed_hosts=tuple(args.allowed_hosts or ()),
                         watchdog_timeout=args.watchdog_timeout,
                         expert_distribution_metrics=args.enable_expert_distribution_metrics,
-                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
+                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                        incremental_streaming_output=args.incremental_streaming_output)
 
 
 def api_key_from_args(args, environ=None) -> str | None:

@@ -5,7 +5,9 @@ An answer is {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt
 ...}}, a list of them for a batch. finish_reason is SGLang's object: {"type": "length", "length": N} or
 {"type": "stop", "matched": TOKEN_ID or STOP_STRING}. A stream sends SSE `data: {...}` events with the text and
 ids so far (each with "index" in a batch, as SGLang does), then `data: [DONE]`; a prompt that fails while it
-streams sends `data: {"error": {...}}` in its place and the others go on.
+streams sends `data: {"error": {...}}` in its place and the others go on. The text and ids so far are kept
+JSON-encoded, each event encoding only its new piece (re-encoding all of them cost O(length) per token); with
+--incremental-streaming-output (SGLang's flag) an event carries only its new text and ids.
 
 A batch is checked whole before any prompt runs (as SGLang tokenises and validates every prompt first): one bad
 prompt or sampling value is a 400 for the request. Its prompts then run concurrently, each its own engine request;
@@ -63,7 +65,10 @@ async def generate(request: Request):
     for result in results:  # every prompt has ended: a failure answers for the request, as in SGLang
         if isinstance(result, BaseException):
             raise result
-    outputs = [_output(state, p, out.text, out.token_ids, out.finish_reason) for p, out in zip(prompts, results)]
+    outputs = [{"text": out.text, "output_ids": list(out.token_ids),
+                "meta_info": _meta_info(p, len(out.token_ids), (out.token_ids or [None])[-1], out.finish_reason,
+                                        out.stop_string)}
+               for p, out in zip(prompts, results)]
     return outputs if body.is_batch() else outputs[0]
 
 
@@ -77,31 +82,51 @@ async def _prepare(state: ServerState, body: SGLangGenerateRequest, index: int, 
     return _Prompt(body.request_id(index) or uuid.uuid4().hex, prompt_ids, params)
 
 
-def _output(state: ServerState, prompt: _Prompt, text: str, token_ids: list[int], finish: str | None) -> dict:
-    return {"text": text, "output_ids": list(token_ids),
-            "meta_info": {"id": prompt.rid, "finish_reason": _finish_reason(state, prompt, token_ids, finish),
-                          "prompt_tokens": len(prompt.prompt_ids), "completion_tokens": len(token_ids),
-                          "cached_tokens": 0, "e2e_latency": time.monotonic() - prompt.started}}
+def _meta_info(prompt: _Prompt, generated: int, last_id: int | None, finish: str | None,
+               stop_string: str | None) -> dict:
+    return {"id": prompt.rid, "finish_reason": _finish_reason(generated, last_id, finish, stop_string),
+            "prompt_tokens": len(prompt.prompt_ids), "completion_tokens": generated, "cached_tokens": 0,
+            "e2e_latency": time.monotonic() - prompt.started}
 
 
-def _finish_reason(state: ServerState, prompt: _Prompt, token_ids: list[int], finish: str | None) -> dict | None:
-    """SGLang's finish_reason object: what ended the generation."""
+def _finish_reason(generated: int, last_id: int | None, finish: str | None, stop_string: str | None) -> dict | None:
+    """SGLang's finish_reason object: what ended the generation (a stop string, else the last token: a stop id or
+    EOS)."""
     if finish is None:
         return None
     if finish == "length":
-        return {"type": "length", "length": len(token_ids)}
+        return {"type": "length", "length": generated}
     if finish != "stop":
         return {"type": "abort", "message": finish}
-    last, params = (token_ids[-1] if token_ids else None), prompt.params
-    if last in params.stop_token_ids or (last in state.llm.engine.eos_token_ids and not params.ignore_eos):
-        return {"type": "stop", "matched": last}
-    full = state.llm.engine.detokenize(token_ids)  # the returned text ends before the stop string
-    found = [(full.find(s), i) for i, s in enumerate(params.stop) if s in full]
-    return {"type": "stop", "matched": params.stop[min(found)[1]] if found else None}
+    return {"type": "stop", "matched": stop_string if stop_string is not None else last_id}
+
+
+class _StreamedOutput:
+    """One prompt's stream: its text and ids so far, JSON-encoded a piece at a time."""
+
+    def __init__(self, prompt: _Prompt, incremental: bool):
+        self.prompt, self.incremental = prompt, incremental
+        self.text_json, self.ids_json = [], []  # each event's piece, encoded (json.dumps less its brackets)
+        self.generated, self.last_id = 0, None
+
+    def event(self, text: str, token_ids: list[int], finish: str | None, stop_string: str | None,
+              where: dict) -> str:
+        """An event's JSON: {"text", "output_ids", "meta_info"} and `where` (the prompt's index in a batch)."""
+        text_json, ids_json = json.dumps(text)[1:-1], json.dumps(token_ids)[1:-1]
+        if self.incremental:
+            self.text_json, self.ids_json = [], []
+        self.text_json.append(text_json)
+        if ids_json:
+            self.ids_json.append(ids_json)
+        self.generated += len(token_ids)
+        self.last_id = token_ids[-1] if token_ids else self.last_id
+        meta = _meta_info(self.prompt, self.generated, self.last_id, finish, stop_string)
+        return (f'{{"text": "{"".join(self.text_json)}", "output_ids": [{", ".join(self.ids_json)}], '
+                f'"meta_info": {json.dumps(meta)}{"".join(f", {json.dumps(k)}: {v}" for k, v in where.items())}}}')
 
 
 async def _stream(state: ServerState, request: Request, prompts: list[_Prompt], batch: bool) -> AsyncIterator[str]:
-    texts, ids = [""] * len(prompts), [[] for _ in prompts]
+    outputs = [_StreamedOutput(p, state.config.incremental_streaming_output) for p in prompts]
     streams = [stream_events(state, request, p.prompt_ids, p.params) for p in prompts]
     async for index, event in merged_streams(streams):
         where = {"index": index} if batch else {}
@@ -109,12 +134,11 @@ async def _stream(state: ServerState, request: Request, prompts: list[_Prompt], 
             yield _sse({"error": {"message": f"generation failed: {event.error}", "code": event.error_status},
                         **where})
             continue
-        texts[index] += event.text
-        ids[index] += event.token_ids
-        yield _sse({**_output(state, prompts[index], texts[index], ids[index], event.finish_reason), **where})
+        yield _sse(outputs[index].event(event.text, event.token_ids, event.finish_reason, event.stop_string, where))
     yield _sse("[DONE]")
 
 
 def _sse(payload: dict | str) -> str:
+    """An SSE event of `payload` (a str is sent as it is: "[DONE]", or JSON already encoded)."""
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
