@@ -111,7 +111,9 @@ def run_with_a_poisoned_decode(llm, monkeypatch):
 
 def test_a_decode_forward_that_fails_for_all_is_bisected_to_the_failing_sequence(llm, solo, monkeypatch):
     seqs, failed_rows = run_with_a_poisoned_decode(llm, monkeypatch)
-    assert failed_rows[0] == len(PROMPTS) and failed_rows[-1] == 1  # one forward for all; then found alone
+    # one forward for all four (the prefill budget is shared, so the longest prompt's last chunk rides along with the
+    # three decode rows); then the victim is found alone
+    assert failed_rows[0] == len(PROMPTS) + 2 and failed_rows[-1] == 1
     victim = seqs[VICTIM]
     assert victim.finish_reason == "error" and victim.error == "ValueError: poisoned token"
     assert victim.output_ids == solo[VICTIM][:2] + [POISON] and not any(victim.pages.tables.values())

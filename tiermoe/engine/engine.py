@@ -2,8 +2,9 @@
 
 Sequences wait in a queue until admitted: at most `max_running` at once, and only while the pool has pages for
 their next tokens. In a step every decoding sequence feeds its last token, and prefilling sequences feed prompt
-chunks, oldest first, sharing `prefill_chunk` tokens per step (so a long prompt is prefilled over several steps
-and never stalls running decodes by more than one chunk). All of them go through one model forward as a ragged
+chunks, sharing `prefill_chunk` tokens per step fairly (tiermoe.engine.prefill_budget: so a long prompt is
+prefilled over several steps, never stalls running decodes by more than one chunk, and never holds a new short
+prompt back). All of them go through one model forward as a ragged
 batch (tiermoe.layers.ragged_step): the decode rows and each chunk's rows side by side, no padding of the batch,
 every new token's K/V written once into the pool (tiermoe.engine.kv_pool) and the past read where it lies. The MoE
 blocks therefore see the whole step's tokens at once. A sequence whose tokens are all through samples one token.
@@ -40,6 +41,7 @@ import torch
 
 from tiermoe.config import DEFAULT_PAGE_SIZE, MAX_RUNNING_REQUESTS
 from tiermoe.engine.incremental_text import IncrementalText, find_stop
+from tiermoe.engine.prefill_budget import share_prefill_budget
 from tiermoe.engine.kv_pool import KVPool
 from tiermoe.engine.logprobs import logprobs_at
 from tiermoe.engine.pool_size import auto_pool_tokens
@@ -203,15 +205,17 @@ class Engine:
     def _schedule(self) -> list[tuple[Sequence, list[int]]]:
         """This step's (sequence, tokens to feed): every decode, and prompt chunks within the prefill budget; each
         with its pages reserved (preempting the most recently admitted sequences when the pool is full)."""
-        budget, batch, preempted = self.config.prefill_chunk, [], set()
+        prefilling = [seq for seq in self.running if seq.prefilling]
+        shares = share_prefill_budget([seq.num_tokens - seq.num_fed for seq in prefilling], self.config.prefill_chunk)
+        share_of = {seq.seq_id: share for seq, share in zip(prefilling, shares)}
+        batch, preempted = [], set()
         for seq in list(self.running):
             if seq.seq_id in preempted:  # preempted for an earlier sequence of this step
                 continue
             if seq.prefilling:
-                if budget == 0:
+                if share_of[seq.seq_id] == 0:
                     continue
-                tokens = seq.next_input(budget)
-                budget -= len(tokens)
+                tokens = seq.next_input(share_of[seq.seq_id])
             else:
                 tokens = seq.next_input(1)
             while not self.pool.reserve(seq.pages, seq.num_fed, seq.num_fed + len(tokens)):
