@@ -85,8 +85,13 @@ def send_good(client: httpx.Client, url: str, request: GoodRequest) -> Reply:
     with client.stream("POST", url + request.path, content=request.payload(), headers=headers) as r:
         if r.status_code != 200:
             raise Refused(r.status_code, r.read().decode(errors="replace")[:300])
-        read = _ollama_stream if request.path in OLLAMA else _openai_stream
-        return read(r.iter_lines())
+        return read_stream(request.path, r.iter_lines())
+
+
+def read_stream(path: str, lines) -> Reply:
+    """A streamed reply from its lines (SSE for OpenAI, JSON lines for Ollama); Refused when it carried an error or
+    ended early."""
+    return _ollama_stream(lines) if path in OLLAMA else _openai_stream(lines)
 
 
 def _plain_reply(path: str, data: dict) -> Reply:

@@ -7,6 +7,8 @@ N - 1 ranks itself and becomes rank 0 (tiermoe.distributed). Rank 0 serves HTTP,
 
 from __future__ import annotations
 
+import logging
+
 from tiermoe.cli.cpu_flags import cpu_from_args
 from tiermoe.cli.flags import add_command
 from tiermoe.cli.listen_address import check_listen_address
@@ -15,12 +17,15 @@ from tiermoe.cli.serve_flags import add_serve_flags, server_config_from_args
 from tiermoe.cli.serve_http import build_state, serve, show_tiermoe_logs
 from tiermoe.cli.serve_ranks import leave_on_rank_failure, serve_rank, serve_with_local_ranks
 from tiermoe.cli.sglang_flags import report_ignored
+from tiermoe.config import raise_open_files_limit
 from tiermoe.distributed.group import RankEnv, check_local_ranks, check_world
 from tiermoe.engine.device_errors import DeviceLostError
 from tiermoe.errors import TiermoeError
 from tiermoe.placement.plan import PlacementPlan
 from tiermoe.server.engine_service import StuckStepError
 from tiermoe.server.malloc_arenas import limit_malloc_arenas
+
+log = logging.getLogger(__name__)
 
 
 def add_parser(sub) -> None:
@@ -51,9 +56,16 @@ def requested_gpus(args) -> int:
     return args.num_gpus
 
 
+def raise_open_files() -> None:
+    raised = raise_open_files_limit()
+    if raised is not None:
+        log.info("open-file limit (ulimit -n) raised from %d to %d: each connection holds a file descriptor", *raised)
+
+
 def run(args) -> int:
     limit_malloc_arenas()  # before any thread starts: keeps RSS flat after bursts of requests
     show_tiermoe_logs()  # dynamic expert updates and the like, one INFO line each
+    raise_open_files()  # before the flags are checked: requests in flight are bounded by the open-file limit
     env = RankEnv.from_env()
     if env is None or env.rank == 0:
         report_ignored(args)

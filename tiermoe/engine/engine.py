@@ -41,10 +41,10 @@ import torch
 
 from tiermoe.config import DEFAULT_PAGE_SIZE, MAX_RUNNING_REQUESTS
 from tiermoe.engine.incremental_text import IncrementalText, find_stop
-from tiermoe.engine.prefill_budget import share_prefill_budget
 from tiermoe.engine.kv_pool import KVPool
 from tiermoe.engine.logprobs import logprobs_at
 from tiermoe.engine.pool_size import auto_pool_tokens
+from tiermoe.engine.prefill_budget import share_prefill_budget
 from tiermoe.engine.sampling import SamplingParams, new_generator, sample
 from tiermoe.engine.sequence import Sequence
 from tiermoe.engine.device_errors import device_lost, sticky_device_error
