@@ -64,7 +64,7 @@ def server_thread(tmp_dir, step_sleep: float = 0.0, model_dir=None, **config):
     if server_config.expert_distribution_metrics:  # as tiermoe.cli.serve_http.build_state wires it
         expert_load = ExpertLoadCounter(llm.hybrid.spec.num_layers, llm.hybrid.spec.num_experts)
         llm.engine.add_recorder(expert_load)
-    service = EngineService(llm.engine, llm.engine.detokenize, metrics,
+    service = EngineService(llm.engine, metrics,
                             watchdog_timeout=server_config.watchdog_timeout)
     state = ServerState(llm=llm, config=server_config, metrics=metrics, model_name="tiny", service=service,
                         hits=TierHitCounter(llm.hybrid.spec.num_layers), expert_load=expert_load)

@@ -58,7 +58,7 @@ def served(tmp_path_factory):
 
     config = ServerConfig(port=free_port())
     metrics = ServerMetrics()
-    state = ServerState(llm=llm, config=config, service=EngineService(llm.engine, llm.engine.detokenize, metrics),
+    state = ServerState(llm=llm, config=config, service=EngineService(llm.engine, metrics),
                         metrics=metrics, hits=TierHitCounter(llm.hybrid.spec.num_layers), model_name="tiny")
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=config.port,
                                            log_level="warning"))

@@ -20,7 +20,6 @@ from tiermoe.server.idle_connections import idle_closing_h11
 from tiermoe.server.engine_service import EngineService
 from tiermoe.server.expert_metrics import ExpertLoadCounter
 from tiermoe.server.metrics import ServerMetrics
-from tiermoe.server.output_parsers import HARMONY_MARKERS, keeping_markers
 from tiermoe.server.state import ServerState
 from tiermoe.stats.control import RecorderControl
 from tiermoe.stats.tier_hits import TierHitCounter
@@ -51,10 +50,7 @@ def build_state(args, llm=None):
         expert_load = ExpertLoadCounter(spec.num_layers, spec.num_experts, llm.hybrid.gpu_device)
         llm.engine.add_recorder(expert_load)
     metrics = ServerMetrics()
-    detokenize = llm.engine.detokenize
-    if "gpt-oss" in (config.reasoning_parser, config.tool_call_parser) and llm.tokenizer is not None:
-        detokenize = keeping_markers(llm.tokenizer, HARMONY_MARKERS)  # the parser reads harmony's special tokens
-    service = EngineService(llm.engine, detokenize, metrics, watchdog_timeout=config.watchdog_timeout)
+    service = EngineService(llm.engine, metrics, watchdog_timeout=config.watchdog_timeout)
     name = config.served_model_name or llm.model_dir.name
     return ServerState(llm=llm, config=config, service=service, metrics=metrics, hits=hits, model_name=name,
                        recorder_control=control, expert_load=expert_load)

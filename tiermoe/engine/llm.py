@@ -164,12 +164,20 @@ class LLM:
                         continue_final: bool = False, template_kwargs: dict | None = None) -> list[int]:
         """The conversation through the chat template, with `tools` (OpenAI's function list) for templates that
         show them. `continue_final`: the reply continues the conversation's last (assistant) message rather than
-        starting a new one. `template_kwargs`: variables the template reads (e.g. `enable_thinking`)."""
+        starting a new one. `template_kwargs`: variables the template reads (e.g. `enable_thinking`).
+        A template that raises (Qwen3's "No user query found", a template's role alternation, tools it cannot show)
+        refuses the conversation: a TiermoeError with its message, the caller's to fix (a server's 400)."""
         extra = {"tools": tools} if tools else {}
         if continue_final:
             extra["continue_final_message"] = True
-        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=not continue_final, tokenize=True,
-                                                 **extra, **(template_kwargs or {}))
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise TiermoeError("this model has no chat template: give a prompt (completions) rather than messages")
+        try:
+            ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=not continue_final,
+                                                     tokenize=True, **extra, **(template_kwargs or {}))
+        except Exception as err:  # noqa: BLE001 - whatever the template raised, it refused this conversation
+            raise TiermoeError(f"the model's chat template refused this conversation ({type(err).__name__}: "
+                               f"{str(err)[:300]})") from None
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)

@@ -78,11 +78,7 @@ async def prompt_of(state: ServerState, body: Conversation) -> tuple[list[int], 
              + (len(json.dumps(calls)) if calls else 0) + (len(json.dumps(shown.tools)) if shown.tools else 0))
 
     def render() -> tuple[list[int], ForcedCall | None]:
-        try:
-            ids = state.llm.chat_prompt_ids(shown.messages, shown.tools, shown.continue_final, shown.template_kwargs)
-        except Exception as err:  # noqa: BLE001 - the template refused the conversation: the client's to fix
-            raise TiermoeError(f"the model's chat template refused this conversation ({type(err).__name__}: "
-                               f"{str(err)[:300]})") from None
+        ids = state.llm.chat_prompt_ids(shown.messages, shown.tools, shown.continue_final, shown.template_kwargs)
         tail = tokenizer.decode(ids[-16:], skip_special_tokens=False)
         forced = forced_call(choice, config.tool_call_parser, config.reasoning_parser, tail)
         return (ids + state.llm.encode(forced.prompt_suffix), forced) if forced else (ids, None)

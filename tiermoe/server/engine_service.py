@@ -93,10 +93,8 @@ class RequestHandle:
 
 
 class EngineService:
-    def __init__(self, engine, detokenize, metrics: ServerMetrics, idle_wait: float = 0.05,
-                 watchdog_timeout: float | None = None):
+    def __init__(self, engine, metrics: ServerMetrics, idle_wait: float = 0.05, watchdog_timeout: float | None = None):
         self.engine = engine
-        self.detokenize = detokenize
         self.metrics = metrics
         self.idle_wait = idle_wait
         self._commands: queue.Queue = queue.Queue()
@@ -232,8 +230,9 @@ class EngineService:
             handle.push(Event("", [], "error", error=str(err), client_error=isinstance(err, TiermoeError)))
             self.metrics.add(requests_failed=1)
             return
-        handle.stream = TextStream(self.engine.decoded_text(handle.seq), handle.params.stop) if self.detokenize \
-            else None
+        # text (the engine's: its stop strings are searched in it) when the engine has a tokenizer
+        handle.stream = TextStream(self.engine.decoded_text(handle.seq), handle.params.stop) \
+            if self.engine.detokenize is not None else None
         self._handles[handle.seq.seq_id] = handle
         self.metrics.add(prompt_tokens=len(handle.prompt_ids))
 

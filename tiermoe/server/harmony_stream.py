@@ -16,6 +16,7 @@ from tiermoe.server.marker_scan import MarkerScanner
 
 MESSAGE, START, CHANNEL = "<|message|>", "<|start|>", "<|channel|>"
 BODY_ENDS = ("<|end|>", "<|call|>", "<|return|>", START)
+HARMONY_MARKERS = (MESSAGE, START, CHANNEL, "<|constrain|>", *BODY_ENDS[:3])
 RECIPIENT = re.compile(r"to=functions\.([\w.-]+)")
 CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"(\w+)")
 

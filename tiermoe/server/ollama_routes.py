@@ -21,7 +21,6 @@ from tiermoe.server.generation import GenerationFailed, collect, stream_events
 from tiermoe.server.logprob_format import chat_logprobs
 from tiermoe.server.model_card import details, generation_parameters, model_info, modelfile
 from tiermoe.server.ollama_reply import ChatReply, GenerateReply
-from tiermoe.server.openai_routes import template_ids
 from tiermoe.server.output_parsers import OutputParser
 from tiermoe.server.protocol import OLLAMA_SAMPLING, OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
 from tiermoe.server.state import ServerState
@@ -134,7 +133,7 @@ async def chat(request: Request):
     messages = [m.for_template() for m in body.messages]
     tools = body.tools or None
     chars = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
-    prompt_ids = await state.tokenize(chars, lambda: template_ids(state, messages, tools))
+    prompt_ids = await state.tokenize(chars, lambda: state.llm.chat_prompt_ids(messages, tools))
     params = _params(state, body, prompt_ids)
     kind = state.config.tool_call_parser
     return await _respond(state, request, prompt_ids, params, body,

@@ -17,7 +17,6 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from tiermoe.errors import TiermoeError
 from tiermoe.server.body import openapi_body, read_body
 from tiermoe.server.forced_calls import ForcedCall, forced_call
 from tiermoe.server.generation import collect, stream_events
@@ -51,19 +50,6 @@ def wants_tools(body: ChatCompletionRequest) -> bool:
     return bool(body.tools) and body.tool_choice != "none"
 
 
-def template_ids(state: ServerState, messages: list[dict], tools: list[dict] | None) -> list[int]:
-    """The conversation through the chat template; a template that chokes on tools or tool calls is a 400."""
-    try:
-        return state.llm.chat_prompt_ids(messages, tools)
-    except TiermoeError:
-        raise
-    except Exception as err:  # noqa: BLE001 - the template choked on the request's tools or tool calls
-        if not tools and not any("tool_calls" in m for m in messages):
-            raise
-        raise TiermoeError(f"the model's chat template cannot render these tools or tool calls "
-                           f"({type(err).__name__}: {str(err)[:200]})") from None
-
-
 async def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], ForcedCall | None]:
     """The rendered prompt's ids, begun inside a tool call when `tool_choice` forces one (and how)."""
     messages = [m.for_template() for m in body.messages]
@@ -73,7 +59,7 @@ async def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> tu
     forced_call(body.tool_choice, config.tool_call_parser, config.reasoning_parser, "")  # a 400 before rendering
 
     def render() -> tuple[list[int], ForcedCall | None]:
-        ids = template_ids(state, messages, tools)
+        ids = state.llm.chat_prompt_ids(messages, tools)  # a template that raises: a 400 with its message
         tail = state.llm.tokenizer.decode(ids[-16:], skip_special_tokens=False)
         forced = forced_call(body.tool_choice, config.tool_call_parser, config.reasoning_parser, tail)
         return (ids + state.llm.encode(forced.prompt_suffix), forced) if forced else (ids, None)

@@ -25,7 +25,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from tiermoe.server.harmony_stream import HarmonySplitter
+from tiermoe.server.harmony_stream import HARMONY_MARKERS, HarmonySplitter
 from tiermoe.server.marker_scan import MarkerScanner
 
 REASONING_PARSERS = ("qwen3", "deepseek-r1", "deepseek-v3", "glm45", "gpt-oss")
@@ -33,6 +33,10 @@ TOOL_CALL_PARSERS = ("qwen25", "qwen", "qwen3", "deepseekv3", "glm45", "gpt-oss"
 THINK, END_THINK = "<think>", "</think>"
 DS_CALLS, DS_CALL, DS_SEP, DS_CALL_END = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", \
     "<｜tool▁call▁end｜>"
+TOOL_CALL_MARKERS = {"qwen25": ("<tool_call>", "</tool_call>"), "qwen": ("<tool_call>", "</tool_call>"),
+                     "qwen3": ("<tool_call>", "</tool_call>"),
+                     "glm45": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+                     "deepseekv3": (DS_CALLS, DS_CALL, DS_SEP, DS_CALL_END, "<｜tool▁calls▁end｜>")}
 TOOL_CALL_START = {"qwen25": "<tool_call>", "qwen": "<tool_call>", "qwen3": "<tool_call>", "glm45": "<tool_call>",
                    "deepseekv3": DS_CALLS}
 
@@ -85,6 +89,13 @@ class OutputParser:
     @property
     def harmony(self) -> bool:
         return "gpt-oss" in (self.reasoning, self.tools)
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The markers this parser reads, which the reply's text must keep (tokenizers often mark them special)."""
+        if self.harmony:
+            return HARMONY_MARKERS
+        return (*((THINK, END_THINK) if self.reasoning else ()), *TOOL_CALL_MARKERS.get(self.tools, ()))
 
     def split(self, text: str, final: bool) -> Split:
         """The reply `text` split (`final`: it is the whole reply; else what could still change is held back)."""

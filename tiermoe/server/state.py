@@ -19,7 +19,7 @@ from tiermoe.server.engine_service import EngineService
 from tiermoe.server.expert_metrics import ExpertLoadCounter
 from tiermoe.server.logprob_format import TokenText, token_text_of
 from tiermoe.server.metrics import ServerMetrics
-from tiermoe.server.output_parsers import OutputParser
+from tiermoe.server.output_parsers import OutputParser, keeping_markers
 from tiermoe.stats.tier_hits import TierHitCounter
 
 
@@ -41,6 +41,10 @@ class ServerState:
     def __post_init__(self):
         config = self.config
         self.admission = Admission(config.in_flight_limit, config.max_running_requests, config.queue_limit)
+        if self.output_parser is not None and self.llm.tokenizer is not None:
+            # the replies' text (streamed, and searched for stop strings) keeps the markers the parsers read, which
+            # tokenizers often mark special and the engine's own detokenizer would drop
+            self.llm.engine.detokenize = keeping_markers(self.llm.tokenizer, self.output_parser.markers)
 
     @cached_property
     def output_parser(self) -> OutputParser | None:
