@@ -7,11 +7,12 @@ parsed with that opening put back in front of it.
 | qwen25 / qwen / qwen3 | `<tool_call>\\n` | `<tool_call>\\n{"name": "X", "arguments": ` |
 | glm45 | `<tool_call>` | `<tool_call>X\\n` |
 | deepseekv3 | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>` | ... + `function<｜tool▁sep｜>X\\n```json\\n` |
+| deepseekv31 | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>` | ... + `X<｜tool▁sep｜>` |
 | gpt-oss | `<|channel|>commentary to=functions.` | `<|channel|>commentary to=functions.X` |
 
 A template that opens a think block in its generation prompt (DeepSeek-R1's, Qwen3's thinking ones) gets it closed
 first (`</think>` and a blank line): a call inside the block would be read as thinking. Nothing holds the model to
-valid arguments beyond the opening: a call it leaves malformed is dropped as any other.
+valid arguments beyond the opening: a call it leaves malformed stays in the reply's content, as any other.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import json
 from dataclasses import dataclass
 
 from tiermoe.errors import TiermoeError
-from tiermoe.server.output_parsers import DS_CALL, DS_CALLS, DS_SEP, END_THINK, THINK
+from tiermoe.server.output_parsers import END_THINK, THINK
+from tiermoe.server.tool_call_formats import DS_CALL, DS_CALLS, DS_SEP
 
 HARMONY_CALL = "<|channel|>commentary to=functions."
 
@@ -39,6 +41,8 @@ def call_opening(parser: str, name: str | None) -> str:
         return "<tool_call>" + (f"{name}\n" if name else "")
     if parser == "deepseekv3":
         return DS_CALLS + DS_CALL + (f"function{DS_SEP}{name}\n```json\n" if name else "")
+    if parser == "deepseekv31":
+        return DS_CALLS + DS_CALL + (f"{name}{DS_SEP}" if name else "")
     if parser == "gpt-oss":
         return HARMONY_CALL + (name or "")
     raise TiermoeError(f"forcing a tool call is not implemented for --tool-call-parser {parser}")

@@ -5,7 +5,8 @@ A reply is a run of messages, `ROLE-HEADER<|channel|>CHANNEL-HEADER<|message|>BO
 `<|start|>assistant`), so the reply opens inside a header. Where a body goes is read from its whole header: a
 recipient `to=functions.NAME` (in the role header or the channel header) makes the body a tool call's arguments,
 the `analysis` channel is reasoning, anything else (`final`, a `commentary` preamble) is the answer. What the
-server's parsers do not claim stays in the answer: no reply text vanishes, markers aside.
+server's parsers do not claim stays in the answer, and so does a call whose arguments are not a JSON object
+(cut off, or malformed), verbatim: no reply text vanishes, markers aside.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import re
 
 from tiermoe.server.marker_scan import MarkerScanner
+from tiermoe.server.tool_call_formats import call, json_object
 
 MESSAGE, START, CHANNEL = "<|message|>", "<|start|>", "<|channel|>"
 BODY_ENDS = ("<|end|>", "<|call|>", "<|return|>", START)
@@ -25,8 +27,8 @@ class HarmonySplitter:
     def __init__(self, reasoning: bool, tools: bool):
         self.reasoning, self.tools = reasoning, tools
         self.state, self.header, self.scanner = "header", [], MarkerScanner((MESSAGE,))
-        self.target, self.call_name, self.call_body = "content", "", []
-        self.calls: list[tuple[str, str]] = []
+        self.target, self.call_name, self.call_header, self.call_body = "content", "", "", []
+        self.calls: list[dict] = []
 
     def feed(self, piece: str, final: bool, out) -> None:
         """Adds what `piece` holds to `out` (its reasoning and content; calls as they complete)."""
@@ -43,7 +45,7 @@ class HarmonySplitter:
         header, self.header = "".join(self.header), []
         recipient, channel = RECIPIENT.search(header), CHANNEL_NAME.search(header)
         if recipient and self.tools:
-            self.target, self.call_name, self.call_body = "call", recipient.group(1), []
+            self.target, self.call_name, self.call_header, self.call_body = "call", recipient.group(1), header, []
         elif channel and channel.group(1) == "analysis" and self.reasoning:
             self.target = "reasoning"
         else:
@@ -61,8 +63,12 @@ class HarmonySplitter:
             out.content += before
         if marker is None and not final:
             return None
-        if self.target == "call":  # ended, or cut off by the end of the reply: sent as it is
-            self.calls.append((self.call_name, "".join(self.call_body).strip()))
+        if self.target == "call":  # ended, or cut off by the end of the reply
+            body = "".join(self.call_body)
+            if json_object(body.strip()) is not None:
+                self.calls.append(call(self.call_name, body.strip()))
+            else:  # arguments that are not a JSON object: the message stays in the answer as it was written
+                out.content += self.call_header + MESSAGE + body
         if marker == START:
             self.state, self.scanner = "header", MarkerScanner((MESSAGE,))
         elif marker is not None:

@@ -3,13 +3,14 @@
 A reply's text is split into `reasoning_content` (the model's thinking), `content` (the answer) and `tool_calls`,
 in the formats the models emit:
 
-| parser | reasoning | tool calls |
-|---|---|---|
-| qwen3 / qwen25 (qwen) | `<think>...</think>` when the reply opens with it | `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` |
-| deepseek-r1 | everything up to `</think>` (its template opens the think block) | - |
-| deepseek-v3 / deepseekv3 | `<think>...</think>` when opened | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` + a ```json block |
-| glm45 | `<think>...</think>` when opened | `<tool_call>NAME` + `<arg_key>K</arg_key><arg_value>V</arg_value>` pairs |
-| gpt-oss | harmony's `analysis` channel | harmony's `commentary to=functions.NAME` messages; the answer is the `final` channel |
+| reasoning parser | reasoning |
+|---|---|
+| qwen3, deepseek-v3, glm45 | `<think>...</think>` when the reply opens with it |
+| deepseek-r1 | everything up to `</think>` (its template opens the think block) |
+| gpt-oss | harmony's `analysis` channel (tiermoe.server.harmony_stream, which also reads its calls) |
+
+The tool-call formats are in tiermoe.server.tool_call_formats. No reply text vanishes: what the parsers cannot read
+(a malformed or cut-off call, a marker mentioned in prose, text after the calls) stays in `content`, verbatim.
 
 `StreamSplitter` splits a reply as it streams: each piece of text is scanned once (with a held tail shorter than
 a marker), so a step's work does not grow with the reply. Text that could be the start of a marker is held back
@@ -20,25 +21,16 @@ the whole reply at once, so a stream and a whole reply split alike.
 
 from __future__ import annotations
 
-import json
-import re
 import uuid
 from dataclasses import dataclass, field
 
+from tiermoe.server import tool_call_formats
 from tiermoe.server.harmony_stream import HARMONY_MARKERS, HarmonySplitter
 from tiermoe.server.marker_scan import MarkerScanner
 
 REASONING_PARSERS = ("qwen3", "deepseek-r1", "deepseek-v3", "glm45", "gpt-oss")
-TOOL_CALL_PARSERS = ("qwen25", "qwen", "qwen3", "deepseekv3", "glm45", "gpt-oss")
+TOOL_CALL_PARSERS = ("qwen25", "qwen", "qwen3", "deepseekv3", "deepseekv31", "glm45", "gpt-oss")
 THINK, END_THINK = "<think>", "</think>"
-DS_CALLS, DS_CALL, DS_SEP, DS_CALL_END = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", \
-    "<｜tool▁call▁end｜>"
-TOOL_CALL_MARKERS = {"qwen25": ("<tool_call>", "</tool_call>"), "qwen": ("<tool_call>", "</tool_call>"),
-                     "qwen3": ("<tool_call>", "</tool_call>"),
-                     "glm45": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
-                     "deepseekv3": (DS_CALLS, DS_CALL, DS_SEP, DS_CALL_END, "<｜tool▁calls▁end｜>")}
-TOOL_CALL_START = {"qwen25": "<tool_call>", "qwen": "<tool_call>", "qwen3": "<tool_call>", "glm45": "<tool_call>",
-                   "deepseekv3": DS_CALLS}
 
 
 @dataclass
@@ -46,38 +38,6 @@ class Split:
     reasoning: str = ""
     content: str = ""
     tool_calls: list[dict] = field(default_factory=list)  # {"name", "arguments" (a JSON string)}
-
-
-def _call(name: str, arguments) -> dict:
-    return {"name": name.strip(), "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}
-
-
-def _tool_calls(kind: str, text: str) -> list[dict]:
-    """The calls in the tool-call part of a finished reply (what follows the first start marker)."""
-    calls = []
-    if kind in ("qwen25", "qwen", "qwen3"):
-        for block in re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text, re.S):
-            try:
-                data = json.loads(block.strip())
-                calls.append(_call(data["name"], data.get("arguments", data.get("parameters", {}))))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue
-    elif kind == "deepseekv3":
-        pattern = re.escape(DS_CALL) + r"(?:function)?" + re.escape(DS_SEP) + r"(.*?)\n```(?:json)?\n(.*?)\n```"
-        calls = [_call(name, args.strip()) for name, args in re.findall(pattern, text, re.S)]
-    elif kind == "glm45":
-        for block in re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text, re.S):
-            name, _, rest = block.partition("\n") if "<arg_key>" in block else (block, "", "")
-            pairs = re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", rest, re.S)
-            calls.append(_call(name, {k.strip(): _json_or_text(v) for k, v in pairs}))
-    return calls
-
-
-def _json_or_text(value: str):
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
 
 
 class OutputParser:
@@ -95,7 +55,7 @@ class OutputParser:
         """The markers this parser reads, which the reply's text must keep (tokenizers often mark them special)."""
         if self.harmony:
             return HARMONY_MARKERS
-        return (*((THINK, END_THINK) if self.reasoning else ()), *TOOL_CALL_MARKERS.get(self.tools, ()))
+        return (*((THINK, END_THINK) if self.reasoning else ()), *tool_call_formats.MARKERS.get(self.tools, ()))
 
     def split(self, text: str, final: bool) -> Split:
         """The reply `text` split (`final`: it is the whole reply; else what could still change is held back)."""
@@ -136,7 +96,7 @@ class StreamSplitter:
         self.state = "opening" if parser.reasoning is not None else "answer"
         self.lead, self.seen = "", ""  # the reply's leading whitespace, and what follows while a think block may open
         self.spaces = ""  # answer whitespace held while a tool call may follow it
-        self.call_start = TOOL_CALL_START.get(parser.tools)
+        self.call_start = tool_call_formats.START.get(parser.tools)
         self.think_end = MarkerScanner((END_THINK,))
         self.answer = MarkerScanner((self.call_start,)) if self.call_start else None
         self.calls_text: list[str] = []
@@ -146,12 +106,13 @@ class StreamSplitter:
         out = Split()
         if self.harmony is not None:
             self.harmony.feed(piece, final, out)
-            calls = [_call(name, args) for name, args in self.harmony.calls] if final else []
-            return out.reasoning, out.content, calls
+            return out.reasoning, out.content, self.harmony.calls if final else []
         while piece is not None:
             piece = getattr(self, "_" + self.state)(piece, final, out)
         if final and self.calls_text:
-            out.tool_calls = _tool_calls(self.parser.tools, "".join(self.calls_text))
+            out.tool_calls, leftover = tool_call_formats.parse_calls(self.parser.tools, "".join(self.calls_text))
+            if leftover:  # what no call could be read from stays in the answer, with the whitespace before it
+                out.content += self.spaces + leftover
         return out.reasoning, out.content, out.tool_calls
 
     def _opening(self, piece, final, out):
@@ -191,8 +152,9 @@ class StreamSplitter:
             return None
         before, marker, after = self.answer.feed(piece, final)
         if marker is not None:
-            out.content += (self.spaces + before).rstrip()  # the whitespace that led up to the calls
-            self.spaces, self.state, self.calls_text = "", "calls", [marker]
+            lead = self.spaces + before
+            out.content += lead.rstrip()  # the whitespace that led up to the calls is held: it goes with them
+            self.spaces, self.state, self.calls_text = lead[len(lead.rstrip()):], "calls", [marker]
             return after
         if final:
             out.content += self.spaces + before
