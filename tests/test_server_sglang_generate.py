@@ -131,7 +131,10 @@ def test_a_stream_event_encodes_only_its_new_text_and_ids(length, monkeypatch):
 @pytest.mark.parametrize("body, where", [
     ({"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
     ({"text": "hi", "sampling_params": {"regex": "a+"}}, "regex"),
-    ({"text": "hi", "sampling_params": {"n": 2}}, "n"),
+    ({"text": "hi", "sampling_params": {"n": 0}}, "n"),
+    ({"text": ["hi", "yo"], "sampling_params": [{"n": 1}, {"n": 2}]}, "n must be the same for every prompt"),
+    ({"text": "hi", "sampling_params": {"min_p": 2}}, "min_p"),
+    ({"text": "hi", "lora_path": "sql"}, "lora_path: there is no LoRA adapter 'sql'"),
     ({"text": "hi", "input_ids": [1]}, "either text or input_ids"),
     ({"text": ["hi", "yo"], "sampling_params": [{}]}, "sampling_params"),
     ({"text": "hi", "return_logprob": True}, "return_logprob"),

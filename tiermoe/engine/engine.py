@@ -42,10 +42,11 @@ import torch
 from tiermoe.config import DEFAULT_PAGE_SIZE, MAX_RUNNING_REQUESTS
 from tiermoe.engine.incremental_text import IncrementalText, find_stop
 from tiermoe.engine.kv_pool import KVPool
+from tiermoe.engine.logits_processing import LogitsAdjuster
 from tiermoe.engine.logprobs import logprobs_at
 from tiermoe.engine.pool_size import auto_pool_tokens
 from tiermoe.engine.prefill_budget import share_prefill_budget
-from tiermoe.engine.sampling import SamplingParams, new_generator, sample
+from tiermoe.engine.sampling import SamplingParams, check_grammar_available, new_generator, sample
 from tiermoe.engine.sequence import Sequence
 from tiermoe.engine.device_errors import device_lost, sticky_device_error
 from tiermoe.engine.step_isolation import forward_isolating
@@ -82,12 +83,14 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, hybrid, eos_token_ids: Iterable[int] = (), detokenize: Callable[[list[int]], str] | None = None,
-                 config: EngineConfig = EngineConfig(), recorder: ExpertRecorder = NO_RECORDER):
+                 config: EngineConfig = EngineConfig(), recorder: ExpertRecorder = NO_RECORDER,
+                 detokenize_special: Callable[[list[int]], str] | None = None):
         self.hybrid = hybrid
         self.model = hybrid.model
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
+        self.detokenize_special = detokenize_special  # keeps special tokens (a sequence's skip_special_tokens False)
         self.max_context = getattr(hybrid.config, "max_position_embeddings", None)
         self.vocab_size = _vocab_size(self.model)
         self.waiting: deque[Sequence] = deque()
@@ -160,6 +163,9 @@ class Engine:
             raise TiermoeError(f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}")
         if params.stop and self.detokenize is None:
             raise TiermoeError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        self.check_token_ids(list(params.stop_token_ids), "stop_token_ids")
+        self.check_token_ids([t for t, _ in params.logit_bias], "logit_bias")
+        check_grammar_available(params.grammar)
         capacity = self.pool.tokens
         if len(prompt_ids) + params.max_tokens > capacity:
             raise TiermoeError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
@@ -296,7 +302,7 @@ class Engine:
         if seq.params.max_tokens == 0:  # the prompt only was to be scored
             seq.finish_reason = "length"
             return
-        token = sample(logits_V, seq.params, seq.generator)
+        token = sample(self._adjusted(seq, logits_V), seq.params, seq.generator)
         scored = [] if seq.params.logprobs is None else logprobs_at(logits_V[None], [token], seq.params.logprobs)
         seq.output_ids.append(token)
         seq.output_logprobs += scored
@@ -305,6 +311,14 @@ class Engine:
         except BaseException:
             del seq.output_ids[-1], seq.output_logprobs[len(seq.output_ids):]
             raise
+
+    def _adjusted(self, seq: Sequence, logits_V: torch.Tensor) -> torch.Tensor:
+        """The logits `seq` samples from: the model's, or (penalties, logit_bias, min_tokens) a changed copy."""
+        if not seq.params.adjusts_logits:
+            return logits_V
+        if seq.logits_adjuster is None:
+            seq.logits_adjuster = LogitsAdjuster(seq.params, seq.prompt_ids, self.eos_token_ids)
+        return seq.logits_adjuster.adjust(logits_V, seq.output_ids)
 
     def _fail(self, seq: Sequence, err: BaseException) -> None:
         seq.fail(err)
@@ -428,20 +442,23 @@ class Engine:
                 on_step(produced)
 
     def decoded_text(self, seq: Sequence) -> IncrementalText:
-        """`seq`'s output text, decoded as it grows (made on first use; its stop strings are searched in it)."""
+        """`seq`'s output text, decoded as it grows (made on first use; its stop strings are searched in it), with
+        its special tokens kept when its params say skip_special_tokens False."""
         if seq.decoded is None:
-            seq.decoded = IncrementalText(self.detokenize)
+            keep_special = not seq.params.skip_special_tokens and self.detokenize_special is not None
+            seq.decoded = IncrementalText(self.detokenize_special if keep_special else self.detokenize)
         return seq.decoded
 
     def _check_stop(self, seq: Sequence) -> None:
         token, params = seq.output_ids[-1], seq.params
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        stops = len(seq.output_ids) >= params.min_tokens  # before min_tokens nothing but the length ends it (vLLM)
+        if stops and ((token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids):
             seq.finish_reason = "stop"
             return
         if params.stop:
             decoded = self.decoded_text(seq)
-            added = decoded.update(seq.output_ids)
-            found = find_stop(decoded.text, len(added), params.stop)
+            added = decoded.update(seq.output_ids)  # grown every step: a match ending before min_tokens is skipped
+            found = find_stop(decoded.text, len(added), params.stop) if stops else None
             if found is not None:
                 seq.stop_text_end, seq.stop_string = found
                 seq.finish_reason = "stop"

@@ -83,12 +83,16 @@ class LLM:
                                         attention_backend=attention_backend)
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.generation_defaults = load_generation_defaults(self.model_dir)
-        detokenize = None
+        detokenize = detokenize_special = None
         if self.tokenizer is not None:
             def detokenize(ids):
                 return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+            def detokenize_special(ids):  # a request's skip_special_tokens False
+                return self.tokenizer.decode(ids, skip_special_tokens=False)
         self.engine = Engine(self.hybrid, eos_token_ids(self.model_dir, self.hybrid.config), detokenize,
-                             EngineConfig(max_running, prefill_chunk, max_total_tokens, page_size, prefix_cache), recorder)
+                             EngineConfig(max_running, prefill_chunk, max_total_tokens, page_size, prefix_cache), recorder,
+                             detokenize_special=detokenize_special)
         self.placement_manager = enable_dynamic_placement(self.engine, dynamic) if dynamic else None
 
     @property
@@ -187,7 +191,7 @@ class LLM:
         if self.tokenizer is not None and seq.stop_text_end is not None:  # an index into the text it was found in
             text = self.engine.decoded_text(seq).text[:seq.stop_text_end]
         elif self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
         params = seq.params
         return RequestOutput(seq.prompt_ids, list(seq.output_ids), text, seq.finish_reason, seq.error,
                              list(seq.output_logprobs) if params.logprobs is not None else None,

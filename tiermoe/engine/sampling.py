@@ -1,7 +1,12 @@
-"""Sampling parameters and the per-sequence sampler (pure: logits and a generator in, a token id out)."""
+"""Sampling parameters and the per-sequence sampler (pure: logits and a generator in, a token id out).
+
+What changes the logits before the sampler sees them (penalties, logit_bias, min_tokens) is
+tiermoe.engine.logits_processing; the sampler itself applies temperature, top_k, top_p and min_p.
+"""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -14,6 +19,44 @@ from tiermoe.errors import TiermoeError
 # temperatures (1e-40 turns every logit into inf and the probabilities into NaN), and the distribution is one-hot
 # long before that anyway.
 GREEDY_BELOW = 1e-5
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: +-100 bans or forces a token, whatever the logits
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's (and vLLM's, SGLang's) [-2, 2]
+MAX_REPETITION_PENALTY = 100.0  # far beyond any useful value (1.1-1.5), and finite
+
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+# Structured output needs a grammar engine in the sampler (tiermoe.engine.structured_output, being built): until
+# it is wired in, a grammar is carried and refused here, the one switch to turn it on.
+STRUCTURED_OUTPUT_AVAILABLE = False
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What the reply must match: `kind` json_object (any JSON object; `source` empty), json_schema (`source` the
+    schema as JSON text), regex or ebnf (`source` the expression or grammar)."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self):
+        if self.kind not in GRAMMAR_KINDS:
+            raise TiermoeError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.source, str) or (self.kind != "json_object" and not self.source):
+            raise TiermoeError(f"a {self.kind} grammar needs its source text")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.source)
+            except ValueError:
+                raise TiermoeError("a json_schema grammar's source must be JSON") from None
+            if not isinstance(schema, (dict, bool)):
+                raise TiermoeError("a json_schema grammar's schema must be a JSON object (or true/false)")
+
+
+def check_grammar_available(grammar: Grammar | None, field: str = "grammar") -> None:
+    """Refuse a grammar while no grammar engine enforces it (STRUCTURED_OUTPUT_AVAILABLE): an answer made without it
+    would pretend to be constrained."""
+    if grammar is not None and not STRUCTURED_OUTPUT_AVAILABLE:
+        raise TiermoeError(f"{field}: structured output ({grammar.kind}) is not available yet in this server (no "
+                           "grammar engine constrains the sampler)")
 
 
 @dataclass(frozen=True)
@@ -28,6 +71,15 @@ class SamplingParams:
     logprobs N returns each generated token's log-probability with the N most likely alternatives (0: none);
     prompt_logprobs N the same for every prompt token but the first. max_tokens 0 only scores the prompt (it needs
     prompt_logprobs): what an evaluation harness asks with echo and max_tokens 0.
+
+    As vLLM and SGLang apply them (tiermoe.engine.logits_processing): presence_penalty and frequency_penalty
+    subtract `presence * (count > 0) + frequency * count` from the logit of each token by its count in the output
+    so far; repetition_penalty (CTRL's, 1.0 off) divides the positive logits of tokens seen in the prompt or the
+    output and multiplies the negative ones; logit_bias adds (token id, bias) pairs to the logits; min_tokens masks
+    EOS and stop_token_ids (and skips the stop strings) until that many tokens are generated. min_p drops tokens
+    whose probability is below min_p times the most likely one's. skip_special_tokens False keeps special tokens
+    in the text (and in the text stop strings are searched in). grammar constrains the reply (not available yet:
+    check_grammar_available). Log-probabilities stay the model's own, before any of these.
     """
 
     max_tokens: int = 64
@@ -40,12 +92,26 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # a {id: bias} dict is taken too
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    grammar: Grammar | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        self._check_limits()
+        self._check_logits_processing()
+
+    def _check_limits(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
             raise TiermoeError(f"max_tokens must be an integer >= 1 (0 only to score the prompt, with prompt "
                                f"logprobs), got {self.max_tokens!r}")
@@ -62,10 +128,38 @@ class SamplingParams:
             raise TiermoeError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise TiermoeError("stop must be a list of non-empty strings")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise TiermoeError(f"stop_token_ids must be token ids (integers >= 0), got {list(self.stop_token_ids)}")
+
+    def _check_logits_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise TiermoeError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)!r}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise TiermoeError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 is off), got "
+                               f"{self.repetition_penalty!r}")
+        if not 0 <= self.min_p <= 1:
+            raise TiermoeError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise TiermoeError(f"logit_bias: token {token}'s bias {bias!r} must be in [-{MAX_LOGIT_BIAS:g}, "
+                                   f"{MAX_LOGIT_BIAS:g}] (and the id >= 0)")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise TiermoeError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise TiermoeError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise TiermoeError(f"grammar must be a Grammar, got {type(self.grammar).__name__}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything changes the logits before sampling (the unconstrained path skips it all)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
 
 def new_generator(seed: int | None) -> torch.Generator:
@@ -95,4 +189,6 @@ def sample(logits_V: torch.Tensor, params: SamplingParams, gen: torch.Generator)
         drop[0] = False  # a top_p below fp32's smallest value compares as 0 and would drop it too
         sorted_p[drop] = 0
         probs_V = torch.zeros_like(probs_V).scatter_(0, order, sorted_p)
+    if params.min_p > 0:  # relative to the most likely token, which top-k and top-p always keep
+        probs_V = probs_V.masked_fill(probs_V < params.min_p * probs_V.max(), 0)
     return int(torch.multinomial(probs_V, 1, generator=gen))

@@ -13,6 +13,7 @@ import torch
 
 from tiermoe.engine.incremental_text import IncrementalText
 from tiermoe.engine.kv_pool import SeqPages
+from tiermoe.engine.logits_processing import LogitsAdjuster
 from tiermoe.engine.logprobs import TokenLogprob
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
@@ -37,6 +38,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt ids 1.. (params.prompt_logprobs set)
     decoded: IncrementalText | None = None  # its output's text, decoded as it grows (Engine.decoded_text)
     group: int | None = None  # the request it belongs to (a batch's prompts share one; None: its own)
+    logits_adjuster: LogitsAdjuster | None = None  # its penalties' counts and bias (params.adjusts_logits only)
 
     @property
     def request(self) -> int:

@@ -40,6 +40,7 @@ from tiermoe.server.error_format import anthropic_error_body
 from tiermoe.server.forced_calls import ForcedCall, forced_call
 from tiermoe.server.generation import collect, stream_events
 from tiermoe.server.output_parsers import OutputParser, Split, StreamSplitter
+from tiermoe.server.request_options import RequestOptions
 from tiermoe.server.state import ServerState
 
 router = APIRouter()
@@ -111,8 +112,9 @@ async def messages(request: Request):
         state.check_prompt(prompt_ids)
         done = {**head, "stop_reason": "max_tokens"}
         return StreamingResponse(_events_of_empty(done), media_type="text/event-stream") if body.stream else done
-    params = state.sampling(prompt_ids, body.max_tokens, ANTHROPIC_SAMPLING, temperature=body.temperature,
-                            top_p=body.top_p, top_k=body.top_k, stop=tuple(body.stop_sequences or ()))
+    options = RequestOptions("messages", max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+                             top_k=body.top_k, stop=tuple(body.stop_sequences or ()))  # its strict schema: these only
+    params = state.sampling(prompt_ids, options, ANTHROPIC_SAMPLING)
     parser = reply_parser(state, shown)
     prefix = forced.reply_prefix if forced else ""
     one_call = body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use

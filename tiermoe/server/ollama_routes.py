@@ -19,10 +19,21 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tiermoe.server.body import openapi_body, read_body
 from tiermoe.server.generation import GenerationFailed, collect, stream_events
 from tiermoe.server.logprob_format import chat_logprobs
-from tiermoe.server.model_card import details, generation_parameters, model_info, modelfile
+from tiermoe.server.model_card import (
+    details,
+    generation_parameters,
+    model_info,
+    modelfile,
+)
 from tiermoe.server.ollama_reply import ChatReply, GenerateReply
 from tiermoe.server.output_parsers import OutputParser
-from tiermoe.server.protocol import OLLAMA_SAMPLING, OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
+from tiermoe.server.protocol import (
+    OLLAMA_SAMPLING,
+    OllamaChatRequest,
+    OllamaGenerateRequest,
+    OllamaShowRequest,
+)
+from tiermoe.server.request_options import read_options
 from tiermoe.server.state import ServerState
 
 router = APIRouter()
@@ -33,11 +44,9 @@ def _now() -> str:
 
 
 def _params(state: ServerState, body, prompt_ids: list[int]):
-    options = body.options
-    max_tokens = options.num_predict if options.num_predict and options.num_predict > 0 else None
-    return state.sampling(prompt_ids, max_tokens, OLLAMA_SAMPLING, temperature=options.temperature, top_p=options.top_p,
-                          top_k=options.top_k, seed=options.seed, stop=tuple(options.stop or ()),
-                          logprobs=body.logprobs_asked())
+    """The request's sampling, from its `options` and `format` (tiermoe.server.request_options)."""
+    options = read_options("ollama", body, state.model_name)
+    return state.sampling(prompt_ids, options, OLLAMA_SAMPLING, logprobs=body.logprobs_asked())
 
 
 def _final(state: ServerState, prompt_len: int, generated: int, reason: str, started: float) -> dict:

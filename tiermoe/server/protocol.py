@@ -1,25 +1,88 @@
 """Request bodies of the OpenAI and Ollama APIs and SGLang's native /generate, validated by pydantic; the routes declare them in the OpenAPI
 schema (tiermoe.server.body.openapi_body).
 
-Every field of the two APIs that changes the answer is either implemented or accepted only at its neutral value
-(tiermoe.server.unsupported: a 400 otherwise). Fields that cannot change it are accepted: `user` and `metadata`
-(labels), Ollama's `keep_alive` (the model stays loaded) and its load-time options (num_gpu, num_thread, ...: set
-by the server's own flags). Names neither API has are ignored, as vLLM and SGLang do (SDKs send extras).
+Every field of the APIs that changes the answer is either implemented or accepted only at its neutral value
+(tiermoe.server.unsupported: a 400 otherwise); the sampling and request options every route shares are read into one
+RequestOptions by tiermoe.server.request_options, which declares what each route calls them. The value types those
+options share (ranges, shapes) are declared once here, so a value is refused alike on every route. vLLM's and
+SGLang's extensions to the OpenAI API that change the answer and are not implemented are refused like the others
+(`_OpenAIExtensions`). Fields that cannot change the answer are accepted: `user` and `metadata` (labels), Ollama's
+`keep_alive` (the model stays loaded) and its load-time options (num_gpu, num_thread, ...: set by the server's own
+flags). Names no API here has are ignored, as vLLM and SGLang do (SDKs send extras).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from tiermoe.engine.logprobs import MAX_TOP_LOGPROBS
+from tiermoe.errors import TiermoeError
 from tiermoe.server.unsupported import UNSUPPORTED, only
 
 MAX_COUNT = 2**31 - 1  # token counts and top_k: far beyond any context, small enough for every kernel
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0), only(0.0)]
+MAX_CHOICES = 128  # n: OpenAI's bound (and the server's admission bounds a request's sequences further)
+# chat_template_kwargs may not set what the server itself passes to the chat template (or that changes what
+# apply_chat_template returns: `tokenize`, `return_dict`)
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "add_generation_prompt",
+                                      "continue_final_message", "tokenize", "return_dict", "return_tensors",
+                                      "chat_template", "padding", "truncation", "max_length", "tokenizer_kwargs",
+                                      "return_assistant_tokens_mask"})
+
+
+def _logit_bias_ids(value: dict[str, float] | None) -> dict[str, float] | None:
+    for key in value or {}:
+        if not key.isascii() or not key.isdigit() or len(key) > 10:
+            raise ValueError(f"its keys are token ids (decimal integers >= 0), got {key[:40]!r}")
+    return value
+
+
+def _template_kwargs(value: dict | None) -> dict | None:
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value or {}))
+    if reserved:
+        raise ValueError(f"{', '.join(reserved)} cannot be set here (the server passes it to the chat template)")
+    return value
+
+
+def _json_schema_text(value: str | dict | None) -> str | dict | None:
+    if isinstance(value, str):
+        try:
+            schema = json.loads(value)
+        except ValueError:
+            raise ValueError("is not JSON (a JSON schema, as text)") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("must be a JSON schema: a JSON object")  # noqa: TRY004 - pydantic: the field's 400
+    return value
+
+
+def _not_empty(value: str | None) -> str | None:
+    if value is not None and not value:
+        raise ValueError("must not be empty")
+    return value
+
+
+# The shared option types (tiermoe.server.request_options reads them): None is "not given".
+Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float | None, Field(gt=0.0, le=100.0)]
+MinP = Annotated[float | None, Field(ge=0.0, le=1.0)]
+LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None, AfterValidator(_logit_bias_ids)]
+StopTokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_COUNT)]] | None, Field(max_length=64)]
+MinTokens = Annotated[int | None, Field(ge=0, le=MAX_COUNT)]
+Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES)]
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)]
+GrammarText = Annotated[str | None, AfterValidator(_not_empty)]
+JsonSchemaText = Annotated[str | None, AfterValidator(_not_empty), AfterValidator(_json_schema_text)]
 
 
 class _Lenient(BaseModel):
@@ -66,6 +129,26 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Lenient):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema with its schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs json_schema: {"name": ..., "schema": {...}}')
+        return self
+
+
 # What each API samples with when neither the request nor the checkpoint's generation_config.json gives a value
 # (tiermoe.engine.generation_defaults): the fields below default to None, "not given".
 OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
@@ -74,27 +157,52 @@ SGLANG_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 SGLANG_MAX_NEW_TOKENS = 128  # sglang.srt.sampling_params.SamplingParams' default
 
 
-def no_top_k(top_k: int | None) -> int | None:
-    """OpenAI-style -1 (all tokens) as SamplingParams' 0; None stays "not given"."""
-    return None if top_k is None else max(0, top_k)
+class _OpenAIExtensions(_Lenient):
+    """vLLM's and SGLang's extensions to OpenAI's requests that would change the answer and are not implemented:
+    refused unless neutral, rather than ignored like names no API has."""
+
+    use_beam_search: Annotated[bool | None, only(None, False)] = None
+    length_penalty: Annotated[float | None, only(None, 1.0)] = None
+    include_stop_str_in_output: Annotated[bool | None, only(None, False)] = None
+    no_stop_trim: Annotated[bool | None, only(None, False)] = None
+    allowed_token_ids: Annotated[list | None, only(None)] = None
+    bad_words: Annotated[list | None, only(None, [])] = None
+    guided_json: Annotated[Any, only(None)] = None
+    guided_regex: Annotated[Any, only(None)] = None
+    guided_choice: Annotated[Any, only(None)] = None
+    guided_grammar: Annotated[Any, only(None)] = None
+    structural_tag: Annotated[Any, only(None)] = None
+    logits_processors: Annotated[Any, only(None)] = None
+    truncate_prompt_tokens: Annotated[int | None, only(None)] = None
+    prompt_logprobs: Annotated[int | None, only(None)] = None
+    return_hidden_states: Annotated[bool | None, only(None, False)] = None
 
 
-class _SamplingFields(_Lenient):
-    model: str | None = None
+class _SamplingFields(_OpenAIExtensions):
+    model: str | None = None  # "<served name>:ADAPTER" asks for a LoRA adapter (tiermoe.server.request_options)
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=MAX_COUNT)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    stop_token_ids: StopTokenIds = None
+    n: Choices = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
-    frequency_penalty: Penalty = 0.0
-    presence_penalty: Penalty = 0.0
-    logit_bias: Annotated[dict[str, float] | None, only(None, {})] = None
+    frequency_penalty: Penalty = None
+    presence_penalty: Penalty = None
+    repetition_penalty: RepetitionPenalty = None
+    min_p: MinP = None
+    logit_bias: LogitBias = None
+    min_tokens: MinTokens = None
+    skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    regex: GrammarText = None
+    json_schema: Annotated[str | dict | None, AfterValidator(_json_schema_text)] = None
+    ebnf: GrammarText = None
 
     @field_validator("stop")
     @classmethod
@@ -104,11 +212,6 @@ class _SamplingFields(_Lenient):
         if isinstance(value, str) and not value:
             raise ValueError("stop must not be empty")
         return value
-
-    def stop_list(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -123,7 +226,13 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None  # accepted: every call the model writes is returned
     functions: Annotated[list[Any] | None, only(None, [])] = None
     function_call: Annotated[str | dict | None, only(None, "none", "auto")] = None
-    response_format: Annotated[dict | None, only(None, {"type": "text"})] = None
+    chat_template_kwargs: TemplateKwargs = None  # variables the chat template reads (e.g. enable_thinking)
+    continue_final_message: bool = False  # the reply continues the last (assistant) message
+    separate_reasoning: bool = True  # false: the reasoning stays in content (no reasoning parser for this request)
+    add_generation_prompt: Annotated[bool | None, only(None, True)] = None
+    chat_template: Annotated[str | None, only(None)] = None
+    documents: Annotated[list | None, only(None, [])] = None
+    echo: Annotated[bool | None, only(None, False)] = None
     modalities: Annotated[list[str] | None, only(None, ["text"])] = None
     audio: Annotated[dict | None, only(None)] = None
     prediction: Annotated[dict | None, only(None)] = None
@@ -147,6 +256,12 @@ class ChatCompletionRequest(_SamplingFields):
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @model_validator(mode="after")
+    def _continues_an_assistant_message(self):
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs a conversation that ends with an assistant message")
         return self
 
     @model_validator(mode="after")
@@ -210,10 +325,10 @@ class OllamaOptions(_Lenient):
     num_predict: int | None = Field(default=None, ge=-2, le=MAX_COUNT)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: list[str] | None = None
-    repeat_penalty: Annotated[float | None, only(None, 1.0)] = None
-    presence_penalty: Annotated[float | None, only(None, 0.0)] = None
-    frequency_penalty: Annotated[float | None, only(None, 0.0)] = None
-    min_p: Annotated[float | None, only(None, 0.0)] = None
+    repeat_penalty: RepetitionPenalty = None
+    presence_penalty: Penalty = None
+    frequency_penalty: Penalty = None
+    min_p: MinP = None
     typical_p: Annotated[float | None, only(None, 1.0)] = None
     tfs_z: Annotated[float | None, only(None, 1.0)] = None
     mirostat: Annotated[int | None, only(None, 0)] = None
@@ -224,10 +339,17 @@ class _OllamaFields(_Lenient):
     stream: bool = True
     options: OllamaOptions = Field(default_factory=OllamaOptions)
     keep_alive: str | int | float | None = None  # the model stays loaded
-    format: Annotated[str | dict | None, only(None, "")] = None
+    format: str | dict | None = None  # "json" or a JSON schema: structured output (tiermoe.server.request_options)
     think: Annotated[bool | str | None, only(None, False)] = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("format")
+    @classmethod
+    def _format_shape(cls, value):
+        if isinstance(value, str) and value not in ("", "json"):
+            raise ValueError('format is "json" or a JSON schema (an object)')
+        return value
 
     def logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -264,34 +386,29 @@ class SGLangSamplingParams(_Lenient):
     top_k: int | None = Field(default=None, ge=-1, le=MAX_COUNT)
     sampling_seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_COUNT)]] | None = Field(default=None, max_length=64)
+    stop_token_ids: StopTokenIds = None
     ignore_eos: bool = False
-    n: int = Field(default=1, ge=1, le=1)
+    n: Choices = 1
     stream_interval: int | None = None  # how often SGLang streams: every token here, the answer is the same
-    spaces_between_special_tokens: bool = True  # special tokens are skipped from the text (below)
-    skip_special_tokens: Annotated[bool, only(True)] = True
-    min_new_tokens: Annotated[int, only(0)] = 0
-    min_p: Annotated[float, only(0.0)] = 0.0
-    frequency_penalty: Penalty = 0.0
-    presence_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[float, only(1.0)] = 1.0
+    spaces_between_special_tokens: bool = True  # how a slow tokenizer joins kept special tokens; fast ones: no-op
+    skip_special_tokens: bool = True
+    min_new_tokens: MinTokens = None
+    min_p: MinP = None
+    frequency_penalty: Penalty = None
+    presence_penalty: Penalty = None
+    repetition_penalty: RepetitionPenalty = None
     no_stop_trim: Annotated[bool, only(False)] = False
-    regex: Annotated[str | None, only(None)] = None
-    json_schema: Annotated[str | None, only(None)] = None
-    ebnf: Annotated[str | None, only(None)] = None
+    regex: GrammarText = None
+    json_schema: JsonSchemaText = None
+    ebnf: GrammarText = None
     structural_tag: Annotated[str | None, only(None)] = None
-    logit_bias: Annotated[dict[str, float] | None, only(None, {})] = None
+    logit_bias: LogitBias = None
     custom_params: Annotated[dict | None, only(None)] = None
 
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, value):
         return _SamplingFields._stop_strings(value)
-
-    def stop_list(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
 class SGLangGenerateRequest(_Lenient):
@@ -313,7 +430,7 @@ class SGLangGenerateRequest(_Lenient):
     image_data: Annotated[Any, only(None)] = None
     audio_data: Annotated[Any, only(None)] = None
     video_data: Annotated[Any, only(None)] = None
-    lora_path: Annotated[str | list | None, only(None)] = None
+    lora_path: str | list[str | None] | None = None  # an adapter by name (tiermoe.server.request_options)
     session_params: Annotated[dict | None, only(None)] = None
     custom_logit_processor: Annotated[str | list | None, only(None)] = None
 
@@ -324,7 +441,7 @@ class SGLangGenerateRequest(_Lenient):
         prompts = self.prompts()
         if not prompts or any(isinstance(p, list) and not p for p in prompts):
             raise ValueError("a prompt must not be empty" if prompts else "the batch of prompts is empty")
-        for name in ("sampling_params", "rid"):
+        for name in ("sampling_params", "rid", "lora_path"):
             value = getattr(self, name)
             if isinstance(value, list) and (not self.is_batch() or len(value) != len(prompts)):
                 raise ValueError(f"{name} is a list: it needs a batch of prompts of the same length "
@@ -347,5 +464,25 @@ class SGLangGenerateRequest(_Lenient):
             return value[index]
         return value if value is not None else SGLangSamplingParams()
 
+    def one_prompt(self, index: int) -> SGLangPrompt:
+        """What applies to prompt `index`: its sampling_params and lora_path (a list gives each prompt its own)."""
+        return SGLangPrompt(self.params(index), self.lora_path[index] if isinstance(self.lora_path, list)
+                            else self.lora_path)
+
+    def choices(self) -> int:
+        """n, the same for every prompt (SGLang's parallel sampling)."""
+        counts = {self.params(i).n for i in range(len(self.prompts()))}
+        if len(counts) > 1:
+            raise TiermoeError(f"sampling_params.n must be the same for every prompt, got {sorted(counts)}")
+        return counts.pop()
+
     def request_id(self, index: int) -> str | None:
         return self.rid[index] if isinstance(self.rid, list) else (self.rid if not self.is_batch() else None)
+
+
+@dataclass(frozen=True)
+class SGLangPrompt:
+    """One prompt's share of a /generate request, as tiermoe.server.request_options reads it."""
+
+    sampling_params: SGLangSamplingParams
+    lora_path: str | None

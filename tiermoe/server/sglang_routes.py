@@ -12,7 +12,9 @@ JSON-encoded, each event encoding only its new piece (re-encoding all of them co
 A batch is checked whole before any prompt runs (as SGLang tokenises and validates every prompt first): one bad
 prompt or sampling value is a 400 for the request. Its prompts then run concurrently, each its own engine request;
 a batch takes an admission slot per prompt (503 with Retry-After when too few are free; 400 beyond
---max-running-requests + --max-queued-requests).
+--max-running-requests + --max-queued-requests). sampling_params' `n` (the same for every prompt, as SGLang requires)
+runs n sequences per prompt, and the answer is then a list of prompts x n (each prompt's n together, as SGLang
+answers parallel sampling; `rid` + "-i" names choice i > 0). The sampling options are tiermoe.server.request_options'.
 """
 
 from __future__ import annotations
@@ -34,8 +36,12 @@ from tiermoe.server.protocol import (
     SGLANG_MAX_NEW_TOKENS,
     SGLANG_SAMPLING,
     SGLangGenerateRequest,
-    SGLangSamplingParams,
-    no_top_k,
+)
+from tiermoe.server.request_options import (
+    RequestOptions,
+    check_sequences,
+    choice_params,
+    read_options,
 )
 from tiermoe.server.state import ServerState
 
@@ -55,11 +61,13 @@ async def generate(request: Request):
     state: ServerState = request.app.state.tiermoe
     body = await read_body(request, SGLangGenerateRequest, state.config.max_request_bytes)
     texts = body.prompts()
-    state.config.check_prompt_batch(len(texts))
-    take_batch(request.scope, state.admission, len(texts))  # a slot each
-    prompts = [await _prepare(state, body, i, text) for i, text in enumerate(texts)]
+    n = body.choices()
+    options = [read_options("generate", body.one_prompt(i), state.model_name, state.adapters) for i in range(len(texts))]
+    take_batch(request.scope, state.admission, check_sequences(state.config, len(texts), options[0]))  # a slot each
+    prompts = [choice for i, text in enumerate(texts) for choice in await _prepare(state, body, options[i], i, text, n)]
+    listed = body.is_batch() or n > 1  # a list answers; its events say their index
     if body.stream:
-        return StreamingResponse(_stream(state, request, prompts, body.is_batch()), media_type="text/event-stream")
+        return StreamingResponse(_stream(state, request, prompts, listed), media_type="text/event-stream")
     results = await asyncio.gather(*(collect(state, request, p.prompt_ids, p.params) for p in prompts),
                                    return_exceptions=True)
     for result in results:  # every prompt has ended: a failure answers for the request, as in SGLang
@@ -69,17 +77,17 @@ async def generate(request: Request):
                 "meta_info": _meta_info(p, len(out.token_ids), (out.token_ids or [None])[-1], out.finish_reason,
                                         out.stop_string)}
                for p, out in zip(prompts, results)]
-    return outputs if body.is_batch() else outputs[0]
+    return outputs if listed else outputs[0]
 
 
-async def _prepare(state: ServerState, body: SGLangGenerateRequest, index: int, text: str | list[int]) -> _Prompt:
+async def _prepare(state: ServerState, body: SGLangGenerateRequest, options: RequestOptions, index: int,
+                   text: str | list[int], n: int) -> list[_Prompt]:
+    """Prompt `index`'s n choices, tokenised and checked."""
     prompt_ids = text if isinstance(text, list) else await state.tokenize(len(text), lambda: state.llm.encode(text))
-    sp: SGLangSamplingParams = body.params(index)
-    params = state.sampling(prompt_ids, sp.max_new_tokens, SGLANG_SAMPLING, default_max_tokens=SGLANG_MAX_NEW_TOKENS,
-                            temperature=sp.temperature, top_p=sp.top_p, top_k=no_top_k(sp.top_k),
-                            seed=sp.sampling_seed, stop=sp.stop_list(), stop_token_ids=tuple(sp.stop_token_ids or ()),
-                            ignore_eos=sp.ignore_eos)
-    return _Prompt(body.request_id(index) or uuid.uuid4().hex, prompt_ids, params)
+    params = state.sampling(prompt_ids, options, SGLANG_SAMPLING, default_max_tokens=SGLANG_MAX_NEW_TOKENS)
+    rid = body.request_id(index) or uuid.uuid4().hex
+    return [_Prompt(rid if i == 0 else f"{rid}-{i}", prompt_ids, choice)
+            for i, choice in enumerate(choice_params(params, n))]
 
 
 def _meta_info(prompt: _Prompt, generated: int, last_id: int | None, finish: str | None,

@@ -20,6 +20,7 @@ from tiermoe.server.expert_metrics import ExpertLoadCounter
 from tiermoe.server.logprob_format import TokenText, token_text_of
 from tiermoe.server.metrics import ServerMetrics
 from tiermoe.server.output_parsers import OutputParser, keeping_markers
+from tiermoe.server.request_options import RequestOptions
 from tiermoe.stats.tier_hits import TierHitCounter
 
 
@@ -33,6 +34,7 @@ class ServerState:
     model_name: str
     recorder_control: object | None = None  # start/stop/dump of the expert distribution recorder
     expert_load: ExpertLoadCounter | None = None  # --enable-expert-distribution-metrics
+    adapters: frozenset[str] = frozenset()  # LoRA adapters a request may ask for by name (none loaded yet)
     started: float = field(default_factory=time.time)
     # one tokenisation at a time: a fast tokenizer's settings are not safe to touch from two threads at once
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -98,14 +100,16 @@ class ServerState:
                                f"{self.context_length} tokens")
         self.llm.engine.check_token_ids(prompt_ids)
 
-    def sampling(self, prompt_ids: list[int], max_tokens: int | None, fallback: dict | None = None,
-                 default_max_tokens: int | None = None, **given) -> SamplingParams:
-        """SamplingParams for a request, with max_tokens checked against the context and the token budget. A
-        sampling value `given` as None takes the checkpoint's generation_config.json default, else the API's own
-        (`fallback`); an absent max_tokens is `default_max_tokens` (default --default-max-tokens), within the
-        context's room."""
+    def sampling(self, prompt_ids: list[int], options: RequestOptions, fallback: dict | None = None,
+                 default_max_tokens: int | None = None, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> SamplingParams:
+        """SamplingParams for a request's `options` (tiermoe.server.request_options), with max_tokens checked
+        against the context and the token budget, and the token ids it names against the vocabulary. A sampling
+        value not given takes the checkpoint's generation_config.json default, else the API's own (`fallback`); an
+        absent max_tokens is `default_max_tokens` (default --default-max-tokens), within the context's room."""
         self.check_prompt(prompt_ids)
         room = (self.context_length - len(prompt_ids)) if self.context_length else None
+        max_tokens = options.max_tokens
         if max_tokens is None:
             default = default_max_tokens or self.config.default_max_tokens
             max_tokens = default if room is None else min(default, room)
@@ -116,4 +120,10 @@ class ServerState:
         if budget is not None and len(prompt_ids) + max_tokens > budget:
             raise TiermoeError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                                f"server's --max-total-tokens ({budget})")
-        return self.llm.generation_defaults.params(fallback, max_tokens=max_tokens, **given)
+        if options.min_tokens is not None and options.min_tokens > max_tokens:
+            raise TiermoeError(f"{options.field('min_tokens')}: {options.min_tokens} is more than the "
+                               f"{max_tokens} tokens this request may generate (max_tokens)")
+        self.llm.engine.check_token_ids(list(options.stop_token_ids), options.field("stop_token_ids"))
+        self.llm.engine.check_token_ids(list(options.logit_bias or ()), options.field("logit_bias"))
+        return self.llm.generation_defaults.params(fallback, max_tokens=max_tokens, logprobs=logprobs,
+                                                   prompt_logprobs=prompt_logprobs, **options.sampling_values())

@@ -24,7 +24,13 @@ def only(*neutral) -> AfterValidator:
             return value
         raise ValueError(f"{UNSUPPORTED}; accepted: {', '.join(accepted)}")
 
+    check.neutral = tuple(accepted)  # what docs/server-api.md lists (tiermoe.server.request_options_table)
     return AfterValidator(check)
+
+
+def neutral_values(validator) -> tuple[str, ...] | None:
+    """The values (as JSON) a field annotated with only(...) accepts; None for any other validator."""
+    return getattr(getattr(validator, "func", None), "neutral", None)
 
 
 def _json(value) -> str:
