@@ -11,7 +11,6 @@ from tiermoe.engine.logits_processing import LogitsAdjuster
 from tiermoe.engine.sampling import (
     Grammar,
     SamplingParams,
-    check_grammar_available,
     new_generator,
     sample,
 )
@@ -85,13 +84,10 @@ def test_bad_values_are_refused(kwargs, message):
         SamplingParams(**kwargs)
 
 
-def test_a_grammar_is_checked_for_shape_and_refused_until_an_engine_enforces_it():
+def test_a_grammar_is_checked_for_shape():
     with pytest.raises(TiermoeError, match="source must be JSON"):
         Grammar("json_schema", "{nope")
     with pytest.raises(TiermoeError, match="kind must be one of"):
         Grammar("xml", "<a/>")
     grammar = Grammar("regex", "a+")
     assert SamplingParams(grammar=grammar).grammar == grammar
-    with pytest.raises(TiermoeError, match="response_format: structured output .regex. is not available yet"):
-        check_grammar_available(grammar, "response_format")
-    check_grammar_available(None)

@@ -46,8 +46,9 @@ from tiermoe.engine.logits_processing import LogitsAdjuster
 from tiermoe.engine.logprobs import logprobs_at
 from tiermoe.engine.pool_size import auto_pool_tokens
 from tiermoe.engine.prefill_budget import share_prefill_budget
-from tiermoe.engine.sampling import SamplingParams, check_grammar_available, new_generator, sample
+from tiermoe.engine.sampling import Grammar, SamplingParams, new_generator, sample
 from tiermoe.engine.sequence import Sequence
+from tiermoe.engine.structured_output import CompiledGrammar, GrammarState
 from tiermoe.engine.device_errors import device_lost, sticky_device_error
 from tiermoe.engine.step_isolation import forward_isolating
 from tiermoe.errors import TiermoeError
@@ -91,6 +92,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
         self.detokenize_special = detokenize_special  # keeps special tokens (a sequence's skip_special_tokens False)
+        # structured output: a Grammar compiled for this model's tokenizer (LLM.compile_grammar); None without one
+        self.compile_grammar: Callable[[Grammar], CompiledGrammar] | None = None
         self.max_context = getattr(hybrid.config, "max_position_embeddings", None)
         self.vocab_size = _vocab_size(self.model)
         self.waiting: deque[Sequence] = deque()
@@ -165,13 +168,13 @@ class Engine:
             raise TiermoeError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         self.check_token_ids(list(params.stop_token_ids), "stop_token_ids")
         self.check_token_ids([t for t, _ in params.logit_bias], "logit_bias")
-        check_grammar_available(params.grammar)
+        grammar = self._grammar_state(params.grammar)
         capacity = self.pool.tokens
         if len(prompt_ids) + params.max_tokens > capacity:
             raise TiermoeError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                                f"the KV pool's {capacity} tokens (max_total_tokens)")
         seq = Sequence(next(self._ids), prompt_ids, params, new_generator(params.seed), pages=self.pool.new_share(),
-                       group=group)
+                       group=group, grammar=grammar)
         self.waiting.append(seq)
         return seq
 
@@ -302,15 +305,31 @@ class Engine:
         if seq.params.max_tokens == 0:  # the prompt only was to be scored
             seq.finish_reason = "length"
             return
-        token = sample(self._adjusted(seq, logits_V), seq.params, seq.generator)
+        logits = self._adjusted(seq, logits_V)
+        if seq.grammar is not None:  # masked in place: on a copy, the logprobs are the model's own
+            logits = seq.grammar.apply(logits.clone() if logits is logits_V else logits)
+        token = sample(logits, seq.params, seq.generator)
         scored = [] if seq.params.logprobs is None else logprobs_at(logits_V[None], [token], seq.params.logprobs)
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            raise TiermoeError(f"token {token} was sampled outside the grammar (all its tokens had -inf logits)")
         seq.output_ids.append(token)
         seq.output_logprobs += scored
         try:
             self._check_stop(seq)
         except BaseException:
             del seq.output_ids[-1], seq.output_logprobs[len(seq.output_ids):]
+            if seq.grammar is not None:
+                seq.grammar.rollback(1)
             raise
+        if seq.grammar is not None and seq.grammar.finished and not seq.finished:
+            seq.finish_reason = "stop"  # the reply is complete: the grammar allows nothing but EOS
+
+    def _grammar_state(self, grammar: Grammar | None) -> GrammarState | None:
+        if grammar is None:
+            return None
+        if self.compile_grammar is None:
+            raise TiermoeError(f"structured output ({grammar.kind}) needs the model's tokenizer; this model has none")
+        return self.compile_grammar(grammar).new_state()
 
     def _adjusted(self, seq: Sequence, logits_V: torch.Tensor) -> torch.Tensor:
         """The logits `seq` samples from: the model's, or (penalties, logit_bias, min_tokens) a changed copy."""

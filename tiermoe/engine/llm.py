@@ -6,6 +6,7 @@ Text, tokenizer and chat template live here, at the edge; the Engine underneath 
 from __future__ import annotations
 
 import json
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,8 @@ from tiermoe.engine.dynamic import enable_dynamic_placement
 from tiermoe.engine.engine import Engine, EngineConfig
 from tiermoe.engine.generation_defaults import load_generation_defaults
 from tiermoe.engine.logprobs import TokenLogprob
-from tiermoe.engine.sampling import SamplingParams
+from tiermoe.engine.sampling import Grammar, SamplingParams
+from tiermoe.engine.structured_output import CompiledGrammar, GrammarCompiler
 from tiermoe.engine.text_stream import TextStream
 from tiermoe.errors import TiermoeError
 from tiermoe.model.loader import load_hybrid_model
@@ -94,6 +96,10 @@ class LLM:
                              EngineConfig(max_running, prefill_chunk, max_total_tokens, page_size, prefix_cache), recorder,
                              detokenize_special=detokenize_special)
         self.placement_manager = enable_dynamic_placement(self.engine, dynamic) if dynamic else None
+        self._grammar_compiler: GrammarCompiler | None = None  # made on the first grammar (seconds on a 150k vocab)
+        self._grammar_compiler_lock = threading.Lock()  # requests compile on their threads, the engine on its own
+        if self.tokenizer is not None:
+            self.engine.compile_grammar = self.compile_grammar
 
     @property
     def placement(self) -> torch.Tensor:
@@ -185,6 +191,17 @@ class LLM:
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
+
+    def compile_grammar(self, grammar: Grammar) -> CompiledGrammar:
+        """`grammar` compiled for this model's tokenizer and logits (cached by its source); TiermoeError naming
+        what is wrong or unsupported in it, or the missing library."""
+        if self.tokenizer is None:
+            raise TiermoeError(f"structured output ({grammar.kind}) needs the model's tokenizer; this model has none")
+        with self._grammar_compiler_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.engine.vocab_size,
+                                                         sorted(self.engine.eos_token_ids) or None)
+        return self._grammar_compiler.compile(grammar.kind, grammar.source or None)
 
     def _result(self, seq) -> RequestOutput:
         text = None

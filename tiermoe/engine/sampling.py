@@ -24,9 +24,6 @@ MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's (and vLLM's, SGL
 MAX_REPETITION_PENALTY = 100.0  # far beyond any useful value (1.1-1.5), and finite
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
-# Structured output needs a grammar engine in the sampler (tiermoe.engine.structured_output, being built): until
-# it is wired in, a grammar is carried and refused here, the one switch to turn it on.
-STRUCTURED_OUTPUT_AVAILABLE = False
 
 
 @dataclass(frozen=True)
@@ -51,14 +48,6 @@ class Grammar:
                 raise TiermoeError("a json_schema grammar's schema must be a JSON object (or true/false)")
 
 
-def check_grammar_available(grammar: Grammar | None, field: str = "grammar") -> None:
-    """Refuse a grammar while no grammar engine enforces it (STRUCTURED_OUTPUT_AVAILABLE): an answer made without it
-    would pretend to be constrained."""
-    if grammar is not None and not STRUCTURED_OUTPUT_AVAILABLE:
-        raise TiermoeError(f"{field}: structured output ({grammar.kind}) is not available yet in this server (no "
-                           "grammar engine constrains the sampler)")
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled and when it stops.
@@ -78,8 +67,8 @@ class SamplingParams:
     output and multiplies the negative ones; logit_bias adds (token id, bias) pairs to the logits; min_tokens masks
     EOS and stop_token_ids (and skips the stop strings) until that many tokens are generated. min_p drops tokens
     whose probability is below min_p times the most likely one's. skip_special_tokens False keeps special tokens
-    in the text (and in the text stop strings are searched in). grammar constrains the reply (not available yet:
-    check_grammar_available). Log-probabilities stay the model's own, before any of these.
+    in the text (and in the text stop strings are searched in). grammar constrains the reply (tiermoe.engine.structured_output: the
+    engine masks the logits each step to what the grammar allows). Log-probabilities stay the model's own, before any of these.
     """
 
     max_tokens: int = 64

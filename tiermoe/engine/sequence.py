@@ -16,6 +16,7 @@ from tiermoe.engine.kv_pool import SeqPages
 from tiermoe.engine.logits_processing import LogitsAdjuster
 from tiermoe.engine.logprobs import TokenLogprob
 from tiermoe.engine.sampling import SamplingParams
+from tiermoe.engine.structured_output import GrammarState
 from tiermoe.errors import TiermoeError
 
 
@@ -39,6 +40,7 @@ class Sequence:
     decoded: IncrementalText | None = None  # its output's text, decoded as it grows (Engine.decoded_text)
     group: int | None = None  # the request it belongs to (a batch's prompts share one; None: its own)
     logits_adjuster: LogitsAdjuster | None = None  # its penalties' counts and bias (params.adjusts_logits only)
+    grammar: GrammarState | None = None  # where its reply is in params.grammar (Engine.add compiles it)
 
     @property
     def request(self) -> int:

@@ -18,7 +18,7 @@ tokenizer and Qwen's byte-level BPE):
   vocabulary: ~30 us for a typical JSON step, ~1.5 ms for the worst, inside a string with maxLength); a schema
   compiles in milliseconds, with no per-grammar table over the whole vocabulary; the tokenizer description is
   built once from a transformers fast tokenizer (byte-level BPE included: 30 ms for the demo's 6k vocabulary,
-  2 s for Qwen's 152k), which `GrammarCompiler.for_tokenizer` caches.
+  2 s for Qwen's 152k), once per model (tiermoe.engine.llm.LLM.compile_grammar makes it on first use).
 
 An optional extra, not a core dependency: `pip install 'tiermoe[structured]'`. llguidance's current wheels need
 glibc >= 2.31 (manylinux_2_31; there is no manylinux2014 build of 1.9), so as a core dependency it would make a
@@ -28,7 +28,7 @@ names the pip command; everything else runs as before.
 
 Use (one compiler per tokenizer; one state per sequence):
 
-    compiler = GrammarCompiler.for_tokenizer(tokenizer, vocab_size=logits_width, eos_token_ids=stop_ids)
+    compiler = GrammarCompiler(tokenizer, vocab_size=logits_width, eos_token_ids=stop_ids)
     grammar = compiler.compile("json_schema", schema)    # TiermoeError naming the problem: a 400
     state = grammar.new_state()
     ...each step: apply_masks(logits_BV, [state or None per row])  (or state.apply(logits_V) for one row),
@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from copy import copy
@@ -68,8 +67,6 @@ MISSING_LIBRARY = ("structured output (json_object, json_schema, regex, ebnf) ne
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256  # compiled grammars kept per compiler (clients tend to resend the same few schemas)
 
-_COMPILERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {(vocab, eos): compiler}
-_COMPILERS_LOCK = threading.Lock()
 
 
 class GrammarCompiler:
@@ -97,24 +94,17 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos)
         self.mask_words = (n_vocab + 31) // 32  # int32 words of one row's bitmask
-        self._tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos)
+        try:
+            self._tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos)
+        except ValueError as err:  # a tokenizer llguidance cannot read (e.g. a decoder kind it does not know)
+            raise TiermoeError(f"structured output cannot use this model's tokenizer (llguidance: "
+                               f"{_one_line(str(err))})") from None
         self._limits = llguidance.LLParserLimits(verbose_errors=False)  # no parser dumps in a 400's message
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._executor = None  # llguidance's thread pool, made on the first step with two constrained rows
         self._tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-    @classmethod
-    def for_tokenizer(cls, tokenizer, vocab_size: int,
-                      eos_token_ids: int | Sequence[int] | None = None) -> GrammarCompiler:
-        """The compiler for this tokenizer object (made once: seconds for a 150k vocabulary)."""
-        key = (vocab_size, None if eos_token_ids is None else tuple(_eos_list(tokenizer, eos_token_ids)))
-        with _COMPILERS_LOCK:
-            per_tokenizer = _COMPILERS.setdefault(tokenizer, {})
-            if key not in per_tokenizer:
-                per_tokenizer[key] = cls(tokenizer, vocab_size, eos_token_ids)
-            return per_tokenizer[key]
 
     def compile(self, kind: str, source: str | dict | None = None) -> CompiledGrammar:
         """The grammar of `kind` from `source` (cached by both); TiermoeError says what is wrong or unsupported."""

@@ -45,7 +45,7 @@ def _now() -> str:
 
 def _params(state: ServerState, body, prompt_ids: list[int]):
     """The request's sampling, from its `options` and `format` (tiermoe.server.request_options)."""
-    options = read_options("ollama", body, state.model_name)
+    options = read_options("ollama", body, state.model_name, compile_grammar=state.llm.compile_grammar)
     return state.sampling(prompt_ids, options, OLLAMA_SAMPLING, logprobs=body.logprobs_asked())
 
 

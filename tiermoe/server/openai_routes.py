@@ -92,7 +92,7 @@ async def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest,
 
 def openai_options(state: ServerState, route: str, body) -> RequestOptions:
     """The request's options (tiermoe.server.request_options): `model` "<served name>:NAME" names an adapter."""
-    return read_options(route, body, state.model_name, state.adapters)
+    return read_options(route, body, state.model_name, state.adapters, state.llm.compile_grammar)
 
 
 def openai_sampling(state: ServerState, options: RequestOptions, prompt_ids: list[int], logprobs: int | None,

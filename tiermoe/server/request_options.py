@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiermoe.config import ServerConfig
-from tiermoe.engine.sampling import Grammar, SamplingParams, check_grammar_available
+from tiermoe.engine.sampling import Grammar, SamplingParams
 from tiermoe.errors import TiermoeError
 from tiermoe.server.protocol import SEED_MAX
 
@@ -38,6 +38,7 @@ class Reading:
     route: str
     served_name: str = ""
     adapters: Collection[str] = ()
+    compile_grammar: Callable[[Grammar], Any] | None = None  # checks a grammar (the model's LLM.compile_grammar)
 
 
 Take = Callable[[dict[str, Any], Reading], Any]
@@ -105,14 +106,19 @@ def _logit_bias(values: dict[str, Any], reading: Reading) -> dict[int, float] | 
 
 def _grammar(values: dict[str, Any], reading: Reading) -> Grammar | None:
     """The one grammar the request's structured-output fields give (response_format, regex, json_schema, ebnf;
-    Ollama's format), refused while no grammar engine enforces it (check_grammar_available: the one switch)."""
+    Ollama's format), compiled here (cached) so that what is wrong or unsupported in it is a 400 naming the field
+    before anything runs."""
     given = {path: grammar for path, value in values.items() if (grammar := _grammar_of(path, value)) is not None}
     if not given:
         return None
     if len(given) > 1:
         raise TiermoeError(f"{', '.join(given)}: each constrains the reply; give one of them")
     [(path, grammar)] = given.items()
-    check_grammar_available(grammar, path)
+    if reading.compile_grammar is not None:
+        try:
+            reading.compile_grammar(grammar)
+        except TiermoeError as err:
+            raise TiermoeError(f"{path}: {err}") from None
     return grammar
 
 
@@ -195,7 +201,8 @@ OPTIONS: tuple[Option, ...] = (
                        "generate": ("sampling_params.regex", "sampling_params.json_schema", "sampling_params.ebnf"),
                        "ollama": ("format",)},
            "structured output (`response_format` `json_object`/`json_schema`, a regex, an EBNF grammar; Ollama "
-           "`\"json\"` or a schema): checked for shape, then a 400 saying structured output is not available yet "
+           "`\"json\"` or a schema): the reply is held to it, step by step; a 400 names what a schema uses that "
+           "cannot be enforced "
            "(`response_format` `{\"type\": \"text\"}` asks for nothing)", _grammar),
     Option("chat_template_kwargs", {"chat": ("chat_template_kwargs",)},
            "variables the chat template reads (e.g. `enable_thinking`); not the ones the server sets itself"),
@@ -253,11 +260,12 @@ class RequestOptions:
                 "grammar": self.grammar}
 
 
-def read_options(route: str, source, served_name: str = "", adapters: Collection[str] = ()) -> RequestOptions:
+def read_options(route: str, source, served_name: str = "", adapters: Collection[str] = (),
+                 compile_grammar: Callable[[Grammar], Any] | None = None) -> RequestOptions:
     """The options of a request `source` of `route` (the validated body; for /generate one prompt's share,
     protocol.SGLangPrompt), by OPTIONS. TiermoeError (a 400 naming the field) for an adapter that is not loaded or
     a grammar."""
-    reading = Reading(route, served_name, adapters)
+    reading = Reading(route, served_name, adapters, compile_grammar)
     values = {}
     for option in OPTIONS:
         paths = option.fields.get(route)

@@ -62,7 +62,8 @@ async def generate(request: Request):
     body = await read_body(request, SGLangGenerateRequest, state.config.max_request_bytes)
     texts = body.prompts()
     n = body.choices()
-    options = [read_options("generate", body.one_prompt(i), state.model_name, state.adapters) for i in range(len(texts))]
+    options = [read_options("generate", body.one_prompt(i), state.model_name, state.adapters, state.llm.compile_grammar)
+               for i in range(len(texts))]
     take_batch(request.scope, state.admission, check_sequences(state.config, len(texts), options[0]))  # a slot each
     prompts = [choice for i, text in enumerate(texts) for choice in await _prepare(state, body, options[i], i, text, n)]
     listed = body.is_batch() or n > 1  # a list answers; its events say their index
