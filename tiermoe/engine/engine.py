@@ -2,7 +2,7 @@
 
 Sequences wait in a queue until admitted: at most `max_running` at once, and only while the pool has pages for
 their next tokens. In a step every decoding sequence feeds its last token, and prefilling sequences feed prompt
-chunks, sharing `prefill_chunk` tokens per step fairly (tiermoe.engine.prefill_budget: so a long prompt is
+chunks, sharing `prefill_chunk` tokens per step fairly (tiermoe.engine.fair_share: so a long prompt is
 prefilled over several steps, never stalls running decodes by more than one chunk, and never holds a new short
 prompt back). All of them go through one model forward as a ragged
 batch (tiermoe.layers.ragged_step): the decode rows and each chunk's rows side by side, no padding of the batch,
@@ -45,11 +45,11 @@ from tiermoe.engine.kv_pool import KVPool
 from tiermoe.engine.logits_processing import LogitsAdjuster
 from tiermoe.engine.logprobs import logprobs_at
 from tiermoe.engine.pool_size import auto_pool_tokens
-from tiermoe.engine.prefill_budget import share_prefill_budget
 from tiermoe.engine.sampling import Grammar, SamplingParams, new_generator, sample
 from tiermoe.engine.sequence import Sequence
 from tiermoe.engine.structured_output import CompiledGrammar, GrammarState
 from tiermoe.engine.device_errors import device_lost, sticky_device_error
+from tiermoe.engine.fair_share import SCORED_ROWS_PER_STEP, request_over_share, share_prefill_budget
 from tiermoe.engine.step_isolation import forward_isolating
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.threads import torch_threads
@@ -193,11 +193,21 @@ class Engine:
     def _admit(self) -> None:
         """Admit waiting sequences while a slot is free and the pool has pages for their first chunk: preempted
         ones first (they wait at the head of the queue), then round-robin across requests (the oldest sequence of
-        the request with the fewest running), so a lone request is admitted before the rest of a big batch."""
+        the request with the fewest running), so a lone request is admitted before the rest of a big batch. With
+        every slot taken, a request over its fair share gives one back to a request that has none
+        (tiermoe.engine.fair_share)."""
         running_of = Counter(s.request for s in self.running)
-        while self.waiting and len(self.running) < self.config.max_running:
+        while self.waiting:
             seq = self.waiting[0]
-            if not seq.preemptions:  # (preempted sequences are all at the head)
+            if len(self.running) >= self.config.max_running:
+                over = request_over_share(running_of, (s.request for s in self.waiting), self.config.max_running)
+                if over is None:
+                    break
+                victim = next(s for s in reversed(self.running) if s.request == over)  # its latest admitted
+                self._preempt(victim, at_head=False)  # behind the newcomers: it waits its turn, round-robin
+                running_of[over] -= 1
+                seq = next(s for s in self.waiting if running_of[s.request] == 0)  # the slot is a newcomer's
+            elif not seq.preemptions:  # (those preempted for the pool wait at the head, to go on first)
                 seq = min(self.waiting, key=lambda s: running_of[s.request])
             if seq.num_fed == 0 and seq.params.prompt_logprobs is None:  # logprobs need every prompt row computed
                 seq.num_fed = self.pool.match(seq.pages, seq.known_ids, seq.num_tokens - 1)
@@ -215,7 +225,9 @@ class Engine:
         """This step's (sequence, tokens to feed): every decode, and prompt chunks within the prefill budget; each
         with its pages reserved (preempting the most recently admitted sequences when the pool is full)."""
         prefilling = [seq for seq in self.running if seq.prefilling]
-        shares = share_prefill_budget([seq.num_tokens - seq.num_fed for seq in prefilling], self.config.prefill_chunk)
+        needs = [min(seq.num_tokens - seq.num_fed, SCORED_ROWS_PER_STEP) if seq.scores_prompt else
+                 seq.num_tokens - seq.num_fed for seq in prefilling]
+        shares = share_prefill_budget(needs, self.config.prefill_chunk)
         share_of = {seq.seq_id: share for seq, share in zip(prefilling, shares)}
         batch, preempted = [], set()
         for seq in list(self.running):
@@ -238,14 +250,18 @@ class Engine:
                 batch.append((seq, tokens))
         return batch
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Give `seq`'s pages back and queue it first; it recomputes its K/V when admitted again."""
+    def _preempt(self, seq: Sequence, at_head: bool = True) -> None:
+        """Give `seq`'s pages back and queue it (first, unless it gives its slot to a fairer turn); it recomputes
+        its K/V when admitted again."""
         self.running.remove(seq)
         self._release(seq)
         seq.num_fed = 0
         seq.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(seq)
+        if at_head:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def step(self) -> list[Sequence]:
         """One forward pass for every scheduled sequence; returns those that produced a token this step, and those
