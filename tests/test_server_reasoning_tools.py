@@ -122,3 +122,19 @@ def test_partial_markers_are_held_back_and_harmony_keeps_its_special_tokens(mode
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = tok.encode("<|im_start|>hi<|im_end|>", add_special_tokens=False)
     assert keeping_markers(tok, ["<|im_start|>"])(ids) == "<|im_start|>hi"
+
+
+def test_a_think_block_the_template_opens_is_the_replys_reasoning(model_dir, tmp_path, forced):
+    """Qwen3's thinking templates end the prompt with `<think>\\n`: the reply starts inside the block. On the parent
+    the reasoning and `</think>` came back as content."""
+    with server_thread(tmp_path, model_dir=model_dir, reasoning_parser="qwen3", tool_call_parser="qwen25") as (
+            url, state):
+        state.llm.tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                                             "{% if add_generation_prompt %}<think>\n{% endif %}")
+        forced(state.llm.encode("Let me check.\n</think>\n\nIt is sunny."))
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+        request = {"model": "tiny", "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 100}
+        reply = client.chat.completions.create(**request).choices[0].message
+        assert (reply.reasoning_content, reply.content) == ("Let me check.\n", "It is sunny.")
+        reasoning, content, _, _ = stream_reply(client, **request)
+        assert (reasoning, content) == ("Let me check.\n", "It is sunny.")

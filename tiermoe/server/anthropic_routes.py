@@ -37,7 +37,7 @@ from tiermoe.server.anthropic_protocol import (
 )
 from tiermoe.server.body import openapi_body, read_body
 from tiermoe.server.error_format import anthropic_error_body
-from tiermoe.server.forced_calls import ForcedCall, forced_call
+from tiermoe.server.forced_calls import ForcedCall, forced_call, reply_start
 from tiermoe.server.generation import collect, stream_events
 from tiermoe.server.output_parsers import OutputParser, Split, StreamSplitter
 from tiermoe.server.request_options import RequestOptions
@@ -81,7 +81,7 @@ async def prompt_of(state: ServerState, body: Conversation) -> tuple[list[int], 
     def render() -> tuple[list[int], ForcedCall | None]:
         ids = state.llm.chat_prompt_ids(shown.messages, shown.tools, shown.continue_final, shown.template_kwargs)
         tail = tokenizer.decode(ids[-16:], skip_special_tokens=False)
-        forced = forced_call(choice, config.tool_call_parser, config.reasoning_parser, tail)
+        forced = reply_start(choice, config.tool_call_parser, config.reasoning_parser, tail)
         return (ids + state.llm.encode(forced.prompt_suffix), forced) if forced else (ids, None)
 
     ids, forced = await state.tokenize(chars, render)

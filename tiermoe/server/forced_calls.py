@@ -63,3 +63,14 @@ def forced_call(tool_choice, tool_parser: str | None, reasoning_parser: str | No
     close = f"{END_THINK}\n\n" if think_open else ""
     # DeepSeek-R1's parser reads everything up to </think> as thinking, whether or not the prompt opened it
     return ForcedCall(close + opening, (END_THINK if reasoning_parser == "deepseek-r1" else "") + opening)
+
+
+def reply_start(tool_choice, tool_parser: str | None, reasoning_parser: str | None,
+                prompt_tail: str) -> ForcedCall | None:
+    """How the reply begins, beyond what the model writes: a forced call (forced_call), or, for a think-block
+    reasoning parser, `<think>` when the template opened the block in the prompt (Qwen3's thinking templates,
+    DeepSeek-R1's): the reply starts inside the block, and is parsed with its opening put back in front."""
+    forced = forced_call(tool_choice, tool_parser, reasoning_parser, prompt_tail)
+    if forced is not None or reasoning_parser in (None, "gpt-oss", "deepseek-r1"):
+        return forced  # (DeepSeek-R1's parser reads everything up to </think> as thinking already)
+    return ForcedCall("", THINK) if prompt_tail.rstrip().endswith(THINK) else None

@@ -24,7 +24,7 @@ from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
 from tiermoe.server.admission import take_batch
 from tiermoe.server.body import openapi_body, read_body
-from tiermoe.server.forced_calls import ForcedCall, forced_call
+from tiermoe.server.forced_calls import ForcedCall, forced_call, reply_start
 from tiermoe.server.generation import collect, merged_streams, stream_events
 from tiermoe.server.logprob_format import chat_logprobs
 from tiermoe.server.output_parsers import (
@@ -84,7 +84,7 @@ async def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest,
         # a template that raises: a 400 with its message
         ids = state.llm.chat_prompt_ids(messages, tools, continue_final, options.chat_template_kwargs)
         tail = state.llm.tokenizer.decode(ids[-16:], skip_special_tokens=False)
-        forced = forced_call(body.tool_choice, config.tool_call_parser, config.reasoning_parser, tail)
+        forced = reply_start(body.tool_choice, config.tool_call_parser, config.reasoning_parser, tail)
         return (ids + state.llm.encode(forced.prompt_suffix), forced) if forced else (ids, None)
 
     return await state.tokenize(chars, render)
