@@ -1,0 +1,78 @@
+"""Do unconstrained sequences keep their speed beside structured-output ones? (goal: within 10%)
+
+The bundled demo model decodes --batch sequences together, greedy, --tokens tokens each, in two arms run
+alternately (the order rotating each round) for --rounds rounds:
+- plain: every sequence unconstrained;
+- mixed: half of them held to a grammar (a regex of exactly --tokens lowercase letters and spaces, so they decode
+  as long as the others and the batch keeps its size), the other half unconstrained.
+The batch, the prompts and the lengths are the same, so the forward passes cost the same: the difference is the
+grammar's work on the engine thread (a mask per constrained row and step, its token accepted). The figure is the
+decode steps' mean time (the whole generation less its first step, the prefill), the median of the rounds and
+their spread (min-max); the ratio mixed / plain is what an unconstrained sequence's time per token pays.
+
+    python benchmarks/bench_structured_batch.py
+    python benchmarks/bench_structured_batch.py --batch 16 --tokens 96 --rounds 7 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from tiermoe.engine.llm import LLM
+from tiermoe.engine.sampling import Grammar, SamplingParams
+
+
+def generation_seconds(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> float:
+    engine, start = llm.engine, time.perf_counter()
+    seqs = [engine.add(llm.encode(p), sp) for p, sp in zip(prompts, params)]
+    engine.step()  # the prefill
+    first = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    assert all(s.finish_reason in ("length", "stop") for s in seqs), [s.error for s in seqs]
+    return (time.perf_counter() - first) / max(1, max(len(s.output_ids) for s in seqs) - 1), first - start
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8, help="sequences decoding together (half constrained)")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens each sequence decodes")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (>= 5 for a spread)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.batch < 2 or args.tokens < 2 or args.rounds < 1:
+        parser.error("--batch and --tokens must be >= 2, --rounds >= 1")
+    if args.threads:
+        torch.set_num_threads(min(args.threads, os.cpu_count() or 1))
+    prompts = [f"Tell me about the city number {i}." for i in range(args.batch)]
+    plain = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+    held = SamplingParams(max_tokens=args.tokens, ignore_eos=True, grammar=Grammar("regex", f"[a-z ]{{{args.tokens}}}"))
+    arms = {"plain": [plain] * args.batch, "mixed": [held if i % 2 else plain for i in range(args.batch)]}
+    print(f"load average {os.getloadavg()[0]:.2f}; torch threads {torch.get_num_threads()}", flush=True)
+    with LLM(None, progress=False) as llm:
+        llm.compile_grammar(held.grammar)  # the tokenizer's description is built once, outside the timing
+        generation_seconds(llm, prompts, arms["mixed"])  # warm-up
+        times = {name: [] for name in arms}
+        for r in range(args.rounds):
+            for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+                step, _ = generation_seconds(llm, prompts, arms[name])
+                times[name].append(step)
+            print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {t[-1] * 1e3:.2f} ms" for n, t in times.items()),
+                  flush=True)
+    med = {n: statistics.median(t) for n, t in times.items()}
+    print(f"\n| arm ({args.batch} sequences, {args.tokens} tokens) | decode step, median (ms) | min - max (ms) |")
+    print("|---|---|---|")
+    for name, t in times.items():
+        print(f"| {name} | {med[name] * 1e3:.2f} | {min(t) * 1e3:.2f} - {max(t) * 1e3:.2f} |")
+    ratio = med["mixed"] / med["plain"]
+    print(f"\nmixed / plain: {ratio:.3f} (goal <= 1.10: {'met' if ratio <= 1.10 else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()
