@@ -71,8 +71,9 @@ def tool_call_objects(calls: list[dict], streamed: bool = False) -> list[dict]:
 
 
 def keeping_markers(tokenizer, markers) -> callable:
-    """A detokenizer that drops special tokens but `markers` (GPT-OSS's harmony markers are special tokens, which
-    the engine's own detokenizer skips)."""
+    """A detokenizer that drops special tokens but `markers` (the ones the server's parsers read: tokenizers often
+    mark them special, GPT-OSS's harmony markers and many think and tool-call markers, and the engine's own
+    detokenizer skips special tokens)."""
     vocab = tokenizer.get_vocab()
     keep = {vocab[m] for m in markers if m in vocab}
     drop = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
