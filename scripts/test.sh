@@ -11,6 +11,9 @@ if [ $# -gt 0 ]; then
 fi
 TIERMOE_FLOOR_PYTHON=$(scripts/floor_env.sh)
 export TIERMOE_FLOOR_PYTHON  # tests/test_versions.py checks the floor release is the one installed there
-.venv/bin/python -m pytest
+# one worker per core (pytest-xdist): the suite's models are tiny, so its cases are bound by Python, not memory
+.venv/bin/python -m pytest -n auto
+echo "test: every MoE architecture of the installed transformers (tests/test_arch_zoo.py, its own invocation)" >&2
+.venv/bin/python -m pytest -q -m zoo
 echo "test: the exactness tests on the floor of the transformers range" >&2
 exec "$TIERMOE_FLOOR_PYTHON" -m pytest -q -m "exactness and not slow and not gpu"

@@ -52,12 +52,14 @@ def test_dense_model(tmp_path):
         load_hybrid_model(tmp_path, progress=False)
 
 
-def test_unsupported_moe_model_type(tmp_path):
+def test_a_moe_model_type_whose_experts_tiermoe_cannot_split_is_one_line_naming_them(tmp_path):
     from transformers import AutoConfig
 
-    AutoConfig.for_model("phimoe", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=64, vocab_size=64).save_pretrained(tmp_path)
-    with pytest.raises(TiermoeError, match="unsupported MoE model_type.*supports: qwen2_moe"):
+    # Llama-4's experts take the router's scores over every expert, not transformers' experts interface
+    AutoConfig.for_model("llama4_text", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                         intermediate_size=64, intermediate_size_mlp=64, vocab_size=64).save_pretrained(tmp_path)
+    with pytest.raises(TiermoeError, match="llama4_text: its experts module Llama4TextExperts does not take the "
+                                           "experts interface"):
         load_hybrid_model(tmp_path, progress=False)
 
 

@@ -34,7 +34,12 @@ from tiermoe.config import MIN_KV_TOKENS_PER_REQUEST, NON_EXPERT_DTYPES
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.fp8_blocks import DEFAULT_BLOCK, dequant_bytes, scale_shape
 from tiermoe.experts.fp8_tier import fp8_expert_bytes
-from tiermoe.model.held_bytes import ROUTED_EXPERT_NAME, HeldBytes, fp8_expert_dequant_bytes, held_from_headers
+from tiermoe.model.held_bytes import (
+    ROUTED_EXPERT_NAME,
+    HeldBytes,
+    fp8_expert_dequant_bytes,
+    held_from_headers,
+)
 from tiermoe.model.non_expert_quant import quantized_bytes_change
 from tiermoe.model.skeleton import build_skeleton
 from tiermoe.models import resolve_model
@@ -44,7 +49,7 @@ from tiermoe.placement.budget import (
     forward_threads,
     fp8_transient_bytes,
 )
-from tiermoe.placement.free_memory import available_ram, device_free_bytes  # noqa: F401 - callers import them here
+from tiermoe.placement.free_memory import available_ram, device_free_bytes
 from tiermoe.placement.kv_layout import KVLayout, kv_layout
 from tiermoe.placement.plan import PlacementPlan
 
@@ -69,10 +74,11 @@ def matrix_bytes(n: int, k: int, fmt: str) -> int:
 
 
 def cpu_expert_bytes(spec: ArchSpec, fmt: str, dtype: torch.dtype) -> int:
-    """One expert on the CPU tier: gate_up [2I, H] and down [H, I] in `fmt`, biases (GPT-OSS) in `dtype`."""
-    h, i = spec.hidden_size, spec.expert_intermediate_size
-    bias = (2 * i + h) * dtype.itemsize if spec.expert_bias else 0
-    return matrix_bytes(2 * i, h, fmt) + matrix_bytes(h, i, fmt) + bias
+    """One expert on the CPU tier: gate_up [2I, H] (up [I, H] without a gate) and down [H, I] in `fmt`, biases
+    in `dtype`."""
+    h, i, rows = spec.hidden_size, spec.expert_intermediate_size, spec.gate_up_rows
+    bias = (rows + h) * dtype.itemsize if spec.expert_bias else 0
+    return matrix_bytes(rows, h, fmt) + matrix_bytes(h, i, fmt) + bias
 
 
 def cpu_format(expert_dtype: str | None, dtype: torch.dtype) -> str:

@@ -1,4 +1,4 @@
-"""Architecture registry: model_type -> ArchSpec builder, and detection from a checkpoint's config.json."""
+"""Architecture detection: a checkpoint's config.json -> ArchSpec, discovered from transformers' own modules."""
 
 from __future__ import annotations
 
@@ -6,73 +6,63 @@ import json
 from pathlib import Path
 
 from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from tiermoe.arch import deepseek, gpt_oss, mixtral, olmoe, qwen
+from tiermoe.arch.derive import spec_of
+from tiermoe.arch.discover import discover
 from tiermoe.arch.gguf_config import config_fields_from_gguf
 from tiermoe.arch.spec import ArchSpec, ExpertDiskLayout
+from tiermoe.arch.tuned import TUNED
+from tiermoe.arch.zoo import defines_experts
 from tiermoe.checkpoint.gguf_reader import GGUFFiles
 from tiermoe.errors import TiermoeError
 
-BUILDERS = {
-    "qwen2_moe": qwen.build_spec,
-    "qwen3_moe": qwen.build_spec,
-    "qwen3_next": qwen.build_spec,
-    "mixtral": mixtral.build_spec,
-    "deepseek_v2": deepseek.build_spec,
-    "deepseek_v3": deepseek.build_spec,
-    "glm4_moe": deepseek.build_spec,
-    "olmoe": olmoe.build_spec,
-    "gpt_oss": gpt_oss.build_spec,
-}
-SUPPORTED_MODEL_TYPES = tuple(BUILDERS)
+# The families tiermoe has tuned (HybridMoE's own block forward, the fused native decode layers, released disk
+# layouts); every other MoE causal LM of the installed transformers runs too, discovered from its modules.
+SUPPORTED_MODEL_TYPES = tuple(TUNED)
 
-# Config fields that name a routed-expert count in some MoE family: a model with one of them > 0 is MoE.
-_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
-__all__ = ["ArchSpec", "ExpertDiskLayout", "SUPPORTED_MODEL_TYPES", "detect", "load_config", "text_config"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "ArchSpec", "ExpertDiskLayout", "detect", "load_config", "text_config"]
 
 
 def _supported_list() -> str:
     return ", ".join(SUPPORTED_MODEL_TYPES)
 
 
+def _runs() -> str:
+    return f"tiermoe supports every MoE causal LM of the installed transformers (tuned: {_supported_list()})"
+
+
 def text_config(cfg):
-    """The config that describes the language model: `cfg` itself, or its nested `text_config`."""
-    if cfg.model_type in BUILDERS:
-        return cfg
+    """The config that describes the language model: `cfg` itself, or its nested `text_config` (a composite
+    config, e.g. a vision-language wrapper, whose text part is a causal LM of its own)."""
     nested = getattr(cfg, "text_config", None)
-    if nested is not None and getattr(nested, "model_type", None) in BUILDERS:
+    if nested is not None and getattr(nested, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return nested
     return cfg
 
 
 def detect(cfg) -> ArchSpec:
-    """ArchSpec of a transformers config (or of its nested `text_config`).
+    """ArchSpec of a transformers config (or of its nested `text_config`), discovered from the model's modules
+    built on the meta device (tiermoe.arch.discover), with a tuned family's overrides (tiermoe.arch.tuned).
 
-    Raises TiermoeError, one line listing the supported model types, for unsupported or dense models.
+    Raises TiermoeError, one line, for dense models and model types transformers does not define.
     """
     cfg = text_config(cfg)
     model_type = getattr(cfg, "model_type", None)
-    if model_type not in BUILDERS:
-        is_moe = any((getattr(cfg, f, 0) or 0) > 0 for f in _EXPERT_COUNT_FIELDS)
-        kind = "an unsupported MoE model_type" if is_moe else "a dense (non-MoE) or unsupported model_type"
-        raise TiermoeError(f"'{model_type}' is {kind}; tiermoe supports: {_supported_list()}")
-    spec_or_none = _build(cfg)
-    if spec_or_none is None:
-        raise TiermoeError(
-            f"this {model_type} config has no MoE layers (a dense model); tiermoe runs MoE models of types: "
-            f"{_supported_list()}"
-        )
-    return spec_or_none
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise TiermoeError(f"'{model_type}' is an unsupported model_type (not a causal LM of transformers "
+                           f"{_transformers_release()}); {_runs()}")
+    if model_type not in TUNED and not defines_experts(model_type):
+        raise TiermoeError(f"'{model_type}' is a dense (non-MoE) model_type: its modeling file has no fused experts "
+                           f"module; {_runs()}")
+    found = discover(cfg)
+    return spec_of(cfg, found)
 
 
-def _build(cfg) -> ArchSpec | None:
-    try:
-        return BUILDERS[cfg.model_type](cfg)
-    except ValueError as err:  # ArchSpec refuses zero MoE layers
-        if isinstance(err, TiermoeError):
-            raise
-        return None
+def _transformers_release() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def load_gguf_config(path: str | Path):
@@ -108,6 +98,6 @@ def load_config(model_dir: str | Path):
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (ValueError, KeyError, TypeError) as err:
         model_type = raw.get("model_type")
-        if model_type not in BUILDERS:
-            raise TiermoeError(f"'{model_type}' is an unsupported model_type; tiermoe supports: {_supported_list()}") from None
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise TiermoeError(f"'{model_type}' is an unsupported model_type; {_runs()}") from None
         raise TiermoeError(f"{config_file} could not be read as a {model_type} config: {err}") from None

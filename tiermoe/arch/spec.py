@@ -21,9 +21,18 @@ from tiermoe.errors import TiermoeError
 SHARED_KINDS = ("none", "plain", "gated")
 
 # The expert feed-forward:
-#   "silu_glu":    down(act(gate(x)) * up(x)), no biases
+#   "silu_glu":    down(silu(gate(x)) * up(x)), no biases (what the native CPU kernels compute)
 #   "gpt_oss_glu": clamped gate/up with biases, glu = gate * sigmoid(alpha * gate), down((up + 1) * glu) + b
-ACTIVATIONS = ("silu_glu", "gpt_oss_glu")
+#   "model":       any other: the experts module's own gating (`_apply_gate`) or, for experts without a gate
+#                  (`gated` False: up and down only), its own `act_fn`, computed exactly on the torch path
+ACTIVATIONS = ("silu_glu", "gpt_oss_glu", "model")
+
+# Who computes a MoE block around its routed experts:
+#   "tiermoe": HybridMoE takes the block's place: the model's router, then both tiers, with the shared experts
+#              (SHARED_KINDS) computed while the CPU tier works (the families whose block forward tiermoe knows)
+#   "model":   the model's own block forward runs as written (its routing, shared experts, scalings); only its
+#              experts module is replaced, by one that computes the two tiers (tiermoe.model.hybrid_experts)
+BLOCK_FORWARDS = ("tiermoe", "model")
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,13 @@ class ExpertDiskLayout:
     block: str  # "mlp", or "block_sparse_moe" for Mixtral
     proj_names: tuple[str, str, str]  # gate, up, down
     fused_kind: str  # "transformers" | "gpt_oss"
+    # transformers' fused layout of this family (read from its experts module): `[E, H, 2I]` / `[E, I, H]` when
+    # transposed, gate and up columns alternating when interleaved (GPT-OSS is both, and has its own fused_kind)
+    transposed: bool = False
+    interleaved: bool = False
+    # (on disk, in the model) name substrings of a released checkpoint, read from transformers' conversion mapping
+    # (tiermoe.arch.disk_names): `.block_sparse_moe.` for `.mlp.`, `...input_linear.weight` for `...gate_up_proj`
+    renames: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -61,12 +77,17 @@ class ArchSpec:
     returns_router_scores: bool  # the block returns (hidden, router_scores), as GPT-OSS does
     disk: ExpertDiskLayout
     dtype: torch.dtype  # the checkpoint's dtype from config.json
+    moe_path: str = "mlp"  # the MoE block's attribute path in a decoder layer ("" = the decoder layer itself)
+    block_forward: str = "tiermoe"  # BLOCK_FORWARDS
+    gated: bool = True  # experts have a gate projection (gate_up [2I, H]); False: up [I, H] only
 
     def __post_init__(self):
         if self.shared_kind not in SHARED_KINDS:
             raise ValueError(f"shared_kind must be one of {SHARED_KINDS}, got {self.shared_kind!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.block_forward not in BLOCK_FORWARDS:
+            raise ValueError(f"block_forward must be one of {BLOCK_FORWARDS}, got {self.block_forward!r}")
         self._check_config_values()
         if not self.moe_layers:
             raise ValueError("an ArchSpec needs at least one MoE layer")
@@ -93,11 +114,16 @@ class ArchSpec:
         return layer in self.moe_layers
 
     @property
+    def gate_up_rows(self) -> int:
+        """Rows of an expert's first matrix: gate and up (2I), or up alone (I) for experts without a gate."""
+        return (2 if self.gated else 1) * self.expert_intermediate_size
+
+    @property
     def params_per_expert(self) -> int:
-        """gate, up and down matrices (plus their biases for GPT-OSS)."""
+        """gate, up and down matrices (plus their biases, where the experts have them)."""
         h, i = self.hidden_size, self.expert_intermediate_size
-        bias = (2 * i + h) if self.expert_bias else 0
-        return 3 * h * i + bias
+        bias = (self.gate_up_rows + h) if self.expert_bias else 0
+        return (self.gate_up_rows + i) * h + bias
 
     def bytes_per_expert(self, dtype: torch.dtype | None = None) -> int:
         itemsize = (dtype or self.dtype).itemsize

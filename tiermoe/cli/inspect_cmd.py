@@ -1,10 +1,12 @@
-"""tiermoe inspect: a checkpoint's MoE structure and sizes, from headers only."""
+"""tiermoe inspect: a checkpoint's MoE structure and sizes, from headers only (or from its config.json alone), or the
+page of every architecture the installed transformers defines (--architectures)."""
 
 from __future__ import annotations
 
 import json
 
 from tiermoe.cli.flags import add_command
+from tiermoe.model.catalogue import catalogue_markdown
 from tiermoe.model.inspect import format_summary, summarize
 from tiermoe.models import resolve_model
 
@@ -18,13 +20,21 @@ def add_parser(sub) -> None:
         "tiermoe inspect",
         "tiermoe inspect /models/Qwen3-30B-A3B",
         "tiermoe inspect /models/DeepSeek-V3 --json",
+        "tiermoe inspect /models/MiniMax-M2/config.json",
+        "tiermoe inspect --architectures > docs/architectures.md",
     )
     p.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
-                   help="checkpoint directory (default: the bundled demo model)")
+                   help="checkpoint directory, GGUF model, or a config.json alone (default: the bundled demo model)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--architectures", action="store_true",
+                   help="print the page of every MoE architecture of the installed transformers (markdown): who "
+                        "computes each part, and whether the engine serves it")
 
 
 def run(args) -> int:
+    if args.architectures:
+        print(catalogue_markdown(), end="")
+        return 0
     summary = summarize(resolve_model(args.model_dir))
     print(json.dumps(summary.as_dict(), indent=2) if args.json else format_summary(summary))
     return 0

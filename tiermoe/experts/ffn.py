@@ -8,7 +8,7 @@ Results accumulate in the input dtype after scaling in the weights' dtype, as tr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,12 +20,22 @@ from tiermoe.experts.weights import ExpertWeights
 
 @dataclass(frozen=True)
 class ExpertActivation:
-    """How an expert turns gate/up projections into the down projection's input."""
+    """How an expert turns gate/up projections into the down projection's input.
 
-    kind: str  # "silu_glu" | "gpt_oss_glu"
+    "silu_glu" and "gpt_oss_glu" are computed here (and "silu_glu" by the native kernels too). "model" is any
+    other experts module's own arithmetic: its `_apply_gate` (or, for experts without a gate, its `act_fn`) is
+    called on the module itself (its parameters stay on the meta device; the methods read scalars and
+    activations only), with gate and up interleaved again where the module keeps them so (tiermoe's layout
+    has gate rows first).
+    """
+
+    kind: str  # "silu_glu" | "gpt_oss_glu" | "model"
     hidden_act: str = "silu"
     alpha: float = 1.702  # GPT-OSS only
     limit: float = 7.0  # GPT-OSS only
+    module: Any = field(default=None, compare=False, repr=False)  # "model": the transformers experts module
+    gated: bool = True
+    interleaved: bool = False  # "model": the module's own gate_up output alternates gate and up columns
 
     @classmethod
     def from_config(cls, kind: str, cfg) -> ExpertActivation:
@@ -33,7 +43,28 @@ class ExpertActivation:
             return cls(kind, alpha=getattr(cfg, "swiglu_alpha", 1.702), limit=cfg.swiglu_limit)
         return cls(kind, hidden_act=getattr(cfg, "hidden_act", "silu"))
 
+    @classmethod
+    def of_module(cls, kind: str, experts) -> ExpertActivation:
+        """The activation a transformers experts module computes, of the `kind` discovery found for it
+        (tiermoe.arch.discover.ExpertsForm.activation)."""
+        if kind == "gpt_oss_glu":
+            return cls(kind, alpha=float(experts.alpha), limit=float(experts.limit))
+        if kind == "silu_glu":
+            return cls(kind, hidden_act="silu")
+        return cls(kind, module=experts, gated=bool(experts.has_gate), interleaved=not experts.is_concatenated)
+
+    @property
+    def name(self) -> str:
+        """What computes it, for people (and the log line saying why a tier runs in torch)."""
+        if self.kind != "model":
+            return self.kind
+        if not self.gated:
+            return f"{type(self.module.act_fn).__name__} without a gate"
+        return f"{type(self.module).__name__}._apply_gate"
+
     def __call__(self, gate_up_N2I: torch.Tensor) -> torch.Tensor:
+        if self.kind == "model":
+            return self._module_own(gate_up_N2I)
         gate, up = gate_up_N2I.chunk(2, dim=-1)
         if self.kind == "gpt_oss_glu":
             gate = gate.clamp(max=self.limit)
@@ -41,6 +72,13 @@ class ExpertActivation:
             return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
         return ACT2FN[self.hidden_act](gate) * up
+
+    def _module_own(self, h_N2I: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.module.act_fn(h_N2I)
+        if self.interleaved:  # [gate | up] -> gate0, up0, gate1, up1, ...
+            h_N2I = h_N2I.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
+        return type(self.module)._apply_gate(self.module, h_N2I)
 
 
 def expert_ffn(w: ExpertWeights, x_ND: torch.Tensor, act: ExpertActivation) -> torch.Tensor:

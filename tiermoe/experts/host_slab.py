@@ -31,11 +31,13 @@ def pins_host_memory(gpu_device: str | torch.device) -> bool:
 
 
 def expert_shapes(spec) -> list[tuple[int, ...]]:
-    """The canonical tensors of one expert: gate_up [2I, H], down [H, I], (gate_up_bias [2I], down_bias [H])."""
+    """The canonical tensors of one expert: gate_up [2I, H] (up [I, H] for experts without a gate), down [H, I],
+    (gate_up_bias [2I], down_bias [H])."""
     h, i = spec.hidden_size, spec.expert_intermediate_size
-    shapes = [(2 * i, h), (h, i)]
+    rows = getattr(spec, "gate_up_rows", 2 * i)
+    shapes = [(rows, h), (h, i)]
     if spec.expert_bias:
-        shapes += [(2 * i,), (h,)]
+        shapes += [(rows,), (h,)]
     return shapes
 
 

@@ -30,6 +30,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from tiermoe.layers.kv_pages import KVPages
+from tiermoe.layers.pool_kinds import check_pool_kinds
 from tiermoe.layers.ragged_step import RaggedStep
 
 STEP_KWARG = "tiermoe_step"
@@ -127,6 +128,7 @@ def layer_windows(config) -> dict[int, int | None | str]:
 def use_paged_attention(model) -> str:
     """Make `model`'s attention modules attend through the pool when given a step (and as before otherwise);
     returns the original implementation's name. Raises ValueError for an implementation not checked here."""
+    check_pool_kinds(model)  # a layer kind the pool does not know is refused, by name, not served wrongly
     original = model.config._attn_implementation
     if original.startswith(PAGED_PREFIX):
         return original[len(PAGED_PREFIX):]

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from tiermoe.arch import ArchSpec, text_config
+from tiermoe.arch.disk_names import on_disk
 from tiermoe.checkpoint.fp8 import fp8_block_size, is_block_fp8, scale_name
 from tiermoe.checkpoint.safetensors import Checkpoint
 from tiermoe.experts.fp8_blocks import dequant_bytes
@@ -61,9 +62,10 @@ def gpu_expert_bytes(ckpt: Checkpoint, spec, dtype: torch.dtype) -> int:
 
 
 def disk_name(name: str, spec, ckpt: Checkpoint) -> str | None:
-    """The checkpoint's name for model tensor `name` (the block renamed for Mixtral, wrapper prefixes tried)."""
-    candidates = [name]
-    if spec.disk.block != "mlp":
+    """The checkpoint's name for model tensor `name` (the block renamed for Mixtral, a released checkpoint's names
+    for a discovered family, wrapper prefixes tried)."""
+    candidates = [name] + on_disk(name, spec.disk.renames)[1:]  # a discovered family's released names
+    if spec.disk.block != "mlp" and not spec.disk.renames:
         candidates.append(name.replace(".mlp.", f".{spec.disk.block}."))
     for base in list(candidates):
         if base.startswith("model."):

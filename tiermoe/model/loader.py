@@ -63,7 +63,11 @@ from tiermoe.layers.fused_attention import fuse_decode_attention
 from tiermoe.layers.fused_decode_layer import fuse_decode_layers
 from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.layers.lm_head import use_rows_lm_head
-from tiermoe.layers.mla_attention import group_kv_b_rows_of, replace_mla_attention
+from tiermoe.layers.mla_attention import (
+    MLAAttention,
+    group_kv_b_rows_of,
+    replace_mla_attention,
+)
 from tiermoe.model.cpu_only import cpu_only_defaults, torch_threads_beside
 from tiermoe.model.expert_source import (
     LAYERS_PREFIX,
@@ -77,6 +81,7 @@ from tiermoe.model.fused_layers import fuse_layer_ops
 from tiermoe.model.gguf_checkpoint import open_checkpoint, weight_files
 from tiermoe.model.heap_trim import return_freed_heap
 from tiermoe.model.held_bytes import disk_name, held_nbytes
+from tiermoe.model.hybrid_experts import HybridExperts
 from tiermoe.model.hybrid_model import HybridModel
 from tiermoe.model.lora_merge import MergedLoRA
 from tiermoe.model.non_expert_quant import (
@@ -86,7 +91,12 @@ from tiermoe.model.non_expert_quant import (
     quantize_non_experts,
 )
 from tiermoe.model.plan_source import resolve_plan
-from tiermoe.model.skeleton import build_skeleton, decoder_layers, moe_block_attr, move_buffers
+from tiermoe.model.skeleton import (
+    build_skeleton,
+    decoder_layers,
+    moe_block,
+    move_buffers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +186,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         if not trainable:
             replace_mla_attention(decoder_layers(model))  # MLA caches its latent (before the weights load into it)
         worker = CPUWorker()
-        act = ExpertActivation.from_config(spec.activation, config)
+        act = ExpertActivation.from_config(spec.activation, config) if spec.block_forward == "tiermoe" else None
         fp8_layers = {layer for layer, src in sources.items() if keeps_fp8(ckpt, src)}
         if lora is not None:
             _check_lora_experts(lora, fp8_layers, assignment_LE == rank)
@@ -223,12 +233,25 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     return_freed_heap()  # the read buffers the tiers packed or quantised from
     kernels = load_kernels()
     decode_attention = decode_attention_for(model, gpu_device, kernels, model_team(worker, kernels, cpu), trainable,
-                                            attention_backend)
+                                            _in_place_backend(model, attention_backend))
     if isinstance(decode_attention, DecodeAttention):  # the CPU's native kernels: whole layers fused around them
         fuse_decode_attention(model, decode_attention)
         fuse_decode_layers(model, kernels)  # where every piece is fused and packed: one native call a layer
     return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share, trainable, pool,
                        decode_attention, torch_threads_beside(cpu))
+
+
+def _in_place_backend(model: nn.Module, backend: str) -> str:
+    """The attention backend decode rows can use: reading the pool in place takes keys and values of one head dim,
+    so a transformers MLA module tiermoe has not replaced by its MLAAttention (a family discovery found: query and
+    key heads of nope + rope dims, values of another) attends gathered pages, as transformers computes it."""
+    generic_mla = sorted({type(m).__name__ for m in model.modules()
+                          if hasattr(m, "kv_a_proj_with_mqa") and not isinstance(m, MLAAttention)})
+    if not generic_mla or backend == "torch":
+        return backend
+    log.info("attention: %s attends gathered pages (its keys and values differ in head dim, which the in-place "
+             "decode kernels do not take)", ", ".join(generic_mla))
+    return "torch"
 
 
 def _log_gpu_tier_kernel(blocks: dict[int, HybridMoE], device: torch.device, dtype: torch.dtype) -> None:
@@ -292,29 +315,47 @@ def _expert_bytes(reads_LE, on_gpu_LE, fp8_layers, spec, dtype, block) -> int:
 def _inject_hybrid_blocks(model: nn.Module, spec, gpu_device, act, worker, pin, cpu: CPUConfig,
                           dtype: torch.dtype, fp8_layers: set[int], fp8_block, gpu_experts_L: list[int],
                           pool: ExpertSlotPool) -> dict[int, HybridMoE]:
-    blocks, fp8_pool = {}, None
+    """A HybridMoE per MoE layer: in the block's place (a tuned family: spec.block_forward "tiermoe"), or in its
+    experts module's place, the block's own forward kept (tiermoe.model.hybrid_experts)."""
+    blocks, fp8_pool, torch_tiers = {}, None, {}
     for i, layer in enumerate(decoder_layers(model)):
-        attr = moe_block_attr(layer)
-        if (attr is not None) != spec.is_moe_layer(i):
-            raise RuntimeError(f"layer {i}: transformers built {'a MoE' if attr else 'a dense'} block, "
-                               f"but the config rule says otherwise for {spec.model_type}")
-        if attr is None:
+        block = moe_block(layer, spec.moe_path)
+        if (block is not None) != spec.is_moe_layer(i):
+            raise RuntimeError(f"layer {i}: transformers built {'a MoE' if block is not None else 'a dense'} block, "
+                               f"but discovery says otherwise for {spec.model_type}")
+        if block is None:
             continue
+        layer_act = act if spec.block_forward == "tiermoe" else ExpertActivation.of_module(spec.activation,
+                                                                                            block.experts)
         # FP8 checkpoints: the GPU tier keeps the stored codes (about half of bf16's bytes), in slots of a pool of
         # codes where a kernel decodes them without a host sync (on CUDA), else expert by expert
         if i in fp8_layers and fp8_kernel(gpu_device, dtype).sync_free:
             fp8_pool = fp8_pool or ExpertSlotPool(gpu_device)
-            gpu_tier = SlottedFP8ExpertSet(act, spec.num_experts, fp8_pool, fp8_block, dtype)
+            gpu_tier = SlottedFP8ExpertSet(layer_act, spec.num_experts, fp8_pool, fp8_block, dtype)
             fp8_pool.reserve(gpu_experts_L[i])
         elif i in fp8_layers:
-            gpu_tier = FP8ExpertSet(gpu_device, act, fp8_block, dtype)
+            gpu_tier = FP8ExpertSet(gpu_device, layer_act, fp8_block, dtype)
         else:  # slots of the model's pool, sized once for the experts the placement gives this rank
-            gpu_tier = SlottedExpertSet(act, spec.num_experts, pool)
+            gpu_tier = SlottedExpertSet(layer_act, spec.num_experts, pool)
             pool.reserve(gpu_experts_L[i])
-        cpu_tier = make_cpu_tier(cpu, worker, act, pin, dtype)
-        blocks[i] = HybridMoE(getattr(layer, attr), spec, i, gpu_tier, cpu_tier)
-        setattr(layer, attr, blocks[i])
+        cpu_tier = make_cpu_tier(cpu, worker, layer_act, pin, dtype)
+        if layer_act.kind != "silu_glu":
+            torch_tiers.setdefault(layer_act.name, []).append(i)
+        if spec.block_forward == "tiermoe":
+            blocks[i] = HybridMoE(block, spec, i, gpu_tier, cpu_tier)
+            parent, _, leaf = spec.moe_path.rpartition(".")
+            setattr(layer.get_submodule(parent) if parent else layer, leaf, blocks[i])
+        else:
+            blocks[i] = HybridExperts(spec, i, gpu_tier, cpu_tier)
+            block.experts = blocks[i]
+    for name, layers in torch_tiers.items():  # once per load: why these layers' CPU tier is not the kernels'
+        log.info("CPU tier: the experts of layers %s compute in torch, exactly: their activation (%s) is not one the "
+                 "native kernels have", _layer_list(layers), name)
     return blocks
+
+
+def _layer_list(layers: list[int]) -> str:
+    return ", ".join(map(str, layers)) if len(layers) <= 8 else f"{layers[0]}-{layers[-1]} ({len(layers)} layers)"
 
 
 def _meta_tensors(model: nn.Module):
@@ -424,15 +465,15 @@ def _read_expert_into(ckpt: Checkpoint, src: ExpertSource, expert: int, spec, dt
     """read_expert, into given host tensors (canonical layout, `dtype`) instead of new ones; returns `out`."""
     i = spec.expert_intermediate_size
     if src.fused is None:
-        gate_key, up_key, down_key = src.per_expert_keys(expert)
-        ckpt.read(gate_key, out.gate_up[:i])
-        ckpt.read(up_key, out.gate_up[i:])
+        *first, down_key = src.per_expert_keys(expert)
+        for key, part in zip(first, out.gate_up.split(i)):
+            ckpt.read(key, part)
         ckpt.read(down_key, out.down)
-    elif src.fused == "transformers":
+    elif src.direct:
         gate_up_key, down_key = src.fused_keys()
         ckpt.read(gate_up_key, out.gate_up, index=expert)
         ckpt.read(down_key, out.down, index=expert)
-    else:  # GPT-OSS's layout is rearranged through an expert-sized buffer anyway
+    else:  # transposed or interleaved layouts (GPT-OSS's) are rearranged through an expert-sized buffer anyway
         for dst, value in zip(out.tensors(), read_expert(ckpt, src, expert, spec, dtype).tensors()):
             dst.copy_(value)
     return out

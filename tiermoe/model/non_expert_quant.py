@@ -14,8 +14,8 @@ largest matrix a decode token reads on a Qwen3-30B-A3B-class model (151,936 x 20
 of a 4-bit model's step: int4 reads 166 MB of it, int8 311 MB, llama.cpp's Q4_K_M keeps it at Q6_K (255 MB)
 because logits are the one place where weight error is not averaged away by later layers. The measured held-out
 loss of a 4-bit model with an int4 head stays within Q4_K_M's change + 0.01 nats (BENCHMARKS.md, "An int4 LM
-head"); `--head-dtype int8` is the careful choice, at 1.9x the head's bytes. A head tied to the embeddings gets a packed copy of its
-own; the embeddings keep the loaded table (one row is read per token).
+head"); `--head-dtype int8` is the careful choice, at 1.9x the head's bytes. A head tied to the embeddings gets a
+packed copy of its own; the embeddings keep the loaded table (one row is read per token).
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def quantizable_linears(model: nn.Module, router_attr: str) -> list[tuple[str, n
     for i, layer in enumerate(decoder_layers(model)):
         for name, module in layer.named_modules():
             leaf = name.rpartition(".")[2]
-            if type(module) is nn.Linear and leaf != router_attr and leaf not in KEPT_LINEARS:
+            # a router is kept as loaded, with the linears inside it (a discovered family's router module may hold one)
+            if type(module) is nn.Linear and router_attr not in name.split(".") and leaf not in KEPT_LINEARS:
                 found.append((f"model.layers.{i}.{name}", module))
     return found
 

@@ -59,3 +59,13 @@ def moe_block_attr(layer: nn.Module) -> str | None:
         if hasattr(child, "experts"):
             return name
     return None
+
+
+def moe_block(layer: nn.Module, path: str) -> nn.Module | None:
+    """The module at `path` in a decoder layer ("" = the layer) if it is a routed MoE block (holds an `experts`
+    module), else None (a dense layer)."""
+    try:
+        block = layer.get_submodule(path) if path else layer
+    except AttributeError:
+        return None
+    return block if isinstance(block._modules.get("experts"), nn.Module) else None
