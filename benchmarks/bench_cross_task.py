@@ -39,7 +39,11 @@ from pathlib import Path
 
 import torch
 
-from tiermoe.analysis.dynamic_bench import DEFAULT_RATIOS, replay_cost_model, run_dynamic_bench
+from tiermoe.analysis.dynamic_bench import (
+    DEFAULT_RATIOS,
+    replay_cost_model,
+    run_dynamic_bench,
+)
 from tiermoe.analysis.trace_replay import REPLAY_POLICIES, replay, trace_passes
 from tiermoe.arch import detect, load_config
 from tiermoe.placement.adaptive_policy import AdaptiveSettings
@@ -186,7 +190,8 @@ def main() -> None:
     ap.add_argument("--data", required=True, help="the esft-deepseek-v2-lite folder (trace_<task>.txt)")
     ap.add_argument("--ratios", default=",".join(str(r) for r in DEFAULT_RATIOS))
     ap.add_argument("--profiles", default=",".join(PROFILES))
-    ap.add_argument("--copy-budget", type=int, default=4, help="swaps per step for lru / lfu / belady (default 4)")
+    ap.add_argument("--copy-budget", type=int, default=4,
+                    help="swaps under way at once for lru / lfu / belady and adaptive (default 4)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--pairs", help="calibration:replayed task pairs, e.g. law:intent,intent:intent (default: all 9)")
     ap.add_argument("--policies", default=",".join(REPLAY_POLICIES), help="replayed policies (default: all)")
@@ -210,7 +215,8 @@ def main() -> None:
         raise SystemExit("--out is required (or --from-json)")
     config_dir = tempfile.mkdtemp(prefix="dsv2lite-")
     make_config("deepseek_v2", "deepseek-v2-lite").to_json_file(Path(config_dir) / "config.json")
-    pairs = [tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs else [(a, b) for a in TASKS for b in TASKS]
+    every_pair = [(a, b) for a in TASKS for b in TASKS]
+    pairs = [tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs else every_pair
     policies = tuple(args.policies.split(","))
     variants = [parse_variant(v) for v in args.adaptive_variant]
     jobs = [(args.data, a, b, p, config_dir, ratios, args.copy_budget, policies, variants, args.prompt_share)

@@ -27,27 +27,63 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from tiermoe.analysis.placement_traffic import pass_shapes, placement_traffic
+from tiermoe.analysis.placement_traffic import (
+    pass_shapes,
+    placement_traffic,
+    strategy_mask,
+)
 from tiermoe.config import AdaptiveSettings
 from tiermoe.errors import TiermoeError
 from tiermoe.placement.model_costs import ModelCosts
 from tiermoe.placement.pass_cost import HostCosts, PassCostModel
-from tiermoe.placement.profiles import load_profile
+from tiermoe.placement.pass_traffic import static_traffic
+from tiermoe.placement.profiles import GPUProfile, load_profile
 from tiermoe.placement.tier_time import TierFit
 from tiermoe.stats.io import load_counts
 from tiermoe.stats.trace_convert import detect_layout, read_routing
 
 
 def recorded_cost_model(result: dict) -> PassCostModel:
-    """The cost model a `bench placement` run estimated with, from its --out JSON."""
+    """The cost model a `bench placement` run estimated with, from its --out JSON (a this-cpu run: the GPU tier as
+    timed on this CPU, the tiers taking turns, its both-tiers term and forward correction)."""
     fit = result["calibration"]
     host = HostCosts(**{k: fit["host"][k] for k in ("op_seconds", "step_seconds", "sequence_seconds")})
-    return PassCostModel(load_profile(result["gpu_profile"]["name"]), ModelCosts.from_dict(fit["model"]),
-                         TierFit(**fit["cpu_backend"]), host)
+    if result["gpu_profile"]["name"] != "this-cpu":
+        return PassCostModel(load_profile(result["gpu_profile"]["name"]), ModelCosts.from_dict(fit["model"]),
+                             TierFit(**fit["cpu_backend"]), host)
+    host = HostCosts(**{k: fit.get("this_cpu_host", fit["host"])[k]
+                        for k in ("op_seconds", "step_seconds", "sequence_seconds")})
+    return PassCostModel(GPUProfile(**result["gpu_profile"]), ModelCosts.from_dict(fit["model"]),
+                         TierFit(**fit["cpu_backend"]), host, device_is_host=True, tiers_overlap=False,
+                         both_tiers_seconds=fit.get("both_tiers_seconds", 0.0),
+                         gpu_tier=TierFit(**fit["gpu_tier_on_this_cpu"]),
+                         forward_correction_seconds=fit.get("forward_correction_seconds", 0.0))
+
+
+def refit_on_totals(cost: PassCostModel, result: dict, shapes, counts) -> PassCostModel:
+    """A this-cpu run recorded before the per-step term could go below 0 (host_cost_fit.fit_this_cpu): the step and
+    both-tiers terms fitted again, on the calibration runs' recorded totals (the JSON keeps no per-pass times), with
+    the per-sequence term held at the recorded one. An approximation of what the run would fit now."""
+    zero = replace(cost, both_tiers_seconds=0.0, forward_correction_seconds=0.0,
+                   host=replace(cost.host, step_seconds=0.0))
+    rows, measured = [], []
+    for label, run in result["calibration"]["host"]["fit"]["runs"].items():
+        strategy, ratio = label.split("@")
+        mask = strategy_mask(strategy, shapes.moe_rows_L, shapes.num_experts, float(ratio), counts)
+        traffic = static_traffic(shapes, mask[list(shapes.moe_layers)])
+        both = float(((traffic.cpu_distinct_PM > 0) & (traffic.gpu_distinct_PM > 0)).sum())
+        rows.append([float(shapes.num_passes), both])
+        measured.append(run["measured_seconds"] - float(zero.pass_seconds_P(shapes, traffic).sum()))
+    coef = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
+                              torch.tensor(measured, dtype=torch.float64)[:, None]).solution[:, 0]
+    step, both = float(coef[0]), float(coef[1])
+    return replace(zero, host=replace(cost.host, step_seconds=max(0.0, step)), both_tiers_seconds=both,
+                   forward_correction_seconds=min(0.0, step))
 
 
 def bench_workload(trace: dict, layers: list[int], served: int, calibration: int, concurrency: int,
@@ -104,6 +140,11 @@ def main() -> None:
                          "--routing-calibration); the first --served requests are then served")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--ratios", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9")
+    ap.add_argument("--strategies", default="frequency,adaptive",
+                    help="placements to replay (any of bench placement's; the first is the reference column)")
+    ap.add_argument("--refit-totals", action="store_true",
+                    help="a this-cpu run recorded before the forward correction: refit its step and both-tiers "
+                         "terms on the calibration runs' totals (refit_on_totals)")
     args = ap.parse_args()
     if min(args.served, args.calibration_requests, args.concurrency) < 1:
         ap.error("--served, --calibration-requests and --concurrency must be positive")
@@ -133,20 +174,23 @@ def main() -> None:
     shapes, counts = bench_workload(trace, layers, args.served, args.calibration_requests, args.concurrency,
                                     calibration_LE)
     settings = AdaptiveSettings(**result["setup"]["adaptive"])  # as the run recorded them
+    if args.refit_totals:
+        cost = refit_on_totals(cost, result, shapes, counts)
     output = int(shapes.output_tokens_P.sum())
+    batch = result["setup"].get("concurrency", args.concurrency)
+    strategies = args.strategies.split(",")
     print(f"{shapes.num_passes} passes, {output} output tokens; GPU profile {cost.profile.name} (ESTIMATE)\n")
-    print("| ratio | frequency hit | frequency tok/s | adaptive hit | adaptive tok/s | vs frequency | swaps "
-          "| MB copied |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| ratio | " + " | ".join(f"{s} tok/s (hit, swaps)" for s in strategies) + f" | vs {strategies[0]} |")
+    print("|---" * (len(strategies) + 2) + "|")
     for ratio in ratios:
         cells = {}
-        for strategy in ("frequency", "adaptive"):
-            traffic = placement_traffic(shapes, strategy, ratio, counts, cost, None, settings)
+        for strategy in strategies:
+            traffic = placement_traffic(shapes, strategy, ratio, counts, cost, None, settings, tokens_per_pass=batch)
             cells[strategy] = (traffic, output / float(cost.pass_seconds_P(shapes, traffic).sum()))
-        (freq, f_tps), (adapt, a_tps) = cells["frequency"], cells["adaptive"]
-        copied = adapt.copied_experts() * cost.model.bytes_per_expert / 1e6
-        print(f"| {ratio:.0%} | {freq.hit_rate:.1%} | {f_tps:.1f} | {adapt.hit_rate:.1%} | {a_tps:.1f} | "
-              f"{a_tps / f_tps - 1:+.1%} | {adapt.swaps()} | {copied:.0f} |")
+        ref = cells[strategies[0]][1]
+        print(f"| {ratio:.0%} | " + " | ".join(f"{tps:.1f} ({t.hit_rate:.1%}, {t.swaps()})" for t, tps in (
+            cells[s] for s in strategies)) + " | " + ", ".join(
+            f"{s} {cells[s][1] / ref - 1:+.1%}" for s in strategies[1:]) + " |")
 
 
 if __name__ == "__main__":

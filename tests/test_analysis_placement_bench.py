@@ -14,9 +14,17 @@ from conftest import save_char_tokenizer, save_tiny
 
 from tiermoe.analysis.host_cost_fit import fit_host_costs, measure_op_seconds
 from tiermoe.analysis.model_op_count import count_decode_step, measure_model_costs
-from tiermoe.analysis.placement_bench import PlacementBenchConfig, run_placement_bench, ttft_seconds
+from tiermoe.analysis.placement_bench import (
+    PlacementBenchConfig,
+    run_placement_bench,
+    ttft_seconds,
+)
 from tiermoe.analysis.placement_live import measure_configuration
-from tiermoe.analysis.placement_traffic import pass_shapes, placement_traffic, strategy_mask
+from tiermoe.analysis.placement_traffic import (
+    pass_shapes,
+    placement_traffic,
+    strategy_mask,
+)
 from tiermoe.analysis.placement_workload import WorkloadSpec, build_workloads
 from tiermoe.analysis.tier_time_fit import fit_abc
 from tiermoe.analysis.trace_replay import TracePasses, replay
@@ -332,7 +340,7 @@ def test_bench_placement_estimates_without_cuda_and_labels_it(model_dir, dataset
     assert "[placement]" in result.stderr  # progress
     data = json.loads(out.read_text())
     assert data["mode"] == "estimated" and data["estimated"] and "ESTIMATE" in data["label"]
-    assert len(data["cells"]) == 3 * 7 and all(c["estimated"] for c in data["cells"])
+    assert len(data["cells"]) == 3 * 8 and all(c["estimated"] for c in data["cells"])
     by = {(c["strategy"], c["ratio"]): c for c in data["cells"]}
     assert all(by[(s, 1.0)]["hit_rate"] == 1.0 for s in data["strategies"])
     static = [s for s in data["strategies"] if s not in ("dynamic", "adaptive")]
@@ -390,3 +398,31 @@ def test_calibration_and_validation_ratios_must_differ():
 def test_bench_placement_rejects_unknown_strategies(dataset):
     result = cli("bench", "placement", "--dataset", str(dataset), "--strategies", "uniform,magic")
     assert result.returncode == 2 and "magic" in result.stderr
+
+
+def test_this_cpu_times_the_chosen_strategies_in_alternating_rounds(model_dir, workloads, tmp_path):
+    import sys  # the verdict script lives in benchmarks/
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from placement_verdict import placement_goals
+
+    config = PlacementBenchConfig(spec_of("unused"), model=model_dir, ratios=(0.5,), strategies=("uniform",),
+                                  gpu_profile="this-cpu", concurrency=4, repeats=2, prefill_threshold=None,
+                                  validation_ratios=(0.5,), validation_strategies=("uniform",),
+                                  timed_strategies=("uniform", "time-balanced", "adaptive"), timed_ratios=(0.5,))
+    messages = []
+    result = run_placement_bench(config, messages.append, workloads)
+    order = [m.split()[2] for m in messages if m.startswith("[placement] timed ")]
+    assert order == ["uniform", "time-balanced", "adaptive", "time-balanced", "adaptive", "uniform"]  # rotated
+    assert [t["strategy"] for t in result.timed] == ["uniform", "time-balanced", "adaptive"]
+    for t in result.timed:
+        speeds = t["rounds_output_tokens_per_s"]
+        assert len(speeds) == 2 and min(speeds) <= t["median_output_tokens_per_s"] <= max(speeds)
+        assert t["spread_output_tokens_per_s"] == pytest.approx(max(speeds) - min(speeds))
+    path = tmp_path / "r.json"
+    result.write_json(path)
+    goals = placement_goals(str(path))
+    assert [g[0].split(":")[1].split("(")[0].strip() for g in goals] == [
+        "adaptive and time-balanced >= uniform and frequency, measured", "cost-model validation within 15%"]
+    with pytest.raises(TiermoeError, match="this-cpu"):
+        PlacementBenchConfig(spec_of("unused"), timed_strategies=("uniform",))

@@ -50,9 +50,10 @@ def test_a_cold_layers_gpu_slot_goes_to_a_hot_expert_of_another_layer():
     assert all(s.layer_out is None and s.layer == 0 for s in within.propose(mask, idle))  # layer 1 gets nothing
 
 
-def test_no_swap_where_the_gpu_tier_is_slower_per_expert_than_the_cpu_tier():
-    # the GPU tier on a CPU (--gpu-profile this-cpu): an expert costs it more than the CPU tier's kernels, so the
-    # difference is no saving and hot experts are not swapped out for cold ones
+def test_where_the_gpu_tier_is_slower_a_swap_moves_routed_pairs_off_it():
+    # the GPU tier on a CPU (--gpu-profile this-cpu): an expert costs it ten times the CPU tier's time, so a layer
+    # that holds its hot expert there waits for the GPU tier, and the swap that pays demotes that expert for an
+    # idle one (the old per-expert valuation, never below 0, kept such a placement as it was)
     slow_gpu = GPUProfile("slow", memory_bandwidth=1e9, compute_flops=1e10, pcie_bandwidth=1e10, launch_overhead=1e-5)
     fast_cpu = TierFit(1e-4, 1e-6, 0.0, 0.0, 0)
     cost = expert_cost_model(1 << 20, 2e6, gpu=slow_gpu, cpu=fast_cpu)
@@ -60,8 +61,12 @@ def test_no_swap_where_the_gpu_tier_is_slower_per_expert_than_the_cpu_tier():
     mask = torch.tensor([[True, True, False, False], [False, False, False, False]])
     policy = AdaptivePolicy(2, 4, cost, AdaptiveSettings(cross_layer=True), prior)
     _serve(policy, 300)
-    assert float(policy.saving_per_token(policy.rates()).min()) == 0.0
-    assert policy.propose(mask, torch.zeros(2, 4, dtype=torch.bool)) == []
+    promote, demote = policy.swap_values(policy.rates(), mask)
+    assert float(demote[0, 0]) < 0  # demoting layer 0's hot expert saves step time
+    assert float(promote[1, 3]) < 0  # promoting layer 1's hot expert costs it: no slot goes there
+    swaps = policy.propose(mask, torch.zeros(2, 4, dtype=torch.bool))
+    assert swaps and swaps[0].out_layer == 0 and swaps[0].expert_out == 0
+    assert swaps[0].layer == 0 and swaps[0].expert_in in (2, 3)  # a colder expert takes the slot
 
 
 class OneSwap:

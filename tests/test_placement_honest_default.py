@@ -46,7 +46,8 @@ def test_adaptive_serving_requests_side_by_side_pays_no_more_than_its_copies():
     The previous policy took that first pass's routing, and the noise of the next few, for a lasting shift from the
     calibration: 169-234 swaps, 21% / 11% / 3.3% more estimated time than frequency at 0.8 / 0.5 / 0.15 (the
     copies a fraction of it). A deviation from the calibration is now followed only as far as it carried over to
-    later passes: 0-3 swaps here."""
+    later passes: 0-3 swaps here; at 0.8, 6 since swaps are valued by the step time they change (cross-layer moves
+    when the longer check settles, 0.2% faster than frequency beyond their copies)."""
     trace = read_routing(DATA / "esft_law_requests.txt", "esft-trace")
     position = trace["token_position"]
     passes = trace_passes(dict(trace, token_pass=position, token_is_prefill=position == 0))
@@ -57,4 +58,4 @@ def test_adaptive_serving_requests_side_by_side_pays_no_more_than_its_copies():
         adaptive = replay(passes, "adaptive", ratio, COST, own)
         copies = sum(adaptive.swaps_P) * COST.copy_seconds(2)
         # 0.2%: the few short-window swaps it still makes may not pay (at 0.15: 3 swaps, 0.1% beyond their copies)
-        assert sum(adaptive.swaps_P) <= 5 and adaptive.time - copies <= frequency.time * 1.002
+        assert sum(adaptive.swaps_P) <= 8 and adaptive.time - copies <= frequency.time * 1.002

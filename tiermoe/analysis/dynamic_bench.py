@@ -1,9 +1,9 @@
 """`tiermoe bench dynamic`: every placement policy replayed on a trace, per GPU ratio.
 
-Static strategies (statistics from a calibration trace or stats file), KT-compatible dynamic, the LRU and LFU
-expert caches (`copy_budget` swaps a pass), adaptive, and the ceilings (Belady with the same copy budget, the
-trace's static top-k, the per-request and per-window oracles); per ratio the GPU hit rate, the estimated time
-(copies charged) and the copy traffic.
+Static strategies (statistics from a calibration trace or stats file; time-balanced with the cost model too),
+KT-compatible dynamic, the LRU and LFU expert caches (`copy_budget` swaps under way), adaptive, and the ceilings
+(Belady with the same copy budget, the trace's static top-k, the per-request and per-window oracles); per ratio the
+GPU hit rate, the estimated time (copies charged) and the copy traffic.
 """
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ from tiermoe.placement.cache_policies import DEFAULT_COPY_BUDGET
 from tiermoe.placement.pass_cost import PassCostModel, expert_cost_model
 from tiermoe.placement.profiles import GPUProfile
 from tiermoe.placement.strategies import NEEDS_STATISTICS
-from tiermoe.placement.tier_time import DEFAULT_CPU_FLOPS, DEFAULT_CPU_READ_BANDWIDTH, assumed_cpu_tier
+from tiermoe.placement.tier_time import (
+    DEFAULT_CPU_FLOPS,
+    DEFAULT_CPU_READ_BANDWIDTH,
+    assumed_cpu_tier,
+)
 
 DEFAULT_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 

@@ -17,6 +17,13 @@ dispatched op, and per engine step and per sequence in a step.
    norms, cost less each than the expert loop's that t_op is timed on); t_seq what each sequence adds (its pages,
    its rows, its sampling). Least squares over every pass of every run, both >= 0; absolute error, so the
    fit is best where the time is (the total of a run).
+3. With the GPU tier on this CPU (fit_this_cpu) the same columns are fitted once more with the per-step term free
+   to go below 0: there the model's non-expert forward is the roofline of this CPU's one-core profile, while the
+   forward runs its fused kernels on every core, so a step costs less than estimated (the law run on this CPU: all
+   on the CPU tier measured 48.2 s against 84.7 s estimated, all on the GPU tier 103.6 against 139.2, both off by
+   the same 130 ms a step). Held at 0, the fit had put that into the both-tiers term (-33 ms a layer), which
+   rewarded a placement for touching both tiers in every pass. The negative part stays with this CPU's model
+   (PassCostModel.forward_correction_seconds); the host costs carried to a GPU profile are the bounded fit's.
 """
 
 from __future__ import annotations
@@ -34,15 +41,15 @@ from tiermoe.placement.pass_cost import HostCosts, PassCostModel
 from tiermoe.placement.pass_traffic import PassShapes, Traffic
 
 
-def fit_host_costs(model: PassCostModel, shapes: PassShapes, runs: list[tuple[str, Traffic, list[float]]]
-                   ) -> PassCostModel:
+def fit_host_costs(model: PassCostModel, shapes: PassShapes, runs: list[tuple[str, Traffic, list[float]]],
+                   free_step: bool = False) -> PassCostModel:
     """runs: (label, traffic of that run's placement, measured seconds of each pass). `model` must have
     device_is_host True (the runs had the GPU tier on this CPU); returns it with t_step and t_seq (its host
-    op_seconds kept) and both_tiers_seconds fitted."""
+    op_seconds kept) and both_tiers_seconds fitted (free_step: see fit_this_cpu)."""
     if not model.device_is_host:
         raise ValueError("host costs are fitted on runs with the GPU tier on the host CPU")
     op = model.host.op_seconds
-    zero = replace(model, host=HostCosts(op, 0.0, 0.0), both_tiers_seconds=0.0)
+    zero = replace(model, host=HostCosts(op, 0.0, 0.0), both_tiers_seconds=0.0, forward_correction_seconds=0.0)
     xs, ys = [], []
     for _, traffic, seconds in runs:
         measured = torch.tensor(seconds, dtype=torch.float64)
@@ -53,17 +60,25 @@ def fit_host_costs(model: PassCostModel, shapes: PassShapes, runs: list[tuple[st
                               dim=1))
         ys.append(measured - zero.pass_seconds_P(shapes, traffic))
     x, y = torch.cat(xs), torch.cat(ys)
-    coef = _bounded_lstsq(x, y, lower=(0.0, 0.0, -float("inf")))
+    coef = _bounded_lstsq(x, y, lower=(-float("inf") if free_step else 0.0, 0.0, -float("inf")))
     residual = y - x @ coef
     n = shapes.num_passes
     totals = {label: {"measured_seconds": float(sum(s)),
                       "fitted_seconds": float(sum(s)) - float(residual[i * n:(i + 1) * n].sum())}
               for i, (label, _, s) in enumerate(runs)}
-    host = HostCosts(op_seconds=op, step_seconds=float(coef[0]), sequence_seconds=float(coef[1]),
+    host = HostCosts(op_seconds=op, step_seconds=max(0.0, float(coef[0])), sequence_seconds=float(coef[1]),
                      fit={"runs": totals, "passes": int(y.numel()),
                           "layers_with_both_tiers": int(x[:, 2].sum()),
                           "rms_pass_error_seconds": float(residual.pow(2).mean().sqrt())})
-    return replace(model, host=host, both_tiers_seconds=float(coef[2]))
+    return replace(model, host=host, both_tiers_seconds=float(coef[2]),
+                   forward_correction_seconds=min(0.0, float(coef[0])))
+
+
+def fit_this_cpu(model: PassCostModel, shapes: PassShapes, runs: list[tuple[str, Traffic, list[float]]]
+                 ) -> PassCostModel:
+    """fit_host_costs with the per-step term free to go below 0 (its negative part becomes the model's
+    forward_correction_seconds, its positive part the host's step_seconds): the this-cpu model."""
+    return fit_host_costs(model, shapes, runs, free_step=True)
 
 
 def measure_op_seconds(act, device="cpu", experts: int = 8, repeats: int = 20) -> float:

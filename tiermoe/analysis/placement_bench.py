@@ -28,11 +28,16 @@ import torch
 
 from tiermoe.analysis.core_split import caller_threads, core_split
 from tiermoe.analysis.device_profile import measure_profile
-from tiermoe.analysis.host_cost_fit import fit_host_costs, measure_op_seconds
+from tiermoe.analysis.host_cost_fit import (
+    fit_host_costs,
+    fit_this_cpu,
+    measure_op_seconds,
+)
 from tiermoe.analysis.model_op_count import measure_model_costs
 from tiermoe.analysis.placement_live import measure_configuration
 from tiermoe.analysis.placement_lockstep import time_configurations
 from tiermoe.analysis.placement_result import Cell, PlacementBenchResult
+from tiermoe.analysis.placement_rounds import time_in_rounds
 from tiermoe.analysis.placement_traffic import (
     BENCH_STRATEGIES,
     DYNAMIC_STRATEGIES,
@@ -40,7 +45,12 @@ from tiermoe.analysis.placement_traffic import (
     placement_traffic,
     strategy_mask,
 )
-from tiermoe.analysis.placement_workload import Workload, WorkloadSpec, build_workloads, prompt_encoder
+from tiermoe.analysis.placement_workload import (
+    Workload,
+    WorkloadSpec,
+    build_workloads,
+    prompt_encoder,
+)
 from tiermoe.analysis.tier_time_fit import measure_cpu_tier, measure_gpu_tier
 from tiermoe.analysis.trace_workload import RoutingTraceSpec, trace_workloads
 from tiermoe.analysis.workload_runs import (
@@ -93,6 +103,10 @@ class PlacementBenchConfig:
     seed: int = 42  # random strategy
     routing_trace: RoutingTraceSpec | None = None  # the model's routers pick this trace's experts (trace_workload)
     adaptive: AdaptiveSettings = AdaptiveSettings()
+    # this-cpu: strategies also served end to end at `timed_ratios` (default: the ratios strictly between 0 and 1),
+    # `repeats` alternating rounds, a median and a spread per cell (placement_rounds)
+    timed_strategies: tuple[str, ...] = ()
+    timed_ratios: tuple[float, ...] | None = None
 
     def __post_init__(self):
         unknown = [s for s in (*self.strategies, *self.validation_strategies) if s not in BENCH_STRATEGIES]
@@ -101,6 +115,13 @@ class PlacementBenchConfig:
         if not self.ratios or any(not 0.0 <= r <= 1.0 for r in (*self.ratios, *self.calibration_ratios,
                                                                  *self.validation_ratios)):
             raise TiermoeError("ratios must be between 0.0 and 1.0")
+        unknown = [s for s in self.timed_strategies if s not in BENCH_STRATEGIES]
+        if unknown:
+            raise TiermoeError(f"unknown timed strategies {unknown}; choose from {', '.join(BENCH_STRATEGIES)}")
+        if self.timed_strategies and self.gpu_profile != THIS_CPU:
+            raise TiermoeError("timed strategies are served on this CPU: they go with --gpu-profile this-cpu")
+        if any(not 0.0 <= r <= 1.0 for r in self.timed_ratios or ()):
+            raise TiermoeError("timed ratios must be between 0.0 and 1.0")
         dynamic = [s for s in self.validation_strategies if s in DYNAMIC_STRATEGIES]
         if dynamic:
             raise TiermoeError(f"validation strategies must be static placements, not {dynamic}")
@@ -200,18 +221,26 @@ def _estimate_all(llm, workload: Workload, calibration_LE, config: PlacementBenc
                                f"{shapes.num_passes} passes; the workload's batches are not reproducible")
         mask = strategy_mask(strategy, spec.moe_row_mask(), spec.num_experts, ratio, None)[list(spec.moe_layers)]
         runs.append((f"{strategy}@{ratio:g}", static_traffic(shapes, mask), timing.step_seconds))
-    on_host = fit_host_costs(on_host, shapes, runs)
-    host = on_host.host
+    host = fit_host_costs(on_host, shapes, runs).host  # carried to a GPU profile's estimate
+    on_host = fit_this_cpu(on_host, shapes, runs)  # the GPU tier on this CPU: the forward's estimate corrected
     both = "" if target is not None else (
         f"; a MoE layer with both tiers busy costs {on_host.both_tiers_seconds * 1e6:+.0f} us beyond the two "
         f"(fitted on uniform@{config.contention_ratio:g})")
     log(f"[placement]   host: {host.op_seconds * 1e6:.2f} us per op, {host.step_seconds * 1e3:.2f} ms per step, "
-        f"{host.sequence_seconds * 1e3:.2f} ms per sequence in a step{both}")
+        f"{host.sequence_seconds * 1e3:.2f} ms per sequence in a step{both}; the forward on this CPU "
+        f"{on_host.forward_correction_seconds * 1e3:+.1f} ms a step against its estimate")
     model = on_host if target is None else PassCostModel(target, costs, cpu_fit, host, device_is_host=False)
     validation = []
     if target is None:
         validation = [_compare(on_host, shapes, workload, s, r, timed[(s, r)], calibration_LE, config, log)
                       for s, r in validation_configs]
+    timed = []
+    if config.timed_strategies:
+        ratios = config.timed_ratios or tuple(r for r in config.ratios if 0.0 < r < 1.0)
+        log(f"[placement] timing {', '.join(config.timed_strategies)} at {len(ratios)} ratios in {config.repeats} "
+            "alternating rounds")
+        timed = time_in_rounds(llm, workload, [(s, r) for r in ratios for s in config.timed_strategies],
+                               calibration_LE, config, on_host, log)
     cells = []
     for ratio in config.ratios:
         for strategy in config.strategies:
@@ -222,9 +251,11 @@ def _estimate_all(llm, workload: Workload, calibration_LE, config: PlacementBenc
             "model": costs.as_dict(),
             "this_cpu_profile": raw_profile.as_dict(),
             "passes": shapes.num_passes,
-            "both_tiers_seconds": on_host.both_tiers_seconds}
+            "both_tiers_seconds": on_host.both_tiers_seconds,
+            "forward_correction_seconds": on_host.forward_correction_seconds,
+            "this_cpu_host": on_host.host.as_dict()}
     return PlacementBenchResult("estimated", list(config.ratios), list(config.strategies), cells, setup,
-                                model.profile.as_dict(), info, validation)
+                                model.profile.as_dict(), info, validation, timed)
 
 
 def _time_gpu_tier(hybrid) -> TierFit:
@@ -244,7 +275,7 @@ def estimate_cell(model: PassCostModel, shapes: PassShapes, workload: Workload, 
     """One cell from the trace and the cost model."""
     threshold = config.prefill_threshold if strategy in DYNAMIC_STRATEGIES else None
     traffic = placement_traffic(shapes, strategy, ratio, calibration_LE, model, threshold, config.adaptive,
-                                seed=config.seed)
+                                seed=config.seed, tokens_per_pass=config.concurrency)
     seconds_P = model.pass_seconds_P(shapes, traffic)
     seconds = float(seconds_P.sum())
     bpe = model.model.bytes_per_expert

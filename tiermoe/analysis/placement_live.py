@@ -17,7 +17,7 @@ from tiermoe.analysis.placement_workload import Workload
 from tiermoe.analysis.workload_runs import RunTiming, make_engine, run_workload
 from tiermoe.config import AdaptiveSettings, DynamicPlacementConfig
 from tiermoe.engine.dynamic import enable_dynamic_placement
-from tiermoe.placement.pass_cost import PassCostModel
+from tiermoe.placement.pass_cost import PassCostModel, expert_cost_model
 from tiermoe.stats.recording import PassInfo
 
 
@@ -68,7 +68,9 @@ def measure_configuration(llm, workload: Workload, strategy: str, ratio: float, 
     tiermoe.engine.dynamic's, assumed figures), `adaptive` its settings (default: AdaptiveSettings())."""
     hybrid = llm.hybrid
     spec = hybrid.spec
-    hybrid.apply_mask(strategy_mask(strategy, spec.moe_row_mask(), spec.num_experts, ratio, calibration_LE, seed))
+    cost = cost or expert_cost_model(spec.bytes_per_expert(hybrid.expert_dtype), 2.0 * spec.params_per_expert)
+    hybrid.apply_mask(strategy_mask(strategy, spec.moe_row_mask(), spec.num_experts, ratio, calibration_LE, seed,
+                                    cost, concurrency, spec.top_k))
     dynamic = strategy in DYNAMIC_STRATEGIES
     threshold = prefill_threshold if dynamic else None  # layerwise prefill
     recorder = TierTrafficRecorder(spec.num_experts, hybrid.gpu_device, threshold)

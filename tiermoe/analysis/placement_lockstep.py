@@ -55,7 +55,7 @@ def time_configurations(llm, workload: Workload, configs: list[tuple[str, float]
             if i > 0 and llm.hybrid.routing_override is not None:  # the copies replay the same trace
                 install_trace_routing(model.hybrid, llm.hybrid.routing_override)
             model.hybrid.apply_mask(strategy_mask(strategy, spec.moe_row_mask(), spec.num_experts, ratio,
-                                                  calibration_LE, config.seed))
+                                                  calibration_LE, config.seed, cost, config.concurrency, spec.top_k))
             warm_up(model, workload, config.concurrency, config.prefill_chunk)
             llms[(strategy, ratio)] = model
         return time_in_lockstep(llms, workload, config.concurrency, config.prefill_chunk, config.repeats, log)

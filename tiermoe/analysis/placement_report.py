@@ -59,11 +59,37 @@ def validation_table(result: PlacementBenchResult) -> str:
     return "\n".join(lines)
 
 
+def timed_table(result: PlacementBenchResult) -> str:
+    """The cells served on this CPU in alternating rounds: median output tokens/s (spread) per strategy and ratio."""
+    if not result.timed:
+        return ""
+    strategies = list(dict.fromkeys(t["strategy"] for t in result.timed))
+    ratios = sorted({t["ratio"] for t in result.timed})
+    by = {(t["strategy"], t["ratio"]): t for t in result.timed}
+    rounds = len(result.timed[0]["rounds_output_tokens_per_s"])
+    title = (f"**Output tokens/s measured on this CPU: median of {rounds} alternating rounds (spread = fastest - "
+             "slowest), hit rate, swaps**")
+    lines = [title, "", "| GPU Expert Ratio | " + " | ".join(strategies) + " |", "|---|" + "---|" * len(strategies)]
+
+    def cell(t: dict | None) -> str:
+        if t is None:
+            return "-"
+        return (f"{t['median_output_tokens_per_s']:.2f} ({t['spread_output_tokens_per_s']:.2f}), "
+                f"{100 * t['hit_rate']:.1f}%, {t['swaps']}")
+
+    for ratio in ratios:
+        lines.append(f"| {100 * ratio:.0f}% | " + " | ".join(cell(by.get((s, ratio))) for s in strategies) + " |")
+    return "\n".join(lines)
+
+
 def markdown(result: PlacementBenchResult) -> str:
     parts = [table(result, value, fmt, f"{title} ({how(result, kind)})") for title, kind, value, fmt in FIELDS]
     check = validation_table(result)
     if check:
         parts.append(check)
+    timed = timed_table(result)
+    if timed:
+        parts.append(timed)
     threshold = result.setup.get("prefill_threshold")
     if threshold:
         parts.append(f"Layerwise GPU prefill (--prefill-threshold {threshold}): dynamic and adaptive run every expert "

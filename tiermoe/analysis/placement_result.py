@@ -37,6 +37,7 @@ class PlacementBenchResult:
     gpu_profile: dict
     calibration: dict = field(default_factory=dict)  # CPU backend fit, host costs, model costs, this-cpu profile
     validation: list[dict] = field(default_factory=list)  # this-cpu: estimate vs measurement
+    timed: list[dict] = field(default_factory=list)  # this-cpu: cells served in alternating rounds (placement_rounds)
 
     @property
     def estimated(self) -> bool:
@@ -55,7 +56,8 @@ class PlacementBenchResult:
                 "label": "ESTIMATE (cost model)" if self.estimated else "measured end to end",
                 "ratios": self.ratios, "strategies": self.strategies, "setup": self.setup,
                 "gpu_profile": self.gpu_profile, "calibration": self.calibration, "validation": self.validation,
-                "validation_passed": self.validation_passed(), "cells": [asdict(c) for c in self.cells]}
+                "validation_passed": self.validation_passed(), "cells": [asdict(c) for c in self.cells],
+                "timed": self.timed}
 
     def write_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.as_dict(), indent=2) + "\n")

@@ -17,17 +17,24 @@ from __future__ import annotations
 
 import torch
 
-from tiermoe.analysis.trace_replay import CopiesInFlight, trace_passes
+from tiermoe.analysis.trace_replay import ReplayedSwaps, trace_passes
 from tiermoe.errors import TiermoeError
 from tiermoe.placement.adaptive_policy import AdaptivePolicy, AdaptiveSettings
 from tiermoe.placement.budget import total_gpu_experts
 from tiermoe.placement.pass_cost import PassCostModel
-from tiermoe.placement.pass_traffic import PassShapes, Traffic, concat_traffic, pass_traffic, static_traffic
+from tiermoe.placement.pass_traffic import (
+    PassShapes,
+    Traffic,
+    concat_traffic,
+    pass_traffic,
+    static_traffic,
+)
 from tiermoe.placement.policies import KTDynamicPolicy
-from tiermoe.placement.strategies import NEEDS_STATISTICS, place
+from tiermoe.placement.strategies import NEEDS_STATISTICS, TIME_BALANCED, place
+from tiermoe.placement.swap_schedule import SWAP_EXPERTS_IN_FLIGHT
 
 DYNAMIC_STRATEGIES = ("dynamic", "adaptive")
-BENCH_STRATEGIES = ("random", "uniform", "front-loading", "frequency", "balanced") + DYNAMIC_STRATEGIES
+BENCH_STRATEGIES = ("random", "uniform", "front-loading", "frequency", "balanced", TIME_BALANCED) + DYNAMIC_STRATEGIES
 
 
 def pass_shapes(trace: dict) -> PassShapes:
@@ -61,10 +68,10 @@ def pass_shapes(trace: dict) -> PassShapes:
 def start_strategy(strategy: str, has_statistics: bool) -> str:
     """The static strategy a bench strategy places with first. `dynamic` starts where KTransformers' tutorial
     starts it (frequency with statistics, else its default, uniform); `adaptive` where its policy starts it
-    (frequency, else uniform; tiermoe.placement.policies.AdaptivePolicy, as tiermoe.analysis.trace_replay does)."""
+    (time-balanced, else uniform; as tiermoe.analysis.trace_replay does)."""
     if strategy not in BENCH_STRATEGIES:
         raise TiermoeError(f"unknown strategy '{strategy}'; choose from {', '.join(BENCH_STRATEGIES)}")
-    base = {"dynamic": "frequency", "adaptive": "frequency"}.get(strategy, strategy)
+    base = {"dynamic": "frequency", "adaptive": TIME_BALANCED}.get(strategy, strategy)
     if base in NEEDS_STATISTICS and not has_statistics:
         if strategy not in DYNAMIC_STRATEGIES:
             raise TiermoeError(f"the '{strategy}' strategy needs calibration statistics")
@@ -73,20 +80,27 @@ def start_strategy(strategy: str, has_statistics: bool) -> str:
 
 
 def strategy_mask(strategy: str, moe_rows_L: torch.Tensor, num_experts: int, ratio: float, calibration_LE,
-                  seed: int = 42) -> torch.Tensor:
-    """The starting mask [L, E] of a bench strategy at a GPU-expert ratio (SGLang-kt's floor(ratio x total))."""
+                  seed: int = 42, cost: PassCostModel | None = None, tokens_per_pass: float = 1.0,
+                  pairs_per_token: float | None = None) -> torch.Tensor:
+    """The starting mask [L, E] of a bench strategy at a GPU-expert ratio (SGLang-kt's floor(ratio x total)).
+    time-balanced (and adaptive, which starts there) also takes the cost model, the decode batch and the top-k."""
     total = total_gpu_experts(int(moe_rows_L.sum()), num_experts, ratio=ratio)
     base = start_strategy(strategy, calibration_LE is not None)
-    return place(base, moe_rows_L, num_experts, total, calibration_LE, seed)
+    return place(base, moe_rows_L, num_experts, total, calibration_LE, seed, cost=cost,
+                 tokens_per_pass=tokens_per_pass, pairs_per_token=pairs_per_token)
 
 
 def placement_traffic(shapes: PassShapes, strategy: str, ratio: float, calibration_LE: torch.Tensor | None,
                       cost: PassCostModel, prefill_threshold: int | None = None,
-                      adaptive: AdaptiveSettings | None = None, seed: int = 42) -> Traffic:
+                      adaptive: AdaptiveSettings | None = None, seed: int = 42, tokens_per_pass: float = 1.0,
+                      swap_log: list | None = None) -> Traffic:
     """Traffic of `strategy` at `ratio`. `cost` times the passes (copies land by it), times the copies, and is
-    what the adaptive policy decides with."""
+    what the adaptive policy (and time-balanced) decides with; tokens_per_pass: the decode batch (the requests in
+    flight). swap_log: where the adaptive policy's accepted swaps go, as (pass, swap)."""
     m, e = len(shapes.moe_layers), shapes.num_experts
-    mask_ME = strategy_mask(strategy, shapes.moe_rows_L, e, ratio, calibration_LE, seed)[list(shapes.moe_layers)]
+    k = float(shapes.counts_PME.sum()) / max(1, int(shapes.tokens_P.sum()) * m)
+    mask_ME = strategy_mask(strategy, shapes.moe_rows_L, e, ratio, calibration_LE, seed, cost, tokens_per_pass,
+                            k)[list(shapes.moe_layers)]
     if strategy not in DYNAMIC_STRATEGIES:
         return static_traffic(shapes, mask_ME)
     if strategy == "dynamic":
@@ -94,28 +108,28 @@ def placement_traffic(shapes: PassShapes, strategy: str, ratio: float, calibrati
     else:
         prior = calibration_LE[list(shapes.moe_layers)] if calibration_LE is not None else None
         policy = AdaptivePolicy(m, e, cost, adaptive or AdaptiveSettings(), prior)
-    return _simulate(shapes, mask_ME, policy, cost, prefill_threshold)
+    in_flight = max(SWAP_EXPERTS_IN_FLIGHT, (adaptive or AdaptiveSettings()).max_swaps_in_flight)
+    return _simulate(shapes, mask_ME, policy, cost, prefill_threshold, swap_log, in_flight)
 
 
 def _simulate(shapes: PassShapes, mask_ME: torch.Tensor, policy, cost: PassCostModel,
-              prefill_threshold: int | None) -> Traffic:
+              prefill_threshold: int | None, swap_log: list | None = None,
+              max_in_flight: int = SWAP_EXPERTS_IN_FLIGHT) -> Traffic:
+    """Pass by pass through the live engine's swap schedule (trace_replay.ReplayedSwaps): swaps chosen after a
+    layerwise pass are copied too, as tiermoe's engine does (KTransformers' own update reuses the streamed layer)."""
     rows = []
-    in_flight = CopiesInFlight()
+    swaps_in = ReplayedSwaps(mask_ME, cost.copy_seconds(), max_in_flight)
     fixed_P = cost.fixed_seconds_P(shapes)
     for p in range(shapes.num_passes):
         counts_ME = shapes.counts_PME[p]
         tokens, prefill = int(shapes.tokens_P[p]), bool(shapes.prefill_P[p])
         layerwise = prefill_threshold is not None and prefill and tokens >= prefill_threshold
         row = pass_traffic(counts_ME, mask_ME, layerwise)
-        seconds = float(fixed_P[p] + cost.moe_seconds_P(row, shapes.tokens_P[p:p + 1])[0])
-        in_flight.advance(seconds, mask_ME)
+        swaps_in.advance(float(fixed_P[p] + cost.moe_seconds_P(row, shapes.tokens_P[p:p + 1])[0]))
         policy.observe(counts_ME, tokens, prefill)
-        copies = 0
-        for swap in policy.propose(mask_ME, in_flight.busy(mask_ME)):
-            # as the live engine does it: both copies start now, in the background (KTransformers' own update
-            # reuses the streamed layer instead; tiermoe copies, so the measured run and this agree)
-            copies += 2
-            in_flight.start(swap, cost.copy_seconds())
+        accepted, copies = swaps_in.after_pass(policy)
+        if swap_log is not None:
+            swap_log += [(p, swap) for swap in accepted]
         row.swap_copies_P = torch.tensor([copies])
         rows.append(row)
     return concat_traffic(rows)

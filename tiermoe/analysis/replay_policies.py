@@ -5,7 +5,8 @@ budget.
 
 Belady with a copy budget: after each pass, promote the CPU-tier experts whose next use comes soonest in place of
 the GPU-tier ones whose next use comes last (never-used-again first), while the promoted one is needed before the
-evicted one, at most `copy_budget` swaps a pass. Unlike the caches it prefetches (an expert need not have missed).
+evicted one, at most `copy_budget` swaps under way (as the caches). Unlike the caches it prefetches (an expert need
+not have missed).
 Greedy: with a budget and copies that take time it is the classic ceiling, not a proven bound (on a sharp
 workload shift LRU can come within a point of it, or above by a fraction of one).
 Legend: P passes, M MoE layers, E experts.
@@ -16,7 +17,14 @@ from __future__ import annotations
 import torch
 
 from tiermoe.placement.adaptive_policy import AdaptivePolicy, AdaptiveSettings
-from tiermoe.placement.cache_policies import DEFAULT_COPY_BUDGET, NONE, LFUPolicy, LRUPolicy, pair_swaps
+from tiermoe.placement.cache_policies import (
+    DEFAULT_COPY_BUDGET,
+    NONE,
+    LFUPolicy,
+    LRUPolicy,
+    pair_swaps,
+    room,
+)
 from tiermoe.placement.pass_cost import PassCostModel
 from tiermoe.placement.policies import KTDynamicPolicy, Swap
 
@@ -50,7 +58,7 @@ class BeladyPolicy:
         upcoming = self.next_PME[self.passes - 1].double()  # after the pass just observed
         ins = torch.where(~mask_LE & ~busy_LE & (upcoming < self.next_PME.shape[0]), -upcoming, NONE)
         outs = torch.where(mask_LE & ~busy_LE, upcoming, NONE)
-        return pair_swaps(ins, outs, lambda i, o: o + i, self.copy_budget)  # needed sooner than evicted
+        return pair_swaps(ins, outs, lambda i, o: o + i, room(self.copy_budget, busy_LE))  # needed before evicted
 
 
 def make_policy(policy: str, counts_PME: torch.Tensor, cost: PassCostModel, prior_ME: torch.Tensor | None,

@@ -3,8 +3,9 @@
 The trace is cut back into its forward passes (which requests shared a batch is kept), and each pass is run
 through the policy with its real rules: static strategies never move; KT-compatible dynamic re-selects after
 prefill passes of at least `prefill_threshold` tokens (those passes run all their experts on the GPU, the CPU-
-tier ones streamed over PCIe); adaptive and the LRU / LFU expert caches swap asynchronously (the caches at most
-`copy_budget` swaps a pass), their copies landing only after the time they take.
+tier ones streamed over PCIe); adaptive and the LRU / LFU expert caches swap asynchronously through the live
+engine's own swap schedule (tiermoe.placement.swap_schedule: demotion first, then promotion; at most `copy_budget`
+swaps under way), their copies landing only after the time they take, so a replay proposes the engine's swaps.
 For every pass: GPU hit rate, CPU expert bytes read, bytes copied, swaps, and an estimated time from the cost
 model (tiermoe.placement.pass_cost: each MoE layer's two tiers, the streamed copies) that also charges the swap
 copies in full (they overlap compute on the GPU, but every byte promoted or demoted also crosses host memory,
@@ -30,12 +31,14 @@ from tiermoe.placement.cache_policies import DEFAULT_COPY_BUDGET
 from tiermoe.placement.global_topk import generate_gpu_experts_masks
 from tiermoe.placement.pass_cost import PassCostModel
 from tiermoe.placement.pass_traffic import masked_traffic, pass_traffic
-from tiermoe.placement.strategies import STRATEGIES, place
+from tiermoe.placement.policies import Swap
+from tiermoe.placement.strategies import STRATEGIES, TIME_BALANCED, place
+from tiermoe.placement.swap_schedule import SWAP_EXPERTS_IN_FLIGHT, SwapSchedule
 from tiermoe.stats.sglang_records import from_records, is_records_file
 
 DYNAMIC = ("kt-dynamic", "lru", "lfu", "adaptive", "belady")
 ORACLES = ("belady", "oracle-static", "oracle-request", "oracle-window")
-REPLAY_POLICIES = STRATEGIES + DYNAMIC + ORACLES[1:]
+REPLAY_POLICIES = STRATEGIES + (TIME_BALANCED,) + DYNAMIC + ORACLES[1:]
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,7 @@ class ReplayResult:
     pairs: int = 0
     gpu_pairs: int = 0
     output_tokens: int = 0
+    swap_log: list[tuple[int, Swap]] = field(default_factory=list)  # (pass, swap) as the policy's were accepted
 
     @property
     def hit_rate(self) -> float:
@@ -180,47 +184,82 @@ class ReplayResult:
                 "estimated_output_tokens_per_s": self.output_tokens / self.time if self.time else None}
 
 
-def _initial_mask(policy: str, passes: TracePasses, total: int, calibration_LE, seed: int) -> torch.Tensor:
+def _initial_mask(policy: str, passes: TracePasses, total: int, calibration_LE, seed: int,
+                  cost_model: PassCostModel) -> torch.Tensor:
     rows = torch.zeros(passes.num_layers, dtype=torch.bool)
     rows[list(passes.moe_layers)] = True
     if policy == "oracle-static":
         return generate_gpu_experts_masks(passes.total_LE(), total)[list(passes.moe_layers)]
     calibrated = "frequency" if calibration_LE is not None else "uniform"
-    strategy = {"kt-dynamic": "uniform", "adaptive": calibrated, "lru": calibrated, "lfu": calibrated,
-                "belady": calibrated, "oracle-window": "uniform", "oracle-request": "uniform"}.get(policy, policy)
-    return place(strategy, rows, passes.num_experts, total, calibration_LE, seed)[list(passes.moe_layers)]
+    # adaptive starts where the step time is least (time-balanced: frequency's mask where the CPU tier is the slower)
+    strategy = {"kt-dynamic": "uniform", "adaptive": TIME_BALANCED if calibration_LE is not None else "uniform",
+                "lru": calibrated, "lfu": calibrated, "belady": calibrated, "oracle-window": "uniform",
+                "oracle-request": "uniform"}.get(policy, policy)
+    return place(strategy, rows, passes.num_experts, total, calibration_LE, seed, cost=cost_model,
+                 tokens_per_pass=decode_batch(passes), pairs_per_token=pairs_per_token(passes))[list(passes.moe_layers)]
 
 
-class CopiesInFlight:
-    """The expert copies a replay has started. Each pair of a swap copies in the background; a copy lands, and its
-    mask entry flips, once the passes after its start have taken as long as the copy (so a replay never waits for a
-    copy, as the live engine does not)."""
+def decode_batch(passes: TracePasses) -> float:
+    """Tokens of a typical decode pass (the batch the server runs; what a time-balanced placement is chosen for)."""
+    decode = passes.tokens_P[~passes.prefill_P]
+    return float(decode.double().mean()) if decode.numel() else 1.0
 
-    def __init__(self):
-        self._copies: list[list] = []  # [layer, expert, to_gpu, seconds left]
 
-    def start(self, swap, seconds_each: float) -> None:
-        """Both copies of `swap` (the expert coming in, the one going out), each taking `seconds_each`."""
-        self._copies += [[swap.layer, swap.expert_in, True, seconds_each],
-                         [swap.out_layer, swap.expert_out, False, seconds_each]]
+def pairs_per_token(passes: TracePasses) -> float:
+    """Routed pairs per token and MoE layer: the model's top-k (less any dropped slots)."""
+    tokens = int(passes.tokens_P.sum()) * len(passes.moe_layers)
+    return float(passes.counts_PME.sum()) / tokens if tokens else 1.0
 
-    def advance(self, seconds: float, mask_ME: torch.Tensor) -> None:
-        """A pass of `seconds` has run: copies progress, and those done flip their entries of `mask_ME`."""
-        still = []
-        for c in self._copies:
-            c[3] -= seconds
-            if c[3] <= 0:
-                mask_ME[c[0], c[1]] = c[2]
-            else:
-                still.append(c)
-        self._copies = still
 
-    def busy(self, mask_ME: torch.Tensor) -> torch.Tensor:
-        """[M, E] bool: experts with a copy under way (a policy must not swap them again yet)."""
-        busy = torch.zeros_like(mask_ME)
-        for c in self._copies:
-            busy[c[0], c[1]] = True
-        return busy
+class TimedCopy:
+    """A copy in a replay: it lands once the passes after its start have taken `seconds`."""
+
+    def __init__(self, seconds: float):
+        self.left = seconds
+
+    def landed(self) -> bool:
+        return self.left <= 0
+
+
+class ReplayedSwaps:
+    """The live engine's swap schedule (tiermoe.placement.swap_schedule, the object PlacementManager runs) with
+    copies timed by the cost model: after each pass the copies that have landed flip their entries of `mask_ME`,
+    the policy proposes, and copies start (demotion first, then promotion), each landing once the passes after its
+    start have taken as long as it takes (in the background, as the engine's copies run: a replay never waits for
+    one). max_in_flight: copies at once, the engine's SWAP_EXPERTS_IN_FLIGHT (every policy keeps at most its copy
+    budget of swaps under way, one copy each at a time, so with a budget of 4 the limit never binds; a larger budget
+    raises it to match)."""
+
+    def __init__(self, mask_ME: torch.Tensor, copy_seconds: float, max_in_flight: int | None = SWAP_EXPERTS_IN_FLIGHT):
+        self.mask_ME = mask_ME
+        self.copy_seconds = copy_seconds
+        self.schedule = SwapSchedule(max_in_flight)
+
+    def advance(self, seconds: float) -> None:
+        """A pass of `seconds` has run: the copies under way progress."""
+        for c in self.schedule.in_flight:
+            c.ticket.left -= seconds
+
+    def busy(self) -> torch.Tensor:
+        return self.schedule.busy(*self.mask_ME.shape)
+
+    def after_pass(self, policy) -> tuple[list[Swap], int]:
+        """Land, propose, start: (the swaps accepted from the policy, copies started)."""
+        for c in self.schedule.landed():
+            self.mask_ME[c.layer, c.expert] = c.to_gpu
+            self.schedule.after_landing(c)
+        busy = self.busy()
+        accepted = self.schedule.accept(policy.propose(self.mask_ME, busy), busy)
+        copies = []
+        def in_place(s: Swap) -> bool:  # expert_out still on the GPU tier, expert_in still on the CPU tier
+            return bool(self.mask_ME[s.out_layer, s.expert_out]) and not bool(self.mask_ME[s.layer, s.expert_in])
+
+        def start(swap: Swap, layer: int, expert: int, to_gpu: bool) -> TimedCopy:
+            copies.append(1)
+            return TimedCopy(self.copy_seconds)
+
+        self.schedule.start(in_place, start)
+        return accepted, len(copies)
 
 
 def replay(trace: dict | TracePasses, policy: str, gpu_ratio: float, cost_model: PassCostModel,
@@ -230,21 +269,22 @@ def replay(trace: dict | TracePasses, policy: str, gpu_ratio: float, cost_model:
     """Replay `trace` pass by pass through `policy` at `gpu_ratio` of the routed experts on the GPU tier.
 
     calibration_LE: statistics [L, E] for frequency / balanced (and adaptive's starting point), from another
-    part of the workload. prefill_threshold: layerwise GPU prefill for the dynamic policies. copy_budget: swaps
-    the caches (lru, lfu, belady) may start per pass.
+    part of the workload; adaptive starts from time-balanced on it. prefill_threshold: layerwise GPU prefill for the
+    dynamic policies. copy_budget: swaps the caches (lru, lfu, belady) may have under way.
     """
     if policy not in REPLAY_POLICIES:
         raise TiermoeError(f"unknown replay policy '{policy}'; choose one of: {', '.join(REPLAY_POLICIES)}")
     passes = trace if isinstance(trace, TracePasses) else trace_passes(trace)
     m, e = len(passes.moe_layers), passes.num_experts
     total = total_gpu_experts(m, e, ratio=gpu_ratio)
-    mask_ME = _initial_mask(policy, passes, total, calibration_LE, seed)
+    mask_ME = _initial_mask(policy, passes, total, calibration_LE, seed, cost_model)
     if policy == "kt-dynamic" and prefill_threshold is None:  # it follows layerwise prefill only: it never moves
         return _replay_static(passes, policy, gpu_ratio, mask_ME, cost_model, total, window)
     if policy in DYNAMIC:
         prior = calibration_LE[list(passes.moe_layers)] if calibration_LE is not None else None
         dyn = make_policy(policy, passes.counts_PME, cost_model, prior, prefill_threshold, adaptive, copy_budget)
-        return _replay_dynamic(passes, policy, gpu_ratio, mask_ME, cost_model, dyn, prefill_threshold)
+        in_flight = max(SWAP_EXPERTS_IN_FLIGHT, copy_budget, adaptive.max_swaps_in_flight if adaptive else 0)
+        return _replay_dynamic(passes, policy, gpu_ratio, mask_ME, cost_model, dyn, prefill_threshold, in_flight)
     return _replay_static(passes, policy, gpu_ratio, mask_ME, cost_model, total, window)
 
 
@@ -286,11 +326,13 @@ def _oracle_windows(passes: TracePasses, policy: str, window: int) -> list[tuple
 
 
 def _replay_dynamic(passes: TracePasses, policy: str, gpu_ratio: float, mask_ME: torch.Tensor,
-                    cost_model: PassCostModel, dyn, prefill_threshold: int | None) -> ReplayResult:
-    """A dynamic policy (tiermoe.analysis.replay_policies), pass by pass: copies land once the passes after their
-    start have taken as long."""
+                    cost_model: PassCostModel, dyn, prefill_threshold: int | None,
+                    max_in_flight: int = SWAP_EXPERTS_IN_FLIGHT) -> ReplayResult:
+    """A dynamic policy (tiermoe.analysis.replay_policies), pass by pass, through the live engine's swap schedule
+    (ReplayedSwaps): each copy is charged in full to the pass that starts it, and lands once the passes after its
+    start have taken as long. `swap_log` keeps every accepted swap with its pass."""
     result = ReplayResult(policy, gpu_ratio)
-    in_flight = CopiesInFlight()
+    swaps_in = ReplayedSwaps(mask_ME, cost_model.copy_seconds(), max_in_flight)
     bpe = cost_model.model.bytes_per_expert
     for p in range(passes.num_passes):
         counts_ME = passes.counts_PME[p]
@@ -304,20 +346,21 @@ def _replay_dynamic(passes: TracePasses, policy: str, gpu_ratio: float, mask_ME:
         result.gpu_pairs += gpu_pairs
         result.pairs += cpu_pairs + gpu_pairs
         result.output_tokens += int(passes.decode_tokens_P[p]) + int(bool(passes.prefill_P[p]))
-        swaps = 0
-        in_flight.advance(seconds, mask_ME)
+        swaps_in.advance(seconds)
         dyn.observe(counts_ME, tokens, bool(passes.prefill_P[p]))
-        for swap in dyn.propose(mask_ME, in_flight.busy(mask_ME)):
-            swaps += 1
-            if layerwise:  # KT: the chosen experts are already on the GPU in the streamed layer
+        if layerwise:  # KT: the chosen experts are already on the GPU in the streamed layer: no copies
+            accepted = dyn.propose(mask_ME, swaps_in.busy())
+            for swap in accepted:
                 mask_ME[swap.layer, swap.expert_in], mask_ME[swap.out_layer, swap.expert_out] = True, False
-                continue
-            copied += 2 * bpe
-            seconds += cost_model.copy_seconds(2)  # charged in full, although it overlaps compute
-            in_flight.start(swap, cost_model.copy_seconds())
+            copies = 0
+        else:
+            accepted, copies = swaps_in.after_pass(dyn)
+        result.swap_log += [(p, swap) for swap in accepted]
+        copied += copies * bpe
+        seconds += copies * cost_model.copy_seconds()  # charged in full, although it overlaps compute
         result.hit_rate_P.append(gpu_pairs / max(1, cpu_pairs + gpu_pairs) if not layerwise else 1.0)
         result.cpu_bytes_P.append(int(traffic.cpu_distinct_PM.sum()) * bpe)
         result.copied_bytes_P.append(copied)
-        result.swaps_P.append(swaps)
+        result.swaps_P.append(len(accepted))
         result.time_P.append(seconds)
     return result

@@ -22,7 +22,13 @@ from tiermoe.analysis.placement_workload import WorkloadSpec
 from tiermoe.analysis.trace_replay import trace_passes
 from tiermoe.analysis.trace_workload import RoutingTraceSpec
 from tiermoe.arch import detect, load_config
-from tiermoe.cli.adaptive_flags import REPLAY, STRATEGY, adaptive_from_args, add_adaptive_flags, given_adaptive_flags
+from tiermoe.cli.adaptive_flags import (
+    REPLAY,
+    STRATEGY,
+    adaptive_from_args,
+    add_adaptive_flags,
+    given_adaptive_flags,
+)
 from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
 from tiermoe.cli.flags import (
     add_command,
@@ -70,11 +76,11 @@ def add_parser(sub) -> None:
     d = add_command(
         benches, "dynamic",
         "Replay a per_token trace (tiermoe record --mode per_token, or a trace CSV) through every placement policy "
-        "at each GPU ratio: the static strategies, KT's dynamic update, LRU and LFU expert caches (--copy-budget "
-        "swaps a step), adaptive, and the ceilings (Belady with the same copy budget, the trace's own static top-k, "
-        "the per-request and per-window oracles): hit rate (measured on the trace), estimated time and tokens/s "
-        "(cost model; copies charged in full), copy traffic. Static strategies take their statistics from "
-        "--calibration.",
+        "at each GPU ratio: the static strategies (time-balanced too), KT's dynamic update, LRU and LFU expert caches "
+        "(--copy-budget swaps under way), adaptive, and the ceilings (Belady with the same copy budget, the trace's "
+        "own static top-k, the per-request and per-window oracles): hit rate (measured on the trace), estimated time "
+        "and tokens/s (cost model; copies charged in full), copy traffic. Swaps run as the engine runs them "
+        "(demotion first, then promotion). Static strategies take their statistics from --calibration.",
         "tiermoe bench dynamic --trace held_out.pt --calibration calib.pt",
         "tiermoe bench dynamic --trace t.pt --calibration c.pt --ratios 0.1,0.25,0.5 --gpu-profile h200 --json",
         "tiermoe bench dynamic --trace law.csv --calibration intent_heat.csv --model DeepSeek-V2-Lite/config.json",
@@ -91,7 +97,8 @@ def add_parser(sub) -> None:
     d.add_argument("--prefill-threshold", type=positive_int, default=None,
                    help="layerwise GPU prefill threshold for the dynamic policies (default: none)")
     d.add_argument("--copy-budget", type=non_negative_int, default=DEFAULT_COPY_BUDGET,
-                   help=f"swaps the lru / lfu / belady caches may start per step (default {DEFAULT_COPY_BUDGET})")
+                   help=f"swaps the lru / lfu / belady caches may have under way at once (default "
+                        f"{DEFAULT_COPY_BUDGET}; adaptive's --adaptive-max-swaps defaults to it)")
     d.add_argument("--gpu-profile", default="rtx4090", help="rtx4090 (default), h200, or a JSON file")
     d.add_argument("--cpu-bandwidth-gbs", type=positive_float, default=25.0,
                    help="CPU read bandwidth, GB/s (default 25)")
@@ -165,6 +172,12 @@ def add_placement_parser(benches) -> None:
                    help="timed runs per measured configuration on this machine, best taken (default 3)")
     p.add_argument("--tolerance", type=positive_float, default=0.15,
                    help="this-cpu validation tolerance (default 0.15)")
+    p.add_argument("--timed-strategies", type=strategy_list, default=None,
+                   help="with --gpu-profile this-cpu: also serve these strategies end to end on this CPU, --repeats "
+                        "alternating rounds, and report each cell's median and spread (e.g. "
+                        "uniform,frequency,time-balanced,adaptive)")
+    p.add_argument("--timed-ratios", type=ratio_list, default=None,
+                   help="ratios of the timed cells (default: the --ratios strictly between 0 and 1)")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the prompt sample and split (default 0)")
     p.add_argument("--out", type=output_file, help="write every figure as JSON")
     p.add_argument("--markdown", type=output_file, help="also write the tables as markdown to this file")
@@ -210,6 +223,8 @@ def run_placement(args) -> int:
         concurrency=args.concurrency, prefill_chunk=args.prefill_chunk,
         prefill_threshold=args.prefill_threshold or None, repeats=args.repeats, tolerance=args.tolerance,
         cpu=cpu_from_args(args), routing_trace=routing, adaptive=adaptive_from_args(args),
+        timed_strategies=tuple(args.timed_strategies or ()),
+        timed_ratios=tuple(args.timed_ratios) if args.timed_ratios else None,
         **{k: tuple(v) for k, v in options.items()})
     result = run_placement_bench(config)
     text = markdown(result)

@@ -5,6 +5,8 @@ copies: it finishes the copies that have landed (flipping the assignment of just
 policy's new swaps, and starts as many queued copies as the in-flight budget allows. A step never waits for a
 copy, and every pass computes each expert from exactly one tier that holds it, so outputs stay exact.
 
+The bookkeeping from proposal to landing is tiermoe.placement.swap_schedule's, the same object trace replay runs
+(with copies timed by the cost model), so a replay of a recorded trace proposes the swaps serving did, step by step.
 A swap runs in two copies, in this order, so it never needs more GPU memory than it frees:
 1. demote `expert_out`: copy it to the CPU tier (none when the CPU tier kept its stored form, see
    tiermoe.experts.tiers: that copy has landed at once); once landed the CPU tier computes it and the GPU tier
@@ -30,21 +32,15 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from tiermoe.engine.update_log import log_update
-from tiermoe.experts.copier import AsyncCopier, CopyTicket
+from tiermoe.experts.copier import AsyncCopier
 from tiermoe.placement.policies import Swap
+from tiermoe.placement.swap_schedule import SWAP_EXPERTS_IN_FLIGHT, SwapSchedule
 from tiermoe.stats.recording import PassInfo
-
-# Copies at once, in experts: one copy of one expert already runs PCIe at its full rate (a Qwen3-30B expert,
-# 9 MiB, takes about 0.4 ms at 25 GB/s, far less than a decode step), so more at once would not swap faster, only
-# hold more transients. Four keep a demotion and a promotion of two swaps overlapping; their transients (at most
-# four experts: 336 MiB at DeepSeek-V3's 84 MiB bf16 experts) stay below the 512 MiB floor of the `auto` margin.
-SWAP_EXPERTS_IN_FLIGHT = 4
 
 
 @dataclass
@@ -58,15 +54,6 @@ class _Update:
     bytes: int = 0
 
 
-@dataclass
-class _InFlight:
-    swap: Swap
-    layer: int
-    expert: int
-    to_gpu: bool
-    ticket: CopyTicket
-
-
 class PlacementManager:
     enabled = True
 
@@ -78,15 +65,27 @@ class PlacementManager:
         # what one copy moves: the expert in the canonical layout and the model's dtype
         self.copy_bytes = spec.bytes_per_expert(hybrid.expert_dtype)
         self.max_bytes_in_flight = max_bytes_in_flight or SWAP_EXPERTS_IN_FLIGHT * self.copy_bytes
+        # one copy always may run, whatever the budget, so an expert larger than it still moves
+        self.schedule = SwapSchedule(max(1, self.max_bytes_in_flight // max(1, self.copy_bytes)))
         self.counts_LE = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.int64, device=hybrid.gpu_device)
         self._info: PassInfo | None = None
-        self.queued: deque[Swap] = deque()  # proposed, nothing copied yet
-        self.demoted: deque[Swap] = deque()  # expert_out landed on the CPU tier; expert_in waits to be promoted
-        self.in_flight: list[_InFlight] = []
         self.swaps_started = 0
         self.copies_landed = 0
         self._updates: dict[Swap, _Update] = {}  # each queued or unfinished swap -> its proposal
         self.policy_name = getattr(policy, "name", type(policy).__name__)
+
+    # the schedule's queues, as the tests and the distributed runner read them
+    @property
+    def queued(self):
+        return self.schedule.queued
+
+    @property
+    def demoted(self):
+        return self.schedule.demoted
+
+    @property
+    def in_flight(self):
+        return self.schedule.in_flight
 
     # --- recorder side: counts of the current pass -----------------------------------------------------------
     def begin_pass(self, info: PassInfo) -> None:
@@ -113,68 +112,42 @@ class PlacementManager:
             return
         self._land()
         busy = self.busy()
-        accepted = []
-        for swap in self.policy.propose(self.hybrid.mask, busy):
-            if not (busy[swap.layer, swap.expert_in] or busy[swap.out_layer, swap.expert_out]):
-                busy[swap.layer, swap.expert_in] = busy[swap.out_layer, swap.expert_out] = True
-                accepted.append(swap)
+        accepted = self.schedule.accept(self.policy.propose(self.hybrid.mask, busy), busy)
         if accepted:
             update = _Update(pending=len(accepted))
             self._updates.update((swap, update) for swap in accepted)
-            self.queued.extend(accepted)
         self._start_within_budget()
 
     def busy(self) -> torch.Tensor:
         """[L, E] bool: experts of a swap queued, half done or copying."""
-        busy = torch.zeros(self.hybrid.spec.num_layers, self.hybrid.spec.num_experts, dtype=torch.bool)
-        for s in (*self.queued, *self.demoted, *(c.swap for c in self.in_flight)):
-            busy[s.layer, s.expert_in] = busy[s.out_layer, s.expert_out] = True
-        return busy
+        return self.schedule.busy(self.hybrid.spec.num_layers, self.hybrid.spec.num_experts)
 
     @property
     def bytes_in_flight(self) -> int:
         return len(self.in_flight) * self.copy_bytes
 
-    def _room(self) -> bool:
-        # one copy always may run, whatever the budget, so an expert larger than it still moves
-        return not self.in_flight or self.bytes_in_flight + self.copy_bytes <= self.max_bytes_in_flight
+    def _in_place(self, swap: Swap) -> bool:
+        gpu, cpu = self.hybrid.blocks[swap.out_layer].gpu_tier, self.hybrid.blocks[swap.layer].cpu_tier
+        return swap.expert_out in gpu and swap.expert_in in cpu
 
     def _start_within_budget(self) -> None:
-        # promotions first: each finishes a swap whose demotion already freed its GPU memory
-        while self.demoted and self._room():
-            swap = self.demoted.popleft()
-            self._start(swap, swap.layer, swap.expert_in, True)
-        while self.queued and self._room():
-            swap = self.queued.popleft()
-            gpu, cpu = self.hybrid.blocks[swap.out_layer].gpu_tier, self.hybrid.blocks[swap.layer].cpu_tier
-            if swap.expert_out in gpu and swap.expert_in in cpu:  # else the placement moved on since
-                self._start(swap, swap.out_layer, swap.expert_out, False)
-                self.swaps_started += 1
-            else:
-                self._finish(swap, done=False)
-
-    def _start(self, swap: Swap, layer: int, expert: int, to_gpu: bool) -> None:
-        ticket = self.hybrid.blocks[layer].start_move(expert, to_gpu, self.copier)
-        self.in_flight.append(_InFlight(swap, layer, expert, to_gpu, ticket))
+        start = lambda swap, layer, expert, to_gpu: self.hybrid.blocks[layer].start_move(expert, to_gpu, self.copier)
+        started, dropped = self.schedule.start(self._in_place, start)
+        self.swaps_started += len(started)
+        for swap in dropped:
+            self._finish(swap, done=False)
 
     def _land(self) -> None:
         """Finish the copies that have landed. Their tickets (which hold the source copies) are dropped when this
         returns, so a demoted expert's GPU memory is free before any promotion that follows allocates."""
-        still = []
-        for c in self.in_flight:
-            if not c.ticket.landed():
-                still.append(c)
-                continue
+        for c in self.schedule.landed():
             moved = self.hybrid.blocks[c.layer].finish_move(c.expert, c.to_gpu, c.ticket.result())
             self.hybrid.swap_stats.swaps += 1
             self.hybrid.swap_stats.bytes += moved
             self.copies_landed += 1
             self._updates[c.swap].bytes += moved
-            if not c.to_gpu:
-                self.demoted.append(c.swap)
-            else:
+            if self.schedule.after_landing(c):
                 self._finish(c.swap, done=True)
-        self.in_flight = still
 
     def _finish(self, swap: Swap, done: bool) -> None:
         """A swap is over (done, or dropped); the last one of its proposal logs the update."""

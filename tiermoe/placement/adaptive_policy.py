@@ -28,11 +28,20 @@ from __future__ import annotations
 
 import torch
 
-from tiermoe.config import AdaptiveSettings  # the settings live with the other validated settings
-from tiermoe.placement.adaptive_forecast import CarryOver, Dispersion, LastingCheck, PromptEvidence, shrunk_shares
+from tiermoe.config import (
+    AdaptiveSettings,  # the settings live with the other validated settings
+)
+from tiermoe.placement.adaptive_forecast import (
+    CarryOver,
+    Dispersion,
+    LastingCheck,
+    PromptEvidence,
+    shrunk_shares,
+)
 from tiermoe.placement.pass_cost import PassCostModel
 from tiermoe.placement.policies import Swap
 from tiermoe.placement.swap_pairing import best_swaps
+from tiermoe.placement.tier_balance import PassMix, swap_values
 
 # passes a deviation from the calibration must carry over before it is followed: past the lag at which temporal
 # locality fades (4-8, docs/traces.md), in passes so that with many requests side by side it still spans 4 positions
@@ -63,16 +72,19 @@ class AdaptivePolicy:
     3. Near-term rate over the next `recent_half_life_tokens` tokens: request + w x (recent - request), recent
        from counts decayed over that short window; w in [0, 1] is learned online the same way (0 until shown, so
        a workload without temporal locality is never chased).
-    4. What an expert saves per token on the GPU tier is the cost model's (tiermoe.placement.pass_cost) over the recent
-       mix of pass sizes (saving_per_token). A swap (one in, one out) is worth the best of: staying (near-term saving
-       over the short window, request saving over the request's rest, lasting saving up to `horizon_tokens` at the low
-       end of lasting_range for what it promotes and the high end for what it demotes, less its copies), leaving with
-       the request or after the short window (those savings only, less its copies and the copies back). It is made when
+    4. What an expert is worth per token on the GPU tier is the step time the cost model (tiermoe.placement.pass_cost)
+       gives its move, each layer waiting for its slower tier, over the recent mix of pass sizes (swap_values: what
+       promoting it saves, what demoting it costs). A swap (one in, one out) is worth the best of: staying
+       (near-term saving over the short window, request saving over the request's rest, lasting saving up to
+       `horizon_tokens` at the low end of lasting_range for what it promotes and the high end for what it demotes,
+       less its copies), leaving with the request or after the short window (those savings only, less its copies and
+       the copies back). It is made when
        that exceeds `margin` x its copies, best first, at most `max_swaps_in_flight` at once, never on an expert whose
        copy is in flight. Within a layer, or with `cross_layer` between layers (a GPU slot of a cold layer goes to a hot
        expert of another; the total GPU budget stays, swap_pairing.best_swaps).
-    Candidates to promote: an expert the last pass used (on demand, as LFU), or one the running prompts used
-    once their evidence counts (v > 0).
+    Candidates to promote: an expert the last pass used (on demand, as LFU), one the running prompts used once their
+    evidence counts (v > 0), or any expert of a layer whose GPU tier is its bottleneck (there the swap that pays
+    demotes a hot expert for a cold one).
     """
 
     name = "adaptive"
@@ -104,6 +116,7 @@ class AdaptivePolicy:
         self._lasting: torch.Tensor | None = None  # lasting_rates of the passes seen so far
         self._shares: tuple[torch.Tensor, torch.Tensor] | None = None  # _followed_and_prior of the same passes
         self.last_LE = torch.zeros(shape, dtype=torch.float64)  # the last pass's routed pairs
+        self._pending: list[Swap] = []  # swaps proposed and still under way (their experts busy)
 
     @property
     def horizon(self) -> float:
@@ -232,24 +245,21 @@ class AdaptivePolicy:
             return base
         return (base + self.recent_weight * (self.recent_LE / self._recent_tokens - base)).clamp(min=0.0)
 
-    def saving_per_token(self, rate_LE: torch.Tensor) -> torch.Tensor:
-        """Expected seconds saved per token [L, E] by having each expert on the GPU tier, over the recent passes:
-        a pass of n tokens touches an expert of rate r with chance 1 - (1 - r)^n and routes n r pairs to it.
+    def mix(self) -> PassMix:
+        """The recent passes' sizes, by decayed weight: what one token's share of a pass's time is measured over."""
+        return PassMix.from_weights(self._mix)
 
-        Never below 0: where the GPU tier computes an expert slower than the CPU tier (the GPU tier on a CPU:
-        `--gpu-profile this-cpu`), the difference alone would value moving hot experts *off* it, but the two
-        tiers run side by side and a pass waits for the slower one, so the extra CPU-tier load costs more than the
-        difference saves (measured: such swaps fell 9-47% below frequency at 10-30% GPU ratio; BENCHMARKS.md).
-        Clamped, the policy keeps the placement it starts from there."""
-        total = torch.zeros_like(rate_LE)
-        tokens = 0.0
-        for n, weight in self._mix.items():
-            touched = 1.0 - (1.0 - rate_LE.clamp(0.0, 1.0)) ** n
-            pairs = n * rate_LE
-            total += weight * (self.cost.expert_seconds(False, touched, pairs)
-                               - self.cost.expert_seconds(True, touched, pairs))
-            tokens += weight * n
-        return (total / tokens if tokens else total).clamp(min=0.0)
+    def swap_values(self, load_rate_LE: torch.Tensor, mask_LE: torch.Tensor, in_rate_LE: torch.Tensor | None = None,
+                    out_rate_LE: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(promote, demote) [L, E] in seconds per token: the step time a CPU-tier expert saves on the GPU tier, and
+        the step time a GPU-tier expert would cost on the CPU tier (tier_balance.swap_values: each layer's two
+        tiers at `load_rate_LE`, the expert at its own cautious rate), over the recent mix of pass sizes. A layer
+        waits for its slower tier (tiers side by side), so where the CPU tier is the bottleneck this is the CPU
+        tier's time of the expert, and where the GPU tier is (a GPU slower per expert than the CPU tier: the GPU
+        tier on a CPU, `--gpu-profile this-cpu`) promoting costs time and demoting saves it: the swaps then move
+        routed pairs off the slower tier until the two balance. (A per-expert difference of the two tiers, never
+        below 0, was the value before: it could only keep the starting placement there.)"""
+        return swap_values(self.cost, self.mix(), load_rate_LE, mask_LE.to("cpu", torch.bool), in_rate_LE, out_rate_LE)
 
     def propose(self, mask_LE: torch.Tensor, busy_LE: torch.Tensor) -> list[Swap]:
         s = self.settings
@@ -258,21 +268,76 @@ class AdaptivePolicy:
         budget = s.max_swaps_in_flight - int(busy_LE.sum()) // 2
         if budget <= 0:
             return []
+        busy = busy_LE.to("cpu", torch.bool)
+        mask = self._target(mask_LE.to("cpu", torch.bool), busy)
         window = min(s.recent_half_life_tokens, self.horizon)
-        near_LE = window * self.saving_per_token(self.rates())
-        low, high = self.lasting_range()
-        spread = self.swap_z_score * self.lasting_uncertainty()
-        lasting_low = self.saving_per_token((low - spread).clamp(min=0.0))  # promoted at the low end
-        lasting_high = self.saving_per_token(high + spread)  # demoted at the high end
-        wanted = ~mask_LE & ~busy_LE & (self.last_LE > 0)  # promote on demand: the next token likely reuses it
         request = window
+        wanted = ~mask & ~busy & (self.last_LE > 0)  # promote on demand: the next token likely reuses it
         if self.prompt_weight > 0 and self.prompts.active:  # the running prompts' experts are wanted too
             request = min(self.horizon, max(window, self.prompts.remaining_tokens()))
-            wanted |= ~mask_LE & ~busy_LE & (self.prompts.prompt_rates() > 0)
-        with_request = near_LE + (request - window) * self.saving_per_token(self.request_rates())
+            wanted |= ~mask & ~busy & (self.prompts.prompt_rates() > 0)
+        rates = self._valuation_rates(request > window)
+        values = self._values(rates, mask)
         copies = s.margin * self.cost.copy_seconds(2)
         rest = self.horizon - request
-        options = [(with_request + rest * lasting_low, with_request + rest * lasting_high, copies),  # lasting
-                   (with_request, with_request, 2 * copies),  # back once the running requests are done
-                   (near_LE, near_LE, 2 * copies)]  # back after the short window
-        return best_swaps(options, wanted, mask_LE & ~busy_LE, budget, s.cross_layer)
+        free = ~busy
+        swaps: list[Swap] = []
+        # one swap at a time, each valued against the placement the ones before it leave: the two layers a swap
+        # touches are valued again (the others do not change), so swaps into one layer stop at its balance
+        for _ in range(budget):
+            near_in, near_out, lasting_in, lasting_out, req_in, req_out = values
+            with_in = window * near_in + (request - window) * req_in
+            with_out = window * near_out + (request - window) * req_out
+            options = [(with_in + rest * lasting_in, with_out + rest * lasting_out, copies),  # lasting
+                       (with_in, with_out, 2 * copies),  # back once the running requests are done
+                       (window * near_in, window * near_out, 2 * copies)]  # back after the short window
+            # where the GPU tier is a layer's bottleneck (demoting saves time there), any expert of the layer may take
+            # a slot: the coldest ones relieve it most, and they are seldom the ones the last pass used
+            candidates = ~mask & free & (wanted | (lasting_out < 0).any(dim=1, keepdim=True))
+            chosen = best_swaps(options, candidates, mask & free, 1, s.cross_layer)
+            if not chosen:
+                break
+            swap = chosen[0]
+            swaps.append(swap)
+            mask[swap.layer, swap.expert_in], mask[swap.out_layer, swap.expert_out] = True, False
+            free[swap.layer, swap.expert_in] = free[swap.out_layer, swap.expert_out] = False
+            rows = sorted({swap.layer, swap.out_layer})
+            values[:, rows] = self._values({k: v[..., rows, :] for k, v in rates.items()}, mask[rows])
+        self._pending += swaps
+        return swaps
+
+    def _valuation_rates(self, with_request: bool) -> dict[str, torch.Tensor]:
+        """The rates [K, L, E] the swap values are computed at: each layer's loads, and each expert's own rate when
+        promoted or demoted (near term; lasting at both ends of its cautious range; the running requests')."""
+        low, high = self.lasting_range()
+        spread = self.swap_z_score * self.lasting_uncertainty()
+        near, lasting = self.rates(), self.lasting_rates()
+        low, high = (low - spread).clamp(min=0.0), high + spread
+        loads, own = [near, lasting, lasting], [near, low, high]
+        if with_request:
+            loads.append(self.request_rates())
+            own.append(loads[-1])
+        return {"loads": torch.stack(loads), "own": torch.stack(own)}
+
+    def _values(self, rates: dict[str, torch.Tensor], mask_LE: torch.Tensor) -> torch.Tensor:
+        """[6, L, E]: near-term promote and demote values, lasting ones, the running requests' ones (0 without).
+        A lasting swap is valued at whichever end of each expert's range is worse for it: where the CPU tier is the
+        bottleneck that promotes at the low end and demotes at the high end; where the GPU tier is (a slower one), a
+        promoted expert costs most at the high end and a demoted one saves least at the low end (valued the other
+        way, cold experts were swapped on noise)."""
+        promote, demote = self.swap_values(rates["loads"], mask_LE, rates["own"], rates["own"])
+        zero = torch.zeros_like(promote[0])
+        request = (promote[3], demote[3]) if promote.shape[0] > 3 else (zero, zero)
+        return torch.stack([promote[0], demote[0], torch.minimum(promote[1], promote[2]),
+                            torch.maximum(demote[1], demote[2]), *request])
+
+    def _target(self, mask_LE: torch.Tensor, busy_LE: torch.Tensor) -> torch.Tensor:
+        """The placement once the swaps under way have landed: what the tiers' loads will be. Valued against the
+        placement of the moment, a layer half way through its swaps looked as unbalanced as before them, and more
+        swaps followed into it (on a slower GPU tier they overshot the balance and swung back)."""
+        self._pending = [s for s in self._pending
+                         if busy_LE[s.layer, s.expert_in] or busy_LE[s.out_layer, s.expert_out]]
+        target = mask_LE.clone()
+        for s in self._pending:
+            target[s.layer, s.expert_in], target[s.out_layer, s.expert_out] = True, False
+        return target

@@ -2,10 +2,12 @@
 caches, LFU), on tiermoe's two tiers, with a copy budget per step.
 
 A cache in a tiered engine differs from one in front of a slow disk: a miss is not waited for, the CPU tier
-computes it. What the cache decides is which experts to promote after a pass: at most `copy_budget` swaps per
-pass (each a promotion and a demotion in one layer, so every layer keeps its GPU count), never touching an
-expert whose copy is in flight. The policies share the interface of tiermoe.placement.policies (observe, propose),
-so the live engine and trace replay can drive them alike.
+computes it. What the cache decides is which experts to promote after a pass: at most `copy_budget` swaps under way
+at once (queued or copying; each a promotion and a demotion in one layer, so every layer keeps its GPU count), never
+touching an expert whose copy is in flight. Under way, not per pass: a swap takes two steps in the engine (demotion,
+then promotion: tiermoe.placement.swap_schedule), whose copies it runs a few at a time, and adaptive's budget
+(max_swaps_in_flight) counts the same way, so every policy gets the same copies. The policies share the interface
+of tiermoe.placement.policies (observe, propose), so the live engine and trace replay can drive them alike.
 
 - `lru`: promote the experts the last pass routed to on the CPU tier (most routed pairs first), evicting the
   layer's least recently used GPU expert that the last pass did not use; the oldest victims across layers first.
@@ -20,7 +22,7 @@ import torch
 
 from tiermoe.placement.policies import Swap
 
-DEFAULT_COPY_BUDGET = 4  # swaps a cache may start per pass
+DEFAULT_COPY_BUDGET = 4  # swaps a cache may have under way at once
 NONE = float("-inf")  # the score of an expert that is no candidate
 
 
@@ -46,10 +48,15 @@ def pair_swaps(in_score_LE: torch.Tensor, out_score_LE: torch.Tensor, pair_score
     return swaps
 
 
+def room(copy_budget: int, busy_LE: torch.Tensor) -> int:
+    """Swaps a policy may still propose: its budget less the swaps under way (two busy experts each)."""
+    return max(0, copy_budget - int(busy_LE.sum()) // 2)
+
+
 class _Cache:
     def __init__(self, num_layers: int, num_experts: int, copy_budget: int = DEFAULT_COPY_BUDGET):
         if copy_budget < 0:
-            raise ValueError(f"copy_budget must be >= 0 swaps per pass, got {copy_budget}")
+            raise ValueError(f"copy_budget must be >= 0 swaps under way, got {copy_budget}")
         self.copy_budget = copy_budget
         self.last_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64)  # the last pass's routed pairs
         self.passes = 0
@@ -78,7 +85,7 @@ class LRUPolicy(_Cache):
         ins = torch.where(used & ~mask_LE & ~busy_LE, self.last_LE, NONE)
         age = self.passes - self.last_use_LE
         outs = torch.where(mask_LE & ~busy_LE & ~used, age, NONE)
-        return pair_swaps(ins, outs, lambda i, o: o, self.copy_budget)
+        return pair_swaps(ins, outs, lambda i, o: o, room(self.copy_budget, busy_LE))
 
 
 class LFUPolicy(_Cache):
@@ -94,4 +101,4 @@ class LFUPolicy(_Cache):
     def propose(self, mask_LE: torch.Tensor, busy_LE: torch.Tensor) -> list[Swap]:
         ins = torch.where((self.last_LE > 0) & ~mask_LE & ~busy_LE, self.frequency_LE, NONE)
         outs = torch.where(mask_LE & ~busy_LE, -self.frequency_LE, NONE)  # least frequent first
-        return pair_swaps(ins, outs, lambda i, o: i + o, self.copy_budget)
+        return pair_swaps(ins, outs, lambda i, o: i + o, room(self.copy_budget, busy_LE))

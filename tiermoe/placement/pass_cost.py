@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from tiermoe.placement.model_costs import NO_OPS, ModelCosts, OpCount
@@ -59,6 +60,15 @@ DEFAULT_GPU = "rtx4090"  # the GPU profile assumed where none is given
 # torch's grouped GEMM where it loops over the groups (GPUProfile.fused_grouped_gemm False): one matrix product per
 # expert and projection, launched from C++ (no Python op). Not counted: the offsets' copy to the host it waits for.
 GROUPED_GEMM_LOOP = OpCount(ops=0.0, kernels=2.0)
+
+
+def _maximum(a, b):
+    """torch.maximum, or numpy's where a side is a numpy array: the GPU tier's seconds also take the placement
+    math's arrays (tiermoe.placement.tier_balance runs in numpy: tiny arrays, where torch's intra-op threads cost
+    milliseconds an op on a busy 2-core box)."""
+    if isinstance(a, (np.ndarray, np.generic)) or isinstance(b, (np.ndarray, np.generic)):
+        return np.maximum(a, b)
+    return torch.maximum(a, b)
 
 
 @dataclass(frozen=True)
@@ -84,20 +94,24 @@ class PassCostModel:
     tiers_overlap: bool = True  # the CPU tier computes while the GPU tier does (a device of its own)
     both_tiers_seconds: float = 0.0  # extra per layer call in which both tiers compute (one CPU), measured
     gpu_tier: TierFit | None = None  # this-cpu: the GPU tier as timed (a, b) instead of the profile's roofline
+    # this-cpu: seconds per pass added to the non-expert forward's estimate (<= 0 where the profile's one-core
+    # roofline overstates a forward that runs on every core; fitted on the calibration runs, host_cost_fit)
+    forward_correction_seconds: float = 0.0
 
     # ---- building blocks (tensor-friendly) -------------------------------------------------------------
-    def _combine(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.maximum(a, b) if self.tiers_overlap else a + b
+    def combine(self, cpu: torch.Tensor, gpu: torch.Tensor) -> torch.Tensor:
+        """A MoE layer's seconds from its two tiers' (tensors): the slower where they overlap, else both."""
+        return _maximum(cpu, gpu) if self.tiers_overlap else cpu + gpu
 
     def _dispatch(self, count: OpCount, times: torch.Tensor, device_seconds: torch.Tensor) -> torch.Tensor:
         """`times` x count ops issued by the host and run by the device, plus `device_seconds` of device work."""
         host = self.host.op_seconds * count.ops * times
         if self.device_is_host:
             return host + device_seconds
-        return torch.maximum(host, self.profile.launch_overhead * count.kernels * times + device_seconds)
+        return _maximum(host, self.profile.launch_overhead * count.kernels * times + device_seconds)
 
     def _roofline(self, nbytes: torch.Tensor, flops: torch.Tensor) -> torch.Tensor:
-        return torch.maximum(nbytes / self.profile.memory_bandwidth, flops / self.profile.compute_flops)
+        return _maximum(nbytes / self.profile.memory_bandwidth, flops / self.profile.compute_flops)
 
     # ---- per pass ----------------------------------------------------------------------------------------
     def fixed_seconds_P(self, shapes: PassShapes) -> torch.Tensor:
@@ -119,13 +133,13 @@ class PassCostModel:
         else:
             forward = torch.maximum(host, self.profile.launch_overhead * mc.per_forward.kernels + device)
         layers = self._dispatch(mc.per_layer, torch.full_like(seqs, mc.num_moe_layers), torch.zeros_like(seqs))
-        return forward + layers
+        return forward + layers + self.forward_correction_seconds
 
     def moe_seconds_P(self, traffic: Traffic, tokens_P: torch.Tensor) -> torch.Tensor:
         """Placement-dependent seconds per pass: both tiers of every MoE layer, and blocking copies."""
         cpu, gpu, host_cpu_call = self._tiers_PM(traffic, tokens_P)
         both = ((traffic.cpu_distinct_PM > 0) & (traffic.gpu_distinct_PM > 0)).double() * self.both_tiers_seconds
-        layers = (host_cpu_call + self._combine(cpu, gpu) + both).sum(-1)
+        layers = (host_cpu_call + self.combine(cpu, gpu) + both).sum(-1)
         copies = traffic.swap_copies_P if self.device_is_host else traffic.streamed_P
         return layers + copies.double() * self.copy_seconds()
 

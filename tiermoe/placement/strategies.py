@@ -2,7 +2,9 @@
 
 Legend: L layers (dense ones included), M MoE layers, E experts per layer. `moe_rows_L` is bool [L], True for
 MoE layers; dense rows of every result are all False. `total` is the number of GPU experts over all layers.
-The first four follow SGLang-kt exactly (same inputs, same masks); `balanced` is tiermoe's own.
+The first four follow SGLang-kt exactly (same inputs, same masks); `balanced` is tiermoe's own, and so is
+`time-balanced`, which also needs the cost model: the placement with the least expected step time
+(tiermoe.placement.tier_balance), which where the GPU tier is slower balances the two tiers instead of maximising hits.
 """
 
 from __future__ import annotations
@@ -10,11 +12,18 @@ from __future__ import annotations
 import torch
 
 from tiermoe.errors import TiermoeError
-from tiermoe.placement.global_topk import clean_counts, generate_gpu_experts_masks, top_k_positions
+from tiermoe.placement.global_topk import (
+    clean_counts,
+    generate_gpu_experts_masks,
+    top_k_positions,
+)
+from tiermoe.placement.pass_cost import PassCostModel
+from tiermoe.placement.tier_balance import PassMix, balance_by_time, rates_from_counts
 
 COMPATIBLE_STRATEGIES = ("uniform", "front-loading", "random", "frequency")
 STRATEGIES = COMPATIBLE_STRATEGIES + ("balanced",)
-NEEDS_STATISTICS = ("frequency", "balanced")
+TIME_BALANCED = "time-balanced"  # needs the cost model too (place's `cost`), so not among STRATEGIES
+NEEDS_STATISTICS = ("frequency", "balanced", TIME_BALANCED)
 DEFAULT_RANDOM_SEED = 42
 
 
@@ -46,7 +55,9 @@ def front_loading_mask(moe_rows_L: torch.Tensor, num_experts: int, total: int) -
     return mask
 
 
-def random_mask(moe_rows_L: torch.Tensor, num_experts: int, total: int, seed: int = DEFAULT_RANDOM_SEED) -> torch.Tensor:
+def random_mask(
+    moe_rows_L: torch.Tensor, num_experts: int, total: int, seed: int = DEFAULT_RANDOM_SEED
+) -> torch.Tensor:
     """A seeded random permutation of the layer-major list of MoE (layer, expert) positions; its first `total`."""
     layers = _moe_layers(moe_rows_L)
     mask = torch.zeros(len(moe_rows_L), num_experts, dtype=torch.bool)
@@ -105,6 +116,19 @@ def balanced_mask(counts_LE, moe_rows_L: torch.Tensor, total: int) -> torch.Tens
     return mask
 
 
+def time_balanced_mask(counts_LE, moe_rows_L: torch.Tensor, total: int, cost: PassCostModel, tokens_per_pass: float,
+                       pairs_per_token: float) -> torch.Tensor:
+    """The placement of `total` GPU experts with the least expected step time under `cost` for the statistics'
+    routing (tier_balance.balance_by_time), from the better of frequency's and uniform's masks: on a GPU beside a
+    CPU it is frequency's; where the GPU tier is slower per expert it balances the tiers. tokens_per_pass: the
+    decode batch the placement serves (the running sequences); pairs_per_token: the model's top-k."""
+    counts = _check_counts(counts_LE, moe_rows_L)
+    num_experts = counts.shape[1]
+    starts = [frequency_mask(counts, moe_rows_L, total), uniform_mask(moe_rows_L, num_experts, total)]
+    return balance_by_time(rates_from_counts(counts, pairs_per_token), moe_rows_L, starts, cost,
+                           PassMix.of(tokens_per_pass))
+
+
 def _check_counts(counts_LE, moe_rows_L: torch.Tensor) -> torch.Tensor:
     counts = clean_counts(counts_LE)
     if counts.shape[0] != len(moe_rows_L):
@@ -113,11 +137,14 @@ def _check_counts(counts_LE, moe_rows_L: torch.Tensor) -> torch.Tensor:
 
 
 def place(strategy: str, moe_rows_L: torch.Tensor, num_experts: int, total: int, counts_LE=None,
-          seed: int = DEFAULT_RANDOM_SEED) -> torch.Tensor:
-    """Dispatch by strategy name (SGLang-kt spelling; `front_loading` accepted too)."""
+          seed: int = DEFAULT_RANDOM_SEED, cost: PassCostModel | None = None, tokens_per_pass: float = 1.0,
+          pairs_per_token: float | None = None) -> torch.Tensor:
+    """Dispatch by strategy name (SGLang-kt spelling; `front_loading` accepted too). `time-balanced` also takes
+    the cost model, the decode batch and the model's top-k (time_balanced_mask)."""
     strategy = strategy.replace("_", "-")
-    if strategy not in STRATEGIES:
-        raise TiermoeError(f"unknown placement strategy '{strategy}'; choose one of: {', '.join(STRATEGIES)}")
+    if strategy not in STRATEGIES + (TIME_BALANCED,):
+        raise TiermoeError(f"unknown placement strategy '{strategy}'; choose one of: {', '.join(STRATEGIES)}"
+                           f", {TIME_BALANCED}")
     if strategy in NEEDS_STATISTICS and counts_LE is None:
         raise TiermoeError(f"the '{strategy}' strategy needs activation statistics (--init-expert-location FILE.pt); "
                            "record them with `tiermoe record`, or choose uniform")
@@ -129,4 +156,8 @@ def place(strategy: str, moe_rows_L: torch.Tensor, num_experts: int, total: int,
         return random_mask(moe_rows_L, num_experts, total, seed)
     if strategy == "frequency":
         return frequency_mask(counts_LE, moe_rows_L, total)
+    if strategy == TIME_BALANCED:
+        if cost is None or pairs_per_token is None:
+            raise TiermoeError(f"the '{TIME_BALANCED}' strategy needs the cost model and the model's top-k")
+        return time_balanced_mask(counts_LE, moe_rows_L, total, cost, tokens_per_pass, pairs_per_token)
     return balanced_mask(counts_LE, moe_rows_L, total)
