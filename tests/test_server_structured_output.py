@@ -117,3 +117,12 @@ def test_an_unconstrained_request_beside_constrained_ones_keeps_its_tokens(demo)
                         [("/v1/chat/completions", chat(SCHEMAS[i % 3], "Hi", seed=i)) for i in range(6)])
     assert together[0].json()["choices"][0]["text"] == alone
     assert all(r.status_code == 200 for r in together)
+
+
+def test_ignore_eos_goes_on_while_the_grammar_allows_more_and_stops_where_it_is_complete(demo):
+    client, _ = demo
+    request = {"prompt": "Tell me about the city number 3.", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    open_ended = client.post("/v1/completions", json=request | {"regex": "[a-z ]+"}).json()["choices"][0]
+    assert open_ended["finish_reason"] == "length" and re.fullmatch("[a-z ]+", open_ended["text"])
+    complete = client.post("/v1/completions", json=request | {"regex": "[a-z]{3}"}).json()["choices"][0]
+    assert complete["finish_reason"] == "stop" and re.fullmatch("[a-z]{3}", complete["text"])

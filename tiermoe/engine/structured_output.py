@@ -50,6 +50,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from copy import copy
 
+import numpy
 import torch
 
 from tiermoe.errors import TiermoeError
@@ -67,6 +68,11 @@ MISSING_LIBRARY = ("structured output (json_object, json_schema, regex, ebnf) ne
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256  # compiled grammars kept per compiler (clients tend to resend the same few schemas)
 
+
+
+# Up to this many rows, masks are computed one after another: waking llguidance's thread pool costs ~150 us a step,
+# while a row's mask is ~1-30 us for common grammars (more only for long constrained strings on a large vocabulary).
+SERIAL_MASK_ROWS = 4
 
 
 class GrammarCompiler:
@@ -94,6 +100,10 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos)
         self.mask_words = (n_vocab + 31) // 32  # int32 words of one row's bitmask
+        # EOS's bits (the words holding them, and each word with them cleared), for rows that must go on past them
+        self._eos_words = numpy.array(sorted({t // 32 for t in eos}), dtype=numpy.int64)
+        self._eos_cleared = numpy.array([~sum(1 << t % 32 for t in eos if t // 32 == w) & 0xFFFFFFFF
+                                         for w in self._eos_words], dtype=numpy.uint32)
         try:
             self._tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos)
         except ValueError as err:  # a tokenizer llguidance cannot read (e.g. a decoder kind it does not know)
@@ -124,17 +134,22 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return grammar
 
-    def masks_bias(self, states: Sequence[GrammarState], like: torch.Tensor) -> torch.Tensor:
-        """[len(states), like's width] of 0 (allowed) and -inf (not), in like's dtype on like's device."""
+    def masks_bias(self, states: Sequence[GrammarState], like: torch.Tensor,
+                   going_on: Sequence[bool] = ()) -> torch.Tensor:
+        """[len(states), like's width] of 0 (allowed) and -inf (not), in like's dtype on like's device. A row whose
+        `going_on` is True has EOS left out while its grammar allows any other token (a sequence with ignore_eos)."""
         bits = torch.empty(len(states), self.mask_words, dtype=torch.int32)
         row_bytes = self.mask_words * 4
-        if len(states) == 1:
-            states[0].matcher.unsafe_compute_mask_ptr(bits.data_ptr(), row_bytes)
+        if len(states) <= SERIAL_MASK_ROWS:
+            for row, state in enumerate(states):
+                state.matcher.unsafe_compute_mask_ptr(bits[row].data_ptr(), row_bytes)
         else:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
             self._executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(states)],
                                                    bits.data_ptr(), row_bytes, len(states))
+        for row in (r for r, drop in enumerate(going_on) if drop):
+            self._leave_out_eos(bits[row].numpy().view(numpy.uint32))
         # The bitmask (32x smaller than the logits) crosses to the device and is expanded there. Bit k of word w
         # is token 32w + k, so on a little-endian host byte b holds tokens 8b..8b+7: a 256-row table of 8 biases
         # turns each byte into its 8 entries (one gather, no branches: masked_fill_ on a mixed mask is slower).
@@ -144,6 +159,14 @@ class GrammarCompiler:
         if width > bias.shape[1]:
             raise ValueError(f"logits are {width} wide, the compiler's vocab_size is {self.vocab_size}")
         return bias[:, :width]
+
+    def _leave_out_eos(self, words: numpy.ndarray) -> None:
+        """Clears EOS's bits of one row's bitmask, in place, unless nothing else would be left (the grammar is
+        complete: EOS is all that may follow)."""
+        kept = words[self._eos_words]
+        words[self._eos_words] &= self._eos_cleared
+        if not words.any():
+            words[self._eos_words] = kept
 
     def _table(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (device, dtype)
