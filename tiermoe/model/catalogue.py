@@ -25,6 +25,9 @@ from tiermoe.layers import fused_attention, fused_decode_layer
 from tiermoe.layers.pool_kinds import pool_lacks
 
 CPU_KERNEL_ACTIVATIONS = ("silu_glu",)  # what tiermoe.experts.native computes with its kernels
+# Default configs that leave the routed top-k unset (None), where every release sets it: the page shows the family
+# with the releases' value (DeepSeek-V2 and V2-Lite route each token to 6 experts).
+RELEASE_TOP_K = {"deepseek_v2": 6}
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,8 @@ def catalogue_rows() -> list[tuple[str, ...]]:
     rows = []
     for model_type in moe_causal_lm_types():
         try:
-            cfg = text_config(AutoConfig.for_model(model_type))
+            release_values = {"num_experts_per_tok": RELEASE_TOP_K[model_type]} if model_type in RELEASE_TOP_K else {}
+            cfg = text_config(AutoConfig.for_model(model_type, **release_values))
             spec = detect(cfg)
             found = discover(cfg)
         except (TiermoeError, ValueError, TypeError) as err:
@@ -79,7 +83,8 @@ def catalogue_rows() -> list[tuple[str, ...]]:
             continue
         parts = parts_of(spec, found)
         experts = (f"{spec.num_experts} x top-{spec.top_k}, {found.experts.act_name}"
-                   + (", biases" if spec.expert_bias else "") + ("" if spec.gated else ", no gate"))
+                   + (", biases" if spec.expert_bias else "") + ("" if spec.gated else ", no gate")
+                   + (" (top-k of the releases)" if model_type in RELEASE_TOP_K else ""))
         rows.append((model_type, parts.block_forward, experts, parts.routed_experts,
                      ", ".join(dict.fromkeys(k.split("+")[0] for k in found.layer_kinds)), parts.engine, parts.decode))
     return rows
