@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from conftest import run_cli, save_tiny
+from transformers import AutoModelForCausalLM
 
 from tiermoe.analysis.trace_workload import RoutingTraceSpec, spread_layers, trace_workloads
 from tiermoe.analysis.workload_runs import record_trace
@@ -16,9 +17,10 @@ from tiermoe.engine.llm import LLM
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.kernels import supported_isa
 from tiermoe.layers.fused_decode_layer import FusedDecodeLayer
-from tiermoe.layers.trace_routing import TraceRouter, install_trace_routing, remove_trace_routing
+from tiermoe.layers.trace_routing import TraceExperts, TraceRouter, install_trace_routing, remove_trace_routing
 from tiermoe.stats.recording import PassInfo
 from tiermoe.stats.trace_csv import write_trace_csv
+from tiermoe.testing.tiny_configs import tiny_config
 
 E, K = 8, 2
 LENGTHS, PROMPTS = (6, 5, 7, 4), (3, 0, 2, 1)  # tokens and prefill tokens of trace requests 10, 11, 12, 13
@@ -79,6 +81,21 @@ def assert_recorded_routing_is_the_trace(llm, trace: dict, traced, workloads) ->
             assert len(served) == sum(lengths)  # every token of every served request, once
     finally:
         remove_trace_routing(llm.hybrid)
+
+
+def test_a_family_that_keeps_its_own_block_forward_routes_by_the_trace_too(tmp_path):
+    """A discovered family (MiniMax-M2: the model's own block routes, then calls its experts module): the trace's
+    ids reach the tiers through that call (TraceExperts); removing the trace puts the experts module back."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("minimax_m2", initializer_range=0.1), dtype=torch.float32)
+    model.save_pretrained(tmp_path / "m", save_original_format=False)  # 2 MoE layers, 8 experts, top-2
+    trace = make_trace()
+    with LLM(tmp_path / "m", progress=False) as llm:
+        assert llm.hybrid.spec.block_forward == "model"
+        traced = trace_workloads(RoutingTraceSpec(str(write_trace_csv(trace, tmp_path / "t.csv"))),
+                                 llm.hybrid.spec, 256, 8, 8)
+        assert_recorded_routing_is_the_trace(llm, trace, traced, (traced.heldout,))
+        assert not any(isinstance(module, TraceExperts) for module in llm.hybrid.model.modules())
 
 
 @pytest.mark.skipif(supported_isa() is None, reason="the kernel library is unavailable")

@@ -73,8 +73,17 @@ class TraceRouting:
         return self._pass[1][:, m], self._pass[2][:, m]
 
 
+def traced(picked: tuple[torch.Tensor, torch.Tensor], weights_TK: torch.Tensor, ids_TK: torch.Tensor):
+    """(weights, ids) with the trace's ids, at equal weights, on the rows the trace holds."""
+    trace_TK, known_T = picked
+    ids_TK = torch.where(known_T[:, None], trace_TK.to(ids_TK.dtype), ids_TK)
+    equal = torch.full_like(weights_TK, 1.0 / weights_TK.shape[1])
+    return torch.where(known_T[:, None], equal, weights_TK), ids_TK
+
+
 class TraceRouter(nn.Module):
-    """A MoE block's router with the trace's choice put in (the model's own for rows the trace does not hold)."""
+    """A MoE block's router with the trace's choice put in (the model's own for rows the trace does not hold), for
+    the families whose block forward is tiermoe's (HybridMoE calls the router)."""
 
     def __init__(self, original: nn.Module, routing: TraceRouting, layer: int):
         super().__init__()
@@ -87,10 +96,24 @@ class TraceRouter(nn.Module):
         picked = self.routing.current(self.layer, x_TD.shape[0])
         if picked is None:
             return logits, weights_TK, ids_TK
-        trace_TK, known_T = picked
-        ids_TK = torch.where(known_T[:, None], trace_TK.to(ids_TK.dtype), ids_TK)
-        equal = torch.full_like(weights_TK, 1.0 / weights_TK.shape[1])
-        return logits, torch.where(known_T[:, None], equal, weights_TK), ids_TK
+        return (logits, *traced(picked, weights_TK, ids_TK))
+
+
+class TraceExperts(nn.Module):
+    """A block's experts module (HybridExperts) called with the trace's choice in place of the block's own, for the
+    families whose block forward stays the model's: the block routes as it does, then its experts call lands here."""
+
+    def __init__(self, experts: nn.Module, routing: TraceRouting, layer: int):
+        super().__init__()
+        self.original = experts
+        self.routing = routing
+        self.layer = layer
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        picked = self.routing.current(self.layer, hidden_states.shape[0])
+        if picked is not None:
+            top_k_weights, top_k_index = traced(picked, top_k_weights, top_k_index)
+        return self.original(hidden_states, top_k_index, top_k_weights)
 
 
 def install_trace_routing(hybrid, routing: TraceRouting) -> None:
@@ -107,17 +130,40 @@ def install_trace_routing(hybrid, routing: TraceRouting) -> None:
     missing = [layer for layer in routing.column if layer not in hybrid.blocks]
     if missing:
         raise TiermoeError(f"the routing trace is mapped to layers {missing}, which are not MoE layers of the model")
-    for layer, block in hybrid.blocks.items():
-        router = block._modules[spec.router_attr]
-        if isinstance(router, TraceRouter):
-            router = router.original
-        block._modules[spec.router_attr] = TraceRouter(router, routing, layer)
+    if spec.block_forward == "tiermoe":
+        for layer, block in hybrid.blocks.items():
+            router = block._modules[spec.router_attr]
+            if isinstance(router, TraceRouter):
+                router = router.original
+            block._modules[spec.router_attr] = TraceRouter(router, routing, layer)
+    else:
+        for parent, name, experts in _experts_slots(hybrid):
+            setattr(parent, name, TraceExperts(experts, routing, experts.layer))
     hybrid.routing_override = routing
 
 
 def remove_trace_routing(hybrid) -> None:
-    for block in hybrid.blocks.values():
-        router = block._modules[hybrid.spec.router_attr]
-        if isinstance(router, TraceRouter):
-            block._modules[hybrid.spec.router_attr] = router.original
+    if hybrid.spec.block_forward == "tiermoe":
+        for block in hybrid.blocks.values():
+            router = block._modules[hybrid.spec.router_attr]
+            if isinstance(router, TraceRouter):
+                block._modules[hybrid.spec.router_attr] = router.original
+    else:
+        for parent, name, experts in _experts_slots(hybrid):
+            setattr(parent, name, experts)
     hybrid.routing_override = None
+
+
+def _experts_slots(hybrid) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent block, attribute, its HybridExperts) for each MoE layer whose block forward is the model's, the
+    HybridExperts unwrapped if a trace wraps it."""
+    experts_ids = {id(block) for block in hybrid.blocks.values()}
+    slots = []
+    for parent in hybrid.model.modules():
+        if isinstance(parent, TraceExperts):  # its `original` is the slot's content, not a slot
+            continue
+        for name, child in parent.named_children():
+            inner = child.original if isinstance(child, TraceExperts) else child
+            if id(inner) in experts_ids:
+                slots.append((parent, name, inner))
+    return slots
