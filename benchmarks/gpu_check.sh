@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The one GPU run of tiermoe (issue 20): what a rarely lent GPU machine can tell us, in ONE device call.
+# The GPU check of tiermoe: everything the CUDA path must show, in one run of at most 10 minutes on a machine with
+# an NVIDIA GPU and no network.
 #
-# A session whose task has a device machine (the `status` tool: can_start_another true) does exactly this:
-#   1. here, where the package registry is reachable:   benchmarks/gpu_wheels.sh
-#      (downloads the cp312 wheels the machine's image lacks into benchmarks/gpu_wheels/, git-ignored, ~14 MiB);
-#   2. one call of the run tool:
-#        run(command="bash benchmarks/gpu_check.sh", carry=["benchmarks/gpu_wheels"], timeout_s=600)
-#   3. reads what comes back from $OUT: gpu_check.json (the report), gpu_check.jsonl (a line per check as it
+#   1. where the package registry is reachable:   benchmarks/gpu_wheels.sh
+#      (downloads the cp312 wheels the GPU machine's image lacks into benchmarks/gpu_wheels/, git-ignored, ~14 MiB);
+#   2. copy the checkout, benchmarks/gpu_wheels/ included, to the GPU machine and run there:
+#        OUT=gpu-results timeout 600 bash benchmarks/gpu_check.sh
+#   3. copy back the results folder ($OUT): gpu_check.json (the report), gpu_check.jsonl (a line per check as it
 #      ended), gpu_check.log (everything printed, hang stacks included), decode_profile.txt, gpu_profile.json;
-#      then give_back, unless a second call follows at once for a few checks: `benchmarks/gpu_check.sh --only a,b`.
+#      a few checks again: `benchmarks/gpu_check.sh --only a,b`.
 #
-# On the machine (Python 3.12, torch 2.11 cu130, transformers 5.17 in its image, no network) it prints the
+# On a machine like the one it was written for (Python 3.12, torch 2.11 cu130, transformers 5.17, no network) it
+# prints the
 # versions first, installs the carried wheels with `pip install --no-index --no-deps --target` into a folder put
 # first on PYTHONPATH (tiermoe itself comes from this tree through PYTHONPATH), then runs the checks of
 # tiermoe/analysis/gpu_check_plan.py in the order of their value (environment -> exactness -> syncs/overlap ->
@@ -26,7 +27,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
-# the checkout's own environment when it has one (this machine); the image's python3 on the device machine
+# the checkout's own environment when it has one; the image's python3 on a GPU machine without one
 if [[ -z "${PYTHON:-}" && -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY="${PYTHON:-python3}"; fi
 OUT_DIR="${OUT:-benchmarks/results}"
 WHEELS="${GPU_CHECK_WHEELS:-benchmarks/gpu_wheels}"

@@ -75,8 +75,8 @@ def test_dry_run_prints_every_check_in_value_order_with_budgets_within_the_limit
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
 
 
-def test_the_device_call_and_the_budgets_are_written_where_a_session_looks():
-    """Whoever gets a device runs the check in one call: the exact call is at the top of the script and in
+def test_the_gpu_machine_command_and_the_budgets_are_written_where_a_reader_looks():
+    """Whoever has a GPU machine runs the check in one command: the exact call is at the top of the script and in
     BENCHMARKS.md, whose table of budgets is the plan's."""
     assert RUN_CALL in SCRIPT.read_text().split("set -uo pipefail")[0]
     benchmarks = (REPO / "BENCHMARKS.md").read_text()

@@ -1,6 +1,6 @@
 """The GPU check's first check: is this machine's software what tiermoe needs, before anything is measured.
 
-The device machine's image brings its own torch and transformers (2.11 and 5.17 when last read); tiermoe has
+The GPU machine's image brings its own torch and transformers (2.11 and 5.17 when last read); tiermoe has
 never been imported there. So: the versions actually imported (the carried wheels must win over the image's),
 transformers in the range we test (pyproject.toml), every tiermoe module importable on this torch (an API newer than it fails
 here, not halfway through a check), the C++ CPU kernels built with this machine's compiler and right on every

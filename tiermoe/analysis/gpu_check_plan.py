@@ -13,10 +13,11 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# One device call may run 600 s (the run tool's timeout_s); 540 leaves a minute to stop, write and return $OUT.
+# The run is meant to end within 600 s (RUN_CALL's timeout); 540 leaves a minute to stop and write the results.
 LIMIT_S = 540
-# The one call a session with a device machine makes (after benchmarks/gpu_wheels.sh, here).
-RUN_CALL = 'run(command="bash benchmarks/gpu_check.sh", carry=["benchmarks/gpu_wheels"], timeout_s=600)'
+# The command run on the GPU machine, in a copy of the checkout with benchmarks/gpu_wheels/ (benchmarks/gpu_wheels.sh,
+# run where the package registry is reachable).
+RUN_CALL = "OUT=gpu-results timeout 600 bash benchmarks/gpu_check.sh"
 # Before the first check: versions, the wheels' install into a target folder, the CUDA probe (the shell's part).
 SETUP_S = 25
 
@@ -84,7 +85,7 @@ class CheckContext:
     """What a check is given (it crosses into the check's own process as JSON)."""
 
     device: str  # "cuda:0", or "cpu" for a rehearsal on a machine without CUDA
-    out_dir: str  # $OUT: what comes back from the device machine (at most 8 files)
+    out_dir: str  # $OUT: the results folder copied back from the GPU machine (at most 8 files)
     work_dir: str  # checkpoints shared by the checks of one run
     quick: bool  # tiny models (a rehearsal)
     deadline: float  # time.time() by which the check must have returned
@@ -123,9 +124,9 @@ def select(names: str | None, checks=CHECKS) -> tuple[Check, ...]:
     return tuple(c for c in checks if c.name in wanted)
 
 
-# --- the wheels the device machine lacks -------------------------------------------------------------------------
+# --- the wheels the GPU machine lacks ----------------------------------------------------------------------------
 
-# The device machine's image as last read (/work/.library/device/KINDS.md; None: there, version never read).
+# The GPU machine's image as last checked (None: present, its version not recorded).
 # benchmarks/gpu_wheels.txt carries what it lacks or has too old; tests check tiermoe's dependencies are covered.
 IMAGE_PACKAGES = {"torch": "2.11.0", "transformers": "5.17.0", "huggingface-hub": "1.33.0", "safetensors": "0.8.0",
                   "tokenizers": "0.23.2", "numpy": "2.5.2", "accelerate": "1.15.0", "tqdm": None, "matplotlib": None,

@@ -1,7 +1,7 @@
 """A torch.profiler table of one decode step, saved to $OUT/decode_profile.txt.
 
 What the numbers of the other checks cannot say: where one decode step of 8 sequences at real layer shapes
-spends its time, on the host and on the GPU, kernel by kernel (the device machine has no Nsight Systems that
+spends its time, on the host and on the GPU, kernel by kernel (the GPU machine checked has no Nsight Systems that
 makes reports, and one step is what the per-token cost is made of).
 """
 
