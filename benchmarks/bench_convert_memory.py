@@ -9,7 +9,7 @@ Four cases, each in a fresh process (peak = VmHWM; growth = peak less the reside
 gpu_device="cpu", so the non-expert weights are host memory too; the bound for the loads is therefore
 non-expert + CPU-tier bytes (what the model holds) + buffer, and for `convert` the buffer alone.
 
-    python benchmarks/bench_convert_memory.py --dir /tmp/tiermoe-bench/q30b-4l --work /tmp/tiermoe-bench/convert
+    python benchmarks/bench_convert_memory.py --dir scratch/tiermoe-bench/q30b-4l --work scratch/tiermoe-bench/convert
 """
 
 from __future__ import annotations
@@ -19,8 +19,13 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+# Made checkpoints go to the system's temporary folder unless --dir says otherwise: they are scratch, remade
+# when missing, and a few GB each.
+SCRATCH = Path(tempfile.gettempdir()) / "tiermoe-bench"
 
 CHILD = r"""
 import json, sys, time, torch
@@ -64,8 +69,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-30b-a3b")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--dir", default="/tmp/tiermoe-bench/q30b-4l", help="bf16 checkpoint (made if missing)")
-    parser.add_argument("--work", default="/tmp/tiermoe-bench/convert", help="FP8 copy and int4 cache go here")
+    parser.add_argument("--dir", default=str(SCRATCH / "q30b-4l"), help="bf16 checkpoint (made if missing)")
+    parser.add_argument("--work", default=str(SCRATCH / "convert"), help="FP8 copy and int4 cache go here")
     args = parser.parse_args()
 
     src, work = Path(args.dir), Path(args.work)

@@ -8,7 +8,7 @@ same copy budget, the trace's own static top-k, the per-request and per-window o
 DeepSeek-V2-Lite's experts (bf16, from its config.json alone). Same-task pairs calibrate on the other half of the
 same task.
 
-    PYTHONPATH=$PWD python benchmarks/bench_cross_task.py --data ../shared/routing-data/esft-deepseek-v2-lite \
+    PYTHONPATH=$PWD python benchmarks/bench_cross_task.py --data data/routing/esft-deepseek-v2-lite \
         --out benchmarks/results/cross_task.json --markdown benchmarks/results/cross_task.md \
         --plot benchmarks/results/cross_task.png
 
@@ -21,10 +21,10 @@ Prefill: the ESFT traces are teacher-forced prompt + answer in prefill order, wi
 and the rest its answer, one token a step (0, the default: every token a step). Variants of the adaptive policy
 are replayed beside it as `adaptive[NAME]` rows (AdaptiveSettings fields):
 
-    PYTHONPATH=$PWD python benchmarks/bench_cross_task.py --data ../shared/routing-data/esft-deepseek-v2-lite \
+    PYTHONPATH=$PWD python benchmarks/bench_cross_task.py --data data/routing/esft-deepseek-v2-lite \
         --profiles rtx4090 --ratios 0.1,0.3 --pairs law:intent --prompt-share 0.5 \
         --policies frequency,lfu,adaptive --adaptive-variant before:cross_layer=0,swap_z_score=0 \
-        --adaptive-variant prompt:prompt_evidence=1 --out /tmp/x.json
+        --adaptive-variant prompt:prompt_evidence=1 --out scratch/x.json
 """
 
 from __future__ import annotations

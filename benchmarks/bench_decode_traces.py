@@ -6,7 +6,7 @@ model's config (Qwen3-30B-A3B's preset; gpt-oss-120b = the gpt-oss-20b preset wi
 published shape). Writes `decode_<trace>_<profile>.json` in `bench dynamic --json`'s format, which
 benchmarks/placement_verdict.py reads. Estimates: seconds, whatever the load.
 
-    PYTHONPATH=$PWD python benchmarks/bench_decode_traces.py --data ../shared/routing-data --out benchmarks/results
+    PYTHONPATH=$PWD python benchmarks/bench_decode_traces.py --data data/routing --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def run(data: Path, name: str, profile: str, copy_budget: int = 4) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True, help="the routing-data folder")
+    ap.add_argument("--data", required=True, help="the routing data folder (data/routing)")
     ap.add_argument("--out", required=True, help="folder for decode_<trace>_<profile>.json")
     ap.add_argument("--traces", default="qwen,gptoss")
     ap.add_argument("--profiles", default="rtx4090,h200")

@@ -22,7 +22,12 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+# Made checkpoints go to the system's temporary folder unless --dir says otherwise: they are scratch, remade
+# when missing, and a few GB each.
+SCRATCH = Path(tempfile.gettempdir()) / "tiermoe-bench"
 
 CONTENDERS = {
     "tiermoe-native": "tiermoe, native CPU tier (bf16, kernels)",
@@ -99,7 +104,7 @@ def main(argv=None) -> None:
     parser.add_argument("--preset", default="qwen3-30b-a3b")
     parser.add_argument("--layers", default="2,4",
                         help="decoder layer counts (comma-separated); two or more also give the time per layer")
-    parser.add_argument("--dir", type=Path, default=Path("/tmp/tiermoe-bench"),
+    parser.add_argument("--dir", type=Path, default=SCRATCH,
                         help="where checkpoints are (made with make-model when missing)")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=1)

@@ -19,8 +19,8 @@ Four parts (`--parts`, all by default), each a table:
 
 Timing is noisy on shared machines: the load average is printed first; run when it is below the core count.
 
-    python benchmarks/bench_kv_pool.py --dir /tmp/tiermoe-bench
-    python benchmarks/bench_kv_pool.py --dir /tmp/tiermoe-bench --parts mixed memory --threads 2
+    python benchmarks/bench_kv_pool.py --dir scratch/tiermoe-bench
+    python benchmarks/bench_kv_pool.py --dir scratch/tiermoe-bench --parts mixed memory --threads 2
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The loader must never hold a second copy of the model: peak resident memory (ru_
 that only imports, loads and exits) stays within what the tiers and non-expert weights hold in host memory plus
 1 GB (interpreter, torch, transformers). Here gpu_device="cpu", so both tiers are host memory.
 
-    python benchmarks/bench_load_memory.py --preset qwen3-30b-a3b --layers 4 --dir /tmp/tiermoe-bench/q30b-4l
+    python benchmarks/bench_load_memory.py --preset qwen3-30b-a3b --layers 4 --dir scratch/tiermoe-bench/q30b-4l
 """
 
 from __future__ import annotations
@@ -13,7 +13,12 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+# Made checkpoints go to the system's temporary folder unless --dir says otherwise: they are scratch, remade
+# when missing, and a few GB each.
+SCRATCH = Path(tempfile.gettempdir()) / "tiermoe-bench"
 
 CHILD = r"""
 import json, resource, sys, torch
@@ -38,7 +43,7 @@ def main() -> None:
     parser.add_argument("--arch", default="qwen3_moe")
     parser.add_argument("--preset", default="qwen3-30b-a3b")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--dir", default="/tmp/tiermoe-bench/q30b-4l")
+    parser.add_argument("--dir", default=str(SCRATCH / "q30b-4l"))
     parser.add_argument("--gpu-fraction", type=float, default=0.5, help="share of experts on the GPU tier")
     args = parser.parse_args()
 

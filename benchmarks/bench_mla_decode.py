@@ -7,8 +7,8 @@ with tiermoe's MLAAttention (absorbed: reads the cached latent as it is) and wit
 turn and times `--tokens` single-token forwards there (after one untimed). Also prints the bytes the KV pool
 holds per token.
 
-    python benchmarks/bench_mla_decode.py --dir /tmp/tiermoe-bench/v2lite-2l
-    python benchmarks/bench_mla_decode.py --dir /tmp/tiermoe-bench/v2lite-2l --past 16 1024 4096 --tokens 8 --threads 1
+    python benchmarks/bench_mla_decode.py --dir scratch/v2lite-2l
+    python benchmarks/bench_mla_decode.py --dir scratch/v2lite-2l --past 16 1024 4096 --tokens 8 --threads 1
 """
 
 from __future__ import annotations

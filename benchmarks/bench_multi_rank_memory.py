@@ -6,7 +6,7 @@ splits every shared page between the processes that map it, so the ranks' PSS ad
 (RSS would count the shared CPU experts once per mapping process). The goal: total PSS of the 2 ranks <= one
 process's PSS + 1 GiB (a second interpreter with torch, and a second copy of the non-expert weights).
 
-    python benchmarks/bench_multi_rank_memory.py --dir /tmp/tiermoe-bench/q30b-5l-v1k
+    python benchmarks/bench_multi_rank_memory.py --dir scratch/tiermoe-bench/q30b-5l-v1k
 """
 
 from __future__ import annotations
@@ -15,7 +15,12 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+# Made checkpoints go to the system's temporary folder unless --dir says otherwise: they are scratch, remade
+# when missing, and a few GB each.
+SCRATCH = Path(tempfile.gettempdir()) / "tiermoe-bench"
 
 GIB = 1024**3
 PROMPT = [[5, 6, 7, 8, 9, 10, 11, 12]]
@@ -122,7 +127,7 @@ def table(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", default="/tmp/tiermoe-bench/q30b-5l-v1k", help="checkpoint (made if missing)")
+    parser.add_argument("--dir", default=str(SCRATCH / "q30b-5l-v1k"), help="checkpoint (made if missing)")
     parser.add_argument("--layers", type=int, default=5, help="layers of the checkpoint made (default 5: 5.6 GiB "
                         "of experts)")
     parser.add_argument("--gpu-experts", type=int, default=16, help="GPU experts per layer, over both ranks")

@@ -10,7 +10,7 @@ noise-free cross-check, the time of the recorder calls alone
 (begin_pass, one record per MoE layer, end_pass on the same shapes) as a share of the median step.
 
     python benchmarks/bench_recorder.py                       # the bundled demo model
-    python benchmarks/bench_recorder.py --model /tmp/tiny-qwen3 --modes stat,per_pass,per_token
+    python benchmarks/bench_recorder.py --model scratch/tiny-qwen3 --modes stat,per_pass,per_token
 """
 
 from __future__ import annotations

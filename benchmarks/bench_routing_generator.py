@@ -7,7 +7,7 @@ correlation. Files and generated traces are measured by the same code (tiermoe.s
 - Qwen3-30B-A3B decode heat (48 x 128, top-8, 75,773 tokens of 200 prompts): Gini by layer of the heat next to
   the generator's over as many tokens (200 requests of 379 tokens), and a uniform router's at that sample.
 
-    PYTHONPATH=$PWD python benchmarks/bench_routing_generator.py --data ../shared/routing-data \
+    PYTHONPATH=$PWD python benchmarks/bench_routing_generator.py --data data/routing \
         --out benchmarks/results/routing_generator.json --markdown benchmarks/results/routing_generator.md \
         --plot benchmarks/results/routing_generator.png
 
@@ -154,7 +154,7 @@ def preset_literal(params: RoutingParams) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True, help="the routing-data folder (esft-deepseek-v2-lite, qwen3-moe-heat)")
+    ap.add_argument("--data", required=True, help="data/routing (its esft-deepseek-v2-lite and qwen3-moe-heat)")
     ap.add_argument("--refit", action="store_true", help="fit the parameters again instead of using the presets")
     ap.add_argument("--seed", type=int, default=1, help="seed of the generated traces (the fit uses seed 0)")
     ap.add_argument("--no-qwen", action="store_true", help="skip the Qwen3 heat comparison")

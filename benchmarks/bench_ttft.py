@@ -4,7 +4,7 @@ Builds, when `--dir` is empty, a one-layer Qwen3-MoE checkpoint with Qwen3's rea
 size 2048 in bf16, where the LM head dominates the time to first token. Run it once per source tree with
 PYTHONPATH pointing at that tree to compare two commits side by side:
 
-    python benchmarks/bench_ttft.py --dir /tmp/tiermoe-bench/qwen3-vocab-1l
+    python benchmarks/bench_ttft.py --dir scratch/tiermoe-bench/qwen3-vocab-1l
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ replays every policy at GPU ratios 0.1..0.9 (tiermoe bench dynamic's code path) 
   2. at ratios 0.1-0.4, adaptive's hit rate >= 1.10 x frequency's hit rate calibrated on the OTHER dataset.
 Prints one markdown table per pairing, the verdicts, and writes a plot of adaptive vs frequency.
 
-    python benchmarks/check_dynamic.py --traces /tmp/traces --datasets sharegpt,gsm8k --plot dynamic_check.png
+    python benchmarks/check_dynamic.py --traces scratch/traces --datasets sharegpt,gsm8k --plot dynamic_check.png
 """
 
 from __future__ import annotations

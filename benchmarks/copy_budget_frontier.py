@@ -7,12 +7,12 @@ copies cost in estimated tokens/s. This script reads those runs and prints, per 
 the cross-task pairs of each policy's hit rate and tokens/s, and plots the frontier.
 
     for b in 1 2 4 8 16 32; do
-      PYTHONPATH=$PWD python benchmarks/bench_cross_task.py --data ../shared/routing-data/esft-deepseek-v2-lite \\
+      PYTHONPATH=$PWD python benchmarks/bench_cross_task.py --data data/routing/esft-deepseek-v2-lite \\
           --profiles rtx4090 --ratios 0.1,0.2,0.3,0.4 --policies lfu,adaptive,belady,oracle-window \\
           --pairs intent:law,intent:summary,law:intent,law:summary,summary:intent,summary:law \\
-          --copy-budget $b --out /tmp/frontier_b$b.json
+          --copy-budget $b --out scratch/frontier_b$b.json
     done
-    python benchmarks/copy_budget_frontier.py /tmp/frontier_b*.json --markdown frontier.md --plot frontier.png
+    python benchmarks/copy_budget_frontier.py scratch/frontier_b*.json --markdown frontier.md --plot frontier.png
 """
 
 from __future__ import annotations

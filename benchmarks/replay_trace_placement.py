@@ -15,11 +15,11 @@ approximately (the run routes those rows by the model, and streams the experts o
 the cost model charged one non-expert forward per pass, 2026-12-05, replay with today's model: their figures differ.)
 
     PYTHONPATH=$PWD python benchmarks/replay_trace_placement.py \
-        --trace ../shared/routing-data/esft-deepseek-v2-lite/trace_law.txt \
+        --trace data/routing/esft-deepseek-v2-lite/trace_law.txt \
         --result benchmarks/results/placement_esft_law_rtx4090.json
-    tiermoe trace convert ../shared/routing-data/esft-deepseek-v2-lite/counts_intent.csv /tmp/esft_intent_heat.csv
+    tiermoe trace convert data/routing/esft-deepseek-v2-lite/counts_intent.csv scratch/esft_intent_heat.csv
     PYTHONPATH=$PWD python benchmarks/replay_trace_placement.py --served 16 \
-        --trace ../shared/routing-data/esft-deepseek-v2-lite/trace_law.txt --calibration /tmp/esft_intent_heat.csv \
+        --trace data/routing/esft-deepseek-v2-lite/trace_law.txt --calibration scratch/esft_intent_heat.csv \
         --result benchmarks/results/placement_esft_intent_to_law_rtx4090_settled.json
 """
 

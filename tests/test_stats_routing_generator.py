@@ -1,5 +1,5 @@
 """The routing generator (issue 23): seeded and reproducible, its statistics match the ESFT files' (small slices of
-../shared/routing-data, measured by the same code), its fit recovers a slice's statistics, and `tiermoe trace
+data/routing, measured by the same code), its fit recovers a slice's statistics, and `tiermoe trace
 generate` writes a trace CSV the existing readers load, refusing bad values in one line."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from tiermoe.stats.routing_presets import PRESETS
 from tiermoe.stats.routing_statistics import measure_routing
 from tiermoe.stats.trace_import import read_esft_trace, trace_dict
 
-ESFT = Path(__file__).resolve().parents[2] / "shared" / "routing-data" / "esft-deepseek-v2-lite"
-needs_files = pytest.mark.skipif(not ESFT.is_dir(), reason="../shared/routing-data is not here")
+ESFT = Path(__file__).resolve().parents[1] / "data" / "routing" / "esft-deepseek-v2-lite"
+needs_files = pytest.mark.skipif(not ESFT.is_dir(), reason="data/routing is not here")
 PRESET = PRESETS["esft-deepseek-v2-lite"]
 
 

@@ -2,12 +2,12 @@
 
 Default: one thread per physical core, less one core for the caller (the thread that runs the model: Python,
 attention, launching GPU kernels), and at least one. Measured on this 2-core machine with all experts on the CPU
-tier (benchmarks/bench_e2e_cpu.py, 2026-12-02; BENCHMARKS.md, "Re-run after this session's host-time work"): the
-48-layer model of width 128 decoded 35.9 tokens/s with this default (1 thread) and 6.3 with `--cpu-threads 2`
-(torch's own threads and the team's spin on the same two cores), the 2-layer Qwen3-30B-A3B-shaped one 18.6 and
-19.2. So the caller keeps its core even when it has no experts to compute, as long as torch computes beside
-the team. A CPU-only run of a bf16 model computes its non-expert linears on the team too, and there the team takes
-every core and torch one thread during a step (tiermoe.model.cpu_only, `torch_threads` below). `--cpu-threads`
+tier (benchmarks/bench_e2e_cpu.py, 2026-12-02; docs/benchmarks-history.md, "CPU-only end to end: re-run after the
+host-time work"): the 48-layer model of width 128 decoded 35.9 tokens/s with this default (1 thread) and 6.3 with
+`--cpu-threads 2` (torch's own threads and the team's spin on the same two cores), the 2-layer Qwen3-30B-A3B-shaped
+one 18.6 and 19.2. So the caller keeps its core even when it has no experts to compute, as long as torch computes
+beside the team. A CPU-only run of a bf16 model computes its non-expert linears on the team too, and there the team
+takes every core and torch one thread during a step (tiermoe.model.cpu_only, `torch_threads` below). `--cpu-threads`
 overrides both.
 
 Pinning: member i of a team of n is pinned to the i-th of the *last* n physical cores (one logical CPU each,

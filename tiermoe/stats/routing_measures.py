@@ -1,7 +1,7 @@
 """Statistics of a per-token routing trace that decide how placement fares: skew, hot-set transfer, reuse by lag.
 
 Every function takes the per_token trace dict (tiermoe.stats.traces; a trace CSV read, a converted ESFT file or
-a generated trace), so the files of `../shared/routing-data` and the routing generator are measured by the same
+a generated trace), so the files of `data/routing` and the routing generator are measured by the same
 code (docs/traces.md, "Routing generator").
 
 - `gini_by_layer`: Gini of each MoE layer's counts over the first `num_tokens` tokens. Gini falls with the sample

@@ -1,7 +1,7 @@
 """Fitted routing-generator parameters (docs/traces.md, "Routing generator"), refitted with
 `benchmarks/bench_routing_generator.py --refit` (which prints this table's entries).
 
-- `esft-deepseek-v2-lite`: fitted to the three ESFT traces of `../shared/routing-data/esft-deepseek-v2-lite`
+- `esft-deepseek-v2-lite`: fitted to the three ESFT traces of `data/routing/esft-deepseek-v2-lite`
   (DeepSeek-V2-Lite layout: decoder layers 1..26 are MoE, 64 experts, top-6; tasks intent, law, summary).
 - `qwen3-30b-a3b`: the skew by depth fitted to the Qwen3-30B-A3B decode heat of `qwen3-moe-heat` (48 x 128, top-8,
   75,773 tokens of 200 prompts); the task, request and local-state parameters are the ESFT ones (the heat has no

@@ -1,5 +1,5 @@
 """The statistics the routing generator is fitted to and checked against, measured the same way on any set of
-per-token traces (one per task): the files of `../shared/routing-data` or generated ones.
+per-token traces (one per task): the files of `data/routing` or generated ones.
 
 Per task: Gini per MoE layer over the same number of tokens for every task (`gini_tokens`, default the smallest
 task's), reuse at lags 1..D and after shuffling each request's tokens, the hit rate of a hot set calibrated on
