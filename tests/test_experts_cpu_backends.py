@@ -283,7 +283,9 @@ def test_an_int4_expert_comes_back_from_the_gpu_tier_as_it_was_stored(dtype, tin
         assert block.cpu_tier.nbytes == held
 
 
-def test_gpt_oss_layers_keep_the_torch_path(tiny_dir):
+def test_gpt_oss_bf16_experts_the_kernels_would_pad_keep_the_torch_path(tiny_dir):
+    """The tiny GPT-OSS's intermediate size (48) is not a multiple of 32: its bf16 experts stay on the exact torch
+    path, as every such bf16 layer does (GPT-OSS on the kernels: tests/test_cpu_kernels_gpt_oss.py)."""
     path = tiny_dir("gpt_oss")
     with torch.no_grad():
         ref = load_reference(path)(input_ids()).logits

@@ -34,6 +34,7 @@ from tiermoe.config import MIN_KV_TOKENS_PER_REQUEST, NON_EXPERT_DTYPES
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.fp8_blocks import DEFAULT_BLOCK, dequant_bytes, scale_shape
 from tiermoe.experts.fp8_tier import fp8_expert_bytes
+from tiermoe.experts.quant import k_align, round_up
 from tiermoe.model.held_bytes import (
     ROUTED_EXPERT_NAME,
     HeldBytes,
@@ -59,6 +60,9 @@ CONFIG_DTYPES = {"bf16": (torch.bfloat16, False), "fp16": (torch.float16, False)
                  "fp8": (torch.bfloat16, True)}
 
 
+KERNEL_FORMATS = ("bf16", "int8", "int4")  # the CPU tier's formats the native kernels compute
+
+
 def matrix_bytes(n: int, k: int, fmt: str) -> int:
     """Bytes of one W [N, K] stored in a CPU-tier format (tiermoe.experts.quant, "rows" layout)."""
     if fmt == "bf16":
@@ -75,9 +79,12 @@ def matrix_bytes(n: int, k: int, fmt: str) -> int:
 
 def cpu_expert_bytes(spec: ArchSpec, fmt: str, dtype: torch.dtype) -> int:
     """One expert on the CPU tier: gate_up [2I, H] (up [I, H] without a gate) and down [H, I] in `fmt`, biases
-    in `dtype`."""
+    in `dtype`, and for the native kernels' formats a second copy of the biases in fp32, in the kernels' padded row
+    order (tiermoe.experts.native)."""
     h, i, rows = spec.hidden_size, spec.expert_intermediate_size, spec.gate_up_rows
     bias = (rows + h) * dtype.itemsize if spec.expert_bias else 0
+    if spec.expert_bias and fmt in KERNEL_FORMATS:
+        bias += (rows // i * round_up(i, k_align(fmt)) + h) * 4
     return matrix_bytes(rows, h, fmt) + matrix_bytes(h, i, fmt) + bias
 
 

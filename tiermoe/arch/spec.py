@@ -21,8 +21,9 @@ from tiermoe.errors import TiermoeError
 SHARED_KINDS = ("none", "plain", "gated")
 
 # The expert feed-forward:
-#   "silu_glu":    down(silu(gate(x)) * up(x)), no biases (what the native CPU kernels compute)
+#   "silu_glu":    down(silu(gate(x)) * up(x)), no biases
 #   "gpt_oss_glu": clamped gate/up with biases, glu = gate * sigmoid(alpha * gate), down((up + 1) * glu) + b
+#   (the native CPU kernels compute these two)
 #   "model":       any other: the experts module's own gating (`_apply_gate`) or, for experts without a gate
 #                  (`gated` False: up and down only), its own `act_fn`, computed exactly on the torch path
 ACTIVATIONS = ("silu_glu", "gpt_oss_glu", "model")

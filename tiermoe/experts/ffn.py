@@ -22,7 +22,7 @@ from tiermoe.experts.weights import ExpertWeights
 class ExpertActivation:
     """How an expert turns gate/up projections into the down projection's input.
 
-    "silu_glu" and "gpt_oss_glu" are computed here (and "silu_glu" by the native kernels too). "model" is any
+    "silu_glu" and "gpt_oss_glu" are computed here (and both by the native kernels too). "model" is any
     other experts module's own arithmetic: its `_apply_gate` (or, for experts without a gate, its `act_fn`) is
     called on the module itself (its parameters stay on the meta device; the methods read scalars and
     activations only), with gate and up interleaved again where the module keeps them so (tiermoe's layout

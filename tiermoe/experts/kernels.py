@@ -34,11 +34,14 @@ from tiermoe.errors import TiermoeError
 
 ISA_NAMES = ("base", "avx2", "avx512", "avx512bf16", "amx")
 TORCH_ISA = "torch"  # not a kernel level: "use no kernels"
+# The expert activations the whole-layer kernels compute (tiermoe.experts.ffn.ExpertActivation kinds), with their
+# TmLayerArgs.act codes (csrc/tm_kernels.h TmActivation).
+ACTIVATION_CODES = {"silu_glu": 0, "gpt_oss_glu": 1}
 # 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp (fused norms, routers), decode attention, rotary;
 # 4: decode attention per ISA (TmAttnArgs.isa); 5: the gated delta rule; 6: a team's solo_bytes, its shared jobs;
 # 7: a whole decoder layer of a decode step (tm_decode_layer); 8: decode attention with a two-part key (MLA) and key
-# splits
-ABI_VERSION = 8
+# splits; 9: a MoE layer's activation (SiLU-GLU or GPT-OSS's clamped SwiGLU) and per-expert biases (TmLayerArgs)
+ABI_VERSION = 9
 # A MoE layer or packed product smaller than this (bytes of weights read, each row of activations beyond the first
 # counted as an eighth more: csrc/tm_kernels.h tm_product_work) runs on the calling thread alone. Waking a helper
 # asleep between a decode step's calls cost about 250 us on this project's 2-vCPU VMs (an idle vCPU is halted),
@@ -56,12 +59,17 @@ class TmMatrix(ctypes.Structure):
 
 
 class TmLayerArgs(ctypes.Structure):
+    """One MoE layer's CPU-tier experts (csrc/tm_api.h). Left at zero, act, alpha, limit and the bias tables mean
+    SiLU-GLU without biases; act 1 is GPT-OSS's clamped SwiGLU (ACTIVATION_CODES)."""
+
     _fields_ = [("isa", ctypes.c_int32), ("amx_min_rows", ctypes.c_int32), ("T", ctypes.c_int32),
                 ("D", ctypes.c_int32), ("I", ctypes.c_int32), ("K", ctypes.c_int32), ("Dp", ctypes.c_int32),
                 ("Ip", ctypes.c_int32), ("x_bf16", ctypes.c_int32), ("n_experts", ctypes.c_int32),
                 ("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("ids", ctypes.c_void_p),
                 ("weights", ctypes.c_void_p), ("gate_up", ctypes.POINTER(TmMatrix)),
-                ("down", ctypes.POINTER(TmMatrix))]
+                ("down", ctypes.POINTER(TmMatrix)), ("act", ctypes.c_int32), ("alpha", ctypes.c_float),
+                ("limit", ctypes.c_float), ("_pad", ctypes.c_int32),
+                ("gate_up_bias", ctypes.POINTER(ctypes.c_void_p)), ("down_bias", ctypes.POINTER(ctypes.c_void_p))]
 
 
 class TmLinearArgs(ctypes.Structure):
@@ -150,7 +158,7 @@ def _build(compiler: str, out: Path) -> None:
             procs.append(subprocess.Popen([compiler, *CXXFLAGS, "-c", str(src), "-o", str(obj)],
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outputs = [p.communicate()[0] for p in procs]
-        failed = [out for p, out in zip(procs, outputs) if p.returncode != 0]
+        failed = [out for p, out in zip(procs, outputs, strict=True) if p.returncode != 0]
         if failed:
             raise RuntimeError(failed[0].strip() or "compile failed")
         lib = Path(tmp) / out.name
@@ -169,7 +177,8 @@ def _library(cache_dir: str, compiler: str | None) -> ctypes.CDLL | None:
     digest = hashlib.sha256()
     for src in _sources():
         digest.update(src.name.encode() + src.read_bytes())
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout.splitlines()[:1]
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             check=False).stdout.splitlines()[:1]
     digest.update(repr((version, CXXFLAGS)).encode())
     path = Path(cache_dir) / digest.hexdigest()[:16] / "libtiermoe_cpu.so"
     try:

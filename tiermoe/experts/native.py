@@ -2,11 +2,15 @@
 
 Each expert is quantised once when added (tiermoe.experts.quant) and packed for the kernels; `submit` hands the
 layer's tokens to the model's CPU-worker thread, which makes one call into the kernel library: route, gather,
-gate_up + SiLU-GLU, down and the weighted sum, on a pinned thread team that synchronises three times per layer.
+gate_up + activation, down and the weighted sum, on a pinned thread team that synchronises three times per layer.
+The kernels compute SiLU-GLU and GPT-OSS's clamped SwiGLU (gate = min(gate, limit), up = clamp(up, -limit, limit),
+(up + 1) * gate * sigmoid(alpha * gate)), each with or without per-expert biases (GPT-OSS's gate_up and down
+biases, added after each product as transformers adds them). The biases are held twice: as given (what `get` and
+the training products return) and as fp32 in the kernels' packed row order (about 0.1% of an expert's bytes).
 
 Falls back to pure torch (the same stored formats, dequantised per routed expert) when
   - the kernels are unavailable (no compiler, not x86-64, TIERMOE_CPU_ISA=torch, or `isa="torch"`), or
-  - the activation is not SiLU-GLU (GPT-OSS's clamped GLU with biases): that layer keeps the exact torch path.
+  - the activation is one the kernels lack (a module's own, "model"): that layer keeps the exact torch path.
 bf16 experts whose shapes are not multiples of 32 also stay in the checkpoint's row layout on the torch path, so
 no padding is ever held for them. Legend: T tokens, D hidden, K top-k, I intermediate, E experts.
 """
@@ -21,7 +25,7 @@ import torch
 from tiermoe.config import CPUConfig
 from tiermoe.experts.ffn import ConvertedOnLookup, ExpertActivation, routed_experts_forward
 from tiermoe.experts.kernel_matmuls import KernelMatmuls, c_matrix
-from tiermoe.experts.kernels import Kernels, ThreadTeam, TmLayerArgs, TmMatrix, load_kernels
+from tiermoe.experts.kernels import ACTIVATION_CODES, Kernels, ThreadTeam, TmLayerArgs, TmMatrix, load_kernels
 from tiermoe.experts.quant import (
     QMatrix,
     dequantize,
@@ -41,14 +45,17 @@ AMX_MIN_ROWS = 4
 
 
 class _Stored:
-    """One expert as held: gate_up [2I, D] and down [D, I] as QMatrix, biases as given."""
+    """One expert as held: gate_up [2I, D] and down [D, I] as QMatrix, biases as given, and (blocked layout only)
+    the biases as the kernels read them: `kernel_biases` (gate_up [2Ip] fp32, gate rows then up rows each padded to
+    Ip with zeros, as the packed rows; down [D] fp32), each None where the expert has no such bias."""
 
-    def __init__(self, gate_up: QMatrix, down: QMatrix, gate_up_bias, down_bias):
+    def __init__(self, gate_up: QMatrix, down: QMatrix, gate_up_bias, down_bias, kernel_biases=(None, None)):
         self.gate_up, self.down = gate_up, down
         self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
+        self.kernel_biases = kernel_biases
 
     def tensors(self) -> list[torch.Tensor]:
-        biases = [t for t in (self.gate_up_bias, self.down_bias) if t is not None]
+        biases = [t for t in (self.gate_up_bias, self.down_bias, *self.kernel_biases) if t is not None]
         return [*self.gate_up.tensors(), *self.down.tensors(), *biases]
 
     def dequantized(self, dtype: torch.dtype) -> ExpertWeights:
@@ -61,7 +68,8 @@ class NativeCPUExperts(ComputedOnWorker):
     """A CPU tier in `fmt` ("bf16" | "int8" | "int4"); `dtype` is the model's dtype (what `get` returns).
 
     threads: members of the kernel thread team (the worker thread plus threads - 1 helpers), shared by all layers
-    of the model through the worker; numa_nodes: pin them as kt-kernel's per-node pools (tiermoe.experts.threads). isa: force a kernel level ("amx" ... "base") or "torch"; None = best.
+    of the model through the worker; numa_nodes: pin them as kt-kernel's per-node pools (tiermoe.experts.threads).
+    isa: force a kernel level ("amx" ... "base") or "torch"; None = best.
     """
 
     def __init__(self, worker: CPUWorker, act: ExpertActivation, fmt: str, dtype: torch.dtype, threads: int,
@@ -72,7 +80,7 @@ class NativeCPUExperts(ComputedOnWorker):
         self.pin = pin
         self.worker, self.act, self.fmt, self.dtype = worker, act, fmt, dtype
         self.threads, self.amx_min_rows = threads, amx_min_rows
-        self.kernels = load_kernels(isa) if act.kind == "silu_glu" else None
+        self.kernels = load_kernels(isa) if act.kind in ACTIVATION_CODES else None
         self._experts: dict[int, _Stored] = {}
         # Promoted experts' stored forms, kept (int4 only) so a demotion restores the exact codes: int4 quantised
         # again from its own dequantised copy is not the same (about 10% of the codes move, and the expert drifts
@@ -81,7 +89,8 @@ class NativeCPUExperts(ComputedOnWorker):
         self._parked: dict[int, _Stored] = {}
         self._shape: tuple[int, int] | None = None  # (D, I)
         self._blocked = False  # decided by the first expert's shape
-        self._tables: tuple | None = None  # ctypes arrays (gate_up, down) indexed by expert id
+        # ctypes arrays indexed by expert id: TmMatrix (gate_up, down), then bias pointers (gate_up, down)
+        self._tables: tuple | None = None
         self._layer_args: TmLayerArgs | None = None  # `layer_args`, made again when the tables are
 
     # -- holding experts -------------------------------------------------------------------------------------
@@ -129,10 +138,26 @@ class NativeCPUExperts(ComputedOnWorker):
             raise ValueError(f"expert {expert} is stored as {gate_up.fmt}, this tier holds {self.fmt}")
         d, i = down.n, down.k
         self._adopt_shape(expert, d, i)
+        wrong_gate_up = gate_up_bias is not None and tuple(gate_up_bias.shape) != (2 * i,)
+        if wrong_gate_up or (down_bias is not None and tuple(down_bias.shape) != (d,)):
+            raise ValueError(f"expert {expert}'s biases have shapes {_shape(gate_up_bias)}, {_shape(down_bias)}; "
+                             f"expected gate_up [{2 * i}] and down [{d}]")
         gate_up, down = expert_in_layout(gate_up, down, "blocked" if self._blocked else "rows")
+        kernel_biases = self._kernel_biases(gate_up_bias, down_bias) if self._blocked else (None, None)
         self._parked.pop(expert, None)  # what is added now replaces a kept form
-        self._experts[expert] = _Stored(gate_up, down, gate_up_bias, down_bias)
+        self._experts[expert] = _Stored(gate_up, down, gate_up_bias, down_bias, kernel_biases)
         self._set_table(expert)
+
+    def _kernel_biases(self, gate_up_bias: torch.Tensor | None,
+                       down_bias: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """An expert's biases as the kernels read them (see _Stored)."""
+        _, i = self._shape
+        gate_up = None
+        if gate_up_bias is not None:
+            ip = round_up(i, k_align(self.fmt))
+            gate_up = torch.zeros(2 * ip, dtype=torch.float32)
+            gate_up[:i], gate_up[ip: ip + i] = gate_up_bias[:i], gate_up_bias[i:]
+        return gate_up, None if down_bias is None else down_bias.to(torch.float32).contiguous()
 
     def get(self, expert: int) -> ExpertWeights:
         """The expert in the canonical layout and the model's dtype (dequantised; pinned when `pin`)."""
@@ -160,15 +185,17 @@ class NativeCPUExperts(ComputedOnWorker):
             return
         if self._tables is None or expert >= len(self._tables[0]):
             size = max(expert + 1, 2 * len(self._tables[0]) if self._tables else 0)
-            new = ((TmMatrix * size)(), (TmMatrix * size)())
+            new = ((TmMatrix * size)(), (TmMatrix * size)(), (ctypes.c_void_p * size)(), (ctypes.c_void_p * size)())
             if self._tables is not None:
-                for old, fresh in zip(self._tables, new):
+                for old, fresh in zip(self._tables, new, strict=True):
                     ctypes.memmove(fresh, old, ctypes.sizeof(old))
             self._tables = new
             self._layer_args = None
         s = self._experts.get(expert)
-        for table, m in zip(self._tables, (s.gate_up, s.down) if s else (None, None)):
+        for table, m in zip(self._tables[:2], (s.gate_up, s.down) if s else (None, None), strict=True):
             table[expert] = c_matrix(m)
+        for table, bias in zip(self._tables[2:], s.kernel_biases if s else (None, None), strict=True):
+            table[expert] = None if bias is None else bias.data_ptr()
 
     # -- computing --------------------------------------------------------------------------------------------
 
@@ -203,11 +230,17 @@ class NativeCPUExperts(ComputedOnWorker):
         if not self._blocked or self._tables is None:
             return None
         if self._layer_args is None:
-            (d, i), (gate_up, down) = self._shape, self._tables
-            self._layer_args = TmLayerArgs(isa=self.kernels.isa, amx_min_rows=self.amx_min_rows, D=d, I=i,
-                                           Dp=round_up(d, k_align(self.fmt)), Ip=round_up(i, k_align(self.fmt)),
-                                           n_experts=len(gate_up), gate_up=gate_up, down=down)
+            self._layer_args = self._args()
         return self._layer_args
+
+    def _args(self, **call) -> TmLayerArgs:
+        """TmLayerArgs of this layer's experts and activation, with the fields of one call (`call`) filled."""
+        (d, i), (gate_up, down, gate_up_bias, down_bias) = self._shape, self._tables
+        return TmLayerArgs(isa=self.kernels.isa, amx_min_rows=self.amx_min_rows, D=d, I=i,
+                           Dp=round_up(d, k_align(self.fmt)), Ip=round_up(i, k_align(self.fmt)),
+                           n_experts=len(gate_up), gate_up=gate_up, down=down, act=ACTIVATION_CODES[self.act.kind],
+                           alpha=self.act.alpha, limit=self.act.limit, gate_up_bias=gate_up_bias,
+                           down_bias=down_bias, **call)
 
     def _kernel_forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                         out: torch.Tensor | None = None) -> torch.Tensor:
@@ -217,12 +250,9 @@ class NativeCPUExperts(ComputedOnWorker):
         # the kernels write the result where it is to go (a page-locked ring buffer) when its layout is theirs
         fits = out is not None and out.dtype == x.dtype and out.shape == x.shape and out.is_contiguous()
         y = out if fits else torch.empty_like(x)
-        (d, i), (t, k) = self._shape, ids.shape
-        gate_up, down = self._tables
-        args = TmLayerArgs(isa=self.kernels.isa, amx_min_rows=self.amx_min_rows, T=t, D=d, I=i, K=k,
-                           Dp=round_up(d, k_align(self.fmt)), Ip=round_up(i, k_align(self.fmt)),
-                           x_bf16=int(x.dtype == torch.bfloat16), n_experts=len(gate_up), x=x.data_ptr(),
-                           y=y.data_ptr(), ids=ids.data_ptr(), weights=w.data_ptr(), gate_up=gate_up, down=down)
+        t, k = ids.shape
+        args = self._args(T=t, K=k, x_bf16=int(x.dtype == torch.bfloat16), x=x.data_ptr(), y=y.data_ptr(),
+                          ids=ids.data_ptr(), weights=w.data_ptr())
         err = ctypes.create_string_buffer(256)
         if self.kernels.lib.tm_moe_forward(self._team().handle, ctypes.byref(args), err, len(err)) != 0:
             raise RuntimeError(err.value.decode())
@@ -251,3 +281,7 @@ def model_team(worker: CPUWorker, kernels: Kernels, cpu: CPUConfig) -> Callable[
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if t is None else t.to(dtype)
+
+
+def _shape(t: torch.Tensor | None) -> str:
+    return "none" if t is None else str(list(t.shape))

@@ -24,7 +24,7 @@ from tiermoe.errors import TiermoeError
 from tiermoe.layers import fused_attention, fused_decode_layer
 from tiermoe.layers.pool_kinds import pool_lacks
 
-CPU_KERNEL_ACTIVATIONS = ("silu_glu",)  # what tiermoe.experts.native computes with its kernels
+CPU_KERNEL_ACTIVATIONS = ("silu_glu", "gpt_oss_glu")  # what tiermoe.experts.native computes with its kernels
 # Default configs that leave the routed top-k unset (None), where every release sets it: the page shows the family
 # with the releases' value (DeepSeek-V2 and V2-Lite route each token to 6 experts).
 RELEASE_TOP_K = {"deepseek_v2": 6}

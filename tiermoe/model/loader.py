@@ -45,7 +45,7 @@ from tiermoe.errors import TiermoeError
 from tiermoe.experts.ffn import ExpertActivation
 from tiermoe.experts.fp8_tier import FP8ExpertSet, fp8_expert_bytes
 from tiermoe.experts.host_slab import HostSlab, expert_shapes, pins_host_memory
-from tiermoe.experts.kernels import load_kernels
+from tiermoe.experts.kernels import ACTIVATION_CODES, load_kernels
 from tiermoe.experts.native import model_team
 from tiermoe.experts.registry import make_cpu_tier
 from tiermoe.experts.slot_pool import ExpertSlotPool, fp8_kernel
@@ -339,7 +339,7 @@ def _inject_hybrid_blocks(model: nn.Module, spec, gpu_device, act, worker, pin, 
             gpu_tier = SlottedExpertSet(layer_act, spec.num_experts, pool)
             pool.reserve(gpu_experts_L[i])
         cpu_tier = make_cpu_tier(cpu, worker, layer_act, pin, dtype)
-        if layer_act.kind != "silu_glu":
+        if layer_act.kind not in ACTIVATION_CODES:
             torch_tiers.setdefault(layer_act.name, []).append(i)
         if spec.block_forward == "tiermoe":
             blocks[i] = HybridMoE(block, spec, i, gpu_tier, cpu_tier)

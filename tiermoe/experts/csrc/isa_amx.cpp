@@ -138,11 +138,13 @@ Scratch split_scratch(void* scratch, int K) {
 
 size_t scratch_amx(int K, int) { return 64 + 4096 + (size_t)K * 64; }
 
-void up_amx(const TmMatrix* W, const TmRows* x, int j0, int j1, float* hf, uint16_t* hb, int ldh, void* scratch) {
+void up_amx(const TmMatrix* W, const TmGlu* glu, const TmRows* x, int j0, int j1, float* hf, uint16_t* hb, int ldh,
+            void* scratch) {
   configure_tiles();
   const int K = W->K, Ih = W->N / 32, M = x->M, Mt = (M + 15) / 16;
   Scratch sc = split_scratch(scratch, K);
   for (int j = j0; j < j1; ++j) {
+    const int strip[2] = {j, Ih + j};
     const uint16_t* b[2] = {strip_bf16(W, j, sc.b[0]), strip_bf16(W, Ih + j, sc.b[1])};
     const v16f sg = column_scale(W, j), su = column_scale(W, Ih + j);
     for (int mt = 0; mt < Mt; mt += 2) {
@@ -151,7 +153,8 @@ void up_amx(const TmMatrix* W, const TmRows* x, int j0, int j1, float* hf, uint1
       for (int t = 0; t < ma; ++t)
         for (int r = 0; r < 16 && 16 * (mt + t) + r < M; ++r) {
           const int m = 16 * (mt + t) + r;
-          v16f h = silu_mul(ld_f32x16(sc.C + 512 * t + 16 * r) * sg, ld_f32x16(sc.C + 512 * t + 256 + 16 * r) * su);
+          v16f h = glu16(glu, strip, ld_f32x16(sc.C + 512 * t + 16 * r) * sg,
+                         ld_f32x16(sc.C + 512 * t + 256 + 16 * r) * su);
           if (hf) st_f32x16(hf + (size_t)m * ldh + 16 * j, h);
           if (hb) st_bf16x16(hb + (size_t)m * ldh + 16 * j, h);
         }

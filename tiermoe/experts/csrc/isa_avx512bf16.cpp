@@ -57,11 +57,12 @@ inline void dot_dp(const TmMatrix* W, const int* strip, const uint16_t* x, int l
 }
 
 template <int MT>
-void up_dp_tile(const TmMatrix* W, const uint16_t* x, int ldx, int j, float* hf, uint16_t* hb, int ldh) {
+void up_dp_tile(const TmMatrix* W, const TmGlu* glu, const uint16_t* x, int ldx, int j, float* hf, uint16_t* hb,
+                int ldh) {
   const int strip[2] = {j, W->N / 32 + j};
   v16f acc[MT][2];
   dot_dp<MT, 2>(W, strip, x, ldx, acc);
-  store_glu<MT>(W, strip, acc, j, hf, hb, ldh);  // bf16: row scales 1, exact
+  store_glu<MT>(W, glu, strip, acc, j, hf, hb, ldh);  // bf16: row scales 1, exact
 }
 
 template <int MT, int S>
@@ -86,16 +87,17 @@ void down_dp_tile(const TmMatrix* W, const uint16_t* h, int ldh, int c, int c0, 
     default: CALL(8); break;    \
   }
 
-void up_bf16(const TmMatrix* W, const TmRows* x, int j0, int j1, float* hf, uint16_t* hb, int ldh, void* scratch) {
-  if (W->fmt == TM_INT8) return up_q8<TM_INT8>(W, x, j0, j1, hf, hb, ldh, scratch);
-  if (W->fmt == TM_INT4) return up_q8<TM_INT4>(W, x, j0, j1, hf, hb, ldh, scratch);
+void up_bf16(const TmMatrix* W, const TmGlu* glu, const TmRows* x, int j0, int j1, float* hf, uint16_t* hb, int ldh,
+             void* scratch) {
+  if (W->fmt == TM_INT8) return up_q8<TM_INT8>(W, glu, x, j0, j1, hf, hb, ldh, scratch);
+  if (W->fmt == TM_INT4) return up_q8<TM_INT4>(W, glu, x, j0, j1, hf, hb, ldh, scratch);
   const int M = x->M;
   for (int j = j0; j < j1; ++j)
     for (int m0 = 0; m0 < M; m0 += kMaxRows) {
       const uint16_t* xm = x->bf16 + (size_t)m0 * x->ld;
       float* hfm = hf ? hf + (size_t)m0 * ldh : nullptr;
       uint16_t* hbm = hb ? hb + (size_t)m0 * ldh : nullptr;
-#define TM_UP(R) up_dp_tile<R>(W, xm, x->ld, j, hfm, hbm, ldh)
+#define TM_UP(R) up_dp_tile<R>(W, glu, xm, x->ld, j, hfm, hbm, ldh)
       TM_ROWS_SWITCH(M - m0, TM_UP)
 #undef TM_UP
     }

@@ -2,9 +2,10 @@
 //
 // Phases (each a set of tasks the team shares, then a barrier):
 //   0. gather: each routed expert's token rows, converted to the row formats its kernels want;
-//   1. up:     h = silu(x W_gate^T) * (x W_up^T) per expert, split into tasks of 16-column blocks;
-//   2. down:   y[:, cols] = sum over experts of weight * (h W_down^T)[:, cols]; a task owns a range of output
-//              columns for every expert, so partial sums never race and y is written once, in x's dtype.
+//   1. up:     h = glu(x W_gate^T + b_gate, x W_up^T + b_up) per expert (SiLU-GLU, or GPT-OSS's clamped
+//              SwiGLU: TmGlu), split into tasks of 16-column blocks;
+//   2. down:   y[:, cols] = sum over experts of weight * (h W_down^T + b_down)[:, cols]; a task owns a range of
+//              output columns for every expert, so partial sums never race and y is written once, in x's dtype.
 // Each expert picks its kernel table by its row count: AMX tiles for many rows (prefill), vector kernels for a
 // few (decode). Compiled for plain x86-64; ISA-specific code lives in the isa_*.cpp tables.
 // Legend: T tokens, K top-k, D hidden (Dp padded), I intermediate (Ip padded), M rows routed to one expert.
@@ -25,12 +26,14 @@
 
 namespace {
 
-constexpr int kAbiVersion = 8;  // 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp, paged attention, rotary;
+constexpr int kAbiVersion = 9;  // 2: tm_linear_forward / tm_linear_transposed;
+                                // 3: layer_ops.cpp, paged attention, rotary;
                                 // 4: decode attention per ISA (TmAttnArgs.isa);
                                 // 5: the gated delta rule's decode step (TmKernels.delta);
                                 // 6: a team's solo_bytes (tm_team_create), tm_team_shared_jobs
                                 // 7: tm_decode_layer (decode_layer.cpp)
                                 // 8: decode attention with a two-part key and key splits (TmAttnArgs)
+                                // 9: TmLayerArgs' activation and per-expert biases (GPT-OSS), TmGlu
 
 bool request_amx_permission() {
 #ifdef __linux__
@@ -60,6 +63,7 @@ int detect_isa() {
 struct ExpertWork {
   int e, m, pair0;  // expert id, rows routed to it, first of its pairs in the sorted pair arrays
   const TmKernels* k;
+  TmGlu glu;  // the activation, and this expert's gate_up bias
   int wants;
   float* xf;
   uint16_t* xb;
@@ -129,6 +133,16 @@ void down_chunk(const Layer& L, int task, int tid) {
     w.k->down(&a.down[w.e], &rows, c0, c1w, &L.tok[w.pair0], &L.wt[w.pair0], y, ldy, base);
   }
   const int d0 = 16 * c0, d1 = std::min(16 * c1, a.D);
+  if (a.down_bias)  // weight * (h W^T + b): the products are in y, each pair's weighted bias joins them
+    for (const ExpertWork& w : L.ex) {
+      const float* b = a.down_bias[w.e];
+      if (b == nullptr) continue;
+      for (int r = 0; r < w.m; ++r) {
+        float* yr = y + (size_t)L.tok[w.pair0 + r] * ldy;
+        const float wt = L.wt[w.pair0 + r];
+        for (int d = d0; d < d1; ++d) yr[d - d0] += wt * b[d];
+      }
+    }
   for (int t = 0; t < a.T; ++t) {
     const float* src = y + (size_t)t * ldy;
     if (a.x_bf16) {
@@ -149,7 +163,7 @@ void run_task(void* ctx, int phase, int task, int tid) {
     const UpTask& u = L.up[task];
     const ExpertWork& w = L.ex[u.w];
     TmRows rows = {w.xf, w.xb, w.m, L.a->Dp};
-    w.k->up(&L.a->gate_up[w.e], &rows, u.j0, u.j1, w.hf, w.hb, L.a->Ip, L.team->scratch(tid).data());
+    w.k->up(&L.a->gate_up[w.e], &w.glu, &rows, u.j0, u.j1, w.hf, w.hb, L.a->Ip, L.team->scratch(tid).data());
   } else {
     down_chunk(L, task, tid);
   }
@@ -201,7 +215,8 @@ int forward(tmoe::Team& team, const TmLayerArgs& a, char* err, int errlen) {
       const TmKernels* k = amx && m >= a.amx_min_rows            ? amx
                            : a.x_bf16 || a.gate_up[e].fmt == TM_BF16 ? vec
                                                                       : exact;
-      L.ex.push_back({e, m, start[e], k, k->wants(a.gate_up[e].fmt, m), nullptr, nullptr, nullptr, nullptr});
+      const TmGlu glu = {a.act, a.alpha, a.limit, a.gate_up_bias ? a.gate_up_bias[e] : nullptr};
+      L.ex.push_back({e, m, start[e], k, glu, k->wants(a.gate_up[e].fmt, m), nullptr, nullptr, nullptr, nullptr});
     }
   std::stable_sort(L.ex.begin(), L.ex.end(), [](const ExpertWork& x, const ExpertWork& y) { return x.m > y.m; });
 
@@ -287,6 +302,9 @@ long tm_team_shared_jobs(void* team) { return (long)((tmoe::Team*)team)->shared_
 int tm_moe_forward(void* team, const TmLayerArgs* args, char* err, int errlen) {
   if (args->isa > tm_cpu_isa())
     return fail(err, errlen, "kernel level %ld is above what this CPU supports", (long)args->isa);
+  if (args->act != TM_ACT_SILU_GLU && args->act != TM_ACT_GPT_OSS_GLU)
+    return fail(err, errlen, "unknown expert activation %ld (0: SiLU-GLU, 1: GPT-OSS's clamped SwiGLU)",
+                (long)args->act);
   tmoe::Team& t = *(tmoe::Team*)team;
   std::lock_guard<std::mutex> lock(t.mutex());
   try {

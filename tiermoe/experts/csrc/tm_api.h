@@ -35,6 +35,14 @@ struct TmLayerArgs {
   const float* weights;  // [T, K]
   const TmMatrix* gate_up;  // [n_experts] packed [2Ip, Dp]; codes == NULL where the expert is not held
   const TmMatrix* down;     // [n_experts] packed [Dp, Ip]
+  int32_t act;              // TM_ACT_*: how gate and up make the down product's input (TmGlu)
+  float alpha, limit;       // TM_ACT_GPT_OSS_GLU's
+  int32_t _pad;
+  // Per-expert biases, added after each product as transformers' linears add them (GPT-OSS): null, or
+  // [n_experts] pointers, each null (no bias) or fp32 values: gate_up [2Ip] in the packed row order (gate rows,
+  // then up rows, zeros on padding rows), down [D]. All zero fields: SiLU-GLU without biases.
+  const float* const* gate_up_bias;
+  const float* const* down_bias;
 };
 
 int tm_linear_forward(void* team, const TmLinearArgs* args, char* err, int errlen);

@@ -46,6 +46,18 @@ struct TmRows {
   int32_t M, ld;
 };
 
+// How an up kernel turns an expert's gate and up products (row scales applied) into h, the down product's input.
+// The bias is added first, as transformers' linear adds it before the activation:
+//   TM_ACT_SILU_GLU:    h = silu(gate) * up
+//   TM_ACT_GPT_OSS_GLU: gate = min(gate, limit), up = clamp(up, -limit, limit),
+//                       h = (up + 1) * gate * sigmoid(alpha * gate)          (GPT-OSS's clamped SwiGLU)
+enum TmActivation { TM_ACT_SILU_GLU = 0, TM_ACT_GPT_OSS_GLU = 1 };
+struct TmGlu {
+  int32_t act;         // TM_ACT_*
+  float alpha, limit;  // TM_ACT_GPT_OSS_GLU only
+  const float* bias;   // [W->N] fp32 in W's packed row order (gate rows, then up rows; padding rows 0), or null
+};
+
 // Decode rows attending the paged KV pool in place (paged_attention.cpp has the semantics). One task is one row, one
 // KV head (the query heads that share it) and one of `key_splits` contiguous ranges of the row's keys: task =
 // (t * Hkv + g) * splits + sp. With more than one split each task leaves a partial softmax (running max, total,
@@ -103,9 +115,10 @@ struct TmKernels {
   // Bytes of per-thread scratch one up/down call needs for a matrix with K columns and M rows of activations.
   size_t (*scratch_bytes)(int K, int M);
   // gate_up W [2I, K] (gate rows, then up rows): for 16-wide blocks j in [j0, j1):
-  //   h[m][16j + l] = silu(x[m] . W[16j + l]) * (x[m] . W[I + 16j + l]), into h_f32 / h_bf16 (non-null ones).
-  void (*up)(const TmMatrix* W, const TmRows* x, int j0, int j1, float* h_f32, uint16_t* h_bf16, int ldh,
-             void* scratch);
+  //   h[m][16j + l] = glu(x[m] . W[16j + l], x[m] . W[I + 16j + l]), into h_f32 / h_bf16 (non-null ones), glu as
+  //   `glu` says (TmGlu: the activation and the expert's bias).
+  void (*up)(const TmMatrix* W, const TmGlu* glu, const TmRows* x, int j0, int j1, float* h_f32, uint16_t* h_bf16,
+             int ldh, void* scratch);
   // down W [D, I]: for 16-wide blocks c in [c0, c1): y[out[m]][16(c - c0) + l] += w[m] * (h[m] . W[16c + l]).
   void (*down)(const TmMatrix* W, const TmRows* h, int c0, int c1, const int32_t* out, const float* w, float* y,
                int ldy, void* scratch);
