@@ -30,4 +30,4 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
 fi
 # Build the CPU expert kernels now rather than on the first model load (about 20 s; a warning and the pure-torch
 # path where there is no compiler)
-.venv/bin/tiermoe version | grep "^cpu kernels" >&2
+.venv/bin/tiermoe version --check | grep "^cpu kernels" >&2

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import re
 
 import httpx
 import pytest
@@ -96,3 +97,16 @@ def test_no_server_is_one_line_that_says_what_to_do(monkeypatch, tmp_path):
     folder.mkdir()
     result = chat(monkeypatch, "", "-p", str(free_port()), "-m", str(folder))
     assert f"--local {folder}" in result.stderr
+
+
+def test_verbose_prints_each_replys_speed_from_the_servers_counts(server, monkeypatch):
+    url, state = server
+    result = chat(monkeypatch, "hello\n", "--url", url, "-t", "0", "--max-tokens", "4", "--no-save-history",
+                  "--verbose")
+    assert result.returncode == 0, result.stderr
+    [speed] = [line for line in result.stderr.splitlines() if line.startswith("prompt ")]
+    prompt = len(state.llm.chat_prompt_ids([{"role": "user", "content": "hello"}]))
+    assert re.fullmatch(rf"prompt {prompt} tokens, first token \d+\.\d\d s, decode [0-3] tokens?( at .* tok/s)?",
+                        speed), speed
+    quiet = chat(monkeypatch, "hello\n", "--url", url, "--max-tokens", "2", "--no-save-history")
+    assert "first token" not in quiet.stderr

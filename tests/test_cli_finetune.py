@@ -109,7 +109,7 @@ def parse(*argv: str):
 
 
 def test_kt_variables_fill_what_the_flags_leave(tiny, monkeypatch):
-    from tiermoe.cli.finetune_cmd import config_from_args
+    from tiermoe.cli.finetune_run import config_from_args
 
     model, data = tiny
     base = ("--model", str(model), "--dataset", str(data), "--steps", "5", "--out", "x")

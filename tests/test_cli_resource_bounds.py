@@ -69,9 +69,9 @@ def test_place_refuses_a_shape_no_model_has(two_cpus):
 
 
 def test_place_refuses_a_shape_larger_than_the_available_memory(two_cpus, monkeypatch):
-    from tiermoe.cli import place_cmd
+    from tiermoe.cli import place_run
 
-    monkeypatch.setattr(place_cmd, "available_ram", lambda: 10 * 2**20)
+    monkeypatch.setattr(place_run, "available_ram", lambda: 10 * 2**20)
     assert_one_line_error(run_cli("place", "--num-layers", "1000", "--num-experts", "1000"), "available")
 
 

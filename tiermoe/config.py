@@ -9,13 +9,13 @@ import resource
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
-import torch
-
 from tiermoe.errors import TiermoeError
 
 
 def check_device(device: str) -> str:
     """Validate a --gpu-device value: "cpu", "cuda" or "cuda:N" for a CUDA device that exists."""
+    import torch  # here, not at the top: the CLI's parsers read this module's settings without loading torch
+
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError):
@@ -344,7 +344,8 @@ PLACEMENT_POLICIES = ("static", "kt-dynamic", "adaptive")
 @dataclass(frozen=True)
 class AdaptiveSettings:
     """The adaptive placement policy's settings (tiermoe.placement.adaptive_policy says what each one does; the
-    CLI's --adaptive-* flags set them). Defaults are the ones measured on real routing (BENCHMARKS.md, issue 23)."""
+    CLI's --adaptive-* flags set them). Defaults are the ones measured on real routing (BENCHMARKS.md, "Placement
+    on real routing")."""
 
     half_life_tokens: float = 8192.0  # memory of the served workload's estimate (LFU with forgetting)
     replan_every: int = 1  # passes between re-plans

@@ -28,7 +28,7 @@ from transformers import AutoConfig
 
 from tiermoe.arch import ArchSpec, detect, load_gguf_config, text_config
 from tiermoe.checkpoint.expert_cache import find_cache
-from tiermoe.checkpoint.fp8 import is_fp8_quantised
+from tiermoe.checkpoint.fp8 import fp8_block_size, is_fp8_quantised
 from tiermoe.checkpoint.gguf_reader import gguf_files
 from tiermoe.config import MIN_KV_TOKENS_PER_REQUEST, NON_EXPERT_DTYPES
 from tiermoe.errors import TiermoeError
@@ -142,8 +142,9 @@ def _non_expert_from_config(cfg, dtype: torch.dtype, fp8: bool) -> tuple[int, in
 
 def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: str | None = None,
                 non_expert_dtype: str | None = None, head_dtype: str | None = None) -> ModelBytes:
-    """Memory of `model`: a checkpoint directory (safetensors headers), a GGUF file or directory, or a
-    config.json (or a directory holding only one) with `dtype` (bf16, fp16, fp32 or fp8) naming its weights.
+    """Memory of `model`: a checkpoint directory (safetensors headers), a GGUF file or directory, or a config
+    file (a .json of any name, or a directory holding only a config.json) whose weights are `dtype` (bf16, fp16,
+    fp32 or fp8; default: the dtype the config states).
     `non_expert_dtype` (--non-expert-dtype): the non-expert linears counted packed in that format, as a CPU-only
     load holds them (tiermoe.model.non_expert_quant), the LM head in `head_dtype` if given (--head-dtype)."""
 
@@ -158,25 +159,29 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
         return _bytes(path.name, spec, cfg, held_from_headers(path, compute, cfg, spec), compute,
                       cpu_expert_dtype, "GGUF headers (converted at load)", non_expert_dtype, head_dtype)
     config_file = path if path.is_file() else path / "config.json"
-    if config_file.name != "config.json" or not config_file.is_file():
-        raise TiermoeError(f"'{path}' is neither a checkpoint directory, a config.json nor a GGUF file")
+    if config_file.suffix != ".json" or not config_file.is_file():
+        raise TiermoeError(f"'{path}' is neither a checkpoint directory, a config file (.json) nor a GGUF file")
     try:
-        cfg = AutoConfig.from_pretrained(str(config_file.parent), local_files_only=True)
+        cfg = AutoConfig.from_pretrained(str(config_file), local_files_only=True)
     except (ValueError, KeyError, TypeError, OSError) as err:
         raise TiermoeError(f"{config_file} could not be read as a transformers config: {err}") from None
     spec = detect(cfg)
 
-    cache = find_cache(config_file.parent)
+    # weights count only beside a checkpoint's own config.json: any other .json is a config file alone
+    in_checkpoint = config_file.name == "config.json"
+    cache = find_cache(config_file.parent) if in_checkpoint else None
     if cache is not None:  # a `tiermoe convert` output: its format, the source's non-expert weights
         cpu_expert_dtype = cpu_expert_dtype or cache.fmt
-    has_weights = cache is not None or any(config_file.parent.glob("*.safetensors"))
+    has_weights = cache is not None or (in_checkpoint and any(config_file.parent.glob("*.safetensors")))
     if has_weights:
         compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
         held = held_from_headers(config_file.parent, compute, cfg, spec)
         source = "safetensors headers"
     else:
+        dtype = dtype or stated_dtype(cfg)
         if dtype is None:
-            raise TiermoeError(f"'{path}' has no weights; say what they are with --dtype (bf16, fp16, fp32 or fp8)")
+            raise TiermoeError(f"'{path}' has no weights and states no dtype; say what they are with --dtype (bf16, "
+                               "fp16, fp32 or fp8)")
         if dtype not in CONFIG_DTYPES:
             raise TiermoeError(f"--dtype '{dtype}' is unknown; choose one of: {', '.join(CONFIG_DTYPES)}")
         compute, fp8 = CONFIG_DTYPES[dtype]
@@ -184,9 +189,18 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
         gpu_expert = fp8_expert_bytes(spec, DEFAULT_BLOCK) if fp8 else spec.bytes_per_expert(compute)
         fp8_expert = fp8_expert_dequant_bytes(spec, DEFAULT_BLOCK, compute) if fp8 else 0
         held = HeldBytes(non_expert, gpu_expert, fp8_matrix, fp8_expert)
-        source = f"config.json ({dtype})"
-    return _bytes(config_file.parent.name, spec, cfg, held, compute, cpu_expert_dtype, source, non_expert_dtype,
-                  head_dtype)
+        source = f"{config_file.name} ({dtype})"
+    name = config_file.parent.name if in_checkpoint else config_file.stem
+    return _bytes(name, spec, cfg, held, compute, cpu_expert_dtype, source, non_expert_dtype, head_dtype)
+
+
+def stated_dtype(cfg) -> str | None:
+    """What a config says its weights are, as a --dtype name: fp8 for the released FP8 layout (a block-FP8
+    quantization_config), else its `dtype` (`torch_dtype` in older configs); None when it says nothing."""
+    if fp8_block_size(cfg) is not None:
+        return "fp8"
+    stated = getattr(text_config(cfg), "dtype", None) or getattr(cfg, "dtype", None)
+    return next((name for name, (compute, fp8) in CONFIG_DTYPES.items() if compute == stated and not fp8), None)
 
 
 def _bytes(name, spec, cfg, held: HeldBytes, compute, cpu_expert_dtype, source,

@@ -11,8 +11,8 @@ import argparse
 import sys
 
 from tiermoe.cli.main import run_as_command
-from tiermoe.cli.serve_cmd import run
 from tiermoe.cli.serve_flags import add_serve_flags
+from tiermoe.cli.serve_run import run
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,9 +1,13 @@
 """The CPU-expert cache that `tiermoe convert` writes: every routed expert already in a CPU-tier format.
 
 Layout of the cache directory:
-  tiermoe-cpu-experts.json   manifest: format, layout, compute dtype, the source checkpoint and its fingerprint
+  tiermoe-cpu-experts.json   manifest: format, layout, compute dtype, where the source's weights are (`source`,
+                             relative to the directory) and their fingerprint
   layer-NNN.safetensors      one file per MoE layer: `{e}.gate_up.codes`, `{e}.gate_up.scale`, ... per expert
+  source/                    the source's weight files (hard links or copies: tiermoe.convert) and its model card;
+                             non-expert weights and GPU-tier experts load from here, so the source may move or go
   config.json, tokenizer...  copied from the source, so the directory is what `--model` points at
+  README.md                  what was converted, how, and from what
 
 Each layer file is written as a stream (header first, computed from the first expert's shapes, then expert after
 expert), so converting holds one expert at a time. Loading memory-maps the files copy-on-write: the CPU tier's
@@ -28,6 +32,7 @@ from tiermoe.experts.quant import QMatrix
 
 MANIFEST = "tiermoe-cpu-experts.json"
 VERSION = 1
+SOURCE_DIR = "source"  # the cache's own copy of the source's weights, as the manifest names it (relative)
 _FIELDS = ("codes", "scale", "gscale", "gzero")
 _DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
@@ -68,7 +73,8 @@ class StreamingLayerWriter:
         header, offset = {}, 0
         for name, dtype, shape in specs:
             nbytes = torch.Size(shape).numel() * dtype.itemsize
-            header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
@@ -105,7 +111,9 @@ class ExpertCache:
 
     @property
     def source(self) -> Path:
-        return Path(self.manifest["source"])
+        """The weights converted from: the cache's own `source/` folder, named relative to the cache so that it
+        moves with it (an absolute path, as caches written before they stood alone name it, is kept as it is)."""
+        return self.root / self.manifest["source"]
 
     def check_source(self, files: list[Path]) -> None:
         """Refuse a cache whose source changed since conversion (one line, naming the fix)."""

@@ -3,7 +3,7 @@ and serve (with --placement-policy adaptive), `bench dynamic` (which always repl
 `adaptive` strategy).
 
 Every flag defaults to None, so a command knows which ones were given: a setting left out keeps
-tiermoe.config.AdaptiveSettings' default (the one measured on real routing, BENCHMARKS.md issue 23).
+tiermoe.config.AdaptiveSettings' default (the one measured on real routing, BENCHMARKS.md, "Placement on real routing").
 """
 
 from __future__ import annotations

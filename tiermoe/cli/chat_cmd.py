@@ -1,21 +1,36 @@
 """tiermoe chat: `kt chat`'s terminal chat (same flags and defaults): a running server at 127.0.0.1:30000 unless
-told otherwise, or a model loaded in this process with --local."""
+told otherwise, or a model loaded in this process with --local.
+
+Chatting with a server needs nothing heavy (tiermoe.cli.chat_backends: httpx), so it starts at once; the local
+backend, which loads torch and transformers, is imported only with --local. Ctrl-C stops a reply and keeps the chat:
+the part of the reply shown so far stays in the conversation as the assistant's turn (so the conversation stays
+turn by turn, and /retry asks again); Ctrl-C at the prompt says how to leave; Ctrl-D or /quit leaves
+(tiermoe.cli.chat_terminal).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import sys
+import threading
 from datetime import datetime
 from pathlib import Path
 
 import httpx
 
-from tiermoe.cli.chat_backends import LocalChat, RemoteChat
+from tiermoe.cli.api_key import API_KEY_VARIABLE
+from tiermoe.cli.chat_backends import RemoteChat
+from tiermoe.cli.chat_terminal import LineInput, ctrl_c_sets
 from tiermoe.cli.cpu_flags import add_cpu_flags
 from tiermoe.cli.flags import add_command, non_negative_float, port_number, positive_int
-from tiermoe.cli.serve_flags import API_KEY_VARIABLE
+from tiermoe.cli.speed_line import speed_line
 from tiermoe.errors import TiermoeError
+
+# backend -> module with its class, imported only when chosen (the local one loads torch and transformers)
+BACKENDS = {"local": ("tiermoe.cli.chat_local", "LocalChat")}
 
 COMMANDS = {
     "/help": "/help, /h          this list",
@@ -27,10 +42,12 @@ COMMANDS = {
 }
 ALIASES = {"/h": "/help", "/exit": "/quit", "/q": "/quit", "/c": "/clear", "/hist": "/history", "/i": "/info",
            "/r": "/retry"}
+LEAVE_HINT = "(Ctrl-D or /quit leaves the chat)"
 
 
 def history_dir() -> Path:
-    """Where conversations are saved without --history-file (kt chat: ~/.ktransformers/chat_history)."""
+    """Where conversations are saved without --history-file (kt chat: ~/.ktransformers/chat_history), and the
+    typed lines' history (`readline`)."""
     return Path.home() / ".tiermoe" / "chat_history"
 
 
@@ -51,10 +68,12 @@ def add_parser(sub) -> None:
         "Chat in the terminal, as `kt chat` does: with a running `tiermoe serve` (or any OpenAI-compatible server) "
         "at http://127.0.0.1:30000 unless -H/-p/--url say otherwise, or with a model loaded in this process "
         "(--local DIR; the bundled demo model without DIR). Replies stream; the conversation is saved to "
-        f"~/.tiermoe/chat_history/ unless --no-save-history. Works typed at and fed from a pipe (one message a "
-        f"line). Commands: {', '.join(COMMANDS)}.",
+        "~/.tiermoe/chat_history/ unless --no-save-history. Typed at: line editing and the history of typed lines "
+        "(arrows, Ctrl-R, Tab for commands); Ctrl-C stops a reply (what was shown stays in the conversation), "
+        "Ctrl-D or /quit leaves. Fed from a pipe: one message a line. "
+        f"Commands: {', '.join(COMMANDS)}.",
         "tiermoe chat",
-        "tiermoe chat -H 192.168.1.5 -p 8080 -t 0.9 --max-tokens 4096",
+        "tiermoe chat -H 192.168.1.5 -p 8080 -t 0.9 --max-tokens 4096 --verbose",
         "tiermoe chat -s 'You are terse.' --no-stream --history-file talk.json",
         "tiermoe chat --local --max-tokens 40",
         "printf 'Hello\\nWhat is an ocean?\\n' | tiermoe chat --local /models/Qwen3-30B-A3B --gpu-device cuda",
@@ -69,11 +88,15 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=2048, help="tokens per reply at most (default 2048)")
     p.add_argument("-s", "--system", help="system prompt")
     p.add_argument("--save-history", action=argparse.BooleanOptionalAction, default=True,
-                   help="save the conversation as JSON after each reply (default on)")
-    p.add_argument("--history-file", type=Path, help="where to save it (default ~/.tiermoe/chat_history/"
-                   "chat_<time>.json)")
+                   help="save the conversation as JSON after each reply, and the typed lines' history "
+                        "(~/.tiermoe/chat_history/readline) at the end (default on)")
+    p.add_argument("--history-file", type=Path, help="where to save the conversation (default "
+                   "~/.tiermoe/chat_history/chat_<time>.json)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                    help="print replies as they are generated (default on)")
+    p.add_argument("--verbose", action="store_true",
+                   help="after each streamed reply, print its prompt tokens, time to first token and decode "
+                        "tokens/s on stderr (with a server: its token counts, timed here)")
     p.add_argument("--local", nargs="?", const="", metavar="DIR",
                    help="load the model in this process instead of using a server (without DIR: the demo model)")
     p.add_argument("--gpu-device", default="cpu", help="with --local: cuda, cuda:N or cpu (default cpu)")
@@ -106,19 +129,34 @@ class Conversation:
             self.path = None
 
 
-def answer(backend, conversation: Conversation, stream: bool) -> None:
+def answer(backend, conversation: Conversation, args) -> None:
+    """Prints the reply to the conversation and adds it; Ctrl-C stops it, and what was shown is kept."""
     print("assistant> ", end="", flush=True)
-    reply = []
-    for delta in backend.reply(conversation.all()):
-        if not delta.reasoning:
-            reply.append(delta.text)
-        if stream:
-            print(delta.text, end="", flush=True)
-    if not stream:
+    reply, stop, stopped = [], threading.Event(), False
+    deltas = backend.reply(conversation.all(), stop)
+    try:
+        with ctrl_c_sets(stop) if backend.stops_between_tokens else contextlib.nullcontext():
+            for delta in deltas:
+                if not delta.reasoning:
+                    reply.append(delta.text)
+                if args.stream:
+                    print(delta.text, end="", flush=True)
+        stopped = stop.is_set()
+    except KeyboardInterrupt:  # a server's reply: leaving the stream below closes the request
+        stopped = True
+    finally:
+        deltas.close()
+    if not args.stream:
         print("".join(reply), end="")
-    print()
+    print(flush=True)  # the reply stands before what follows on stderr (--verbose, errors)
+    if stopped:
+        print("(reply stopped; /retry asks again)", flush=True)
     conversation.messages.append({"role": "assistant", "content": "".join(reply)})
     conversation.save()
+    stats = backend.stats
+    if args.verbose and stats is not None and not stopped:
+        print(speed_line(stats.prompt_tokens, stats.ttft_s, stats.decode_tokens, stats.decode_s), file=sys.stderr,
+              flush=True)
 
 
 def slash_command(text: str, backend, conversation: Conversation, args) -> bool:
@@ -138,7 +176,7 @@ def slash_command(text: str, backend, conversation: Conversation, args) -> bool:
     elif command == "/retry":
         if conversation.messages and conversation.messages[-1]["role"] == "assistant":
             conversation.messages.pop()
-            answer(backend, conversation, args.stream)
+            answer(backend, conversation, args)
         else:
             print("(no reply to retry yet)")
     elif command == "/help":
@@ -148,20 +186,32 @@ def slash_command(text: str, backend, conversation: Conversation, args) -> bool:
     return True
 
 
+def make_backend(args):
+    if args.local is None:
+        return RemoteChat(args)
+    module, name = BACKENDS["local"]
+    return getattr(importlib.import_module(module), name)(args)
+
+
 def run(args) -> int:
     if args.local is not None and args.url:
         raise TiermoeError("--local loads the model here and --url names a server: give one of them")
-    backend = LocalChat(args) if args.local is not None else RemoteChat(args)
+    backend = make_backend(args)
     interactive = sys.stdin.isatty()
+    lines = LineInput(interactive, history_dir() / "readline" if args.save_history else None,
+                      [*COMMANDS, *ALIASES])
     try:
         conversation = Conversation(args, backend.connect())
         if interactive:
             print(f"chatting with {backend.describe()} (temperature {args.temperature}, max tokens "
-                  f"{args.max_tokens}). /help lists the commands, /quit leaves.")
+                  f"{args.max_tokens}). /help lists the commands; Ctrl-C stops a reply; Ctrl-D or /quit leaves.")
         while True:
             try:
-                line = input("you> " if interactive else "")
-            except EOFError:
+                line = lines.read("you> ")
+            except KeyboardInterrupt:  # at the prompt: nothing to stop, so say how to leave
+                print(f"\n{LEAVE_HINT}", flush=True)
+                continue
+            if line is None:
                 break
             text = line.strip()
             if not text:
@@ -174,12 +224,13 @@ def run(args) -> int:
             if not interactive:
                 print(f"you> {text}")
             try:
-                answer(backend, conversation, args.stream)
+                answer(backend, conversation, args)
             except TiermoeError as err:  # as kt chat: say so, forget the message, keep chatting
                 print(f"\nerror: {err}", file=sys.stderr, flush=True)
                 conversation.messages.pop()
     finally:
         backend.close()
+        lines.close()
     if conversation.path is not None and conversation.messages:
         print(f"history saved to {conversation.path}", file=sys.stderr)
     return 0

@@ -1,20 +1,13 @@
-"""tiermoe finetune: LoRA SFT of a hybrid model on chat data, with KTransformers' ACCELERATE_KT_* settings."""
+"""tiermoe finetune's flags: LoRA SFT of a hybrid model on chat data, with KTransformers' ACCELERATE_KT_* settings
+(run: finetune_run)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
-import sys
-import warnings
-from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
-from tiermoe.cli.cpu_flags import add_cpu_flags, cpu_from_args
+from tiermoe.cli.choices import DTYPE_NAMES, FINETUNE_MAX_LENGTH, MAX_LORA_RANK
+from tiermoe.cli.cpu_flags import add_cpu_flags
 from tiermoe.cli.flags import (
-    DTYPES,
     add_command,
     dtype_flag,
     finite_float,
@@ -25,19 +18,10 @@ from tiermoe.cli.flags import (
     positive_int,
     seed_int,
 )
-from tiermoe.cli.placement_flags import add_placement_flags, placement_config_from_args
-from tiermoe.cli.plots import plot_loss_curve
-from tiermoe.config import check_device
-from tiermoe.errors import TiermoeError
-from tiermoe.placement.plan import PlacementPlan
-from tiermoe.training.finetune import DEFAULT_MAX_LENGTH, FinetuneConfig, FinetuneHooks, run_finetune
-from tiermoe.training.kt_env import read_kt_settings, training_placement
-from tiermoe.training.lora import MAX_RANK
-from tiermoe.training.sft_loop import OptimizerSettings
+from tiermoe.cli.placement_flags import add_placement_flags
 
 MAX_STEPS = 10_000_000
 MAX_BATCH = 4096
-PLOT_FILE = "loss_curve.png"
 
 
 def bounded_int(high: int, what: str):
@@ -84,7 +68,7 @@ def add_parser(sub) -> None:
     p.add_argument("--gpu-device", default="cpu",
                    help="device of the GPU tier, non-expert weights and adapters: cuda, cuda:N or cpu (default cpu)")
     p.add_argument("--dtype", type=dtype_flag, default=None,
-                   help=f"compute dtype of the frozen model: {', '.join(DTYPES)} (default: fp32 with --gpu-device "
+                   help=f"compute dtype of the frozen model: {', '.join(DTYPE_NAMES)} (default: fp32 with --gpu-device "
                         "cpu, else the checkpoint's); adapters are always fp32")
     g = p.add_argument_group("data")
     g.add_argument("--dataset", required=True,
@@ -93,11 +77,11 @@ def add_parser(sub) -> None:
                         "sharegpt means its own training split and the held-out loss is on its held-out split")
     g.add_argument("--max-length", type=positive_int, default=None,
                    help=f"tokens per conversation, cut beyond (default ACCELERATE_KT_MODEL_MAX_LENGTH, else "
-                        f"{DEFAULT_MAX_LENGTH} or the model's positions if fewer; at most the model's positions)")
+                        f"{FINETUNE_MAX_LENGTH} or the model's positions if fewer; at most the model's positions)")
     g.add_argument("--batch-size", type=bounded_int(MAX_BATCH, "conversations per step"), default=4,
                    help="conversations per optimizer step (default 4)")
     g = p.add_argument_group("LoRA")
-    g.add_argument("--lora-rank", type=bounded_int(MAX_RANK, "a LoRA rank"), default=None,
+    g.add_argument("--lora-rank", type=bounded_int(MAX_LORA_RANK, "a LoRA rank"), default=None,
                    help="LoRA rank (required, unless ACCELERATE_KT_LORA_RANK gives it)")
     g.add_argument("--lora-alpha", type=positive_float, default=None, help="LoRA alpha (default 2 x rank, as KT)")
     g.add_argument("--lora-dropout", type=dropout, default=None, help="LoRA dropout (default 0)")
@@ -130,110 +114,3 @@ def add_parser(sub) -> None:
     add_placement_flags(p)
     p.set_defaults(strategy=None)  # frequency with statistics, else KT's first n experts of each layer
     add_cpu_flags(p)
-
-
-def placement_from(args, num_gpu_experts: int | None):
-    """Flags first (--plan, a ratio or a memory budget, --num-gpu-experts), else ACCELERATE_KT_NUM_GPU_EXPERTS."""
-    if args.plan:
-        return PlacementPlan.load(args.plan)
-    if args.num_gpus != 1:
-        raise TiermoeError("fine-tuning runs in one process on one GPU: --num-gpus must be 1")
-    if args.gpu_experts_ratio is not None or args.gpu_memory_gb is not None:
-        args.strategy = args.strategy or ("frequency" if args.init_expert_location else "uniform")
-        return placement_config_from_args(args)
-    return training_placement(num_gpu_experts, args.init_expert_location, args.strategy)
-
-
-def config_from_args(args) -> tuple[FinetuneConfig, tuple[str, ...], int | None]:
-    """(the run's settings, KT notes to show, torch threads) from the flags and ACCELERATE_KT_*."""
-    cpu = cpu_from_args(args)
-    kt = read_kt_settings(os.environ, num_gpu_experts=args.num_gpu_experts, lora_rank=args.lora_rank,
-                          lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, expert_dtype=cpu.expert_dtype,
-                          threads=cpu.threads, max_length=args.max_length)
-    if kt.lora_rank is None:
-        raise TiermoeError("--lora-rank is required (or set ACCELERATE_KT_LORA_RANK)")
-    targets = args.lora_targets if args.lora_targets == "all-linear" else \
-        tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-    if not targets:
-        raise TiermoeError("--lora-targets names no module")
-    warmup = args.warmup_steps if args.warmup_steps is not None else args.steps // 20
-    optimizer = OptimizerSettings(lr=args.lr, weight_decay=args.weight_decay, warmup_steps=min(warmup, args.steps),
-                                  max_grad_norm=args.max_grad_norm)
-    config = FinetuneConfig(
-        dataset=args.dataset, out_dir=Path(args.out), steps=args.steps, lora_rank=kt.lora_rank, model=args.model,
-        lora_alpha=kt.alpha, lora_dropout=kt.lora_dropout, lora_targets=targets,
-        expert_lora=kt.expert_lora and not args.no_expert_lora, batch_size=args.batch_size,
-        max_length=kt.max_length, optimizer=optimizer, save_every=args.save_every or 0,
-        eval_every=args.eval_every or 0, keep_checkpoints=args.keep_checkpoints, resume=args.resume, seed=args.seed,
-        placement=placement_from(args, kt.num_gpu_experts), gpu_device=check_device(args.gpu_device),
-        cpu=dataclasses.replace(cpu, expert_dtype=kt.expert_dtype, threads=kt.threads), dtype=args.dtype,
-        eval_batch_size=args.eval_batch_size,
-    )
-    return config, kt.notes, kt.torch_threads
-
-
-class ProgressBar:
-    """tqdm over the steps: loss (mean of the last 10 steps) and tokens/s (since this process started training)."""
-
-    def __init__(self):
-        self.bar = None
-        self.recent: list[float] = []
-        self.tokens = 0
-        self.seconds = 0.0
-
-    def start(self, first: int, last: int) -> None:
-        self.bar = tqdm(total=last, initial=first, desc="finetune", unit="step", dynamic_ncols=True)
-
-    def step(self, record) -> None:
-        self.recent = (self.recent + [record.loss])[-10:]
-        self.tokens += record.tokens
-        self.seconds += record.seconds
-        self.bar.set_postfix(loss=f"{sum(self.recent) / len(self.recent):.4f}",
-                             tok_s=f"{self.tokens / max(self.seconds, 1e-9):,.0f}", lr=f"{record.lr:.2e}",
-                             refresh=False)
-        self.bar.update(1)
-
-    def write(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.write(text, file=sys.stderr)
-        else:
-            print(text, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def quiet_known_warnings() -> None:
-    """A warning the user can do nothing about: transformers' deprecation of a name PEFT still calls."""
-    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-
-
-def run(args) -> int:
-    quiet_known_warnings()
-    config, notes, torch_threads = config_from_args(args)
-    for note in notes:
-        print(f"warning: {note}", file=sys.stderr)
-    if torch_threads:
-        torch.set_num_threads(torch_threads)
-    bar = ProgressBar()
-    hooks = FinetuneHooks(
-        message=bar.write, start=bar.start, step=bar.step,
-        evaluated=lambda step, loss: bar.write(f"step {step}: held-out loss {loss:.4f}"),
-        saved=lambda path: bar.write(f"checkpoint {path}"),
-    )
-    try:
-        result = run_finetune(config, hooks)
-    except KeyboardInterrupt:
-        raise KeyboardInterrupt(f"the same command with --resume continues from the newest checkpoint in "
-                                f"{config.out_dir}") from None
-    finally:
-        bar.close()
-    plot = plot_loss_curve(result.history, result.evals, config.out_dir / PLOT_FILE,
-                           f"LoRA r={config.lora_rank} on {config.dataset}: held-out {result.heldout_before:.4f} -> "
-                           f"{result.heldout_after:.4f}")
-    change = result.heldout_after - result.heldout_before
-    print(f"held-out loss on reply tokens ({result.heldout_name}): {result.heldout_before:.4f} before -> "
-          f"{result.heldout_after:.4f} after ({change:+.4f} nats)")
-    print(f"adapter: {config.out_dir} (PEFT layout); loss curve: {plot}; metrics: {config.out_dir / 'metrics.json'}")
-    return 0

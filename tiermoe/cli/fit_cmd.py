@@ -1,4 +1,5 @@
-"""tiermoe fit: will a model fit this GPU and this host, before anything is loaded (headers or config only)."""
+"""tiermoe fit's flags: will a model fit this GPU and this host, before anything is loaded (headers or a config
+file only; run: fit_run)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ from tiermoe.cli.flags import (
     non_negative_int,
     positive_int,
 )
-from tiermoe.errors import TiermoeError
-from tiermoe.fit import fit_report, model_bytes
 
 
 def add_parser(sub) -> None:
@@ -17,17 +16,22 @@ def add_parser(sub) -> None:
         sub, "fit",
         "Say whether a model fits before loading it: GPU memory (non-expert weights, GPU experts, KV cache at the "
         "token budget, layerwise-prefill buffer), host memory (CPU-tier experts in their format) and the largest "
-        "GPU expert count that fits. Reads safetensors or GGUF headers only, or a config.json alone with --dtype.",
+        "GPU expert count that fits. Reads safetensors or GGUF headers only, or a config file alone (any name; the "
+        "weights' dtype is the one it states unless --dtype says otherwise). Without --model, the bundled demo model.",
         "tiermoe fit --model /models/Qwen3-30B-A3B --gpu-memory-gb 24 --ram-gb 64",
         "tiermoe fit --model /models/DeepSeek-V3 --gpu-memory-gb 80 --cpu-expert-dtype int4 --max-total-tokens 32768",
         "tiermoe fit --model config.json --dtype fp8 --gpu-memory-gb 24 --ram-gb 512",
+        "tiermoe fit --model deepseek-v3-config.json --gpu-memory-gb 80 --ram-gb 512",
         "tiermoe fit --model /models/Qwen3-30B-A3B-Q4_K_M.gguf --gpu-memory-gb 16",
         "tiermoe fit --model /models/Qwen3-30B-A3B --ram-gb 32 --cpu-expert-dtype int4 --non-expert-dtype int4",
     )
-    p.add_argument("--model", required=True, help="checkpoint directory, GGUF file or directory, or a config.json")
+    p.add_argument("--model", "--model-path", dest="model", default=None,
+                   help="checkpoint directory, GGUF file or directory, or a config file (.json, any name) "
+                        "(default: the bundled demo model)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp8"),
-                   help="what the weights are when only config.json is given (fp8: the released FP8 layout); "
-                        "with weights: the compute dtype (default: the checkpoint's)")
+                   help="what the weights are when only a config file is given (fp8: the released FP8 layout; "
+                        "default: the dtype the config states); with weights: the compute dtype (default: the "
+                        "checkpoint's)")
     p.add_argument("--gpu-memory-gb", type=non_negative_float, help="GPU memory tiermoe may use, GiB")
     p.add_argument("--ram-gb", type=non_negative_float, help="host memory tiermoe may use, GiB")
     p.add_argument("--max-total-tokens", type=positive_int, default=8192, help="KV cache token budget (default 8192)")
@@ -45,13 +49,3 @@ def add_parser(sub) -> None:
                    help="with --non-expert-dtype: the LM head's format, as --head-dtype loads it (default: theirs)")
     p.add_argument("--gpu-experts", type=non_negative_int,
                    help="GPU-tier experts in total to check (default: the largest count that fits)")
-
-
-def run(args) -> int:
-    if args.head_dtype is not None and args.non_expert_dtype is None:
-        raise TiermoeError("--head-dtype counts a packed LM head: give --non-expert-dtype too")
-    model = model_bytes(args.model, args.dtype, args.cpu_expert_dtype, args.non_expert_dtype, args.head_dtype)
-    report = fit_report(model, args.gpu_experts, args.max_total_tokens, args.gpu_prefill_buffer_gb,
-                        args.gpu_memory_gb, args.ram_gb, args.max_running_requests)
-    print(report.describe())
-    return 0 if not report.problems() else 1

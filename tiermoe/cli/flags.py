@@ -1,5 +1,7 @@
 """Flag types shared by commands: parse, check, and say what is expected when a value is wrong.
 
+Light on purpose: every command's parser imports this module, and `tiermoe CMD --help` must not load torch.
+
 Numbers are finite and fit in 64 bits (a value that does not would fail later, inside torch or C++, with a
 traceback); output files are checked before any work starts, so a long run never fails at its last step
 because its --out or --plot names a missing directory.
@@ -11,17 +13,20 @@ import argparse
 import math
 from pathlib import Path
 
-import torch
-
+from tiermoe.cli.choices import DTYPE_NAMES
 from tiermoe.config import MAX_RUNNING_REQUESTS
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+_TORCH_NAMES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}  # DTYPE_NAMES -> torch's attribute
 
 
-def dtype_flag(value: str) -> torch.dtype:
-    if value not in DTYPES:
-        raise argparse.ArgumentTypeError(f"'{value}' is not a dtype; expected one of {', '.join(DTYPES)}")
-    return DTYPES[value]
+def dtype_flag(value: str):
+    """A --dtype name (bf16, fp32, fp16) as the torch.dtype. torch is imported when a value is parsed, which only a
+    command that runs does: `--help` never imports it."""
+    if value not in DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a dtype; expected one of {', '.join(DTYPE_NAMES)}")
+    import torch
+
+    return getattr(torch, _TORCH_NAMES[value])
 
 
 MAX_INT = 2**63 - 1  # what torch and the C++ kernels take; anything that large is a typo

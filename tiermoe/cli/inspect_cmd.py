@@ -1,14 +1,10 @@
 """tiermoe inspect: a checkpoint's MoE structure and sizes, from headers only (or from its config.json alone), or the
-page of every architecture the installed transformers defines (--architectures)."""
+page of every architecture the installed transformers defines (--architectures). The flags; the run is
+inspect_run."""
 
 from __future__ import annotations
 
-import json
-
 from tiermoe.cli.flags import add_command
-from tiermoe.model.catalogue import catalogue_markdown
-from tiermoe.model.inspect import format_summary, summarize
-from tiermoe.models import resolve_model
 
 
 def add_parser(sub) -> None:
@@ -29,12 +25,3 @@ def add_parser(sub) -> None:
     p.add_argument("--architectures", action="store_true",
                    help="print the page of every MoE architecture of the installed transformers (markdown): who "
                         "computes each part, and whether the engine serves it")
-
-
-def run(args) -> int:
-    if args.architectures:
-        print(catalogue_markdown(), end="")
-        return 0
-    summary = summarize(resolve_model(args.model_dir))
-    print(json.dumps(summary.as_dict(), indent=2) if args.json else format_summary(summary))
-    return 0

@@ -1,7 +1,9 @@
-"""Placement flags shared by every command that places experts (place, generate, serve, ...).
+"""Placement flags shared by every command that places experts (place, generate, serve, ...), and the settings
+they describe (PlacementConfig, DynamicPlacementConfig).
 
 Primary names are plain; SGLang-kt's `--kt-...` spellings are accepted as aliases so a KTransformers launch
-line works unchanged.
+line works unchanged. Light (no torch): parsers import it for `--help`. Turning the flags into a plan for a model
+is tiermoe.cli.placement_args, which the run modules import.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ import argparse
 import math
 import warnings
 
-from tiermoe.arch import detect, load_config
-from tiermoe.cli.adaptive_flags import adaptive_from_args, add_adaptive_flags, given_adaptive_flags
-from tiermoe.cli.cpu_flags import cpu_from_args
+from tiermoe.cli.adaptive_flags import (
+    adaptive_from_args,
+    add_adaptive_flags,
+    given_adaptive_flags,
+)
 from tiermoe.cli.flags import non_negative_int, positive_float, positive_int, seed_int
 from tiermoe.config import (
     GPU_SPLIT_METHODS,
@@ -21,10 +25,6 @@ from tiermoe.config import (
     PlacementConfig,
 )
 from tiermoe.errors import TiermoeError
-from tiermoe.fit import check_before_loading
-from tiermoe.model.plan_source import resolve_plan
-from tiermoe.models import resolve_model
-from tiermoe.placement.plan import PlacementPlan
 
 
 def ratio(value: str) -> float:
@@ -67,7 +67,8 @@ def add_placement_flags(p: argparse.ArgumentParser, seed_flags=("--placement-see
     g.add_argument("--max-total-tokens", dest="max_total_tokens", type=positive_int, default=8192,
                    help="KV cache tokens reserved by --gpu-memory-gb (default 8192)")
     g.add_argument("--init-expert-location", "--kt-init-expert-location", dest="init_expert_location",
-                   help="activation statistics .pt (SGLang logical_count [buf, L, E], [L, E], or tiermoe record output)")
+                   help="activation statistics .pt (SGLang logical_count [buf, L, E], [L, E], or tiermoe record "
+                        "output)")
     g.add_argument(*seed_flags, dest="placement_seed", type=seed_int, default=42,
                    help="seed of the random strategy (default 42, as SGLang-kt)")
     g.add_argument("--num-gpus", dest="num_gpus", type=positive_int, default=1, help="GPUs to split the plan over")
@@ -106,15 +107,6 @@ def dynamic_from_args(args):
     return config if config.active or args.kt_dynamic else None
 
 
-def placement_from_args(args):
-    """What the flags ask for, before it meets a model: a PlacementPlan (from --plan), a PlacementConfig (from
-    the flags), or None (no GPU experts asked for). `plan_from_args` turns it into the plan."""
-    if args.plan:
-        return PlacementPlan.load(args.plan)
-    config = placement_config_from_args(args)
-    return config if config.sized or config.strategy != "uniform" else None
-
-
 def placement_config_from_args(args) -> PlacementConfig:
     """The PlacementConfig the placement flags describe (whether or not they size a GPU tier)."""
     return PlacementConfig(
@@ -133,17 +125,3 @@ def max_running_from_args(args) -> int:
 def prefill_buffer_from_args(args) -> float:
     """GiB the layerwise-prefill buffers take on the GPU: --gpu-prefill-buffer-gb once the threshold turns it on."""
     return args.prefill_buffer_gb if getattr(args, "prefill_threshold", None) else 0.0
-
-
-def plan_from_args(args, device: str) -> PlacementPlan:
-    """The one PlacementPlan of a single-process command (generate, serve, record): the flags' placement planned
-    against --model once; the fit check and the loader both take it."""
-    model_dir = resolve_model(args.model)
-    return resolve_plan(placement_from_args(args), model_dir, detect(load_config(model_dir)), 1, device)
-
-
-def check_fit_from_args(args, plan: PlacementPlan, device) -> None:
-    """Stop with a clear message, before a weight is read, when the plan will not fit
-    (tiermoe.fit.check_before_loading: headers only)."""
-    check_before_loading(args.model, plan, device, args.max_total_tokens, prefill_buffer_from_args(args),
-                         cpu_from_args(args).expert_dtype, max_running_from_args(args))

@@ -1,23 +1,18 @@
 """Expert distribution recorder flags, SGLang's names, shared by every command that runs the engine.
 
 `add_recorder_flags(parser)` adds --expert-distribution-recorder-mode, --expert-distribution-recorder-buffer-size
-and --record-kt-gpu-expert-distribution; `recorder_from_args(args, spec)` builds the recorder to pass to
-`LLM(..., recorder=...)` (NO_RECORDER when no mode is given, as SGLang's default). Dump it at the end with
-`tiermoe.stats.io.dump_recorder(recorder, path)`, which writes to $TIERMOE_EXPERT_DISTRIBUTION_RECORDER_DIR
-(else $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, else /tmp as SGLang) when no path is given.
+and --record-kt-gpu-expert-distribution (light: parsers import it for `--help`); tiermoe.cli.recorder_args's
+`recorder_from_args(args, spec)` builds the recorder to pass to `LLM(..., recorder=...)` (NO_RECORDER when no mode
+is given, as SGLang's default). Dump it at the end with `tiermoe.stats.io.dump_recorder(recorder, path)`, which
+writes to $TIERMOE_EXPERT_DISTRIBUTION_RECORDER_DIR (else $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, else /tmp as
+SGLang) when no path is given.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from tiermoe.errors import TiermoeError
-from tiermoe.fit import available_ram
-from tiermoe.stats.model_shape import ModelShape
-from tiermoe.stats.recorders import MODES, SGLANG_DEFAULT_BUFFER_SIZE, make_recorder
-
-# bytes a buffered pass takes per (layer, expert): the stat recorder's int32 prefill and decode counts
-BYTES_PER_PASS_CELL = 8
+from tiermoe.cli.choices import RECORDER_MODES, SGLANG_DEFAULT_BUFFER_SIZE
 
 
 def buffer_size(value: str) -> int:
@@ -34,7 +29,7 @@ def add_recorder_flags(p: argparse.ArgumentParser, mode_flags: tuple[str, ...] =
                        default_buffer_size: int | None = None) -> None:
     """mode_flags: extra spellings of the mode flag (`record` adds --mode); defaults differ per command."""
     g = p.add_argument_group("expert distribution recorder (SGLang's flags)")
-    g.add_argument("--expert-distribution-recorder-mode", *mode_flags, dest="recorder_mode", choices=MODES,
+    g.add_argument("--expert-distribution-recorder-mode", *mode_flags, dest="recorder_mode", choices=RECORDER_MODES,
                    default=default_mode,
                    help="stat: counts [layers, experts]; per_pass: counts per forward pass; per_token: every token's "
                         "request, position and routed experts; stat_approx: same as stat "
@@ -48,26 +43,3 @@ def add_recorder_flags(p: argparse.ArgumentParser, mode_flags: tuple[str, ...] =
     g.add_argument("--record-kt-gpu-expert-distribution", dest="record_gpu_masks", action="store_true",
                    help="also snapshot the GPU-tier mask of every pass (gpu_expert_masks [passes, layers, experts] "
                         "in the dump), to check a run against its placement")
-
-
-def recorder_from_args(args, spec):
-    """The recorder these flags ask for; `spec` is the model's ArchSpec (or a tiermoe.stats ModelShape)."""
-
-    shape = spec if isinstance(spec, ModelShape) else ModelShape.of(spec)
-    check_buffer_memory(args, shape)
-    return make_recorder(args.recorder_mode, shape, args.recorder_buffer_size, args.record_gpu_masks)
-
-
-def check_buffer_memory(args, shape: ModelShape) -> None:
-    """A circular buffer of N passes is allocated whole on the first pass: refuse an N whose buffer this
-    machine's free memory cannot hold (per_token buffers grow with the tokens instead)."""
-    size, free = args.recorder_buffer_size or 0, available_ram()
-    if args.recorder_mode is None or free is None or size <= 0 or (
-            args.recorder_mode == "per_token" and not args.record_gpu_masks):
-        return
-    needed = size * shape.num_layers * shape.num_experts * BYTES_PER_PASS_CELL
-    if needed > free:
-        raise TiermoeError(f"--expert-distribution-recorder-buffer-size {size} keeps {size} passes of "
-                           f"[{shape.num_layers}, {shape.num_experts}] counts: {needed / 2**30:,.1f} GiB, more than "
-                           f"the {free / 2**30:,.1f} GiB available; use fewer passes or -1 (unbounded: grows as it "
-                           "records)")

@@ -1,14 +1,15 @@
 """Every flag of `tiermoe serve`, shared by the command, `python -m tiermoe.serve` (the torchrun entry point) and
-the rank launcher (which hands rank 0's flags on to the other ranks)."""
+the rank launcher (which hands rank 0's flags on to the other ranks). Light: `tiermoe serve --help` imports it, and
+reads the library's defaults from tiermoe.cli.choices' copies rather than from modules that load torch."""
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
-from pathlib import Path
 
+from tiermoe.cli.api_key import API_KEY_VARIABLE, api_key_from_args
+from tiermoe.cli.choices import DEFAULT_DIST_TIMEOUT_S
 from tiermoe.cli.cpu_flags import add_cpu_flags
 from tiermoe.cli.flags import non_negative_int, positive_int, running_count
 from tiermoe.cli.generate_cmd import add_model_flags
@@ -25,11 +26,9 @@ from tiermoe.config import (
     ServerConfig,
     normalise_origin,
 )
-from tiermoe.distributed.group import DEFAULT_DIST_TIMEOUT_S
 from tiermoe.errors import TiermoeError
+from tiermoe.server.decode_log import DEFAULT_INTERVAL
 from tiermoe.server.output_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
-
-API_KEY_VARIABLE = "TIERMOE_API_KEY"
 
 
 def seconds(value: str) -> float:
@@ -105,6 +104,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="stop the server when one engine step runs longer (a hung GPU kernel or CPU tier): every "
                         "request fails, one error line is logged, and the process exits with status 2, as SGLang's "
                         "watchdog does (default: no limit; SGLang's is 300, `kt run` passes 3000)")
+    p.add_argument("--decode-log-interval", type=non_negative_int, default=DEFAULT_INTERVAL, metavar="STEPS",
+                   help="log SGLang's decode-batch line every this many decode steps: running and queued requests, "
+                        "KV tokens in use, and the tokens per second generated over those steps (default "
+                        f"{DEFAULT_INTERVAL}, SGLang's; 0: never)")
     p.add_argument("--enable-expert-distribution-metrics", action="store_true",
                    help="export per-layer expert routing on /metrics: pairs routed, pairs the GPU tier served, "
                         "experts used, balancedness (mean / max expert load)")
@@ -165,25 +168,3 @@ def server_config_from_args(args) -> ServerConfig:
                         expert_distribution_metrics=args.enable_expert_distribution_metrics,
                         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                         incremental_streaming_output=args.incremental_streaming_output)
-
-
-def api_key_from_args(args, environ=None) -> str | None:
-    """The API key the server requires: --api-key, else the first line of --api-key-file, else $TIERMOE_API_KEY
-    (an empty variable counts as unset), else None (no key)."""
-    environ = os.environ if environ is None else environ
-    flag, path = getattr(args, "api_key", None), getattr(args, "api_key_file", None)
-    if flag is not None and path is not None:
-        raise TiermoeError("give --api-key or --api-key-file, not both")
-    if flag is not None:
-        return flag
-    if path is not None:
-        try:
-            lines = Path(path).read_text().splitlines()
-        except (OSError, UnicodeDecodeError) as err:
-            reason = getattr(err, "strerror", None) or err
-            raise TiermoeError(f"cannot read --api-key-file '{path}': {reason}") from None
-        key = lines[0].strip() if lines else ""
-        if not key:
-            raise TiermoeError(f"--api-key-file '{path}' is empty; expected the key on its first line")
-        return key
-    return environ.get(API_KEY_VARIABLE) or None

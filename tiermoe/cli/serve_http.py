@@ -9,16 +9,18 @@ import signal
 import uvicorn
 
 from tiermoe.cli.cpu_flags import cpu_from_args
-from tiermoe.cli.lora_flag import lora_from_args
-from tiermoe.cli.placement_flags import check_fit_from_args, dynamic_from_args, plan_from_args
-from tiermoe.cli.recorder_flags import recorder_from_args
+from tiermoe.cli.lora_args import lora_from_args
+from tiermoe.cli.placement_args import check_fit_from_args, plan_from_args
+from tiermoe.cli.placement_flags import dynamic_from_args
+from tiermoe.cli.recorder_args import recorder_from_args
 from tiermoe.cli.serve_flags import server_config_from_args
 from tiermoe.config import check_device
 from tiermoe.engine.llm import LLM
 from tiermoe.server.app import create_app
-from tiermoe.server.idle_connections import idle_closing_h11
+from tiermoe.server.decode_log import DecodeLog
 from tiermoe.server.engine_service import EngineService
 from tiermoe.server.expert_metrics import ExpertLoadCounter
+from tiermoe.server.idle_connections import idle_closing_h11
 from tiermoe.server.metrics import ServerMetrics
 from tiermoe.server.state import ServerState
 from tiermoe.stats.control import RecorderControl
@@ -50,7 +52,8 @@ def build_state(args, llm=None):
         expert_load = ExpertLoadCounter(spec.num_layers, spec.num_experts, llm.hybrid.gpu_device)
         llm.engine.add_recorder(expert_load)
     metrics = ServerMetrics()
-    service = EngineService(llm.engine, metrics, watchdog_timeout=config.watchdog_timeout)
+    service = EngineService(llm.engine, metrics, watchdog_timeout=config.watchdog_timeout,
+                            decode_log=DecodeLog(args.decode_log_interval))
     name = config.served_model_name or llm.model_dir.name
     return ServerState(llm=llm, config=config, service=service, metrics=metrics, hits=hits, model_name=name,
                        recorder_control=control, expert_load=expert_load)

@@ -18,7 +18,8 @@ import sys
 import threading
 
 from tiermoe.cli.cpu_flags import cpu_from_args
-from tiermoe.cli.placement_flags import dynamic_from_args, placement_from_args
+from tiermoe.cli.placement_args import placement_from_args
+from tiermoe.cli.placement_flags import dynamic_from_args
 from tiermoe.cli.serve_flags import add_serve_flags, server_config_from_args
 from tiermoe.cli.serve_http import build_state, serve
 from tiermoe.distributed.group import RankEnv, RankFailure, RankGroup, rank_device

@@ -1,12 +1,11 @@
 """tiermoe trace: routing traces from other tools (`convert`) or generated (`generate`), written as tiermoe's text
-formats."""
+formats. The flags; the runs are trace_run."""
 
 from __future__ import annotations
 
+from tiermoe.cli.choices import TRACE_LAYOUTS
 from tiermoe.cli.flags import add_command, fraction, non_negative_int, output_file
-from tiermoe.cli.trace_generate import add_generate_parser, run_generate
-from tiermoe.stats.trace_convert import convert
-from tiermoe.stats.trace_import import LAYOUTS
+from tiermoe.cli.trace_generate import add_generate_parser
 
 
 def add_parser(sub) -> None:
@@ -34,7 +33,7 @@ def add_parser(sub) -> None:
     c.prog = "tiermoe trace convert"
     c.add_argument("source", help="the file to convert")
     c.add_argument("out", type=output_file, help="the CSV to write")
-    c.add_argument("--from", dest="layout", choices=LAYOUTS, default=None, help="the source's layout (default: "
+    c.add_argument("--from", dest="layout", choices=TRACE_LAYOUTS, default=None, help="the source's layout (default: "
                    "detected)")
     c.add_argument("--first-moe-layer", type=non_negative_int, default=1,
                    help="ESFT layouts: decoder layer of the first logged MoE layer (default 1, DeepSeek-V2-Lite's)")
@@ -43,10 +42,3 @@ def add_parser(sub) -> None:
                         "source's marks: for traces that mark none (ESFT's), so prefill-time placement has prompts")
 
     add_generate_parser(commands)
-
-
-def run(args) -> int:
-    if args.trace_command == "generate":
-        return run_generate(args)
-    print(convert(args.source, args.out, args.layout, args.first_moe_layer, args.prompt_share).describe())
-    return 0

@@ -7,7 +7,7 @@ each ISA's kernels sit in their own source file under `#pragma GCC target(...)`,
 the CPU supports (AMX > AVX512-BF16 > AVX-512 > AVX2 > SSE2), so the same build runs on any x86-64 CPU.
 
 Built once per source version and compiler into $TIERMOE_KERNEL_CACHE (default ~/.cache/tiermoe/kernels);
-`tiermoe version` builds it ahead of time and prints the ISA (set-up scripts, CI). When there is no compiler or the
+`tiermoe version --check` builds it ahead of time and prints the ISA (set-up scripts, CI). When there is no compiler or the
 build fails, callers fall back to pure torch after a one-line warning.
 
 Forcing a path (tests, comparisons): TIERMOE_CPU_ISA=amx|avx512bf16|avx512|avx2|base caps the ISA, and

@@ -6,6 +6,14 @@ from tiermoe.placement.metrics import hit_rate, layer_coverage
 from tiermoe.placement.plan import PlacementPlan
 
 
+def _size(n: float) -> str:
+    """Bytes in the decimal unit that fits (a 590 KB expert reads '590.00 KB', not '0.00 GB')."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 def plan_rows(plan: PlacementPlan, moe_layers, counts=None, bytes_per_expert: int | None = None) -> list[dict]:
     coverage = layer_coverage(plan.mask, counts) if counts is not None else None
     rows = []
@@ -38,13 +46,13 @@ def format_plan(plan: PlacementPlan, moe_layers, counts=None, bytes_per_expert: 
         if counts is not None:
             line += f"  {100 * r['stats_share_on_gpu']:>11.1f}%"
         if bytes_per_expert is not None:
-            line += f"  {r['gpu_bytes'] / 1e9:>8.2f} GB"
+            line += f"  {_size(r['gpu_bytes']):>10}"
         lines.append(line)
     total = int(plan.mask.sum())
     lines.append(f"total GPU experts: {total} of {len(moe_layers) * plan.num_experts} routed experts "
                  f"({100 * total / max(1, len(moe_layers) * plan.num_experts):.1f}%), strategy {plan.strategy}")
     if bytes_per_expert is not None:
-        lines.append(f"GPU-tier expert bytes: {total * bytes_per_expert / 1e9:.2f} GB")
+        lines.append(f"GPU-tier expert bytes: {_size(total * bytes_per_expert)}")
     if counts is not None:
         lines.append(f"expected GPU hit rate (on these statistics): {100 * hit_rate(plan.mask, counts):.1f}%")
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from tiermoe.server import (
     completion_routes,
     ollama_routes,
     openai_routes,
+    root_route,
     sglang_routes,
 )
 from tiermoe.server.admission import (
@@ -42,7 +43,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="tiermoe", lifespan=lifespan)
     app.state.tiermoe = state
-    for module in (openai_routes, completion_routes, anthropic_routes, sglang_routes, ollama_routes, admin_routes):
+    for module in (openai_routes, completion_routes, anthropic_routes, sglang_routes, ollama_routes, admin_routes,
+                   root_route):
         app.include_router(module.router)
 
     # Each middleware added wraps the ones before it: admission is the innermost (a request refused for its

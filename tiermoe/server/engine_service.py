@@ -15,6 +15,10 @@ a dead engine thread must not leave a server that answers /health and never repl
 `--watchdog-timeout S` (SGLang's flag): a step that runs longer than S seconds (a hung kernel, a deadlocked CPU
 tier) is treated the same way, from a watchdog thread, since the stuck engine thread cannot notice it itself: one
 error line in the log, every request fails, and the server exits with that error (SGLang kills its process).
+
+The engine thread also keeps what the server reports of its speed: each request's timing (when its prompt started,
+its first and last token: tiermoe.server.request_timing, on its last event) and SGLang's decode-batch log line
+(tiermoe.server.decode_log).
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from tiermoe.engine.sampling import SamplingParams
 from tiermoe.engine.sequence import Sequence
 from tiermoe.engine.text_stream import TextStream
 from tiermoe.errors import TiermoeError, cause_chain
+from tiermoe.server.decode_log import DecodeLog
 from tiermoe.server.metrics import ServerMetrics
+from tiermoe.server.request_timing import RequestTiming
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +72,7 @@ class Event:
     prompt_logprobs: list[TokenLogprob] | None = None
     status: int | None = None
     stop_string: str | None = None  # on the last event: the stop string the answer ended before, if one did
+    timing: RequestTiming | None = None  # on the last event of a request that ran in the engine
 
     @property
     def error_status(self) -> int:
@@ -83,7 +90,9 @@ class RequestHandle:
     seq: Sequence | None = None
     stream: TextStream | None = None
     sent_ids: int = 0
+    started_at: float | None = None  # the start of the step that fed its first prompt chunk
     first_token_at: float | None = None
+    last_token_at: float | None = None
     done: bool = False
     timed_out: bool = False  # stopped by --request-timeout (counted as that, not as aborted by its client)
     group: int | None = None  # the request it belongs to (Engine.add)
@@ -91,14 +100,19 @@ class RequestHandle:
     def push(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
+    def timing(self) -> RequestTiming:
+        return RequestTiming(self.started_at, self.first_token_at, self.last_token_at)
+
 
 class EngineService:
-    def __init__(self, engine, metrics: ServerMetrics, idle_wait: float = 0.05, watchdog_timeout: float | None = None):
+    def __init__(self, engine, metrics: ServerMetrics, idle_wait: float = 0.05, watchdog_timeout: float | None = None,
+                 decode_log: DecodeLog | None = None):
         self.engine = engine
         self.metrics = metrics
         self.idle_wait = idle_wait
         self._commands: queue.Queue = queue.Queue()
         self._handles: dict[int, RequestHandle] = {}
+        self._unstarted: dict[int, RequestHandle] = {}  # handles whose prompt the engine has not started on
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tiermoe-engine", daemon=True)
         self.steps = 0
@@ -107,6 +121,8 @@ class EngineService:
         self.watchdog_timeout = watchdog_timeout
         self._step_started: float | None = None  # time.monotonic() when the running step began; None between steps
         self._fatal_lock = threading.Lock()  # the engine thread and the watchdog may both give up at once
+        self.decode_log = decode_log or DecodeLog(0)
+        self._busy_since: float | None = None  # when the previous step ended, while the engine has kept busy
 
     # --- called from the event loop -------------------------------------------------------------------
     def start(self) -> None:
@@ -175,8 +191,9 @@ class EngineService:
         while not self._stop.is_set():
             self._apply_commands(block=not self.engine.has_work())
             if not self.engine.has_work():
+                self._busy_since = None
                 continue
-            self._step_started = time.monotonic()
+            started = self._step_started = time.monotonic()
             try:
                 produced = self.engine.step()
             except Exception as err:  # noqa: BLE001 - one failing step must not kill the server
@@ -191,8 +208,12 @@ class EngineService:
             if self._stop.is_set():  # the watchdog gave up on this step meanwhile: its requests have failed
                 return
             self.steps += 1
-            for seq in produced:
-                self._emit(seq)
+            self._mark_started(started)
+            tokens = sum(self._emit(seq) for seq in produced)
+            ended = time.monotonic()
+            self.decode_log.after_step(tokens, ended - (self._busy_since or started), self.engine,
+                                       finished=sum(seq.finished for seq in produced))
+            self._busy_since = ended
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -234,33 +255,47 @@ class EngineService:
         handle.stream = TextStream(self.engine.decoded_text(handle.seq), handle.params.stop) \
             if self.engine.detokenize is not None else None
         self._handles[handle.seq.seq_id] = handle
+        self._unstarted[handle.seq.seq_id] = handle
         self.metrics.add(prompt_tokens=len(handle.prompt_ids))
 
-    def _emit(self, seq: Sequence) -> None:
+    def _mark_started(self, step_started: float) -> None:
+        """Requests whose first prompt chunk went through the step that began at `step_started`."""
+        for seq_id, handle in list(self._unstarted.items()):
+            if handle.seq.num_fed or handle.seq.finished:
+                handle.started_at = step_started
+                del self._unstarted[seq_id]
+
+    def _emit(self, seq: Sequence) -> int:
+        """Hands the sequence's new output to its request; returns how many tokens it generated."""
         handle = self._handles.get(seq.seq_id)
         if handle is None:
-            return
+            return 0
+        now = time.monotonic()
         first = handle.first_token_at is None
         if first:
-            handle.first_token_at = time.monotonic()
+            handle.first_token_at = now
             self.metrics.observe_ttft(handle.first_token_at - handle.created)
         sent = handle.sent_ids
         new_ids = seq.output_ids[sent:]
         handle.sent_ids = len(seq.output_ids)
+        if new_ids:
+            handle.last_token_at = now
         self.metrics.observe_tokens(len(new_ids))
         text = handle.stream.delta(seq.output_ids, seq.finished, seq.stop_text_end) if handle.stream else ""
         prompt_scores = list(seq.prompt_logprobs) if first and seq.params.prompt_logprobs is not None else None
         handle.push(Event(text, new_ids, seq.finish_reason, error=seq.error, client_error=seq.error_from_request,
                           logprobs=seq.output_logprobs[sent:], prompt_logprobs=prompt_scores,
-                          stop_string=seq.stop_string))
+                          stop_string=seq.stop_string, timing=handle.timing() if seq.finished else None))
         if seq.finished:
             self._finish(handle)
             if seq.error is not None:
                 self.metrics.add(requests_failed=1)
+        return len(new_ids)
 
     def _finish(self, handle: RequestHandle) -> None:
         handle.done = True
         self._handles.pop(handle.seq.seq_id, None)
+        self._unstarted.pop(handle.seq.seq_id, None)
 
     def _watch(self) -> None:
         """The watchdog thread: gives up on a step that runs past watchdog_timeout."""

@@ -19,6 +19,7 @@ from fastapi import Request
 from tiermoe.engine.logprobs import TokenLogprob
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.server.engine_service import Event
+from tiermoe.server.request_timing import RequestTiming
 from tiermoe.server.state import ServerState
 
 
@@ -38,6 +39,7 @@ class Collected:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked
     prompt_logprobs: list[TokenLogprob] | None = None  # when asked
     stop_string: str | None = None  # the stop string the answer ended before, if one did
+    timing: RequestTiming | None = None  # when it reached each stage (the engine's last event)
 
 
 async def stream_events(state: ServerState, request: Request, prompt_ids: list[int],
@@ -99,6 +101,7 @@ async def collect(state: ServerState, request: Request, prompt_ids: list[int], p
         out.prompt_logprobs = event.prompt_logprobs if event.prompt_logprobs is not None else out.prompt_logprobs
         out.finish_reason = event.finish_reason or out.finish_reason
         out.stop_string = event.stop_string or out.stop_string
+        out.timing = event.timing or out.timing
     return out
 
 

@@ -1,6 +1,11 @@
 """What the server says about its model in Ollama's words (/api/show, /api/tags): details {format, family,
 parameter_size, quantization_level} and model_info's GGUF-style keys ("general.architecture",
-"<arch>.block_count", ...), from the loaded model's config, weights and tier bytes."""
+"<arch>.block_count", ...), from the loaded model's config and its checkpoint.
+
+The parameter count is the checkpoint's, read from its headers (safetensors or GGUF; a `tiermoe convert` cache: its
+source's): what the tiers hold is no measure, since they may hold weights packed (int4 experts, bf16 or int8
+non-expert weights computed by tiermoe's own kernels), and packed weights are buffers of another shape, not
+parameters. FP8 block scales are not counted (Ollama's count is the weights')."""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ import json
 import torch
 
 from tiermoe.engine.llm import LLM
-from tiermoe.model.gguf_checkpoint import weight_files
+from tiermoe.errors import TiermoeError
+from tiermoe.model.gguf_checkpoint import open_checkpoint, weight_files
 
 # dtype -> Ollama's quantization_level name (GGML's type names)
 _LEVELS = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -25,12 +31,22 @@ _INFO_FIELDS = {
 }
 
 
+_SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's block scales beside it (tiermoe.checkpoint.fp8's name)
+
+
 def parameter_count(llm: LLM) -> int:
-    """Parameters held: the module tree's, plus the routed experts' (their bytes in the tiers over their dtype)."""
-    hybrid = llm.hybrid
-    size = hybrid.tier_bytes()
-    experts = (size.gpu_experts + size.cpu_experts) // hybrid.expert_dtype.itemsize
-    return sum(p.numel() for p in hybrid.model.parameters()) + experts
+    """The parameters of the checkpoint the model was loaded from. Should its files be unreadable now (moved since
+    loading), the module tree's parameters plus the routed experts' (their bytes in the tiers over their dtype)."""
+    try:
+        with open_checkpoint(llm.model_dir) as ckpt:
+            entries = ckpt.entries
+            return sum(entry.numel for name, entry in entries.items()
+                       if not (name.endswith(_SCALE_SUFFIX) and name.removesuffix(_SCALE_SUFFIX) in entries))
+    except (OSError, TiermoeError):
+        hybrid = llm.hybrid
+        size = hybrid.tier_bytes()
+        experts = (size.gpu_experts + size.cpu_experts) // hybrid.expert_dtype.itemsize
+        return sum(p.numel() for p in hybrid.model.parameters()) + experts
 
 
 def parameter_size(count: int) -> str:
@@ -42,19 +58,20 @@ def parameter_size(count: int) -> str:
     return f"{count / 1e3:.2f}K"
 
 
-def details(llm: LLM) -> dict:
+def details(llm: LLM, parameters: int) -> dict:
+    """Ollama's `details`; `parameters`: parameter_count(llm) (the server reads the checkpoint once)."""
     family = llm.hybrid.spec.model_type
     is_gguf = any(path.suffix == ".gguf" for path in weight_files(llm.model_dir))
     return {"parent_model": "", "format": "gguf" if is_gguf else "safetensors", "family": family,
-            "families": [family], "parameter_size": parameter_size(parameter_count(llm)),
+            "families": [family], "parameter_size": parameter_size(parameters),
             "quantization_level": _LEVELS.get(llm.hybrid.expert_dtype, str(llm.hybrid.expert_dtype))}
 
 
-def model_info(llm: LLM) -> dict:
+def model_info(llm: LLM, parameters: int) -> dict:
     config = llm.hybrid.config
     config = getattr(config, "text_config", None) or config
     arch = llm.hybrid.spec.model_type
-    info = {"general.architecture": arch, "general.parameter_count": parameter_count(llm)}
+    info = {"general.architecture": arch, "general.parameter_count": parameters}
     for key, names in _INFO_FIELDS.items():
         value = next((getattr(config, n) for n in names if getattr(config, n, None) is not None), None)
         if value is not None:

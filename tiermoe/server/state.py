@@ -19,6 +19,7 @@ from tiermoe.server.engine_service import EngineService
 from tiermoe.server.expert_metrics import ExpertLoadCounter
 from tiermoe.server.logprob_format import TokenText, token_text_of
 from tiermoe.server.metrics import ServerMetrics
+from tiermoe.server.model_card import parameter_count
 from tiermoe.server.output_parsers import OutputParser, keeping_markers
 from tiermoe.server.request_options import RequestOptions
 from tiermoe.stats.tier_hits import TierHitCounter
@@ -55,6 +56,11 @@ class ServerState:
         if config.reasoning_parser is None and config.tool_call_parser is None:
             return None
         return OutputParser(config.reasoning_parser, config.tool_call_parser)
+
+    @cached_property
+    def parameter_count(self) -> int:
+        """The checkpoint's parameters (Ollama's /api/tags and /api/show), read from its headers once."""
+        return parameter_count(self.llm)
 
     @property
     def context_length(self) -> int | None:

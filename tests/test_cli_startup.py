@@ -1,0 +1,82 @@
+"""`tiermoe CMD --help`, `tiermoe version`, `tiermoe --version` and a bad flag never import torch or transformers
+(seconds of start-up for a page of text): each runs in a fresh interpreter that then lists what it imported. The
+parsers read their choices from tiermoe.cli.choices, whose copies must equal the library's values.
+(benchmarks/bench_cli_startup.py times the same commands.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tiermoe.analysis.placement_traffic import BENCH_STRATEGIES
+from tiermoe.arch import SUPPORTED_MODEL_TYPES
+from tiermoe.cli import choices
+from tiermoe.cli.extras import DATASET_MODULES
+from tiermoe.cli.main import COMMANDS
+from tiermoe.data.registry import DATASETS
+from tiermoe.distributed.group import DEFAULT_DIST_TIMEOUT_S
+from tiermoe.layers.decode_attention import ATTENTION_BACKENDS
+from tiermoe.placement.cache_policies import DEFAULT_COPY_BUDGET
+from tiermoe.stats.recorders import MODES, SGLANG_DEFAULT_BUFFER_SIZE
+from tiermoe.stats.routing_presets import PRESETS as ROUTING_PRESETS
+from tiermoe.stats.trace_import import LAYOUTS
+from tiermoe.testing.presets import PRESETS
+from tiermoe.training.finetune import DEFAULT_MAX_LENGTH
+from tiermoe.training.lora import MAX_RANK
+
+HEAVY = ("torch", "transformers")
+# commands whose parser module still imports its run (torch, seconds): to leave this set once split like the others
+NOT_YET_LIGHT: set[str] = set()
+
+CHILD = """
+import contextlib, io, json, sys
+from tiermoe.cli.main import main
+heavy, argv = sys.argv[1].split(","), sys.argv[2:]
+out = io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+print(json.dumps({"code": code, "imported": [m for m in heavy if m in sys.modules], "output": out.getvalue()}))
+"""
+
+
+def run_fresh(*argv: str) -> dict:
+    """`tiermoe ARGV` in a fresh interpreter: its exit code, the heavy modules it imported, and its output."""
+    done = subprocess.run([sys.executable, "-c", CHILD, ",".join(HEAVY), *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("command", [
+    pytest.param(name, marks=pytest.mark.skip(reason=f"{name}'s parser module still imports its run"))
+    if name in NOT_YET_LIGHT else name for name in sorted(COMMANDS)])
+def test_help_of_every_command_leaves_torch_and_transformers_unloaded(command):
+    result = run_fresh(command, "--help")
+    assert result["code"] == 0 and f"tiermoe {command}" in result["output"]
+    assert result["imported"] == [], f"`tiermoe {command} --help` imported {result['imported']}"
+
+
+@pytest.mark.parametrize("argv", [("version",), ("--version",), ("-V",), ("--help",), ("place", "--no-such-flag"),
+                                  ("genrate",), ("generate", "--top-p", "2")])
+def test_version_and_mistakes_leave_torch_and_transformers_unloaded(argv):
+    result = run_fresh(*argv)
+    assert result["imported"] == [], f"`tiermoe {' '.join(argv)}` imported {result['imported']}"
+    assert result["code"] in (0, 2) and result["output"]
+
+
+def test_the_parsers_copies_of_library_values_are_the_library_values():
+    assert choices.RECORDER_MODES == MODES and choices.SGLANG_DEFAULT_BUFFER_SIZE == SGLANG_DEFAULT_BUFFER_SIZE
+    assert choices.ATTENTION_BACKENDS == ATTENTION_BACKENDS
+    assert choices.TUNED_MODEL_TYPES == SUPPORTED_MODEL_TYPES
+    assert choices.MODEL_PRESETS == {name: arch for name, (arch, _) in PRESETS.items()}
+    assert choices.BENCH_STRATEGIES == BENCH_STRATEGIES and choices.DEFAULT_COPY_BUDGET == DEFAULT_COPY_BUDGET
+    assert choices.FINETUNE_MAX_LENGTH == DEFAULT_MAX_LENGTH and choices.MAX_LORA_RANK == MAX_RANK
+    assert choices.ROUTING_PRESETS == tuple(ROUTING_PRESETS) and choices.TRACE_LAYOUTS == LAYOUTS
+    assert choices.DEFAULT_DIST_TIMEOUT_S == DEFAULT_DIST_TIMEOUT_S
+    assert set(DATASET_MODULES) == set(DATASETS)  # every named dataset's package is checked before a run

@@ -1,0 +1,19 @@
+"""tiermoe fit's run: the model's bytes from its headers (or its config alone) against the GPU and host memory
+given; status 1 when something does not fit."""
+
+from __future__ import annotations
+
+from tiermoe.errors import TiermoeError
+from tiermoe.fit import fit_report, model_bytes
+from tiermoe.models import resolve_model
+
+
+def run(args) -> int:
+    if args.head_dtype is not None and args.non_expert_dtype is None:
+        raise TiermoeError("--head-dtype counts a packed LM head: give --non-expert-dtype too")
+    model = model_bytes(resolve_model(args.model), args.dtype, args.cpu_expert_dtype, args.non_expert_dtype,
+                        args.head_dtype)
+    report = fit_report(model, args.gpu_experts, args.max_total_tokens, args.gpu_prefill_buffer_gb,
+                        args.gpu_memory_gb, args.ram_gb, args.max_running_requests)
+    print(report.describe())
+    return 0 if not report.problems() else 1
