@@ -44,7 +44,7 @@ def demo_tokenizer():
 def labelled_spans(example) -> list[list[int]]:
     """The runs of consecutive labelled positions, as token ids."""
     spans, current = [], []
-    for token, label in zip(example.input_ids, example.labels):
+    for token, label in zip(example.input_ids, example.labels, strict=True):
         if label == IGNORE_INDEX:
             if current:
                 spans.append(current)

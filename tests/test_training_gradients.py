@@ -1,5 +1,12 @@
 """Fine-tuning is exact: the hybrid model's loss and every LoRA gradient equal those of the unmodified transformers
-model with the same PEFT LoRA, whatever the placement (fp32, ||g - g_ref|| / ||g_ref|| <= 1e-5 per tensor).
+model with the same PEFT LoRA, whatever the placement (fp32, with the torch CPU tier an fp32 checkpoint gets; the
+native kernels' bf16 / int8 / int4 CPU tier at its own tolerance: tests/test_training_native_gradients.py).
+
+How exact: each gradient within 1e-6 of the true one per tensor (||g - g_true|| / ||g_true||, the truth being PEFT's
+model computed in float64), or, where fp32 cannot get that close, no further than 1.5x PEFT's own fp32 gradients
+are: on these tiny models PEFT's fp32 gradients are 1.0e-6 to 1.3e-5 from the float64 ones (Qwen3-Next's linear
+attention the most), so no fp32 computation in another order of summation meets 1e-6 everywhere. The loss agrees
+with PEFT's fp32 loss to 1e-6.
 
 The config is PEFT's "all-linear", which on transformers 5 means attention, the router and both fused expert
 parameters (tests/training_reference.py), so routed-expert LoRA on both tiers, router LoRA and the input gradient
@@ -23,14 +30,14 @@ from training_reference import (
 
 import tiermoe.layers.routed_autograd as routed_autograd
 from tiermoe.arch import detect, load_config
-from tiermoe.config import CPUConfig
 from tiermoe.model.loader import load_hybrid_model
 from tiermoe.training.lora import apply_lora
 
 pytest.importorskip("peft")
 
 ARCHS = ("qwen3_moe", "deepseek_v3", "mixtral", "glm4_moe")
-TOL = 1e-5
+TOL = 1e-6  # per tensor, against the float64 truth
+FLOOR = 1.5  # ... or this many times PEFT's own fp32 error, where that is larger
 
 
 def _ids(vocab: int) -> torch.Tensor:
@@ -46,9 +53,18 @@ def _reference_grads(path, config, ids, edit=None):
     return ref, loss.item(), adapter_grads(ref)
 
 
-def _hybrid_grads(path, mask, ref, config, ids, cpu: CPUConfig = CPUConfig()):
-    hybrid = load_hybrid_model(path, mask, gpu_device="cpu", dtype=torch.float32, cpu=cpu, progress=False,
-                               trainable=True)
+def _true_grads(path, config, ids) -> dict[str, torch.Tensor]:
+    """PEFT's gradients computed in float64 (its experts' eager loop: grouped_mm has no float64)."""
+    ref = peft_reference(path, copy.deepcopy(config)).double()
+    for module in ref.modules():
+        if hasattr(getattr(module, "config", None), "_experts_implementation"):
+            module.config._experts_implementation = "eager"
+    ref(input_ids=ids, labels=ids).loss.backward()
+    return adapter_grads(ref)
+
+
+def _hybrid_grads(path, mask, ref, config, ids):
+    hybrid = load_hybrid_model(path, mask, gpu_device="cpu", dtype=torch.float32, progress=False, trainable=True)
     model = apply_lora(hybrid, copy.deepcopy(config))
     copy_adapters(ref, model)
     loss = model(input_ids=ids, labels=ids).loss
@@ -59,7 +75,8 @@ def _hybrid_grads(path, mask, ref, config, ids, cpu: CPUConfig = CPUConfig()):
 def _worst(grads, ref_grads) -> float:
     assert set(grads) == set(ref_grads)
     assert all(g is not None for g in grads.values()), [k for k, g in grads.items() if g is None]
-    return max(((grads[k] - ref_grads[k]).norm() / ref_grads[k].norm()).item() for k in ref_grads)
+    return max(((grads[k].double() - ref_grads[k].double()).norm() / ref_grads[k].double().norm()).item()
+               for k in ref_grads)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +88,10 @@ def reference(tiny_dir):
             path = tiny_dir(arch)
             config = lora_config()
             ids = _ids(load_config(path).vocab_size)
-            cache[arch] = (path, config, ids, *_reference_grads(path, config, ids))
+            ref, ref_loss, ref_grads = _reference_grads(path, config, ids)
+            truth = _true_grads(path, config, ids)
+            bound = max(TOL, FLOOR * _worst(ref_grads, truth))
+            cache[arch] = (path, config, ids, ref, ref_loss, truth, bound)
         return cache[arch]
 
     return get
@@ -80,29 +100,29 @@ def reference(tiny_dir):
 @pytest.mark.parametrize("kind", ["all_cpu", "random_half", "all_gpu"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_loss_and_every_lora_gradient_equal_peft_on_transformers(reference, arch, kind):
-    path, config, ids, ref, ref_loss, ref_grads = reference(arch)
+    path, config, ids, ref, ref_loss, truth, bound = reference(arch)
     mask = make_mask(kind, detect(load_config(path)))
     hybrid, _, loss, grads = _hybrid_grads(path, mask, ref, config, ids)
     with hybrid:
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
         assert any(k.startswith("layer.") for k in grads), "expert LoRA must be among the checked gradients"
-        assert _worst(grads, ref_grads) <= TOL
+        assert _worst(grads, truth) <= bound
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "deepseek_v2", "qwen3_next", "gpt_oss"])
 def test_the_other_architectures_train_exactly_too(reference, arch):
     """Experts on both tiers; on GPT-OSS PEFT's "all-linear" adapts attention only (its experts are transposed and
     PEFT maps no v4 names onto them), so its check is the input gradient through its experts."""
-    path, config, ids, ref, ref_loss, ref_grads = reference(arch)
+    path, config, ids, ref, ref_loss, truth, bound = reference(arch)
     hybrid, _, loss, grads = _hybrid_grads(path, make_mask("random_half", detect(load_config(path))), ref, config,
                                            ids)
     with hybrid:
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
-        assert _worst(grads, ref_grads) <= TOL
+        assert _worst(grads, truth) <= bound
 
 
 def test_frozen_experts_get_no_gradient_and_only_adapters_train(reference):
-    path, config, ids, ref, _, _ = reference("qwen3_moe")
+    path, config, ids, ref, *_ = reference("qwen3_moe")
     mask = make_mask("random_half", detect(load_config(path)))
     hybrid, model, _, _ = _hybrid_grads(path, mask, ref, config, ids)
     with hybrid:
@@ -118,7 +138,7 @@ def test_frozen_experts_get_no_gradient_and_only_adapters_train(reference):
 
 def test_a_cpu_backward_that_drops_one_expert_is_caught(reference, monkeypatch):
     """The check above must be able to fail: expert 0's input gradient through the CPU tier goes missing."""
-    path, config, ids, ref, _, ref_grads = reference("qwen3_moe")
+    path, config, ids, ref, _, truth, _ = reference("qwen3_moe")
     real = routed_autograd.matmuls_of
 
     def dropping(tier, expert, dtype):
@@ -131,34 +151,4 @@ def test_a_cpu_backward_that_drops_one_expert_is_caught(reference, monkeypatch):
     mask = make_mask("all_cpu", detect(load_config(path)))
     hybrid, _, _, grads = _hybrid_grads(path, mask, ref, config, ids)
     with hybrid:
-        assert _worst(grads, ref_grads) > 1e-3
-
-
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_quantised_cpu_experts_train_exactly_on_their_dequantised_weights(tiny_dir, fmt):
-    """Over int8/int4 CPU experts the gradients are those of the transformers model whose experts are the CPU
-    tier's dequantised weights."""
-    path = tiny_dir("qwen3_moe")
-    config, ids = lora_config(), _ids(load_config(path).vocab_size)
-    spec = detect(load_config(path))
-    mask = make_mask("random_half", spec)
-    hybrid = load_hybrid_model(path, mask, gpu_device="cpu", dtype=torch.float32, cpu=CPUConfig(expert_dtype=fmt),
-                               progress=False, trainable=True)
-    with hybrid:
-        def dequantised_experts(ref):
-            with torch.no_grad():
-                for layer, block in hybrid.blocks.items():
-                    experts = ref.base_model.model.model.layers[layer].mlp.experts.get_base_layer()
-                    for e in range(spec.num_experts):
-                        if e in block.cpu_tier:
-                            w = block.cpu_tier.get(e)
-                            experts.gate_up_proj[e].copy_(w.gate_up)
-                            experts.down_proj[e].copy_(w.down)
-
-        ref, ref_loss, ref_grads = _reference_grads(path, config, ids, dequantised_experts)
-        model = apply_lora(hybrid, copy.deepcopy(config))
-        copy_adapters(ref, model)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        assert abs(loss.item() - ref_loss) <= TOL * abs(ref_loss)
-        assert _worst(adapter_grads(model), ref_grads) <= TOL
+        assert _worst(grads, truth) > 1e-3

@@ -1,7 +1,7 @@
 """The training loops people use, on the trainable hybrid model after apply_lora (one process, CPU, a tiny model):
 transformers' Trainer (checkpoints in PEFT's layout, expert LoRA included, and resuming from them), TRL's
-SFTTrainer, one torch AdamW step equal to the same step on PEFT's model of transformers, and gradient
-checkpointing with the same gradients."""
+SFTTrainer, one SGD step (to 1e-5 of the step) and one AdamW step equal to the same step on PEFT's model of
+transformers, and gradient checkpointing with the same gradients."""
 
 from __future__ import annotations
 
@@ -121,6 +121,34 @@ def test_one_adamw_step_gives_the_adapter_weights_of_peft(tiny_dir):
         assert (step - ref_step).norm() <= 2e-2 * ref_step.norm(), n
 
 
+def _sgd_step(model, ids) -> None:
+    """One SGD step, each adapter tensor at its own learning rate ||w|| / ||g||: every step is as large as its
+    tensor, so fp32's rounding of the weights (1 ulp of w) stays about 1e-7 of the step."""
+    model(input_ids=ids, labels=ids).loss.backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    torch.optim.SGD([{"params": [p], "lr": (p.norm() / p.grad.norm()).item()} for p in params]).step()
+
+
+def test_one_sgd_step_moves_every_adapter_weight_as_peft_moves_it(tiny_dir):
+    """The step itself, per tensor, to 1e-5 (a step missing or gone wrong is off by 100%): SGD moves each weight
+    by its gradient, so this is the gradients' exactness carried through an optimizer."""
+    path, ids = tiny_dir("qwen3_moe"), _batch()
+    ref = peft_reference(path, lora_config())
+    with _hybrid(path) as hybrid:
+        model = apply_lora(hybrid, lora_config())
+        copy_adapters(ref, model)
+        start = _adapter_values(model)
+        _sgd_step(ref, ids)
+        _sgd_step(model, ids)
+        ours = _adapter_values(model)
+        copy_adapters(ref, model)  # the reference's stepped values, in the hybrid model's layout
+        theirs = _adapter_values(model)
+    assert any(".lora_experts." in n for n in ours)
+    for n in ours:
+        step, ref_step = ours[n] - start[n], theirs[n] - start[n]
+        assert (step - ref_step).norm() <= 1e-5 * ref_step.norm(), n
+
+
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir):
     path, ids = tiny_dir("qwen3_moe"), _batch()
     ref = peft_reference(path, lora_config())
@@ -132,7 +160,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir):
             if checkpointing:
                 model.gradient_checkpointing_enable()
             calls = []
-            next(iter(hybrid.blocks.values())).register_forward_pre_hook(lambda *a: calls.append(1))
+            next(iter(hybrid.blocks.values())).register_forward_pre_hook(lambda *a, calls=calls: calls.append(1))
             model.train()
             model(input_ids=ids, labels=ids).loss.backward()
             assert len(calls) == (2 if checkpointing else 1)  # the MoE block really is recomputed

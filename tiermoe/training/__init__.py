@@ -1,6 +1,8 @@
 """Fine-tuning a hybrid model: LoRA on attention, dense projections and routed experts of both tiers.
 
-- lora.py: apply_lora (a PEFT LoraConfig applied as PEFT applies it; routed experts get tiermoe's ExpertLoRA).
+- lora.py: apply_lora (a PEFT LoraConfig applied as PEFT applies it; routed experts get tiermoe's ExpertLoRA);
+  lora_fields.py: every LoraConfig field honoured for modules and experts alike, or refused naming it.
+- adapter_switch.py: adapters off, or a frozen copy active, expert LoRA included (DPO's reference).
 - peft_layout.py, adapter_*.py: adapters in PEFT's layout (save_adapter / load_adapter, merging for serving).
 - chat_sft.py: chat conversations as examples (the chat template's tokens, loss on the replies), batches.
 - sft_loop.py: the training loop (AdamW, warmup + cosine, reply-token loss) and the held-out evaluation.

@@ -16,7 +16,7 @@ from tiermoe.errors import TiermoeError
 from tiermoe.model.hybrid_model import HybridModel
 from tiermoe.training.adapter_files import read_adapter
 from tiermoe.training.adapter_weights import attach_adapter_io, expert_loras, fill_adapter, save_adapter
-from tiermoe.training.lora import apply_lora
+from tiermoe.training.lora import build_lora, plan_lora
 
 __all__ = ["attach_adapter_io", "expert_loras", "load_adapter", "save_adapter"]
 
@@ -24,7 +24,7 @@ __all__ = ["attach_adapter_io", "expert_loras", "load_adapter", "save_adapter"]
 def load_adapter(hybrid: HybridModel, adapter_dir: str | Path, trainable: bool = False) -> nn.Module:
     """Put the adapter saved in `adapter_dir` (by save_adapter, or by PEFT for the transformers model) on a
     trainable hybrid model; returns the model to train or evaluate, as `apply_lora` does. `trainable`: its
-    adapter weights get gradients (to resume training); otherwise they are frozen."""
+    adapter weights get gradients (to resume training); otherwise they are frozen and the model is in eval mode."""
     if not hybrid.trainable:
         raise TiermoeError("load_adapter needs a model loaded for training (load_hybrid_model(..., trainable=True)); "
                            "to serve an adapter, merge it: tiermoe serve/generate --lora DIR")
@@ -33,9 +33,11 @@ def load_adapter(hybrid: HybridModel, adapter_dir: str | Path, trainable: bool =
     config, layout, tensors = read_adapter(adapter_dir, hybrid.config)
     run_config = copy.deepcopy(config)
     run_config.inference_mode = not trainable
-    model = apply_lora(hybrid, run_config)
+    model = build_lora(hybrid, plan_lora(hybrid, run_config, layout=layout))
     fill_adapter(model, layout, tensors, adapter_dir)
     for name, p in model.named_parameters():
         p.requires_grad_(trainable and "lora_" in name)
+    if not trainable:
+        model.eval()  # as PEFT's from_pretrained leaves an adapter not loaded for training: no dropout
     attach_adapter_io(model)
     return model

@@ -22,19 +22,11 @@ from torch import nn
 
 from tiermoe.errors import TiermoeError
 from tiermoe.model.skeleton import build_skeleton
+from tiermoe.training.lora_fields import check_lora_config
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # transformers' fused routed-expert parameters
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the transformers model's own names
 ADAPTER = "default"  # the adapter name PEFT uses in memory (never on disk)
-
-# LoraConfig fields that add tensors or behaviour a LoRA-only merge and tiermoe's expert LoRA do not cover
-_UNSUPPORTED = {
-    "use_dora": "DoRA (use_dora)",
-    "lora_bias": "LoRA biases (lora_bias)",
-    "modules_to_save": "fully trained modules (modules_to_save)",
-    "trainable_token_indices": "trainable tokens (trainable_token_indices)",
-    "layer_replication": "layer replication",
-}
 
 
 @dataclass(frozen=True)
@@ -130,9 +122,9 @@ def check_supported(lora_config) -> None:
     kind = str(getattr(getattr(lora_config, "peft_type", None), "value", getattr(lora_config, "peft_type", None)))
     if kind != "LORA":
         raise TiermoeError(f"the adapter is a PEFT {kind} adapter; tiermoe handles LoRA adapters (peft_type LORA)")
-    for field, what in _UNSUPPORTED.items():
-        if getattr(lora_config, field, None):
-            raise TiermoeError(f"the adapter uses {what}, which tiermoe does not support; expected plain LoRA")
+    # every other field as tiermoe.training.lora_fields' table says (a saved adapter's initialisation is not rerun)
+    check_lora_config(lora_config, adapts_parameters=bool(getattr(lora_config, "target_parameters", None)),
+                      reading=True)
 
 
 def _one_line(error: Exception) -> str:

@@ -28,6 +28,7 @@ from tiermoe.training.adapter_layout import ADAPTER, EXPERT_PARAMS, AdapterLayou
 from tiermoe.training.peft_layout import from_peft, to_peft
 
 SCALING_TOLERANCE = 1e-9  # relative: the same alpha / r computed twice
+SAVED_CONFIG_ATTR = "tiermoe_adapter_config"  # the model attribute attach_adapter_io keeps the saved config in
 
 
 def save_adapter(model: nn.Module, out_dir: str | Path) -> Path:
@@ -38,7 +39,7 @@ def save_adapter(model: nn.Module, out_dir: str | Path) -> Path:
     config = adapter_config(model, experts)
     layout = adapter_layout(_model_config(model), config)
     tensors = _module_tensors(model)
-    for key, target in layout.targets.items():
+    for target in layout.targets.values():
         if target.is_experts:
             lora = _expert_lora_for(experts, target)
             _check_scaling(lora, target, "the saved config")
@@ -53,10 +54,14 @@ def save_adapter(model: nn.Module, out_dir: str | Path) -> Path:
     return out
 
 
-def attach_adapter_io(model: nn.Module) -> nn.Module:
+def attach_adapter_io(model: nn.Module, saved_config=None) -> nn.Module:
     """Make `model.save_pretrained(dir)` write the whole adapter in PEFT's layout (save_adapter: expert LoRA
     included, which PEFT's own save would leave out) and, on a PeftModel, `model.load_adapter(dir, ...)` read one
-    back into the adapters it has: what transformers' Trainer calls for checkpoints and resume_from_checkpoint."""
+    back into the adapters it has: what transformers' Trainer calls for checkpoints and resume_from_checkpoint.
+    saved_config: the LoraConfig PEFT applies to the transformers model to rebuild this adapter (what
+    tiermoe.training.lora planned); kept on the model for every later save."""
+    if saved_config is not None:
+        setattr(model, SAVED_CONFIG_ATTR, saved_config)
 
     def save_pretrained(save_directory, *args, is_main_process: bool = True, **kwargs):
         if is_main_process:
@@ -84,10 +89,14 @@ def expert_loras(model: nn.Module) -> dict[int, ExpertLoRA]:
 
 
 def adapter_config(model: nn.Module, experts: dict[int, ExpertLoRA]):
-    """The LoraConfig PEFT needs to rebuild `model`'s adapter on the transformers model: the module config PEFT was
-    given, plus the fused expert parameters with the ExpertLoRA's ranks and alphas."""
+    """The LoraConfig PEFT needs to rebuild `model`'s adapter on the transformers model: the one planned with the
+    adapter (kept by attach_adapter_io), else the module config PEFT was given plus the fused expert parameters with
+    the ExpertLoRA's ranks and alphas."""
     from peft import LoraConfig  # the [train] extra
 
+    planned = getattr(model, SAVED_CONFIG_ATTR, None)
+    if planned is not None:
+        return _finished(model, copy.deepcopy(planned))
     peft_config = getattr(model, "peft_config", None)
     if peft_config:
         config = copy.deepcopy(peft_config[ADAPTER])
@@ -97,15 +106,20 @@ def adapter_config(model: nn.Module, experts: dict[int, ExpertLoRA]):
                             target_parameters=list(EXPERT_PARAMS), use_rslora=_rslora(lora))
     else:
         raise TiermoeError("the model has no LoRA adapter to save (apply tiermoe.training.apply_lora first)")
-    config.inference_mode = True  # as PEFT saves it
-    if config.base_model_name_or_path is None:
-        config.base_model_name_or_path = getattr(_base_model(model), "name_or_path", None) or None
     if experts:
         lora = next(iter(experts.values()))
         config.target_parameters = sorted(set(config.target_parameters or ()) | set(EXPERT_PARAMS))
-        for name, rank, alpha in zip(EXPERT_PARAMS, lora.ranks, lora.alphas):
+        for name, rank, alpha in zip(EXPERT_PARAMS, lora.ranks, lora.alphas, strict=True):
             config.rank_pattern = _with_pattern(config.rank_pattern, name, rank, config.r)
             config.alpha_pattern = _with_pattern(config.alpha_pattern, name, alpha, config.lora_alpha)
+    return _finished(model, config)
+
+
+def _finished(model: nn.Module, config):
+    """`config` as PEFT saves it: for inference, naming the base model when it is known."""
+    config.inference_mode = True
+    if config.base_model_name_or_path is None:
+        config.base_model_name_or_path = getattr(_base_model(model), "name_or_path", None) or None
     return config
 
 
@@ -138,12 +152,12 @@ def fill_adapter(model: nn.Module, layout: AdapterLayout, tensors: dict[str, tor
                 lora = _expert_lora_for(experts, target)
                 _check_scaling(lora, target, f"{source}/{CONFIG_NAME}")
                 proj = target.param.removesuffix("_proj")
-                for factor, value in zip("AB", from_peft(a, b, target.num_experts)):
+                for factor, value in zip("AB", from_peft(a, b, target.num_experts), strict=True):
                     dest = getattr(lora, f"{proj}_{factor}")
                     _copy(dest, value, f"{key} ({proj}_{factor})")
                     written.add(id(dest))
                 continue
-            for factor, value in zip("AB", (a, b)):
+            for factor, value in zip("AB", (a, b), strict=True):
                 name = f"{key}.lora_{factor}.{ADAPTER}.weight"
                 if name not in params:
                     raise TiermoeError(f"{source}: the model has no adapter weight '{name}' for '{key}'; the adapter "

@@ -83,7 +83,8 @@ class FinetuneConfig:
 
     def run_settings(self, model_dir: Path) -> dict:
         """What decides the trained adapter: a resume must repeat it (`steps` aside). As JSON stores it (lists)."""
-        return json.loads(json.dumps({"model": str(model_dir.resolve()), "dataset": self.dataset, "lora_rank": self.lora_rank,
+        return json.loads(json.dumps({"model": str(model_dir.resolve()), "dataset": self.dataset,
+                "lora_rank": self.lora_rank,
                 "lora_alpha": self.alpha, "lora_dropout": self.lora_dropout, "lora_targets": self.lora_targets,
                 "expert_lora": self.expert_lora, "batch_size": self.batch_size, "max_length": self.max_length,
                 "seed": self.seed, "dtype": DTYPE_NAMES.get(self.dtype, str(self.dtype)), "steps": self.steps,
