@@ -18,6 +18,7 @@ from tiermoe.cli.extras import DATASET_MODULES
 from tiermoe.cli.main import COMMANDS
 from tiermoe.data.registry import DATASETS
 from tiermoe.distributed.group import DEFAULT_DIST_TIMEOUT_S
+from tiermoe.engine import speculative_config
 from tiermoe.layers.decode_attention import ATTENTION_BACKENDS
 from tiermoe.placement.cache_policies import DEFAULT_COPY_BUDGET
 from tiermoe.stats.recorders import MODES, SGLANG_DEFAULT_BUFFER_SIZE
@@ -78,5 +79,8 @@ def test_the_parsers_copies_of_library_values_are_the_library_values():
     assert choices.BENCH_STRATEGIES == BENCH_STRATEGIES and choices.DEFAULT_COPY_BUDGET == DEFAULT_COPY_BUDGET
     assert choices.FINETUNE_MAX_LENGTH == DEFAULT_MAX_LENGTH and choices.MAX_LORA_RANK == MAX_RANK
     assert choices.ROUTING_PRESETS == tuple(ROUTING_PRESETS) and choices.TRACE_LAYOUTS == LAYOUTS
+    assert choices.SPECULATIVE_ALGORITHMS == speculative_config.ALGORITHMS
+    assert (choices.MAX_DRAFT_TOKENS, choices.MAX_NGRAM) == (speculative_config.MAX_DRAFT_TOKENS,
+                                                              speculative_config.MAX_NGRAM)
     assert choices.DEFAULT_DIST_TIMEOUT_S == DEFAULT_DIST_TIMEOUT_S
     assert set(DATASET_MODULES) == set(DATASETS)  # every named dataset's package is checked before a run

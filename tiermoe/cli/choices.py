@@ -50,3 +50,8 @@ TRACE_LAYOUTS = ("esft-trace", "esft-counts", "route-trace", "heat", "sglang", "
 
 # tiermoe.distributed.group.DEFAULT_DIST_TIMEOUT_S: serve's --dist-timeout default, seconds
 DEFAULT_DIST_TIMEOUT_S = 300.0
+
+# tiermoe.engine.speculative_config: the drafting algorithms and the bounds of a draft and an n-gram
+SPECULATIVE_ALGORITHMS = ("ngram",)
+MAX_DRAFT_TOKENS = 16
+MAX_NGRAM = 16

@@ -19,6 +19,7 @@ from tiermoe.cli.flags import (
 from tiermoe.cli.lora_flag import add_lora_flag
 from tiermoe.cli.placement_flags import add_dynamic_flags, add_placement_flags
 from tiermoe.cli.recorder_flags import add_recorder_flags
+from tiermoe.cli.speculative_flags import add_speculative_flags
 
 
 def add_parser(sub) -> None:
@@ -54,6 +55,7 @@ def add_parser(sub) -> None:
     add_dynamic_flags(p)
     add_cpu_flags(p)
     add_recorder_flags(p)
+    add_speculative_flags(p)
 
 
 def add_model_flags(p) -> None:

@@ -13,6 +13,7 @@ from tiermoe.cli.placement_args import check_fit_from_args, plan_from_args
 from tiermoe.cli.placement_flags import dynamic_from_args
 from tiermoe.cli.prompt_input import prompt_from
 from tiermoe.cli.recorder_args import recorder_from_args
+from tiermoe.cli.speculative_args import speculative_from_args
 from tiermoe.cli.speed_line import speed_line
 from tiermoe.config import check_device
 from tiermoe.engine.llm import LLM
@@ -33,7 +34,8 @@ def run(args) -> int:
     plan = plan_from_args(args, device)
     check_fit_from_args(args, plan, device)
     llm = LLM(args.model, gpu_device=device, placement=plan, dynamic=dynamic, recorder=recorder,
-              cpu=cpu_from_args(args), lora=lora, attention_backend=args.attention_backend)
+              cpu=cpu_from_args(args), lora=lora, attention_backend=args.attention_backend,
+              speculative=speculative_from_args(args))
     load_s = time.perf_counter() - started
     lora = None  # merged into the weights now: its factors (GBs for a large model) need not stay
     with llm:

@@ -16,6 +16,7 @@ from tiermoe.cli.generate_cmd import add_model_flags
 from tiermoe.cli.placement_flags import add_dynamic_flags, add_placement_flags
 from tiermoe.cli.recorder_flags import add_recorder_flags
 from tiermoe.cli.sglang_flags import add_sglang_compat_flags
+from tiermoe.cli.speculative_flags import add_speculative_flags
 from tiermoe.config import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_RUNNING_REQUESTS,
@@ -133,6 +134,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     add_dynamic_flags(p)
     add_cpu_flags(p)
     add_recorder_flags(p)
+    add_speculative_flags(p)
     add_sglang_compat_flags(p)
     g = p.add_argument_group("several GPUs (one rank per GPU; see docs/multi-gpu.md)")
     g.add_argument("--dist-timeout", dest="dist_timeout", type=seconds, default=DEFAULT_DIST_TIMEOUT_S,

@@ -14,6 +14,7 @@ from tiermoe.cli.placement_args import check_fit_from_args, plan_from_args
 from tiermoe.cli.placement_flags import dynamic_from_args
 from tiermoe.cli.recorder_args import recorder_from_args
 from tiermoe.cli.serve_flags import server_config_from_args
+from tiermoe.cli.speculative_args import speculative_from_args
 from tiermoe.config import check_device
 from tiermoe.engine.llm import LLM
 from tiermoe.server.app import create_app
@@ -38,7 +39,7 @@ def build_state(args, llm=None):
                   dynamic=dynamic_from_args(args), max_running=config.max_running_requests,
                   prefill_chunk=config.chunked_prefill_size, max_total_tokens=config.max_total_tokens,
                   cpu=cpu_from_args(args), page_size=args.page_size, prefix_cache=not args.no_prefix_cache,
-                  lora=lora, attention_backend=args.attention_backend)
+                  lora=lora, attention_backend=args.attention_backend, speculative=speculative_from_args(args))
     hits = TierHitCounter(llm.hybrid.spec.num_layers, llm.hybrid.gpu_device)
     llm.engine.add_recorder(hits)
     control = None

@@ -25,6 +25,17 @@ With several ranks (tiermoe.distributed) rank 0's engine has a `leader`: every s
 is about to feed (sequence ids, tokens and their page tables), and the other ranks run the same forward on their
 own pools (`forward_feeds`); only rank 0 samples. A failed forward there leaves the ranks out of step for good (the
 leader raises a fatal error); a failed sampling still fails its own sequence only.
+
+Speculative decoding (EngineConfig.speculative; off by default): a decoding sequence may feed its last token and
+k drafted ones (tiermoe.engine.speculative_drafting) as one segment of the step, like a prompt chunk after a past,
+with every row's logits kept. Row j is the distribution of the token after the first j drafts; the tokens are
+taken row by row (tiermoe.engine.speculative_verify: greedy rows take the argmax, sampled rows accept a draft by
+rejection sampling, which keeps the target distribution), each through the same stop checks as a plain step, up to
+the first rejected draft, whose row gives the replacement, or past the last draft, whose row gives one token more.
+Then `num_fed` goes back to `num_tokens - 1`: the rejected positions' K/V stay in the pages but are never read
+(attention masks everything after a query's position, and the next step writes there first) and sliding-window
+pages are trimmed only after that. Linear-attention states cannot be rolled back that way: such models refuse
+speculation. Drafts take the step's token budget that prompt chunks leave, so the step buffers bound them too.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
@@ -40,6 +52,8 @@ from dataclasses import dataclass
 import torch
 
 from tiermoe.config import DEFAULT_PAGE_SIZE, MAX_RUNNING_REQUESTS
+from tiermoe.engine.device_errors import device_lost, sticky_device_error
+from tiermoe.engine.fair_share import SCORED_ROWS_PER_STEP, request_over_share, share_prefill_budget
 from tiermoe.engine.incremental_text import IncrementalText, find_stop
 from tiermoe.engine.kv_pool import KVPool
 from tiermoe.engine.logits_processing import LogitsAdjuster
@@ -47,14 +61,16 @@ from tiermoe.engine.logprobs import logprobs_at
 from tiermoe.engine.pool_size import auto_pool_tokens
 from tiermoe.engine.sampling import Grammar, SamplingParams, new_generator, sample
 from tiermoe.engine.sequence import Sequence
-from tiermoe.engine.structured_output import CompiledGrammar, GrammarState
-from tiermoe.engine.device_errors import device_lost, sticky_device_error
-from tiermoe.engine.fair_share import SCORED_ROWS_PER_STEP, request_over_share, share_prefill_budget
+from tiermoe.engine.speculative_config import SpeculativeConfig
+from tiermoe.engine.speculative_drafting import Drafter, step_cost_of
+from tiermoe.engine.speculative_timing import MeasuredStepCost
+from tiermoe.engine.speculative_verify import verify_token
 from tiermoe.engine.step_isolation import forward_isolating
+from tiermoe.engine.structured_output import CompiledGrammar, GrammarState
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.threads import torch_threads
 from tiermoe.layers.linear_attention_slots import use_ragged_linear_attention
-from tiermoe.layers.paged_attention import STEP_KWARG, PagedStepCache, layer_windows, use_paged_attention
+from tiermoe.layers.paged_attention import LINEAR, STEP_KWARG, PagedStepCache, layer_windows, use_paged_attention
 from tiermoe.layers.ragged_step import SeqFeed
 from tiermoe.stats.pass_transaction import PassTransaction
 from tiermoe.stats.recorders import RecorderGroup
@@ -70,6 +86,7 @@ class EngineConfig:
     max_total_tokens: int | None = None  # tokens the KV pool holds (--max-total-tokens); None: sized from memory
     page_size: int = DEFAULT_PAGE_SIZE  # tokens per KV page (--page-size)
     prefix_cache: bool = True  # reuse the pages of a prompt's known prefix (--no-prefix-cache turns it off)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (--speculative-algorithm); None: off
 
     def __post_init__(self):
         if not 1 <= self.max_running <= MAX_RUNNING_REQUESTS:  # the bound's reasons: tiermoe.config
@@ -80,6 +97,8 @@ class EngineConfig:
             raise TiermoeError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
         if not 1 <= self.page_size <= 1024:
             raise TiermoeError(f"page_size must be 1-1024 tokens, got {self.page_size}")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise TiermoeError(f"speculative must be a SpeculativeConfig, got {type(self.speculative).__name__}")
 
 
 class Engine:
@@ -110,6 +129,13 @@ class Engine:
             raise TiermoeError(str(err)) from None
         use_ragged_linear_attention(self.model)
         windows = layer_windows(self.model.config)
+        self.drafter = None  # speculative decoding's drafts (None: off)
+        if config.speculative is not None:
+            if LINEAR in windows.values():
+                raise TiermoeError("speculative decoding is not available for this model: its linear-attention "
+                                   "layers' state cannot be rolled back past rejected drafts; run without it")
+            cost = MeasuredStepCost(step_cost_of(hybrid))  # the bytes model until timed steps tell better
+            self.drafter = Drafter(config.speculative, cost, self.max_context)
         device = hybrid.gpu_device
         tokens = config.max_total_tokens or auto_pool_tokens(self.model.config, self.model.dtype, windows,
                                                              config.max_running, self.max_context, device)
@@ -229,6 +255,7 @@ class Engine:
                  seq.num_tokens - seq.num_fed for seq in prefilling]
         shares = share_prefill_budget(needs, self.config.prefill_chunk)
         share_of = {seq.seq_id: share for seq, share in zip(prefilling, shares)}
+        drafts = self._drafts(self.config.prefill_chunk - sum(shares), sum(shares))
         batch, preempted = [], set()
         for seq in list(self.running):
             if seq.seq_id in preempted:  # preempted for an earlier sequence of this step
@@ -248,7 +275,21 @@ class Engine:
                     break
             else:
                 batch.append((seq, tokens))
+        for j, (seq, tokens) in enumerate(batch):  # drafts take only the pages every scheduled feed left free
+            draft = drafts.get(seq.seq_id)
+            if draft and not seq.prefilling and self.pool.reserve(seq.pages, seq.num_fed,
+                                                                   seq.num_fed + 1 + len(draft)):
+                batch[j], seq.draft = (seq, tokens + draft), draft
         return batch
+
+    def _drafts(self, budget: int, chunk_tokens: int) -> dict[int, list[int]]:
+        """seq_id -> the drafted tokens each decoding sequence verifies this step (speculative decoding), within
+        `budget` tokens in all; `chunk_tokens`: the step's prompt-chunk tokens (the cost model weighs them)."""
+        for seq in self.running:
+            seq.draft = []
+        if self.drafter is None or budget < 1:
+            return {}
+        return self.drafter.drafts([s for s in self.running if not s.prefilling], budget, chunk_tokens)
 
     def _preempt(self, seq: Sequence, at_head: bool = True) -> None:
         """Give `seq`'s pages back and queue it (first, unless it gives its slot to a fairer turn); it recomputes
@@ -256,6 +297,7 @@ class Engine:
         self.running.remove(seq)
         self._release(seq)
         seq.num_fed = 0
+        seq.draft = []
         seq.preemptions += 1
         self.preemptions += 1
         if at_head:
@@ -271,28 +313,35 @@ class Engine:
             return self._step()
 
     def _step(self) -> list[Sequence]:
+        started = time.perf_counter()  # speculative decoding's measured cost: the whole step, drafting included
         self._admit()
         scheduled = self._schedule()
         if not scheduled:
             return []
         batch = [seq for seq, _ in scheduled]
         inputs = [tokens for _, tokens in scheduled]
+        shape = self.drafter.step_shape(batch, inputs) if self.drafter is not None else None
         logits, errors = self._forward_isolating(batch, inputs)
         for hook in self.after_step_hooks:
             hook()
         produced, biases = [], self._grammar_biases(batch, inputs, logits)
         for i, (seq, fed) in enumerate(zip(batch, inputs)):
+            drafted, seq.draft = seq.draft, []
             if i in errors:
                 self._fail(seq, errors[i])
                 produced.append(seq)
                 continue
             start, seq.num_fed = seq.num_fed, seq.num_fed + len(fed)
-            self.pool.trim(seq.pages, seq.num_fed)
+            if not drafted:  # a verify step trims once it knows how many positions it keeps
+                self.pool.trim(seq.pages, seq.num_fed)
             try:
-                self._score_prompt(seq, start, len(fed), logits[i])
-                if seq.num_fed < seq.num_tokens:  # a chunk: its sequence's tokens are not all through yet
-                    continue
-                self._next_token(seq, logits[i][-1], biases.get(i))
+                if drafted:
+                    self._verify(seq, drafted, logits[i])
+                else:
+                    self._score_prompt(seq, start, len(fed), logits[i])
+                    if seq.num_fed < seq.num_tokens:  # a chunk: its sequence's tokens are not all through yet
+                        continue
+                    self._next_token(seq, logits[i][-1], biases.get(i))
             except Exception as err:  # noqa: BLE001 - this sequence's scoring, sampling or stop check: it alone fails
                 sticky = sticky_device_error(err)  # an asynchronous CUDA fault surfaces at the sampler's sync
                 if sticky is not None:
@@ -302,6 +351,8 @@ class Engine:
             if seq.finished and seq in self.running:
                 self.running.remove(seq)
                 self._release(seq)
+        if shape is not None and not errors:
+            self.drafter.observe(shape, time.perf_counter() - started)
         return produced
 
     def _score_prompt(self, seq: Sequence, start: int, fed: int, logits_TV: torch.Tensor) -> None:
@@ -315,16 +366,38 @@ class Engine:
             rows = logits_TV[first - start - 1:last - start]
             seq.prompt_logprobs += logprobs_at(rows, seq.prompt_ids[first:last + 1], seq.params.prompt_logprobs)
 
-    def _next_token(self, seq: Sequence, logits_V: torch.Tensor, grammar_bias_V: torch.Tensor | None) -> None:
+    def _verify(self, seq: Sequence, drafted: list[int], logits_TV: torch.Tensor) -> None:
+        """Take `seq`'s tokens from a verify step's rows [len(drafted) + 1, V]: row j decides the token after the
+        first j drafts, until one is rejected (its row's token replaces it), the sequence stops, or every draft is
+        taken (the last row gives one more). Then only the positions of kept tokens count as fed."""
+        accepted = 0
+        try:
+            for j, row in enumerate(logits_TV):
+                draft = drafted[j] if j < len(drafted) else None
+                token = self._next_token(seq, row, None, draft)
+                if draft is None or token != draft or seq.finished:
+                    break
+                accepted += 1
+        finally:
+            self.drafter.record(seq, len(drafted), accepted)
+            seq.num_fed = min(seq.num_fed, seq.num_tokens - 1)  # the rejected positions are given back
+            self.pool.trim(seq.pages, seq.num_fed)
+            self.pool.shrink(seq.pages, seq.num_fed + 1)  # and their pages, but the one the next token goes to
+
+    def _next_token(self, seq: Sequence, logits_V: torch.Tensor, grammar_bias_V: torch.Tensor | None,
+                    draft: int | None = None) -> int | None:
         """Sample the sequence's next token (with its logprob when asked) and check whether it stops there; on an
-        error the sequence is left as it was. `grammar_bias_V`: its grammar's mask (0 or -inf), when it has one."""
+        error the sequence is left as it was. `grammar_bias_V`: its grammar's mask (0 or -inf), when it has one.
+        `draft`: a drafted token this position verifies (accepted or replaced: tiermoe.engine.speculative_verify).
+        Returns the token (None when the prompt only was scored)."""
         if seq.params.max_tokens == 0:  # the prompt only was to be scored
             seq.finish_reason = "length"
-            return
+            return None
         logits = self._adjusted(seq, logits_V)
         if seq.grammar is not None:  # masked on a copy: the logprobs are the model's own
             logits = (logits.clone() if logits is logits_V else logits).add_(grammar_bias_V)
-        token = sample(logits, seq.params, seq.generator)
+        token = sample(logits, seq.params, seq.generator) if draft is None else verify_token(
+            logits, seq.params, seq.generator, draft)
         scored = [] if seq.params.logprobs is None else logprobs_at(logits_V[None], [token], seq.params.logprobs)
         if seq.grammar is not None and not seq.grammar.accept(token):
             raise TiermoeError(f"token {token} was sampled outside the grammar (all its tokens had -inf logits)")
@@ -339,6 +412,7 @@ class Engine:
             raise
         if seq.grammar is not None and seq.grammar.finished and not seq.finished:
             seq.finish_reason = "stop"  # the reply is complete: the grammar allows nothing but EOS
+        return token
 
     @staticmethod
     def _grammar_biases(batch: list[Sequence], inputs: list[list[int]], logits: list[torch.Tensor]) -> dict:
@@ -545,8 +619,8 @@ def _kept_rows(feeds: list[SeqFeed], rows: list[str]) -> tuple[list[int], list[t
 def _rows_needed(seq: Sequence, fed: int) -> str:
     """The logits a step needs of `seq` feeding `fed` tokens: every row to score the prompt, none for a chunk
     that does not bring the sequence's tokens to their end (its last row would be thrown away: a whole LM-head
-    pass, 150k-wide on real vocabularies), else the last row to sample from."""
-    if seq.scores_prompt:
+    pass, 150k-wide on real vocabularies), else the last row to sample from; every row of a verify step."""
+    if seq.scores_prompt or seq.draft:  # a verify step: every drafted position's distribution
         return "all"
     if seq.num_fed + fed < seq.num_tokens:
         return "none"

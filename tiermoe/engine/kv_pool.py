@@ -163,6 +163,14 @@ class KVPool:
             self._free[w].extend(table[start:first_needed])
             table[start:first_needed] = [-1] * (first_needed - start)
 
+    def shrink(self, share: SeqPages, upto: int) -> None:
+        """Hand back the pages past those covering positions up to `upto` (rejected speculative drafts: their
+        positions will be written again before any query reads them, so the pages need not be held meanwhile)."""
+        keep = math.ceil(upto / self.page_size)
+        for w, table in share.tables.items():
+            self._free[w].extend(p for p in table[keep:] if p >= 0)
+            del table[keep:]
+
     def release(self, share: SeqPages, token_ids: list[int] = ()) -> None:
         """A sequence finished, failed or was preempted: every page and its slot go back; with prefix reuse, the
         full pages of `token_ids` (the tokens it fed) go to the index."""

@@ -23,6 +23,7 @@ from tiermoe.engine.engine import Engine, EngineConfig
 from tiermoe.engine.generation_defaults import load_generation_defaults
 from tiermoe.engine.logprobs import TokenLogprob
 from tiermoe.engine.sampling import Grammar, SamplingParams
+from tiermoe.engine.speculative_config import SpeculativeConfig
 from tiermoe.engine.structured_output import CompiledGrammar, GrammarCompiler
 from tiermoe.engine.text_stream import TextStream
 from tiermoe.errors import TiermoeError
@@ -64,7 +65,8 @@ class LLM:
     pages already in the pool reuses them (tiermoe.engine.prefix_index). lora: a LoRA adapter merged into the
     weights as they load (tiermoe.training.adapter_merge.merged_lora reads one from a PEFT adapter directory).
     attention_backend: what decode rows attend the pool in place with ("auto", "native", "triton", "torch";
-    tiermoe.layers.decode_attention.decode_attention_for).
+    tiermoe.layers.decode_attention.decode_attention_for). speculative: speculative decoding's settings
+    (tiermoe.engine.speculative_config; None: off).
     """
 
     def __init__(self, model: str | Path | None = None, gpu_device: str = "cpu", placement=None,
@@ -72,7 +74,8 @@ class LLM:
                  max_total_tokens: int | None = None, cpu: CPUConfig = CPUConfig(),
                  recorder: ExpertRecorder = NO_RECORDER, dynamic: DynamicPlacementConfig | None = None,
                  progress: bool = True, share=None, page_size: int = DEFAULT_PAGE_SIZE, prefix_cache: bool = True,
-                 lora: MergedLoRA | None = None, attention_backend: str = "auto"):
+                 lora: MergedLoRA | None = None, attention_backend: str = "auto",
+                 speculative: SpeculativeConfig | None = None):
         self.model_dir = resolve_model(model)
         spec = detect(load_config(self.model_dir))
         num_gpus = 1 if share is None else share.num_ranks
@@ -93,7 +96,8 @@ class LLM:
             def detokenize_special(ids):  # a request's skip_special_tokens False
                 return self.tokenizer.decode(ids, skip_special_tokens=False)
         self.engine = Engine(self.hybrid, eos_token_ids(self.model_dir, self.hybrid.config), detokenize,
-                             EngineConfig(max_running, prefill_chunk, max_total_tokens, page_size, prefix_cache), recorder,
+                             EngineConfig(max_running, prefill_chunk, max_total_tokens, page_size, prefix_cache,
+                                          speculative), recorder,
                              detokenize_special=detokenize_special)
         self.placement_manager = enable_dynamic_placement(self.engine, dynamic) if dynamic else None
         self._grammar_compiler: GrammarCompiler | None = None  # made on the first grammar (seconds on a 150k vocab)

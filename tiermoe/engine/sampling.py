@@ -67,8 +67,9 @@ class SamplingParams:
     output and multiplies the negative ones; logit_bias adds (token id, bias) pairs to the logits; min_tokens masks
     EOS and stop_token_ids (and skips the stop strings) until that many tokens are generated. min_p drops tokens
     whose probability is below min_p times the most likely one's. skip_special_tokens False keeps special tokens
-    in the text (and in the text stop strings are searched in). grammar constrains the reply (tiermoe.engine.structured_output: the
-    engine masks the logits each step to what the grammar allows). Log-probabilities stay the model's own, before any of these.
+    in the text (and in the text stop strings are searched in). grammar constrains the reply
+    (tiermoe.engine.structured_output: the engine masks the logits each step to what the grammar allows).
+    Log-probabilities stay the model's own, before any of these.
     """
 
     max_tokens: int = 64
@@ -122,8 +123,9 @@ class SamplingParams:
 
     def _check_logits_processing(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
-                raise TiermoeError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise TiermoeError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
         if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise TiermoeError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 is off), got "
                                f"{self.repetition_penalty!r}")
@@ -163,10 +165,22 @@ def new_generator(seed: int | None) -> torch.Generator:
 
 def sample(logits_V: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
     """Next token id from one position's logits [V]."""
-    logits_V = logits_V.float().cpu()
     if params.greedy:
-        return int(torch.argmax(logits_V))
-    logits_V = logits_V / params.temperature
+        return int(torch.argmax(logits_V.float().cpu()))
+    return int(torch.multinomial(_kept_mass(logits_V, params), 1, generator=gen))
+
+
+def probabilities(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution [V] (fp32, host, summing to 1) that `sample` draws from when not greedy. Speculative
+    verification accepts drafted tokens against it (tiermoe.engine.speculative_verify)."""
+    kept_V = _kept_mass(logits_V, params)
+    return kept_V / kept_V.sum()
+
+
+def _kept_mass(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """softmax(logits / temperature) with what top_k, top_p and min_p drop set to 0, not renormalised (multinomial
+    needs no normalising: leaving it out keeps seeded draws what they always were)."""
+    logits_V = logits_V.float().cpu() / max(params.temperature, GREEDY_BELOW)
     if params.top_k:
         kth = torch.topk(logits_V, min(params.top_k, logits_V.numel())).values[-1]
         logits_V = logits_V.masked_fill(logits_V < kth, float("-inf"))
@@ -180,4 +194,4 @@ def sample(logits_V: torch.Tensor, params: SamplingParams, gen: torch.Generator)
         probs_V = torch.zeros_like(probs_V).scatter_(0, order, sorted_p)
     if params.min_p > 0:  # relative to the most likely token, which top-k and top-p always keep
         probs_V = probs_V.masked_fill(probs_V < params.min_p * probs_V.max(), 0)
-    return int(torch.multinomial(probs_V, 1, generator=gen))
+    return probs_V

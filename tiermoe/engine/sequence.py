@@ -2,7 +2,10 @@
 
 `num_fed` counts the tokens whose K/V are in the pool. A sequence feeds chunks of its known tokens (the prompt;
 after a preemption, the prompt and its output so far) until all are through, then one token per step; it samples
-whenever a step brings `num_fed` to `num_tokens`.
+whenever a step brings `num_fed` to `num_tokens`. With speculative decoding a decoding sequence may feed its last
+token and a `draft` (tiermoe.engine.speculative_drafting) in one step: the positions past the accepted ones are
+then given back by setting `num_fed` to `num_tokens - 1` again, so they are never read and the next step
+overwrites them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from tiermoe.engine.kv_pool import SeqPages
 from tiermoe.engine.logits_processing import LogitsAdjuster
 from tiermoe.engine.logprobs import TokenLogprob
 from tiermoe.engine.sampling import SamplingParams
+from tiermoe.engine.speculative_length import AcceptanceEstimate
 from tiermoe.engine.structured_output import GrammarState
 from tiermoe.errors import TiermoeError
 
@@ -41,6 +45,8 @@ class Sequence:
     group: int | None = None  # the request it belongs to (a batch's prompts share one; None: its own)
     logits_adjuster: LogitsAdjuster | None = None  # its penalties' counts and bias (params.adjusts_logits only)
     grammar: GrammarState | None = None  # where its reply is in params.grammar (Engine.add compiles it)
+    draft: list[int] = field(default_factory=list)  # drafted tokens it verifies in the step being run
+    acceptance: AcceptanceEstimate | None = None  # its drafts' running acceptance (speculative decoding)
 
     @property
     def request(self) -> int:

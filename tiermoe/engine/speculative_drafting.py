@@ -1,0 +1,124 @@
+"""The engine's drafter: per step, the drafted tokens each decoding sequence verifies (speculative decoding).
+
+A sequence drafts only where verification can keep its output exact: it is decoding (not prefilling), has no
+grammar (its mask would need each drafted prefix's grammar state), and has room for more than one more token
+(max_tokens, the model's context). Drafts share the step's token budget with prompt chunks: they take what the
+prompt chunks leave of `prefill_chunk`, so a verify step never exceeds the step buffers the pool sized, nor
+stalls a prefill. The drafts are n-gram lookups (tiermoe.engine.speculative_ngram); with `adaptive`, each draft is
+cut to the length the step's cost model chooses (tiermoe.engine.speculative_length), 0 included.
+
+The routed experts' share of a step, which that choice weighs, is counted in bytes: K active experts per MoE
+layer at the model's width against every other weight a token reads (attention, dense and shared MLPs, norms, the
+LM head). A CPU tier quantised to int4 makes experts cheaper than this says, and on small models the host's
+per-step overhead dominates what bytes predict: the estimate then leans toward shorter drafts, never longer.
+"""
+
+from __future__ import annotations
+
+from tiermoe.engine.sequence import Sequence
+from tiermoe.engine.speculative_config import SpeculativeConfig
+from tiermoe.engine.speculative_length import AcceptanceEstimate, StepCost, StepShape, choose_draft_lengths
+from tiermoe.engine.speculative_ngram import ngram_draft
+from tiermoe.engine.speculative_timing import MeasuredStepCost
+
+# Adaptive lengths: after this many steps without a draft, one step decides with the bytes model instead of the
+# measured cost. A fit that once found drafts too dear only sees plain steps after that, which teach it nothing about
+# drafts; one sequence trying again now and then (a few percent of the steps) lets it find that the text or the load
+# changed.
+EXPLORE_AFTER = 32
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig, cost: StepCost | MeasuredStepCost, max_context: int | None):
+        """`cost`: what adaptive lengths weigh; a MeasuredStepCost learns from the steps the engine times."""
+        self.config = config
+        self.cost = cost
+        self.max_context = max_context
+        self.dry_steps = 0  # steps in a row without any draft (adaptive: see EXPLORE_AFTER)
+        self.drafted_tokens = 0  # drafted tokens verified, over all sequences (metrics, benchmarks)
+        self.accepted_tokens = 0  # of them, accepted
+
+    def room(self, seq: Sequence) -> int:
+        """The most tokens `seq` may draft now: K, within max_tokens (the verify step samples one more) and the
+        model's context (the drafts' positions must exist)."""
+        if seq.grammar is not None or seq.prefilling or seq.finished:
+            return 0
+        most = min(self.config.max_draft, seq.params.max_tokens - len(seq.output_ids) - 1)
+        if self.max_context is not None:
+            most = min(most, self.max_context - seq.num_tokens)
+        return max(0, most)
+
+    def drafts(self, decoding: list[Sequence], budget: int, other_tokens: int) -> dict[int, list[int]]:
+        """seq_id -> the tokens it verifies this step (absent: none), for the step's decoding sequences in order;
+        `budget`: drafted tokens the step can take in all; `other_tokens`: the step's prompt-chunk tokens."""
+        rooms = [self.room(seq) for seq in decoding]
+        rates = [self.acceptance(seq).rates for seq in decoding] if self.config.adaptive else []
+        cost = self.cost
+        if isinstance(cost, MeasuredStepCost) and self.dry_steps >= EXPLORE_AFTER:
+            # a measured "never" is tried again now and then (the load and the text change), by one sequence
+            cost = cost.model
+            first = next((i for i, r in enumerate(rooms) if r), None)
+            rooms = [r if i == first else 0 for i, r in enumerate(rooms)]
+        if self.config.adaptive:  # no lookup where even a full draft would not pay (a busy batch: none at all)
+            rooms = [r if k else 0 for r, k in zip(rooms, choose_draft_lengths(cost, rates, rooms, other_tokens),
+                                                   strict=True)]
+        found = []
+        for seq, room in zip(decoding, rooms, strict=True):
+            most = min(room, budget)
+            draft = ngram_draft(seq.known_ids, most, self.config.ngram_max, self.config.ngram_min) if most else []
+            found.append(draft)
+            budget -= len(draft)
+        if self.config.adaptive and any(found):
+            lengths = choose_draft_lengths(cost, rates, [len(d) for d in found], other_tokens)
+            found = [draft[:k] for draft, k in zip(found, lengths, strict=True)]
+        out = {}
+        for seq, draft in zip(decoding, found, strict=True):
+            if draft:
+                out[seq.seq_id] = draft
+            else:
+                self.acceptance(seq).idle()
+        self.dry_steps = 0 if out else self.dry_steps + 1
+        return out
+
+    def step_shape(self, batch: list[Sequence], inputs: list[list[int]]) -> StepShape:
+        """What a scheduled step feeds (before it runs: the sequences' drafts and prefill state as scheduled)."""
+        lengths, other = [], 0
+        for seq, fed in zip(batch, inputs, strict=True):
+            if seq.draft or (len(fed) == 1 and not seq.prefilling):
+                lengths.append(len(seq.draft))
+            else:
+                other += len(fed)
+        return StepShape.of(lengths, other, self.cost.reuse)
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """A step's wall seconds: a measured cost learns from it."""
+        if isinstance(self.cost, MeasuredStepCost):
+            self.cost.observe(shape, seconds)
+
+    def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A verify step's outcome for `seq`."""
+        self.acceptance(seq).update(drafted, accepted)
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+
+    @staticmethod
+    def acceptance(seq: Sequence) -> AcceptanceEstimate:
+        if seq.acceptance is None:
+            seq.acceptance = AcceptanceEstimate()
+        return seq.acceptance
+
+
+def step_cost_of(hybrid) -> StepCost:
+    """The cost model of `hybrid`'s steps: its routing (E, K) and the routed experts' share of the bytes a token
+    reads (its K experts per MoE layer at the model's width, against the non-expert weights as loaded: parameters
+    and packed buffers, the input embedding left out unless it is also the LM head)."""
+    spec, model = hybrid.spec, hybrid.model
+    active = spec.top_k * spec.bytes_per_expert(model.dtype) * spec.num_moe_layers
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # the routed experts live in the tiers
+    other = sum(t.numel() * t.element_size() for t in tensors.values())
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    table = getattr(embeddings, "weight", None)
+    if table is not None and table is not getattr(head, "weight", None):  # tied: the LM head reads it whole
+        other -= table.numel() * table.element_size()  # a token reads one row of it, not the table
+    return StepCost(spec.num_experts, spec.top_k, active / max(1, active + max(0, other)))
