@@ -92,21 +92,13 @@ def test_a_lone_request_starts_beside_a_batch_holding_every_slot_and_both_stay_e
         assert lone.output_ids == alone[6].token_ids[:3]
 
 
-def test_a_scored_prompt_feeds_a_bounded_number_of_rows_a_step_beside_others_and_whole_chunks_alone(tiny_dir):
+def test_a_scored_prompt_feeds_a_bounded_number_of_rows_a_step(tiny_dir):
     with LLM(tiny_dir("qwen3_moe"), dtype=torch.float32, prefill_chunk=64, progress=False) as llm:
         engine = llm.engine
-        for beside in (True, False):
-            other = engine.add([4, 5, 6], SamplingParams(max_tokens=200, ignore_eos=True)) if beside else None
-            scored = engine.add(list(range(3, 60)), SamplingParams(max_tokens=1, prompt_logprobs=1))
-            fed = []
-            while scored.prefilling:
-                before = scored.num_fed
-                engine.step()
-                fed.append(scored.num_fed - before)
-            if beside:  # on the parent: one chunk of 57
-                assert max(fed) == SCORED_ROWS_PER_STEP and sum(fed) >= 56 and not other.finished
-                engine.abort(other)
-            else:
-                assert fed == [57]
-            while engine.has_work():
-                engine.step()
+        scored = engine.add(list(range(3, 60)), SamplingParams(max_tokens=1, prompt_logprobs=1))
+        fed = []
+        while scored.prefilling:
+            before = scored.num_fed
+            engine.step()
+            fed.append(scored.num_fed - before)
+        assert max(fed) == SCORED_ROWS_PER_STEP and sum(fed) >= 56  # on the parent: one chunk of 57

