@@ -15,9 +15,9 @@ from tiermoe.config import ServerConfig
 from tiermoe.distributed.launch import free_port
 from tiermoe.engine.llm import LLM
 from tiermoe.server.app import create_app
-from tiermoe.server.idle_connections import idle_closing_h11
 from tiermoe.server.engine_service import EngineService
 from tiermoe.server.expert_metrics import ExpertLoadCounter
+from tiermoe.server.idle_connections import idle_closing_h11
 from tiermoe.server.metrics import ServerMetrics
 from tiermoe.server.state import ServerState
 from tiermoe.stats.tier_hits import TierHitCounter
@@ -47,6 +47,24 @@ def error_of(path: str, r) -> tuple[str | None, str]:
 
 
 @contextmanager
+def listening(app, port: int, **uvicorn_config):
+    """Yields the URL of uvicorn serving `app` on 127.0.0.1:`port` from a thread, once it has started; stops it
+    after the block."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, log_level="warning",
+                                           **uvicorn_config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@contextmanager
 def server_thread(tmp_dir, step_sleep: float = 0.0, model_dir=None, **config):
     """Yields (url, state). `step_sleep` seconds after every engine step make generation slow enough to watch;
     `model_dir` serves that model (in fp32) instead of a tiny one with a character tokenizer."""
@@ -68,18 +86,9 @@ def server_thread(tmp_dir, step_sleep: float = 0.0, model_dir=None, **config):
                             watchdog_timeout=server_config.watchdog_timeout)
     state = ServerState(llm=llm, config=server_config, metrics=metrics, model_name="tiny", service=service,
                         hits=TierHitCounter(llm.hybrid.spec.num_layers), expert_load=expert_load)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=server_config.port,
-                                           log_config=None, log_level="warning",
-                                           timeout_keep_alive=server_config.keep_alive_timeout,
-                                           http=idle_closing_h11(server_config.body_timeout)))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{server_config.port}", state
+        with listening(create_app(state), server_config.port, timeout_keep_alive=server_config.keep_alive_timeout,
+                       http=idle_closing_h11(server_config.body_timeout)) as url:
+            yield url, state
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
         llm.close()

@@ -15,15 +15,13 @@ import json
 import re
 import shlex
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from conftest import run_cli, save_char_tokenizer, save_tiny
 from serve_stub import replace_serve
+from server_thread import listening
 from test_checkpoint_gguf import write_qwen3moe_gguf
 
 from tiermoe.distributed.launch import free_port
@@ -93,23 +91,12 @@ class ListenBriefly:
         replace_serve(monkeypatch, self)
 
     def __call__(self, state) -> None:
-        url = f"http://127.0.0.1:{state.config.port}"
-        server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=state.config.port,
-                                               log_config=None, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        try:
+        with listening(create_app(state), state.config.port) as url:
             r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
             assert r.status_code == 200, r.text
             self.replies.append(r.json())
             for chat in self.chats:
                 self._chat(chat)
-        finally:
-            server.should_exit = True
-            thread.join(timeout=30)
 
     def _chat(self, args: list[str]) -> None:
         stdin = sys.stdin
