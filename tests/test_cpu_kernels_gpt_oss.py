@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import load_reference, rel_err, save_tiny
+from test_experts_cpu_backends import assert_tier_matches_reference, run
 from training_reference import one_torch_thread  # noqa: F401 (an autouse fixture: tiny torch work, one thread)
 
 from tiermoe.arch import detect, load_config
@@ -78,11 +79,6 @@ def held_tier(worker, fmt: str, isa: str, experts: dict[int, ExpertWeights], act
     return tier
 
 
-def run(tier, x, ids, w) -> torch.Tensor:
-    tier.submit(x, ids, w)
-    return tier.sync()
-
-
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_gpt_oss_layer_on_the_kernels_matches_the_torch_reference(isa, fmt, worker):
@@ -97,12 +93,7 @@ def test_a_gpt_oss_layer_on_the_kernels_matches_the_torch_reference(isa, fmt, wo
         if t > 1:
             gate_share, up_share = clamped_share(held, x, GPT_OSS.limit)
             assert gate_share > 0.01 and up_share > 0.01, (gate_share, up_share)
-        ref = routed_experts_forward(held, x, ids, w, GPT_OSS)
-        assert rel_err(run(tier, x, ids, w), ref) < (1e-2 if bf16_math else 1e-5), t
-        xb = x.to(torch.bfloat16)
-        y = run(tier, xb, ids, w)
-        assert y.dtype == torch.bfloat16
-        assert rel_err(y.float(), routed_experts_forward(held, xb.float(), ids, w, GPT_OSS)) < 2e-2, t
+        assert_tier_matches_reference(tier, held, x, ids, w, GPT_OSS, bf16_math, t)
 
 
 @pytest.mark.parametrize("isa", ISAS)
