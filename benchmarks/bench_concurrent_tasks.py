@@ -33,8 +33,8 @@ from tiermoe.analysis.dynamic_bench import (
 from tiermoe.analysis.trace_replay import REPLAY_POLICIES, trace_passes
 from tiermoe.arch import detect, load_config
 from tiermoe.placement.profiles import load_profile
-from tiermoe.stats.routing_generator import generate_requests, generated_trace
-from tiermoe.stats.routing_presets import PRESETS
+from tiermoe.routing.generator import generate_requests, generated_trace
+from tiermoe.routing.presets import PRESETS
 from tiermoe.stats.traces import counts_from_trace
 from tiermoe.testing.presets import make_config
 

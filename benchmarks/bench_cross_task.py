@@ -48,7 +48,7 @@ from tiermoe.analysis.trace_replay import REPLAY_POLICIES, replay, trace_passes
 from tiermoe.arch import detect, load_config
 from tiermoe.placement.adaptive_policy import AdaptiveSettings
 from tiermoe.placement.profiles import load_profile
-from tiermoe.stats.trace_convert import read_routing
+from tiermoe.routing.trace_convert import read_routing
 from tiermoe.stats.trace_csv import one_request_passes
 from tiermoe.stats.traces import counts_from_trace
 from tiermoe.testing.presets import make_config

@@ -25,8 +25,8 @@ from tiermoe.analysis.trace_replay import trace_passes
 from tiermoe.arch import detect
 from tiermoe.config import AdaptiveSettings
 from tiermoe.placement.profiles import load_profile
+from tiermoe.routing.trace_convert import detect_layout, read_routing
 from tiermoe.stats.io import load_counts
-from tiermoe.stats.trace_convert import detect_layout, read_routing
 from tiermoe.testing.presets import make_config
 
 TRACES = {  # name: (trace file, heat file or None, arch, preset, config overrides)

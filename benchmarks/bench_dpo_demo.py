@@ -22,10 +22,10 @@ from transformers import AutoTokenizer
 from trl import DPOConfig, DPOTrainer
 
 from tiermoe.arch import detect, load_config
+from tiermoe.bundled import BUNDLED_MODEL_DIR
 from tiermoe.config import CPUConfig
 from tiermoe.data.demo_split import demo_conversations
 from tiermoe.model.loader import load_hybrid_model
-from tiermoe.models import BUNDLED_MODEL_DIR
 from tiermoe.training.lora import apply_lora
 
 

@@ -3,7 +3,7 @@
 For each model and format (the issue's: Qwen3-30B-A3B's shapes with 2 and 8 layers, in bf16 and 4-bit, where
 tiermoe runs `--cpu-expert-dtype int4 --non-expert-dtype int4` and llama.cpp the Q4_K_M file quantised from the
 same bf16 GGUF; and 48 layers of tiny width, where a decode step is nearly all host time) each side runs in a
-process of its own (e2e_worker.py), and the sides alternate within every round:
+process of its own (e2e/worker.py), and the sides alternate within every round:
 - decode: tokens/s of one sequence after a 16-token prompt (greedy; the prompt's step left out);
 - time to first token of a 16-token prompt, and prefill of a 512-token prompt (tokens/s up to its first token);
 - the bandwidth floor: bytes one decode token reads (weights + KV cache) over the read bandwidth probed in the same
@@ -15,9 +15,9 @@ process of its own (e2e_worker.py), and the sides alternate within every round:
   what compares).
 Then the tables, with ratios against llama.cpp and the issue's goals, reached or not.
 
-llama.cpp is llama-cpp-python 0.3.36 (e2e_llama_cpp.py: the wheel is built once, about 15 minutes on 2 cores, and
+llama.cpp is llama-cpp-python 0.3.36 (e2e/llama_cpp.py: the wheel is built once, about 15 minutes on 2 cores, and
 cached). Without it the llama.cpp side is skipped with a one-line message and tiermoe's side still runs. Models and
-GGUF files are made on the first run and kept (e2e_models.py); timing figures from a loaded machine are not
+GGUF files are made on the first run and kept (e2e/models.py); timing figures from a loaded machine are not
 results (the load average is printed before and after).
 
     python benchmarks/bench_e2e_cpu.py --build-llama-cpp --quick          # build llama.cpp, a short first run
@@ -37,20 +37,20 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import e2e_llama_cpp as llama  # noqa: E402
 from bench_cpu_experts import MachineProbe  # noqa: E402
-from decode_rounds import print_load_average  # noqa: E402
-from e2e_models import MODELS, dir_bytes, prepare  # noqa: E402
-from e2e_report import LLAMA, TIERMOE, evaluate_goals, keep_round, report  # noqa: E402
+from e2e import llama_cpp as llama  # noqa: E402
+from e2e.models import MODELS, dir_bytes, prepare  # noqa: E402
+from e2e.report import LLAMA, TIERMOE, evaluate_goals, keep_round, report  # noqa: E402
+from support.decode_rounds import print_load_average  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).resolve().parent / "e2e_worker.py"
+WORKER = Path(__file__).resolve().parent / "e2e" / "worker.py"
 PROMPT, PREFILL = 16, 512
 PROBES = 5  # read-bandwidth probes per round (torch.mv over 1 GiB, about 50 ms each)
 
 
 class Worker:
-    """A side in its own process (e2e_worker.py); call(op, **kwargs) runs one request and returns its result."""
+    """A side in its own process (e2e/worker.py); call(op, **kwargs) runs one request and returns its result."""
 
     def __init__(self, label: str, backend: str, args: dict, pythonpath: Path | None):
         env = dict(os.environ)

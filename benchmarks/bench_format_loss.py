@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from tiermoe import LLM
+from tiermoe.bundled import resolve_model
 from tiermoe.config import CPUConfig
 from tiermoe.data.prompts import select
 from tiermoe.data.registry import load_prompts
 from tiermoe.model.loader import load_hybrid_model
-from tiermoe.models import resolve_model
 
 
 def prompt_rows(model_dir, num: int, max_tokens: int) -> list[torch.Tensor]:

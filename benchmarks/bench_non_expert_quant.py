@@ -27,12 +27,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_format_loss import prompt_rows  # noqa: E402  (the held-out prompts that benchmark scores)
-from decode_rounds import decode_speed, print_load_average  # noqa: E402
+from support.decode_rounds import decode_speed, print_load_average  # noqa: E402
 
 from tiermoe import LLM  # noqa: E402
 from tiermoe.arch import detect, load_config  # noqa: E402
+from tiermoe.bundled import resolve_model  # noqa: E402
 from tiermoe.config import CPUConfig  # noqa: E402
-from tiermoe.models import resolve_model  # noqa: E402
 from tiermoe.placement.plan import PlacementPlan  # noqa: E402
 
 # (label, --non-expert-dtype, --cpu-expert-dtype, --head-dtype); the first is the baseline

@@ -23,7 +23,7 @@ import torch
 
 from tiermoe import LLM, SamplingParams
 from tiermoe.arch import detect, load_config
-from tiermoe.models import resolve_model
+from tiermoe.bundled import resolve_model
 from tiermoe.stats.model_shape import ModelShape
 from tiermoe.stats.recorders import make_recorder
 from tiermoe.stats.recording import PassInfo

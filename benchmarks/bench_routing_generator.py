@@ -1,6 +1,6 @@
 """The routing generator's statistics next to the real files' (issue 23): Gini by layer, cross-task hit and hot-set
 overlap, same-task and per-request hit, reuse by lag against a within-request shuffle, cross-layer reuse
-correlation. Files and generated traces are measured by the same code (tiermoe.stats.routing_statistics).
+correlation. Files and generated traces are measured by the same code (tiermoe.routing.statistics).
 
 - ESFT (DeepSeek-V2-Lite layout, 26 x 64, top-6; tasks intent, law, summary): the generator runs with the files'
   shape and request lengths, one task per file, and is measured exactly as the files are.
@@ -11,7 +11,7 @@ correlation. Files and generated traces are measured by the same code (tiermoe.s
         --out benchmarks/results/routing_generator.json --markdown benchmarks/results/routing_generator.md \
         --plot benchmarks/results/routing_generator.png
 
-`--refit` fits the parameters again (minutes; prints them in the form of tiermoe/stats/routing_presets.py)
+`--refit` fits the parameters again (minutes; prints them in the form of tiermoe/routing/presets.py)
 instead of using the presets.
 """
 
@@ -26,14 +26,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tiermoe.stats.routing_fit import fit_routing, fit_skew_to_heat, request_lengths, simulate, targets_from_traces
-from tiermoe.stats.routing_generator import RoutingParams
-from tiermoe.stats.routing_measures import gini_by_layer
-from tiermoe.stats.routing_presets import PRESETS
-from tiermoe.stats.routing_sources import load_task_traces
-from tiermoe.stats.routing_statistics import RoutingStatistics, measure_routing
-from tiermoe.stats.routing_summary import gini
-from tiermoe.stats.trace_convert import read_routing
+from tiermoe.routing.fit import fit_routing, fit_skew_to_heat, request_lengths, simulate, targets_from_traces
+from tiermoe.routing.generator import RoutingParams
+from tiermoe.routing.measures import gini_by_layer
+from tiermoe.routing.presets import PRESETS
+from tiermoe.routing.sources import load_task_traces
+from tiermoe.routing.statistics import RoutingStatistics, measure_routing
+from tiermoe.routing.balance import gini
+from tiermoe.routing.trace_convert import read_routing
 
 QWEN_REQUESTS = 200
 

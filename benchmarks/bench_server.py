@@ -25,7 +25,7 @@ import time
 import httpx
 import psutil
 
-from tiermoe.models import resolve_model
+from tiermoe.bundled import resolve_model
 from tiermoe.testing.server_process import ServerProcess
 
 

@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from tiermoe.bundled import resolve_model
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams, new_generator, sample
 from tiermoe.engine.structured_output import GrammarCompiler, apply_masks
-from tiermoe.models import resolve_model
 from tiermoe.testing.checkpoint_tokenizer import QWEN_SPECIAL_START, write_tokenizer
 
 DEMO = "the bundled demo's"

@@ -19,7 +19,7 @@ import torch
 from tiermoe.analysis.dynamic_bench import DEFAULT_RATIOS, replay_cost_model, run_dynamic_bench
 from tiermoe.analysis.trace_replay import trace_passes
 from tiermoe.arch import detect, load_config
-from tiermoe.models import resolve_model
+from tiermoe.bundled import resolve_model
 from tiermoe.placement.profiles import load_profile
 from tiermoe.stats.io import load_counts
 

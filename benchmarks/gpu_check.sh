@@ -14,7 +14,7 @@
 # prints the
 # versions first, installs the carried wheels with `pip install --no-index --no-deps --target` into a folder put
 # first on PYTHONPATH (tiermoe itself comes from this tree through PYTHONPATH), then runs the checks of
-# tiermoe/analysis/gpu_check_plan.py in the order of their value (environment -> exactness -> syncs/overlap ->
+# tiermoe/analysis/gpu_check/plan.py in the order of their value (environment -> exactness -> syncs/overlap ->
 # serving -> memory -> layerwise -> FP8 -> profile), each in its own process within its own time budget (stacks
 # dumped to the log when one overruns), every result written as soon as its check ends, all of it under a
 # `timeout` of the plan's limit (540 s), well inside the call's 600 s. Without CUDA every check is reported
@@ -41,7 +41,7 @@ for arg in "$@"; do
   fi
 done
 
-LIMIT_S="$("$PY" -c 'from tiermoe.analysis.gpu_check_plan import LIMIT_S; print(LIMIT_S)')" || exit 2
+LIMIT_S="$("$PY" -c 'from tiermoe.analysis.gpu_check.plan import LIMIT_S; print(LIMIT_S)')" || exit 2
 
 versions() {
   "$PY" - "$1" <<'EOF'

@@ -44,8 +44,8 @@ from tiermoe.placement.pass_cost import HostCosts, PassCostModel
 from tiermoe.placement.pass_traffic import static_traffic
 from tiermoe.placement.profiles import GPUProfile, load_profile
 from tiermoe.placement.tier_time import TierFit
+from tiermoe.routing.trace_convert import detect_layout, read_routing
 from tiermoe.stats.io import load_counts
-from tiermoe.stats.trace_convert import detect_layout, read_routing
 
 
 def recorded_cost_model(result: dict) -> PassCostModel:

@@ -3,10 +3,10 @@
 One server (`tiermoe serve`, a subprocess, loopback only) runs a `make-model --preset qwen3-30b-a3b` checkpoint with
 Qwen's real tokenizer, shrunk to hidden size 128 and one layer, with --max-request-bytes 1 MiB and
 --max-total-tokens 65536 (the 8k-token generation needs more KV cache than the default 8192). Each run:
-1. alone: --clients well-behaved clients (soak_clients.py) stream greedy requests over the four generation
-   endpoints for --phase-seconds; a third of their requests are malformed (soak_requests.py's bad kinds), each due
+1. alone: --clients well-behaved clients (soak/clients.py) stream greedy requests over the four generation
+   endpoints for --phase-seconds; a third of their requests are malformed (soak/requests.py's bad kinds), each due
    a 4xx;
-2. under attack: the same clients again, while another process (soak_adversaries.py) holds --idle idle and --slow
+2. under attack: the same clients again, while another process (soak/adversaries.py) holds --idle idle and --slow
    slow-body connections, streams one 8k-token generation whose two stop strings never match, scores a 4k-token
    prompt (echo, logprobs 5, max_tokens 1) and sends --batches /generate batches of --batch-size prompts at once
    (a 503 with Retry-After is a correct answer to those, counted apart);
@@ -42,11 +42,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import psutil
-from rss_sampler import RssSampler
-from soak_adversarial_figures import print_table
-from soak_adversaries import Plan, run_adversaries
-from soak_clients import REQUEST_S, PhaseTally, Watch, good_phase, poll, warm_up
-from soak_requests import bad_kinds, good_pool
+from soak.adversaries import Plan, run_adversaries
+from soak.clients import REQUEST_S, PhaseTally, Watch, good_phase, poll, warm_up
+from soak.figures import print_table
+from soak.requests import bad_kinds, good_pool
+from support.rss_sampler import RssSampler
 
 from tiermoe.config import open_files_limit, raise_open_files_limit
 from tiermoe.testing.make_model import make_model

@@ -2,7 +2,7 @@
 
 The server runs the bundled model in fp32 (so batching cannot flip a greedy tie) with --max-request-bytes 1 MiB.
 Each distinct good request (greedy; every endpoint, streamed and not) is first run alone for its reference. Then
---clients threads send requests for --seconds, a third of them bad ones (soak_requests.py: invalid JSON, wrong
+--clients threads send requests for --seconds, a third of them bad ones (soak/requests.py: invalid JSON, wrong
 types, out-of-range values, a token id outside the vocabulary, prompts and max_tokens beyond the context, a lone
 surrogate, JSON nested 10000 deep, a 5000-digit integer, a body over the limit, clients leaving mid-stream, ...).
 
@@ -31,9 +31,7 @@ from pathlib import Path
 import httpx
 import psutil
 from bench_server import complete
-from fp32_checkpoint import fp32_view
-from rss_sampler import RssSampler, tree_rss
-from soak_requests import (
+from soak.requests import (
     DISCONNECT,
     ENDPOINTS,
     GoodRequest,
@@ -45,8 +43,10 @@ from soak_requests import (
     send_bad,
     send_good,
 )
+from support.fp32_checkpoint import fp32_view
+from support.rss_sampler import RssSampler, tree_rss
 
-from tiermoe.models import resolve_model
+from tiermoe.bundled import resolve_model
 from tiermoe.testing.server_process import ServerProcess
 
 MAX_REQUEST_BYTES = 1 << 20

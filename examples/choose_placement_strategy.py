@@ -14,8 +14,8 @@ import torch
 
 import tiermoe
 from tiermoe.arch import detect, load_config
+from tiermoe.bundled import resolve_model
 from tiermoe.data import load_prompts, select
-from tiermoe.models import resolve_model
 from tiermoe.placement.budget import total_gpu_experts
 from tiermoe.placement.metrics import hit_rate
 from tiermoe.placement.strategies import place

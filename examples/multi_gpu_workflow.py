@@ -28,12 +28,12 @@ import torch
 
 import tiermoe
 from tiermoe.arch import detect, load_config
+from tiermoe.bundled import resolve_model
 from tiermoe.compat import (
     KExpertsCPUBuffer,
     build_device_map,
     generate_gpu_experts_masks,
 )
-from tiermoe.models import resolve_model
 from tiermoe.placement.partition import split_across_gpus
 from tiermoe.placement.plan import PlacementPlan
 from tiermoe.stats.model_shape import ModelShape

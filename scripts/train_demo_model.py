@@ -8,7 +8,7 @@ What it does, end to end (all offline, deterministic for a given --seed and --st
   3. model     transformers `qwen3_moe` (8 experts, top-2) trained from scratch with AdamW, warmup + cosine,
                next-token loss + a per-layer load-balancing loss.
   4. export    `save_pretrained` (bf16, per-expert layout) + tokenizer + generation config into
-               tiermoe/models/tiermoe-demo/, then reload from disk, measure held-out loss against a
+               tiermoe/bundled/tiermoe-demo/, then reload from disk, measure held-out loss against a
                unigram baseline, routing statistics and greedy replies, and write the model card README.md.
 
 Filters (why): the model is tiny and trained for ~40 minutes, so it should spend its tokens on plain English
@@ -66,7 +66,7 @@ from tiermoe.data.demo_split import (  # noqa: E402
     split_demo,
     turns_that_fit,
 )
-from tiermoe.stats.routing_summary import gini, max_min_ratio, top_share  # noqa: E402
+from tiermoe.routing.balance import gini, max_min_ratio, top_share  # noqa: E402
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -247,7 +247,7 @@ def parse_args(argv=None):
         epilog="example:\n  python scripts/train_demo_model.py --steps 1100   # ~40 min on 2 CPU cores\n"
         "  python scripts/train_demo_model.py --steps 20 --limit 600 --out scratch/smoke   # smoke test",
     )
-    p.add_argument("--out", type=Path, default=REPO / "tiermoe" / "models" / "tiermoe-demo", help="output directory")
+    p.add_argument("--out", type=Path, default=REPO / "tiermoe" / "bundled" / "tiermoe-demo", help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=1100, help="optimizer steps (sets the LR schedule)")
     p.add_argument("--max-minutes", type=float, default=50.0,
@@ -658,7 +658,7 @@ real MoE models show per-layer Gini of about 0.1-0.25.
 {routing_rows}
 
 {balance_line}
-Computed with `tiermoe.stats.routing_summary` (`gini`, `top_share`, `max_min_ratio`).
+Computed with `tiermoe.routing.balance` (`gini`, `top_share`, `max_min_ratio`).
 
 ## Greedy replies to the first ten held-out ShareGPT prompts
 

@@ -18,7 +18,7 @@ from tiermoe.analysis.dynamic_bench import replay_cost_model
 from tiermoe.analysis.trace_replay import replay, trace_passes
 from tiermoe.arch import detect
 from tiermoe.placement.profiles import load_profile
-from tiermoe.stats.trace_convert import read_routing
+from tiermoe.routing.trace_convert import read_routing
 from tiermoe.testing.presets import make_config
 
 DATA = Path(__file__).parent / "data" / "routing"

@@ -1,4 +1,4 @@
-"""benchmarks/e2e_report.py: bench_e2e_cpu.py's derived figures and goal verdicts (pure logic; no llama.cpp)."""
+"""benchmarks/e2e/report.py: bench_e2e_cpu.py's derived figures and goal verdicts (pure logic; no llama.cpp)."""
 
 import math
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from e2e_report import evaluate_goals, host_us_per_layer, keep_round, report  # noqa: E402
+from e2e.report import evaluate_goals, host_us_per_layer, keep_round, report  # noqa: E402
 
 GB = 1e9
 

@@ -21,9 +21,9 @@ from tiermoe.distributed.group import DEFAULT_DIST_TIMEOUT_S
 from tiermoe.engine import speculative_config
 from tiermoe.layers.decode_attention import ATTENTION_BACKENDS
 from tiermoe.placement.cache_policies import DEFAULT_COPY_BUDGET
+from tiermoe.routing.presets import PRESETS as ROUTING_PRESETS
+from tiermoe.routing.trace_import import LAYOUTS
 from tiermoe.stats.recorders import MODES, SGLANG_DEFAULT_BUFFER_SIZE
-from tiermoe.stats.routing_presets import PRESETS as ROUTING_PRESETS
-from tiermoe.stats.trace_import import LAYOUTS
 from tiermoe.testing.presets import PRESETS
 from tiermoe.training.finetune import DEFAULT_MAX_LENGTH
 from tiermoe.training.lora import MAX_RANK

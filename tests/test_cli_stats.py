@@ -11,8 +11,8 @@ from conftest import save_char_tokenizer, save_tiny
 
 from tiermoe.cli.main import main
 from tiermoe.errors import TiermoeError
+from tiermoe.routing.summary import snapshot_check, total_variation
 from tiermoe.stats.io import load_counts, load_stats, recorder_output_dir, save_stats
-from tiermoe.stats.summary import snapshot_check, total_variation
 
 # tiny qwen3_moe: 3 layers (layer 1 dense), 8 experts, top-2
 L, E, MOE = 3, 8, (0, 2)

@@ -87,7 +87,7 @@ def test_an_unknown_split_is_a_one_line_error():
 
 @pytest.mark.slow
 def test_the_split_reproduces_the_model_card():
-    """tiermoe/models/tiermoe-demo/README.md: 194 ShareGPT + 100 Chit-Chat held-out conversations (the first ones
+    """tiermoe/bundled/tiermoe-demo/README.md: 194 ShareGPT + 100 Chit-Chat held-out conversations (the first ones
     HqVGK3f_0, DjOoZTB_0), 8,131 + 3,065 training ones of 5,330,358 + 1,611,662 tokens."""
     held = demo_conversations("heldout")
     assert [sum(c["source"] == s for c in held) for s in ("sharegpt", "chitchat")] == [194, 100]

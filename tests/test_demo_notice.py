@@ -11,9 +11,9 @@ import pytest
 from conftest import run_cli, save_char_tokenizer, save_tiny
 from serve_stub import replace_serve
 
+from tiermoe.bundled import BUNDLED_MODEL_DIR, BUNDLED_MODEL_NAME, resolve_model
+from tiermoe.bundled.demo_notice import DEMO_MODEL_NOTICE, demo_model_notice
 from tiermoe.distributed.launch import free_port
-from tiermoe.models import BUNDLED_MODEL_DIR, BUNDLED_MODEL_NAME, resolve_model
-from tiermoe.models.demo_notice import DEMO_MODEL_NOTICE, demo_model_notice
 
 
 def notices(stderr: str) -> int:

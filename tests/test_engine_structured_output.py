@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from tiermoe.bundled import resolve_model
 from tiermoe.engine import structured_output
 from tiermoe.engine.structured_output import GrammarCompiler, GrammarState, apply_masks
 from tiermoe.errors import TiermoeError
-from tiermoe.models import resolve_model
 
 EOS = (2, 0)  # the demo's generation_config: <|im_end|>, <|endoftext|>
 

@@ -16,7 +16,7 @@ from tiermoe.engine.engine import Engine
 from tiermoe.engine.generation_defaults import GenerationDefaults, load_generation_defaults
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
-from tiermoe.models import resolve_model
+from tiermoe.bundled import resolve_model
 
 QWEN3_STYLE = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 9}
 

@@ -19,7 +19,7 @@ import torch
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from tiermoe.analysis.gpu_check_plan import (
+from tiermoe.analysis.gpu_check.plan import (
     CHECKS,
     IMAGE_PACKAGES,
     LIMIT_S,
@@ -32,7 +32,7 @@ from tiermoe.analysis.gpu_check_plan import (
     read_requirements,
     wheel_files,
 )
-from tiermoe.analysis.gpu_check_runner import ResultLog, run_plan
+from tiermoe.analysis.gpu_check.runner import ResultLog, run_plan
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
@@ -157,8 +157,8 @@ def test_results_written_before_a_hang_survive_the_run_being_killed(fake_checks,
     out = Path(fake_checks.out_dir)
     program = f"""
 import time
-from tiermoe.analysis.gpu_check_plan import Check, CheckContext
-from tiermoe.analysis.gpu_check_runner import ResultLog, run_plan
+from tiermoe.analysis.gpu_check.plan import Check, CheckContext
+from tiermoe.analysis.gpu_check.runner import ResultLog, run_plan
 ctx = CheckContext.from_json({fake_checks.to_json()!r})
 checks = (Check("first", "exactness", 20, "fake_gpu_checks:check_ok", ""),
           Check("hangs", "exactness", 60, "fake_gpu_checks:check_hangs", ""),

@@ -21,7 +21,7 @@ from tiermoe.fit import model_bytes
 from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.model.loader import load_hybrid_model
 from tiermoe.model.non_expert_quant import KEPT_LINEARS, head_format, quantizable_linears
-from tiermoe.models import resolve_model
+from tiermoe.bundled import resolve_model
 
 needs_kernels = pytest.mark.skipif(supported_isa() is None, reason="the kernel library is unavailable")
 

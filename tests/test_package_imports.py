@@ -12,11 +12,12 @@ from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "tiermoe"
 
-CORE = {"errors", "config", "experts", "checkpoint", "arch", "placement", "stats", "layers", "model", "engine",
-        "distributed", "server", "compat", "fit", "convert", "data", "models", "training"}
+CORE = {"errors", "config", "experts", "checkpoint", "arch", "placement", "stats", "routing", "layers", "model",
+        "engine", "distributed", "server", "compat", "fit", "convert", "data", "bundled", "models", "training"}
 
 # package -> the packages it may import (besides itself and the root). Read bottom-up, it is the layering:
-# record (stats) and decide/describe (placement) sit below apply (model, engine); analysis and testing sit above
+# record (stats) and decide/describe (placement) sit below apply (model, engine); what recordings say about routing
+# (routing) reads stats' files and nothing below it imports it; analysis and testing sit above
 # the core and nothing in the core imports them; only the command line (and `python -m` entry points) import cli.
 ALLOWED = {
     "errors": set(),
@@ -26,20 +27,22 @@ ALLOWED = {
     "arch": {"checkpoint", "config", "errors"},
     "placement": {"arch", "experts", "config", "errors"},
     "stats": {"config", "errors"},
+    "routing": {"stats", "config", "errors"},
     "layers": {"arch", "experts", "stats", "config", "errors"},
-    "model": {"arch", "checkpoint", "experts", "layers", "placement", "stats", "config", "errors", "models"},
+    "model": {"arch", "checkpoint", "experts", "layers", "placement", "stats", "config", "errors", "bundled"},
     "engine": {"arch", "checkpoint", "experts", "layers", "model", "placement", "stats", "config", "errors",
-               "models"},
+               "bundled"},
     "distributed": {"arch", "checkpoint", "experts", "layers", "model", "engine", "placement", "stats", "config",
-                    "errors", "models"},
-    "server": {"engine", "distributed", "model", "placement", "stats", "config", "errors", "models"},
+                    "errors", "bundled"},
+    "server": {"engine", "distributed", "model", "placement", "stats", "config", "errors", "bundled"},
     "compat": {"arch", "checkpoint", "distributed", "experts", "model", "placement", "stats", "config", "errors"},
-    "fit": {"arch", "checkpoint", "experts", "model", "placement", "config", "errors", "models"},
+    "fit": {"arch", "checkpoint", "experts", "model", "placement", "config", "errors", "bundled"},
     "convert": {"arch", "checkpoint", "experts", "model", "config", "errors"},
-    "data": {"errors", "models"},
-    "models": {"errors"},
+    "data": {"errors", "bundled"},
+    "bundled": {"errors"},
+    "models": {"bundled"},  # the bundled models' old import path, a re-export
     "training": {"arch", "checkpoint", "experts", "layers", "model", "placement", "stats", "config", "errors", "data",
-                 "models"},
+                 "bundled"},
     "analysis": CORE | {"testing"},
     "testing": CORE,
     "cli": CORE | {"analysis", "testing"},

@@ -34,8 +34,8 @@ from tiermoe.placement.tier_balance import (
     swap_values,
 )
 from tiermoe.placement.tier_time import TierFit
-from tiermoe.stats.routing_generator import RequestRouting, RoutingShape
-from tiermoe.stats.trace_convert import read_routing
+from tiermoe.routing.generator import RequestRouting, RoutingShape
+from tiermoe.routing.trace_convert import read_routing
 from tiermoe.testing.presets import make_config
 
 DATA = Path(__file__).parent / "data" / "routing"

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LARGEST_TRACKED_BYTES = 2 * 1024 * 1024
-BUNDLED_MODEL = "tiermoe/models/tiermoe-demo/"
+BUNDLED_MODEL = "tiermoe/bundled/tiermoe-demo/"
 NOT_OURS = (".whl", ".tar.gz", ".zip", ".egg")
 
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from schema_strategy import from_schema
 from server_thread import server_thread
 
-from tiermoe.models import resolve_model
+from tiermoe.bundled import resolve_model
 
 LONG_STREAM = {"prompt": [40, 41, 42, 43], "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
 JSON_VALUES = st.recursive(

@@ -14,7 +14,7 @@ import pytest
 from server_thread import server_thread
 from test_engine_structured_output import SCHEMA, validate
 
-from tiermoe.models import resolve_model
+from tiermoe.bundled import resolve_model
 
 pytest.importorskip("llguidance", reason="the structured extra: pip install 'tiermoe[structured]'")
 

@@ -12,12 +12,12 @@ import torch
 from conftest import run_cli
 
 from tiermoe.stats.io import load_counts, load_trace
-from tiermoe.stats.routing_fit import fit_routing, request_lengths, simulate, targets_from_traces
-from tiermoe.stats.routing_generator import RoutingShape, generate_requests
-from tiermoe.stats.routing_measures import hot_set_overlap, lag_reuse, select_tokens, shuffled_lag_reuse
-from tiermoe.stats.routing_presets import PRESETS
-from tiermoe.stats.routing_statistics import measure_routing
-from tiermoe.stats.trace_import import read_esft_trace, trace_dict
+from tiermoe.routing.fit import fit_routing, request_lengths, simulate, targets_from_traces
+from tiermoe.routing.generator import RoutingShape, generate_requests
+from tiermoe.routing.measures import hot_set_overlap, lag_reuse, select_tokens, shuffled_lag_reuse
+from tiermoe.routing.presets import PRESETS
+from tiermoe.routing.statistics import measure_routing
+from tiermoe.routing.trace_import import read_esft_trace, trace_dict
 
 ESFT = Path(__file__).resolve().parents[1] / "data" / "routing" / "esft-deepseek-v2-lite"
 needs_files = pytest.mark.skipif(not ESFT.is_dir(), reason="data/routing is not here")

@@ -12,9 +12,9 @@ import torch
 from tiermoe.analysis.trace_replay import trace_passes
 from tiermoe.cli.main import main
 from tiermoe.errors import TiermoeError
+from tiermoe.routing.trace_convert import convert
 from tiermoe.stats.heat_csv import write_heat_csv
 from tiermoe.stats.io import load_counts, load_stats, load_trace
-from tiermoe.stats.trace_convert import convert
 from tiermoe.stats.trace_csv import write_trace_csv
 
 DATA = Path(__file__).parent / "data" / "routing"

@@ -9,8 +9,8 @@ import torch
 
 from tiermoe.analysis.trace_replay import trace_passes
 from tiermoe.cli.main import main
+from tiermoe.routing.trace_convert import convert
 from tiermoe.stats.io import load_counts, load_trace
-from tiermoe.stats.trace_convert import convert
 
 DATA = Path(__file__).parent / "data" / "routing"
 ALPH = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz-_"

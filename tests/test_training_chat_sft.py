@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from tiermoe.data.chat_conversations import chat_conversations
 from tiermoe.errors import TiermoeError
-from tiermoe.models import BUNDLED_MODEL_DIR
+from tiermoe.bundled import BUNDLED_MODEL_DIR
 from tiermoe.testing.checkpoint_tokenizer import write_tokenizer
 from tiermoe.training.chat_sft import IGNORE_INDEX, ChatEncoder, SFTBatches, collate, encode_all
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tiermoe.bundled import BUNDLED_MODEL_DIR
 from tiermoe.config import machine_cpus
 from tiermoe.errors import TiermoeError
 from tiermoe.model.plan_source import plan_from_config
-from tiermoe.models import BUNDLED_MODEL_DIR
 from tiermoe.training.kt_env import read_kt_settings, training_placement
 
 

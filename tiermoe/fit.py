@@ -27,6 +27,7 @@ import torch
 from transformers import AutoConfig
 
 from tiermoe.arch import ArchSpec, detect, load_gguf_config, text_config
+from tiermoe.bundled import resolve_model
 from tiermoe.checkpoint.expert_cache import find_cache
 from tiermoe.checkpoint.fp8 import fp8_block_size, is_fp8_quantised
 from tiermoe.checkpoint.gguf_reader import gguf_files
@@ -43,7 +44,6 @@ from tiermoe.model.held_bytes import (
 )
 from tiermoe.model.non_expert_quant import quantized_bytes_change
 from tiermoe.model.skeleton import build_skeleton
-from tiermoe.models import resolve_model
 from tiermoe.placement.budget import (
     GIB,
     cublas_workspace_bytes,

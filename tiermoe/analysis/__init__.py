@@ -9,8 +9,5 @@ that the adaptive policy decides with, is core: tiermoe.placement.pass_cost; her
   (workload_runs, placement_live, placement_lockstep), exact traffic of a placement (placement_traffic), the
   measurements the cost model is fitted on (tier_time_fit, host_cost_fit, model_op_count, device_profile,
   core_split), and its output (placement_result, placement_report).
-- gpu_check*.py: `python -m tiermoe.analysis.gpu_check` (benchmarks/gpu_check.sh), the one GPU run: its plan
-  (gpu_check_plan), the runner that gives each check its own process and budget (gpu_check_runner,
-  gpu_check_child), the checkpoints (gpu_check_models) and the checks by theme (env, exact, syncs, copies,
-  memory, items, profile).
+- gpu_check/: `python -m tiermoe.analysis.gpu_check` (benchmarks/gpu_check.sh), the one GPU run.
 """

@@ -1,7 +1,7 @@
 """Generated conversations served side by side, as the server batches them: a per_token trace of `slots` concurrent
 conversations, each slot serving its own list of requests one after another (e.g. one task per slot), every pass
 one token of each conversation running. A request's first token is its prompt (one prefill token in the pass that
-starts it), the rest decode one a step. The routing comes from tiermoe.stats.routing_generator; what this adds is
+starts it), the rest decode one a step. The routing comes from tiermoe.routing.generator; what this adds is
 the interleaving, which the generator's own trace (requests one after another, one token a pass) does not have.
 Legend: N tokens, M MoE layers, K top-k.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tiermoe.stats.routing_generator import RequestRouting, RoutingShape
+from tiermoe.routing.generator import RequestRouting, RoutingShape
 
 
 def interleave(slots: list[list[RequestRouting]], shape: RoutingShape) -> dict:

@@ -43,7 +43,7 @@ def strategy_hit_rates(plan_counts_LE: torch.Tensor, moe_rows_L: torch.Tensor,
 
 def strategy_hit_rate_report(stats: ExpertStats, eval_stats: ExpertStats | None = None,
                              seed: int = DEFAULT_RANDOM_SEED) -> dict:
-    """The hit-rate section of `tiermoe stats` (tiermoe.stats.summary.report's `hit_rates`): placements from
+    """The hit-rate section of `tiermoe stats` (tiermoe.routing.summary.report's `hit_rates`): placements from
     `stats`, hit rates measured on `eval_stats` (default: in-sample)."""
     eval_counts = None if eval_stats is None else eval_stats.counts_LE
     return {

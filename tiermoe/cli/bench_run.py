@@ -20,12 +20,12 @@ from tiermoe.analysis.placement_workload import WorkloadSpec
 from tiermoe.analysis.trace_replay import trace_passes
 from tiermoe.analysis.trace_workload import RoutingTraceSpec
 from tiermoe.arch import detect, load_config
+from tiermoe.bundled import resolve_model
 from tiermoe.cli.adaptive_flags import adaptive_from_args, given_adaptive_flags
 from tiermoe.cli.cpu_flags import cpu_from_args
 from tiermoe.cli.extras import require_dataset_extra
 from tiermoe.cli.plots import plot_bench, plot_placement_bench
 from tiermoe.errors import TiermoeError
-from tiermoe.models import resolve_model
 from tiermoe.placement.profiles import load_profile
 from tiermoe.stats.io import load_counts, load_trace
 

@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from tiermoe.bundled import resolve_model
 from tiermoe.cli.cpu_flags import cpu_from_args
 from tiermoe.cli.extras import DATASET_MODULES, DEMO_SPLIT_MODULES, require_modules
 from tiermoe.cli.placement_flags import placement_config_from_args
 from tiermoe.cli.plots import plot_loss_curve
 from tiermoe.config import check_device
 from tiermoe.errors import TiermoeError
-from tiermoe.models import resolve_model
 from tiermoe.placement.plan import PlacementPlan
 from tiermoe.training.finetune import FinetuneConfig, FinetuneHooks, run_finetune
 from tiermoe.training.finetune_data import is_demo_model

@@ -3,9 +3,9 @@ given; status 1 when something does not fit."""
 
 from __future__ import annotations
 
+from tiermoe.bundled import resolve_model
 from tiermoe.errors import TiermoeError
 from tiermoe.fit import fit_report, model_bytes
-from tiermoe.models import resolve_model
 
 
 def run(args) -> int:

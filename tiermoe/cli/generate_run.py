@@ -7,6 +7,7 @@ import sys
 import time
 
 from tiermoe.arch import detect, load_config
+from tiermoe.bundled import resolve_model
 from tiermoe.cli.cpu_flags import cpu_from_args
 from tiermoe.cli.lora_args import lora_from_args
 from tiermoe.cli.placement_args import check_fit_from_args, plan_from_args
@@ -19,7 +20,6 @@ from tiermoe.config import check_device
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.text_stream import TextStream
 from tiermoe.layers.decode_attention import check_attention_backend
-from tiermoe.models import resolve_model
 from tiermoe.stats.io import dump_recorder_files
 
 

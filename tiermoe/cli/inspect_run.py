@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
+from tiermoe.bundled import resolve_model
 from tiermoe.model.catalogue import catalogue_markdown
 from tiermoe.model.inspect import format_summary, summarize
-from tiermoe.models import resolve_model
 
 
 def run(args) -> int:

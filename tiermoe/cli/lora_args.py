@@ -3,9 +3,9 @@ loads. Run-side: imports the adapter reader (torch, safetensors)."""
 
 from __future__ import annotations
 
+from tiermoe.bundled import resolve_model
 from tiermoe.errors import TiermoeError
 from tiermoe.model.lora_merge import MergedLoRA
-from tiermoe.models import resolve_model
 from tiermoe.training.adapter_merge import merged_lora
 
 

@@ -21,8 +21,8 @@ import warnings
 from typing import NamedTuple
 
 import tiermoe
+from tiermoe.bundled.demo_notice import demo_model_notice
 from tiermoe.errors import TiermoeError
-from tiermoe.models.demo_notice import demo_model_notice
 
 
 class Command(NamedTuple):

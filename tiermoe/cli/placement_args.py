@@ -10,7 +10,7 @@ from tiermoe.cli.cpu_flags import cpu_from_args
 from tiermoe.cli.placement_flags import max_running_from_args, placement_config_from_args, prefill_buffer_from_args
 from tiermoe.fit import check_before_loading
 from tiermoe.model.plan_source import resolve_plan
-from tiermoe.models import resolve_model
+from tiermoe.bundled import resolve_model
 from tiermoe.placement.plan import PlacementPlan
 
 

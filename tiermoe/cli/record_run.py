@@ -9,6 +9,7 @@ import time
 from tqdm import tqdm
 
 from tiermoe.arch import detect, load_config
+from tiermoe.bundled import resolve_model
 from tiermoe.cli.cpu_flags import cpu_from_args
 from tiermoe.cli.extras import require_dataset_extra
 from tiermoe.cli.placement_args import placement_from_args
@@ -19,7 +20,6 @@ from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
 from tiermoe.fit import check_running_kv
-from tiermoe.models import resolve_model
 from tiermoe.stats.io import dump_recorder_files
 
 

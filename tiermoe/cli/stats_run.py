@@ -10,8 +10,8 @@ from tiermoe.analysis.strategy_sweep import strategy_hit_rate_report
 from tiermoe.cli.plots import plot_report
 from tiermoe.errors import TiermoeError
 from tiermoe.placement.plan import PlacementPlan
+from tiermoe.routing.summary import format_report, report
 from tiermoe.stats.io import load_stats
-from tiermoe.stats.summary import format_report, report
 
 
 def run(args) -> int:

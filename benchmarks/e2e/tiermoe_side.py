@@ -1,0 +1,141 @@
+"""tiermoe's side of bench_e2e_cpu.py, run inside an e2e/worker.py process: one model loaded CPU-only (every expert
+on the CPU tier, the default without a GPU), timed through the engine the way a user's request runs.
+
+It may run against another commit's tiermoe (--compare-commit puts that tree first on PYTHONPATH), so it uses
+only the long-standing API: LLM, its engine's add / step, SamplingParams, CPUConfig, HybridModel.blocks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from bench_non_expert_quant import (  # benchmarks/, on sys.path by e2e/worker.py
+    bytes_per_token,
+    held_out_loss,
+)
+
+from tiermoe import LLM
+from tiermoe.config import CPUConfig
+from tiermoe.data.prompts import select
+from tiermoe.data.registry import load_prompts
+from tiermoe.engine.sampling import SamplingParams
+from tiermoe.placement.kv_layout import kv_layout
+from tiermoe.testing.op_counter import OpCounter
+
+
+class TiermoeSide:
+    def __init__(self, path: str, threads: int | None, quant: str):
+        """threads None: tiermoe's defaults (CPU tier and torch), as a user runs it without --cpu-threads."""
+        if threads is not None:
+            torch.set_num_threads(threads)  # the non-expert ops: the same cores as the CPU tier's threads
+        cpu = CPUConfig(threads=threads)
+        if quant == "4-bit":
+            cpu = CPUConfig(threads=threads, expert_dtype="int4", non_expert_dtype="int4")
+        self.llm = LLM(path, progress=False, cpu=cpu)
+        self.engine = self.llm.engine
+        self.layers = self.llm.hybrid.spec.num_layers
+
+    def _start(self, prompt: list[int], tokens: int):
+        seq = self.engine.add(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
+        self._step()  # the prompt, and the first token
+        return seq
+
+    def _step(self) -> None:
+        for seq in self.engine.step():
+            if seq.finish_reason == "error":
+                raise RuntimeError(f"tiermoe failed a step: {getattr(seq, 'error', '?')}")
+
+    def _finish(self) -> None:
+        while self.engine.has_work():
+            self._step()
+
+    def first_token_s(self, prompt: list[int]) -> float:
+        """Seconds from a request to its first token (prefill and one sampled token)."""
+        start = time.perf_counter()
+        self._start(prompt, 1)
+        elapsed = time.perf_counter() - start
+        self._finish()
+        return elapsed
+
+    def decode_s_per_token(self, prompt: list[int], tokens: int) -> float:
+        """Seconds per decode step of one sequence, the prompt's step left out."""
+        self._start(prompt, tokens + 1)
+        start = time.perf_counter()
+        self._finish()
+        return (time.perf_counter() - start) / tokens
+
+    def components_ms(self, prompt: list[int], steps: int) -> dict[str, float]:
+        """ms per decode step in the LM head, the attention modules, the MoE blocks (router and experts) and the
+        decoder layers computed whole by one native call (tiermoe.layers.fused_decode_layer: their attention and
+        experts together, less any module timed inside them), timed by forward hooks; "rest" is the step less
+        those: norms, embedding, residuals, the engine and sampling."""
+        model = self.llm.hybrid.model
+        parts = {"lm_head": [model.get_output_embeddings()],
+                 "attention": [m for n, m in model.named_modules() if n.endswith(("self_attn", "linear_attn"))],
+                 "experts": list(self.llm.hybrid.blocks.values()),
+                 # by name: an older tree (--compare-commit) has no such class
+                 "fused_layers": [m for m in model.modules() if type(m).__name__ == "FusedDecodeLayer"]}
+        inner = ("lm_head", "attention", "experts")
+        totals, started, hooks = dict.fromkeys(parts, 0.0), {}, []
+
+        def enter(module, *_):
+            started[id(module)] = (time.perf_counter(), sum(totals[p] for p in inner))
+
+        def leave_into(part):
+            def leave(module, *_):
+                t0, inside = started[id(module)]
+                nested = sum(totals[p] for p in inner) - inside if part == "fused_layers" else 0.0
+                totals[part] += time.perf_counter() - t0 - nested
+            return leave
+
+        for part, modules in parts.items():
+            for m in modules:
+                hooks += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave_into(part))]
+        try:
+            self._start(prompt, steps + 2)
+            self._step()  # one decode step before timing
+            totals.update(dict.fromkeys(parts, 0.0))
+            start = time.perf_counter()
+            for _ in range(steps):
+                self._step()
+            step = (time.perf_counter() - start) / steps
+            self._finish()
+        finally:
+            for h in hooks:
+                h.remove()
+        out = {part: totals[part] / steps * 1e3 for part in parts}
+        out["step"] = step * 1e3
+        out["rest"] = out["step"] - sum(out[p] for p in parts)
+        return out
+
+    def ops_per_layer(self, prompt: list[int]) -> float:
+        """torch ops (aten and custom, on this thread) of one decode step, per decoder layer."""
+        self._start(prompt, 3)
+        counter = OpCounter()
+        with counter:
+            self._step()
+        self._finish()
+        return counter.ops / self.layers
+
+    def bytes_per_token(self, context: float) -> int:
+        """Weight bytes one decode token reads (bench_non_expert_quant.bytes_per_token) plus the KV cache of
+        `context` tokens in the model's dtype."""
+        hybrid = self.llm.hybrid
+        text = getattr(hybrid.config, "text_config", None) or hybrid.config
+        itemsize = hybrid.model.get_input_embeddings().weight.element_size()
+        return int(bytes_per_token(self.llm)[1] + context * kv_layout(text, itemsize).full_per_token)
+
+    def held_out_rows(self, num: int, max_tokens: int) -> list[list[int]]:
+        """Token ids of `num` GSM8K questions in the model's chat template (the text bench_format_loss scores)."""
+        prompts = select(load_prompts("gsm8k"), num=num, seed=0, min_chars=40)
+        rows = [self.llm.chat_prompt_ids([{"role": r, "content": c} for r, c in p.messages])[:max_tokens]
+                for p in prompts]
+        return [r for r in rows if len(r) > 1]
+
+    def loss(self, rows: list[list[int]]) -> float:
+        """Mean next-token cross-entropy (nats), teacher-forced."""
+        return held_out_loss(self.llm, [torch.tensor([r]) for r in rows])
+
+    def close(self) -> None:
+        self.llm.close()
