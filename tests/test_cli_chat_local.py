@@ -61,8 +61,9 @@ def test_ctrl_c_stops_a_local_reply_at_the_next_token_and_the_chat_goes_on(model
 
 def test_within_the_reply_ctrl_c_sets_the_stop_flag_instead_of_raising():
     stop = threading.Event()
-    # Python's own handler first, as in a terminal (a test runner's worker may have set another)
+    # Python's own handler first, unblocked, as in a terminal (a test runner's worker may have set another)
     outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         with ctrl_c_sets(stop):
             signal.raise_signal(signal.SIGINT)
@@ -70,4 +71,5 @@ def test_within_the_reply_ctrl_c_sets_the_stop_flag_instead_of_raising():
         with pytest.raises(KeyboardInterrupt):  # outside it, Ctrl-C is Python's again
             signal.raise_signal(signal.SIGINT)
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         signal.signal(signal.SIGINT, outer)

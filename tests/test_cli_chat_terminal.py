@@ -24,9 +24,13 @@ from tiermoe.cli.chat_cmd import LEAVE_HINT
 
 LEFT, CTRL_C, CTRL_D = "\x1b[D", "\x03", "\x04"
 ESCAPES = re.compile(r"\x1b(\[[0-9;?]*[A-Za-z]|[=>])|\r")  # what readline writes to move about and set modes
-# setsid, then open the pty: it becomes the controlling terminal (Ctrl-C typed is SIGINT), on stdin/out/err
-ON_ITS_OWN_TERMINAL = ("import os, sys; os.setsid(); fd = os.open(sys.argv[1], os.O_RDWR); "
-                  "[os.dup2(fd, i) for i in range(3)]; os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
+# setsid, then open the pty: it becomes the controlling terminal (Ctrl-C typed is SIGINT), on stdin/out/err. SIGINT
+# as a shell starts a command: default and unblocked (an ignored or blocked SIGINT is inherited across exec, and a
+# test runner's worker process may have either)
+ON_ITS_OWN_TERMINAL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                       "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+                       "os.setsid(); fd = os.open(sys.argv[1], os.O_RDWR); "
+                       "[os.dup2(fd, i) for i in range(3)]; os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
 
 
 class Terminal:
