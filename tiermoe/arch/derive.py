@@ -48,4 +48,5 @@ def spec_of(cfg, found: Discovery) -> ArchSpec:
         moe_path=found.moe_path,
         block_forward=forward,
         gated=experts.gated,
+        experts_call=experts.call,
     )

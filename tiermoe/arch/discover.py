@@ -6,7 +6,8 @@ layout: gated or not, biases, transposed, gate and up interleaved) and optionall
 itself (no weight allocated) says which layers are MoE, where the block sits, how many experts of which shape it
 holds, how they compute (`_apply_gate`, `act_fn`) and what each layer attends with (the cache layer types
 transformers gives the config). Routing and the block's arithmetic stay the model's own code at run time; only
-what a spec needs is read here. Legend: E experts, H hidden, I expert intermediate size, K top-k.
+what a spec needs is read here; how the experts compute, and how their block calls them, is read by
+tiermoe.arch.experts_form. Legend: E experts, H hidden, I expert intermediate size, K top-k.
 """
 
 from __future__ import annotations
@@ -17,35 +18,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
-from transformers.activations import SiLUActivation
 from transformers.cache_utils import get_layer_types_and_kwargs
-from transformers.integrations.moe import _default_apply_gate
 
+from tiermoe.arch.experts_form import ExpertsForm, experts_form, fused_weight
 from tiermoe.errors import TiermoeError
 
 # Config fields that give the routed experts per token, in the order families name them.
 _TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts", "moe_top_k")
 _TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "moe_topk")
-_FUSED_NAMES = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 _EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 # Attention-like children of a decoder layer, whose class names the layer's kind (first found wins).
 _MIXER_NAMES = ("self_attn", "linear_attn", "attention", "attn", "mixer", "mamba", "conv", "short_conv")
-
-
-@dataclass(frozen=True)
-class ExpertsForm:
-    """One layer's fused experts module, as its class and decorator describe it."""
-
-    cls: str
-    num_experts: int
-    hidden_size: int
-    intermediate_size: int
-    gated: bool  # gate_up_proj (gate and up) rather than up_proj alone
-    bias: bool
-    transposed: bool  # x @ W layout: [E, H, 2I] / [E, I, H]
-    interleaved: bool  # gate and up columns alternate
-    activation: str  # tiermoe.arch.spec.ACTIVATIONS
-    act_name: str  # what computes the activation, for people: "SiLUActivation", "GptOssExperts._apply_gate"
 
 
 @dataclass(frozen=True)
@@ -63,7 +46,8 @@ class Discovery:
     shared_intermediate_size: int
     experts: ExpertsForm
     top_k: int
-    layer_kinds: tuple[str, ...]  # per decoder layer: see layer_kind
+    layer_kinds: tuple[str, ...]  # per decoder layer: see layer_kinds
+    kv_widths: tuple[tuple[int | None, ...], ...] = ()  # per decoder layer: see kv_widths
 
     @property
     def shared_kind(self) -> str:
@@ -114,7 +98,7 @@ def _discover(cfg) -> Discovery:
         block_class=type(block).__name__, router_attr=router_attr, router_class=type(router).__name__,
         shared=shared, shared_intermediate_size=_shared_intermediate(block),
         experts=experts_form(block.experts, model_type), top_k=_top_k(cfg, block, router, model_type),
-        layer_kinds=layer_kinds(cfg, layers))
+        layer_kinds=layer_kinds(cfg, layers), kv_widths=kv_widths(layers))
 
 
 def meta_skeleton(cfg) -> nn.Module:
@@ -139,71 +123,9 @@ def _moe_block(layer: nn.Module) -> tuple[str, nn.Module] | None:
     """(path in the layer, module) of the module owning a fused experts module, or None for a dense layer."""
     for name, module in layer.named_modules():
         experts = module._modules.get("experts")
-        if experts is not None and _fused_weight(experts) is not None:
+        if experts is not None and fused_weight(experts) is not None:
             return name, module
     return None
-
-
-def _fused_weight(experts: nn.Module) -> torch.Tensor | None:
-    """The experts' first fused matrix: gate_up_proj (or up_proj for experts without a gate), 3-D."""
-    for name in ("gate_up_proj", "up_proj"):
-        weight = experts._parameters.get(name)
-        if weight is not None and weight.dim() == 3:
-            return weight
-    return None
-
-
-def experts_form(experts: nn.Module, model_type: str = "") -> ExpertsForm:
-    """How a fused experts module computes (its decorator's flags, shapes, gating)."""
-    cls = type(experts).__name__
-    if not hasattr(experts, "has_gate"):
-        raise TiermoeError(f"{model_type}: its experts module {cls} does not take the experts interface "
-                           "(hidden, top-k ids, top-k weights), so tiermoe cannot split it across two tiers")
-    if getattr(experts, "has_post_expert_norm", False):
-        raise TiermoeError(f"{model_type}: its experts ({cls}) normalise each expert's output, which tiermoe's "
-                           "tiers do not compute yet")
-    extra = [n for n, _ in experts.named_parameters() if n not in _FUSED_NAMES]
-    if not hasattr(type(experts).forward, "__wrapped__") or extra:  # the interface's forward, or the class's own
-        held = f"per-expert state {', '.join(extra)}" if extra else "its own forward"
-        raise TiermoeError(f"{model_type}: its experts module {cls} computes more than transformers' experts "
-                           f"interface ({held}), which tiermoe's tiers do not hold yet")
-    gated, transposed = bool(experts.has_gate), bool(experts.is_transposed)
-    first, down = _fused_weight(experts), experts.down_proj
-    e = first.shape[0]
-    h, i = (down.shape[2], down.shape[1]) if transposed else (down.shape[1], down.shape[2])
-    bias = bool(experts.has_bias)
-    activation, act_name = _activation(experts, gated, bias)
-    return ExpertsForm(cls, e, h, i, gated, bias, transposed, not experts.is_concatenated, activation, act_name)
-
-
-def _activation(experts: nn.Module, gated: bool, bias: bool) -> tuple[str, str]:
-    """The activation kind: one a native kernel computes where the module's own gating is exactly it, else the
-    module's own ("model")."""
-    act = getattr(experts, "act_fn", None)
-    cls = type(experts)
-    if not gated:
-        return "model", type(act).__name__
-    if getattr(cls, "_apply_gate", None) is _default_apply_gate:
-        kernel = isinstance(act, (SiLUActivation, nn.SiLU)) and not bias and experts.is_concatenated
-        return ("silu_glu" if kernel else "model"), type(act).__name__
-    if _is_gpt_oss_glu(experts):
-        return "gpt_oss_glu", f"{cls.__name__}._apply_gate"
-    return "model", f"{cls.__name__}._apply_gate"
-
-
-def _is_gpt_oss_glu(experts: nn.Module) -> bool:
-    """Whether the module's own `_apply_gate` is GPT-OSS's clamped GLU with its `alpha` and `limit`: checked on
-    numbers (a CPU tensor through the module's own method), not by name."""
-    alpha, limit = getattr(experts, "alpha", None), getattr(experts, "limit", None)
-    if not isinstance(alpha, float) or not isinstance(limit, float) or experts.is_concatenated:
-        return False
-    x = torch.linspace(-3 * limit, 3 * limit, 64, dtype=torch.float32).reshape(4, 16)
-    try:
-        got = type(experts)._apply_gate(experts, x)
-    except (RuntimeError, TypeError, AttributeError, NotImplementedError):
-        return False
-    gate, up = x[..., ::2].clamp(max=limit), x[..., 1::2].clamp(-limit, limit)
-    return got.shape == gate.shape and torch.equal(got, (up + 1) * (gate * torch.sigmoid(gate * alpha)))
 
 
 def _router(block: nn.Module, model_type: str) -> tuple[str, nn.Module]:
@@ -262,3 +184,25 @@ def layer_kinds(cfg, layers: nn.ModuleList) -> tuple[str, ...]:
             kind += "+sinks"
         kinds.append(kind)
     return tuple(kinds)
+
+
+def kv_widths(layers: nn.ModuleList) -> tuple[tuple[int | None, ...], ...]:
+    """Per decoder layer, per attention module in it (one, or each of a list: LongCat-Flash's two), the elements one
+    token adds to its cache as the engine's KV pool keeps them, read from the module: key and value widths
+    (`k_proj` + `v_proj` out features, so per-layer head counts and value head dims count as built), or for MLA the
+    latent and the roped key (`kv_a_proj_with_mqa`'s out features: tiermoe caches the latent). None where the
+    module does not show them (a fused qkv projection)."""
+    widths = []
+    for layer in layers:
+        attn = next((c for n, c in layer.named_children() if n in _MIXER_NAMES), None)
+        widths.append(tuple(_kv_width(a) for a in (attn if isinstance(attn, nn.ModuleList) else [attn])))
+    return tuple(widths)
+
+
+def _kv_width(attn: nn.Module | None) -> int | None:
+    mla, k, v = (getattr(attn, name, None) for name in ("kv_a_proj_with_mqa", "k_proj", "v_proj"))
+    if isinstance(mla, nn.Linear):
+        return mla.out_features
+    if isinstance(k, nn.Linear) and isinstance(v, nn.Linear):
+        return k.out_features + v.out_features
+    return None

@@ -35,6 +35,14 @@ ACTIVATIONS = ("silu_glu", "gpt_oss_glu", "model")
 #              experts module is replaced, by one that computes the two tiers (tiermoe.model.hybrid_experts)
 BLOCK_FORWARDS = ("tiermoe", "model")
 
+# How the model's block calls its experts module (block_forward "model"; tiermoe.model.hybrid_experts):
+#   "interface":    transformers' experts interface, experts(hidden [T, H], top_k_index [T, K], top_k_weights [T, K])
+#   "around":       the experts module's own forward works around that call (Ergo: each route's output through a
+#                   learned RMSNorm of its expert before the weighted sum); the module stays, its call goes to the tiers
+#   "every_expert": experts(x [E * T, H]), every expert's copy of every token, scaled by its routing weight (0 where
+#                   the router did not pick it: Llama-4); the tiers compute the picked rows only
+EXPERTS_CALLS = ("interface", "around", "every_expert")
+
 
 @dataclass(frozen=True)
 class ExpertDiskLayout:
@@ -81,6 +89,7 @@ class ArchSpec:
     moe_path: str = "mlp"  # the MoE block's attribute path in a decoder layer ("" = the decoder layer itself)
     block_forward: str = "tiermoe"  # BLOCK_FORWARDS
     gated: bool = True  # experts have a gate projection (gate_up [2I, H]); False: up [I, H] only
+    experts_call: str = "interface"  # EXPERTS_CALLS
 
     def __post_init__(self):
         if self.shared_kind not in SHARED_KINDS:
@@ -89,6 +98,11 @@ class ArchSpec:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.block_forward not in BLOCK_FORWARDS:
             raise ValueError(f"block_forward must be one of {BLOCK_FORWARDS}, got {self.block_forward!r}")
+        if self.experts_call not in EXPERTS_CALLS:
+            raise ValueError(f"experts_call must be one of {EXPERTS_CALLS}, got {self.experts_call!r}")
+        if self.block_forward == "tiermoe" and self.experts_call != "interface":
+            raise ValueError(f"block_forward 'tiermoe' calls the experts through the interface, not "
+                             f"{self.experts_call!r}")
         self._check_config_values()
         if not self.moe_layers:
             raise ValueError("an ArchSpec needs at least one MoE layer")

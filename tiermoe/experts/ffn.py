@@ -51,7 +51,8 @@ class ExpertActivation:
             return cls(kind, alpha=float(experts.alpha), limit=float(experts.limit))
         if kind == "silu_glu":
             return cls(kind, hidden_act="silu")
-        return cls(kind, module=experts, gated=bool(experts.has_gate), interleaved=not experts.is_concatenated)
+        return cls(kind, module=experts, gated=bool(getattr(experts, "has_gate", True)),
+                   interleaved=not getattr(experts, "is_concatenated", True))
 
     @property
     def name(self) -> str:
@@ -78,7 +79,11 @@ class ExpertActivation:
             return self.module.act_fn(h_N2I)
         if self.interleaved:  # [gate | up] -> gate0, up0, gate1, up1, ...
             h_N2I = h_N2I.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
-        return type(self.module)._apply_gate(self.module, h_N2I)
+        apply_gate = getattr(type(self.module), "_apply_gate", None)
+        if apply_gate is None:  # a module outside the interface (Llama-4's): act(gate) * up, as discovery checked
+            gate, up = h_N2I.chunk(2, dim=-1)
+            return self.module.act_fn(gate) * up
+        return apply_gate(self.module, h_N2I)
 
 
 def expert_ffn(w: ExpertWeights, x_ND: torch.Tensor, act: ExpertActivation) -> torch.Tensor:

@@ -120,6 +120,10 @@ def install_trace_routing(hybrid, routing: TraceRouting) -> None:
     """Wrap every MoE block's router of `hybrid` (a HybridModel) and let its engines announce passes to `routing`.
     The trace's top-k must be the model's: the tiers, recorders and cost model all count K pairs per token."""
     spec = hybrid.spec
+    if spec.experts_call != "interface":  # the trace's ids go into the interface's call, which this block wraps
+        raise TiermoeError(f"routing traces replace the ids of transformers' experts call, which {spec.model_type}'s "
+                           f"block does not make as such (its experts call: {spec.experts_call}); use a model whose "
+                           "experts take the interface")
     k = routing.ids_NMK.shape[-1]
     if k != spec.top_k:
         raise TiermoeError(f"the routing trace routes each token to {k} experts, the model to {spec.top_k}; "

@@ -23,7 +23,9 @@ from tiermoe.model.expert_source import LAYERS_PREFIX, find_expert_source, keeps
 from tiermoe.model.gguf_checkpoint import open_checkpoint
 from tiermoe.model.skeleton import build_skeleton
 
-ROUTED_EXPERT_NAME = re.compile(r"\.experts\.")
+# A routed experts module's fused weights (the tiers hold them); anything else under `.experts.` (Ergo's per-expert
+# norm) is a non-expert weight on the main device.
+ROUTED_EXPERT_NAME = re.compile(r"\.experts\.(gate_up_proj|up_proj|down_proj)(_bias)?$")
 # Checkpoints of models that wrap the language model (configs with a nested text_config) prefix its names.
 _WRAPPER_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
 

@@ -81,7 +81,11 @@ from tiermoe.model.fused_layers import fuse_layer_ops
 from tiermoe.model.gguf_checkpoint import open_checkpoint, weight_files
 from tiermoe.model.heap_trim import return_freed_heap
 from tiermoe.model.held_bytes import disk_name, held_nbytes
-from tiermoe.model.hybrid_experts import HybridExperts
+from tiermoe.model.hybrid_experts import (
+    HybridEveryExpert,
+    HybridExperts,
+    experts_around,
+)
 from tiermoe.model.hybrid_model import HybridModel
 from tiermoe.model.lora_merge import MergedLoRA
 from tiermoe.model.non_expert_quant import (
@@ -345,8 +349,12 @@ def _inject_hybrid_blocks(model: nn.Module, spec, gpu_device, act, worker, pin, 
             blocks[i] = HybridMoE(block, spec, i, gpu_tier, cpu_tier)
             parent, _, leaf = spec.moe_path.rpartition(".")
             setattr(layer.get_submodule(parent) if parent else layer, leaf, blocks[i])
-        else:
+        elif spec.experts_call == "around":  # the module's own forward stays, its interface call on the tiers
             blocks[i] = HybridExperts(spec, i, gpu_tier, cpu_tier)
+            experts_around(block.experts, blocks[i])
+        else:
+            blocks[i] = (HybridEveryExpert if spec.experts_call == "every_expert" else HybridExperts)(
+                spec, i, gpu_tier, cpu_tier)
             block.experts = blocks[i]
     for name, layers in torch_tiers.items():  # once per load: why these layers' CPU tier is not the kernels'
         log.info("CPU tier: the experts of layers %s compute in torch, exactly: their activation (%s) is not one the "
