@@ -1,8 +1,9 @@
 """KV cache bytes by layer kind: what the engine's caches hold for a number of tokens and running sequences.
 
-transformers 5 builds one cache layer per decoder layer from the config's layer_types (as
-transformers.cache_utils.get_layer_types_and_kwargs reads them), and tiermoe keeps those layers (measured on the
-engine's caches in tests/test_fit_kv_layers.py):
+Each decoder layer's kind and cache width are read from the model's own modules on the meta device
+(tiermoe.arch.discover: the cache layer type transformers gives the config, the K and V projections' widths), and
+tiermoe keeps those layers (measured on the engine's caches in tests/test_fit_kv_layers.py and, for every MoE
+architecture of the installed transformers, in the zoo):
 - full attention (DynamicLayer; tiermoe's MLA latent layer): every token of every sequence;
 - sliding window (DynamicSlidingWindowLayer, GPT-OSS): the last sliding_window - 1 tokens of each sequence (the
   layer that is running holds its new chunk on top, transiently);
@@ -11,17 +12,23 @@ engine's caches in tests/test_fit_kv_layers.py):
   linear_key_head_dim, linear_value_head_dim] in fp32 (the delta rule runs in fp32 whatever the compute dtype),
   twice: the pool keeps two banks per sequence, so a failed step leaves the state it read
   (tiermoe.layers.linear_attention_slots).
+Layers of a kind the engine's pool does not hold (tiermoe.layers.pool_kinds: the engine refuses such a model) are
+not counted; KVLayout.uncounted names them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tiermoe.arch import text_config
+from tiermoe.arch.discover import discover
 from tiermoe.errors import TiermoeError
 
-SLIDING_LAYERS = ("sliding_attention", "chunked_attention")
+FULL_LAYERS = ("full_attention",)
+SLIDING_LAYERS = ("sliding_attention",)
 LINEAR_LAYERS = ("linear_attention",)
-NO_CACHE_LAYERS = ("moe", "mlp", "dummy")
+LINEAR_STATE_MODULES = ("GatedDeltaNet",)  # the linear-attention modules whose states the pool holds (class suffix)
+NO_CACHE_LAYERS = ("dummy",)
 RECURRENT_STATE_BYTES = 4  # fp32
 LINEAR_STATE_BANKS = 2  # tiermoe.layers.linear_attention_slots.BANKS
 
@@ -34,6 +41,7 @@ class KVLayout:
     sliding_per_token: int = 0  # sliding-window layers together, per token they keep
     sliding_tokens: int = 0  # tokens a sliding-window layer keeps per sequence (sliding_window - 1)
     linear_state: int = 0  # linear-attention layers together, per sequence
+    uncounted: tuple[str, ...] = ()  # layer kinds the engine's pool does not hold: not counted
 
     def full_bytes(self, tokens: int) -> int:
         return tokens * self.full_per_token
@@ -58,26 +66,43 @@ class KVLayout:
                          f"{self.sliding_tokens}) x {self.sliding_per_token} B")
         if self.linear_state:
             parts.append(f"linear-attention state {sequences} sequences x {self.linear_state} B")
+        if self.uncounted:
+            parts.append(f"not counted: {', '.join(self.uncounted)} (a kind the engine's KV pool does not hold)")
         return ", ".join(parts)
 
 
 def layer_kinds(cfg) -> list[str]:
-    """One cache kind per decoder layer: "full", "sliding", "linear" or "none", as transformers chooses them."""
-    types = getattr(cfg, "layer_types", None)
-    if not types:
-        sliding = getattr(cfg, "sliding_window", None) is not None
-        types = ["sliding_attention" if sliding else "full_attention"] * cfg.num_hidden_layers
-    return ["sliding" if t in SLIDING_LAYERS else "linear" if t in LINEAR_LAYERS else
-            "none" if t in NO_CACHE_LAYERS else "full" for t in types]
+    """One cache kind per decoder layer of the text config `cfg`: "full", "sliding", "linear", "none", or the
+    discovered kind (tiermoe.arch.discover.layer_kinds) where the engine's pool does not hold it."""
+    kinds = []
+    for kind in discover(cfg).layer_kinds:
+        cache, _, module = kind.split("+")[0].partition(":")
+        if cache in FULL_LAYERS or cache in SLIDING_LAYERS:
+            kinds.append("full" if cache in FULL_LAYERS else "sliding")
+        elif cache in LINEAR_LAYERS and module.endswith(LINEAR_STATE_MODULES):
+            kinds.append("linear")
+        else:
+            kinds.append("none" if cache in NO_CACHE_LAYERS else kind.split("+")[0])
+    return kinds
 
 
-def attention_bytes_per_token(cfg, dtype_bytes: int) -> int:
-    """One attention layer's cache bytes per token: MLA (DeepSeek V2/V3, tiermoe.layers.mla_attention) keeps one
-    latent shared by all heads (kv_lora_rank + qk_rope_head_dim); standard attention K and V per KV head."""
-    if getattr(cfg, "kv_lora_rank", None):
-        return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * head_dim * dtype_bytes
+def attention_bytes_per_token(cfg, dtype_bytes: int, layer: int | None = None) -> int:
+    """One attention layer's cache bytes per token (`layer`'s, or the first attention layer's; a layer with several
+    attention modules, LongCat-Flash's, counts them all): K and V widths as its modules are built (MLA, DeepSeek
+    V2/V3 and the families that share it: the latent shared by all heads and the roped key, kv_lora_rank +
+    qk_rope_head_dim, as tiermoe caches it), else from the layer's config (key/value heads x head dim, K and V)."""
+    found = discover(cfg)
+    if layer is None:
+        layer = next((i for i, k in enumerate(layer_kinds(cfg)) if k in ("full", "sliding")), 0)
+    widths = found.kv_widths[layer] if layer < len(found.kv_widths) else (None,)
+    return sum((w if w is not None else _config_width(cfg, layer)) * dtype_bytes for w in widths)
+
+
+def _config_width(cfg, layer: int) -> int:
+    per_layer = cfg.per_layer_config[layer] if getattr(cfg, "per_layer_config", None) is not None else cfg
+    heads = getattr(per_layer, "num_attention_heads", None)
+    head_dim = getattr(per_layer, "head_dim", None) or per_layer.hidden_size // heads
+    return 2 * (getattr(per_layer, "num_key_value_heads", None) or heads) * head_dim
 
 
 def linear_state_bytes(cfg, dtype_bytes: int) -> int:
@@ -92,17 +117,27 @@ def linear_state_bytes(cfg, dtype_bytes: int) -> int:
 
 
 def kv_layout(cfg, dtype_bytes: int) -> KVLayout:
-    """The cache bytes of the text config `cfg` in a compute dtype of `dtype_bytes` bytes."""
+    """The cache bytes of `cfg`'s language model (its nested text config where it has one) in a compute dtype of
+    `dtype_bytes` bytes."""
+    cfg = text_config(cfg)
     kinds = layer_kinds(cfg)
-    per_layer = attention_bytes_per_token(cfg, dtype_bytes)
-    sliding = kinds.count("sliding")
+    per_layer = [attention_bytes_per_token(cfg, dtype_bytes, i) if k in ("full", "sliding") else 0
+                 for i, k in enumerate(kinds)]
+    sliding = [i for i, k in enumerate(kinds) if k == "sliding"]
+    windows = [_sliding_window(cfg, i) for i in sliding]
     linear = kinds.count("linear")
     return KVLayout(
-        full_per_token=kinds.count("full") * per_layer,
-        sliding_per_token=sliding * per_layer,
-        sliding_tokens=max(0, cfg.sliding_window - 1) if sliding else 0,
+        full_per_token=sum(b for b, k in zip(per_layer, kinds) if k == "full"),
+        sliding_per_token=sum(per_layer[i] for i in sliding),
+        sliding_tokens=max(0, max(windows) - 1) if sliding else 0,
         linear_state=linear * linear_state_bytes(cfg, dtype_bytes) if linear else 0,
+        uncounted=tuple(dict.fromkeys(k for k in kinds if k not in ("full", "sliding", "linear", "none"))),
     )
+
+
+def _sliding_window(cfg, layer: int) -> int:
+    per_layer = cfg.per_layer_config[layer] if getattr(cfg, "per_layer_config", None) is not None else cfg
+    return getattr(per_layer, "sliding_window", None) or cfg.sliding_window
 
 
 def kv_cache_bytes(cfg, dtype_bytes: int, tokens: int, sequences: int) -> int:

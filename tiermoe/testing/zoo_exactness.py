@@ -9,9 +9,10 @@ the CPU tier, half, all on the GPU tier, whose device is the CPU here) is applie
 prompt goes through the hybrid model in one forward: max |a - b| / max |b| over the continuation's rows, and
 whether each row's argmax is the reference's (its row's: same tokens in). Then the engine, at the half placement:
 the prompts together (chunked prefill, decode rows beside chunks) and each alone must give the reference's
-tokens; an engine that refuses the model (an attention or state kind its pool lacks) is recorded with its
-one-line error instead. Last, the same weights as transformers writes a release's checkpoint (per-expert tensors
-under the release's names, through its conversion mapping), loaded at the half placement, for one prompt.
+tokens, and the pool's bytes per token and per sequence must be what `tiermoe fit` counts; an engine that
+refuses the model (an attention or state kind its pool lacks) is recorded with its one-line error instead. Last,
+the same weights as transformers writes a release's checkpoint (per-expert tensors under the release's names,
+through its conversion mapping), loaded at the half placement, for one prompt.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tiermoe.engine.engine import Engine, EngineConfig
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
 from tiermoe.model.loader import load_hybrid_model
+from tiermoe.placement.kv_layout import kv_layout
 from tiermoe.testing.tiny_configs import tiny_config
 
 PROMPT_LENGTHS = (1, 6, 11, 3)  # mixed: a one-token prompt, and one past the tiny sliding window (8)
@@ -50,6 +52,7 @@ class ZooResult:
     batched_equals_alone: bool | None = None
     batched_equals_reference: bool | None = None
     engine_refused: str | None = None  # the engine's one-line error, when it refuses the model
+    kv_counted: bool | None = None  # tiermoe.placement.kv_layout's bytes are what the engine's pool holds
     released_rel_err: float | None = None  # the released layout's checkpoint, half placement
     released_error: str | None = None  # why tiermoe could not load the released layout
 
@@ -146,8 +149,24 @@ def _check_engine(hybrid, prompts: list[list[int]], expected: list[list[int]], r
         for p in prompts:
             alone.append(engine.add(p, greedy))
             engine.run_to_completion()
+        result.kv_counted = pool_bytes(engine.pool) == counted_bytes(kv_layout(hybrid.model.config, 4))
     finally:
         engine.close()
     batched = [s.output_ids for s in together]
     result.batched_equals_alone = batched == [s.output_ids for s in alone]
     result.batched_equals_reference = batched == expected
+
+
+def pool_bytes(pool) -> tuple[int, int, int]:
+    """(bytes per token of the full-attention pages, of the sliding-window pages, linear-attention state bytes per
+    sequence) the engine's KV pool holds, every layer reserved."""
+    pages = pool.pages
+    full = pages.bytes_per_token(None) if None in pages.num_pages else 0
+    sliding = sum(pages.bytes_per_token(w) for w in pages.num_pages if w is not None)
+    linear = pool.linear.nbytes() // pool.linear.num_slots if pool.linear is not None else 0
+    return full, sliding, linear
+
+
+def counted_bytes(layout) -> tuple[int, int, int]:
+    """The same three as `tiermoe fit` and the planner count them (tiermoe.placement.kv_layout)."""
+    return layout.full_per_token, layout.sliding_per_token, layout.linear_state
