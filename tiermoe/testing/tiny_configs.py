@@ -17,6 +17,7 @@ import re
 
 from transformers import AutoConfig
 
+from tiermoe.arch.unset_fields import with_moe_path
 from tiermoe.errors import TiermoeError
 
 MAX_LAYERS = 6
@@ -67,10 +68,7 @@ _DENSE_PREFIX = re.compile(r"^(first_k_dense_replace|num_dense_layers|num_dense_
 _LAYER_INDEX = re.compile(r"layer.*(index|_end|_start)|^max_window_layers$")
 _LAYER_OFFSET = re.compile(r"_layer_offset$")  # Jamba: attention at layer period * k + offset
 _LAYER_COUNT = ("num_hidden_layers", "num_layers")
-_MOE_SWITCH = re.compile(r"^(enable_moe|use_moe)\w*$")
 _TIED = (re.compile(r"head_dim$|^rotary_dim$"), re.compile(r"heads$"))
-# Fields a default may leave None that the MoE path needs: expert counts, top-k, groups, shared experts, head dim.
-_FILL_NONE = re.compile(r"experts|intermediate_size|^(n_group|topk_group|top_k_experts|head_dim)$")
 _TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
@@ -149,13 +147,11 @@ def _shrink_rope(params: dict) -> dict:
 
 def _shrink_scalars(fields: dict, layers: int | None) -> dict:
     default = dict(fields)
-    for key, value in list(fields.items()):
-        if value is None and _FILL_NONE.search(key):
-            fields[key] = _rule_value(key)  # an expert field a dense default leaves None
-        elif value is False and _MOE_SWITCH.match(key):
-            fields[key] = True
-        elif isinstance(value, int) and not isinstance(value, bool):
-            fields[key] = _shrink_value(key, value, layers)
+    filled, changed = with_moe_path(fields, _rule_value)  # expert fields a default leaves None, MoE switches on
+    for key, value in default.items():
+        if key not in changed and isinstance(value, int) and not isinstance(value, bool):
+            filled[key] = _shrink_value(key, value, layers)
+    fields.update(filled)
     _keep_ties(fields, default)
     return fields
 
