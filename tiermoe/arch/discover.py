@@ -21,14 +21,13 @@ from transformers import AutoModelForCausalLM
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from tiermoe.arch.experts_form import ExpertsForm, experts_form, fused_weight
+from tiermoe.arch.layer_caches import MIXER_NAMES, StateSize, kv_widths, linear_states
 from tiermoe.errors import TiermoeError
 
 # Config fields that give the routed experts per token, in the order families name them.
 _TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts", "moe_top_k")
 _TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "moe_topk")
 _EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-# Attention-like children of a decoder layer, whose class names the layer's kind (first found wins).
-_MIXER_NAMES = ("self_attn", "linear_attn", "attention", "attn", "mixer", "mamba", "conv", "short_conv")
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,8 @@ class Discovery:
     experts: ExpertsForm
     top_k: int
     layer_kinds: tuple[str, ...]  # per decoder layer: see layer_kinds
-    kv_widths: tuple[tuple[int | None, ...], ...] = ()  # per decoder layer: see kv_widths
+    kv_widths: tuple[tuple[int | None, ...], ...] = ()  # per decoder layer: tiermoe.arch.layer_caches.kv_widths
+    linear_states: tuple[StateSize | None, ...] = ()  # per decoder layer: tiermoe.arch.layer_caches.linear_states
 
     @property
     def shared_kind(self) -> str:
@@ -92,13 +92,15 @@ def _discover(cfg) -> Discovery:
         raise TiermoeError(f"{model_type} puts its MoE blocks at different places in different layers "
                            f"({sorted({p for p, _ in moe.values()})}); tiermoe expects one place")
     router_attr, router = _router(block, model_type)
+    kinds = layer_kinds(cfg, layers)
     shared = tuple(name for name, _ in block.named_children() if name not in ("experts", router_attr))
     return Discovery(
         model_class=type(model).__name__, num_layers=len(layers), moe_layers=tuple(sorted(moe)), moe_path=path,
         block_class=type(block).__name__, router_attr=router_attr, router_class=type(router).__name__,
         shared=shared, shared_intermediate_size=_shared_intermediate(block),
         experts=experts_form(block.experts, model_type), top_k=_top_k(cfg, block, router, model_type),
-        layer_kinds=layer_kinds(cfg, layers), kv_widths=kv_widths(layers))
+        layer_kinds=kinds, kv_widths=kv_widths(layers),
+        linear_states=linear_states(layers, kinds, cfg.get_text_config(decoder=True).hidden_size))
 
 
 def meta_skeleton(cfg) -> nn.Module:
@@ -172,7 +174,7 @@ def layer_kinds(cfg, layers: nn.ModuleList) -> tuple[str, ...]:
     sharing = getattr(text, "kv_sharing_modes", None) or [None] * len(types)
     kinds = []
     for layer, kind, mode in zip(layers, types, sharing):
-        mixer = next((c for n, c in layer.named_children() if n in _MIXER_NAMES), None)
+        mixer = next((c for n, c in layer.named_children() if n in MIXER_NAMES), None)
         if mode == "reuse":
             kind = "kv_shared"
         elif kind in ("linear_attention", "conv", "hybrid", "hybrid_sliding") and mixer is not None:
@@ -184,25 +186,3 @@ def layer_kinds(cfg, layers: nn.ModuleList) -> tuple[str, ...]:
             kind += "+sinks"
         kinds.append(kind)
     return tuple(kinds)
-
-
-def kv_widths(layers: nn.ModuleList) -> tuple[tuple[int | None, ...], ...]:
-    """Per decoder layer, per attention module in it (one, or each of a list: LongCat-Flash's two), the elements one
-    token adds to its cache as the engine's KV pool keeps them, read from the module: key and value widths
-    (`k_proj` + `v_proj` out features, so per-layer head counts and value head dims count as built), or for MLA the
-    latent and the roped key (`kv_a_proj_with_mqa`'s out features: tiermoe caches the latent). None where the
-    module does not show them (a fused qkv projection)."""
-    widths = []
-    for layer in layers:
-        attn = next((c for n, c in layer.named_children() if n in _MIXER_NAMES), None)
-        widths.append(tuple(_kv_width(a) for a in (attn if isinstance(attn, nn.ModuleList) else [attn])))
-    return tuple(widths)
-
-
-def _kv_width(attn: nn.Module | None) -> int | None:
-    mla, k, v = (getattr(attn, name, None) for name in ("kv_a_proj_with_mqa", "k_proj", "v_proj"))
-    if isinstance(mla, nn.Linear):
-        return mla.out_features
-    if isinstance(k, nn.Linear) and isinstance(v, nn.Linear):
-        return k.out_features + v.out_features
-    return None

@@ -1,6 +1,9 @@
-"""Linear-attention layers (Qwen3-Next's gated DeltaNet) in the ragged step: per-sequence state slots in the pool.
+"""Linear-attention layers in the ragged step: per-sequence state slots in the pool.
 
-A linear-attention layer keeps, per sequence, a conv state [C, K] and a recurrent state [H, dk, dv] instead of
+The modules served are those whose multi-token forward continues from the state it is handed
+(tiermoe.arch.layer_caches.CONTINUING_STATE_MODULES: Qwen3-Next's gated DeltaNet and its kin, Bailing's and Kimi's
+delta attention, Nemotron-H's Mamba-2). Such a layer keeps, per sequence, a conv state [C, K] and a recurrent state
+(gated DeltaNet's [H, dk, dv]; Mamba-2's [H, d_head, d_state]) instead of
 K/V per token. The pool reserves them once per layer for every sequence slot, twice (two banks): a step reads a
 sequence's committed bank and writes the other, and `commit` flips the bank of the sequences whose step
 succeeded. So a failed step leaves every state as it was (the engine re-runs parts of it), with no copy of the
@@ -21,6 +24,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from tiermoe.arch.layer_caches import CONTINUING_STATE_MODULES
 from tiermoe.layers.gated_delta_decode import decode_rows, decodes_in_place
 from tiermoe.layers.paged_attention import STEP_KWARG, PagedStepCache
 from tiermoe.layers.ragged_step import RowPart
@@ -169,7 +173,7 @@ def use_ragged_linear_attention(model) -> int:
     swapped = 0
     for module in model.modules():
         cls = type(module)
-        if cls.__name__.endswith("GatedDeltaNet") and not isinstance(module, RaggedLinearAttention):
+        if cls.__name__.endswith(CONTINUING_STATE_MODULES) and not isinstance(module, RaggedLinearAttention):
             module.__class__ = _ragged_class(cls)
             swapped += 1
     return swapped

@@ -3,11 +3,13 @@
 A layer kind is what tiermoe.arch.discover.layer_kinds reads from transformers: the cache layer type it gives the
 config, with the class of a linear-attention (state) module. The pool holds K/V pages for full and sliding-window
 attention (sinks and MLA included: transformers' MLA modules hand the cache whole keys and values), layers without
-attention, and per-sequence state slots for gated-DeltaNet linear attention (Qwen3-Next's layout,
-tiermoe.layers.linear_attention_slots). Any other kind (a Mamba or lightning-attention state, sparse-indexer,
-chunked or compressed attention, a layer that is both, K/V shared between layers) would be served wrongly by a
-pool that does not know it, so an engine over such a model is refused, naming the kind; the model itself still
-runs with transformers' own caches. Each kind the pool learns is its own change here.
+attention, and per-sequence state slots for the linear-attention modules whose multi-token forward continues from
+the state it is handed (tiermoe.arch.layer_caches.CONTINUING_STATE_MODULES: the gated DeltaNets, Bailing's and
+Kimi's delta attention, Nemotron-H's Mamba-2; tiermoe.layers.linear_attention_slots). Any other kind (Jamba's
+Mamba or MiniMax's lightning state, sparse-indexer, chunked or compressed attention, a layer that is both, K/V
+shared between layers) would be served wrongly by a pool that does not know it, so an engine over such a model is
+refused, naming the kind; the model itself still runs with transformers' own caches. Each kind the pool learns is
+its own change here.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from __future__ import annotations
 from torch import nn
 
 from tiermoe.arch.discover import layer_kinds
+from tiermoe.arch.layer_caches import CONTINUING_STATE_MODULES
 
 PAGED = ("full_attention", "sliding_attention", "dummy")  # "dummy": no attention in the layer
-STATE_MODULES = ("GatedDeltaNet",)  # linear-attention modules whose states the pool's slots hold (class suffix)
 
 
 def pool_lacks(kind: str) -> bool:
@@ -26,7 +28,7 @@ def pool_lacks(kind: str) -> bool:
     cache, _, module = base.partition(":")
     if cache in PAGED:
         return False
-    return not (cache == "linear_attention" and module.endswith(STATE_MODULES))
+    return not (cache == "linear_attention" and module.endswith(CONTINUING_STATE_MODULES))
 
 
 def check_pool_kinds(model: nn.Module) -> None:

@@ -7,9 +7,10 @@ architecture of the installed transformers, in the zoo):
 - full attention (DynamicLayer; tiermoe's MLA latent layer): every token of every sequence;
 - sliding window (DynamicSlidingWindowLayer, GPT-OSS): the last sliding_window - 1 tokens of each sequence (the
   layer that is running holds its new chunk on top, transiently);
-- linear attention (LinearAttentionLayer, Qwen3-Next's gated DeltaNet): per sequence, whatever its length, a conv
-  state [conv_dim, linear_conv_kernel_dim] in the compute dtype and a recurrent state [linear_num_value_heads,
-  linear_key_head_dim, linear_value_head_dim] in fp32 (the delta rule runs in fp32 whatever the compute dtype),
+- linear attention (LinearAttentionLayer: Qwen3-Next's gated DeltaNet and the other modules the pool holds,
+  tiermoe.arch.layer_caches.CONTINUING_STATE_MODULES): per sequence, whatever its length, a conv state in the
+  compute dtype and a recurrent state, in fp32 where the module keeps it so (the delta rule runs in fp32 whatever
+  the compute dtype), their shapes what the module hands its cache (tiermoe.arch.layer_caches.linear_states),
   twice: the pool keeps two banks per sequence, so a failed step leaves the state it read
   (tiermoe.layers.linear_attention_slots).
 Layers of a kind the engine's pool does not hold (tiermoe.layers.pool_kinds: the engine refuses such a model) are
@@ -22,14 +23,13 @@ from dataclasses import dataclass
 
 from tiermoe.arch import text_config
 from tiermoe.arch.discover import discover
+from tiermoe.arch.layer_caches import CONTINUING_STATE_MODULES
 from tiermoe.errors import TiermoeError
 
 FULL_LAYERS = ("full_attention",)
 SLIDING_LAYERS = ("sliding_attention",)
 LINEAR_LAYERS = ("linear_attention",)
-LINEAR_STATE_MODULES = ("GatedDeltaNet",)  # the linear-attention modules whose states the pool holds (class suffix)
 NO_CACHE_LAYERS = ("dummy",)
-RECURRENT_STATE_BYTES = 4  # fp32
 LINEAR_STATE_BANKS = 2  # tiermoe.layers.linear_attention_slots.BANKS
 
 
@@ -79,7 +79,7 @@ def layer_kinds(cfg) -> list[str]:
         cache, _, module = kind.split("+")[0].partition(":")
         if cache in FULL_LAYERS or cache in SLIDING_LAYERS:
             kinds.append("full" if cache in FULL_LAYERS else "sliding")
-        elif cache in LINEAR_LAYERS and module.endswith(LINEAR_STATE_MODULES):
+        elif cache in LINEAR_LAYERS and module.endswith(CONTINUING_STATE_MODULES):
             kinds.append("linear")
         else:
             kinds.append("none" if cache in NO_CACHE_LAYERS else kind.split("+")[0])
@@ -106,14 +106,12 @@ def _config_width(cfg, layer: int) -> int:
 
 
 def linear_state_bytes(cfg, dtype_bytes: int) -> int:
-    """One linear-attention layer's state per sequence (Qwen3-Next's gated DeltaNet), both banks."""
-    try:
-        k_heads, v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        k_dim, v_dim, kernel = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
-    except AttributeError as err:
-        raise TiermoeError(f"linear-attention layers of an unknown kind ({err}); tiermoe counts Qwen3-Next's") from None
-    conv_dim = 2 * k_heads * k_dim + v_heads * v_dim  # q, k and v go through the causal conv together
-    return LINEAR_STATE_BANKS * (conv_dim * kernel * dtype_bytes + v_heads * k_dim * v_dim * RECURRENT_STATE_BYTES)
+    """The linear-attention layers' states per sequence, together, both banks."""
+    found, kinds = discover(cfg), layer_kinds(cfg)
+    sizes = [found.linear_states[i] for i, kind in enumerate(kinds) if kind == "linear"]
+    if any(size is None for size in sizes):
+        raise TiermoeError(f"{cfg.model_type}: tiermoe cannot read the state its linear-attention layers keep")
+    return LINEAR_STATE_BANKS * sum(size.nbytes(dtype_bytes) for size in sizes)
 
 
 def kv_layout(cfg, dtype_bytes: int) -> KVLayout:
@@ -130,7 +128,7 @@ def kv_layout(cfg, dtype_bytes: int) -> KVLayout:
         full_per_token=sum(b for b, k in zip(per_layer, kinds) if k == "full"),
         sliding_per_token=sum(per_layer[i] for i in sliding),
         sliding_tokens=max(0, max(windows) - 1) if sliding else 0,
-        linear_state=linear * linear_state_bytes(cfg, dtype_bytes) if linear else 0,
+        linear_state=linear_state_bytes(cfg, dtype_bytes) if linear else 0,
         uncounted=tuple(dict.fromkeys(k for k in kinds if k not in ("full", "sliding", "linear", "none"))),
     )
 
