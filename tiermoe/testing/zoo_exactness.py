@@ -53,6 +53,7 @@ class ZooResult:
     batched_equals_reference: bool | None = None
     engine_refused: str | None = None  # the engine's one-line error, when it refuses the model
     kv_counted: bool | None = None  # tiermoe.placement.kv_layout's bytes are what the engine's pool holds
+    engine_error: str | None = None  # the first error a sequence ended with (a step that failed inside the engine)
     released_rel_err: float | None = None  # the released layout's checkpoint, half placement
     released_error: str | None = None  # why tiermoe could not load the released layout
 
@@ -152,6 +153,7 @@ def _check_engine(hybrid, prompts: list[list[int]], expected: list[list[int]], r
         result.kv_counted = pool_bytes(engine.pool) == counted_bytes(kv_layout(hybrid.model.config, 4))
     finally:
         engine.close()
+    result.engine_error = next((s.error for s in together + alone if s.finish_reason == "error"), None)
     batched = [s.output_ids for s in together]
     result.batched_equals_alone = batched == [s.output_ids for s in alone]
     result.batched_equals_reference = batched == expected
