@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiermoe.arch import text_config
-from tiermoe.arch.discover import discover
+from tiermoe.arch.discover import Discovery, discover
 from tiermoe.arch.layer_caches import CONTINUING_STATE_MODULES
 from tiermoe.errors import TiermoeError
 
@@ -71,11 +71,11 @@ class KVLayout:
         return ", ".join(parts)
 
 
-def layer_kinds(cfg) -> list[str]:
-    """One cache kind per decoder layer of the text config `cfg`: "full", "sliding", "linear", "none", or the
-    discovered kind (tiermoe.arch.discover.layer_kinds) where the engine's pool does not hold it."""
+def layer_kinds(found: Discovery) -> list[str]:
+    """One cache kind per decoder layer: "full", "sliding", "linear", "none", or the discovered kind
+    (tiermoe.arch.discover.layer_kinds) where the engine's pool does not hold it."""
     kinds = []
-    for kind in discover(cfg).layer_kinds:
+    for kind in found.layer_kinds:
         cache, _, module = kind.split("+")[0].partition(":")
         if cache in FULL_LAYERS or cache in SLIDING_LAYERS:
             kinds.append("full" if cache in FULL_LAYERS else "sliding")
@@ -86,31 +86,32 @@ def layer_kinds(cfg) -> list[str]:
     return kinds
 
 
-def attention_bytes_per_token(cfg, dtype_bytes: int, layer: int | None = None) -> int:
-    """One attention layer's cache bytes per token (`layer`'s, or the first attention layer's; a layer with several
-    attention modules, LongCat-Flash's, counts them all): K and V widths as its modules are built (MLA, DeepSeek
-    V2/V3 and the families that share it: the latent shared by all heads and the roped key, kv_lora_rank +
-    qk_rope_head_dim, as tiermoe caches it), else from the layer's config (key/value heads x head dim, K and V)."""
-    found = discover(cfg)
-    if layer is None:
-        layer = next((i for i, k in enumerate(layer_kinds(cfg)) if k in ("full", "sliding")), 0)
+def attention_bytes_per_token(found: Discovery, cfg, dtype_bytes: int, layer: int) -> int:
+    """Attention layer `layer`'s cache bytes per token (a layer with several attention modules, LongCat-Flash's,
+    counts them all): K and V widths as its modules are built (MLA, DeepSeek V2/V3 and the families that share it:
+    the latent shared by all heads and the roped key, kv_lora_rank + qk_rope_head_dim, as tiermoe caches it), else
+    from the layer's config (key/value heads x head dim, K and V)."""
     widths = found.kv_widths[layer] if layer < len(found.kv_widths) else (None,)
     return sum((w if w is not None else _config_width(cfg, layer)) * dtype_bytes for w in widths)
 
 
+def _layer_config(cfg, layer: int):
+    """`layer`'s view of the config (its own values where the config is heterogeneous, Gemma-4's head dims)."""
+    return cfg.per_layer_config[layer] if getattr(cfg, "per_layer_config", None) is not None else cfg
+
+
 def _config_width(cfg, layer: int) -> int:
-    per_layer = cfg.per_layer_config[layer] if getattr(cfg, "per_layer_config", None) is not None else cfg
+    per_layer = _layer_config(cfg, layer)
     heads = getattr(per_layer, "num_attention_heads", None)
     head_dim = getattr(per_layer, "head_dim", None) or per_layer.hidden_size // heads
     return 2 * (getattr(per_layer, "num_key_value_heads", None) or heads) * head_dim
 
 
-def linear_state_bytes(cfg, dtype_bytes: int) -> int:
+def linear_state_bytes(found: Discovery, kinds: list[str], dtype_bytes: int) -> int:
     """The linear-attention layers' states per sequence, together, both banks."""
-    found, kinds = discover(cfg), layer_kinds(cfg)
     sizes = [found.linear_states[i] for i, kind in enumerate(kinds) if kind == "linear"]
     if any(size is None for size in sizes):
-        raise TiermoeError(f"{cfg.model_type}: tiermoe cannot read the state its linear-attention layers keep")
+        raise TiermoeError("tiermoe cannot read the state this model's linear-attention layers keep")
     return LINEAR_STATE_BANKS * sum(size.nbytes(dtype_bytes) for size in sizes)
 
 
@@ -118,24 +119,19 @@ def kv_layout(cfg, dtype_bytes: int) -> KVLayout:
     """The cache bytes of `cfg`'s language model (its nested text config where it has one) in a compute dtype of
     `dtype_bytes` bytes."""
     cfg = text_config(cfg)
-    kinds = layer_kinds(cfg)
-    per_layer = [attention_bytes_per_token(cfg, dtype_bytes, i) if k in ("full", "sliding") else 0
+    found = discover(cfg)
+    kinds = layer_kinds(found)
+    per_layer = [attention_bytes_per_token(found, cfg, dtype_bytes, i) if k in ("full", "sliding") else 0
                  for i, k in enumerate(kinds)]
     sliding = [i for i, k in enumerate(kinds) if k == "sliding"]
-    windows = [_sliding_window(cfg, i) for i in sliding]
-    linear = kinds.count("linear")
+    windows = [getattr(_layer_config(cfg, i), "sliding_window", None) or cfg.sliding_window for i in sliding]
     return KVLayout(
         full_per_token=sum(b for b, k in zip(per_layer, kinds) if k == "full"),
         sliding_per_token=sum(per_layer[i] for i in sliding),
         sliding_tokens=max(0, max(windows) - 1) if sliding else 0,
-        linear_state=linear_state_bytes(cfg, dtype_bytes) if linear else 0,
+        linear_state=linear_state_bytes(found, kinds, dtype_bytes) if "linear" in kinds else 0,
         uncounted=tuple(dict.fromkeys(k for k in kinds if k not in ("full", "sliding", "linear", "none"))),
     )
-
-
-def _sliding_window(cfg, layer: int) -> int:
-    per_layer = cfg.per_layer_config[layer] if getattr(cfg, "per_layer_config", None) is not None else cfg
-    return getattr(per_layer, "sliding_window", None) or cfg.sliding_window
 
 
 def kv_cache_bytes(cfg, dtype_bytes: int, tokens: int, sequences: int) -> int:
