@@ -21,6 +21,7 @@ from tiermoe.server.app import create_app
 from tiermoe.server.decode_log import DecodeLog
 from tiermoe.server.engine_service import EngineService
 from tiermoe.server.expert_metrics import ExpertLoadCounter
+from tiermoe.server.gc_freeze import freeze_startup_heap
 from tiermoe.server.idle_connections import idle_closing_h11
 from tiermoe.server.metrics import ServerMetrics
 from tiermoe.server.state import ServerState
@@ -118,6 +119,7 @@ def serve(state) -> None:
     quiet = _QuietAfterForcedStop(server)
     uvicorn_log = logging.getLogger("uvicorn.error")
     uvicorn_log.addFilter(quiet)
+    freeze_startup_heap()  # the model, its tokenizer and the app are built: collections while serving skip them
     try:
         server.run()
     finally:

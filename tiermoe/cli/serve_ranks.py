@@ -25,6 +25,7 @@ from tiermoe.cli.serve_http import build_state, serve
 from tiermoe.distributed.group import RankEnv, RankFailure, RankGroup, rank_device
 from tiermoe.distributed.launch import free_port, rank_env, reap, spawn_ranks
 from tiermoe.distributed.rank_model import RankModel
+from tiermoe.server.gc_freeze import freeze_startup_heap
 
 # Never on a child's command line: any user can read it (`ps`). Only rank 0 serves HTTP, so the other ranks need
 # no key at all (nor the file it is in).
@@ -114,6 +115,7 @@ def serve_rank(args, env: RankEnv, on_group=None) -> int:
                          cpu=cpu_from_args(args), page_size=args.page_size,
                          prefix_cache=not args.no_prefix_cache, attention_backend=args.attention_backend) as ranked:
         if not leads:
+            freeze_startup_heap()  # a collection here stalls every rank's step, as on rank 0
             ranked.follow()
             return 0
         state = build_state(args, ranked.llm)
