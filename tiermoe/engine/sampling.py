@@ -164,10 +164,29 @@ def new_generator(seed: int | None) -> torch.Generator:
 
 
 def sample(logits_V: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    """Next token id from one position's logits [V]."""
+    """Next token id from one position's logits [V]. A seeded request draws with torch.multinomial, so its tokens
+    stay what they always were; an unseeded one by an inverse transform (`_inverse_transform`), the same
+    distribution at a tenth of the cost."""
     if params.greedy:
         return int(torch.argmax(logits_V.float().cpu()))
-    return int(torch.multinomial(_kept_mass(logits_V, params), 1, generator=gen))
+    kept_V = _kept_mass(logits_V, params)
+    if params.seed is None:
+        return _inverse_transform(kept_V, gen)
+    return int(torch.multinomial(kept_V, 1, generator=gen))
+
+
+def _inverse_transform(kept_V: torch.Tensor, gen: torch.Generator) -> int:
+    """One draw from the unnormalised masses kept_V [V] with ONE uniform number: the first token whose cumulative
+    mass (in fp64) passes u x the total, so a token of mass 0 is never drawn. torch.multinomial draws V exponential
+    numbers for one sample (its Gumbel-max form): 3-7 ms for a 152k vocabulary on a CPU, on the engine thread, for
+    every sampled row of every step, which made each step of greedy streams beside a few sampled ones 1.5-2x as
+    long; this costs about 0.3 ms. FlashInfer's samplers (SGLang's) are inverse transforms too."""
+    cdf_V = torch.cumsum(kept_V, 0, dtype=torch.float64)
+    total = cdf_V[-1]
+    if not 0 < total < math.inf:  # what multinomial refuses: no mass, or NaN / inf in it
+        raise TiermoeError(f"cannot sample: the kept probabilities sum to {float(total)}")
+    u = torch.rand(1, generator=gen, dtype=torch.float64) * total
+    return int(torch.searchsorted(cdf_V, u, right=True).clamp_(max=len(cdf_V) - 1))
 
 
 def probabilities(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
