@@ -1,7 +1,7 @@
 """The engine's capacity is shared fairly (issue: serving under hostile load): a step's prefill budget (a new short
 prompt is not held behind a long one, the long one still advances, the budget is used whole; a scored prompt feeds
-a bounded number of rows a step), and the running slots (a request with none running gets one from a batch holding
-more than its share)."""
+what the decode rows leave of a step's rows of logits, at least a floor), and the running slots (a request with none
+running gets one from a batch holding more than its share)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from tiermoe.engine.fair_share import (
-    SCORED_ROWS_PER_STEP,
+    SCORED_ROWS_FLOOR,
     request_over_share,
+    scored_rows_budget,
     share_prefill_budget,
 )
 from tiermoe.engine.llm import LLM
@@ -92,13 +93,41 @@ def test_a_lone_request_starts_beside_a_batch_holding_every_slot_and_both_stay_e
         assert lone.output_ids == alone[6].token_ids[:3]
 
 
-def test_a_scored_prompt_feeds_a_bounded_number_of_rows_a_step(tiny_dir):
-    with LLM(tiny_dir("qwen3_moe"), dtype=torch.float32, prefill_chunk=64, progress=False) as llm:
+@pytest.mark.parametrize("decode_rows, max_running, rows", [
+    (0, 32, 32),  # nothing else runs: a whole batch of rows
+    (20, 32, 12),
+    (31, 32, SCORED_ROWS_FLOOR),  # the decode rows leave one: the floor
+    (0, 4, SCORED_ROWS_FLOOR),
+])
+def test_scored_rows_are_what_the_decode_rows_leave_of_a_full_batch_at_least_the_floor(decode_rows, max_running,
+                                                                                       rows):
+    assert scored_rows_budget(decode_rows, max_running) == rows
+
+
+def _scored_rows_per_step(engine, prompt: list[int]) -> tuple[list[int], list]:
+    scored = engine.add(prompt, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    fed = []
+    while scored.prefilling:
+        before = scored.num_fed
+        engine.step()
+        fed.append(scored.num_fed - before)
+    while engine.has_work():
+        engine.step()
+    return fed, scored.prompt_logprobs
+
+
+def test_a_scored_prompt_feeds_the_rows_decodes_leave_and_scores_the_same(tiny_dir):
+    prompt = list(range(3, 60))
+    with LLM(tiny_dir("qwen3_moe"), dtype=torch.float32, max_running=12, prefill_chunk=64, progress=False) as llm:
         engine = llm.engine
-        scored = engine.add(list(range(3, 60)), SamplingParams(max_tokens=1, prompt_logprobs=1))
-        fed = []
-        while scored.prefilling:
-            before = scored.num_fed
-            engine.step()
-            fed.append(scored.num_fed - before)
-        assert max(fed) == SCORED_ROWS_PER_STEP and sum(fed) >= 56  # on the parent: one chunk of 57
+        alone, scores_alone = _scored_rows_per_step(engine, prompt)
+        # on the parent: 16 rows a step (SCORED_ROWS_PER_STEP) whatever else ran
+        assert alone[:-1] == [12] * (len(alone) - 1)  # no decode rows: a whole batch of rows a step
+        decoding = [engine.add([5 + i, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True)) for i in range(10)]
+        engine.step()  # their prompts: from now on 10 decode rows a step
+        beside, scores_beside = _scored_rows_per_step(engine, prompt)
+        assert beside[:-1] == [SCORED_ROWS_FLOOR] * (len(beside) - 1) and sum(beside) == len(prompt)
+        assert all(len(seq.output_ids) == 30 for seq in decoding)
+    # the same positions scored alike (other rows in the step change the products' summation order only)
+    assert [[i for i, _ in s.top] for s in scores_beside] == [[i for i, _ in s.top] for s in scores_alone]
+    assert [s.logprob for s in scores_beside] == pytest.approx([s.logprob for s in scores_alone], abs=1e-5)

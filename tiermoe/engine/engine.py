@@ -53,7 +53,7 @@ import torch
 
 from tiermoe.config import DEFAULT_PAGE_SIZE, MAX_RUNNING_REQUESTS
 from tiermoe.engine.device_errors import device_lost, sticky_device_error
-from tiermoe.engine.fair_share import SCORED_ROWS_PER_STEP, request_over_share, share_prefill_budget
+from tiermoe.engine.fair_share import request_over_share, scored_rows_budget, share_prefill_budget
 from tiermoe.engine.incremental_text import IncrementalText, find_stop
 from tiermoe.engine.kv_pool import KVPool
 from tiermoe.engine.logits_processing import LogitsAdjuster
@@ -251,8 +251,11 @@ class Engine:
         """This step's (sequence, tokens to feed): every decode, and prompt chunks within the prefill budget; each
         with its pages reserved (preempting the most recently admitted sequences when the pool is full)."""
         prefilling = [seq for seq in self.running if seq.prefilling]
-        needs = [min(seq.num_tokens - seq.num_fed, SCORED_ROWS_PER_STEP) if seq.scores_prompt else
-                 seq.num_tokens - seq.num_fed for seq in prefilling]
+        scoring = [seq for seq in prefilling if seq.scores_prompt]
+        rows = share_prefill_budget([seq.num_tokens - seq.num_fed for seq in scoring],  # rows of logits: decode-first
+                                    scored_rows_budget(len(self.running) - len(prefilling), self.config.max_running))
+        rows_of = {seq.seq_id: n for seq, n in zip(scoring, rows)}
+        needs = [rows_of.get(seq.seq_id, seq.num_tokens - seq.num_fed) for seq in prefilling]
         shares = share_prefill_budget(needs, self.config.prefill_chunk)
         share_of = {seq.seq_id: share for seq, share in zip(prefilling, shares)}
         drafts = self._drafts(self.config.prefill_chunk - sum(shares), sum(shares))

@@ -1,10 +1,11 @@
 """How the engine's capacity is shared fairly among requests: a step's prefill budget among the prompts being
 prefilled, and the running slots among requests.
 
-The prefill budget (--chunked-prefill-size tokens a step). Given oldest first, the whole budget went to the oldest prompt: behind an 8k-token prompt a new request's first
-token waited for all 16 of its 512-token chunks (0.1 s became 4.9 s). Shared max-min fairly, every prompt gets an
-equal share each step and what a short prompt does not need goes to the others: a new short prompt is prefilled in
-the next step, a long one still advances by at least budget / prompts per step, and the budget is used whole.
+The prefill budget (--chunked-prefill-size tokens a step). Given oldest first, the whole budget went to the oldest
+prompt: behind an 8k-token prompt a new request's first token waited for all 16 of its 512-token chunks (0.1 s became
+4.9 s). Shared max-min fairly, every prompt gets an equal share each step and what a short prompt does not need goes
+to the others: a new short prompt is prefilled in the next step, a long one still advances by at least budget /
+prompts per step, and the budget is used whole.
 
 The running slots (--max-running-requests). Waiting sequences are admitted round-robin across requests, but only
 as slots free: a batch of 80 prompts admitted while the server was quiet held all 32 slots, and a lone request's
@@ -13,9 +14,14 @@ than its fair share (the slots over the requests running or waiting) gives one s
 waits with none running: that sequence is preempted (it recomputes its K/V later, the prefix cache keeping most of
 its prompt), the newcomer starts within a step, and the batch keeps its share.
 
-Prompt scoring (echo + logprobs) computes the whole vocabulary's logits for every prompt row: 2-3 ms a row for a
-152k vocabulary on a CPU, so a 512-row chunk stalled every other sequence's next token for 0.8-1.4 s. A prompt
-being scored feeds at most SCORED_ROWS_PER_STEP rows a step.
+Prompt scoring (echo + logprobs) computes the whole vocabulary's logits for every prompt row, then their
+log-softmax and top-k: on a CPU that is what a step's cost grows with (1.3 ms a decode row, 1.8 ms a scored row for a
+152k vocabulary, measured), so a 512-row chunk stalled every other sequence's next token for 0.8-1.4 s, and even 16
+rows a step beside 31 decode rows made each step 1.7x as long as the decode rows alone. So the rows of logits a step
+computes are a budget shared decode-first (as vLLM and SGLang share a step's token budget between decodes and prefill
+chunks): the prompts being scored get what the decode rows leave of --max-running-requests rows, and at least
+SCORED_ROWS_FLOOR a step between them, so a scored prompt always advances (4k tokens in 512 steps at the floor) and
+goes fast when the server has little else to do.
 """
 
 from __future__ import annotations
@@ -23,7 +29,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Iterable
 
-SCORED_ROWS_PER_STEP = 16  # ~40 ms of log-softmax and top-k a step for a 152k vocabulary on a desktop CPU
+SCORED_ROWS_FLOOR = 8  # ~15 ms a step for a 152k vocabulary on a desktop CPU
+
+
+def scored_rows_budget(decode_rows: int, max_running: int) -> int:
+    """Prompt rows to score this step, over all the prompts being scored: what `decode_rows` leave of
+    `max_running` rows of logits, at least SCORED_ROWS_FLOOR."""
+    return max(SCORED_ROWS_FLOOR, max_running - decode_rows)
 
 
 def share_prefill_budget(needs: list[int], budget: int) -> list[int]:
