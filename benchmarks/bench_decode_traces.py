@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--traces", default="qwen,gptoss")
     ap.add_argument("--profiles", default="rtx4090,h200")
     args = ap.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     for name in args.traces.split(","):
         for profile in args.profiles.split(","):
             path = Path(args.out) / f"decode_{name}_{profile}.json"

@@ -64,12 +64,12 @@ def main() -> None:
     results = [("transformers fp32", "-", mean_loss(reference, rows))]
     del reference
     for backend in args.backends.split(","):
-        for fmt in args.formats.split(","):
-            if backend == "torch" and fmt != "bf16":
-                continue  # the torch backend keeps the checkpoint's dtype
+        # the torch backend stores no format of its own: it computes in the dtype the model is loaded in (fp32)
+        for fmt in ["fp32"] if backend == "torch" else args.formats.split(","):
             t0 = time.perf_counter()
+            expert_dtype = None if backend == "torch" else fmt
             hybrid = load_hybrid_model(model_dir, None, dtype=torch.float32, progress=False,
-                                       cpu=CPUConfig(backend=backend, expert_dtype=fmt))
+                                       cpu=CPUConfig(backend=backend, expert_dtype=expert_dtype))
             loss = mean_loss(hybrid, rows)
             hybrid.close()
             results.append((f"tiermoe {backend}", fmt, loss))

@@ -251,6 +251,14 @@ def test_carried_wheels_install_offline_first_on_the_path(tmp_path):
     assert "gguf 0.19.0.post99" not in own and "gguf 0.19.0.post99" in used
 
 
+def test_importing_the_command_line_module_starts_no_run():
+    """The environment check imports every tiermoe module, `python -m tiermoe.analysis.gpu_check`'s own included:
+    imported, it must not start a run (here it would print the plan)."""
+    code = "import sys; sys.argv = ['gpu_check', '--dry-run']; import tiermoe.analysis.gpu_check.__main__"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and not done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+
+
 def test_every_check_rehearses_with_the_gpu_tier_on_the_cpu_device(tmp_path):
     """--rehearse runs each check's code on tiny models (the one GPU run must not be the first time it runs)."""
     done = script("--rehearse", "--in-process", out=tmp_path, wheels=tmp_path / "none", timeout=600)

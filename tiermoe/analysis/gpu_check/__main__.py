@@ -4,4 +4,6 @@ import sys
 
 from tiermoe.analysis.gpu_check.main import main
 
-sys.exit(main())
+# guarded: the environment check imports every tiermoe module, this one included, and must not start a run
+if __name__ == "__main__":
+    sys.exit(main())
