@@ -10,10 +10,10 @@
 # Prints one line per run (name; ok, "ok, a goal missed", failed, timeout or skipped; seconds); its output is in
 # scratch/reduced/<name>.log and whatever it writes (tables, JSON, plots, made checkpoints) under scratch/reduced/,
 # which git ignores; nothing is written to benchmarks/results/. Made checkpoints are kept for the next run
-# (scratch/reduced/models/, a few GB; delete scratch/reduced/ to free the space). A run that needs what this
-# machine lacks runs its peer-less or CPU form where the benchmark has one (--no-llama-cpp, no kt-kernel backend, the
-# GPU check rehearsed on the CPU), else is listed as skipped with the reason. The other packages the benchmarks use
-# come with the test environment (pip install -e '.[test]': prompt data, tokenizers, PEFT / TRL, llguidance).
+# (about 18 GB; delete scratch/reduced/ to free the space). A run that needs what this machine lacks runs its
+# peer-less or CPU form where the benchmark has one (--no-llama-cpp, no kt-kernel backend, the GPU check rehearsed on
+# the CPU), else is listed as skipped with the reason. The other packages the benchmarks use come with the test
+# environment (pip install -e '.[test]': prompt data, tokenizers, PEFT / TRL, llguidance).
 # Environment: PYTHON (default .venv/bin/python if any, else python3), REDUCED_TIMEOUT_S (the most one run may take,
 # default 900). Exit status: 0 when no run failed or timed out, 1 otherwise, 2 on bad arguments.
 set -euo pipefail
