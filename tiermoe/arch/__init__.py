@@ -1,19 +1,21 @@
-"""Architecture detection: a checkpoint's config.json -> ArchSpec, discovered from transformers' own modules."""
+"""Architecture detection: a checkpoint's config.json -> ArchSpec, discovered from transformers' own modules.
+
+transformers is imported by the functions that read a config or build modules, not by this package: `ArchSpec`
+and the rest of `tiermoe.arch` are imported by commands that only plan or read statistics (`tiermoe place
+--num-layers ...`, `tiermoe stats`), which then start without transformers' import (a second or more).
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from transformers import AutoConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
 from tiermoe.arch.derive import spec_of
 from tiermoe.arch.discover import discover
 from tiermoe.arch.gguf_config import config_fields_from_gguf
 from tiermoe.arch.spec import ArchSpec, ExpertDiskLayout
 from tiermoe.arch.tuned import TUNED
-from tiermoe.arch.zoo import defines_experts
+from tiermoe.arch.zoo import causal_lm_types, defines_experts
 from tiermoe.checkpoint.gguf_reader import GGUFFiles
 from tiermoe.errors import TiermoeError
 
@@ -36,7 +38,7 @@ def text_config(cfg):
     """The config that describes the language model: `cfg` itself, or its nested `text_config` (a composite
     config, e.g. a vision-language wrapper, whose text part is a causal LM of its own)."""
     nested = getattr(cfg, "text_config", None)
-    if nested is not None and getattr(nested, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if nested is not None and getattr(nested, "model_type", None) in causal_lm_types():
         return nested
     return cfg
 
@@ -49,7 +51,7 @@ def detect(cfg) -> ArchSpec:
     """
     cfg = text_config(cfg)
     model_type = getattr(cfg, "model_type", None)
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if model_type not in causal_lm_types():
         raise TiermoeError(f"'{model_type}' is an unsupported model_type (not a causal LM of transformers "
                            f"{_transformers_release()}); {_runs()}")
     if model_type not in TUNED and not defines_experts(model_type):
@@ -69,6 +71,8 @@ def load_gguf_config(path: str | Path):
     """The transformers config of a GGUF model (one file, or a directory of split files), from its metadata.
 
     GGUF weights are converted at load, so the compute dtype is bf16 unless the caller asks for another."""
+
+    from transformers import AutoConfig
 
     files = GGUFFiles(path)
     fields = config_fields_from_gguf(files.metadata, set(files.tensors))
@@ -94,10 +98,12 @@ def load_config(model_dir: str | Path):
         raise TiermoeError(f"{config_file} is not valid JSON ({err})") from None
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise TiermoeError(f"{config_file} has no 'model_type'; expected a transformers config")
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (ValueError, KeyError, TypeError) as err:
         model_type = raw.get("model_type")
-        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        if model_type not in causal_lm_types():
             raise TiermoeError(f"'{model_type}' is an unsupported model_type; {_runs()}") from None
         raise TiermoeError(f"{config_file} could not be read as a {model_type} config: {err}") from None

@@ -8,6 +8,8 @@ holds, how they compute (`_apply_gate`, `act_fn`) and what each layer attends wi
 transformers gives the config). Routing and the block's arithmetic stay the model's own code at run time; only
 what a spec needs is read here; how the experts compute, and how their block calls them, is read by
 tiermoe.arch.experts_form. Legend: E experts, H hidden, I expert intermediate size, K top-k.
+transformers' modules are imported by the functions that build or read them (their import takes seconds, and
+tiermoe.arch is imported by commands that never build a model).
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
-from transformers.cache_utils import get_layer_types_and_kwargs
 
 from tiermoe.arch.experts_form import ExpertsForm, experts_form, fused_weight
 from tiermoe.arch.layer_caches import MIXER_NAMES, StateSize, kv_widths, linear_states
@@ -105,6 +105,8 @@ def _discover(cfg) -> Discovery:
 
 def meta_skeleton(cfg) -> nn.Module:
     """transformers' causal LM for `cfg` with every parameter on the meta device (a copy of cfg is used)."""
+    from transformers import AutoModelForCausalLM
+
     try:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(copy.deepcopy(cfg))
@@ -169,6 +171,8 @@ def layer_kinds(cfg, layers: nn.ModuleList) -> tuple[str, ...]:
     sliding_attention, chunked_attention, indexed_attention, linear_attention, conv, hybrid, ... ; "dummy": no
     attention, or K/V shared from another layer), with the class of a linear-attention (state) module after a
     colon and "+mla" / "+sinks" where the attention has them."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
     text = cfg.get_text_config(decoder=True)
     types, _ = get_layer_types_and_kwargs(text)
     sharing = getattr(text, "kv_sharing_modes", None) or [None] * len(types)

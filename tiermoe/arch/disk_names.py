@@ -13,8 +13,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
 # A per-expert source pattern: `...experts.*.<projection>.weight`
 _PER_EXPERT = re.compile(r"experts\.\*\.(\w+)\.weight$")
 _LITERAL = re.compile(r"^[\w.]+$")
@@ -29,6 +27,10 @@ class ReleasedNames:
 
 def released_names(model_type: str) -> ReleasedNames:
     """What transformers' conversion mapping of `model_type` says about its released checkpoint names."""
+    # imported here: transformers' conversion mapping imports its model loading (seconds), and tiermoe.arch is
+    # imported by commands that never read a checkpoint
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
     try:
         mapping = get_checkpoint_conversion_mapping(model_type) or []
     except (KeyError, ValueError, TypeError):

@@ -6,22 +6,20 @@ native kernel has where it is exactly SiLU-GLU or GPT-OSS's clamped SwiGLU (chec
 own. Two modules outside the interface are read too (tiermoe.arch.spec.EXPERTS_CALLS): one whose own forward works
 around the interface's call (Ergo: a learned norm per expert on each route's output), and one called with every
 expert's copy of every token, scaled by the router (Llama-4), whose arithmetic is checked on numbers.
-Legend: E experts, H hidden, I expert intermediate size.
+Legend: E experts, H hidden, I expert intermediate size. transformers' interface and activations are imported by
+the functions that read a module (transformers.integrations.moe imports transformers' model loading, seconds, and
+tiermoe.arch is imported by commands that never build a model).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.activations import SiLUActivation
-from transformers.integrations.moe import (
-    _default_apply_gate,
-    use_experts_implementation,
-)
 
 from tiermoe.errors import TiermoeError
 
@@ -85,14 +83,17 @@ def interface_class(cls: type) -> type | None:
     """The class of `cls`'s MRO whose forward is transformers' experts interface (the decorator's, which keeps the
     class's own as `__wrapped__`): `cls` itself, a base whose call `cls`'s own forward works around, or None."""
     for klass in cls.__mro__:
-        if getattr(klass.__dict__.get("forward"), "__code__", None) is _INTERFACE_FORWARD:
+        if getattr(klass.__dict__.get("forward"), "__code__", None) is _interface_forward():
             return klass
     return None
 
 
-# The code of the forward transformers' decorator gives every experts class (the same for all of them).
-_INTERFACE_FORWARD = use_experts_implementation(type("Probe", (nn.Module,), {"forward": lambda self: None})
-                                                ).forward.__code__
+@functools.cache
+def _interface_forward():
+    """The code of the forward transformers' decorator gives every experts class (the same for all of them)."""
+    from transformers.integrations.moe import use_experts_implementation
+
+    return use_experts_implementation(type("Probe", (nn.Module,), {"forward": lambda self: None})).forward.__code__
 
 
 # An own forward around the interface must reach the fused weights only through the interface's call: the tiers
@@ -132,7 +133,7 @@ def _every_expert_form(experts: nn.Module, model_type: str) -> ExpertsForm:
     if not _every_expert_checks(experts, transposed, h, i):
         raise TiermoeError(f"{model_type}: its experts module {cls} computes something other than a gated expert "
                            "per block of rows (checked on numbers), so tiermoe cannot split it across two tiers")
-    kernel = isinstance(act, (SiLUActivation, nn.SiLU))
+    kernel = isinstance(act, _silu_classes())
     return ExpertsForm(cls, e, h, i, True, False, transposed, False, "silu_glu" if kernel else "model",
                        type(act).__name__, "every_expert")
 
@@ -169,15 +170,24 @@ def _every_expert_checks(experts: nn.Module, transposed: bool, h: int, i: int) -
     return got.shape == (e * 5, small_h) and torch.allclose(got, torch.cat(want), rtol=1e-5, atol=1e-5)
 
 
+def _silu_classes() -> tuple[type, ...]:
+    """The modules that compute SiLU: transformers' and torch's."""
+    from transformers.activations import SiLUActivation
+
+    return SiLUActivation, nn.SiLU
+
+
 def _activation(experts: nn.Module, gated: bool, bias: bool) -> tuple[str, str]:
     """The activation kind: one a native kernel computes where the module's own gating is exactly it, else the
     module's own ("model")."""
+    from transformers.integrations.moe import _default_apply_gate
+
     act = getattr(experts, "act_fn", None)
     cls = type(experts)
     if not gated:
         return "model", type(act).__name__
     if getattr(cls, "_apply_gate", None) is _default_apply_gate:
-        kernel = isinstance(act, (SiLUActivation, nn.SiLU)) and not bias and experts.is_concatenated
+        kernel = isinstance(act, _silu_classes()) and not bias and experts.is_concatenated
         return ("silu_glu" if kernel else "model"), type(act).__name__
     if _is_gpt_oss_glu(experts):
         return "gpt_oss_glu", f"{cls.__name__}._apply_gate"

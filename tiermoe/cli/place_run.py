@@ -9,8 +9,8 @@ from tiermoe.bundled import resolve_model
 from tiermoe.cli.placement_flags import placement_config_from_args
 from tiermoe.cli.plots import plot_plan
 from tiermoe.errors import TiermoeError
-from tiermoe.fit import available_ram
 from tiermoe.model.plan_source import placement_target
+from tiermoe.placement.free_memory import available_ram
 from tiermoe.placement.metrics import hit_rate
 from tiermoe.placement.plan import PlacementPlan
 from tiermoe.placement.planner import PlacementTarget, make_plan

@@ -13,9 +13,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers.activations import ACT2FN
 
 from tiermoe.experts.weights import ExpertWeights
+
+
+def _named_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """transformers' activation `name` (ACT2FN). Imported here, not with this module: transformers.activations
+    imports transformers' model loading (seconds), and tiermoe.experts is imported by commands that compute no
+    expert (`tiermoe stats`, `tiermoe place`); an import of a loaded module costs well under the lookup itself."""
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,7 @@ class ExpertActivation:
             up = up.clamp(min=-self.limit, max=self.limit)
             return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
-        return ACT2FN[self.hidden_act](gate) * up
+        return _named_activation(self.hidden_act)(gate) * up
 
     def _module_own(self, h_N2I: torch.Tensor) -> torch.Tensor:
         if not self.gated:

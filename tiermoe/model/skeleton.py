@@ -4,17 +4,19 @@ Parameters stay on the meta device until the loader fills them from the checkpoi
 (rotary inverse frequencies) are not in checkpoints, so they are recomputed on the host by the model's own
 `_init_weights`, exactly as `from_pretrained` does; `move_buffers` then puts them on the main device with the
 rest (left on the host, every forward would copy them over and wait for it).
+transformers is imported when a skeleton is built: its model classes import its loading machinery (seconds), and
+this module's helpers are imported by commands that never build one (`tiermoe place --num-layers ...`).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 
 def build_skeleton(cfg, dtype: torch.dtype) -> nn.Module:
     """AutoModelForCausalLM for `cfg` with meta parameters and real (CPU) non-persistent buffers."""
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -49,7 +51,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise RuntimeError(f"{type(model).__name__} has no model.layers; tiermoe cannot find its decoder layers")
+        raise RuntimeError(  # noqa: TRY004 - a model without decoder layers, not an argument of a wrong type
+            f"{type(model).__name__} has no model.layers; tiermoe cannot find its decoder layers")
     return layers
 
 
