@@ -1,6 +1,7 @@
 """`tiermoe CMD --help`, `tiermoe version`, `tiermoe --version` and a bad flag never import torch or transformers
 (seconds of start-up for a page of text): each runs in a fresh interpreter that then lists what it imported. The
-parsers read their choices from tiermoe.cli.choices, whose copies must equal the library's values.
+parsers read their choices from tiermoe.cli.choices, whose copies must equal the library's values. Commands whose
+work needs no transformers model class (a plan from a shape, `stats` of a file) run without importing transformers.
 (benchmarks/bench_cli_startup.py times the same commands.)"""
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ print(json.dumps({"code": code, "imported": [m for m in heavy if m in sys.module
 def run_fresh(*argv: str) -> dict:
     """`tiermoe ARGV` in a fresh interpreter: its exit code, the heavy modules it imported, and its output."""
     done = subprocess.run([sys.executable, "-c", CHILD, ",".join(HEAVY), *argv], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -84,3 +85,27 @@ def test_the_parsers_copies_of_library_values_are_the_library_values():
                                                               speculative_config.MAX_NGRAM)
     assert choices.DEFAULT_DIST_TIMEOUT_S == DEFAULT_DIST_TIMEOUT_S
     assert set(DATASET_MODULES) == set(DATASETS)  # every named dataset's package is checked before a run
+
+
+# Commands whose work needs no transformers model class run to the end without importing transformers: a plan from
+# a model's shape, the statistics of a heat-matrix file (tiermoe.arch, tiermoe.experts and the placement code they
+# import load transformers only in the functions that build or read its modules).
+@pytest.mark.parametrize("argv, shown", [
+    (("place", "--num-layers", "4", "--num-experts", "8", "--num-gpu-experts", "2"), "total GPU experts: 8 of 32"),
+    (("stats", "{heat}"), "routed (token, expert) pairs 10"),
+])
+def test_commands_that_need_no_model_class_run_without_transformers(tmp_path, argv, shown):
+    heat = tmp_path / "heat.csv"
+    heat.write_text("layer,e0,e1\n0,1,2\n1,3,4\n")
+    result = run_fresh(*(arg.format(heat=heat) for arg in argv))
+    assert result["code"] == 0 and shown in result["output"], result["output"]
+    assert "transformers" not in result["imported"], f"`tiermoe {argv[0]}` imported transformers"
+
+
+def test_parse_command_gives_the_run_function_and_flags_without_running_it():
+    from tiermoe.cli import stats_run
+    from tiermoe.cli.main import parse_command
+
+    run, args = parse_command(["stats", "no-such-file.csv"])  # a missing file is an error of the run, not yet
+    assert run is stats_run.run and args.files == ["no-such-file.csv"]
+    assert parse_command([]) is None

@@ -18,6 +18,7 @@ import importlib
 import re
 import sys
 import warnings
+from collections.abc import Callable
 from typing import NamedTuple
 
 import tiermoe
@@ -166,8 +167,10 @@ def run_as_command(run, args) -> int:
         return 130
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parse_command(argv: list[str]) -> tuple[Callable[[argparse.Namespace], int], argparse.Namespace] | None:
+    """The run function of the command `argv` names (its run module imported) and the parsed flags: the process is
+    then ready to do the command's own work. None, after the help, when `argv` names no command; a bad flag or an
+    unknown command exits here (status 2)."""
     command = next((arg for arg in argv if not arg.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
     if command is not None and command not in COMMANDS:
@@ -177,9 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         innermost_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
-        return 2
+        return None
     run_module = getattr(args, "run_module", None) or COMMANDS[args.command].runner
-    return run_as_command(importlib.import_module(run_module).run, args)
+    return importlib.import_module(run_module).run, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parsed = parse_command(sys.argv[1:] if argv is None else argv)
+    return 2 if parsed is None else run_as_command(*parsed)
 
 
 if __name__ == "__main__":
