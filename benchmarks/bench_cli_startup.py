@@ -10,11 +10,15 @@ What is timed, from the moment the process is spawned:
 - start: until the command is ready to do its own work: its flags parsed and its run module imported, with
   everything that imports at module level (`tiermoe.cli.main.parse_command`; the next step is `run(args)`);
 - first token (generate): until the first byte of the reply reaches stdout;
-- total: until the process exits; beside it the CPU time the process used (user + system), which a busy machine
-  stretches less than the wall time.
-A command whose work needs transformers' model classes (fit, inspect and place of a checkpoint: the architecture
-is discovered from the modules transformers builds) pays their import as part of its start; the row "transformers
-builds the demo's model" is that floor: what any program pays to instantiate the demo's transformers model.
+- total: until the process exits.
+Beside start and total, the CPU time the process had used (user + system): a busy machine stretches it far less
+than the wall time, so it is the figure to compare between runs made under different loads.
+The computing commands are judged by their start and, beside it, by their total. Those given a checkpoint (fit,
+inspect, place of the demo model) need transformers' model classes for their work: the architecture is discovered
+from the modules transformers builds on the meta device. Whether they import them before `run` (inspect), in part
+(fit: transformers and its configs before, the model classes in it) or in it (place), their total is bounded below
+by the row "transformers builds the demo's model": what any program pays to instantiate the demo's transformers
+model.
 
 Each row is ROUNDS runs, taken in turn (round 1 of every row, then round 2, ...), so a slow spell of the machine
 spreads over all rows rather than landing on one; the table gives the median and the range. With --compare-tree
@@ -61,7 +65,7 @@ except ImportError:
     from tiermoe.cli.main import main
     sys.exit(main(sys.argv[1:]))
 parsed = parse_command(sys.argv[1:])
-print("{STARTED}", time.time(), file=sys.stderr, flush=True)
+print("{STARTED}", time.time(), time.process_time(), file=sys.stderr, flush=True)
 sys.exit(2 if parsed is None else run_as_command(*parsed))
 """
 TRANSFORMERS_BUILD = f"""
@@ -89,6 +93,7 @@ class Sample:
     total: float
     cpu: float  # user + system seconds of the process
     start: float | None  # None where the row has no probe (or the tree is older than the probe)
+    start_cpu: float | None  # the CPU time the process had used by then
     first_output: float | None  # the first byte on stdout
 
 
@@ -161,12 +166,14 @@ def timed(row: Row, cwd: Path, pycache: Path | None) -> Sample:
     stderr = errors[0].decode(errors="replace")
     if code not in (0, 1):  # fit says 1 when something does not fit: still a measured start
         raise SystemExit(f"{row.label} failed ({code}): {stderr.strip()[-500:]}")
-    mark = re.search(rf"^{STARTED} (\S+)$", stderr, re.MULTILINE)
-    return Sample(total, cpu, float(mark[1]) - spawned if mark else None, first_output)
+    mark = re.search(rf"^{STARTED} (\S+) (\S+)$", stderr, re.MULTILINE)
+    if mark is None:
+        return Sample(total, cpu, None, None, first_output)
+    return Sample(total, cpu, float(mark[1]) - spawned, float(mark[2]), first_output)
 
 
 def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):6.2f} ({min(values):.2f}-{max(values):.2f})"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def verdict(row: Row, samples: list[Sample], budgets: dict[str, float]) -> str:
@@ -176,24 +183,30 @@ def verdict(row: Row, samples: list[Sample], budgets: dict[str, float]) -> str:
     if row.kind == "help":
         figure, what = statistics.median(s.total for s in samples), "total"
     elif row.kind == "compute":
+        total = "ok" if statistics.median(s.total for s in samples) <= budget else "OVER"
         if any(s.start is None for s in samples):
-            return ""
-        figure, what = statistics.median(s.start for s in samples), "start"
+            return f"total {total} (< {budget:.2f} s)"
+        start = "ok" if statistics.median(s.start for s in samples) <= budget else "OVER"
+        return f"start {start}, total {total} (< {budget:.2f} s)"
     else:
         figure, what = statistics.median(s.first_output for s in samples), "first token"
     return f"{what} {'ok' if figure <= budget else 'OVER'} (< {budget:.2f} s)"
 
 
 def print_table(table: list[Row], times: dict[str, list[Sample]], budgets: dict[str, float]) -> None:
-    print(f"{'command':<52} {'start s':>18} {'first token s':>18} {'total s':>18} {'cpu s':>18}  target")
+    print(f"{'command':<52} {'start s':>17} {'start cpu s':>17} {'first token s':>17} {'total s':>17} "
+          f"{'total cpu s':>17}  target")
     for row in table:
         samples = times[row.label]
-        start = spread([s.start for s in samples]) if all(s.start is not None for s in samples) else "-"
+        probed = all(s.start is not None for s in samples)
+        start = spread([s.start for s in samples]) if probed else "-"
+        start_cpu = spread([s.start_cpu for s in samples]) if probed else "-"
         first = "-"
         if row.kind == "generate" and all(s.first_output is not None for s in samples):
             first = spread([s.first_output for s in samples])
         total, cpu = spread([s.total for s in samples]), spread([s.cpu for s in samples])
-        print(f"{row.label:<52} {start:>18} {first:>18} {total:>18} {cpu:>18}  {verdict(row, samples, budgets)}")
+        print(f"{row.label:<52} {start:>17} {start_cpu:>17} {first:>17} {total:>17} {cpu:>17}  "
+              f"{verdict(row, samples, budgets)}")
 
 
 def main() -> None:
