@@ -29,7 +29,8 @@ also where PYTHONDONTWRITEBYTECODE is set; --no-bytecode-cache compiles every mo
 
     python benchmarks/bench_cli_startup.py
     python benchmarks/bench_cli_startup.py --rounds 9 --json startup.json
-    python benchmarks/bench_cli_startup.py --compare-tree /tmp/tiermoe-before
+    mkdir ../tiermoe-before && git archive REV | tar -x -C ../tiermoe-before   # REV: the commit to compare with
+    python benchmarks/bench_cli_startup.py --compare-tree ../tiermoe-before
 """
 
 from __future__ import annotations
