@@ -49,7 +49,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tiermoe.models import BUNDLED_MODEL_DIR  # light: no torch
+from tiermoe.bundled import BUNDLED_MODEL_DIR  # light: no torch
 
 HELP_BUDGET_S = 0.5  # --help, version: no torch
 COMPUTE_MARGIN_S = 0.3  # place, stats, fit, inspect: start beyond importing torch
