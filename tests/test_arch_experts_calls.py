@@ -112,3 +112,22 @@ def test_an_every_expert_module_is_read_from_its_numbers_and_refused_in_one_line
     with pytest.raises(TiermoeError, match="checked on numbers") as err:
         experts_form(EveryExpertModule(swapped=True).to("meta"), "toy")
     assert "\n" not in str(err.value)
+
+
+class OtherCallModule(nn.Module):
+    """Fused-looking weights behind a call that is neither the interface's nor every expert's copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(4, 16, 16))
+        self.down_proj = nn.Parameter(torch.zeros(4, 8, 16))
+
+    def forward(self, hidden_states, router_scores):
+        return hidden_states
+
+
+def test_an_experts_module_with_another_call_is_refused_in_one_line():
+    with pytest.raises(TiermoeError, match="toy: its experts module OtherCallModule does not take the experts "
+                                           "interface") as err:
+        experts_form(OtherCallModule().to("meta"), "toy")
+    assert "\n" not in str(err.value)
