@@ -21,6 +21,7 @@ from tiermoe.data.registry import DATASETS
 from tiermoe.distributed.group import DEFAULT_DIST_TIMEOUT_S
 from tiermoe.engine import speculative_config
 from tiermoe.layers.decode_attention import ATTENTION_BACKENDS
+from tiermoe.model.served_adapters import DEFAULT_MAX_LOADED, MAX_LOADED
 from tiermoe.placement.cache_policies import DEFAULT_COPY_BUDGET
 from tiermoe.routing.presets import PRESETS as ROUTING_PRESETS
 from tiermoe.routing.trace_import import LAYOUTS
@@ -84,6 +85,7 @@ def test_the_parsers_copies_of_library_values_are_the_library_values():
     assert (choices.MAX_DRAFT_TOKENS, choices.MAX_NGRAM) == (speculative_config.MAX_DRAFT_TOKENS,
                                                               speculative_config.MAX_NGRAM)
     assert choices.DEFAULT_DIST_TIMEOUT_S == DEFAULT_DIST_TIMEOUT_S
+    assert (choices.DEFAULT_LOADED_ADAPTERS, choices.MAX_LOADED_ADAPTERS) == (DEFAULT_MAX_LOADED, MAX_LOADED)
     assert set(DATASET_MODULES) == set(DATASETS)  # every named dataset's package is checked before a run
 
 

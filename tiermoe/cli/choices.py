@@ -55,3 +55,7 @@ DEFAULT_DIST_TIMEOUT_S = 300.0
 SPECULATIVE_ALGORITHMS = ("ngram",)
 MAX_DRAFT_TOKENS = 16
 MAX_NGRAM = 16
+
+# tiermoe.model.served_adapters: adapters served per request at once (serve --max-loras-per-batch), default and most
+DEFAULT_LOADED_ADAPTERS = 8
+MAX_LOADED_ADAPTERS = 64

@@ -16,7 +16,7 @@ from tiermoe.cli.flags import (
     seed_int,
     unit_float,
 )
-from tiermoe.cli.lora_flag import add_lora_flag
+from tiermoe.cli.lora_flag import add_lora_flag, add_served_lora_flags
 from tiermoe.cli.placement_flags import add_dynamic_flags, add_placement_flags
 from tiermoe.cli.recorder_flags import add_recorder_flags
 from tiermoe.cli.speculative_flags import add_speculative_flags
@@ -58,7 +58,7 @@ def add_parser(sub) -> None:
     add_speculative_flags(p)
 
 
-def add_model_flags(p) -> None:
+def add_model_flags(p, serving: bool = False) -> None:
     p.add_argument("--model", "--model-path", dest="model", default=None,
                    help="checkpoint directory (default: the bundled demo model)")
     p.add_argument("--gpu-device", "--kt-gpu-device", dest="gpu_device", default="cpu",
@@ -68,7 +68,7 @@ def add_model_flags(p) -> None:
                         "the CPU's native kernel; on CUDA the Triton kernel when triton is installed); triton on a "
                         "CPU runs only under TRITON_INTERPRET=1; torch gathers each step's pages. SGLang's names are "
                         "taken (torch_native; its other kernels as auto)")
-    add_lora_flag(p)
+    (add_served_lora_flags if serving else add_lora_flag)(p)
 
 
 def add_sampling_flags(p) -> None:

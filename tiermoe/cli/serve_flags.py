@@ -62,7 +62,7 @@ def origins(value: str) -> list[str]:
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
     """Every flag of `tiermoe serve` (also parsed by `python -m tiermoe.serve`, the torchrun entry point)."""
-    add_model_flags(p)
+    add_model_flags(p, serving=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=positive_int, default=30000, help="port (default 30000)")
     p.add_argument("--served-model-name", help="model name reported by /v1/models (default: the directory name)")

@@ -9,7 +9,7 @@ import signal
 import uvicorn
 
 from tiermoe.cli.cpu_flags import cpu_from_args
-from tiermoe.cli.lora_args import lora_from_args
+from tiermoe.cli.lora_args import MERGED_NOTE, adapter_reader, lora_choice, lora_from_args, served_loras
 from tiermoe.cli.placement_args import check_fit_from_args, plan_from_args
 from tiermoe.cli.placement_flags import dynamic_from_args
 from tiermoe.cli.recorder_args import recorder_from_args
@@ -17,6 +17,7 @@ from tiermoe.cli.serve_flags import server_config_from_args
 from tiermoe.cli.speculative_args import speculative_from_args
 from tiermoe.config import check_device
 from tiermoe.engine.llm import LLM
+from tiermoe.errors import TiermoeError
 from tiermoe.server.app import create_app
 from tiermoe.server.decode_log import DecodeLog
 from tiermoe.server.engine_service import EngineService
@@ -28,12 +29,19 @@ from tiermoe.server.state import ServerState
 from tiermoe.stats.control import RecorderControl
 from tiermoe.stats.tier_hits import TierHitCounter
 
+log = logging.getLogger(__name__)
+
 
 def build_state(args, llm=None):
     config = server_config_from_args(args)
+    choice = lora_choice(args)
+    served = {}
     if llm is None:
         device = check_device(args.gpu_device)
         lora = lora_from_args(args)
+        if lora is not None:
+            log.info(MERGED_NOTE)
+        served = served_loras(choice, args.model)  # read and checked before any weight loads
         plan = plan_from_args(args, device)
         check_fit_from_args(args, plan, device)
         llm = LLM(args.model, gpu_device=device, placement=plan,
@@ -41,6 +49,15 @@ def build_state(args, llm=None):
                   prefill_chunk=config.chunked_prefill_size, max_total_tokens=config.max_total_tokens,
                   cpu=cpu_from_args(args), page_size=args.page_size, prefix_cache=not args.no_prefix_cache,
                   lora=lora, attention_backend=args.attention_backend, speculative=speculative_from_args(args))
+    name = config.served_model_name or llm.model_dir.name
+    if choice.per_request:
+        adapters = llm.engine.serve_adapters(args.max_loras_per_batch)
+        for adapter, (lora, path) in served.items():
+            if adapter == name:
+                raise TiermoeError(f"--lora {adapter}=...: {adapter!r} is the served model's name; an adapter needs "
+                                   "a name of its own")
+            adapters.load(adapter, lora, path)
+        log.info("serving %d LoRA adapter(s) per request: %s", len(served), ", ".join(served) or "none yet")
     hits = TierHitCounter(llm.hybrid.spec.num_layers, llm.hybrid.gpu_device)
     llm.engine.add_recorder(hits)
     control = None
@@ -56,9 +73,9 @@ def build_state(args, llm=None):
     metrics = ServerMetrics()
     service = EngineService(llm.engine, metrics, watchdog_timeout=config.watchdog_timeout,
                             decode_log=DecodeLog(args.decode_log_interval))
-    name = config.served_model_name or llm.model_dir.name
     return ServerState(llm=llm, config=config, service=service, metrics=metrics, hits=hits, model_name=name,
-                       recorder_control=control, expert_load=expert_load)
+                       recorder_control=control, expert_load=expert_load,
+                       adapter_reader=adapter_reader(llm.model_dir) if choice.per_request else None)
 
 
 FORCED_STOP = "a second Ctrl-C stopped the server at once; the requests still running were cut off"

@@ -12,6 +12,7 @@ import logging
 
 from tiermoe.cli.cpu_flags import cpu_from_args
 from tiermoe.cli.listen_address import check_listen_address
+from tiermoe.cli.lora_args import lora_choice
 from tiermoe.cli.placement_flags import dynamic_from_args
 from tiermoe.cli.serve_flags import server_config_from_args
 from tiermoe.cli.serve_http import build_state, serve, show_tiermoe_logs
@@ -49,12 +50,15 @@ def run(args) -> int:
     if env is None or env.rank == 0:
         report_ignored(args)
         server_config_from_args(args)  # a bad setting or unreadable key file fails now, not after minutes of loading
+        lora_choice(args)  # so does a bad adapter name
         dynamic_from_args(args)  # so do placement flags that contradict each other
         cpu_from_args(args)  # so do CPU-tier settings that disagree
         check_listen_address(args.host, args.port)  # so does a host or a port it cannot listen on
+    choice = lora_choice(args)
     gpus = requested_gpus(args)
-    if getattr(args, "lora", None) and gpus > 1:
-        raise TiermoeError("--lora serves in one process (one GPU); several ranks do not merge an adapter yet")
+    if (choice.merged or choice.per_request) and gpus > 1:
+        raise TiermoeError("--lora serves in one process (one GPU); several ranks take no adapter yet (merged or "
+                           "per request)")
     what = "--num-gpus" if not args.plan else "the plan's num_gpus"
     if env is not None:  # started by torchrun (or by our own launcher)
         check_world(gpus, env.world_size, what, args.gpu_device, env.local_world_size)

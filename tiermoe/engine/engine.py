@@ -72,6 +72,7 @@ from tiermoe.experts.threads import torch_threads
 from tiermoe.layers.linear_attention_slots import use_ragged_linear_attention
 from tiermoe.layers.paged_attention import LINEAR, STEP_KWARG, PagedStepCache, layer_windows, use_paged_attention
 from tiermoe.layers.ragged_step import SeqFeed
+from tiermoe.model.served_adapters import DEFAULT_MAX_LOADED, LoadedAdapter, ServedAdapters
 from tiermoe.stats.pass_transaction import PassTransaction
 from tiermoe.stats.recorders import RecorderGroup
 from tiermoe.stats.recording import NO_RECORDER, ExpertRecorder, PassInfo
@@ -148,6 +149,26 @@ class Engine:
                      "state at page boundaries")
         self.prefix_hit_tokens = 0  # prompt tokens whose K/V came from the pool instead of a forward
         self.preemptions = 0  # sequences whose pages the pool took back
+        self.adapters: ServedAdapters | None = None  # LoRA adapters served per request (serve_adapters)
+
+    def serve_adapters(self, max_loaded: int = DEFAULT_MAX_LOADED) -> ServedAdapters:
+        """The LoRA adapters this engine serves per request (made on the first call, with room for `max_loaded`):
+        load them with `.load(name, merged_lora(...))`; a sequence asks for one by SamplingParams.adapter."""
+        if self.adapters is None:
+            self.adapters = ServedAdapters(self.hybrid, max_loaded)
+        return self.adapters
+
+    def adapter_in_use(self, adapter: LoadedAdapter) -> bool:
+        """Whether a queued or running sequence runs with `adapter`."""
+        return any(seq.adapter is adapter for seq in itertools.chain(self.waiting, self.running))
+
+    def free_unused_adapters(self) -> None:
+        """Give back the slots of unloaded (retired) adapters whose last sequence has ended (between steps)."""
+        if self.adapters is None:
+            return
+        for adapter in [a for a in self.adapters.held if a.retired]:
+            if not self.adapter_in_use(adapter):
+                self.adapters.free(adapter)
 
     def set_recorder(self, recorder: ExpertRecorder) -> None:
         """Route every pass's routed experts to `recorder` (call between steps); a pass that fails is not recorded
@@ -195,14 +216,22 @@ class Engine:
         self.check_token_ids(list(params.stop_token_ids), "stop_token_ids")
         self.check_token_ids([t for t, _ in params.logit_bias], "logit_bias")
         grammar = self._grammar_state(params.grammar)
+        adapter = self._adapter(params.adapter)
         capacity = self.pool.tokens
         if len(prompt_ids) + params.max_tokens > capacity:
             raise TiermoeError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                                f"the KV pool's {capacity} tokens (max_total_tokens)")
         seq = Sequence(next(self._ids), prompt_ids, params, new_generator(params.seed), pages=self.pool.new_share(),
-                       group=group, grammar=grammar)
+                       group=group, grammar=grammar, adapter=adapter)
         self.waiting.append(seq)
         return seq
+
+    def _adapter(self, name: str | None) -> LoadedAdapter | None:
+        if name is None:
+            return None
+        if self.adapters is None:
+            raise TiermoeError(f"there is no LoRA adapter {str(name)[:80]!r}: this engine serves none per request")
+        return self.adapters.get(name)
 
     def abort(self, seq: Sequence) -> None:
         """Stop a sequence now and free its pages (a client went away)."""
@@ -212,6 +241,7 @@ class Engine:
             self.running.remove(seq)
         seq.finish_reason = seq.finish_reason or "abort"
         self._release(seq)
+        self.free_unused_adapters()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -236,7 +266,7 @@ class Engine:
             elif not seq.preemptions:  # (those preempted for the pool wait at the head, to go on first)
                 seq = min(self.waiting, key=lambda s: running_of[s.request])
             if seq.num_fed == 0 and seq.params.prompt_logprobs is None:  # logprobs need every prompt row computed
-                seq.num_fed = self.pool.match(seq.pages, seq.known_ids, seq.num_tokens - 1)
+                seq.num_fed = self.pool.match(seq.pages, seq.known_ids, seq.num_tokens - 1, seq.prefix_salt)
                 self.prefix_hit_tokens += seq.num_fed
             if not self.pool.reserve(seq.pages, seq.num_fed,
                                      seq.num_fed + min(seq.num_tokens - seq.num_fed, self.config.prefill_chunk)):
@@ -356,6 +386,7 @@ class Engine:
                 self._release(seq)
         if shape is not None and not errors:
             self.drafter.observe(shape, time.perf_counter() - started)
+        self.free_unused_adapters()
         return produced
 
     def _score_prompt(self, seq: Sequence, start: int, fed: int, logits_TV: torch.Tensor) -> None:
@@ -455,7 +486,7 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         """Its pages go back to the pool (with prefix reuse, the full ones stay findable by their tokens)."""
-        self.pool.release(seq.pages, seq.known_ids[:seq.num_fed])
+        self.pool.release(seq.pages, seq.known_ids[:seq.num_fed], seq.prefix_salt)
 
     def _forward_isolating(self, batch: list[Sequence],
                            inputs: list[list[int]]) -> tuple[list[torch.Tensor | None], dict[int, BaseException]]:
@@ -492,7 +523,8 @@ class Engine:
                 routing.begin_pass(info, self)
         try:
             logits = self.forward_feeds(feeds, [inputs[i] for i in order],
-                                        [_rows_needed(batch[i], len(inputs[i])) for i in order])
+                                        [_rows_needed(batch[i], len(inputs[i])) for i in order],
+                                        [batch[i].adapter_slot for i in order])
         except BaseException:
             self._pass.discard()
             raise
@@ -521,7 +553,8 @@ class Engine:
                 raise TiermoeError(f"the KV pool has no pages left for {len(tokens)} more tokens")
         feeds, order = self._feeds(seqs, inputs)
         rows = rows or ["last"] * len(seqs)
-        logits = self.forward_feeds(feeds, [inputs[i] for i in order], [rows[i] for i in order])
+        logits = self.forward_feeds(feeds, [inputs[i] for i in order], [rows[i] for i in order],
+                                    [seqs[i].adapter_slot for i in order])
         for i in order:
             seqs[i].num_fed += len(inputs[i])
             self.pool.trim(seqs[i].pages, seqs[i].num_fed)
@@ -531,16 +564,23 @@ class Engine:
         """Hand a sequence's pages back to the pool."""
         self.pool.release(seq.pages)
 
-    def forward_feeds(self, feeds: list[SeqFeed], inputs: list[list[int]],
-                      rows: list[str] | None = None) -> list[torch.Tensor]:
+    def forward_feeds(self, feeds: list[SeqFeed], inputs: list[list[int]], rows: list[str] | None = None,
+                      slots: list[int] | None = None) -> list[torch.Tensor]:
         """ONE forward feeding inputs[i] to the sequence of feeds[i] (the decode rows first: one token after a
         past), on this engine's pool; commits their linear-attention states when it succeeds. Returns each
         sequence's logits [T_i, V] (fp32, on the host) for `rows[i]` ("last" when not given: T_i = 1; "all": every
-        fed position; "none": T_i = 0). Does not advance any sequence (the caller does)."""
+        fed position; "none": T_i = 0). `slots[i]`: the adapter slot feed i runs with (Sequence.adapter_slot; none
+        given: every feed without one). Does not advance any sequence (the caller does)."""
         # the step's setup and its logits' copy too: an op at more threads wakes torch's OpenMP workers, which then
         # spin on the kernel team's cores through the next steps (as in `step`)
         with torch_threads(self.hybrid.torch_threads):
-            return self._forward_feeds(feeds, inputs, rows)
+            if self.adapters is None or not any(slots or ()):
+                return self._forward_feeds(feeds, inputs, rows)
+            self.adapters.rows.begin([slot for slot, fed in zip(slots, inputs) for _ in fed])
+            try:
+                return self._forward_feeds(feeds, inputs, rows)
+            finally:
+                self.adapters.rows.end()
 
     def _forward_feeds(self, feeds: list[SeqFeed], inputs: list[list[int]],
                        rows: list[str] | None) -> list[torch.Tensor]:

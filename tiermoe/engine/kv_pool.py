@@ -124,12 +124,12 @@ class KVPool:
         self.pages.prepare(window, page)
         return page
 
-    def match(self, share: SeqPages, token_ids: list[int], most: int) -> int:
+    def match(self, share: SeqPages, token_ids: list[int], most: int, salt: bytes = b"") -> int:
         """Give a new sequence the indexed pages its `token_ids` start with, at most `most` tokens of them;
-        returns the tokens matched (whole pages)."""
+        returns the tokens matched (whole pages). `salt`: its adapter's (tiermoe.engine.prefix_index.page_keys)."""
         if self.prefix is None or share.tables[None]:
             return 0
-        for key in page_keys(token_ids, self.page_size, most // self.page_size):
+        for key in page_keys(token_ids, self.page_size, most // self.page_size, salt):
             page = self.prefix.take(key)
             if page is None:
                 break
@@ -171,12 +171,12 @@ class KVPool:
             self._free[w].extend(p for p in table[keep:] if p >= 0)
             del table[keep:]
 
-    def release(self, share: SeqPages, token_ids: list[int] = ()) -> None:
+    def release(self, share: SeqPages, token_ids: list[int] = (), salt: bytes = b"") -> None:
         """A sequence finished, failed or was preempted: every page and its slot go back; with prefix reuse, the
-        full pages of `token_ids` (the tokens it fed) go to the index."""
+        full pages of `token_ids` (the tokens it fed) go to the index, under its adapter's `salt`."""
         for w, table in share.tables.items():
             if w is None and self.prefix is not None:
-                keys = page_keys(token_ids, self.page_size, len(token_ids) // self.page_size)
+                keys = page_keys(token_ids, self.page_size, len(token_ids) // self.page_size, salt)
                 table[:] = [p for i, p in enumerate(table) if not self.prefix.give_back(p, keys[i] if i < len(keys)
                                                                                            else None)]
             self._free[w].extend(p for p in table if p >= 0)

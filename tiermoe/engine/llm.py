@@ -138,12 +138,18 @@ class LLM:
         fallback = {"max_tokens": self.generation_defaults.max_tokens} if self.generation_defaults.max_tokens else {}
         return self.generation_defaults.params(fallback, **given)
 
-    def generate(self, prompts, sampling: SamplingParams | None = None, on_step=None) -> list[RequestOutput]:
-        """Generate for one prompt or a list of them (strings or token-id lists), batched; one result each."""
+    def generate(self, prompts, sampling: SamplingParams | list[SamplingParams] | None = None,
+                 on_step=None) -> list[RequestOutput]:
+        """Generate for one prompt or a list of them (strings or token-id lists), batched; one result each.
+        `sampling`: one SamplingParams for every prompt, or a list of one per prompt (e.g. each with its own LoRA
+        adapter, `adapter`, of those `engine.serve_adapters()` serves)."""
         sampling = self.default_sampling() if sampling is None else sampling
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
-        seqs = [self.engine.add(self.encode(p), sampling) for p in batch]
+        each = sampling if isinstance(sampling, list) else [sampling] * len(batch)
+        if len(each) != len(batch):
+            raise TiermoeError(f"{len(each)} SamplingParams for {len(batch)} prompts; give one, or one per prompt")
+        seqs = [self.engine.add(self.encode(p), params) for p, params in zip(batch, each)]
         self.engine.run_to_completion(on_step)
         return [self._result(s) for s in seqs]
 

@@ -1,7 +1,8 @@
 """Prefix reuse: full pages of the KV pool found again by the token ids they hold.
 
 A page's key is a digest of every token id from the sequence's start to the page's end (a chain: the previous
-page's key and this page's ids), so two sequences share a page only when their whole prefixes agree. A sequence
+page's key and this page's ids), so two sequences share a page only when their whole prefixes agree (and their
+LoRA adapters served per request: an adapter's salt starts its chain). A sequence
 that ends (or is preempted) hands its full pages to the index instead of freeing them; a new sequence whose
 prompt starts with indexed pages takes them (counted: several sequences may read one page; none writes it, since
 a sequence writes only positions past its matched pages). Pages no sequence holds stay readable until the pool
@@ -16,9 +17,10 @@ from collections import OrderedDict
 import numpy as np
 
 
-def page_keys(token_ids: list[int], page_size: int, pages: int) -> list[bytes]:
-    """The keys of the first `pages` full pages of `token_ids`."""
-    keys, previous = [], b""
+def page_keys(token_ids: list[int], page_size: int, pages: int, salt: bytes = b"") -> list[bytes]:
+    """The keys of the first `pages` full pages of `token_ids`; `salt` starts the chain (a sequence's adapter:
+    the same tokens computed with another adapter, or none, are other K/V)."""
+    keys, previous = [], hashlib.sha256(salt).digest() if salt else b""
     for i in range(pages):
         chunk = np.asarray(token_ids[i * page_size:(i + 1) * page_size], dtype=np.int64).tobytes()
         previous = hashlib.sha256(previous + chunk).digest()

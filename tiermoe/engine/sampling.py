@@ -69,6 +69,8 @@ class SamplingParams:
     whose probability is below min_p times the most likely one's. skip_special_tokens False keeps special tokens
     in the text (and in the text stop strings are searched in). grammar constrains the reply
     (tiermoe.engine.structured_output: the engine masks the logits each step to what the grammar allows).
+    adapter runs the sequence with that LoRA adapter of the ones the engine serves per request
+    (tiermoe.model.served_adapters); other sequences of the same steps keep theirs, or none.
     Log-probabilities stay the model's own, before any of these.
     """
 
@@ -90,6 +92,7 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     grammar: Grammar | None = None
+    adapter: str | None = None  # a LoRA adapter served per request, by name (Engine.adapters); None: the base model
 
     def __post_init__(self):
         if isinstance(self.stop, str):

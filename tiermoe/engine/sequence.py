@@ -22,6 +22,7 @@ from tiermoe.engine.sampling import SamplingParams
 from tiermoe.engine.speculative_length import AcceptanceEstimate
 from tiermoe.engine.structured_output import GrammarState
 from tiermoe.errors import TiermoeError
+from tiermoe.model.served_adapters import LoadedAdapter
 
 
 @dataclass
@@ -47,6 +48,17 @@ class Sequence:
     grammar: GrammarState | None = None  # where its reply is in params.grammar (Engine.add compiles it)
     draft: list[int] = field(default_factory=list)  # drafted tokens it verifies in the step being run
     acceptance: AcceptanceEstimate | None = None  # its drafts' running acceptance (speculative decoding)
+    adapter: LoadedAdapter | None = None  # the adapter it runs with (params.adapter, served per request)
+
+    @property
+    def adapter_slot(self) -> int:
+        """Its rows' slot in the step (tiermoe.layers.adapter_rows): its adapter's, 0 without one."""
+        return 0 if self.adapter is None else self.adapter.slot
+
+    @property
+    def prefix_salt(self) -> bytes:
+        """What its pages' prefix-cache keys start with: KV computed with an adapter is found again only by it."""
+        return b"" if self.adapter is None else self.adapter.salt
 
     @property
     def request(self) -> int:

@@ -33,6 +33,7 @@ from tiermoe.layers.decode_attention import DecodeAttention
 from tiermoe.layers.module_swap import swap_modules
 from tiermoe.layers.paged_attention import STEP_KWARG
 from tiermoe.layers.quantized_linear import QuantizedLinear, stack_rows
+from tiermoe.layers.row_lora_linear import RowLoRALinear
 
 _FAMILIES = (Qwen3MoeAttention, Qwen2MoeAttention, MixtralAttention, GptOssAttention)
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -88,11 +89,26 @@ class DecodeFusedAttention(nn.Module):
         return self.o_proj(out_THd.view(1, T, -1))
 
     def _qkv(self, x_TD: torch.Tensor) -> torch.Tensor:
-        if self.stacked_qkv:
-            return self.stacked_qkv[0](x_TD)
-        if self.qkv_weight is None:  # projections that are not plain linears
+        if self.qkv_weight is None and not self.stacked_qkv:  # projections that are not plain linears
             return torch.cat([getattr(self, n)(x_TD) for n in _PROJECTIONS], dim=-1)
-        return F.linear(x_TD, self.qkv_weight, self.qkv_bias)
+        if self.stacked_qkv:
+            qkv_TO = self.stacked_qkv[0](x_TD)
+        else:
+            qkv_TO = F.linear(x_TD, self.qkv_weight, self.qkv_bias)
+        return self._with_adapters(x_TD, qkv_TO)
+
+    def _with_adapters(self, x_TD: torch.Tensor, qkv_TO: torch.Tensor) -> torch.Tensor:
+        """The one product of q, k and v plus each row's adapter's update of the projections it adapts (adapters
+        served per request: a projection is then a RowLoRALinear, whose base weight is the product's rows)."""
+        start = 0
+        for name in _PROJECTIONS:
+            proj = self._modules[name]
+            if isinstance(proj, RowLoRALinear) and proj.lora.rows.active:
+                delta = proj.lora.delta(x_TD)
+                if delta is not None:
+                    qkv_TO[:, start:start + proj.out_features] += delta
+            start += proj.out_features
+        return qkv_TO
 
 
 def _concatenated(*linears: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -32,6 +32,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLaye
 from tiermoe.experts.kernel_matmuls import PackedMatrix
 from tiermoe.experts.kernels import Kernels, TmAttnArgs, TmDecodeLayerArgs, TmLinearArgs
 from tiermoe.experts.layer_ops import LayerOps
+from tiermoe.layers.adapter_rows import AdapterRows
 from tiermoe.layers.decode_attention import TEAM_MIN_KV_BYTES
 from tiermoe.layers.fused_attention import DecodeFusedAttention
 from tiermoe.layers.fused_norm import FusedRMSNorm
@@ -125,6 +126,9 @@ class FusedDecodeLayer(nn.Module):
         self.__dict__["moe"] = self.mlp
         self.layer = self.self_attn.layer_idx
         self.team = None  # the kernel thread team, taken on the first call
+        # the rows of adapters served per request (tiermoe.model.served_adapters sets it): a step with an adapter
+        # row runs the per-op modules, which apply it
+        self.adapter_rows: AdapterRows | None = None
         attn, router = self.self_attn, self.mlp._router()
         self.__dict__["fused_router"] = router  # the router the native call computes (see the module docstring)
         H, Hkv = attn.heads
@@ -148,7 +152,8 @@ class FusedDecodeLayer(nn.Module):
         if (plan is None or plan.cos.shape[-1] != self.args.d or not hidden_states.is_contiguous()
                 or len(moe.gpu_tier) > 0 or len(moe.cpu_tier) == 0 or moe.reduce is not None
                 or moe._router() is not self.fused_router
-                or not moe.cpu_only_shortcut or moe.crosses_to_host or not moe._plain_inference()):
+                or not moe.cpu_only_shortcut or moe.crosses_to_host or not moe._plain_inference()
+                or (self.adapter_rows is not None and self.adapter_rows.active)):
             return self.original_class.forward(self, hidden_states, *args, **kwargs)
         experts = moe.cpu_tier.layer_args()
         if experts is None:

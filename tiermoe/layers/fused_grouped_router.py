@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiermoe.experts.layer_ops import TORCH_GRAIN_SIZE, LayerOps
+from tiermoe.layers.lora_stack import LoRAStack
 from tiermoe.layers.module_swap import class_key, swap_modules
 
 NATIVE_MAX_ROWS = 64  # as fused_norm: longer inputs are worth torch's threads
@@ -35,9 +36,10 @@ V2_METHODS = ("greedy", "group_limited_greedy")
 
 
 class FusedGroupedRouter(nn.Module):
-    """Replaces `router` (one of SIGMOID_ROUTERS / SOFTMAX_ROUTERS), sharing its weight and bias."""
+    """Replaces `router` (one of SIGMOID_ROUTERS / SOFTMAX_ROUTERS), sharing its weight and bias. `ops` None:
+    the tail in torch (a router swapped in only to take an adapter per request, tiermoe.model.served_adapters)."""
 
-    def __init__(self, router: nn.Module, ops: LayerOps):
+    def __init__(self, router: nn.Module, ops: LayerOps | None):
         super().__init__()
         self.sigmoid = class_key(router) in SIGMOID_ROUTERS
         self.top_k, self.num_experts, self.hidden_dim = router.top_k, router.num_experts, router.hidden_dim
@@ -54,12 +56,17 @@ class FusedGroupedRouter(nn.Module):
             self.e_score_correction_bias = None
         self.ops = ops
         self.replaced = type(router).__name__
+        self.lora: LoRAStack | None = None  # adapters served per request with LoRA on this router (per row)
 
     def forward(self, hidden_states: torch.Tensor):
         hidden_states = hidden_states.view(-1, self.hidden_dim)
         logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+        if self.lora is not None and self.lora.rows.active:
+            delta = self.lora.delta(hidden_states)
+            logits = logits if delta is None else logits + delta.float()
         bias = self.e_score_correction_bias
-        if (self.ops.exp_lanes is not None and logits.device.type == "cpu" and logits.shape[0] <= NATIVE_MAX_ROWS
+        if (self.ops is not None and self.ops.exp_lanes is not None and logits.device.type == "cpu"
+                and logits.shape[0] <= NATIVE_MAX_ROWS
                 and not (self.sigmoid and logits.numel() >= TORCH_GRAIN_SIZE)
                 and (bias is None or (bias.device.type == "cpu" and bias.dtype == torch.float32
                                       and bias.is_contiguous()))

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiermoe.experts.layer_ops import NATIVE_DTYPES, LayerOps
+from tiermoe.layers.lora_stack import LoRAStack
 from tiermoe.layers.module_swap import class_key, swap_modules
 
 NATIVE_MAX_ROWS = 64  # as fused_norm: longer inputs are worth torch's threads
@@ -49,9 +50,10 @@ def reference_softmax_topk(logits: torch.Tensor, k: int, renormalize: bool,
 
 
 class FusedTopKRouter(nn.Module):
-    """Replaces `router` (one of ROUTER_CLASSES), sharing its weight."""
+    """Replaces `router` (one of ROUTER_CLASSES), sharing its weight. `ops` None: the tail in torch (a router
+    swapped in only to take an adapter per request, tiermoe.model.served_adapters)."""
 
-    def __init__(self, router: nn.Module, ops: LayerOps):
+    def __init__(self, router: nn.Module, ops: LayerOps | None):
         super().__init__()
         mixtral = ROUTER_CLASSES[class_key(router)]
         self.top_k, self.num_experts, self.hidden_dim = router.top_k, router.num_experts, router.hidden_dim
@@ -61,6 +63,7 @@ class FusedTopKRouter(nn.Module):
         self.ops = ops
         self.replaced = type(router).__name__
         self.packed = None  # the weight packed in bf16 (pack_routers: `weight` is then None); CPU rows only
+        self.lora: LoRAStack | None = None  # adapters served per request with LoRA on this router (per row)
 
     def forward(self, hidden_states: torch.Tensor):
         if hidden_states.dim() != 2:  # HybridMoE passes [T, D] already: no reshape op to dispatch
@@ -69,8 +72,11 @@ class FusedTopKRouter(nn.Module):
             logits = self.packed(hidden_states)  # (tokens, experts)
         else:
             logits = F.linear(hidden_states, self.weight)
+        if self.lora is not None and self.lora.rows.active:
+            delta = self.lora.delta(hidden_states)
+            logits = logits if delta is None else logits + delta
         weights_dtype = logits.dtype if self.cast else torch.float32
-        if (self.ops.exp_lanes is not None and logits.device.type == "cpu" and logits.dtype in NATIVE_DTYPES
+        if (self.ops is not None and self.ops.exp_lanes is not None and logits.device.type == "cpu" and logits.dtype in NATIVE_DTYPES
                 and logits.shape[0] <= NATIVE_MAX_ROWS and logits.is_contiguous()
                 and not (torch.is_grad_enabled() and logits.requires_grad)):
             weights, ids = self.ops.softmax_topk(logits, self.top_k, self.renormalize, weights_dtype)

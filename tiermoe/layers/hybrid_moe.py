@@ -33,6 +33,7 @@ from tiermoe.layers.expert_lora import ExpertLoRA
 from tiermoe.layers.host_copies import to_device_async
 from tiermoe.layers.host_ring import HostRing
 from tiermoe.layers.routed_autograd import RoutedExperts
+from tiermoe.layers.row_expert_lora import RowExpertLoRA
 from tiermoe.stats.recording import NO_RECORDER
 
 
@@ -60,6 +61,8 @@ class HybridMoE(nn.Module):
         # RoutedExperts, so gradients reach the input, the routing weights and any expert LoRA.
         self.trainable = False
         self.lora_experts: ExpertLoRA | None = None
+        # Adapters served per request with LoRA on this layer's experts (tiermoe.model.served_adapters); None: none.
+        self.row_lora: RowExpertLoRA | None = None
         # Set by the loader with --kt-max-deferred-experts-per-token > 0: the model's hand-over of deferred experts
         # between consecutive MoE layers (tiermoe.layers.deferred_experts); None computes every expert in its layer.
         self.deferred: DeferredExperts | None = None
@@ -109,17 +112,7 @@ class HybridMoE(nn.Module):
         _, weights_TK, ids_TK = self._router()(x_TD)
         if self.recorder.enabled:
             self.recorder.record(self.layer, ids_TK, self.assignment_E >= 0)
-        if self.cpu_only_shortcut and len(self.gpu_tier) == 0 and self.reduce is None and self._plain_inference():
-            y_TD, shared_TD = self._cpu_only(x_TD, ids_TK, weights_TK)
-        else:
-            rank_TK = self.assignment_E[ids_TK]
-            on_gpu_TK = rank_TK >= 0  # on any GPU rank: not the CPU tier's
-            mine_TK = on_gpu_TK if self.reduce is None else rank_TK == self.rank
-            if self.lora_experts is not None or (self.trainable and torch.is_grad_enabled()):
-                y_TD = self._routed_differentiable(x_TD, ids_TK, weights_TK, on_gpu_TK, mine_TK)
-                shared_TD = self._shared(x_TD)
-            else:
-                y_TD, shared_TD = self._routed_overlapped(x_TD, ids_TK, weights_TK, on_gpu_TK, mine_TK)
+        y_TD, shared_TD = self._routed_with_adapters(x_TD, ids_TK, weights_TK)
         if self.reduce is not None:
             # every rank calls this, also with no expert of its own in this layer, so the collectives line up
             y_TD = self.reduce(y_TD)
@@ -127,6 +120,42 @@ class HybridMoE(nn.Module):
             y_TD = y_TD + shared_TD
         y = y_TD.reshape(shape)
         return (y, weights_TK) if self.spec.returns_router_scores else y
+
+    def _routed_with_adapters(self, x_TD, ids_TK, weights_TK):
+        """(routed output [T, D], shared experts' output or None). Pairs of rows whose adapter (served per
+        request) has LoRA on this layer's experts are computed by `row_lora`, the others by the usual path."""
+        lora = self.row_lora
+        plain_TK, adapted_TK = (ids_TK, None) if lora is None else lora.split(ids_TK)
+        if plain_TK is not None:
+            y_TD, shared_TD = self._routed(x_TD, plain_TK, weights_TK)
+        else:
+            y_TD, shared_TD = torch.zeros_like(x_TD), self._shared(x_TD)
+        if adapted_TK is not None:
+            y_TD = y_TD + self._routed_per_row(x_TD, adapted_TK, weights_TK)
+        return y_TD, shared_TD
+
+    def _routed(self, x_TD, ids_TK, weights_TK):
+        """(routed output [T, D], shared experts' output or None) of the pairs of ids_TK (ids -1: none)."""
+        if self.cpu_only_shortcut and len(self.gpu_tier) == 0 and self.reduce is None and self._plain_inference():
+            return self._cpu_only(x_TD, ids_TK, weights_TK)
+        rank_TK = self.assignment_E[ids_TK]
+        on_gpu_TK = rank_TK >= 0  # on any GPU rank: not the CPU tier's
+        mine_TK = on_gpu_TK if self.reduce is None else rank_TK == self.rank
+        if self.lora_experts is not None or (self.trainable and torch.is_grad_enabled()):
+            return self._routed_differentiable(x_TD, ids_TK, weights_TK, on_gpu_TK, mine_TK), self._shared(x_TD)
+        return self._routed_overlapped(x_TD, ids_TK, weights_TK, on_gpu_TK, mine_TK)
+
+    def _routed_per_row(self, x_TD, ids_TK, weights_TK) -> torch.Tensor:
+        """The pairs of ids_TK with each row's expert LoRA (tiermoe.layers.row_expert_lora), on their tiers."""
+        act = self.gpu_tier.act
+        if len(self.gpu_tier) == 0:
+            return self.row_lora.routed(x_TD, ids_TK, weights_TK, self.cpu_tier, act)
+        on_gpu_TK = self.assignment_E[ids_TK] >= 0  # ids -1 index the last expert: they stay -1 either way
+        y_TD = self.row_lora.routed(x_TD, ids_TK.masked_fill(~on_gpu_TK, -1), weights_TK, self.gpu_tier, act)
+        if len(self.cpu_tier) > 0:
+            y_TD = y_TD + self.row_lora.routed(x_TD, ids_TK.masked_fill(on_gpu_TK, -1), weights_TK, self.cpu_tier,
+                                               act)
+        return y_TD
 
     def _plain_inference(self) -> bool:
         """No adapter, no gradients, no layerwise prefill and no deferral: the block is its two tiers' sum."""

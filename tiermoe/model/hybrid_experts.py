@@ -48,17 +48,9 @@ class HybridExperts(HybridMoE):
             self.recorder.record(self.layer, ids_TK.long(), self.assignment_E >= 0)
 
     def routed(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        """The weighted sum of each row's routed experts [T, D], on both tiers (nothing recorded)."""
-        if self.cpu_only_shortcut and len(self.gpu_tier) == 0 and self.reduce is None and self._plain_inference():
-            y_TD, _ = self._cpu_only(x_TD, ids_TK, weights_TK)
-        else:
-            rank_TK = self.assignment_E[ids_TK]
-            on_gpu_TK = rank_TK >= 0
-            mine_TK = on_gpu_TK if self.reduce is None else rank_TK == self.rank
-            if self.lora_experts is not None or (self.trainable and torch.is_grad_enabled()):
-                y_TD = self._routed_differentiable(x_TD, ids_TK, weights_TK, on_gpu_TK, mine_TK)
-            else:
-                y_TD, _ = self._routed_overlapped(x_TD, ids_TK, weights_TK, on_gpu_TK, mine_TK)
+        """The weighted sum of each row's routed experts [T, D], on both tiers (nothing recorded); rows of
+        adapters served per request with their expert LoRA (HybridMoE._routed_with_adapters)."""
+        y_TD, _ = self._routed_with_adapters(x_TD, ids_TK, weights_TK)
         if self.reduce is not None:
             y_TD = self.reduce(y_TD)
         return y_TD.to(x_TD.dtype)

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tiermoe.errors import TiermoeError
 from tiermoe.server import (
+    adapter_routes,
     admin_routes,
     anthropic_routes,
     completion_routes,
@@ -43,8 +44,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="tiermoe", lifespan=lifespan)
     app.state.tiermoe = state
-    for module in (openai_routes, completion_routes, anthropic_routes, sglang_routes, ollama_routes, admin_routes,
-                   root_route):
+    for module in (openai_routes, completion_routes, anthropic_routes, sglang_routes, adapter_routes, ollama_routes,
+                   admin_routes, root_route):
         app.include_router(module.router)
 
     # Each middleware added wraps the ones before it: admission is the innermost (a request refused for its

@@ -115,9 +115,15 @@ def reply_parser(state: ServerState, body: ChatCompletionRequest, options: Reque
 
 @router.get("/v1/models")
 async def models(request: Request):
+    """The served model, then each LoRA adapter served per request as vLLM lists them (`root` its directory,
+    `parent` the served model): a client may name either as `model`."""
     state = _state(request)
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(state.started),
-                                        "owned_by": "tiermoe", "max_model_len": state.context_length}]}
+    served = state.llm.engine.adapters
+    card = {"object": "model", "created": int(state.started), "owned_by": "tiermoe",
+            "max_model_len": state.context_length}
+    adapters = [{"id": name, **card, "root": path, "parent": state.model_name}
+                for name, path in sorted((served.paths() if served is not None else {}).items())]
+    return {"object": "list", "data": [{"id": state.model_name, **card}, *adapters]}
 
 
 @router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))

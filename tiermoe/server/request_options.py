@@ -144,11 +144,14 @@ def _json(value) -> str:
 
 def _adapter(values: dict[str, Any], reading: Reading) -> str | None:
     """The LoRA adapter asked for: SGLang's lora_path (its name), or an OpenAI model named `<served name>:NAME`
-    (another model name is the served model, as on every route)."""
+    (SGLang's) or `NAME` (vLLM's: a loaded adapter's name; another model name is the served model, as on every
+    route)."""
     [(path, value)] = values.items()
     if value is None:
         return None
     if path == "model":
+        if value in reading.adapters and value != reading.served_name:
+            return value
         prefix = f"{reading.served_name}:"
         if not reading.served_name or not value.startswith(prefix) or value == prefix + BASE_MODEL_TAG:
             return None
@@ -211,8 +214,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("separate_reasoning", {"chat": ("separate_reasoning",)},
            "false: with `--reasoning-parser`, the reasoning stays in `content` (no `reasoning_content`)"),
     Option("adapter", {"chat": ("model",), "completions": ("model",), "generate": ("lora_path",)},
-           "a LoRA adapter by name: `model` `\"<served name>:NAME\"` (another name is the served model), "
-           "`lora_path` NAME (a list: one per prompt); one that is not loaded is a 400", _adapter),
+           "a LoRA adapter served per request, by name: `model` `\"<served name>:NAME\"` (SGLang's) or `\"NAME\"` "
+           "(vLLM's; another name is the served model), `lora_path` NAME (a list: one per prompt); one that is not "
+           "loaded is a 400 naming it and the loaded ones", _adapter),
 )
 OPTION_BY_KEY = {option.key: option for option in OPTIONS}
 
@@ -257,7 +261,7 @@ class RequestOptions:
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "repetition_penalty": self.repetition_penalty, "min_p": self.min_p, "logit_bias": self.logit_bias,
                 "min_tokens": self.min_tokens, "skip_special_tokens": self.skip_special_tokens,
-                "grammar": self.grammar}
+                "grammar": self.grammar, "adapter": self.adapter}
 
 
 def read_options(route: str, source, served_name: str = "", adapters: Collection[str] = (),

@@ -14,6 +14,7 @@ from tiermoe.config import ServerConfig
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
+from tiermoe.model.lora_merge import MergedLoRA
 from tiermoe.server.admission import Admission
 from tiermoe.server.engine_service import EngineService
 from tiermoe.server.expert_metrics import ExpertLoadCounter
@@ -35,7 +36,9 @@ class ServerState:
     model_name: str
     recorder_control: object | None = None  # start/stop/dump of the expert distribution recorder
     expert_load: ExpertLoadCounter | None = None  # --enable-expert-distribution-metrics
-    adapters: frozenset[str] = frozenset()  # LoRA adapters a request may ask for by name (none loaded yet)
+    # reads an adapter directory (POST /load_lora_adapter) into what the engine serves per request; None: loading
+    # adapters while serving is off (no --enable-lora, no --lora NAME=DIR)
+    adapter_reader: Callable[[str], MergedLoRA] | None = None
     started: float = field(default_factory=time.time)
     # one tokenisation at a time: a fast tokenizer's settings are not safe to touch from two threads at once
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -48,6 +51,12 @@ class ServerState:
             # the replies' text (streamed, and searched for stop strings) keeps the markers the parsers read, which
             # tokenizers often mark special and the engine's own detokenizer would drop
             self.llm.engine.detokenize = keeping_markers(self.llm.tokenizer, self.output_parser.markers)
+
+    @property
+    def adapters(self) -> frozenset[str]:
+        """The LoRA adapters a request may ask for by name (served per request: tiermoe.model.served_adapters)."""
+        served = self.llm.engine.adapters
+        return served.names if served is not None else frozenset()
 
     @cached_property
     def output_parser(self) -> OutputParser | None:

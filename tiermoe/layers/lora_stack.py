@@ -1,0 +1,90 @@
+"""One weight's LoRA for every adapter slot that adapts it, side by side: the factors per-row serving multiplies.
+
+A slot's update of a weight W [out, in] is scaling * B @ A (A [r, in], B [out, r]; per routed expert, a leading
+[E] dimension). A LoRAStack holds the factors of all slots that adapt W concatenated along the rank: A [..., R, in],
+B [..., out, R], each slot's scaling folded into its columns of B, and the layout `columns` ((slot, rank), ...).
+A step's rows then take their own slot's columns through the mask of tiermoe.layers.adapter_rows:
+delta = ((x A^T) * mask) B^T, two products for all rows of all adapters. A row whose slot is not here (another
+adapter, or none) gets exactly zero. Factors stay in fp32, as PEFT keeps adapters; the products run in fp32 and
+the delta is cast to the activations' dtype.
+
+Loading an adapter concatenates its columns; unloading keeps the other slots' columns (a copy of the stack, made
+between steps). No per-slot copy is kept beside the stack.
+Legend: T rows, N rows routed to one expert, R rank columns, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tiermoe.layers.adapter_rows import AdapterRows, Columns
+
+
+class LoRAStack:
+    """The stacked factors of one weight (`name`, for messages), read per step through `rows`."""
+
+    def __init__(self, rows: AdapterRows, name: str, device: torch.device):
+        self.rows, self.name, self.device = rows, name, torch.device(device)
+        self.columns: Columns = ()
+        self.A: torch.Tensor | None = None  # [..., R, in]
+        self.B: torch.Tensor | None = None  # [..., out, R], scalings folded in
+
+    @property
+    def slots(self) -> frozenset[int]:
+        return frozenset(slot for slot, _ in self.columns)
+
+    @property
+    def empty(self) -> bool:
+        return not self.columns
+
+    def put(self, slot: int, A: torch.Tensor, B: torch.Tensor, scaling: float) -> None:
+        """Add `slot`'s factors A [..., r, in], B [..., out, r] (the same leading shape as the stack's)."""
+        A = A.to(self.device, torch.float32)
+        B = B.to(self.device, torch.float32) * scaling
+        if self.A is not None and (A.shape[:-2] != self.A.shape[:-2] or A.shape[-1] != self.A.shape[-1]
+                                   or B.shape[:-1] != self.B.shape[:-1]):
+            raise ValueError(f"{self.name}: factors of shape {list(A.shape)} / {list(B.shape)} do not stack with "
+                             f"{list(self.A.shape)} / {list(self.B.shape)}")
+        stacked_A = A.contiguous() if self.A is None else torch.cat([self.A, A], dim=-2)
+        stacked_B = B.contiguous() if self.B is None else torch.cat([self.B, B], dim=-1)
+        self.A, self.B, self.columns = stacked_A, stacked_B, (*self.columns, (slot, A.shape[-2]))
+
+    def drop(self, slot: int) -> None:
+        """Remove `slot`'s columns (nothing when it has none here)."""
+        keep, kept, start = [], [], 0
+        for owner, rank in self.columns:
+            if owner != slot:
+                keep += range(start, start + rank)
+                kept.append((owner, rank))
+            start += rank
+        if len(kept) == len(self.columns):
+            return
+        if not kept:
+            self.A = self.B = None
+        else:
+            index = torch.tensor(keep, dtype=torch.int64, device=self.device)
+            self.A = self.A.index_select(-2, index)
+            self.B = self.B.index_select(-1, index)
+        self.columns = tuple(kept)
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The update of a step's rows x [..., in] (their leading dims flattening to the step's T rows), in x's
+        dtype; None when no row of the step has a slot of this stack."""
+        mask_TR = self.rows.mask(self.columns)
+        if mask_TR is None:
+            return None
+        x_TI = x.reshape(-1, x.shape[-1])
+        if x_TI.shape[0] != mask_TR.shape[0]:
+            raise RuntimeError(f"per-request LoRA on {self.name} got {x_TI.shape[0]} rows in a step of "
+                               f"{mask_TR.shape[0]}; this module cannot take an adapter per request")
+        d = F.linear(F.linear(x_TI.to(torch.float32), self.A) * mask_TR, self.B)
+        return d.view(*x.shape[:-1], d.shape[-1]).to(x.dtype)
+
+    def expert_delta(self, expert: int, x_NI: torch.Tensor, mask_NR: torch.Tensor) -> torch.Tensor:
+        """Expert `expert`'s update of its rows x [N, in] whose masks are mask_NR (per-expert stacks), in x's
+        dtype and device."""
+        A, B = self.A[expert], self.B[expert]
+        if A.device != x_NI.device:  # a CPU tier's rows of a model on a GPU: the factors go to the rows
+            A, B = A.to(x_NI.device), B.to(x_NI.device)
+        return F.linear(F.linear(x_NI.float(), A) * mask_NR, B).to(x_NI.dtype)
