@@ -27,6 +27,7 @@ from tiermoe.arch import detect, load_config
 from tiermoe.cli.lora_args import MERGED_NOTE, adapter_reader
 from tiermoe.cli.serve_flags import add_serve_flags
 from tiermoe.cli.serve_http import build_state
+from tiermoe.config import CPUConfig
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
@@ -98,17 +99,46 @@ def test_prompt_logits_of_a_mixed_step_are_peft_s(served):
     """Every position's logits, the 8 prompts fed in ONE forward: attention, router and expert LoRA per row."""
     model, dirs, refs, base = served
     with _serving(_llm(model, prefill_chunk=128), dirs) as llm:
-        engine = llm.engine
-        seqs = [engine.new_sequence() for _ in PROMPTS]
-        for seq, name in zip(seqs, WHICH):
-            seq.adapter = engine.adapters.get(name) if name else None
-        logits = engine.feed(seqs, PROMPTS, rows=["all"] * len(seqs))
-        for seq in seqs:
-            engine.release(seq)
+        logits = _prompt_logits(llm)
     for got, prompt, name in zip(logits, PROMPTS, WHICH):
         with torch.no_grad():
             want = (refs[name] if name else base)(input_ids=torch.tensor([prompt])).logits[0]
         assert rel_err(got, want) <= 1e-5, name
+
+
+def _prompt_logits(llm: LLM) -> list[torch.Tensor]:
+    engine = llm.engine
+    seqs = [engine.new_sequence() for _ in PROMPTS]
+    for seq, name in zip(seqs, WHICH):
+        seq.adapter = engine.adapters.get(name) if name else None
+    logits = engine.feed(seqs, PROMPTS, rows=["all"] * len(seqs))
+    for seq in seqs:
+        engine.release(seq)
+    return logits
+
+
+@pytest.mark.parametrize("fmt, dtype, tol", [("int8", torch.float32, 1e-5), ("bf16", torch.bfloat16, 3e-2)])
+def test_the_native_cpu_tier_adds_each_row_s_lora_in_its_one_layer_call(served, fmt, dtype, tol):
+    """The native CPU tier computes adapter rows in one call per layer (csrc/moe_layer.cpp, tm_moe_lora_forward):
+    the same logits as expert by expert with the tier's own products (int8 weights with fp32 activations take the
+    exact kernels both ways; bf16 rounds differently), and each sequence's greedy tokens batched are its tokens
+    alone."""
+    model, dirs, _, _ = served
+    cpu = CPUConfig(backend="native", expert_dtype=fmt)
+    with _serving(LLM(model, dtype=dtype, cpu=cpu, progress=False, max_running=8, prefill_chunk=128), dirs) as llm:
+        tiers = [block.cpu_tier for block in llm.hybrid.blocks.values()]
+        if not getattr(tiers[0], "_blocked", False):
+            pytest.skip("the native kernels are not built here")
+        native = _prompt_logits(llm)
+        params = [SamplingParams(max_tokens=TOKENS, adapter=name) for name in WHICH]
+        if dtype == torch.float32:
+            together = [out.token_ids for out in llm.generate(PROMPTS, params)]
+            assert together == [llm.generate([p], [q])[0].token_ids for p, q in zip(PROMPTS, params)]
+        for tier in tiers:
+            tier.lora_forward = lambda *args: None  # the tier declines: expert by expert instead
+        by_expert = _prompt_logits(llm)
+    for got, want, name in zip(native, by_expert, WHICH):
+        assert rel_err(got, want) <= tol, name
 
 
 def test_unknown_adapters_and_names_are_refused_in_one_line(served):

@@ -40,8 +40,9 @@ ACTIVATION_CODES = {"silu_glu": 0, "gpt_oss_glu": 1}
 # 2: tm_linear_forward / tm_linear_transposed; 3: layer_ops.cpp (fused norms, routers), decode attention, rotary;
 # 4: decode attention per ISA (TmAttnArgs.isa); 5: the gated delta rule; 6: a team's solo_bytes, its shared jobs;
 # 7: a whole decoder layer of a decode step (tm_decode_layer); 8: decode attention with a two-part key (MLA) and key
-# splits; 9: a MoE layer's activation (SiLU-GLU or GPT-OSS's clamped SwiGLU) and per-expert biases (TmLayerArgs)
-ABI_VERSION = 9
+# splits; 9: a MoE layer's activation (SiLU-GLU or GPT-OSS's clamped SwiGLU) and per-expert biases (TmLayerArgs);
+# 10: a MoE layer with LoRA adapters served per request (tm_moe_lora_forward, TmLoraArgs)
+ABI_VERSION = 10
 # A MoE layer or packed product smaller than this (bytes of weights read, each row of activations beyond the first
 # counted as an eighth more: csrc/tm_kernels.h tm_product_work) runs on the calling thread alone. Waking a helper
 # asleep between a decode step's calls cost about 250 us on this project's 2-vCPU VMs (an idle vCPU is halted),
@@ -70,6 +71,16 @@ class TmLayerArgs(ctypes.Structure):
                 ("down", ctypes.POINTER(TmMatrix)), ("act", ctypes.c_int32), ("alpha", ctypes.c_float),
                 ("limit", ctypes.c_float), ("_pad", ctypes.c_int32),
                 ("gate_up_bias", ctypes.POINTER(ctypes.c_void_p)), ("down_bias", ctypes.POINTER(ctypes.c_void_p))]
+
+
+class TmLoraArgs(ctypes.Structure):
+    """LoRA adapters served per request on one MoE layer's CPU-tier experts (csrc/tm_api.h): fp32 factors stacked
+    along the rank, A [E, R, in] and B transposed [E, R, out], and each token's 0/1 mask [T, R]; R 0: none on that
+    projection."""
+
+    _fields_ = [("R_gu", ctypes.c_int32), ("R_d", ctypes.c_int32),
+                *[(n, ctypes.c_void_p) for n in ("gate_up_A", "gate_up_Bt", "down_A", "down_Bt", "gate_up_mask",
+                                                  "down_mask")]]
 
 
 class TmLinearArgs(ctypes.Structure):
@@ -208,6 +219,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tm_team_shared_jobs.argtypes = [ctypes.c_void_p]
     lib.tm_moe_forward.restype = ctypes.c_int
     lib.tm_moe_forward.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmLayerArgs), ctypes.c_char_p, ctypes.c_int]
+    lib.tm_moe_lora_forward.restype = ctypes.c_int
+    lib.tm_moe_lora_forward.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmLayerArgs), ctypes.POINTER(TmLoraArgs),
+                                        ctypes.c_char_p, ctypes.c_int]
     for name in ("tm_linear_forward", "tm_linear_transposed"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.POINTER(TmLinearArgs), ctypes.c_char_p, ctypes.c_int]

@@ -25,7 +25,15 @@ import torch
 from tiermoe.config import CPUConfig
 from tiermoe.experts.ffn import ConvertedOnLookup, ExpertActivation, routed_experts_forward
 from tiermoe.experts.kernel_matmuls import KernelMatmuls, c_matrix
-from tiermoe.experts.kernels import ACTIVATION_CODES, Kernels, ThreadTeam, TmLayerArgs, TmMatrix, load_kernels
+from tiermoe.experts.kernels import (
+    ACTIVATION_CODES,
+    Kernels,
+    ThreadTeam,
+    TmLayerArgs,
+    TmLoraArgs,
+    TmMatrix,
+    load_kernels,
+)
 from tiermoe.experts.quant import (
     QMatrix,
     dequantize,
@@ -255,6 +263,26 @@ class NativeCPUExperts(ComputedOnWorker):
                           ids=ids.data_ptr(), weights=w.data_ptr())
         err = ctypes.create_string_buffer(256)
         if self.kernels.lib.tm_moe_forward(self._team().handle, ctypes.byref(args), err, len(err)) != 0:
+            raise RuntimeError(err.value.decode())
+        return y.to(x_TD.dtype)
+
+    def lora_forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                     lora: TmLoraArgs) -> torch.Tensor | None:
+        """The layer's pairs of ids_TK (ids -1: another tier's or another path's) each with its token's LoRA update
+        (csrc/tm_api.h TmLoraArgs: adapters served per request), in one call on this thread; None when this tier
+        computes with torch (the caller computes expert by expert then)."""
+        if not self._blocked or self._tables is None or x_TD.shape[0] == 0:
+            return None
+        x = x_TD.contiguous() if x_TD.dtype in (torch.bfloat16, torch.float32) else x_TD.float()
+        ids = ids_TK.to(torch.int64).contiguous()
+        w = weights_TK.to(torch.float32).contiguous()
+        y = torch.empty_like(x)
+        t, k = ids.shape
+        args = self._args(T=t, K=k, x_bf16=int(x.dtype == torch.bfloat16), x=x.data_ptr(), y=y.data_ptr(),
+                          ids=ids.data_ptr(), weights=w.data_ptr())
+        err = ctypes.create_string_buffer(256)
+        if self.kernels.lib.tm_moe_lora_forward(self._team().handle, ctypes.byref(args), ctypes.byref(lora), err,
+                                                len(err)) != 0:
             raise RuntimeError(err.value.decode())
         return y.to(x_TD.dtype)
 

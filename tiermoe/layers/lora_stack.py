@@ -1,10 +1,11 @@
 """One weight's LoRA for every adapter slot that adapts it, side by side: the factors per-row serving multiplies.
 
 A slot's update of a weight W [out, in] is scaling * B @ A (A [r, in], B [out, r]; per routed expert, a leading
-[E] dimension). A LoRAStack holds the factors of all slots that adapt W concatenated along the rank: A [..., R, in],
-B [..., out, R], each slot's scaling folded into its columns of B, and the layout `columns` ((slot, rank), ...).
-A step's rows then take their own slot's columns through the mask of tiermoe.layers.adapter_rows:
-delta = ((x A^T) * mask) B^T, two products for all rows of all adapters. A row whose slot is not here (another
+[E] dimension). A LoRAStack holds the factors of all slots that adapt W concatenated along the rank: A [..., R, in]
+and B transposed, Bt [..., R, out] (each slot's scaling folded in; rows of it are what the native MoE kernels add
+up, contiguous), and the layout `columns` ((slot, rank), ...). A step's rows then take their own slot's columns
+through the mask of tiermoe.layers.adapter_rows: delta = ((x A^T) * mask) Bt, two products for all rows of all
+adapters. A row whose slot is not here (another
 adapter, or none) gets exactly zero. Factors stay in fp32, as PEFT keeps adapters; the products run in fp32 and
 the delta is cast to the activations' dtype.
 
@@ -28,7 +29,7 @@ class LoRAStack:
         self.rows, self.name, self.device = rows, name, torch.device(device)
         self.columns: Columns = ()
         self.A: torch.Tensor | None = None  # [..., R, in]
-        self.B: torch.Tensor | None = None  # [..., out, R], scalings folded in
+        self.Bt: torch.Tensor | None = None  # [..., R, out], scalings folded in
 
     @property
     def slots(self) -> frozenset[int]:
@@ -41,14 +42,14 @@ class LoRAStack:
     def put(self, slot: int, A: torch.Tensor, B: torch.Tensor, scaling: float) -> None:
         """Add `slot`'s factors A [..., r, in], B [..., out, r] (the same leading shape as the stack's)."""
         A = A.to(self.device, torch.float32)
-        B = B.to(self.device, torch.float32) * scaling
+        Bt = (B.to(self.device, torch.float32) * scaling).transpose(-1, -2)
         if self.A is not None and (A.shape[:-2] != self.A.shape[:-2] or A.shape[-1] != self.A.shape[-1]
-                                   or B.shape[:-1] != self.B.shape[:-1]):
+                                   or Bt.shape[-1] != self.Bt.shape[-1]):
             raise ValueError(f"{self.name}: factors of shape {list(A.shape)} / {list(B.shape)} do not stack with "
-                             f"{list(self.A.shape)} / {list(self.B.shape)}")
+                             f"{list(self.A.shape)} / {list(self.Bt.transpose(-1, -2).shape)}")
         stacked_A = A.contiguous() if self.A is None else torch.cat([self.A, A], dim=-2)
-        stacked_B = B.contiguous() if self.B is None else torch.cat([self.B, B], dim=-1)
-        self.A, self.B, self.columns = stacked_A, stacked_B, (*self.columns, (slot, A.shape[-2]))
+        stacked_Bt = Bt.contiguous() if self.Bt is None else torch.cat([self.Bt, Bt], dim=-2)
+        self.A, self.Bt, self.columns = stacked_A, stacked_Bt, (*self.columns, (slot, A.shape[-2]))
 
     def drop(self, slot: int) -> None:
         """Remove `slot`'s columns (nothing when it has none here)."""
@@ -61,11 +62,11 @@ class LoRAStack:
         if len(kept) == len(self.columns):
             return
         if not kept:
-            self.A = self.B = None
+            self.A = self.Bt = None
         else:
             index = torch.tensor(keep, dtype=torch.int64, device=self.device)
             self.A = self.A.index_select(-2, index)
-            self.B = self.B.index_select(-1, index)
+            self.Bt = self.Bt.index_select(-2, index)
         self.columns = tuple(kept)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -78,13 +79,13 @@ class LoRAStack:
         if x_TI.shape[0] != mask_TR.shape[0]:
             raise RuntimeError(f"per-request LoRA on {self.name} got {x_TI.shape[0]} rows in a step of "
                                f"{mask_TR.shape[0]}; this module cannot take an adapter per request")
-        d = F.linear(F.linear(x_TI.to(torch.float32), self.A) * mask_TR, self.B)
+        d = (F.linear(x_TI.to(torch.float32), self.A) * mask_TR) @ self.Bt
         return d.view(*x.shape[:-1], d.shape[-1]).to(x.dtype)
 
     def expert_delta(self, expert: int, x_NI: torch.Tensor, mask_NR: torch.Tensor) -> torch.Tensor:
         """Expert `expert`'s update of its rows x [N, in] whose masks are mask_NR (per-expert stacks), in x's
         dtype and device."""
-        A, B = self.A[expert], self.B[expert]
+        A, Bt = self.A[expert], self.Bt[expert]
         if A.device != x_NI.device:  # a CPU tier's rows of a model on a GPU: the factors go to the rows
-            A, B = A.to(x_NI.device), B.to(x_NI.device)
-        return F.linear(F.linear(x_NI.float(), A) * mask_NR, B).to(x_NI.dtype)
+            A, Bt = A.to(x_NI.device), Bt.to(x_NI.device)
+        return ((F.linear(x_NI.float(), A) * mask_NR) @ Bt).to(x_NI.dtype)

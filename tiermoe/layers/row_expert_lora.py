@@ -5,7 +5,8 @@ factors, tiermoe.layers.expert_lora). The gate_up update lands before the activa
 cannot take the tier's fused layer computation and add something after: its (token, expert) pairs are computed
 expert by expert with the tier's own products (tiermoe.experts.expert_matmuls: the native CPU tier's packed kernels,
 torch elsewhere), each plus the two thin LoRA products of the stacked factors (tiermoe.layers.lora_stack), as
-training computes them (tiermoe.layers.routed_autograd). The step's other rows (no adapter, or one with no expert
+training computes them (tiermoe.layers.routed_autograd); on the native CPU tier the whole layer is one call that
+adds the updates inside the kernels' phases (csrc/moe_layer.cpp, tm_moe_lora_forward). The step's other rows (no adapter, or one with no expert
 LoRA in this layer) keep the layer's usual path; HybridMoE adds the two.
 Legend: T tokens, K top-k, D hidden, I intermediate, N pairs routed to one expert, R rank columns.
 """
@@ -16,6 +17,7 @@ import torch
 
 from tiermoe.experts.expert_matmuls import matmuls_of
 from tiermoe.experts.ffn import ExpertActivation
+from tiermoe.experts.kernels import TmLoraArgs
 from tiermoe.layers.adapter_rows import AdapterRows
 from tiermoe.layers.lora_stack import LoRAStack
 
@@ -24,7 +26,7 @@ PROJECTIONS = ("gate_up", "down")
 
 class RowExpertLoRA:
     """The expert LoRA of every slot that adapts one MoE layer: a LoRAStack per projection, factors [E, R, in] /
-    [E, out, R] on `device`."""
+    [E, R, out] on `device`."""
 
     def __init__(self, rows: AdapterRows, layer: int, device: torch.device):
         self.rows = rows
@@ -52,7 +54,36 @@ class RowExpertLoRA:
     def routed(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, tier,
                act: ExpertActivation) -> torch.Tensor:
         """y [T, D]: for each token, the weighted sum of its routed experts held by `tier` (ids >= 0), each with
-        its row's adapter. The rows go to the tier's device and the result comes back. The pairs are sorted by
+        its row's adapter. A native CPU tier computes it in one call (csrc/moe_layer.cpp, tm_moe_lora_forward);
+        elsewhere `by_expert`."""
+        native = getattr(tier, "lora_forward", None)
+        if native is not None and all(s.empty or s.A.device.type == "cpu" for s in self.stacks.values()):
+            args, held = self._native_args()
+            y_TD = native(x_TD, ids_TK, weights_TK, args)
+            del held  # the factors and masks the call read (kept alive until it returned)
+            if y_TD is not None:
+                return y_TD
+        return self.by_expert(x_TD, ids_TK, weights_TK, tier, act)
+
+    def _native_args(self) -> tuple[TmLoraArgs, list[torch.Tensor]]:
+        """The kernels' view of the stacks and this step's masks (a projection no row of the step adapts: R 0),
+        and the tensors it points into."""
+        args, held = TmLoraArgs(), []
+        for prefix, stack in zip(("gate_up", "down"), (self.stacks["gate_up"], self.stacks["down"])):
+            mask_TR = None if stack.empty else self.rows.mask(stack.columns)
+            if mask_TR is None:
+                continue
+            held += [stack.A, stack.Bt, mask_TR]
+            setattr(args, "R_gu" if prefix == "gate_up" else "R_d", stack.A.shape[-2])
+            setattr(args, f"{prefix}_A", stack.A.data_ptr())
+            setattr(args, f"{prefix}_Bt", stack.Bt.data_ptr())
+            setattr(args, f"{prefix}_mask", mask_TR.data_ptr())
+        return args, held
+
+    def by_expert(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, tier,
+                  act: ExpertActivation) -> torch.Tensor:
+        """`routed` expert by expert with the tier's own products (tiermoe.experts.expert_matmuls) plus the LoRA
+        products in torch; the rows go to the tier's device and the result comes back. The pairs are sorted by
         expert once, and their rows, masks and weights gathered once: each expert then works on slices."""
         dev = tier.device
         T, K = ids_TK.shape

@@ -6,10 +6,18 @@
 //              SwiGLU: TmGlu), split into tasks of 16-column blocks;
 //   2. down:   y[:, cols] = sum over experts of weight * (h W_down^T + b_down)[:, cols]; a task owns a range of
 //              output columns for every expert, so partial sums never race and y is written once, in x's dtype.
+// With LoRA adapters served per request (tm_moe_lora_forward, TmLoraArgs) the update of gate_up lands before the
+// activation, which the up kernels fuse with the product; so there the phases are:
+//   0. gather, and each row's gate_up update dh = ((x A^T) * mask) B^T into the expert's raw buffer [M, 2Ip];
+//   1. raw:    the gate_up product added into it (each table's down kernel with unit weights, as
+//              tm_linear_forward computes a forward product), in 16-row strips;
+//   2. glu:    h = glu(raw + b_gate_up), and each row's u = (h A_down^T) * mask for the down update;
+//   3. down:   as above, each pair's weight * u B_down^T added into its output columns.
 // Each expert picks its kernel table by its row count: AMX tiles for many rows (prefill), vector kernels for a
 // few (decode). Compiled for plain x86-64; ISA-specific code lives in the isa_*.cpp tables.
 // Legend: T tokens, K top-k, D hidden (Dp padded), I intermediate (Ip padded), M rows routed to one expert.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <new>
@@ -26,7 +34,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 9;  // 2: tm_linear_forward / tm_linear_transposed;
+constexpr int kAbiVersion = 10;  // 2: tm_linear_forward / tm_linear_transposed;
                                 // 3: layer_ops.cpp, paged attention, rotary;
                                 // 4: decode attention per ISA (TmAttnArgs.isa);
                                 // 5: the gated delta rule's decode step (TmKernels.delta);
@@ -34,6 +42,7 @@ constexpr int kAbiVersion = 9;  // 2: tm_linear_forward / tm_linear_transposed;
                                 // 7: tm_decode_layer (decode_layer.cpp)
                                 // 8: decode attention with a two-part key and key splits (TmAttnArgs)
                                 // 9: TmLayerArgs' activation and per-expert biases (GPT-OSS), TmGlu
+                                // 10: tm_moe_lora_forward (TmLoraArgs)
 
 bool request_amx_permission() {
 #ifdef __linux__
@@ -69,6 +78,7 @@ struct ExpertWork {
   uint16_t* xb;
   float* hf;
   uint16_t* hb;
+  float* raw = nullptr;  // LoRA: [m][2Ip] gate_up's update, then plus its product (packed row order)
 };
 
 struct UpTask {
@@ -84,7 +94,138 @@ struct Layer {
   std::vector<UpTask> up;
   int chunk = 1, nchunks = 0;  // down: 16-column strips per task, and tasks
   size_t kscratch = 0;         // kernel scratch bytes per member
+  const TmLoraArgs* lora = nullptr;  // adapters served per request (tm_moe_lora_forward); null: none
+  float* ud = nullptr;               // LoRA: [pairs][R_d] each pair's (h A_down^T) * mask
+  std::vector<UpTask> raw;           // LoRA phase 1: strips of gate_up's product per expert
+  std::vector<int32_t> ident;        // LoRA phase 1: each row its own output row, weight 1
+  std::vector<float> ones;
 };
+
+float dot(const float* a, const float* b, int n) {
+  float s[8] = {};  // eight partial sums: the compiler keeps them in one vector register
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) s[l] += a[i + l] * b[i + l];
+  float t = 0.0f;
+  for (; i < n; ++i) t += a[i] * b[i];
+  for (int l = 0; l < 8; ++l) t += s[l];
+  return t;
+}
+
+// y[0, n) += c * v[0, n)
+void axpy(float c, const float* v, float* y, int n) {
+  for (int i = 0; i < n; ++i) y[i] += c * v[i];
+}
+
+// Row t of x in fp32.
+void x_row(const TmLayerArgs& a, int t, float* out) {
+  if (a.x_bf16) {
+    const uint16_t* src = (const uint16_t*)a.x + (size_t)t * a.D;
+    for (int d = 0; d < a.D; ++d) out[d] = tm_bf16_to_f32(src[d]);
+  } else {
+    std::memcpy(out, (const float*)a.x + (size_t)t * a.D, sizeof(float) * a.D);
+  }
+}
+
+// The rank columns a token's mask selects (its adapter's; none without one), and u = (v A^T) * mask on them:
+// v [n], A [R][n]. Returns how many.
+int lora_rank(const float* A, const float* mask, const float* v, int R, int n, int* cols, float* u) {
+  int c = 0;
+  for (int k = 0; k < R; ++k)
+    if (mask[k] != 0.0f) {
+      cols[c] = k;
+      u[c++] = mask[k] * dot(A + (size_t)k * n, v, n);
+    }
+  return c;
+}
+
+// LoRA phase 0 (after the gather): each row's gate_up update into w.raw, in the packed row order (gate rows from
+// 0, up rows from Ip); rows whose token has no adapter here stay 0.
+void lora_gate_up(const Layer& L, const ExpertWork& w) {
+  const TmLayerArgs& a = *L.a;
+  const TmLoraArgs& lo = *L.lora;
+  const size_t ld = 2 * (size_t)a.Ip;
+  std::memset(w.raw, 0, sizeof(float) * ld * w.m);
+  if (lo.R_gu == 0) return;
+  const float* A = lo.gate_up_A + (size_t)w.e * lo.R_gu * a.D;
+  const float* Bt = lo.gate_up_Bt + (size_t)w.e * lo.R_gu * 2 * a.I;
+  std::vector<float> x(a.D), u(lo.R_gu);
+  std::vector<int> cols(lo.R_gu);
+  for (int r = 0; r < w.m; ++r) {
+    const int t = L.tok[w.pair0 + r];
+    const float* mask = lo.gate_up_mask + (size_t)t * lo.R_gu;
+    bool any = false;
+    for (int k = 0; k < lo.R_gu && !any; ++k) any = mask[k] != 0.0f;
+    if (!any) continue;
+    x_row(a, t, x.data());
+    const int n = lora_rank(A, mask, x.data(), lo.R_gu, a.D, cols.data(), u.data());
+    float* raw = w.raw + (size_t)r * ld;
+    for (int c = 0; c < n; ++c) {
+      const float* b = Bt + (size_t)cols[c] * 2 * a.I;
+      axpy(u[c], b, raw, a.I);               // gate
+      axpy(u[c], b + a.I, raw + a.Ip, a.I);  // up
+    }
+  }
+}
+
+// LoRA phase 3's part: each pair's weight * u Bt_down for output columns [d0, d1) (y from column d0).
+void lora_down(const Layer& L, int d0, int d1, float* y, int ldy) {
+  const TmLoraArgs& lo = *L.lora;
+  const int R = lo.R_d;
+  if (R == 0) return;
+  for (const ExpertWork& w : L.ex) {
+    const float* Bt = lo.down_Bt + (size_t)w.e * R * L.a->D;
+    for (int r = 0; r < w.m; ++r) {
+      const float* u = L.ud + (size_t)(w.pair0 + r) * R;
+      float* yr = y + (size_t)L.tok[w.pair0 + r] * ldy;
+      const float wt = L.wt[w.pair0 + r];
+      for (int k = 0; k < R; ++k)
+        if (u[k] != 0.0f) axpy(wt * u[k], Bt + (size_t)k * L.a->D + d0, yr, d1 - d0);
+    }
+  }
+}
+
+// The expert activation of one gate / up pair, as the up kernels compute it (TmGlu).
+float glu1(const TmGlu& glu, float g, float u) {
+  if (glu.act == TM_ACT_SILU_GLU) return g / (1.0f + std::exp(-g)) * u;
+  g = std::min(g, glu.limit);
+  u = std::max(std::min(u, glu.limit), -glu.limit);
+  return g / (1.0f + std::exp(g * -glu.alpha)) * (u + 1.0f);
+}
+
+// LoRA phase 2: h = glu(raw + bias) into the copies the down kernels read, and each row's down update's rank
+// vector u into L.ud (from h as those kernels read it: bf16-rounded when x is bf16; 0 without an adapter).
+void lora_glu(const Layer& L, const ExpertWork& w) {
+  const TmLayerArgs& a = *L.a;
+  const TmLoraArgs& lo = *L.lora;
+  const size_t ld = 2 * (size_t)a.Ip;
+  const float* bias = w.glu.bias;
+  std::vector<float> h(a.Ip), u(lo.R_d);
+  std::vector<int> cols(lo.R_d);
+  for (int r = 0; r < w.m; ++r) {
+    const float* raw = w.raw + (size_t)r * ld;
+    for (int j = 0; j < a.Ip; ++j) {
+      const float g = raw[j] + (bias ? bias[j] : 0.0f), v = raw[a.Ip + j] + (bias ? bias[a.Ip + j] : 0.0f);
+      h[j] = j < a.I ? glu1(w.glu, g, v) : 0.0f;  // padding columns stay 0, as the kernels leave them
+    }
+    if (w.hf) std::memcpy(w.hf + (size_t)r * a.Ip, h.data(), sizeof(float) * a.Ip);
+    if (w.hb)
+      for (int j = 0; j < a.Ip; ++j) w.hb[(size_t)r * a.Ip + j] = tm_f32_to_bf16(h[j]);
+    if (lo.R_d == 0) continue;
+    const int t = L.tok[w.pair0 + r];
+    float* ud = L.ud + (size_t)(w.pair0 + r) * lo.R_d;
+    std::fill(ud, ud + lo.R_d, 0.0f);
+    const float* mask = lo.down_mask + (size_t)t * lo.R_d;
+    bool any = false;
+    for (int k = 0; k < lo.R_d && !any; ++k) any = mask[k] != 0.0f;
+    if (!any) continue;
+    if (a.x_bf16)
+      for (int j = 0; j < a.I; ++j) h[j] = tm_bf16_to_f32(tm_f32_to_bf16(h[j]));
+    const float* A = lo.down_A + (size_t)w.e * lo.R_d * a.I;
+    const int n = lora_rank(A, mask, h.data(), lo.R_d, a.I, cols.data(), u.data());
+    for (int c = 0; c < n; ++c) ud[cols[c]] = u[c];
+  }
+}
 
 void gather(const Layer& L, const ExpertWork& w) {
   const TmLayerArgs& a = *L.a;
@@ -133,6 +274,7 @@ void down_chunk(const Layer& L, int task, int tid) {
     w.k->down(&a.down[w.e], &rows, c0, c1w, &L.tok[w.pair0], &L.wt[w.pair0], y, ldy, base);
   }
   const int d0 = 16 * c0, d1 = std::min(16 * c1, a.D);
+  if (L.lora) lora_down(L, d0, d1, y, ldy);
   if (a.down_bias)  // weight * (h W^T + b): the products are in y, each pair's weighted bias joins them
     for (const ExpertWork& w : L.ex) {
       const float* b = a.down_bias[w.e];
@@ -155,8 +297,29 @@ void down_chunk(const Layer& L, int task, int tid) {
   }
 }
 
+void run_lora_task(Layer& L, int phase, int task, int tid) {
+  if (phase == 0) {
+    gather(L, L.ex[task]);
+    lora_gate_up(L, L.ex[task]);
+  } else if (phase == 1) {
+    const UpTask& u = L.raw[task];
+    const ExpertWork& w = L.ex[u.w];
+    TmRows rows = {w.xf, w.xb, w.m, L.a->Dp};
+    w.k->down(&L.a->gate_up[w.e], &rows, u.j0, u.j1, L.ident.data(), L.ones.data(), w.raw + 16 * u.j0,
+              2 * L.a->Ip, L.team->scratch(tid).data());
+  } else if (phase == 2) {
+    lora_glu(L, L.ex[task]);
+  } else {
+    down_chunk(L, task, tid);
+  }
+}
+
 void run_task(void* ctx, int phase, int task, int tid) {
   Layer& L = *(Layer*)ctx;
+  if (L.lora) {
+    run_lora_task(L, phase, task, tid);
+    return;
+  }
   if (phase == 0) {
     gather(L, L.ex[task]);
   } else if (phase == 1) {
@@ -174,10 +337,11 @@ int fail(char* err, int errlen, const char* msg, long v) {
   return 1;
 }
 
-int forward(tmoe::Team& team, const TmLayerArgs& a, char* err, int errlen) {
+int forward(tmoe::Team& team, const TmLayerArgs& a, const TmLoraArgs* lora, char* err, int errlen) {
   Layer L;
   L.a = &a;
   L.team = &team;
+  L.lora = lora;
   const int n = team.size();
 
   // Route: count pairs per expert, then sort them by expert (counting sort keeps token order within an expert).
@@ -220,12 +384,15 @@ int forward(tmoe::Team& team, const TmLayerArgs& a, char* err, int errlen) {
     }
   std::stable_sort(L.ex.begin(), L.ex.end(), [](const ExpertWork& x, const ExpertWork& y) { return x.m > y.m; });
 
-  size_t arena = 0;
+  size_t arena = lora ? tm_align64(4 * L.tok.size() * (size_t)lora->R_d) : 0;
+  int most_rows = 0;
   for (ExpertWork& w : L.ex) {
     const size_t mpad = (w.m + 15) & ~15;
     if (w.wants & TM_ROWS_F32) arena += tm_align64(4 * (size_t)w.m * a.Dp) + tm_align64(4 * (size_t)w.m * a.Ip);
     if (w.wants & TM_ROWS_BF16) arena += tm_align64(2 * mpad * a.Dp) + tm_align64(2 * mpad * a.Ip);
+    if (lora) arena += tm_align64(8 * (size_t)w.m * a.Ip);
     L.kscratch = std::max(L.kscratch, std::max(w.k->scratch_bytes(a.Dp, w.m), w.k->scratch_bytes(a.Ip, w.m)));
+    most_rows = std::max(most_rows, w.m);
   }
   L.kscratch = tm_align64(L.kscratch);
   char* p = (char*)team.arena().reserve(arena + 64);
@@ -240,6 +407,13 @@ int forward(tmoe::Team& team, const TmLayerArgs& a, char* err, int errlen) {
       w.xb = (uint16_t*)take(2 * mpad * a.Dp);
       w.hb = (uint16_t*)take(2 * mpad * a.Ip);
     }
+    if (lora) w.raw = (float*)take(8 * (size_t)w.m * a.Ip);
+  }
+  if (lora) {
+    L.ud = (float*)p;
+    L.ident.resize(most_rows);
+    for (int m = 0; m < most_rows; ++m) L.ident[m] = m;
+    L.ones.assign(most_rows, 1.0f);
   }
 
   // Phase 1 tasks: blocks of 16 intermediate columns, split so there are a few tasks per member.
@@ -249,6 +423,11 @@ int forward(tmoe::Team& team, const TmLayerArgs& a, char* err, int errlen) {
   const int per_task = (int)std::max<long>(1, std::min<long>(blocks, (total + target - 1) / std::max<long>(target, 1)));
   for (int w = 0; w < (int)L.ex.size(); ++w)
     for (int j = 0; j < blocks; j += per_task) L.up.push_back({w, j, std::min(j + per_task, blocks)});
+  if (lora) {  // the same split over gate_up's 2 Ip / 16 strips, in pairs (the two-strip down kernels)
+    const int strips = 2 * blocks, per = per_task + (per_task & 1);
+    for (int w = 0; w < (int)L.ex.size(); ++w)
+      for (int j = 0; j < strips; j += per) L.raw.push_back({w, j, std::min(j + per, strips)});
+  }
 
   // Phase 2 tasks: ranges of output strips (an even count, for the two-strip kernels). Each task reads every
   // routed expert's h, so fewer, wider tasks re-read less of it; 4 per member still balance.
@@ -260,10 +439,17 @@ int forward(tmoe::Team& team, const TmLayerArgs& a, char* err, int errlen) {
   for (int t = 0; t < n; ++t) team.scratch(t).reserve(member);
 
   tmoe::Job job;
-  job.nphases = 3;
-  job.ntasks[0] = (int)L.ex.size();
-  job.ntasks[1] = (int)L.up.size();
-  job.ntasks[2] = L.nchunks;
+  if (lora) {
+    job.nphases = 4;
+    job.ntasks[0] = job.ntasks[2] = (int)L.ex.size();
+    job.ntasks[1] = (int)L.raw.size();
+    job.ntasks[3] = L.nchunks;
+  } else {
+    job.nphases = 3;
+    job.ntasks[0] = (int)L.ex.size();
+    job.ntasks[1] = (int)L.up.size();
+    job.ntasks[2] = L.nchunks;
+  }
   job.run = run_task;
   job.ctx = &L;
   job.at_end = (amx ? amx : vec)->finish;
@@ -300,6 +486,14 @@ int tm_team_size(void* team) { return ((tmoe::Team*)team)->size(); }
 long tm_team_shared_jobs(void* team) { return (long)((tmoe::Team*)team)->shared_jobs(); }
 
 int tm_moe_forward(void* team, const TmLayerArgs* args, char* err, int errlen) {
+  return tm_moe_lora_forward(team, args, nullptr, err, errlen);
+}
+
+int tm_moe_lora_forward(void* team, const TmLayerArgs* args, const TmLoraArgs* lora, char* err, int errlen) {
+  if (lora && (lora->R_gu < 0 || lora->R_d < 0 || (lora->R_gu && !(lora->gate_up_A && lora->gate_up_Bt &&
+                                                                  lora->gate_up_mask)) ||
+               (lora->R_d && !(lora->down_A && lora->down_Bt && lora->down_mask))))
+    return fail(err, errlen, "LoRA factors of %ld rank columns are missing", (long)(lora->R_gu + lora->R_d));
   if (args->isa > tm_cpu_isa())
     return fail(err, errlen, "kernel level %ld is above what this CPU supports", (long)args->isa);
   if (args->act != TM_ACT_SILU_GLU && args->act != TM_ACT_GPT_OSS_GLU)
@@ -308,7 +502,7 @@ int tm_moe_forward(void* team, const TmLayerArgs* args, char* err, int errlen) {
   tmoe::Team& t = *(tmoe::Team*)team;
   std::lock_guard<std::mutex> lock(t.mutex());
   try {
-    return forward(t, *args, err, errlen);
+    return forward(t, *args, lora, err, errlen);
   } catch (const std::bad_alloc&) {
     return fail(err, errlen, "out of memory for a layer of %ld tokens", (long)args->T);
   }

@@ -45,8 +45,28 @@ struct TmLayerArgs {
   const float* const* down_bias;
 };
 
+// LoRA adapters served per request on one MoE layer's CPU-tier experts (moe_layer.cpp, tm_moe_lora_forward): every
+// pair takes, beside its expert's products, that expert's LoRA update of its token's adapter. Several adapters'
+// factors are stacked side by side along the rank (R columns in all) and a 0/1 mask per token picks its own
+// adapter's columns (zeros: the base expert alone):
+//   gate_up: h = glu(x W_gu^T + ((x A_gu[e]^T) * m_gu[t]) Bt_gu[e])    (the update lands before the activation)
+//   down:    y[t] += w * (h W_d^T + ((h A_d[e]^T) * m_d[t]) Bt_d[e])  (h as the down product reads it: bf16 rows
+//                                                                      round it when x is bf16)
+// All fp32, scalings folded into Bt (B transposed: a rank column's update is a contiguous row); Bt_gu's columns
+// are the gate's, then the up's (I each, unpadded). A projection with R = 0 has no LoRA (null pointers allowed).
+struct TmLoraArgs {
+  int32_t R_gu, R_d;
+  const float* gate_up_A;     // [n_experts][R_gu][D]
+  const float* gate_up_Bt;    // [n_experts][R_gu][2I]
+  const float* down_A;        // [n_experts][R_d][I]
+  const float* down_Bt;       // [n_experts][R_d][D]
+  const float* gate_up_mask;  // [T][R_gu]
+  const float* down_mask;     // [T][R_d]
+};
+
 int tm_linear_forward(void* team, const TmLinearArgs* args, char* err, int errlen);
 int tm_moe_forward(void* team, const TmLayerArgs* args, char* err, int errlen);
+int tm_moe_lora_forward(void* team, const TmLayerArgs* args, const TmLoraArgs* lora, char* err, int errlen);
 int tm_paged_decode_attention(void* team, const TmAttnArgs* args, char* err, int errlen);
 int tm_rms_norm(const void* x, int64_t x_stride, const void* weight, void* out, int rows, int n, double eps, int kind,
                 int x_bf16, int w_bf16, int out_bf16, int sum_lanes);
