@@ -31,6 +31,7 @@ from tiermoe.config import CPUConfig
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
+from tiermoe.layers.fused_decode_layer import FusedDecodeLayer
 from tiermoe.training.adapter_merge import merged_lora
 
 pytest.importorskip("peft")
@@ -139,6 +140,43 @@ def test_the_native_cpu_tier_adds_each_row_s_lora_in_its_one_layer_call(served, 
         by_expert = _prompt_logits(llm)
     for got, want, name in zip(native, by_expert, WHICH):
         assert rel_err(got, want) <= tol, name
+
+
+def test_a_decode_step_of_adapter_rows_takes_the_whole_layer_native_call(served, monkeypatch):
+    """CPU-only bf16 runs decode a layer in one native call (tiermoe.layers.fused_decode_layer; short prompts too):
+    with adapter rows it takes each row's updates of q, k, v, o, the router and the experts, giving the per-op
+    path's logits (within bf16's roundings, far below what the adapters change)."""
+    model, dirs, _, _ = served
+    cpu = CPUConfig(backend="native", expert_dtype="bf16")
+    with _serving(LLM(model, dtype=torch.bfloat16, cpu=cpu, progress=False, max_running=8), dirs) as llm:
+        layers = [m for m in llm.hybrid.model.modules() if isinstance(m, FusedDecodeLayer)]
+        if not layers:
+            pytest.skip("the native kernels are not built here")
+        taken = []
+        monkeypatch.setattr(FusedDecodeLayer, "_lora", lambda self: taken.append(1) or real_lora(self))
+
+        def decode_step(which, per_op: bool) -> list[torch.Tensor]:
+            for block in llm.hybrid.blocks.values():  # per_op: the whole-layer call declines the step
+                block.cpu_only_shortcut = not per_op
+            engine = llm.engine
+            seqs = [engine.new_sequence() for _ in PROMPTS]
+            for seq, name in zip(seqs, which):
+                seq.adapter = engine.adapters.get(name) if name else None
+            engine.feed(seqs, [p[:5] for p in PROMPTS])
+            logits = engine.feed(seqs, [[9]] * len(seqs))
+            for seq in seqs:
+                engine.release(seq)
+            return logits
+
+        fused = decode_step(WHICH, per_op=False)
+        assert len(taken) == 2 * len(layers)  # the prompt rows' step and the decode step: the native call
+        per_op = decode_step(WHICH, per_op=True)
+        base = decode_step([None] * len(WHICH), per_op=True)
+    for got, want, plain, name in zip(fused, per_op, base, WHICH):
+        assert rel_err(got, want) <= 2e-2 * (rel_err(want, plain) if name else 1), name
+
+
+real_lora = FusedDecodeLayer._lora
 
 
 def test_unknown_adapters_and_names_are_refused_in_one_line(served):

@@ -41,7 +41,8 @@ ACTIVATION_CODES = {"silu_glu": 0, "gpt_oss_glu": 1}
 # 4: decode attention per ISA (TmAttnArgs.isa); 5: the gated delta rule; 6: a team's solo_bytes, its shared jobs;
 # 7: a whole decoder layer of a decode step (tm_decode_layer); 8: decode attention with a two-part key (MLA) and key
 # splits; 9: a MoE layer's activation (SiLU-GLU or GPT-OSS's clamped SwiGLU) and per-expert biases (TmLayerArgs);
-# 10: a MoE layer with LoRA adapters served per request (tm_moe_lora_forward, TmLoraArgs)
+# 10: LoRA adapters served per request: a MoE layer's (tm_moe_lora_forward, TmLoraArgs), a decode layer's
+# (TmDecodeLayerArgs.lora)
 ABI_VERSION = 10
 # A MoE layer or packed product smaller than this (bytes of weights read, each row of activations beyond the first
 # counted as an eighth more: csrc/tm_kernels.h tm_product_work) runs on the calling thread alone. Waking a helper
@@ -81,6 +82,20 @@ class TmLoraArgs(ctypes.Structure):
     _fields_ = [("R_gu", ctypes.c_int32), ("R_d", ctypes.c_int32),
                 *[(n, ctypes.c_void_p) for n in ("gate_up_A", "gate_up_Bt", "down_A", "down_Bt", "gate_up_mask",
                                                   "down_mask")]]
+
+
+class TmLinearLora(ctypes.Structure):
+    """One packed product's LoRA for every adapter slot that adapts it (csrc/decode_layer.cpp): A [R, in],
+    Bt [R, out], each row's mask [T, R]; R 0: none."""
+
+    _fields_ = [("R", ctypes.c_int32), ("in_", ctypes.c_int32), ("out", ctypes.c_int32), ("_pad", ctypes.c_int32),
+                ("A", ctypes.c_void_p), ("Bt", ctypes.c_void_p), ("mask", ctypes.c_void_p)]
+
+
+class TmDecodeLora(ctypes.Structure):
+    """A decode layer's LoRA adapters served per request: q, k, v, o, the router's, and the experts'."""
+
+    _fields_ = [*[(n, TmLinearLora) for n in ("q", "k", "v", "o", "router")], ("moe", TmLoraArgs)]
 
 
 class TmLinearArgs(ctypes.Structure):
@@ -128,7 +143,8 @@ class TmDecodeLayerArgs(ctypes.Structure):
                 ("qkv", TmLinearArgs), ("o", TmLinearArgs), ("router", TmLinearArgs),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("cs_row_stride", ctypes.c_int64),
                 ("k_slots", ctypes.c_void_p), ("v_slots", ctypes.c_void_p), ("write_slots", ctypes.c_void_p),
-                ("attn", TmAttnArgs), ("moe", TmLayerArgs), ("ids", ctypes.c_void_p), ("work", ctypes.c_void_p)]
+                ("attn", TmAttnArgs), ("moe", TmLayerArgs), ("ids", ctypes.c_void_p), ("work", ctypes.c_void_p),
+                ("lora", ctypes.POINTER(TmDecodeLora))]
 
 
 @dataclass(frozen=True)

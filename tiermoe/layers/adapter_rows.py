@@ -9,15 +9,28 @@ weight, with no gather of factors per row; the mask depends only on the slots' c
 the same layout (most weights of an adapter) shares one mask per step.
 
 The step's slots are also kept as a Python set, so a module whose slots no row uses knows it without touching a
-tensor (and without a host sync on a GPU).
+tensor (and without a host sync on a GPU). Each layout's mask is written, step after step, into the same buffer
+(grown when a step has more rows), so what the native kernels are given to read it (tiermoe.layers.
+fused_decode_layer) stays the same while the adapters loaded do.
 Legend: T rows of the step, R rank columns of one stacked weight.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 Columns = tuple[tuple[int, int], ...]  # (slot, rank) of each slot a stacked weight holds, in column order
+
+
+@dataclass
+class _Layout:
+    """One column layout: its slots, each column's slot [R], and the buffer its masks are written into [rows, R]."""
+
+    slots: frozenset[int]
+    slot_R: torch.Tensor
+    buffer: torch.Tensor
 
 
 class AdapterRows:
@@ -28,7 +41,7 @@ class AdapterRows:
         self.slot_T: torch.Tensor | None = None  # [T] int64 on the main device while a step uses any adapter
         self.present: frozenset[int] = frozenset()  # the step's slots, 0 (the base model) included when a row has it
         self._masks: dict[Columns, torch.Tensor] = {}  # this step's masks by layout
-        self._column_slots: dict[Columns, torch.Tensor] = {}  # each layout's slot per column [R], kept across steps
+        self._layouts: dict[Columns, _Layout] = {}  # kept across steps
 
     @property
     def active(self) -> bool:
@@ -53,8 +66,8 @@ class AdapterRows:
         self._masks.clear()
 
     def forget_layouts(self) -> None:
-        """After an adapter loads or unloads: the old layouts' column tensors are of no more use."""
-        self._column_slots.clear()
+        """After an adapter loads or unloads: the old layouts are of no more use."""
+        self._layouts.clear()
 
     def uses_any(self, slots: frozenset[int]) -> bool:
         """Whether a row of the current step has one of `slots`."""
@@ -65,17 +78,25 @@ class AdapterRows:
         return self.slot_T is not None and self.present <= slots
 
     def mask(self, columns: Columns) -> torch.Tensor | None:
-        """fp32 [T, R] of `columns`' layout (the factors' dtype): 1 where row t's slot owns column r, else 0; None
-        when no row of the step has one of its slots."""
-        if not self.uses_any(frozenset(slot for slot, _ in columns)):
+        """fp32 [T, R] of `columns`' layout: 1 where row t's slot owns column r, else 0; None when no row of the
+        step has one of its slots. Rows of the layout's buffer: valid for this step only."""
+        if self.slot_T is None:
+            return None
+        layout = self._layouts.get(columns)
+        if layout is None:
+            slot_R = torch.tensor([slot for slot, rank in columns for _ in range(rank)], dtype=torch.int64)
+            layout = self._layouts[columns] = _Layout(frozenset(slot for slot, _ in columns), slot_R.to(self.device),
+                                                      torch.empty(0, len(slot_R), device=self.device))
+        if self.present.isdisjoint(layout.slots):
             return None
         found = self._masks.get(columns)
         if found is None:
-            slots_R = self._column_slots.get(columns)
-            if slots_R is None:
-                slots_R = torch.tensor([slot for slot, rank in columns for _ in range(rank)], dtype=torch.int64)
-                slots_R = self._column_slots[columns] = slots_R.to(self.device)
-            found = self._masks[columns] = (self.slot_T[:, None] == slots_R[None, :]).to(torch.float32)
+            rows = self.slot_T.shape[0]
+            if layout.buffer.shape[0] < rows:
+                layout.buffer = torch.empty(max(rows, 2 * layout.buffer.shape[0]), layout.buffer.shape[1],
+                                            device=self.device)
+            found = self._masks[columns] = layout.buffer[:rows]
+            found.copy_(self.slot_T[:, None] == layout.slot_R[None, :])
         return found
 
     def rows_with(self, slots: frozenset[int]) -> torch.Tensor:

@@ -8,8 +8,10 @@ decode row attending the pool in place and the layer's experts are all on the CP
 csrc/decode_layer.cpp chains the library's own entry points exactly as the per-op path calls them, so the
 output is bit for bit the per-op path's (tests/test_fused_decode_layer.py compares them). A step with prompt rows,
 PROMPT_ROWS rows at most, takes the same call with every row attending in place (see PROMPT_ROWS). Every other
-step (longer prompts, gradients, experts on a GPU tier, an adapter, deferred experts, more than NATIVE_MAX_ROWS
-rows) runs the layer's original forward, which reaches the per-op modules.
+step (longer prompts, gradients, experts on a GPU tier, a trained adapter, deferred experts, more than NATIVE_MAX_ROWS
+rows) runs the layer's original forward, which reaches the per-op modules. A step with rows of LoRA adapters served
+per request takes the call too, with each row's updates (`lora`: the adapted modules' stacked factors and the step's
+masks, tiermoe.layers.lora_stack), added where the per-op modules add them.
 
 Swapped in where every piece is the fused one: DecodeFusedAttention with its q/k/v stacked into one packed product
 and a packed output projection (no biases, no sinks), FusedRMSNorm norms of one kind, a FusedTopKRouter with its
@@ -30,7 +32,14 @@ from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
 
 from tiermoe.experts.kernel_matmuls import PackedMatrix
-from tiermoe.experts.kernels import Kernels, TmAttnArgs, TmDecodeLayerArgs, TmLinearArgs
+from tiermoe.experts.kernels import (
+    Kernels,
+    TmAttnArgs,
+    TmDecodeLayerArgs,
+    TmDecodeLora,
+    TmLinearArgs,
+    TmLinearLora,
+)
 from tiermoe.experts.layer_ops import LayerOps
 from tiermoe.layers.adapter_rows import AdapterRows
 from tiermoe.layers.decode_attention import TEAM_MIN_KV_BYTES
@@ -38,9 +47,11 @@ from tiermoe.layers.fused_attention import DecodeFusedAttention
 from tiermoe.layers.fused_norm import FusedRMSNorm
 from tiermoe.layers.fused_router import NATIVE_MAX_ROWS, FusedTopKRouter
 from tiermoe.layers.hybrid_moe import HybridMoE
+from tiermoe.layers.lora_stack import LoRAStack
 from tiermoe.layers.module_swap import swap_modules
 from tiermoe.layers.paged_attention import STEP_KWARG, PagedStepCache
 from tiermoe.layers.quantized_linear import QuantizedLinear
+from tiermoe.layers.row_lora_linear import RowLoRALinear
 
 _FAMILIES = (Qwen3MoeDecoderLayer, MixtralDecoderLayer)
 # Rows of a step with prompt rows that still takes the whole-layer call: each row attends in place like a decode
@@ -127,8 +138,9 @@ class FusedDecodeLayer(nn.Module):
         self.layer = self.self_attn.layer_idx
         self.team = None  # the kernel thread team, taken on the first call
         # the rows of adapters served per request (tiermoe.model.served_adapters sets it): a step with an adapter
-        # row runs the per-op modules, which apply it
+        # row passes the adapted modules' factors and the step's masks to the call (`_lora`)
         self.adapter_rows: AdapterRows | None = None
+        self._lora_cache = None  # (what the last step's LoRA args were made of, (args, tensors they point into))
         attn, router = self.self_attn, self.mlp._router()
         self.__dict__["fused_router"] = router  # the router the native call computes (see the module docstring)
         H, Hkv = attn.heads
@@ -152,18 +164,45 @@ class FusedDecodeLayer(nn.Module):
         if (plan is None or plan.cos.shape[-1] != self.args.d or not hidden_states.is_contiguous()
                 or len(moe.gpu_tier) > 0 or len(moe.cpu_tier) == 0 or moe.reduce is not None
                 or moe._router() is not self.fused_router
-                or not moe.cpu_only_shortcut or moe.crosses_to_host or not moe._plain_inference()
-                or (self.adapter_rows is not None and self.adapter_rows.active)):
+                or not moe.cpu_only_shortcut or moe.crosses_to_host or not moe._plain_inference()):
             return self.original_class.forward(self, hidden_states, *args, **kwargs)
         experts = moe.cpu_tier.layer_args()
         if experts is None:
             return self.original_class.forward(self, hidden_states, *args, **kwargs)
+        lora = None
+        if self.adapter_rows is not None and self.adapter_rows.active:
+            lora = self._lora()
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         window = plan.step.layer_windows[self.layer]
         slots = cache.pages.slots(self.layer, window, self.kv_like, self.kv_like)  # reserved by a first step
-        return self._decode(hidden_states, plan, window, slots, experts)
+        return self._decode(hidden_states, plan, window, slots, experts, lora)
 
-    def _decode(self, x_1TD: torch.Tensor, plan: StepPlan, window, slots, experts) -> torch.Tensor:
+    def _lora(self) -> tuple[TmDecodeLora, list[torch.Tensor]]:
+        """The step's LoRA of this layer (adapters served per request) as the native call reads it, and the
+        tensors it points into: made again only when those change (an adapter loaded or unloaded, a step whose
+        rows use other adapters, or more rows than the masks' buffers held)."""
+        attn = self.self_attn
+        parts = [(name, attn._modules[f"{name}_proj"].lora) for name in ("q", "k", "v", "o")
+                 if isinstance(attn._modules[f"{name}_proj"], RowLoRALinear)]
+        if self.fused_router.lora is not None:
+            parts.append(("router", self.fused_router.lora))
+        expert_stacks = [] if self.moe.row_lora is None else list(self.moe.row_lora.stacks.values())
+        masks = [None if stack.empty else stack.rows.mask(stack.columns)
+                 for stack in [stack for _, stack in parts] + expert_stacks]
+        key = tuple((id(stack), None if stack.empty else stack.A.data_ptr(), None if m is None else m.data_ptr())
+                    for stack, m in zip([stack for _, stack in parts] + expert_stacks, masks))
+        if self._lora_cache is not None and self._lora_cache[0] == key:
+            return self._lora_cache[1]
+        lora, held = TmDecodeLora(), []
+        for (name, stack), mask_TR in zip(parts, masks):
+            _fill(getattr(lora, name), stack, mask_TR, held)
+        if self.moe.row_lora is not None:
+            lora.moe, moe_held = self.moe.row_lora._native_args()
+            held += moe_held
+        self._lora_cache = (key, (lora, held))
+        return lora, held
+
+    def _decode(self, x_1TD: torch.Tensor, plan: StepPlan, window, slots, experts, lora=None) -> torch.Tensor:
         T = x_1TD.shape[1]
         a, moe = self.args, self.moe
         write_index, index, pos = plan.group(window)
@@ -183,11 +222,21 @@ class FusedDecodeLayer(nn.Module):
         if self.team is None:  # the model's kernel team: one lookup, then held as long as this layer
             self.team = moe.cpu_tier.thread_team()
         err = self.workspace.err
+        a.lora = None if lora is None else ctypes.pointer(lora[0])  # lora[1]: what it points into, alive meanwhile
         if self.kernels.lib.tm_decode_layer(self.team.handle, ctypes.byref(a), err, len(err)) != 0:
             raise RuntimeError(err.value.decode())
         if moe.recorder.enabled:
             moe.recorder.record(moe.layer, ids, moe.assignment_E >= 0)
         return out
+
+
+def _fill(args: TmLinearLora, stack: LoRAStack, mask_TR: torch.Tensor | None, held: list[torch.Tensor]) -> None:
+    """A product's LoRA (R left 0 when no row of the step has one of the stack's slots: mask None)."""
+    if mask_TR is None:
+        return
+    held += [stack.A, stack.Bt, mask_TR]
+    args.R, args.in_, args.out = stack.A.shape[0], stack.A.shape[1], stack.Bt.shape[1]
+    args.A, args.Bt, args.mask = stack.A.data_ptr(), stack.Bt.data_ptr(), mask_TR.data_ptr()
 
 
 def _in_place(step) -> bool:

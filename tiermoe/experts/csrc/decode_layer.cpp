@@ -9,14 +9,36 @@
 // The new K/V rows are written into the layer's pool slots as the per-op path's index_copy_ writes them. The
 // caller owns every buffer: `work` holds the intermediates (tm_decode_layer_work_bytes), `ids` receives the routed
 // experts (the recorder's), `out` the layer's output; nothing is allocated here beyond the entry points' own scratch.
-// Legend: T decode rows, D hidden, H query heads, Hkv KV heads, d head dim, E experts, K top-k.
+// With LoRA adapters served per request (`lora`, TmDecodeLora) each row adds its adapter's updates where the per-op
+// path adds them (tiermoe.layers.row_lora_linear, fused_attention, fused_router): q, k and v after their product,
+// o after its own, the router's logits before the top-k, each update computed in fp32 and rounded to bf16 before
+// the bf16 addition; the MoE block computes the rows without an adapter as before and the others in a second call
+// (tm_moe_lora_forward), and adds the two, as tiermoe.layers.hybrid_moe does. The same values as that path, the
+// updates' sums taken in another order.
+// Legend: T decode rows, D hidden, H query heads, Hkv KV heads, d head dim, E experts, K top-k, R rank columns.
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "dispatch.h"
+#include "lora_math.h"
 #include "tm_api.h"
 
 extern "C" {
+
+// One product's LoRA for every adapter slot that adapts it (tiermoe.layers.lora_stack): the row t update is
+// ((x_t A^T) * mask_t) Bt, fp32. R 0: none.
+struct TmLinearLora {
+  int32_t R, in, out, _pad;
+  const float* A;     // [R][in]
+  const float* Bt;    // [R][out]
+  const float* mask;  // [T][R]
+};
+
+struct TmDecodeLora {
+  TmLinearLora q, k, v, o, router;
+  TmLoraArgs moe;  // the experts' (R_gu = R_d = 0: none)
+};
 
 struct TmDecodeLayerArgs {
   int32_t T, D, H, Hkv, d, E, K;
@@ -42,6 +64,7 @@ struct TmDecodeLayerArgs {
   TmLayerArgs moe;                   // the CPU tier's experts; T, x, y, ids and weights are set here
   int64_t* ids;                      // [T, K] written: the routed experts
   void* work;                        // tm_decode_layer_work_bytes
+  const TmDecodeLora* lora;          // adapters served per request: each row's own (null: none)
 };
 
 }  // extern "C"
@@ -76,11 +99,71 @@ void add_rows(const uint16_t* a, const uint16_t* b, uint16_t* out, size_t n) {
   for (size_t i = 0; i < n; ++i) out[i] = tm_f32_to_bf16(tm_bf16_to_f32(a[i]) + tm_bf16_to_f32(b[i]));
 }
 
+using tmoe_lora::axpy;
+using tmoe_lora::dot;
+
+bool any_set(const float* mask, int R) {
+  for (int k = 0; k < R; ++k)
+    if (mask[k] != 0.0f) return true;
+  return false;
+}
+
+// y_t[0, out) += bf16(update of x_t) for each row with an adapter here (x rows x_stride apart, y rows y_stride).
+void add_lora(const TmLinearLora& l, int T, const uint16_t* x, int64_t x_stride, uint16_t* y, int64_t y_stride) {
+  if (l.R == 0) return;
+  std::vector<float> xf(l.in), delta(l.out);
+  for (int t = 0; t < T; ++t) {
+    const float* mask = l.mask + (size_t)t * l.R;
+    if (!any_set(mask, l.R)) continue;
+    for (int i = 0; i < l.in; ++i) xf[i] = tm_bf16_to_f32(x[t * x_stride + i]);
+    std::fill(delta.begin(), delta.end(), 0.0f);
+    for (int k = 0; k < l.R; ++k) {
+      if (mask[k] == 0.0f) continue;
+      axpy(mask[k] * dot(l.A + (size_t)k * l.in, xf.data(), l.in), l.Bt + (size_t)k * l.out, delta.data(), l.out);
+    }
+    uint16_t* yt = y + t * y_stride;
+    for (int j = 0; j < l.out; ++j)
+      yt[j] = tm_f32_to_bf16(tm_bf16_to_f32(yt[j]) + tm_bf16_to_f32(tm_f32_to_bf16(delta[j])));
+  }
+}
+
 int product(void* team, TmLinearArgs p, int M, const void* x, void* out, char* err, int errlen) {
   p.M = M;
   p.x = x;
   p.out = out;
   return tm_linear_forward(team, &p, err, errlen);
+}
+
+// The MoE block of a step with adapter rows (moe.y written): the pairs of rows without expert LoRA here in one call,
+// those with it in a tm_moe_lora_forward call, the two results added in bf16.
+int experts_with_lora(void* team, TmLayerArgs moe, const TmLoraArgs& lora, char* err, int errlen) {
+  const int T = moe.T, K = moe.K;
+  std::vector<int64_t> plain(T * K), adapted(T * K);
+  int n_plain = 0, n_adapted = 0;
+  for (int t = 0; t < T; ++t) {
+    const bool has = (lora.R_gu && any_set(lora.gate_up_mask + (size_t)t * lora.R_gu, lora.R_gu)) ||
+                     (lora.R_d && any_set(lora.down_mask + (size_t)t * lora.R_d, lora.R_d));
+    for (int j = 0; j < K; ++j) {
+      const int64_t e = moe.ids[t * K + j];
+      plain[t * K + j] = has ? -1 : e;
+      adapted[t * K + j] = has ? e : -1;
+    }
+    (has ? n_adapted : n_plain) += 1;
+  }
+  auto* y = (uint16_t*)moe.y;
+  const size_t n = size_t(T) * moe.D;
+  std::vector<uint16_t> extra(n_plain && n_adapted ? n : 0);
+  if (n_plain) {
+    moe.ids = plain.data();
+    if (tm_moe_forward(team, &moe, err, errlen) != 0) return 1;
+  }
+  if (n_adapted) {
+    if (n_plain) moe.y = extra.data();
+    moe.ids = adapted.data();
+    if (tm_moe_lora_forward(team, &moe, &lora, err, errlen) != 0) return 1;
+  }
+  if (n_plain && n_adapted) add_rows(y, extra.data(), y, n);
+  return 0;
 }
 
 int layer(void* team, const TmDecodeLayerArgs& a, char* err, int errlen) {
@@ -97,6 +180,11 @@ int layer(void* team, const TmDecodeLayerArgs& a, char* err, int errlen) {
   if (tm_rms_norm(a.x, D, a.input_norm, normed, T, D, a.eps, a.norm_kind, 1, 1, 1, a.sum_lanes) != 0)
     return tm_fail(err, errlen, "input RMSNorm: unknown kind or lane count");
   if (product(team, a.qkv, T, normed, qkv, err, errlen) != 0) return 1;
+  if (a.lora) {
+    add_lora(a.lora->q, T, normed, D, qkv, qkv_width);
+    add_lora(a.lora->k, T, normed, D, qkv + int64_t(H) * d, qkv_width);
+    add_lora(a.lora->v, T, normed, D, qkv + int64_t(H + Hkv) * d, qkv_width);
+  }
   uint16_t *q = qkv, *k = qkv + int64_t(H) * d;
   const uint16_t* v = qkv + int64_t(H + Hkv) * d;
   int64_t q_row = qkv_width, k_row = qkv_width;
@@ -126,6 +214,7 @@ int layer(void* team, const TmDecodeLayerArgs& a, char* err, int errlen) {
   at.k_slots = a.k_slots, at.v_slots = a.v_slots, at.out = attn;
   if (tm_paged_decode_attention(a.attend_on_team ? team : nullptr, &at, err, errlen) != 0) return 1;
   if (product(team, a.o, T, attn, proj, err, errlen) != 0) return 1;
+  if (a.lora) add_lora(a.lora->o, T, attn, int64_t(H) * d, proj, D);
   add_rows(a.x, proj, a.out, size_t(T) * D);
 
   // experts
@@ -133,6 +222,7 @@ int layer(void* team, const TmDecodeLayerArgs& a, char* err, int errlen) {
     return tm_fail(err, errlen, "post-attention RMSNorm: unknown kind or lane count");
   auto* logits = (uint16_t*)(base + w.logits);
   if (product(team, a.router, T, normed, logits, err, errlen) != 0) return 1;
+  if (a.lora) add_lora(a.lora->router, T, normed, D, logits, a.E);
   void* weights = base + w.weights;
   auto* weights_f32 = (float*)(base + w.weights_f32);
   if (tm_softmax_topk(logits, T, a.E, a.K, 1, a.renormalize, a.weights_bf16, a.exp_lanes, a.sum_lanes, weights,
@@ -143,7 +233,11 @@ int layer(void* team, const TmDecodeLayerArgs& a, char* err, int errlen) {
     weights_f32[i] = a.weights_bf16 ? tm_bf16_to_f32(((const uint16_t*)weights)[i]) : ((const float*)weights)[i];
   TmLayerArgs moe = a.moe;
   moe.T = T, moe.K = a.K, moe.x = normed, moe.y = proj, moe.ids = a.ids, moe.weights = weights_f32, moe.x_bf16 = 1;
-  if (tm_moe_forward(team, &moe, err, errlen) != 0) return 1;
+  if (a.lora && (a.lora->moe.R_gu || a.lora->moe.R_d)) {
+    if (experts_with_lora(team, moe, a.lora->moe, err, errlen) != 0) return 1;
+  } else if (tm_moe_forward(team, &moe, err, errlen) != 0) {
+    return 1;
+  }
   add_rows(a.out, proj, a.out, size_t(T) * D);
   return 0;
 }

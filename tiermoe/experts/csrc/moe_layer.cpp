@@ -9,10 +9,10 @@
 // With LoRA adapters served per request (tm_moe_lora_forward, TmLoraArgs) the update of gate_up lands before the
 // activation, which the up kernels fuse with the product; so there the phases are:
 //   0. gather, and each row's gate_up update dh = ((x A^T) * mask) B^T into the expert's raw buffer [M, 2Ip];
-//   1. raw:    the gate_up product added into it (each table's down kernel with unit weights, as
-//              tm_linear_forward computes a forward product), in 16-row strips;
-//   2. glu:    h = glu(raw + b_gate_up), and each row's u = (h A_down^T) * mask for the down update;
-//   3. down:   as above, each pair's weight * u B_down^T added into its output columns.
+//   1. up:     per expert, the gate_up product added into it (each table's down kernel with unit weights, as
+//              tm_linear_forward computes a forward product), then h = glu(raw + b_gate_up) and each row's
+//              u = (h A_down^T) * mask for the down update (one task per expert: as many barriers as above);
+//   2. down:   as above, each pair's weight * u B_down^T added into its output columns.
 // Each expert picks its kernel table by its row count: AMX tiles for many rows (prefill), vector kernels for a
 // few (decode). Compiled for plain x86-64; ISA-specific code lives in the isa_*.cpp tables.
 // Legend: T tokens, K top-k, D hidden (Dp padded), I intermediate (Ip padded), M rows routed to one expert.
@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "dispatch.h"
+#include "lora_math.h"
 #include "team.h"
 #include "tm_api.h"
 
@@ -96,26 +97,12 @@ struct Layer {
   size_t kscratch = 0;         // kernel scratch bytes per member
   const TmLoraArgs* lora = nullptr;  // adapters served per request (tm_moe_lora_forward); null: none
   float* ud = nullptr;               // LoRA: [pairs][R_d] each pair's (h A_down^T) * mask
-  std::vector<UpTask> raw;           // LoRA phase 1: strips of gate_up's product per expert
   std::vector<int32_t> ident;        // LoRA phase 1: each row its own output row, weight 1
   std::vector<float> ones;
 };
 
-float dot(const float* a, const float* b, int n) {
-  float s[8] = {};  // eight partial sums: the compiler keeps them in one vector register
-  int i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) s[l] += a[i + l] * b[i + l];
-  float t = 0.0f;
-  for (; i < n; ++i) t += a[i] * b[i];
-  for (int l = 0; l < 8; ++l) t += s[l];
-  return t;
-}
-
-// y[0, n) += c * v[0, n)
-void axpy(float c, const float* v, float* y, int n) {
-  for (int i = 0; i < n; ++i) y[i] += c * v[i];
-}
+using tmoe_lora::axpy;
+using tmoe_lora::dot;
 
 // Row t of x in fp32.
 void x_row(const TmLayerArgs& a, int t, float* out) {
@@ -168,7 +155,7 @@ void lora_gate_up(const Layer& L, const ExpertWork& w) {
   }
 }
 
-// LoRA phase 3's part: each pair's weight * u Bt_down for output columns [d0, d1) (y from column d0).
+// LoRA phase 2's part: each pair's weight * u Bt_down for output columns [d0, d1) (y from column d0).
 void lora_down(const Layer& L, int d0, int d1, float* y, int ldy) {
   const TmLoraArgs& lo = *L.lora;
   const int R = lo.R_d;
@@ -193,8 +180,9 @@ float glu1(const TmGlu& glu, float g, float u) {
   return g / (1.0f + std::exp(g * -glu.alpha)) * (u + 1.0f);
 }
 
-// LoRA phase 2: h = glu(raw + bias) into the copies the down kernels read, and each row's down update's rank
-// vector u into L.ud (from h as those kernels read it: bf16-rounded when x is bf16; 0 without an adapter).
+// LoRA phase 1's second part: h = glu(raw + bias) into the copies the down kernels read, and each row's down
+// update's rank vector u into L.ud (from h as those kernels read it: bf16-rounded when x is bf16; 0 without an
+// adapter).
 void lora_glu(const Layer& L, const ExpertWork& w) {
   const TmLayerArgs& a = *L.a;
   const TmLoraArgs& lo = *L.lora;
@@ -302,13 +290,11 @@ void run_lora_task(Layer& L, int phase, int task, int tid) {
     gather(L, L.ex[task]);
     lora_gate_up(L, L.ex[task]);
   } else if (phase == 1) {
-    const UpTask& u = L.raw[task];
-    const ExpertWork& w = L.ex[u.w];
+    const ExpertWork& w = L.ex[task];
     TmRows rows = {w.xf, w.xb, w.m, L.a->Dp};
-    w.k->down(&L.a->gate_up[w.e], &rows, u.j0, u.j1, L.ident.data(), L.ones.data(), w.raw + 16 * u.j0,
-              2 * L.a->Ip, L.team->scratch(tid).data());
-  } else if (phase == 2) {
-    lora_glu(L, L.ex[task]);
+    w.k->down(&L.a->gate_up[w.e], &rows, 0, 2 * L.a->Ip / 16, L.ident.data(), L.ones.data(), w.raw, 2 * L.a->Ip,
+              L.team->scratch(tid).data());
+    lora_glu(L, w);
   } else {
     down_chunk(L, task, tid);
   }
@@ -423,11 +409,6 @@ int forward(tmoe::Team& team, const TmLayerArgs& a, const TmLoraArgs* lora, char
   const int per_task = (int)std::max<long>(1, std::min<long>(blocks, (total + target - 1) / std::max<long>(target, 1)));
   for (int w = 0; w < (int)L.ex.size(); ++w)
     for (int j = 0; j < blocks; j += per_task) L.up.push_back({w, j, std::min(j + per_task, blocks)});
-  if (lora) {  // the same split over gate_up's 2 Ip / 16 strips, in pairs (the two-strip down kernels)
-    const int strips = 2 * blocks, per = per_task + (per_task & 1);
-    for (int w = 0; w < (int)L.ex.size(); ++w)
-      for (int j = 0; j < strips; j += per) L.raw.push_back({w, j, std::min(j + per, strips)});
-  }
 
   // Phase 2 tasks: ranges of output strips (an even count, for the two-strip kernels). Each task reads every
   // routed expert's h, so fewer, wider tasks re-read less of it; 4 per member still balance.
@@ -439,17 +420,10 @@ int forward(tmoe::Team& team, const TmLayerArgs& a, const TmLoraArgs* lora, char
   for (int t = 0; t < n; ++t) team.scratch(t).reserve(member);
 
   tmoe::Job job;
-  if (lora) {
-    job.nphases = 4;
-    job.ntasks[0] = job.ntasks[2] = (int)L.ex.size();
-    job.ntasks[1] = (int)L.raw.size();
-    job.ntasks[3] = L.nchunks;
-  } else {
-    job.nphases = 3;
-    job.ntasks[0] = (int)L.ex.size();
-    job.ntasks[1] = (int)L.up.size();
-    job.ntasks[2] = L.nchunks;
-  }
+  job.nphases = 3;
+  job.ntasks[0] = (int)L.ex.size();
+  job.ntasks[1] = lora ? (int)L.ex.size() : (int)L.up.size();
+  job.ntasks[2] = L.nchunks;
   job.run = run_task;
   job.ctx = &L;
   job.at_end = (amx ? amx : vec)->finish;
