@@ -14,7 +14,9 @@ def add_parser(sub) -> None:
         "/api/chat, /api/generate, /api/tags, /api/show; /health, /metrics, /placement and SGLang's expert "
         "distribution recorder endpoints; GET / lists them. Concurrent requests share forward passes (continuous "
         "batching); every --decode-log-interval decode steps the log shows SGLang's decode-batch line (running and "
-        "queued requests, KV use, tokens/s). Without --model, the bundled demo model. SGLang-kt spellings "
+        "queued requests, KV use, tokens/s). LoRA adapters per request (--lora NAME=DIR; SGLang's /load_lora_adapter "
+        "and /unload_lora_adapter), or one merged (--lora DIR). Without --model, the bundled demo model. SGLang-kt "
+        "spellings "
         "(--model-path, --kt-gpu-device, --kt-...) are accepted.",
         "tiermoe serve",
         "tiermoe serve --decode-log-interval 10",
@@ -25,6 +27,7 @@ def add_parser(sub) -> None:
         "torchrun --nproc-per-node 4 -m tiermoe.serve --model /models/DeepSeek-V3 --gpu-device cuda --num-gpus 4 "
         "--plan plan.json",
         "tiermoe serve --model /models/Qwen3-30B-A3B --lora runs/sft/adapter --cpu-expert-dtype int8",
+        "tiermoe serve --model /models/Qwen3-30B-A3B --lora sql=runs/sql --lora chat=runs/chat --enable-lora",
         "tiermoe serve --model /models/Qwen3-30B-A3B --gpu-device cuda:0 --kt-gpu-experts-ratio 0.25 "
         "--init-expert-location stats.pt --placement-policy adaptive --adaptive-swap-z 0 --adaptive-max-swaps 8",
     )
