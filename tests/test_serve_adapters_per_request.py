@@ -107,10 +107,10 @@ def test_prompt_logits_of_a_mixed_step_are_peft_s(served):
         assert rel_err(got, want) <= 1e-5, name
 
 
-def _prompt_logits(llm: LLM) -> list[torch.Tensor]:
+def _prompt_logits(llm: LLM, which=WHICH) -> list[torch.Tensor]:
     engine = llm.engine
     seqs = [engine.new_sequence() for _ in PROMPTS]
-    for seq, name in zip(seqs, WHICH):
+    for seq, name in zip(seqs, which):
         seq.adapter = engine.adapters.get(name) if name else None
     logits = engine.feed(seqs, PROMPTS, rows=["all"] * len(seqs))
     for seq in seqs:
@@ -118,12 +118,12 @@ def _prompt_logits(llm: LLM) -> list[torch.Tensor]:
     return logits
 
 
-@pytest.mark.parametrize("fmt, dtype, tol", [("int8", torch.float32, 1e-5), ("bf16", torch.bfloat16, 3e-2)])
-def test_the_native_cpu_tier_adds_each_row_s_lora_in_its_one_layer_call(served, fmt, dtype, tol):
+@pytest.mark.parametrize("fmt, dtype", [("int8", torch.float32), ("bf16", torch.bfloat16)])
+def test_the_native_cpu_tier_adds_each_row_s_lora_in_its_one_layer_call(served, fmt, dtype):
     """The native CPU tier computes adapter rows in one call per layer (csrc/moe_layer.cpp, tm_moe_lora_forward):
     the same logits as expert by expert with the tier's own products (int8 weights with fp32 activations take the
-    exact kernels both ways; bf16 rounds differently), and each sequence's greedy tokens batched are its tokens
-    alone."""
+    exact kernels both ways: 1e-5; in bf16, with the factors held in bf16, the two round differently: within a tenth
+    of what the adapters change), and each sequence's greedy tokens batched are its tokens alone."""
     model, dirs, _, _ = served
     cpu = CPUConfig(backend="native", expert_dtype=fmt)
     with _serving(LLM(model, dtype=dtype, cpu=cpu, progress=False, max_running=8, prefill_chunk=128), dirs) as llm:
@@ -138,7 +138,9 @@ def test_the_native_cpu_tier_adds_each_row_s_lora_in_its_one_layer_call(served, 
         for tier in tiers:
             tier.lora_forward = lambda *args: None  # the tier declines: expert by expert instead
         by_expert = _prompt_logits(llm)
-    for got, want, name in zip(native, by_expert, WHICH):
+        base = _prompt_logits(llm, [None] * len(WHICH))
+    for got, want, plain, name in zip(native, by_expert, base, WHICH):
+        tol = 1e-5 if dtype == torch.float32 else 0.1 * rel_err(want, plain)
         assert rel_err(got, want) <= tol, name
 
 

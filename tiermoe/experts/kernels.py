@@ -76,19 +76,21 @@ class TmLayerArgs(ctypes.Structure):
 
 class TmLoraArgs(ctypes.Structure):
     """LoRA adapters served per request on one MoE layer's CPU-tier experts (csrc/tm_api.h): fp32 factors stacked
-    along the rank, A [E, R, in] and B transposed [E, R, out], and each token's 0/1 mask [T, R]; R 0: none on that
-    projection."""
+    along the rank, A [E, R, in] and B transposed [E, R, out] (fp32, or bf16: factors_bf16), and each token's 0/1
+    mask [T, R] (fp32); R 0: none on that projection."""
 
-    _fields_ = [("R_gu", ctypes.c_int32), ("R_d", ctypes.c_int32),
+    _fields_ = [("R_gu", ctypes.c_int32), ("R_d", ctypes.c_int32), ("factors_bf16", ctypes.c_int32),
+                ("_pad", ctypes.c_int32),
                 *[(n, ctypes.c_void_p) for n in ("gate_up_A", "gate_up_Bt", "down_A", "down_Bt", "gate_up_mask",
                                                   "down_mask")]]
 
 
 class TmLinearLora(ctypes.Structure):
     """One packed product's LoRA for every adapter slot that adapts it (csrc/decode_layer.cpp): A [R, in],
-    Bt [R, out], each row's mask [T, R]; R 0: none."""
+    Bt [R, out] (fp32, or bf16: factors_bf16), each row's mask [T, R] (fp32); R 0: none."""
 
-    _fields_ = [("R", ctypes.c_int32), ("in_", ctypes.c_int32), ("out", ctypes.c_int32), ("_pad", ctypes.c_int32),
+    _fields_ = [("R", ctypes.c_int32), ("in_", ctypes.c_int32), ("out", ctypes.c_int32),
+                ("factors_bf16", ctypes.c_int32),
                 ("A", ctypes.c_void_p), ("Bt", ctypes.c_void_p), ("mask", ctypes.c_void_p)]
 
 

@@ -42,6 +42,9 @@ class AdapterRows:
         self.present: frozenset[int] = frozenset()  # the step's slots, 0 (the base model) included when a row has it
         self._masks: dict[Columns, torch.Tensor] = {}  # this step's masks by layout
         self._layouts: dict[Columns, _Layout] = {}  # kept across steps
+        # changes whenever a mask may move (a layout made or forgotten, a buffer grown): with `present` it says
+        # whether what a native call was given last step still points at this step's masks
+        self.epoch = 0
 
     @property
     def active(self) -> bool:
@@ -60,6 +63,9 @@ class AdapterRows:
             self.slot_T = None
             return
         self.slot_T = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        with torch.inference_mode():  # buffers made inside a forward are inference tensors: written as such
+            for columns in self._layouts:  # every known layout's mask now, so none moves during the step
+                self.mask(columns)
 
     def end(self) -> None:
         self.slot_T, self.present = None, frozenset()
@@ -68,6 +74,7 @@ class AdapterRows:
     def forget_layouts(self) -> None:
         """After an adapter loads or unloads: the old layouts are of no more use."""
         self._layouts.clear()
+        self.epoch += 1
 
     def uses_any(self, slots: frozenset[int]) -> bool:
         """Whether a row of the current step has one of `slots`."""
@@ -87,6 +94,7 @@ class AdapterRows:
             slot_R = torch.tensor([slot for slot, rank in columns for _ in range(rank)], dtype=torch.int64)
             layout = self._layouts[columns] = _Layout(frozenset(slot for slot, _ in columns), slot_R.to(self.device),
                                                       torch.empty(0, len(slot_R), device=self.device))
+            self.epoch += 1
         if self.present.isdisjoint(layout.slots):
             return None
         found = self._masks.get(columns)
@@ -95,6 +103,7 @@ class AdapterRows:
             if layout.buffer.shape[0] < rows:
                 layout.buffer = torch.empty(max(rows, 2 * layout.buffer.shape[0]), layout.buffer.shape[1],
                                             device=self.device)
+                self.epoch += 1
             found = self._masks[columns] = layout.buffer[:rows]
             found.copy_(self.slot_T[:, None] == layout.slot_R[None, :])
         return found

@@ -181,25 +181,21 @@ class FusedDecodeLayer(nn.Module):
         """The step's LoRA of this layer (adapters served per request) as the native call reads it, and the
         tensors it points into: made again only when those change (an adapter loaded or unloaded, a step whose
         rows use other adapters, or more rows than the masks' buffers held)."""
+        rows = self.adapter_rows
+        if self._lora_cache is not None and self._lora_cache[0] == (rows.epoch, rows.present):
+            return self._lora_cache[1]  # the same factors and mask buffers (their values are this step's)
         attn = self.self_attn
         parts = [(name, attn._modules[f"{name}_proj"].lora) for name in ("q", "k", "v", "o")
                  if isinstance(attn._modules[f"{name}_proj"], RowLoRALinear)]
         if self.fused_router.lora is not None:
             parts.append(("router", self.fused_router.lora))
-        expert_stacks = [] if self.moe.row_lora is None else list(self.moe.row_lora.stacks.values())
-        masks = [None if stack.empty else stack.rows.mask(stack.columns)
-                 for stack in [stack for _, stack in parts] + expert_stacks]
-        key = tuple((id(stack), None if stack.empty else stack.A.data_ptr(), None if m is None else m.data_ptr())
-                    for stack, m in zip([stack for _, stack in parts] + expert_stacks, masks))
-        if self._lora_cache is not None and self._lora_cache[0] == key:
-            return self._lora_cache[1]
         lora, held = TmDecodeLora(), []
-        for (name, stack), mask_TR in zip(parts, masks):
-            _fill(getattr(lora, name), stack, mask_TR, held)
+        for name, stack in parts:
+            _fill(getattr(lora, name), stack, None if stack.empty else rows.mask(stack.columns), held)
         if self.moe.row_lora is not None:
             lora.moe, moe_held = self.moe.row_lora._native_args()
             held += moe_held
-        self._lora_cache = (key, (lora, held))
+        self._lora_cache = ((rows.epoch, rows.present), (lora, held))  # after the masks: making one moves epoch
         return lora, held
 
     def _decode(self, x_1TD: torch.Tensor, plan: StepPlan, window, slots, experts, lora=None) -> torch.Tensor:
@@ -236,6 +232,7 @@ def _fill(args: TmLinearLora, stack: LoRAStack, mask_TR: torch.Tensor | None, he
         return
     held += [stack.A, stack.Bt, mask_TR]
     args.R, args.in_, args.out = stack.A.shape[0], stack.A.shape[1], stack.Bt.shape[1]
+    args.factors_bf16 = int(stack.A.dtype == torch.bfloat16)
     args.A, args.Bt, args.mask = stack.A.data_ptr(), stack.Bt.data_ptr(), mask_TR.data_ptr()
 
 

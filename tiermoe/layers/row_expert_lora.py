@@ -28,9 +28,10 @@ class RowExpertLoRA:
     """The expert LoRA of every slot that adapts one MoE layer: a LoRAStack per projection, factors [E, R, in] /
     [E, R, out] on `device`."""
 
-    def __init__(self, rows: AdapterRows, layer: int, device: torch.device):
+    def __init__(self, rows: AdapterRows, layer: int, device: torch.device, dtype: torch.dtype = torch.float32):
         self.rows = rows
-        self.stacks = {p: LoRAStack(rows, f"layer {layer}'s routed experts ({p})", device) for p in PROJECTIONS}
+        self.stacks = {p: LoRAStack(rows, f"layer {layer}'s routed experts ({p})", device, dtype)
+                       for p in PROJECTIONS}
 
     @property
     def slots(self) -> frozenset[int]:
@@ -74,6 +75,7 @@ class RowExpertLoRA:
             if mask_TR is None:
                 continue
             held += [stack.A, stack.Bt, mask_TR]
+            args.factors_bf16 = int(stack.A.dtype == torch.bfloat16)
             setattr(args, "R_gu" if prefix == "gate_up" else "R_d", stack.A.shape[-2])
             setattr(args, f"{prefix}_A", stack.A.data_ptr())
             setattr(args, f"{prefix}_Bt", stack.Bt.data_ptr())

@@ -27,6 +27,7 @@ import itertools
 import re
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from tiermoe.checkpoint.fp8 import FP8Linear
@@ -97,6 +98,8 @@ class ServedAdapters:
         self.hybrid = hybrid
         self.max_loaded = max_loaded
         self.rows = AdapterRows(hybrid.gpu_device)
+        # the factors' dtype: a bf16 model's (as SGLang and vLLM hold adapters), else fp32 (tiermoe.layers.lora_stack)
+        self.factor_dtype = torch.bfloat16 if hybrid.model.dtype == torch.bfloat16 else torch.float32
         self.by_name: dict[str, LoadedAdapter] = {}  # the adapters requests may ask for
         self.held: list[LoadedAdapter] = []  # every adapter holding a slot (retired ones until freed)
         self.names: frozenset[str] = frozenset()  # by_name's keys, replaced whole on change (read from any thread)
@@ -139,7 +142,7 @@ class ServedAdapters:
             for layer, deltas in expert_layers.items():
                 block = self.hybrid.blocks[layer]
                 if block.row_lora is None:
-                    block.row_lora = RowExpertLoRA(self.rows, layer, self.hybrid.gpu_device)
+                    block.row_lora = RowExpertLoRA(self.rows, layer, self.hybrid.gpu_device, self.factor_dtype)
                 for projection, delta in deltas.items():
                     self._put(adapter, block.row_lora.stacks[projection], delta)
         except (ValueError, RuntimeError) as err:  # shapes that do not stack (out of memory): nothing stays
@@ -209,14 +212,14 @@ class ServedAdapters:
             return module.lora
         kind = _router_kind(module)
         if kind is None:
-            wrapper = RowLoRALinear(module, LoRAStack(self.rows, module_name, self.hybrid.gpu_device))
+            wrapper = RowLoRALinear(module, LoRAStack(self.rows, module_name, self.hybrid.gpu_device, self.factor_dtype))
             self._replace(module_name, wrapper)
             return wrapper.lora
         if kind == "transformers":
             module = (FusedGroupedRouter if _grouped(module) else FusedTopKRouter)(module, None)
             self._replace(module_name, module)
         if module.lora is None:
-            module.lora = LoRAStack(self.rows, module_name, self.hybrid.gpu_device)
+            module.lora = LoRAStack(self.rows, module_name, self.hybrid.gpu_device, self.factor_dtype)
         return module.lora
 
     def _expert_layers(self, lora: MergedLoRA) -> dict[int, dict]:

@@ -29,10 +29,10 @@ extern "C" {
 // One product's LoRA for every adapter slot that adapts it (tiermoe.layers.lora_stack): the row t update is
 // ((x_t A^T) * mask_t) Bt, fp32. R 0: none.
 struct TmLinearLora {
-  int32_t R, in, out, _pad;
-  const float* A;     // [R][in]
-  const float* Bt;    // [R][out]
-  const float* mask;  // [T][R]
+  int32_t R, in, out, factors_bf16;  // factors fp32, or bf16 (a bf16 model's)
+  const void* A;                     // [R][in]
+  const void* Bt;                    // [R][out]
+  const float* mask;                 // [T][R]
 };
 
 struct TmDecodeLora {
@@ -99,8 +99,7 @@ void add_rows(const uint16_t* a, const uint16_t* b, uint16_t* out, size_t n) {
   for (size_t i = 0; i < n; ++i) out[i] = tm_f32_to_bf16(tm_bf16_to_f32(a[i]) + tm_bf16_to_f32(b[i]));
 }
 
-using tmoe_lora::axpy;
-using tmoe_lora::dot;
+using tmoe_lora::Factor;
 
 bool any_set(const float* mask, int R) {
   for (int k = 0; k < R; ++k)
@@ -119,7 +118,8 @@ void add_lora(const TmLinearLora& l, int T, const uint16_t* x, int64_t x_stride,
     std::fill(delta.begin(), delta.end(), 0.0f);
     for (int k = 0; k < l.R; ++k) {
       if (mask[k] == 0.0f) continue;
-      axpy(mask[k] * dot(l.A + (size_t)k * l.in, xf.data(), l.in), l.Bt + (size_t)k * l.out, delta.data(), l.out);
+      const float u = mask[k] * Factor{l.A, l.factors_bf16 != 0}.at(k, l.in).dot(xf.data(), l.in);
+      Factor{l.Bt, l.factors_bf16 != 0}.at(k, l.out).axpy(u, delta.data(), l.out);
     }
     uint16_t* yt = y + t * y_stride;
     for (int j = 0; j < l.out; ++j)

@@ -101,8 +101,7 @@ struct Layer {
   std::vector<float> ones;
 };
 
-using tmoe_lora::axpy;
-using tmoe_lora::dot;
+using tmoe_lora::Factor;
 
 // Row t of x in fp32.
 void x_row(const TmLayerArgs& a, int t, float* out) {
@@ -116,12 +115,12 @@ void x_row(const TmLayerArgs& a, int t, float* out) {
 
 // The rank columns a token's mask selects (its adapter's; none without one), and u = (v A^T) * mask on them:
 // v [n], A [R][n]. Returns how many.
-int lora_rank(const float* A, const float* mask, const float* v, int R, int n, int* cols, float* u) {
+int lora_rank(Factor A, const float* mask, const float* v, int R, int n, int* cols, float* u) {
   int c = 0;
   for (int k = 0; k < R; ++k)
     if (mask[k] != 0.0f) {
       cols[c] = k;
-      u[c++] = mask[k] * dot(A + (size_t)k * n, v, n);
+      u[c++] = mask[k] * A.at(k, n).dot(v, n);
     }
   return c;
 }
@@ -134,8 +133,8 @@ void lora_gate_up(const Layer& L, const ExpertWork& w) {
   const size_t ld = 2 * (size_t)a.Ip;
   std::memset(w.raw, 0, sizeof(float) * ld * w.m);
   if (lo.R_gu == 0) return;
-  const float* A = lo.gate_up_A + (size_t)w.e * lo.R_gu * a.D;
-  const float* Bt = lo.gate_up_Bt + (size_t)w.e * lo.R_gu * 2 * a.I;
+  const Factor A = Factor{lo.gate_up_A, lo.factors_bf16 != 0}.at((size_t)w.e * lo.R_gu, a.D);
+  const Factor Bt = Factor{lo.gate_up_Bt, lo.factors_bf16 != 0}.at((size_t)w.e * lo.R_gu, 2 * (size_t)a.I);
   std::vector<float> x(a.D), u(lo.R_gu);
   std::vector<int> cols(lo.R_gu);
   for (int r = 0; r < w.m; ++r) {
@@ -148,9 +147,9 @@ void lora_gate_up(const Layer& L, const ExpertWork& w) {
     const int n = lora_rank(A, mask, x.data(), lo.R_gu, a.D, cols.data(), u.data());
     float* raw = w.raw + (size_t)r * ld;
     for (int c = 0; c < n; ++c) {
-      const float* b = Bt + (size_t)cols[c] * 2 * a.I;
-      axpy(u[c], b, raw, a.I);               // gate
-      axpy(u[c], b + a.I, raw + a.Ip, a.I);  // up
+      const Factor b = Bt.at(cols[c], 2 * (size_t)a.I);
+      b.axpy(u[c], raw, a.I);                     // gate
+      b.at(1, a.I).axpy(u[c], raw + a.Ip, a.I);  // up: the row's second half
     }
   }
 }
@@ -161,13 +160,13 @@ void lora_down(const Layer& L, int d0, int d1, float* y, int ldy) {
   const int R = lo.R_d;
   if (R == 0) return;
   for (const ExpertWork& w : L.ex) {
-    const float* Bt = lo.down_Bt + (size_t)w.e * R * L.a->D;
+    const Factor Bt = Factor{lo.down_Bt, lo.factors_bf16 != 0}.at((size_t)w.e * R, L.a->D);
     for (int r = 0; r < w.m; ++r) {
       const float* u = L.ud + (size_t)(w.pair0 + r) * R;
       float* yr = y + (size_t)L.tok[w.pair0 + r] * ldy;
       const float wt = L.wt[w.pair0 + r];
       for (int k = 0; k < R; ++k)
-        if (u[k] != 0.0f) axpy(wt * u[k], Bt + (size_t)k * L.a->D + d0, yr, d1 - d0);
+        if (u[k] != 0.0f) Bt.at(k, L.a->D).at(d0, 1).axpy(wt * u[k], yr, d1 - d0);  // columns [d0, d1) of row k
     }
   }
 }
@@ -209,7 +208,7 @@ void lora_glu(const Layer& L, const ExpertWork& w) {
     if (!any) continue;
     if (a.x_bf16)
       for (int j = 0; j < a.I; ++j) h[j] = tm_bf16_to_f32(tm_f32_to_bf16(h[j]));
-    const float* A = lo.down_A + (size_t)w.e * lo.R_d * a.I;
+    const Factor A = Factor{lo.down_A, lo.factors_bf16 != 0}.at((size_t)w.e * lo.R_d, a.I);
     const int n = lora_rank(A, mask, h.data(), lo.R_d, a.I, cols.data(), u.data());
     for (int c = 0; c < n; ++c) ud[cols[c]] = u[c];
   }

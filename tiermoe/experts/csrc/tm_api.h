@@ -52,14 +52,16 @@ struct TmLayerArgs {
 //   gate_up: h = glu(x W_gu^T + ((x A_gu[e]^T) * m_gu[t]) Bt_gu[e])    (the update lands before the activation)
 //   down:    y[t] += w * (h W_d^T + ((h A_d[e]^T) * m_d[t]) Bt_d[e])  (h as the down product reads it: bf16 rows
 //                                                                      round it when x is bf16)
-// All fp32, scalings folded into Bt (B transposed: a rank column's update is a contiguous row); Bt_gu's columns
-// are the gate's, then the up's (I each, unpadded). A projection with R = 0 has no LoRA (null pointers allowed).
+// Factors fp32 or bf16 (factors_bf16: a bf16 model's), computed in fp32; scalings folded into Bt (B transposed: a
+// rank column's update is a contiguous row); Bt_gu's columns are the gate's, then the up's (I each, unpadded). A
+// projection with R = 0 has no LoRA (null pointers allowed).
 struct TmLoraArgs {
   int32_t R_gu, R_d;
-  const float* gate_up_A;     // [n_experts][R_gu][D]
-  const float* gate_up_Bt;    // [n_experts][R_gu][2I]
-  const float* down_A;        // [n_experts][R_d][I]
-  const float* down_Bt;       // [n_experts][R_d][D]
+  int32_t factors_bf16, _pad;
+  const void* gate_up_A;      // [n_experts][R_gu][D]
+  const void* gate_up_Bt;     // [n_experts][R_gu][2I]
+  const void* down_A;         // [n_experts][R_d][I]
+  const void* down_Bt;        // [n_experts][R_d][D]
   const float* gate_up_mask;  // [T][R_gu]
   const float* down_mask;     // [T][R_d]
 };
