@@ -101,6 +101,7 @@ make_model(\"gpt_oss\", sys.argv[1], config_overrides={\"intermediate_size\": 64
 --modes stat,per_pass,per_token --gpu-masks'
   add bench_speculative '$PY benchmarks/bench_speculative.py --prompts 2 --tokens 8 --draft-tokens 2,4 --rounds 1'
   add bench_structured_batch '$PY benchmarks/bench_structured_batch.py --batch 2 --tokens 4 --rounds 1'
+  add bench_lora_serving '$PY benchmarks/bench_lora_serving.py --batch 4 --tokens 4 --rounds 1 --check-tokens 4'
   add bench_structured_output "\$PY benchmarks/bench_structured_output.py --tokenizer $tokenizer --batch 2 \
 --rounds 1 --steps 5 --device cpu"
   add bench_deferred_experts '$PY benchmarks/bench_deferred_experts.py --deferred 0,1 --num-prompts 2 \
