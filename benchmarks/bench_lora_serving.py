@@ -28,10 +28,10 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from support.decode_rounds import generation_seconds
 
 from tiermoe.bundled import resolve_model
 from tiermoe.engine.llm import LLM
@@ -62,18 +62,6 @@ def serving(model, adapters: list[Path], **kwargs) -> LLM:
     for name, path in zip(NAMES, adapters):
         served.load(name, merged_lora(path, llm.model_dir), str(path))
     return llm
-
-
-def generation_seconds(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, list]:
-    engine = llm.engine
-    seqs = [engine.add(p, sp) for p, sp in zip(prompts, params)]
-    engine.step()  # the prefill
-    first = time.perf_counter()
-    while engine.has_work():
-        engine.step()
-    assert all(s.finish_reason == "length" for s in seqs), [s.error for s in seqs]
-    step = (time.perf_counter() - first) / max(1, max(len(s.output_ids) for s in seqs) - 1)
-    return step, [s.output_ids for s in seqs]
 
 
 def check_fp32(model, adapters: list[Path], prompts: list[list[int]], tokens: int) -> None:

@@ -22,24 +22,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
+from support.decode_rounds import generation_seconds
 
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import Grammar, SamplingParams
-
-
-def generation_seconds(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> tuple[float, list]:
-    engine = llm.engine
-    seqs = [engine.add(llm.encode(p), sp) for p, sp in zip(prompts, params)]
-    engine.step()  # the prefill
-    first = time.perf_counter()
-    while engine.has_work():
-        engine.step()
-    assert all(s.finish_reason == "length" for s in seqs), [s.error for s in seqs]
-    step = (time.perf_counter() - first) / max(1, max(len(s.output_ids) for s in seqs) - 1)
-    return step, [s.output_ids for s in seqs]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,12 +43,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--batch and --tokens must be >= 2, --rounds >= 1")
     if args.threads:
         torch.set_num_threads(min(args.threads, os.cpu_count() or 1))
-    prompts = [f"Tell me about the city number {i}." for i in range(args.batch)]
+    texts = [f"Tell me about the city number {i}." for i in range(args.batch)]
     plain = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     held = SamplingParams(max_tokens=args.tokens, ignore_eos=True, grammar=Grammar("regex", r"[\s\S]*"))
     arms = {"plain": [plain] * args.batch, "mixed": [held if i % 2 else plain for i in range(args.batch)]}
     print(f"load average {os.getloadavg()[0]:.2f}; torch threads {torch.get_num_threads()}", flush=True)
     with LLM(args.model, progress=False) as llm:
+        prompts = [llm.encode(text) for text in texts]
         llm.compile_grammar(held.grammar)  # the tokenizer's description is built once, outside the timing
         _, tokens = generation_seconds(llm, prompts, arms["plain"])  # warm-up
         if generation_seconds(llm, prompts, arms["mixed"])[1] != tokens:

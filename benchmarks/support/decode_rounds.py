@@ -30,3 +30,17 @@ def decode_speed(llms: dict[str, LLM], prompts: list[list[int]], tokens: int, ro
 def print_load_average(when: str) -> None:
     load = os.getloadavg()
     print(f"load average {when}: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs", flush=True)
+
+
+def generation_seconds(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, list]:
+    """Mean seconds of a decode step of `prompts` (token ids) decoded together, the prefill step left out, and each
+    sequence's output ids."""
+    engine = llm.engine
+    seqs = [engine.add(p, sp) for p, sp in zip(prompts, params)]
+    engine.step()  # the prefill
+    first = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    assert all(s.finish_reason == "length" for s in seqs), [s.error for s in seqs]
+    step = (time.perf_counter() - first) / max(1, max(len(s.output_ids) for s in seqs) - 1)
+    return step, [s.output_ids for s in seqs]
