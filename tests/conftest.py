@@ -17,9 +17,17 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels run on the CPU under Triton's interpreter (set before import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tiermoe.experts.python_arenas import keep_frame_chunks
 from tiermoe.testing.presets import TINY, make_config
 
 ARCHS = tuple(TINY)
+
+
+def pytest_configure(config):
+    # every test process (each pytest-xdist worker too) before any test: Triton's interpreter and the engine's
+    # steps call deep enough that, at some stack depths, each call mapped and unmapped a frame-stack chunk (a
+    # CPython 3.11 defect): the slowest tests took 3-5x as long in the suite as alone
+    keep_frame_chunks()
 
 
 def save_tiny(arch: str, out, seed: int = 0, sizes: dict | None = None, **save_kwargs):

@@ -47,6 +47,7 @@ from tiermoe.experts.fp8_tier import FP8ExpertSet, fp8_expert_bytes
 from tiermoe.experts.host_slab import HostSlab, expert_shapes, pins_host_memory
 from tiermoe.experts.kernels import ACTIVATION_CODES, load_kernels
 from tiermoe.experts.native import model_team
+from tiermoe.experts.python_arenas import keep_frame_chunks
 from tiermoe.experts.registry import make_cpu_tier
 from tiermoe.experts.slot_pool import ExpertSlotPool, fp8_kernel
 from tiermoe.experts.slotted_fp8_tier import SlottedFP8ExpertSet
@@ -172,6 +173,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     if cpu.deferred_experts > spec.top_k:
         raise TiermoeError(f"--kt-max-deferred-experts-per-token {cpu.deferred_experts}: this model routes each token "
                            f"to {spec.top_k} experts, so at most {spec.top_k} can be deferred (0 keeps outputs exact)")
+    keep_frame_chunks()  # a step's deep Python calls must not map and unmap a frame-stack chunk per call
     rank, num_ranks = (0, 1) if share is None else (share.rank, share.num_ranks)
     plan = resolve_plan(placement, model_dir, spec, num_ranks, str(gpu_device))
     assignment_LE = plan.assignment

@@ -40,7 +40,8 @@ class ServerProcess:
             except httpx.HTTPError:
                 time.sleep(0.2)
         self.stop()
-        raise RuntimeError("server did not come up")
+        raise RuntimeError(f"server did not answer /health within {timeout:.0f} s (a first run builds the native "
+                           f"kernels, about 90 s); its output:\n{self.log_tail()}")
 
     def log_tail(self) -> str:
         """The last lines the server printed (all of them once it has exited)."""
