@@ -68,3 +68,50 @@ def test_a_seeded_draw_is_torch_multinomial_on_its_generator():
 def test_an_unseeded_draw_from_no_mass_is_refused():
     with pytest.raises(TiermoeError, match="cannot sample"):
         sample(torch.full((4,), float("nan")), SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+
+
+class SortedSizes(TorchDispatchMode):
+    """The number of elements each torch sort is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == "sort":
+            self.sizes.append(args[0].numel())
+        return func(*args, **(kwargs or {}))
+
+
+def full_sort_kept_mass(logits_V, params):
+    """top_k, then top_p over the whole sorted vocabulary: what the sampler computed before it sorted the support."""
+    logits_V = logits_V / params.temperature
+    if params.top_k:
+        logits_V = logits_V.masked_fill(logits_V < torch.topk(logits_V, params.top_k).values[-1], float("-inf"))
+    probs_V = torch.softmax(logits_V, dim=-1)
+    sorted_p, order = torch.sort(probs_V, descending=True)
+    drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= params.top_p
+    drop[0] = False
+    sorted_p[drop] = 0
+    return torch.zeros_like(probs_V).scatter_(0, order, sorted_p)
+
+
+@pytest.mark.parametrize("top_k", [1, 20, 64])
+@pytest.mark.parametrize("top_p", [1e-9, 0.8, 0.999])
+def test_top_p_after_top_k_sorts_only_the_top_k_and_keeps_the_same_tokens(top_k, top_p):
+    gen = torch.Generator().manual_seed(top_k)
+    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p)
+    for _ in range(5):
+        logits = 3 * torch.randn(20_000, generator=gen)
+        with SortedSizes() as sorts:
+            kept = _kept_mass(logits, params)
+        assert sorts.sizes and max(sorts.sizes) <= top_k  # no sort of the vocabulary
+        assert torch.equal(kept, full_sort_kept_mass(logits, params))
+
+
+def test_top_p_after_top_k_keeps_every_token_tied_with_the_kth():
+    logits = torch.tensor([5.0, 3.0, 3.0, 3.0, 1.0, 0.0])
+    params = SamplingParams(temperature=1.0, top_k=2, top_p=0.9999)
+    kept = _kept_mass(logits, params)
+    assert torch.equal(kept > 0, torch.tensor([True, True, True, True, False, False]))
+    assert torch.equal(kept, full_sort_kept_mass(logits, params))

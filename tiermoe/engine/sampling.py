@@ -203,17 +203,33 @@ def _kept_mass(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """softmax(logits / temperature) with what top_k, top_p and min_p drop set to 0, not renormalised (multinomial
     needs no normalising: leaving it out keeps seeded draws what they always were)."""
     logits_V = logits_V.float().cpu() / max(params.temperature, GREEDY_BELOW)
+    support_S = None  # the only tokens with mass, when top_k says (top_p then sorts those, not the vocabulary)
     if params.top_k:
-        kth = torch.topk(logits_V, min(params.top_k, logits_V.numel())).values[-1]
-        logits_V = logits_V.masked_fill(logits_V < kth, float("-inf"))
+        k = min(params.top_k, logits_V.numel())
+        top = torch.topk(logits_V, k)
+        dropped_V = logits_V < top.values[-1]
+        logits_V = logits_V.masked_fill(dropped_V, float("-inf"))
+        # the k tokens; when others tie with the k-th, every token left (a rare full pass)
+        support_S = top.indices if int(dropped_V.sum()) == len(dropped_V) - k else torch.nonzero(~dropped_V)[:, 0]
     probs_V = torch.softmax(logits_V, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs_V, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= params.top_p
-        drop[0] = False  # a top_p below fp32's smallest value compares as 0 and would drop it too
-        sorted_p[drop] = 0
-        probs_V = torch.zeros_like(probs_V).scatter_(0, order, sorted_p)
+        # a Qwen3 checkpoint's default top_k 20 + top_p 0.95 sorted all 152k probabilities: 5-7 ms a sampled row on
+        # one core of a 2-core EPYC, 0.7 ms with the sort of the top 20 alone
+        probs_V = _top_p(probs_V, params.top_p, support_S)
     if params.min_p > 0:  # relative to the most likely token, which top-k and top-p always keep
         probs_V = probs_V.masked_fill(probs_V < params.min_p * probs_V.max(), 0)
     return probs_V
+
+
+def _top_p(probs_V: torch.Tensor, top_p: float, support_S: torch.Tensor | None) -> torch.Tensor:
+    """probs_V with all but the smallest most-likely prefix whose mass reaches top_p set to 0 (the first token
+    always stays). `support_S`: the only indices with mass (None: any may have). The zeros a full sort would put
+    after them change no prefix sum, so sorting the support alone keeps the same tokens."""
+    if support_S is None:
+        sorted_p, order = torch.sort(probs_V, descending=True)
+    else:
+        sorted_p, by_mass = torch.sort(probs_V[support_S], descending=True)
+        order = support_S[by_mass]
+    drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= top_p
+    drop[0] = False  # a top_p below fp32's smallest value compares as 0 and would drop it too
+    return probs_V.index_fill(0, order[drop], 0.0)
