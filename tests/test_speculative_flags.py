@@ -34,7 +34,7 @@ def test_the_flags_set_the_engine_settings():
 
 @pytest.mark.parametrize("argv, message", [
     (("--speculative-num-draft-tokens", "4"), "--speculative-num-draft-tokens needs --speculative-algorithm"),
-    (("--speculative-algorithm", "nextn"), "not supported yet"),
+    (("--speculative-algorithm", "eagle"), "not supported yet"),
     (("--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "99"), "from 1 to 16"),
 ])
 def test_bad_flags_give_one_line(argv, message):

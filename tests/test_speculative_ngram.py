@@ -43,7 +43,7 @@ def test_large_token_ids_are_looked_up():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(algorithm="nextn"), "not supported yet"),
+    (dict(algorithm="eagle"), "not supported yet"),
     (dict(algorithm="medusa"), "must be one of: ngram"),
     (dict(num_draft_tokens=0), "num_draft_tokens must be an integer from 1"),
     (dict(num_draft_tokens=MAX_DRAFT_TOKENS + 1), "num_draft_tokens"),

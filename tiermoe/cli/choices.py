@@ -52,7 +52,7 @@ TRACE_LAYOUTS = ("esft-trace", "esft-counts", "route-trace", "heat", "sglang", "
 DEFAULT_DIST_TIMEOUT_S = 300.0
 
 # tiermoe.engine.speculative_config: the drafting algorithms and the bounds of a draft and an n-gram
-SPECULATIVE_ALGORITHMS = ("ngram",)
+SPECULATIVE_ALGORITHMS = ("ngram", "nextn")
 MAX_DRAFT_TOKENS = 16
 MAX_NGRAM = 16
 

@@ -15,13 +15,15 @@ from tiermoe.cli.choices import SPECULATIVE_ALGORITHMS as ALGORITHMS
 def add_speculative_flags(p) -> None:
     g = p.add_argument_group("speculative decoding (off unless --speculative-algorithm is given)")
     g.add_argument("--speculative-algorithm", metavar="ALGO", default=None,
-                   help=f"draft tokens and verify them in one forward per step: {', '.join(ALGORITHMS)} (drafts "
-                        "looked up in the prompt and the reply so far: rewriting, summarising, code edits); greedy "
-                        "output is unchanged, sampled output keeps its distribution")
+                   help=f"draft tokens and verify them in one forward per step: {', '.join(ALGORITHMS)} (ngram: drafts "
+                        "looked up in the prompt and the reply so far: rewriting, summarising, code edits; nextn: "
+                        "the checkpoint's MTP layer, DeepSeek-V3/R1); greedy output is unchanged, sampled output "
+                        "keeps its distribution")
     g.add_argument("--speculative-num-draft-tokens", metavar="N", type=int, default=None,
                    help=f"the most tokens a sequence drafts per step (1-{MAX_DRAFT_TOKENS}; default 4)")
     g.add_argument("--speculative-num-steps", metavar="N", type=int, default=None,
-                   help="drafting steps per verify step; n-gram lookup drafts in one, so this only caps the draft")
+                   help="drafting steps per verify step (nextn: MTP rounds, one per drafted token); n-gram lookup "
+                        "drafts in one, so this only caps the draft")
     g.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="choose each sequence's draft length per step (0 included) from its acceptance and the "
                         "verify step's measured cost (default on); --no-speculative-adaptive drafts what the "

@@ -62,7 +62,8 @@ from tiermoe.engine.pool_size import auto_pool_tokens
 from tiermoe.engine.sampling import Grammar, SamplingParams, new_generator, sample
 from tiermoe.engine.sequence import Sequence
 from tiermoe.engine.speculative_config import SpeculativeConfig
-from tiermoe.engine.speculative_drafting import Drafter, step_cost_of
+from tiermoe.engine.speculative_drafting import step_cost_of
+from tiermoe.engine.speculative_mtp import make_drafter
 from tiermoe.engine.speculative_timing import MeasuredStepCost
 from tiermoe.engine.speculative_verify import verify_token
 from tiermoe.engine.step_isolation import forward_isolating
@@ -136,7 +137,8 @@ class Engine:
                 raise TiermoeError("speculative decoding is not available for this model: its linear-attention "
                                    "layers' state cannot be rolled back past rejected drafts; run without it")
             cost = MeasuredStepCost(step_cost_of(hybrid))  # the bytes model until timed steps tell better
-            self.drafter = Drafter(config.speculative, cost, self.max_context)
+            self.drafter = make_drafter(config.speculative, cost, self.max_context, hybrid)
+            windows = self.drafter.pool_layers(windows)  # an MTP layer's K/V: one more layer of the pool
         device = hybrid.gpu_device
         tokens = config.max_total_tokens or auto_pool_tokens(self.model.config, self.model.dtype, windows,
                                                              config.max_running, self.max_context, device)
@@ -144,6 +146,8 @@ class Engine:
         self.decode_attention = getattr(hybrid, "decode_attention", None)
         self.pool = KVPool(windows, tokens, config.max_running, device, config.page_size, config.prefill_chunk,
                            config.prefix_cache, self.max_context)
+        if self.drafter is not None:
+            self.drafter.attach(self.pool)
         if config.prefix_cache and not self.pool.reuse_possible:
             log.info("prefix reuse is off for this model: its sliding-window or linear-attention layers keep no "
                      "state at page boundaries")
@@ -191,6 +195,8 @@ class Engine:
     def close(self) -> None:
         for block in self.hybrid.blocks.values():
             block.recorder = NO_RECORDER
+        if self.drafter is not None:
+            self.drafter.close()
 
     def check_token_ids(self, ids: list[int], field: str = "prompt") -> None:
         """Refuse ids outside the model's vocabulary (on a GPU such an id would break the whole CUDA context)."""
@@ -384,6 +390,8 @@ class Engine:
             if seq.finished and seq in self.running:
                 self.running.remove(seq)
                 self._release(seq)
+        if self.drafter is not None:
+            self.drafter.stepped(batch)  # an MTP drafter's layer extends over the kept positions
         if shape is not None and not errors:
             self.drafter.observe(shape, time.perf_counter() - started)
         self.free_unused_adapters()
@@ -533,6 +541,8 @@ class Engine:
                 routing.end_pass()
         if self.recorder.enabled:
             self._pass.commit()
+        if self.drafter is not None:
+            self.drafter.forwarded([batch[i] for i in order], [inputs[i] for i in order])
         return _in_order(logits, order)
 
     def new_sequence(self, prompt_ids: list[int] = (0,)) -> Sequence:

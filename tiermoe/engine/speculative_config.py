@@ -1,11 +1,12 @@
 """Speculative decoding's settings, checked on construction (off unless an EngineConfig carries one).
 
 SGLang's flags name them: `--speculative-algorithm` (`ngram`: drafts looked up in the prompt and the output so far;
-`nextn`, a checkpoint's MTP heads, is refused until tiermoe runs them), `--speculative-num-draft-tokens` (the most
-tokens drafted per sequence and step) and `--speculative-num-steps` (how many of them a draft may take: the
-drafter's steps; for n-gram lookup it only caps the draft like num_draft_tokens). `adaptive` chooses each
-sequence's draft length per step, 0 included, from its running acceptance and the verify step's cost
-(tiermoe.engine.speculative_length); without it every sequence drafts what the lookup finds, up to the cap.
+`nextn`: the checkpoint's MTP layer, DeepSeek-V3/R1 only: tiermoe.engine.speculative_mtp),
+`--speculative-num-draft-tokens` (the most tokens drafted per sequence and step) and `--speculative-num-steps` (how
+many of them a draft may take: the drafter's steps, one MTP round per drafted token; for n-gram lookup it only caps
+the draft like num_draft_tokens). `adaptive` chooses each sequence's draft length per step, 0 included, from its
+running acceptance and the verify step's cost (tiermoe.engine.speculative_length); without it every sequence drafts
+what its drafter finds, up to the cap.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ from dataclasses import dataclass
 
 from tiermoe.errors import TiermoeError
 
-ALGORITHMS = ("ngram",)
-UNSUPPORTED_ALGORITHMS = {"nextn": "MTP heads are not loaded yet", "eagle": "no draft model support yet",
-                          "eagle3": "no draft model support yet"}
+ALGORITHMS = ("ngram", "nextn")
+UNSUPPORTED_ALGORITHMS = {"eagle": "no draft model support yet", "eagle3": "no draft model support yet"}
 # A verify step feeds draft + 1 rows per sequence, and acceptance decays geometrically: past 16 drafted tokens
 # the expected gain is nil at any realistic acceptance while the step's rows keep growing.
 MAX_DRAFT_TOKENS = 16

@@ -60,14 +60,8 @@ class Drafter:
             first = next((i for i, r in enumerate(rooms) if r), None)
             rooms = [r if i == first else 0 for i, r in enumerate(rooms)]
         if self.config.adaptive:  # no lookup where even a full draft would not pay (a busy batch: none at all)
-            rooms = [r if k else 0 for r, k in zip(rooms, choose_draft_lengths(cost, rates, rooms, other_tokens),
-                                                   strict=True)]
-        found = []
-        for seq, room in zip(decoding, rooms, strict=True):
-            most = min(room, budget)
-            draft = ngram_draft(seq.known_ids, most, self.config.ngram_max, self.config.ngram_min) if most else []
-            found.append(draft)
-            budget -= len(draft)
+            rooms = self.lookup_limits(rooms, choose_draft_lengths(cost, rates, rooms, other_tokens))
+        found = self.propose(decoding, rooms, budget)
         if self.config.adaptive and any(found):
             lengths = choose_draft_lengths(cost, rates, [len(d) for d in found], other_tokens)
             found = [draft[:k] for draft, k in zip(found, lengths, strict=True)]
@@ -79,6 +73,38 @@ class Drafter:
                 self.acceptance(seq).idle()
         self.dry_steps = 0 if out else self.dry_steps + 1
         return out
+
+    def lookup_limits(self, rooms: list[int], chosen: list[int]) -> list[int]:
+        """The most each sequence looks up, given the lengths the cost model chose for full rooms: the whole room
+        where it chose any (a lookup costs nothing; what it finds is weighed again), else none."""
+        return [r if k else 0 for r, k in zip(rooms, chosen, strict=True)]
+
+    def propose(self, decoding: list[Sequence], rooms: list[int], budget: int) -> list[list[int]]:
+        """Each sequence's draft of at most rooms[i] tokens, `budget` tokens in all (n-gram lookup)."""
+        found = []
+        for seq, room in zip(decoding, rooms, strict=True):
+            most = min(room, budget)
+            draft = ngram_draft(seq.known_ids, most, self.config.ngram_max, self.config.ngram_min) if most else []
+            found.append(draft)
+            budget -= len(draft)
+        return found
+
+    # What a drafter with a model of its own (tiermoe.engine.speculative_mtp) hooks into; n-gram lookup needs none.
+    def pool_layers(self, windows: dict) -> dict:
+        """The KV pool's layers (index -> window): the model's, and the drafter's own."""
+        return windows
+
+    def attach(self, pool) -> None:
+        """The engine's KV pool, once made."""
+
+    def forwarded(self, seqs: list[Sequence], inputs: list[list[int]]) -> None:
+        """A forward of the target fed inputs[i] to seqs[i] (its row order; their fed counts not yet advanced)."""
+
+    def stepped(self, batch: list[Sequence]) -> None:
+        """The step's tokens are taken (its sequences' fed counts and outputs are final)."""
+
+    def close(self) -> None:
+        """The engine closes."""
 
     def step_shape(self, batch: list[Sequence], inputs: list[list[int]]) -> StepShape:
         """What a scheduled step feeds (before it runs: the sequences' drafts and prefill state as scheduled)."""
