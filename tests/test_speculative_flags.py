@@ -30,6 +30,8 @@ def test_the_flags_set_the_engine_settings():
                  "--speculative-ngram-max-match-window-size", "5") == SpeculativeConfig(
         num_draft_tokens=6, num_steps=3, adaptive=False, ngram_min=2, ngram_max=5)
     assert parse("--speculative-algorithm", "ngram", "--speculative-ngram-min-match-window-size", "6").ngram_max == 6
+    assert parse("--speculative-algorithm", "nextn", "--speculative-num-steps", "2") == SpeculativeConfig(
+        algorithm="nextn", num_steps=2)
 
 
 @pytest.mark.parametrize("argv, message", [

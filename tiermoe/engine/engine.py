@@ -36,6 +36,8 @@ Then `num_fed` goes back to `num_tokens - 1`: the rejected positions' K/V stay i
 (attention masks everything after a query's position, and the next step writes there first) and sliding-window
 pages are trimmed only after that. Linear-attention states cannot be rolled back that way: such models refuse
 speculation. Drafts take the step's token budget that prompt chunks leave, so the step buffers bound them too.
+A drafter with a model of its own (MTP: tiermoe.engine.speculative_mtp) adds its layer to the pool, is told each
+forward's rows and each finished step, and keeps its K/V at the positions the sequences keep.
 """
 
 from __future__ import annotations
