@@ -97,6 +97,8 @@ class MTPDrafter(Drafter):
     def forwarded(self, seqs: list[Sequence], inputs: list[list[int]]) -> None:
         """A forward of the target ran for `seqs` (in its row order) feeding `inputs`: keep their hidden rows."""
         hidden, self._hidden_1TD = self._hidden_1TD, None
+        if hidden is None:  # a forward that never reached the model's last norm: nothing to extend from
+            return
         row = 0
         for seq, fed in zip(seqs, inputs, strict=True):
             self._rows[seq.seq_id] = (seq.num_fed, hidden[0, row:row + len(fed)])
