@@ -1,6 +1,7 @@
-"""MTP drafting (`nextn`) on a tiny DeepSeek-V3 with an MTP layer: greedy tokens equal plain decode (fixed and
-adaptive lengths, batched and alone); the layer's drafts equal transformers' MtpModel run over the whole sequence
-at every step, across rejected drafts and preemptions (its K/V kept as the target's); an MTP layer that predicts
+"""MTP drafting (`nextn`) on tiny DeepSeek-V3 and GLM-4.5 models with an MTP layer: greedy tokens equal plain
+decode (fixed and adaptive lengths, batched and alone, across preemptions); the layer's drafts equal transformers'
+MtpModel run over the whole sequence at every step, across rejected drafts and preemptions (its K/V kept as the
+target's); an FP8 checkpoint's MTP layer loads; an MTP layer that predicts
 the model has every draft accepted, one that is always wrong drafts nothing once the adaptive length learns it;
 a checkpoint without MTP weights is refused in one line."""
 
@@ -28,9 +29,17 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def mtp_dir(tmp_path_factory):
-    """A tiny DeepSeek-V3 with a random MTP layer whose head is the model's LM head (stored without one)."""
-    return add_mtp_layer(save_tiny("deepseek_v3", tmp_path_factory.mktemp("mtp")), head=False)
+def mtp_dirs(tmp_path_factory):
+    """mtp_dirs(arch) -> a tiny checkpoint of `arch` with a random MTP layer whose head is the model's LM head
+    (stored without one)."""
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = add_mtp_layer(save_tiny(arch, tmp_path_factory.mktemp(f"mtp_{arch}")), head=False)
+        return cache[arch]
+
+    return get
 
 
 def nextn(k: int, adaptive: bool) -> SpeculativeConfig:
@@ -53,8 +62,8 @@ def use_drafter(llm: LLM, module, config: SpeculativeConfig | None) -> MTPDrafte
     return engine.drafter
 
 
-def test_greedy_tokens_with_mtp_drafts_equal_plain_decode_batched_and_alone(mtp_dir):
-    with LLM(mtp_dir, dtype=torch.float32, max_running=3, prefill_chunk=6, progress=False,
+def test_greedy_tokens_with_mtp_drafts_equal_plain_decode_batched_and_alone(mtp_dirs):
+    with LLM(mtp_dirs("deepseek_v3"), dtype=torch.float32, max_running=3, prefill_chunk=6, progress=False,
              speculative=nextn(4, True)) as llm:
         module = llm.engine.drafter.module
         use_drafter(llm, module, None)
@@ -94,12 +103,17 @@ def reference_draft_logits(model, mtp, ids: list[int]) -> torch.Tensor:
     return logits[0, -1]
 
 
-def test_mtp_drafts_equal_the_reference_layer_over_the_whole_sequence_across_rejections_and_preemptions(mtp_dir):
-    model, mtp = reference_mtp(mtp_dir)
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_mtp_drafts_equal_the_reference_layer_over_the_whole_sequence_across_rejections_and_preemptions(arch,
+                                                                                                       mtp_dirs):
+    path = mtp_dirs(arch)
+    model, mtp = reference_mtp(path)
     prompts = [[5, 6, 5, 6, 5, 6, 5], [6, 7, 8], [9, 10, 9, 10, 9]]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
+    with LLM(path, dtype=torch.float32, progress=False) as llm:
+        plain = tokens(llm, prompts, params)
     # 5 pages of 4 tokens: the three sequences cannot all stay (as in the n-gram preemption test)
-    with LLM(mtp_dir, dtype=torch.float32, max_total_tokens=20, page_size=4, progress=False,
+    with LLM(path, dtype=torch.float32, max_total_tokens=20, page_size=4, progress=False,
              speculative=nextn(3, False)) as llm:
         engine, drafter = llm.engine, llm.engine.drafter
         seqs = [engine.add(p, params) for p in prompts]
@@ -116,7 +130,7 @@ def test_mtp_drafts_equal_the_reference_layer_over_the_whole_sequence_across_rej
                     checked += 1
         assert sum(s.preemptions for s in seqs) >= 1 and checked >= 12
         assert drafter.drafted_tokens > drafter.accepted_tokens  # rejected drafts happened before the checks
-    assert all(len(s.output_ids) == 10 for s in seqs)
+    assert [s.output_ids for s in seqs] == plain
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ def add_speculative_flags(p) -> None:
     g.add_argument("--speculative-algorithm", metavar="ALGO", default=None,
                    help=f"draft tokens and verify them in one forward per step: {', '.join(ALGORITHMS)} (ngram: drafts "
                         "looked up in the prompt and the reply so far: rewriting, summarising, code edits; nextn: "
-                        "the checkpoint's MTP layer, DeepSeek-V3/R1); greedy output is unchanged, sampled output "
+                        "the checkpoint's MTP layer, DeepSeek-V3/R1 and GLM-4.5); greedy output is unchanged, sampled output "
                         "keeps its distribution")
     g.add_argument("--speculative-num-draft-tokens", metavar="N", type=int, default=None,
                    help=f"the most tokens a sequence drafts per step (1-{MAX_DRAFT_TOKENS}; default 4)")

@@ -1,7 +1,7 @@
 """Speculative decoding's settings, checked on construction (off unless an EngineConfig carries one).
 
 SGLang's flags name them: `--speculative-algorithm` (`ngram`: drafts looked up in the prompt and the output so far;
-`nextn`: the checkpoint's MTP layer, DeepSeek-V3/R1 only: tiermoe.engine.speculative_mtp),
+`nextn`: the checkpoint's MTP layer, DeepSeek-V3/R1 and GLM-4.5: tiermoe.engine.speculative_mtp),
 `--speculative-num-draft-tokens` (the most tokens drafted per sequence and step) and `--speculative-num-steps` (how
 many of them a draft may take: the drafter's steps, one MTP round per drafted token; for n-gram lookup it only caps
 the draft like num_draft_tokens). `adaptive` chooses each sequence's draft length per step, 0 included, from its

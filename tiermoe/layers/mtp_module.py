@@ -1,5 +1,5 @@
-"""A checkpoint's multi-token-prediction (MTP) module (DeepSeek-V3/R1's `num_nextn_predict_layers`), run on the
-engine's ragged steps.
+"""A checkpoint's multi-token-prediction (MTP) module (DeepSeek-V3/R1's and GLM-4.5's `num_nextn_predict_layers`),
+run on the engine's ragged steps.
 
 At position i it takes the target model's final hidden state h_i (after the model's last norm, as SGLang and vLLM
 hand it over) and the embedding of the token at i + 1, and gives the distribution of the token at i + 2:

@@ -1,11 +1,12 @@
-"""Load a DeepSeek-V3/R1 checkpoint's MTP layer, which transformers drops when it loads the model.
+"""Load a DeepSeek-V3/R1 or GLM-4.5 checkpoint's MTP layer, which transformers drops when it loads the model.
 
-The checkpoint stores it as decoder layer N = num_hidden_layers (`model.layers.{N}.*`; DeepseekV3's
-`_keys_to_ignore_on_load_unexpected` skips it, and the engine's skeleton, built from config.json, has N layers): a
+The checkpoint stores it as decoder layer N = num_hidden_layers (`model.layers.{N}.*`; the families'
+`_keys_to_ignore_on_load_unexpected` skip it, and the engine's skeleton, built from config.json, has N layers): a
 normal decoder layer's attention and MoE weights, plus `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` and, in
 some checkpoints, `shared_head.head` (else the model's LM head is the MTP's; its embedding is always the model's).
-It is built here beside the loaded model as transformers' own DeepseekV3DecoderLayer, its attention an MLAAttention
-(the latent cached in the pool like every layer's) and its MoE block a HybridMoE. Its experts are placed like the
+It is built here beside the loaded model as the family's own transformers decoder layer (DeepSeek's attention an
+MLAAttention: the latent cached in the pool like every layer's; GLM's attends through the pool's attention
+function like the model's) and its MoE block a HybridMoE. Its experts are placed like the
 last MoE layer's (no statistics record the MTP layer yet: the last layer's is the nearest evidence), GPU-tier ones
 in a slot pool of their own, CPU-tier ones in a CPU tier of `cpu`'s backend. Non-expert weights load onto the main
 device in the dtype of the model's same-named weights (the router's fp32 kept), FP8-stored ones dequantised into
@@ -15,10 +16,10 @@ the model's dtype (the layer's share of the model is small).
 from __future__ import annotations
 
 import copy
+import importlib
 from pathlib import Path
 
 import torch
-import transformers.models.deepseek_v3.modeling_deepseek_v3 as deepseek_v3
 from torch import nn
 
 from tiermoe.checkpoint.fp8 import fp8_block_size
@@ -36,7 +37,11 @@ from tiermoe.model.expert_source import LAYERS_PREFIX, find_expert_source, read_
 from tiermoe.model.gguf_checkpoint import open_checkpoint
 from tiermoe.model.skeleton import decoder_layers
 
-MTP_MODEL_TYPES = ("deepseek_v3",)  # families whose MTP layer tiermoe runs
+# Families whose MTP layer tiermoe runs -> their transformers decoder-layer and RMSNorm classes (the MTP layer is one
+# of the family's decoder layers; SGLang's GLM-4.5 NextN is DeepSeek-V3's with GLM's layer).
+MTP_CLASSES = {"deepseek_v3": ("DeepseekV3DecoderLayer", "DeepseekV3RMSNorm"),
+               "glm4_moe": ("Glm4MoeDecoderLayer", "Glm4MoeRMSNorm")}
+MTP_MODEL_TYPES = tuple(MTP_CLASSES)
 # The MTP module's own tensors: the module's name -> the checkpoint's, under model.layers.{N}.
 _OWN_NAMES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "shared_head.norm",
               "head": "shared_head.head"}
@@ -69,14 +74,16 @@ def load_mtp_module(hybrid, cpu: CPUConfig | None = None) -> MTPModule:
         raise TiermoeError("--speculative-algorithm nextn runs in one process; several ranks do not load the MTP layer")
     n, device, dtype = mtp_layer_index(config), hybrid.gpu_device, model.dtype
     prefix = f"{LAYERS_PREFIX}.{n}."
-    layer_config = copy.deepcopy(config)
+    # the model's live config: its attention implementation is the pool's (tiermoe.layers.paged_attention)
+    layer_config = copy.deepcopy(model.config)
     layer_config.num_hidden_layers = n + 1  # index n exists (and, past first_k_dense_replace, is a MoE layer)
     hidden, eps = config.hidden_size, config.rms_norm_eps
+    modeling = importlib.import_module(f"transformers.models.{spec.model_type}.modeling_{spec.model_type}")
+    layer_class, norm_class = (getattr(modeling, name) for name in MTP_CLASSES[spec.model_type])
     with torch.device("meta"):
-        layer = deepseek_v3.DeepseekV3DecoderLayer(layer_config, n)
-        own = {"enorm": deepseek_v3.DeepseekV3RMSNorm(hidden, eps), "hnorm": deepseek_v3.DeepseekV3RMSNorm(hidden, eps),
-               "eh_proj": nn.Linear(2 * hidden, hidden, bias=False),
-               "norm": deepseek_v3.DeepseekV3RMSNorm(hidden, eps)}
+        layer = layer_class(layer_config, n)
+        own = {"enorm": norm_class(hidden, eps), "hnorm": norm_class(hidden, eps),
+               "eh_proj": nn.Linear(2 * hidden, hidden, bias=False), "norm": norm_class(hidden, eps)}
     replace_mla_attention([layer])
     reference = decoder_layers(model)[spec.moe_layers[-1]]  # the dtypes of the model's own weights
     with open_checkpoint(hybrid.model_dir, config, fp8_block_size(config)) as ckpt:

@@ -1,6 +1,6 @@
 """Tiny DeepSeek-V3 checkpoints with a multi-token-prediction (MTP) layer, for tests of `nextn` drafting.
 
-A released DeepSeek-V3/R1 checkpoint stores its MTP module as decoder layer `num_hidden_layers`
+A released DeepSeek-V3/R1 or GLM-4.5 checkpoint stores its MTP module as decoder layer `num_hidden_layers`
 (`model.layers.{N}.*`): a full decoder layer (attention, MoE) plus `enorm`, `hnorm`, `eh_proj` and
 `shared_head.norm` / `shared_head.head`. transformers' save_pretrained writes no such layer, so these helpers add
 one to a saved model: into its model.safetensors, or as a shard of its own that the checkpoint's index names.
@@ -54,8 +54,8 @@ def _layer_count(model_dir: Path) -> int:
 
 
 def add_mtp_layer(model_dir: str | Path, seed: int = 0, head: bool = True) -> Path:
-    """Add a random MTP layer to the saved DeepSeek-V3 model in `model_dir` (its last decoder layer, a MoE one,
-    gives the shapes); `head` False leaves `shared_head.head` out (the model's lm_head is then the MTP's head)."""
+    """Add a random MTP layer to the saved DeepSeek-V3 or GLM-4.5 model in `model_dir` (its last decoder layer, a
+    MoE one, gives the shapes); `head` False leaves `shared_head.head` out (the model's lm_head is then the MTP's head)."""
     model_dir = Path(model_dir)
     n = _layer_count(model_dir)
     tensors = _tensors(model_dir)
