@@ -18,11 +18,11 @@ needs. Draft tokens are greedy: a deterministic draft is verified by the same re
 sampled sequences keep their distribution.
 
 A failure of the layer (its forward raised) stops drafting for the engine's life, with one warning: the sequences
-decode on, their output unchanged. A sequence drafts only while its MTP entries are whole: after a preemption its prompt and output are recomputed
-as chunks, each extended in turn, before it drafts again. Entries can be stale without harm to the output
-(drafts are verified; only acceptance suffers): a prefix reused from another sequence holds that sequence's
-entry at its last position (computed with the token that followed there), and a forward that failed for some
-sequences leaves theirs unwritten.
+decode on, their output unchanged. A sequence drafts only while its MTP entries are whole: after a preemption its
+prompt and output are recomputed as chunks, each extended in turn, before it drafts again. Entries can be stale
+without harm to the output (drafts are verified; only acceptance suffers): a prefix reused from another sequence
+holds that sequence's entry at its last position (computed with the token that followed there), and a forward that
+failed for some sequences leaves theirs unwritten.
 Legend: T rows of a step, D hidden, V vocabulary.
 """
 

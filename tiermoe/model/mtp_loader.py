@@ -62,7 +62,8 @@ def check_mtp_checkpoint(model_dir: str | Path, config, model_type: str) -> None
         found = f"{LAYERS_PREFIX}.{n}.eh_proj.weight" in ckpt
     if not found:
         raise TiermoeError(f"--speculative-algorithm nextn needs the checkpoint's MTP layer, but "
-                           f"{Path(model_dir).name} has no '{LAYERS_PREFIX}.{n}.eh_proj.weight' (use --speculative-algorithm ngram)")
+                           f"{Path(model_dir).name} has no '{LAYERS_PREFIX}.{n}.eh_proj.weight' "
+                           "(use --speculative-algorithm ngram)")
 
 
 def load_mtp_module(hybrid, cpu: CPUConfig | None = None) -> MTPModule:

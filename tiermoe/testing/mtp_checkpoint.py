@@ -55,7 +55,8 @@ def _layer_count(model_dir: Path) -> int:
 
 def add_mtp_layer(model_dir: str | Path, seed: int = 0, head: bool = True) -> Path:
     """Add a random MTP layer to the saved DeepSeek-V3 or GLM-4.5 model in `model_dir` (its last decoder layer, a
-    MoE one, gives the shapes); `head` False leaves `shared_head.head` out (the model's lm_head is then the MTP's head)."""
+    MoE one, gives the shapes); `head` False leaves `shared_head.head` out (the model's lm_head is then the MTP's
+    head)."""
     model_dir = Path(model_dir)
     n = _layer_count(model_dir)
     tensors = _tensors(model_dir)
