@@ -82,6 +82,11 @@ class HybridModel:
             return self.model(*args, **kwargs)
 
     @property
+    def cpu_worker(self) -> CPUWorker:
+        """The thread that runs the CPU tiers' work (a layer added after loading, e.g. an MTP layer, shares it)."""
+        return self._worker
+
+    @property
     def assignment(self) -> torch.Tensor:
         """[L, E] int64: -1 = CPU tier, r >= 0 = GPU rank r (a copy; dense layers' rows are -1)."""
         assignment = torch.full((self.spec.num_layers, self.spec.num_experts), -1, dtype=torch.int64)

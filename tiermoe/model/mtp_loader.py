@@ -110,7 +110,7 @@ def _hybrid_block(block: nn.Module, hybrid, layer: int, cpu: CPUConfig) -> Hybri
     act = ExpertActivation.from_config(spec.activation, hybrid.config)
     pool = ExpertSlotPool(hybrid.gpu_device)
     pool.reserve(int(_placement(hybrid).ge(0).sum()))
-    cpu_tier = make_cpu_tier(cpu, hybrid._worker, act, pins_host_memory(hybrid.gpu_device), hybrid.expert_dtype)
+    cpu_tier = make_cpu_tier(cpu, hybrid.cpu_worker, act, pins_host_memory(hybrid.gpu_device), hybrid.expert_dtype)
     return HybridMoE(block, spec, layer, SlottedExpertSet(act, spec.num_experts, pool), cpu_tier)
 
 
@@ -132,7 +132,9 @@ def _load_weights(module: nn.Module, prefix: str, ckpt, device: torch.device, dt
                 disk = prefix + name
                 if disk not in ckpt:
                     raise TiermoeError(f"checkpoint is missing tensor '{disk}' of the MTP layer")
-                kept = like[name].dtype if name in like and like[name].dtype.itemsize > 1 else None  # not FP8 codes
+                same = like.get(name)  # the model's: its dtype where it holds floats (not FP8 codes nor packed ones)
+                kept = same.dtype if same is not None and same.dtype.is_floating_point and same.element_size() > 1 \
+                    else None
                 want = kept or (dtype if t.dtype.is_floating_point else t.dtype)
                 value = ckpt.read(disk, torch.empty(t.shape, dtype=want)).to(device)
                 store[leaf] = nn.Parameter(value, requires_grad=False) if is_param else value
