@@ -68,11 +68,13 @@ def test_greedy_tokens_with_mtp_drafts_equal_plain_decode_batched_and_alone(mtp_
         module = llm.engine.drafter.module
         use_drafter(llm, module, None)
         plain = tokens(llm, PROMPTS)
-        for k, adaptive in [(1, False), (2, False), (3, True)]:  # k = 3 fixed: the reference test below
+        # batched with k = 1 and adaptive, alone with k = 2 (k = 3 fixed: the reference test below)
+        for k, adaptive in [(1, False), (2, False), (3, True)]:
             drafter = use_drafter(llm, module, nextn(k, adaptive))
-            assert tokens(llm, PROMPTS) == plain, (k, adaptive)
             if k == 2:
                 assert [tokens(llm, p)[0] for p in PROMPTS[:2]] == plain[:2]
+            else:
+                assert tokens(llm, PROMPTS) == plain, (k, adaptive)
             assert drafter.drafted_tokens > 0
         assert llm.engine.pool.used_pages()[None] == 0  # every page back, the rounds' ones included
 
