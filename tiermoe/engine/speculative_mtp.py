@@ -156,7 +156,8 @@ class MTPDrafter(Drafter):
         held = {i: _pages_held(decoding[i]) for i, most in enumerate(wanted) if most > 1}
         try:
             for j in range(1, max(wanted, default=0)):
-                chain = [i for i in held if wanted[i] > j and self._take_page(decoding[i], j)]
+                chain = sorted((i for i in held if wanted[i] > j and self._take_page(decoding[i], j)),
+                               key=lambda i: -decoding[i].num_fed)  # longest past first: decode runs pad less
                 for i in held:
                     if wanted[i] > j and i not in chain:
                         wanted[i] = j  # no page for this round: the draft ends here
