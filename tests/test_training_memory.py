@@ -1,0 +1,46 @@
+"""A LoRA training step makes no copy of a frozen expert: every heap allocation of a step (forward, backward, AdamW
+step) of a tiny model, counted in a child process by a preloaded malloc (tests/allocation_tracking.py), is smaller
+than one expert, with the experts on the native CPU tier (the C++ kernels) and on both tiers. The same count catches
+a backward that takes a dequantised copy of each expert (what a tier without kernels does), so the test can fail.
+
+One kind of allocation is exempt, by the symbol that asked for it: MKL's GEMM workspace (`mkl_serv_allocate`, from
+`sgemm_getbufs`), where MKL packs panels of an fp32 product's operands; its size follows MKL's blocking and the
+product's width (2I here), not an expert, and no expert of the CPU tier is an operand of a torch product. Nothing
+else is exempt: the tiny model's experts (393 KB bf16) are larger than its activations and than its rank-1 adapter's
+gradients and AdamW state (tests/training_step_allocations.py says why each stays below).
+"""
+
+from __future__ import annotations
+
+import pytest
+from allocation_tracking import build_tracker, run_tracked
+
+from tiermoe.experts.kernels import supported_isa
+
+pytest.importorskip("peft")
+pytestmark = pytest.mark.skipif(supported_isa() is None, reason="the kernel library cannot be built here")
+
+EXEMPT = "mkl_serv_allocate"  # MKL's own workspace for a GEMM (see the module docstring)
+
+
+@pytest.fixture(scope="module")
+def step_allocations(tmp_path_factory):
+    out = tmp_path_factory.mktemp("step_allocations")
+    return run_tracked(build_tracker(out), "training_step_allocations", str(out / "model"))
+
+
+def _not_exempt(big: list[dict]) -> list[dict]:
+    return [b for b in big if EXEMPT not in b["stack"]]
+
+
+@pytest.mark.parametrize("case", ["cpu_tier", "both_tiers"])
+def test_a_training_step_allocates_nothing_of_an_experts_size(step_allocations, case):
+    found = step_allocations[case]
+    assert found["peak"] > 0  # the counter saw the step
+    big = _not_exempt(found["big"])
+    assert big == [], f"allocations >= one expert ({step_allocations['expert_bytes']} bytes): {big}"
+
+
+def test_a_backward_that_copies_each_expert_is_caught(step_allocations):
+    big = _not_exempt(step_allocations["copying_backward"]["big"])
+    assert big and min(b["bytes"] for b in big) >= step_allocations["expert_bytes"]
