@@ -32,7 +32,7 @@ from tiermoe.layers.deferred_experts import DeferredExperts, split_deferred
 from tiermoe.layers.expert_lora import ExpertLoRA
 from tiermoe.layers.host_copies import to_device_async
 from tiermoe.layers.host_ring import HostRing
-from tiermoe.layers.routed_autograd import RoutedExperts
+from tiermoe.layers.routed_autograd import DEFAULT_CHUNK, RoutedExperts
 from tiermoe.layers.row_expert_lora import RowExpertLoRA
 from tiermoe.stats.recording import NO_RECORDER
 
@@ -60,6 +60,9 @@ class HybridMoE(nn.Module):
         # Training (tiermoe.model.loader, trainable=True): with grad enabled the routed experts compute through
         # RoutedExperts, so gradients reach the input, the routing weights and any expert LoRA.
         self.trainable = False
+        # Tokens the CPU tier's part computes at a time in training, forward and backward (0: all): what it holds
+        # for a pass is proportional to this, not to the context (tiermoe.layers.routed_autograd).
+        self.expert_chunk = DEFAULT_CHUNK
         self.lora_experts: ExpertLoRA | None = None
         # Adapters served per request with LoRA on this layer's experts (tiermoe.model.served_adapters); None: none.
         self.row_lora: RowExpertLoRA | None = None
@@ -226,15 +229,16 @@ class HybridMoE(nn.Module):
 
     def _routed_differentiable(self, x_TD, ids_TK, weights_TK, on_gpu_TK, mine_TK) -> torch.Tensor:
         """Training: each tier through RoutedExperts, one after the other (the CPU part is the backward's
-        bottleneck either way), with the layer's expert LoRA when it has one."""
+        bottleneck either way), with the layer's expert LoRA when it has one. The CPU tier computes in spans of
+        `expert_chunk` tokens (host memory bounds a context); the GPU tier's part is one span."""
         lora = self.lora_experts
         factors, scalings = (lora.factors(), lora.scalings) if lora is not None else ((), (1.0, 1.0))
         act = self.gpu_tier.act
         y_TD = RoutedExperts.apply(x_TD, weights_TK, ids_TK.masked_fill(~mine_TK, -1), self.gpu_tier, act, scalings,
-                                   *factors)
+                                   0, *factors)
         if len(self.cpu_tier) > 0:
             y_TD = y_TD + RoutedExperts.apply(x_TD, weights_TK, ids_TK.masked_fill(on_gpu_TK, -1), self.cpu_tier,
-                                              act, scalings, *factors)
+                                              act, scalings, self.expert_chunk, *factors)
         return y_TD
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor | None:
