@@ -14,9 +14,13 @@ adapter's gradients and AdamW state (tests/training_step_allocations.py says why
 from __future__ import annotations
 
 import pytest
+import torch
 from allocation_tracking import build_tracker, run_tracked
+from training_reference import one_torch_thread  # noqa: F401 (an autouse fixture)
+from transformers import AutoConfig
 
 from tiermoe.experts.kernels import supported_isa
+from tiermoe.training.context_memory import context_memory
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.skipif(supported_isa() is None, reason="the kernel library cannot be built here")
@@ -27,7 +31,7 @@ EXEMPT = "mkl_serv_allocate"  # MKL's own workspace for a GEMM (see the module d
 @pytest.fixture(scope="module")
 def step_allocations(tmp_path_factory):
     out = tmp_path_factory.mktemp("step_allocations")
-    return run_tracked(build_tracker(out), "training_step_allocations", str(out / "model"))
+    return run_tracked(build_tracker(out), "training_step_allocations", str(out))
 
 
 def _not_exempt(big: list[dict]) -> list[dict]:
@@ -46,3 +50,15 @@ def test_a_training_step_allocates_nothing_of_an_expert_matrix_size(step_allocat
 def test_a_backward_that_copies_expert_weights_is_caught(step_allocations, case):
     big = _not_exempt(step_allocations[case]["big"])
     assert big and min(b["bytes"] for b in big) >= step_allocations["matrix_bytes"]
+
+
+def test_fit_train_predicts_the_bytes_a_token_of_context_takes(step_allocations, tiny_dir):
+    """`tiermoe fit --train`'s per-token term (measured on proxies of the model at 128 and 384 tokens, by the
+    profiler's allocation events) against the slope of every allocation of the real model's step (the preloaded
+    counter, all threads) between 1024 and 2048 tokens: within 10%."""
+    context = step_allocations["context"]
+    (t1, t2), (p1, p2) = context["tokens"], context["peaks"]
+    measured = (p2 - p1) / (t2 - t1)
+    path = tiny_dir("qwen3_moe")
+    predicted = context_memory(AutoConfig.from_pretrained(path), 0, torch.float32, None, rank=4).per_token
+    assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)

@@ -10,8 +10,11 @@ Cases: "cpu_tier" (every expert on the native CPU tier, bf16, the C++ kernels), 
 GPU tier, the CPU device here), and two that the test must catch: "dequantising_backward" (cpu_tier with the backward
 made to take the tier's dequantised fp32 copy of each expert, as a tier without kernels does) and
 "copying_backward" (cpu_tier with each transposed down product first copying the stored down matrix).
+"context": the most bytes held during a forward + backward of the tiny Qwen3-MoE test model (conftest's, all on the
+CPU tier, gradient checkpointing, the CPU tier in spans of SPAN_PROBE tokens) at each of CONTEXTS tokens, the
+measure `tiermoe fit --train`'s per-token term is checked against.
 
-Usage: python -m training_step_allocations MODEL_DIR
+Usage: python -m training_step_allocations OUT_DIR
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 from allocation_tracking import Tracker
@@ -31,6 +35,8 @@ from tiermoe.experts.expert_matmuls import TorchMatmuls
 from tiermoe.experts.kernel_matmuls import KernelMatmuls
 from tiermoe.layers import routed_autograd
 from tiermoe.model.loader import load_hybrid_model
+from tiermoe.training.context_memory import SPAN_PROBE
+from tiermoe.training.long_context import set_expert_chunk
 from tiermoe.training.lora import apply_lora
 
 # D=128, I=1024: an expert's down matrix is 256 KB in bf16 (the whole expert 768 KB; 1.5 MB fp32 on the GPU tier),
@@ -40,6 +46,7 @@ from tiermoe.training.lora import apply_lora
 # nothing else crosses.
 SIZES = {"hidden_size": 128, "moe_intermediate_size": 1024}
 TOKENS = 16
+CONTEXTS = (1024, 2048)
 
 
 def _step(model, optimizer, ids) -> None:
@@ -99,7 +106,27 @@ def measure(path, tracker: Tracker) -> dict:
     return {"matrix_bytes": min(sizes), **found}
 
 
+def context_peaks(path, tracker: Tracker) -> list[int]:
+    peaks = []
+    with load_hybrid_model(path, None, gpu_device="cpu", dtype=torch.float32, progress=False,
+                           trainable=True) as hybrid:
+        model = apply_lora(hybrid, lora_config(rank=4, alpha=8.0))
+        model.gradient_checkpointing_enable()
+        model.train()
+        set_expert_chunk(hybrid, SPAN_PROBE)
+        for tokens in (CONTEXTS[0], *CONTEXTS):  # the first step makes the model's lazy buffers: not counted
+            ids = torch.randint(0, hybrid.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
+            model.zero_grad(set_to_none=True)
+            with tracker.span(1 << 62) as span:
+                model(input_ids=ids, labels=ids).loss.backward()
+            peaks.append(span.peak)
+    return peaks[1:]
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    model_dir = save_tiny("qwen3_moe", sys.argv[1], sizes=SIZES)
-    print(json.dumps(measure(model_dir, Tracker())))
+    out = Path(sys.argv[1])
+    tracker = Tracker()
+    found = measure(save_tiny("qwen3_moe", out / "large-experts", sizes=SIZES), tracker)
+    found["context"] = {"tokens": CONTEXTS, "peaks": context_peaks(save_tiny("qwen3_moe", out / "tiny"), tracker)}
+    print(json.dumps(found))
