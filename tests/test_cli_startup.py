@@ -21,6 +21,7 @@ from tiermoe.data.registry import DATASETS
 from tiermoe.distributed.group import DEFAULT_DIST_TIMEOUT_S
 from tiermoe.engine import speculative_config
 from tiermoe.layers.decode_attention import ATTENTION_BACKENDS
+from tiermoe.layers.routed_autograd import DEFAULT_CHUNK
 from tiermoe.model.served_adapters import DEFAULT_MAX_LOADED, MAX_LOADED
 from tiermoe.placement.cache_policies import DEFAULT_COPY_BUDGET
 from tiermoe.routing.presets import PRESETS as ROUTING_PRESETS
@@ -80,6 +81,7 @@ def test_the_parsers_copies_of_library_values_are_the_library_values():
     assert choices.MODEL_PRESETS == {name: arch for name, (arch, _) in PRESETS.items()}
     assert choices.BENCH_STRATEGIES == BENCH_STRATEGIES and choices.DEFAULT_COPY_BUDGET == DEFAULT_COPY_BUDGET
     assert choices.FINETUNE_MAX_LENGTH == DEFAULT_MAX_LENGTH and choices.MAX_LORA_RANK == MAX_RANK
+    assert choices.DEFAULT_EXPERT_CHUNK == DEFAULT_CHUNK
     assert choices.ROUTING_PRESETS == tuple(ROUTING_PRESETS) and choices.TRACE_LAYOUTS == LAYOUTS
     assert choices.SPECULATIVE_ALGORITHMS == speculative_config.ALGORITHMS
     assert (choices.MAX_DRAFT_TOKENS, choices.MAX_NGRAM) == (speculative_config.MAX_DRAFT_TOKENS,

@@ -44,6 +44,9 @@ DEFAULT_COPY_BUDGET = 4
 FINETUNE_MAX_LENGTH = 512
 MAX_LORA_RANK = 4096
 
+# tiermoe.layers.routed_autograd.DEFAULT_CHUNK (fit --train --expert-chunk)
+DEFAULT_EXPERT_CHUNK = 4096
+
 # tiermoe.routing.presets.PRESETS (trace generate --preset) and tiermoe.routing.trace_import.LAYOUTS
 ROUTING_PRESETS = ("esft-deepseek-v2-lite", "qwen3-30b-a3b")
 TRACE_LAYOUTS = ("esft-trace", "esft-counts", "route-trace", "heat", "sglang", "tiermoe")

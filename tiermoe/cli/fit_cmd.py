@@ -3,6 +3,7 @@ file only; run: fit_run)."""
 
 from __future__ import annotations
 
+from tiermoe.cli.choices import DEFAULT_EXPERT_CHUNK
 from tiermoe.cli.flags import (
     add_command,
     non_negative_float,
@@ -24,6 +25,7 @@ def add_parser(sub) -> None:
         "tiermoe fit --model deepseek-v3-config.json --gpu-memory-gb 80 --ram-gb 512",
         "tiermoe fit --model /models/Qwen3-30B-A3B-Q4_K_M.gguf --gpu-memory-gb 16",
         "tiermoe fit --model /models/Qwen3-30B-A3B --ram-gb 32 --cpu-expert-dtype int4 --non-expert-dtype int4",
+        "tiermoe fit --model /models/Qwen3-30B-A3B --train --ram-gb 24          # longest LoRA training context",
     )
     p.add_argument("--model", "--model-path", dest="model", default=None,
                    help="checkpoint directory, GGUF file or directory, or a config file (.json, any name) "
@@ -49,3 +51,15 @@ def add_parser(sub) -> None:
                    help="with --non-expert-dtype: the LM head's format, as --head-dtype loads it (default: theirs)")
     p.add_argument("--gpu-experts", type=non_negative_int,
                    help="GPU-tier experts in total to check (default: the largest count that fits)")
+    p.add_argument("--train", action="store_true",
+                   help="predict the longest context one LoRA training step fits in host memory (--ram-gb, default: "
+                        "this machine's available memory), every expert on the CPU tier, gradient checkpointing on; "
+                        "the per-token bytes are measured on copies of the model's first layers with random weights "
+                        "(seconds to minutes, and their size on disk in a temporary directory), e.g. "
+                        "tiermoe fit --model /models/Qwen3-30B-A3B --train --ram-gb 24")
+    p.add_argument("--lora-rank", type=positive_int, default=None,
+                   help="with --train: LoRA rank on all linears and every expert, alpha 2 x rank, as tiermoe "
+                        "finetune trains (default 16), e.g. --train --lora-rank 8")
+    p.add_argument("--expert-chunk", type=non_negative_int, default=None,
+                   help=f"with --train: tokens the CPU tier computes at a time in training (default {DEFAULT_EXPERT_CHUNK}; "
+                        "0: the whole context; tiermoe.training.set_expert_chunk), e.g. --train --expert-chunk 2048")

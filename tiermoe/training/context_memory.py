@@ -135,7 +135,7 @@ def step_peak_bytes(model, ids: torch.Tensor) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model(input_ids=ids, labels=ids).loss.backward()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
     def walk(events):
         for e in events:
