@@ -9,4 +9,6 @@
 - checkpoints.py: adapter, optimizer, schedule, data position and generators, for an exact resume.
 - finetune_data.py, finetune.py: a whole `tiermoe finetune` run as a library call.
 - kt_env.py: KTransformers' ACCELERATE_KT_* settings with KT's meanings and defaults (flags win).
+- long_context.py: the CPU tier's span of tokens in training (set_expert_chunk); context_memory.py: a step's host
+  bytes by term, measured on copies of the model's first layers (`tiermoe fit --train`).
 """
