@@ -20,7 +20,7 @@ from training_reference import one_torch_thread  # noqa: F401 (an autouse fixtur
 from transformers import AutoConfig
 
 from tiermoe.experts.kernels import supported_isa
-from tiermoe.training.context_memory import context_memory
+from tiermoe.training.context_memory import measure_step_bytes
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.skipif(supported_isa() is None, reason="the kernel library cannot be built here")
@@ -60,5 +60,6 @@ def test_fit_train_predicts_the_bytes_a_token_of_context_takes(step_allocations,
     (t1, t2), (p1, p2) = context["tokens"], context["peaks"]
     measured = (p2 - p1) / (t2 - t1)
     path = tiny_dir("qwen3_moe")
-    predicted = context_memory(AutoConfig.from_pretrained(path), 0, torch.float32, None, rank=4).per_token
+    step = measure_step_bytes(AutoConfig.from_pretrained(path), torch.float32, None, rank=4)
+    predicted = step.per_token_rest + 3 * step.per_token_layer  # the tiny model's 3 layers
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)

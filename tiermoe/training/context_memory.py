@@ -200,12 +200,20 @@ def resident_bytes() -> int:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
-def context_memory(cfg, tiers: int, dtype: torch.dtype, cpu_format: str | None, rank: int = 16,
-                   expert_chunk: int = 4096, work_dir: Path | None = None) -> ContextMemory:
-    """The terms of one LoRA training step of the model of `cfg` whose weights take `tiers` bytes as loaded
-    (tiermoe.fit.model_bytes), measured on proxies written under `work_dir` (default: a temporary directory)."""
-    baseline = resident_bytes()
-    spec = detect(cfg)
+@dataclass(frozen=True)
+class StepBytes:
+    """The measured terms of a step (see ContextMemory)."""
+
+    per_token_layer: float
+    per_token_rest: float
+    span_per_token: float
+    fixed_step: int
+
+
+def measure_step_bytes(cfg, dtype: torch.dtype, cpu_format: str | None, rank: int = 16,
+                       work_dir: Path | None = None) -> StepBytes:
+    """The per-token and fixed bytes of one step of the model of `cfg`, measured on proxies written under
+    `work_dir` (default: a temporary directory)."""
     counts = proxy_layer_counts(cfg)
     first = counts[0]
     found = {}
@@ -215,10 +223,19 @@ def context_memory(cfg, tiers: int, dtype: torch.dtype, cpu_format: str | None, 
             found[n] = measure_steps(path, dtype, cpu_format, rank)
     chunked = {n: _slope(f, SPAN_PROBE) for n, f in found.items()}
     per_layer = (chunked[counts[-1]] - chunked[first]) / (counts[-1] - first) if len(counts) == 2 else 0.0
-    rest = chunked[first] - first * per_layer
     last = found[counts[-1]]
-    span = max(0.0, _slope(last, 0) - chunked[counts[-1]])
-    fixed_step = max(0, int(last[(SPAN_PROBE, LENGTHS[0])] - chunked[counts[-1]] * LENGTHS[0]))
+    return StepBytes(per_token_layer=per_layer, per_token_rest=chunked[first] - first * per_layer,
+                     span_per_token=max(0.0, _slope(last, 0) - chunked[counts[-1]]),
+                     fixed_step=max(0, int(last[(SPAN_PROBE, LENGTHS[0])] - chunked[counts[-1]] * LENGTHS[0])))
+
+
+def context_memory(cfg, tiers: int, dtype: torch.dtype, cpu_format: str | None, rank: int = 16,
+                   expert_chunk: int = 4096, work_dir: Path | None = None) -> ContextMemory:
+    """The terms of one LoRA training step of the model of `cfg` whose weights take `tiers` bytes as loaded
+    (tiermoe.fit.model_bytes)."""
+    baseline = resident_bytes()
+    step = measure_step_bytes(cfg, dtype, cpu_format, rank, work_dir)
     return ContextMemory(baseline=baseline, tiers=tiers, adapter_params=adapter_parameters(cfg, rank),
-                         per_token_layer=per_layer, per_token_rest=rest, layers=spec.num_layers,
-                         span_per_token=span, expert_chunk=expert_chunk, fixed_step=fixed_step)
+                         per_token_layer=step.per_token_layer, per_token_rest=step.per_token_rest,
+                         layers=detect(cfg).num_layers, span_per_token=step.span_per_token,
+                         expert_chunk=expert_chunk, fixed_step=step.fixed_step)
