@@ -61,5 +61,6 @@ def add_parser(sub) -> None:
                    help="with --train: LoRA rank on all linears and every expert, alpha 2 x rank, as tiermoe "
                         "finetune trains (default 16), e.g. --train --lora-rank 8")
     p.add_argument("--expert-chunk", type=non_negative_int, default=None,
-                   help=f"with --train: tokens the CPU tier computes at a time in training (default {DEFAULT_EXPERT_CHUNK}; "
-                        "0: the whole context; tiermoe.training.set_expert_chunk), e.g. --train --expert-chunk 2048")
+                   help=f"with --train: tokens the CPU tier computes at a time in training (default "
+                        f"{DEFAULT_EXPERT_CHUNK}; 0: the whole context; tiermoe.training.set_expert_chunk), e.g. "
+                        "--train --expert-chunk 2048")
