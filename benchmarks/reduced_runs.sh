@@ -124,6 +124,8 @@ $PY benchmarks/bench_multi_rank_memory.py --dir $R/models/tiny-qwen3 --gpu-exper
 --contenders tiermoe-native,tiermoe-torch,peft --dir $R/models --json $R/finetune.json'
   add bench_dpo_demo '$PY benchmarks/bench_dpo_demo.py --pairs 4 --eval-pairs 2 --steps 1 --batch-size 2 \
 --max-length 64'
+  add bench_train_context 'make_once $R/models/tiny-qwen3 --arch qwen3_moe && \
+$PY benchmarks/bench_train_context.py --model $R/models/tiny-qwen3 --ram-gb 2 --tokens 64'
 
   # serving
   add bench_server '$PY benchmarks/bench_server.py --max-tokens 8 --requests-each 1 --repeats 1 --soak-seconds 4 \

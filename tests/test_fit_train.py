@@ -4,6 +4,8 @@ tests/test_training_memory.py); here the command's arithmetic, what it passes on
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import run_cli
 
@@ -45,8 +47,10 @@ def test_fit_train_prints_every_term_and_the_longest_context(tiny_dir, monkeypat
     longest = _terms(tiers=seen["tiers"], expert_chunk=64).longest_context(24 * GIB)
     for row in ("baseline", "tiers", "adapter + AdamW state", "CPU-tier spans", "per token"):
         assert f"train: {row}" in done.stdout
-    assert f"train: longest context   {longest:,} tokens in 24.00 GiB".split() == \
-        done.stdout.splitlines()[-1].split()
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert f"train: longest context   {longest:,} tokens in 24.00 GiB".split() in lines
+    limit = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    assert ("train: the model's own limit" in done.stdout) == (longest > limit)  # said when memory is not the bound
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -50,6 +50,9 @@ def run_train(args) -> int:
     what = (f"{model.name} ({s.model_type}), {s.num_layers} layers, {s.num_moe_layers} MoE layers x {s.num_experts} "
             f"experts, {str(compute).removeprefix('torch.')}, every expert on the CPU tier ({model.cpu_format})")
     rows = [("model", what), *terms.rows(budget)]
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if isinstance(limit, int) and terms.longest_context(budget) > limit:  # memory is not what bounds it then
+        rows.append(("train: the model's own limit", f"{limit:,} tokens (max_position_embeddings)"))
     width = max(len(k) for k, _ in rows) + 2
     print("\n".join(f"{k:<{width}}{v}" for k, v in rows))
     return 0 if terms.longest_context(budget) > 0 else 1
