@@ -1,7 +1,7 @@
 """Speculative decoding in the engine: drafts verified in one forward give exactly the plain tokens (greedy), for
-every architecture kind the engine pages (GQA, MLA, sliding windows with sinks, Mixtral's block), batched and
-alone, with fixed and adaptive draft lengths, across preemptions; rejected positions' K/V are never read; stop
-conditions hold mid-draft."""
+every architecture kind the engine pages (GQA, MLA, sliding windows with sinks, Mixtral's block, Qwen3-Next's
+linear attention), batched and alone, with fixed and adaptive draft lengths, across preemptions; rejected
+positions' K/V and linear-attention states are never read; stop conditions hold mid-draft."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tiermoe.engine.sampling import SamplingParams
 from tiermoe.engine.sequence import Sequence
 from tiermoe.engine.speculative_config import SpeculativeConfig
 from tiermoe.engine.speculative_drafting import Drafter, step_cost_of
-from tiermoe.errors import TiermoeError
+from tiermoe.testing.forced_drafts import ForcedAcceptanceDrafter
 
 # repetitive prompts, so n-gram lookup finds drafts from the first decode step on (a random model's greedy output
 # then drifts away from them: both accepted and rejected drafts happen)
@@ -176,7 +176,95 @@ def test_a_sequence_with_a_grammar_or_no_room_left_drafts_nothing():
     assert drafter.room(long) == 1  # the model's context (20) leaves positions for one draft
 
 
-def test_a_model_with_linear_attention_refuses_speculation_in_one_line(tiny_dir):
-    with pytest.raises(TiermoeError, match="linear-attention") as err:
-        LLM(tiny_dir("qwen3_next"), dtype=torch.float32, progress=False, speculative=SpeculativeConfig())
-    assert "\n" not in str(err.value)
+# Linear attention (Qwen3-Next: three gated-DeltaNet layers, then full attention). A random tiny model's greedy
+# replies rarely repeat, so n-gram lookup seldom drafts: these drafts come from the plain run's tokens, each right
+# with probability 0.6, so that rejected drafts (and rolled-back states) happen in most verify steps.
+LINEAR_GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+def forced_drafter(llm: LLM, plain: dict, k: int, adaptive: bool, acceptance: float = 0.6) -> Drafter:
+    return ForcedAcceptanceDrafter(SpeculativeConfig(num_draft_tokens=k, adaptive=adaptive), step_cost_of(llm.hybrid),
+                                   llm.engine.max_context, plain, acceptance, llm.engine.vocab_size, seed=k)
+
+
+@pytest.fixture(scope="module")
+def linear_llm(tiny_dir):
+    """The tiny Qwen3-Next, fp32, 3 sequences at once, chunks of 6; and its plain greedy tokens of PROMPTS."""
+    with LLM(tiny_dir("qwen3_next"), dtype=torch.float32, max_running=3, prefill_chunk=6, progress=False,
+             speculative=SpeculativeConfig()) as llm:
+        llm.engine.drafter = None
+        yield llm, {tuple(p): ids for p, ids in zip(PROMPTS, tokens(llm, PROMPTS, LINEAR_GREEDY), strict=True)}
+
+
+def test_greedy_speculation_on_linear_attention_rolls_states_back_to_the_plain_tokens(linear_llm):
+    llm, plain = linear_llm
+    for k, adaptive in [(1, False), (2, False), (3, False), (4, False), (4, True)]:
+        llm.engine.drafter = drafter = forced_drafter(llm, plain, k, adaptive)
+        assert tokens(llm, PROMPTS, LINEAR_GREEDY) == list(plain.values()), (k, adaptive)
+        assert [tokens(llm, p, LINEAR_GREEDY)[0] for p in PROMPTS] == list(plain.values()), (k, adaptive)
+        assert 0 < drafter.accepted_tokens < drafter.drafted_tokens, (k, adaptive)
+    assert llm.engine.pool.linear.verified == {}  # a finished sequence's kept states go with its slot
+    llm.engine.drafter = None
+
+
+def poison_rejected_states(engine, kept_one: bool = False) -> int:
+    """Overwrite, for each running sequence whose last step verified drafts, every linear-attention state its next
+    step must not read: the committed banks' (the state after the whole segment) where it kept fewer positions,
+    and the kept per-position states but the last kept one's; or (`kept_one`) that one only. Returns how many
+    sequences it poisoned."""
+    linear, hit = engine.pool.linear, 0
+    with torch.inference_mode():
+        for seq in engine.running:
+            slot = seq.pages.slot
+            verified = linear.verified.get(slot)
+            if verified is None:
+                continue
+            kept = seq.num_fed - verified.start
+            length = 1 + len(next(iter(verified.recurrent.values())))
+            if kept_one and kept == length:
+                continue
+            bank = 2 * slot + linear.bank[slot]
+            for layer in verified.recurrent:
+                for i, (conv, recurrent) in enumerate(zip(verified.conv[layer], verified.recurrent[layer])):
+                    if (i == kept - 1) == kept_one:
+                        conv.fill_(1e4), recurrent.fill_(1e4)
+                if kept < length and not kept_one:
+                    linear.conv[layer][bank].fill_(1e4), linear.recurrent[layer][bank].fill_(1e4)
+            hit += 1
+    return hit
+
+
+def test_rejected_positions_linear_states_are_never_read(linear_llm):
+    llm, plain = linear_llm
+    engine = llm.engine
+
+    def poisoned_run(kept_one: bool) -> list[list[int]]:
+        seqs = [engine.add(p, LINEAR_GREEDY) for p in PROMPTS[:3]]
+        hits = 0
+        while engine.has_work():
+            engine.step()
+            hits += poison_rejected_states(engine, kept_one)
+        assert hits > 0
+        return [s.output_ids for s in seqs]
+
+    engine.drafter = forced_drafter(llm, plain, 3, False)
+    assert poisoned_run(kept_one=False) == list(plain.values())[:3]
+    # the check can fail: the same poison on the state the next step continues from changes the tokens
+    engine.drafter = forced_drafter(llm, plain, 3, False)
+    assert poisoned_run(kept_one=True) != list(plain.values())[:3]
+    engine.drafter = None
+
+
+def test_greedy_speculation_on_linear_attention_across_preemptions(tiny_dir, linear_llm):
+    _, plain = linear_llm
+    prompts = PROMPTS[:3]
+    # 5 pages of 4 tokens: the three sequences (and their drafts) cannot all stay
+    with LLM(tiny_dir("qwen3_next"), dtype=torch.float32, max_total_tokens=20, page_size=4, progress=False,
+             speculative=SpeculativeConfig()) as llm:
+        engine = llm.engine
+        engine.drafter = forced_drafter(llm, plain, 4, False)
+        seqs = [engine.add(p, LINEAR_GREEDY) for p in prompts]
+        engine.run_to_completion()
+        assert engine.pool.used_pages()[None] == 0
+        assert sum(s.preemptions for s in seqs) >= 1 and engine.drafter.drafted_tokens > 0
+    assert [s.output_ids for s in seqs] == [plain[tuple(p)] for p in prompts]

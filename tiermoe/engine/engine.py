@@ -34,8 +34,9 @@ rejection sampling, which keeps the target distribution), each through the same 
 the first rejected draft, whose row gives the replacement, or past the last draft, whose row gives one token more.
 Then `num_fed` goes back to `num_tokens - 1`: the rejected positions' K/V stay in the pages but are never read
 (attention masks everything after a query's position, and the next step writes there first) and sliding-window
-pages are trimmed only after that. Linear-attention states cannot be rolled back that way: such models refuse
-speculation. Drafts take the step's token budget that prompt chunks leave, so the step buffers bound them too.
+pages are trimmed only after that. Linear-attention layers keep their state after each verified position
+(tiermoe.layers.linear_attention_slots), and the next step continues from the last kept one. Drafts take the
+step's token budget that prompt chunks leave, so the step buffers bound them too.
 A drafter with a model of its own (MTP: tiermoe.engine.speculative_mtp) adds its layer to the pool, is told each
 forward's rows and each finished step, and keeps its K/V at the positions the sequences keep.
 """
@@ -73,7 +74,7 @@ from tiermoe.engine.structured_output import CompiledGrammar, GrammarState
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.threads import torch_threads
 from tiermoe.layers.linear_attention_slots import use_ragged_linear_attention
-from tiermoe.layers.paged_attention import LINEAR, STEP_KWARG, PagedStepCache, layer_windows, use_paged_attention
+from tiermoe.layers.paged_attention import STEP_KWARG, PagedStepCache, layer_windows, use_paged_attention
 from tiermoe.layers.ragged_step import SeqFeed
 from tiermoe.model.served_adapters import DEFAULT_MAX_LOADED, LoadedAdapter, ServedAdapters
 from tiermoe.stats.pass_transaction import PassTransaction
@@ -135,9 +136,6 @@ class Engine:
         windows = layer_windows(self.model.config)
         self.drafter = None  # speculative decoding's drafts (None: off)
         if config.speculative is not None:
-            if LINEAR in windows.values():
-                raise TiermoeError("speculative decoding is not available for this model: its linear-attention "
-                                   "layers' state cannot be rolled back past rejected drafts; run without it")
             cost = MeasuredStepCost(step_cost_of(hybrid))  # the bytes model until timed steps tell better
             self.drafter = make_drafter(config.speculative, cost, self.max_context, hybrid)
             windows = self.drafter.pool_layers(windows)  # an MTP layer's K/V: one more layer of the pool
@@ -516,7 +514,8 @@ class Engine:
                         key=lambda i: -batch[i].num_fed)
         decoding = set(decode)
         order = decode + [i for i in range(len(batch)) if i not in decoding]
-        return [self.pool.feed(batch[i].pages, batch[i].num_fed, len(inputs[i])) for i in order], order
+        return [self.pool.feed(batch[i].pages, batch[i].num_fed, len(inputs[i]), bool(batch[i].draft))
+                for i in order], order
 
     def _recorded_forward(self, batch: list[Sequence], inputs: list[list[int]]) -> list[torch.Tensor]:
         feeds, order = self._feeds(batch, inputs)

@@ -86,7 +86,10 @@ class KVPool:
             for window, table in f.pages.items():
                 for page in table[f.past // self.page_size:(f.past + f.new - 1) // self.page_size + 1]:
                     self.pages.prepare(window, page)
-        states = self.linear.indices([f.slot for f in feeds]) if self.linear is not None else None
+        states = None
+        if self.linear is not None:  # a sequence that kept part of its last verify segment continues from there
+            self.linear.rewind(feeds)
+            states = self.linear.indices([f.slot for f in feeds])
         return RaggedStep(feeds, self.page_size, self.layer_windows, self.pages.device, mask_dtype, num_decode,
                           decode_attention, self.step_buffers, states)
 
@@ -182,12 +185,14 @@ class KVPool:
             self._free[w].extend(p for p in table if p >= 0)
             table.clear()
         if share.slot is not None:
+            self.linear.reset(share.slot)  # and the states its last verify segment kept go
             self._free_slots.append(share.slot)
             share.slot = None
 
-    def feed(self, share: SeqPages, fed: int, new: int) -> SeqFeed:
-        """The step's view of a sequence feeding `new` tokens after `fed` (pages reserved first)."""
-        return SeqFeed(fed, new, share.tables, share.slot)
+    def feed(self, share: SeqPages, fed: int, new: int, verify: bool = False) -> SeqFeed:
+        """The step's view of a sequence feeding `new` tokens after `fed` (pages reserved first); `verify`: they
+        are its last token and drafts (its linear-attention states after each are kept for a rollback)."""
+        return SeqFeed(fed, new, share.tables, share.slot, verify)
 
     def commit(self, feeds: list[SeqFeed]) -> None:
         """The step of these feeds succeeded: their linear-attention states are now the new ones."""

@@ -9,6 +9,16 @@ sequence's committed bank and writes the other, and `commit` flips the bank of t
 succeeded. So a failed step leaves every state as it was (the engine re-runs parts of it), with no copy of the
 state per step beyond what the layer reads and writes anyway.
 
+Speculative decoding rolls states back the way SGLang and vLLM do for Mamba and gated-delta layers: a verify
+segment (SeqFeed.verify: the last token and k drafts) asks the module for its state after each position
+(transformers' `get_recurrent_states_to_keep`: the segment's recurrence then runs token by token, as plain decoding
+does, and hands every intermediate state to `update_recurrent_state`; the conv state after each position is a
+window of the conv's input). The banks get the state after the whole segment, and the others are kept beside them
+until the sequence's next step: its feed's `past` says how many positions were kept (every rank sees the same
+feeds, so followers roll back alike), and `rewind` copies the state after the last kept position into the
+committed bank before that step reads it. The kept states are the module's own tensors: k states per layer and
+verifying sequence, held for one step.
+
 The layer itself stays transformers' module, its class swapped for a subclass (`use_ragged_linear_attention`,
 weights and names untouched) whose forward runs all decode rows of the step at once, their states updated where
 they lie (tiermoe.layers.gated_delta_decode, for modules laid out as Qwen3-Next's), and the original forward once
@@ -20,6 +30,7 @@ Legend: b sequences of one call, C conv channels, K conv kernel, H value heads, 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +43,20 @@ from tiermoe.layers.ragged_step import RowPart
 BANKS = 2  # tiermoe.placement.kv_layout counts them (LINEAR_STATE_BANKS)
 
 
+@dataclass
+class VerifiedPositions:
+    """A verify segment's states after each of its positions but the last (the banks hold that one), per layer."""
+
+    start: int  # the segment's first position (its feed's past)
+    conv: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n - 1, C, K]
+    recurrent: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> n - 1 states [H, dk, dv]
+
+    def state_after(self, kept: int) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """Each layer's conv and recurrent state once `kept` (1 .. n - 1) of the segment's positions are kept."""
+        return ({layer: c[kept - 1] for layer, c in self.conv.items()},
+                {layer: r[kept - 1] for layer, r in self.recurrent.items()})
+
+
 class LinearStateSlots:
     """Every linear-attention layer's states for `num_slots` sequences, in two banks (index 2 * slot + bank)."""
 
@@ -42,10 +67,35 @@ class LinearStateSlots:
         self.recurrent: dict[int, torch.Tensor] = {}  # layer -> [2 * slots, H, dk, dv]
         self.bank = [0] * num_slots  # the committed bank of each slot
         self.has_state = [False] * num_slots  # a slot's sequence has run at least one step
+        self.verified: dict[int, VerifiedPositions] = {}  # slot -> its last step's verify segment, if it had one
+        self.staged: dict[int, VerifiedPositions] = {}  # the same, written by the forward under way
 
     def reset(self, slot: int) -> None:
-        """A new sequence takes `slot`: it starts with no state."""
+        """A new sequence takes `slot` (or its sequence ended): it starts with no state."""
         self.has_state[slot] = False
+        self.verified.pop(slot, None)
+        self.staged.pop(slot, None)
+
+    def rewind(self, feeds) -> None:
+        """Before a step of `feeds` (tiermoe.layers.ragged_step.SeqFeed): a sequence whose last step verified drafts
+        and kept fewer positions than it fed (its `past` ends inside that segment) continues from the state after
+        its last kept position, copied into its committed bank. Clears what a failed forward staged."""
+        self.staged.clear()
+        for feed in feeds:
+            verified = self.verified.pop(feed.slot, None)
+            if verified is None:
+                continue
+            kept = feed.past - verified.start
+            length = 1 + max((len(r) for r in verified.recurrent.values()), default=0)
+            if not 0 < kept < length:
+                continue  # every position kept: the banks already hold its state
+            conv, recurrent = verified.state_after(kept)
+            index = 2 * feed.slot + self.bank[feed.slot]
+            with torch.inference_mode():  # the stores are the forward's (inference) tensors
+                for layer, state in conv.items():
+                    self.conv[layer][index].copy_(state)
+                for layer, state in recurrent.items():
+                    self.recurrent[layer][index].copy_(state)
 
     def indices(self, slots: list[int]) -> tuple[list[int], list[int]]:
         """The states sequences in `slots` read (their committed banks) and write (the other banks) in a step."""
@@ -53,10 +103,14 @@ class LinearStateSlots:
         return read, [i ^ 1 for i in read]
 
     def commit(self, slots: list[int]) -> None:
-        """The step that wrote these slots' other banks succeeded: those banks are now theirs."""
+        """The step that wrote these slots' other banks succeeded: those banks are now theirs (and the states a
+        verify segment kept per position, until the next step)."""
         for s in slots:
             self.bank[s] ^= 1
             self.has_state[s] = True
+            staged = self.staged.pop(s, None)
+            if staged is not None:
+                self.verified[s] = staged
 
     def nbytes(self) -> int:
         return sum(t.nbytes for store in (self.conv, self.recurrent) for t in store.values())
@@ -86,19 +140,31 @@ class SlotStates:
     calls): their committed states, gathered; new states written to their other banks. `read` / `write` [b]: the
     states' indices (LinearStateSlots.indices), on the device, from the step (tiermoe.layers.ragged_step)."""
 
-    def __init__(self, slots_store: LinearStateSlots, slots: list[int], read: torch.Tensor, write: torch.Tensor):
+    def __init__(self, slots_store: LinearStateSlots, slots: list[int], read: torch.Tensor, write: torch.Tensor,
+                 verify: tuple[int, int] | None = None):
+        """`verify`: (first position, length) of a verify segment (one sequence) whose states after each position
+        are kept (LinearStateSlots.staged); None for any other call."""
         self.store = slots_store
         self.fresh = not slots_store.has_state[slots[0]]
         if any(slots_store.has_state[s] == self.fresh for s in slots):
             raise ValueError("one linear-attention call mixes sequences with and without a state")
+        if verify is not None and len(slots) != 1:
+            raise ValueError(f"a verify segment is one sequence's, got {len(slots)} in one call")
         self.read, self.write = read, write
         self._handed_conv: dict[int, torch.Tensor] = {}
+        self._verified, self._positions = None, 0
+        if verify is not None:
+            # one record per segment, filled layer by layer (`rewind` clears them before each step)
+            self._verified = slots_store.staged.setdefault(slots[0], VerifiedPositions(verify[0]))
+            self._positions = verify[1]
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
     def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
-        return 0  # intermediate states are for a cache recording its past (transformers >= 5.25); only the last
+        """A verify segment's state after every position (transformers >= 5.25 hands them as a list); else only
+        the last."""
+        return self._positions if self._verified is not None else 0
 
     def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
         """transformers (>= 5.25) counts here the token a decode's in-place conv update saw; the engine counts each
@@ -129,10 +195,21 @@ class SlotStates:
         else:
             full = torch.cat([store.index_select(0, self.read), conv_bCn], dim=-1)
         self.store.conv_store(layer_idx, full[..., -kernel:]).index_copy_(0, self.write, full[..., -kernel:])
+        if self._verified is not None:
+            n = self._positions
+            padded = F.pad(full, (max(0, kernel + n - full.shape[-1]), 0))[0, :, -(kernel + n):]  # [C, K + n]
+            # window j: the state after j of the new inputs; the segment keeps those after its positions 0..n-2
+            self._verified.conv[layer_idx] = padded.unfold(-1, kernel, 1)[:, 1:n].transpose(0, 1).clone()
         return full
 
-    def update_recurrent_state(self, state_bHkv: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                               **kwargs) -> torch.Tensor:
+    def update_recurrent_state(self, state_bHkv: torch.Tensor | list[torch.Tensor], layer_idx: int,
+                               state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """The state after the call's last token [b, H, dk, dv], or (a verify segment) after each of its tokens."""
+        if not isinstance(state_bHkv, torch.Tensor):
+            if self._verified is None:
+                raise ValueError("a linear-attention layer handed intermediate states no verify segment asked for")
+            self._verified.recurrent[layer_idx] = [s[0] for s in state_bHkv[:-1]]
+            state_bHkv = state_bHkv[-1]
         self.store.recurrent_store(layer_idx, state_bHkv).index_copy_(0, self.write, state_bHkv)
         return state_bHkv
 
@@ -161,7 +238,8 @@ class RaggedLinearAttention:
             parts = [p for p in parts if p.first_feed >= decode.b]
         for part in parts:
             feeds = step.feeds[part.first_feed:part.first_feed + part.b]
-            states = SlotStates(cache.linear, [f.slot for f in feeds], *step.state_rows(part))
+            verify = (feeds[0].past, part.q) if part.b == 1 and feeds[0].verify else None
+            states = SlotStates(cache.linear, [f.slot for f in feeds], *step.state_rows(part), verify)
             x = hidden_states[0, part.rows].unflatten(0, (part.b, part.q))  # [b, q, D]
             outputs.append(super().forward(x, cache=states, attention_mask=None, **kwargs).flatten(0, 1))
             states.finish(self.layer_idx)

@@ -52,6 +52,9 @@ class SeqFeed:
     new: int
     pages: dict[int | None, list[int]]  # window (None: full attention) -> page ids covering positions 0.. (-1: freed)
     slot: int | None = None  # its linear-attention state slot (models with linear-attention layers)
+    # a speculative verify segment: its linear-attention states after each position are kept, so the next step may
+    # continue from the last kept one (tiermoe.layers.linear_attention_slots)
+    verify: bool = False
 
 
 @dataclass(frozen=True)
