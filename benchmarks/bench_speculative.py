@@ -25,12 +25,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
+from support.speculative_arms import decode
 
 from tiermoe.engine.llm import LLM
-from tiermoe.engine.sampling import SamplingParams
 from tiermoe.engine.speculative_config import MAX_DRAFT_TOKENS, SpeculativeConfig
 from tiermoe.engine.speculative_drafting import Drafter, step_cost_of
 from tiermoe.engine.speculative_timing import MeasuredStepCost
@@ -56,26 +55,6 @@ def prompts_of(llm: LLM, count: int) -> list[list[int]]:
     if llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None):
         return [llm.chat_prompt_ids([{"role": "user", "content": t}]) for t in texts]
     return [llm.encode(t) for t in texts]
-
-
-def decode(llm: LLM, prompts: list[list[int]], tokens: int, batch: int) -> tuple[float, int, list[list[int]]]:
-    """(decode seconds, decode tokens, every prompt's tokens): groups of `batch` prompts run together; each
-    group's first step (its prefill) is left out of the timing."""
-    engine, params = llm.engine, SamplingParams(max_tokens=tokens, ignore_eos=True)
-    seconds, counted, out = 0.0, 0, []
-    for start in range(0, len(prompts), batch):
-        seqs = [engine.add(p, params) for p in prompts[start:start + batch]]
-        while not all(s.output_ids or s.finished for s in seqs):  # the prefill, to the first token of each
-            engine.step()
-        first = [len(s.output_ids) for s in seqs]
-        t0 = time.perf_counter()
-        while engine.has_work():
-            engine.step()
-        seconds += time.perf_counter() - t0
-        counted += sum(len(s.output_ids) - f for s, f in zip(seqs, first, strict=True))
-        assert all(s.finish_reason == "length" for s in seqs), [s.error for s in seqs]
-        out += [s.output_ids for s in seqs]
-    return seconds, counted, out
 
 
 def main(argv: list[str] | None = None) -> None:
