@@ -219,8 +219,7 @@ def poison_rejected_states(engine, kept_one: bool = False) -> int:
             verified = linear.verified.get(slot)
             if verified is None:
                 continue
-            kept = seq.num_fed - verified.start
-            length = 1 + len(next(iter(verified.recurrent.values())))
+            kept, length = seq.num_fed - verified.start, verified.length
             if kept_one and kept == length:
                 continue
             bank = 2 * slot + linear.bank[slot]

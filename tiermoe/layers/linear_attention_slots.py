@@ -48,6 +48,7 @@ class VerifiedPositions:
     """A verify segment's states after each of its positions but the last (the banks hold that one), per layer."""
 
     start: int  # the segment's first position (its feed's past)
+    length: int  # its positions (n)
     conv: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n - 1, C, K]
     recurrent: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> n - 1 states [H, dk, dv]
 
@@ -86,9 +87,11 @@ class LinearStateSlots:
             if verified is None:
                 continue
             kept = feed.past - verified.start
-            length = 1 + max((len(r) for r in verified.recurrent.values()), default=0)
-            if not 0 < kept < length:
+            if not 0 < kept < verified.length:
                 continue  # every position kept: the banks already hold its state
+            if set(verified.conv) != set(self.conv) or set(verified.recurrent) != set(self.recurrent):
+                raise RuntimeError("a linear-attention layer did not hand its state after each verified position "
+                                   "(transformers >= 5.25 does); its drafts cannot be rolled back")
             conv, recurrent = verified.state_after(kept)
             index = 2 * feed.slot + self.bank[feed.slot]
             with torch.inference_mode():  # the stores are the forward's (inference) tensors
@@ -155,7 +158,7 @@ class SlotStates:
         self._verified, self._positions = None, 0
         if verify is not None:
             # one record per segment, filled layer by layer (`rewind` clears them before each step)
-            self._verified = slots_store.staged.setdefault(slots[0], VerifiedPositions(verify[0]))
+            self._verified = slots_store.staged.setdefault(slots[0], VerifiedPositions(*verify))
             self._positions = verify[1]
 
     def is_recording_past(self, layer_idx: int) -> bool:
