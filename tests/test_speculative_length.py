@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from tiermoe.engine.sampling import SamplingParams, probabilities
+from tiermoe.engine.speculative_config import SpeculativeConfig
+from tiermoe.engine.speculative_drafting import Drafter
 from tiermoe.engine.speculative_length import (
+    PRIOR_ACCEPTANCE,
     AcceptanceEstimate,
     StepCost,
     StepShape,
@@ -63,6 +68,22 @@ def test_the_acceptance_estimate_follows_outcomes_and_drifts_back_when_idle():
     for _ in range(60):
         est.idle()
     assert low < est.first == pytest.approx(start[0], abs=0.02)
+
+
+def test_a_new_sequence_starts_from_what_the_drafter_has_achieved():
+    """A drafter that is never right: once a few of its drafts failed, a new sequence does not draft at all (with a
+    fixed prior of 0.5 each new reply drafted some ten tokens in vain); one that is always right drafts at once; a
+    drafter judged useless is tried again once its record has aged."""
+    never, always = Drafter(SpeculativeConfig(), QWEN3, None), Drafter(SpeculativeConfig(), QWEN3, None)
+    for _ in range(8):
+        never.record(SimpleNamespace(acceptance=None), 4, 0)
+        always.record(SimpleNamespace(acceptance=None), 4, 4)
+    fresh = never.acceptance(SimpleNamespace(acceptance=None))
+    assert fresh.first < 0.15 and choose_draft_lengths(QWEN3, [fresh.rates], [4]) == [0]
+    assert choose_draft_lengths(QWEN3, [always.acceptance(SimpleNamespace(acceptance=None)).rates], [4]) == [4]
+    for _ in range(600):  # steps without a draft: the record returns to the prior
+        never.overall.idle()
+    assert never.acceptance(SimpleNamespace(acceptance=None)).first == pytest.approx(PRIOR_ACCEPTANCE, abs=0.02)
 
 
 def test_bursty_acceptance_keeps_long_drafts_worth_their_rows():

@@ -17,7 +17,13 @@ from __future__ import annotations
 
 from tiermoe.engine.sequence import Sequence
 from tiermoe.engine.speculative_config import SpeculativeConfig
-from tiermoe.engine.speculative_length import AcceptanceEstimate, StepCost, StepShape, choose_draft_lengths
+from tiermoe.engine.speculative_length import (
+    OVERALL_DECAY,
+    AcceptanceEstimate,
+    StepCost,
+    StepShape,
+    choose_draft_lengths,
+)
 from tiermoe.engine.speculative_ngram import ngram_draft
 from tiermoe.engine.speculative_timing import MeasuredStepCost
 
@@ -35,6 +41,7 @@ class Drafter:
         self.cost = cost
         self.max_context = max_context
         self.dry_steps = 0  # steps in a row without any draft (adaptive: see EXPLORE_AFTER)
+        self.overall = AcceptanceEstimate(decay=OVERALL_DECAY)  # every sequence's outcomes: each one's prior
         self.drafted_tokens = 0  # drafted tokens verified, over all sequences (metrics, benchmarks)
         self.accepted_tokens = 0  # of them, accepted
 
@@ -52,6 +59,7 @@ class Drafter:
         """seq_id -> the tokens it verifies this step (absent: none), for the step's decoding sequences in order;
         `budget`: drafted tokens the step can take in all; `other_tokens`: the step's prompt-chunk tokens."""
         rooms = [self.room(seq) for seq in decoding]
+        self.overall.idle()
         rates = [self.acceptance(seq).rates for seq in decoding] if self.config.adaptive else []
         cost = self.cost
         if isinstance(cost, MeasuredStepCost) and self.dry_steps >= EXPLORE_AFTER:
@@ -124,13 +132,15 @@ class Drafter:
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A verify step's outcome for `seq`."""
         self.acceptance(seq).update(drafted, accepted)
+        self.overall.add(drafted, accepted)
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
 
-    @staticmethod
-    def acceptance(seq: Sequence) -> AcceptanceEstimate:
+    def acceptance(self, seq: Sequence) -> AcceptanceEstimate:
+        """`seq`'s estimate, whose prior is the drafter's record over every sequence as it stands now."""
         if seq.acceptance is None:
             seq.acceptance = AcceptanceEstimate()
+        seq.acceptance.prior = self.overall.rates
         return seq.acceptance
 
 
