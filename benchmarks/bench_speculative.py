@@ -27,7 +27,7 @@ import os
 import statistics
 
 import torch
-from support.speculative_arms import decode
+from support.speculative_arms import check_against_plain, decode
 
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.speculative_config import MAX_DRAFT_TOKENS, SpeculativeConfig
@@ -103,12 +103,7 @@ def main(argv: list[str] | None = None) -> None:
                 seconds, counted, out = decode(llm, prompts, args.tokens, args.batch)
                 if r == 0:
                     reference = reference or out
-                    differ = sum(a != b for a, b in zip(out, reference, strict=True))
-                    if differ and llm.hybrid.model.dtype == torch.float32:
-                        raise SystemExit(f"{name} gave other tokens than plain decode: speculation is not exact")
-                    if differ:
-                        print(f"{name}: {differ} of {len(out)} replies differ from plain decode from a "
-                              f"{llm.hybrid.model.dtype} tie on", flush=True)
+                    check_against_plain(name, out, reference, llm.hybrid.model.dtype)
                     continue
                 speed[name].append(counted / seconds)
                 if drafter is not None:

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from tiermoe.analysis.trace_workload import spread_layers
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
@@ -72,3 +74,13 @@ class ReplayedTrace:
             return None
         k = ids_TMK.shape[-1]
         return sum(len(set(ids_TMK[:, m].flatten().tolist())) / k for m in range(ids_TMK.shape[1])) / ids_TMK.shape[1]
+
+
+def check_against_plain(name: str, out: list[list[int]], reference: list[list[int]], dtype) -> None:
+    """An arm's replies against plain decode's: SystemExit when they differ in fp32 (speculation must be exact
+    there); in bf16 a verify segment can resolve an exact logit tie the other way, which is said, not fatal."""
+    differ = sum(a != b for a, b in zip(out, reference, strict=True))
+    if differ and dtype == torch.float32:
+        raise SystemExit(f"{name} gave other tokens than plain decode: speculation is not exact")
+    if differ:
+        print(f"{name}: {differ} of {len(out)} replies differ from plain decode from a {dtype} tie on", flush=True)
