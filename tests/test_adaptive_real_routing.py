@@ -17,8 +17,10 @@ import torch
 from tiermoe.analysis.dynamic_bench import replay_cost_model
 from tiermoe.analysis.trace_replay import replay, trace_passes
 from tiermoe.arch import detect
+from tiermoe.placement.adaptive_policy import AdaptivePolicy
 from tiermoe.placement.profiles import load_profile
-from tiermoe.routing.trace_convert import read_routing
+from tiermoe.routing.trace_convert import detect_layout, read_routing
+from tiermoe.stats.io import load_counts
 from tiermoe.testing.presets import make_config
 
 DATA = Path(__file__).parent / "data" / "routing"
@@ -56,3 +58,22 @@ def test_without_a_calibration_adaptive_follows_the_served_routing_from_the_star
         # swaps under the lighter valuation: 0.2 point more hits at 0.5 for 80% more copies, 2% more time
         assert uncalibrated.time < told_uniform.time and uncalibrated.hit_rate > told_uniform.hit_rate - 0.005
         assert uncalibrated.hit_rate >= lfu.hit_rate - 0.01 and uncalibrated.time < lfu.time
+
+
+def test_a_request_that_departs_from_its_calibration_is_followed_before_the_first_check_is_scored():
+    """The carry-over check's first forecast is read sequentially, on the passes seen so far: Qwen3-30B-A3B's decode
+    trace (its first 4 MoE layers: a 4-token prefill, then one token a step) departs from the published heat at once,
+    and is followed from the second pass, where waiting for the forecast's 4 passes left the first swaps of a short
+    decode to the calibration. A calibration that matches the served routing stays unfollowed."""
+    trace = DATA / "qwen_route_slice.csv"
+    passes = trace_passes(read_routing(trace, detect_layout(trace)))
+    served_PLE = passes.counts_PME[:, :4]
+    # what is followed does not depend on the cost model (only the swaps' values do): the one the tests above build
+    cost = replay_cost_model(detect(make_config("deepseek_v2", "deepseek-v2-lite")), load_profile("rtx4090"))
+    heat = load_counts(str(DATA / "heat_qwen3_slice.csv"), 4, 128)
+    for prior, followed in ((heat, True), (served_PLE.sum(dim=0).double(), False)):
+        policy = AdaptivePolicy(4, 128, cost, None, prior)
+        for p in range(3):  # the prefill and two decode steps: the first forecast is 2 of its 4 passes in
+            policy.observe(served_PLE[p], int(passes.tokens_P[p]), bool(passes.prefill_P[p]))
+        assert policy._lasting_check.short.scored == 0
+        assert (policy.lasting_weight > 0.5) == followed
