@@ -99,6 +99,7 @@ from tiermoe.model.plan_source import resolve_plan
 from tiermoe.model.skeleton import (
     build_skeleton,
     decoder_layers,
+    meta_tensors,
     moe_block,
     move_buffers,
 )
@@ -368,21 +369,9 @@ def _layer_list(layers: list[int]) -> str:
     return ", ".join(map(str, layers)) if len(layers) <= 8 else f"{layers[0]}-{layers[-1]} ({len(layers)} layers)"
 
 
-def _meta_tensors(model: nn.Module):
-    """(qualified name, owning module, leaf name, tensor, is_param) for every tensor still on the meta device."""
-    seen = set()
-    for mod_name, module in model.named_modules():
-        for store, is_param in ((module._parameters, True), (module._buffers, False)):
-            for leaf, t in store.items():
-                if t is None or not t.is_meta or id(t) in seen:
-                    continue
-                seen.add(id(t))
-                yield (f"{mod_name}.{leaf}" if mod_name else leaf), module, leaf, t, is_param
-
-
 def _non_expert_bytes(model: nn.Module, ckpt, spec) -> int:
     """Bytes the non-expert weights will take (FP8-stored Linear weights as stored), for the progress bar."""
-    return sum(held_nbytes(name, t, spec, ckpt) for name, _, _, t, _ in _meta_tensors(model))
+    return sum(held_nbytes(name, t, spec, ckpt) for name, _, _, t, _ in meta_tensors(model))
 
 
 def _load_fp8_linears(model: nn.Module, ckpt: Checkpoint, spec, gpu_device, bar) -> None:
@@ -409,7 +398,7 @@ def _load_fp8_linears(model: nn.Module, ckpt: Checkpoint, spec, gpu_device, bar)
 
 def _load_non_experts(model: nn.Module, ckpt: Checkpoint, spec, gpu_device, bar) -> None:
     tied = getattr(model.config, "tie_word_embeddings", False)
-    for name, module, leaf, meta, is_param in list(_meta_tensors(model)):
+    for name, module, leaf, meta, is_param in list(meta_tensors(model)):
         disk = disk_name(name, spec, ckpt)
         if disk is None:
             if tied and name == "lm_head.weight":
@@ -492,6 +481,6 @@ def _read_expert_into(ckpt: Checkpoint, src: ExpertSource, expert: int, spec, dt
 def _tie_and_check(model: nn.Module, config) -> None:
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    left = [name for name, *_ in _meta_tensors(model)]
+    left = [name for name, *_ in meta_tensors(model)]
     if left:
         raise TiermoeError(f"checkpoint is missing tensors: {', '.join(left[:5])}")

@@ -35,7 +35,7 @@ from tiermoe.layers.mla_attention import group_kv_b_rows_of, replace_mla_attenti
 from tiermoe.layers.mtp_module import MTPModule
 from tiermoe.model.expert_source import LAYERS_PREFIX, find_expert_source, read_expert
 from tiermoe.model.gguf_checkpoint import open_checkpoint
-from tiermoe.model.skeleton import decoder_layers
+from tiermoe.model.skeleton import decoder_layers, meta_tensors
 
 # Families whose MTP layer tiermoe runs -> their transformers decoder-layer and RMSNorm classes (the MTP layer is one
 # of the family's decoder layers; SGLang's GLM-4.5 NextN is DeepSeek-V3's with GLM's layer).
@@ -123,21 +123,18 @@ def _load_weights(module: nn.Module, prefix: str, ckpt, device: torch.device, dt
                   like: dict[str, torch.Tensor]) -> None:
     """Every meta parameter and buffer of `module` from the checkpoint tensor `prefix + its name`, on `device`, in
     the dtype of `like[name]` (the model's same-named weight) or `dtype`."""
-    for mod_name, sub in list(module.named_modules()):
-        for store, is_param in ((sub._parameters, True), (sub._buffers, False)):
-            for leaf, t in list(store.items()):
-                if t is None or not t.is_meta:
-                    continue
-                name = f"{mod_name}.{leaf}" if mod_name else leaf
-                disk = prefix + name
-                if disk not in ckpt:
-                    raise TiermoeError(f"checkpoint is missing tensor '{disk}' of the MTP layer")
-                same = like.get(name)  # the model's: its dtype where it holds floats (not FP8 codes nor packed ones)
-                kept = same.dtype if same is not None and same.dtype.is_floating_point and same.element_size() > 1 \
-                    else None
-                want = kept or (dtype if t.dtype.is_floating_point else t.dtype)
-                value = ckpt.read(disk, torch.empty(t.shape, dtype=want)).to(device)
-                store[leaf] = nn.Parameter(value, requires_grad=False) if is_param else value
+    for name, sub, leaf, t, is_param in list(meta_tensors(module)):
+        disk = prefix + name
+        if disk not in ckpt:
+            raise TiermoeError(f"checkpoint is missing tensor '{disk}' of the MTP layer")
+        same = like.get(name)  # the model's: its dtype where it holds floats (not FP8 codes nor packed ones)
+        kept = same.dtype if same is not None and same.dtype.is_floating_point and same.element_size() > 1 else None
+        want = kept or (dtype if t.dtype.is_floating_point else t.dtype)
+        value = ckpt.read(disk, torch.empty(t.shape, dtype=want)).to(device)
+        if is_param:
+            sub._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+        else:
+            sub._buffers[leaf] = value
 
 
 def _load_experts(block: HybridMoE, hybrid, ckpt, layer: int) -> None:

@@ -72,3 +72,15 @@ def moe_block(layer: nn.Module, path: str) -> nn.Module | None:
     except AttributeError:
         return None
     return block if isinstance(block._modules.get("experts"), nn.Module) else None
+
+
+def meta_tensors(model: nn.Module):
+    """(qualified name, owning module, leaf name, tensor, is_param) for every tensor still on the meta device."""
+    seen = set()
+    for mod_name, module in model.named_modules():
+        for store, is_param in ((module._parameters, True), (module._buffers, False)):
+            for leaf, t in store.items():
+                if t is None or not t.is_meta or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                yield (f"{mod_name}.{leaf}" if mod_name else leaf), module, leaf, t, is_param
