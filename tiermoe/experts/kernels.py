@@ -43,7 +43,7 @@ ACTIVATION_CODES = {"silu_glu": 0, "gpt_oss_glu": 1}
 # splits; 9: a MoE layer's activation (SiLU-GLU or GPT-OSS's clamped SwiGLU) and per-expert biases (TmLayerArgs);
 # 10: LoRA adapters served per request: a MoE layer's (tm_moe_lora_forward, TmLoraArgs), a decode layer's
 # (TmDecodeLayerArgs.lora)
-ABI_VERSION = 10
+ABI_VERSION = 11
 # A MoE layer or packed product smaller than this (bytes of weights read, each row of activations beyond the first
 # counted as an eighth more: csrc/tm_kernels.h tm_product_work) runs on the calling thread alone. Waking a helper
 # asleep between a decode step's calls cost about 250 us on this project's 2-vCPU VMs (an idle vCPU is halted),

@@ -154,7 +154,7 @@ void up_amx(const TmMatrix* W, const TmGlu* glu, const TmRows* x, int j0, int j1
         for (int r = 0; r < 16 && 16 * (mt + t) + r < M; ++r) {
           const int m = 16 * (mt + t) + r;
           v16f h = glu16(glu, strip, ld_f32x16(sc.C + 512 * t + 16 * r) * sg,
-                         ld_f32x16(sc.C + 512 * t + 256 + 16 * r) * su);
+                         ld_f32x16(sc.C + 512 * t + 256 + 16 * r) * su, m);
           if (hf) st_f32x16(hf + (size_t)m * ldh + 16 * j, h);
           if (hb) st_bf16x16(hb + (size_t)m * ldh + 16 * j, h);
         }

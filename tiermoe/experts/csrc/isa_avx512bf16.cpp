@@ -58,11 +58,11 @@ inline void dot_dp(const TmMatrix* W, const int* strip, const uint16_t* x, int l
 
 template <int MT>
 void up_dp_tile(const TmMatrix* W, const TmGlu* glu, const uint16_t* x, int ldx, int j, float* hf, uint16_t* hb,
-                int ldh) {
+                int ldh, int m0) {
   const int strip[2] = {j, W->N / 32 + j};
   v16f acc[MT][2];
   dot_dp<MT, 2>(W, strip, x, ldx, acc);
-  store_glu<MT>(W, glu, strip, acc, j, hf, hb, ldh);  // bf16: row scales 1, exact
+  store_glu<MT>(W, glu, strip, acc, j, hf, hb, ldh, m0);  // bf16: row scales 1, exact
 }
 
 template <int MT, int S>
@@ -97,7 +97,7 @@ void up_bf16(const TmMatrix* W, const TmGlu* glu, const TmRows* x, int j0, int j
       const uint16_t* xm = x->bf16 + (size_t)m0 * x->ld;
       float* hfm = hf ? hf + (size_t)m0 * ldh : nullptr;
       uint16_t* hbm = hb ? hb + (size_t)m0 * ldh : nullptr;
-#define TM_UP(R) up_dp_tile<R>(W, glu, xm, x->ld, j, hfm, hbm, ldh)
+#define TM_UP(R) up_dp_tile<R>(W, glu, xm, x->ld, j, hfm, hbm, ldh, m0)
       TM_ROWS_SWITCH(M - m0, TM_UP)
 #undef TM_UP
     }

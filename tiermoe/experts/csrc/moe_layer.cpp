@@ -7,17 +7,15 @@
 //   2. down:   y[:, cols] = sum over experts of weight * (h W_down^T + b_down)[:, cols]; a task owns a range of
 //              output columns for every expert, so partial sums never race and y is written once, in x's dtype.
 // With LoRA adapters served per request (tm_moe_lora_forward, TmLoraArgs) the update of gate_up lands before the
-// activation, which the up kernels fuse with the product; so there the phases are:
-//   0. gather, and each row's gate_up update dh = ((x A^T) * mask) B^T into the expert's raw buffer [M, 2Ip];
-//   1. up:     per expert, the gate_up product added into it (each table's down kernel with unit weights, as
-//              tm_linear_forward computes a forward product), then h = glu(raw + b_gate_up) and each row's
-//              u = (h A_down^T) * mask for the down update (one task per expert: as many barriers as above);
-//   2. down:   as above, each pair's weight * u B_down^T added into its output columns.
+// activation, which the up kernels fuse with the product; they add it there (TmGlu's per-row addend), so:
+//   0. gather, and each row's gate_up update dh = ((x A^T) * mask) B^T into the expert's buffer [M, 2Ip];
+//   1. up:     as above, each row's dh added to its products before the activation;
+//   2. rank:   per expert, each row's u = (h A_down^T) * mask for the down update (it needs h's whole row);
+//   3. down:   as above, each pair's weight * u B_down^T added into its output columns.
 // Each expert picks its kernel table by its row count: AMX tiles for many rows (prefill), vector kernels for a
 // few (decode). Compiled for plain x86-64; ISA-specific code lives in the isa_*.cpp tables.
 // Legend: T tokens, K top-k, D hidden (Dp padded), I intermediate (Ip padded), M rows routed to one expert.
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <new>
@@ -35,7 +33,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 10;  // 2: tm_linear_forward / tm_linear_transposed;
+constexpr int kAbiVersion = 11;  // 2: tm_linear_forward / tm_linear_transposed;
                                 // 3: layer_ops.cpp, paged attention, rotary;
                                 // 4: decode attention per ISA (TmAttnArgs.isa);
                                 // 5: the gated delta rule's decode step (TmKernels.delta);
@@ -44,6 +42,7 @@ constexpr int kAbiVersion = 10;  // 2: tm_linear_forward / tm_linear_transposed;
                                 // 8: decode attention with a two-part key and key splits (TmAttnArgs)
                                 // 9: TmLayerArgs' activation and per-expert biases (GPT-OSS), TmGlu
                                 // 10: tm_moe_lora_forward (TmLoraArgs)
+                                // 11: TmGlu's per-row addend (LoRA's gate_up update inside the up kernels)
 
 bool request_amx_permission() {
 #ifdef __linux__
@@ -79,7 +78,7 @@ struct ExpertWork {
   uint16_t* xb;
   float* hf;
   uint16_t* hb;
-  float* raw = nullptr;  // LoRA: [m][2Ip] gate_up's update, then plus its product (packed row order)
+  float* dh = nullptr;  // LoRA: [m][2Ip] each row's gate_up update (packed row order), the up kernels' addend
 };
 
 struct UpTask {
@@ -97,8 +96,6 @@ struct Layer {
   size_t kscratch = 0;         // kernel scratch bytes per member
   const TmLoraArgs* lora = nullptr;  // adapters served per request (tm_moe_lora_forward); null: none
   float* ud = nullptr;               // LoRA: [pairs][R_d] each pair's (h A_down^T) * mask
-  std::vector<int32_t> ident;        // LoRA phase 1: each row its own output row, weight 1
-  std::vector<float> ones;
 };
 
 using tmoe_lora::Factor;
@@ -125,13 +122,13 @@ int lora_rank(Factor A, const float* mask, const float* v, int R, int n, int* co
   return c;
 }
 
-// LoRA phase 0 (after the gather): each row's gate_up update into w.raw, in the packed row order (gate rows from
+// LoRA phase 0 (after the gather): each row's gate_up update into w.dh, in the packed row order (gate rows from
 // 0, up rows from Ip); rows whose token has no adapter here stay 0.
 void lora_gate_up(const Layer& L, const ExpertWork& w) {
   const TmLayerArgs& a = *L.a;
   const TmLoraArgs& lo = *L.lora;
   const size_t ld = 2 * (size_t)a.Ip;
-  std::memset(w.raw, 0, sizeof(float) * ld * w.m);
+  std::memset(w.dh, 0, sizeof(float) * ld * w.m);
   if (lo.R_gu == 0) return;
   const Factor A = Factor{lo.gate_up_A, lo.factors_bf16 != 0}.at((size_t)w.e * lo.R_gu, a.D);
   const Factor Bt = Factor{lo.gate_up_Bt, lo.factors_bf16 != 0}.at((size_t)w.e * lo.R_gu, 2 * (size_t)a.I);
@@ -145,11 +142,11 @@ void lora_gate_up(const Layer& L, const ExpertWork& w) {
     if (!any) continue;
     x_row(a, t, x.data());
     const int n = lora_rank(A, mask, x.data(), lo.R_gu, a.D, cols.data(), u.data());
-    float* raw = w.raw + (size_t)r * ld;
+    float* dh = w.dh + (size_t)r * ld;
     for (int c = 0; c < n; ++c) {
       const Factor b = Bt.at(cols[c], 2 * (size_t)a.I);
-      b.axpy(u[c], raw, a.I);                     // gate
-      b.at(1, a.I).axpy(u[c], raw + a.Ip, a.I);  // up: the row's second half
+      b.axpy(u[c], dh, a.I);                     // gate
+      b.at(1, a.I).axpy(u[c], dh + a.Ip, a.I);  // up: the row's second half
     }
   }
 }
@@ -171,34 +168,16 @@ void lora_down(const Layer& L, int d0, int d1, float* y, int ldy) {
   }
 }
 
-// The expert activation of one gate / up pair, as the up kernels compute it (TmGlu).
-float glu1(const TmGlu& glu, float g, float u) {
-  if (glu.act == TM_ACT_SILU_GLU) return g / (1.0f + std::exp(-g)) * u;
-  g = std::min(g, glu.limit);
-  u = std::max(std::min(u, glu.limit), -glu.limit);
-  return g / (1.0f + std::exp(g * -glu.alpha)) * (u + 1.0f);
-}
-
-// LoRA phase 1's second part: h = glu(raw + bias) into the copies the down kernels read, and each row's down
-// update's rank vector u into L.ud (from h as those kernels read it: bf16-rounded when x is bf16; 0 without an
-// adapter).
-void lora_glu(const Layer& L, const ExpertWork& w) {
+// LoRA phase 2: each row's down update's rank vector u into L.ud (0 without an adapter), from h as the down kernels
+// read it: the bf16 copy when x is bf16 (the f32 one rounded when there is none), else the f32 copy.
+void lora_down_rank(const Layer& L, const ExpertWork& w) {
   const TmLayerArgs& a = *L.a;
   const TmLoraArgs& lo = *L.lora;
-  const size_t ld = 2 * (size_t)a.Ip;
-  const float* bias = w.glu.bias;
-  std::vector<float> h(a.Ip), u(lo.R_d);
+  if (lo.R_d == 0) return;
+  std::vector<float> h(a.I), u(lo.R_d);
   std::vector<int> cols(lo.R_d);
+  const Factor A = Factor{lo.down_A, lo.factors_bf16 != 0}.at((size_t)w.e * lo.R_d, a.I);
   for (int r = 0; r < w.m; ++r) {
-    const float* raw = w.raw + (size_t)r * ld;
-    for (int j = 0; j < a.Ip; ++j) {
-      const float g = raw[j] + (bias ? bias[j] : 0.0f), v = raw[a.Ip + j] + (bias ? bias[a.Ip + j] : 0.0f);
-      h[j] = j < a.I ? glu1(w.glu, g, v) : 0.0f;  // padding columns stay 0, as the kernels leave them
-    }
-    if (w.hf) std::memcpy(w.hf + (size_t)r * a.Ip, h.data(), sizeof(float) * a.Ip);
-    if (w.hb)
-      for (int j = 0; j < a.Ip; ++j) w.hb[(size_t)r * a.Ip + j] = tm_f32_to_bf16(h[j]);
-    if (lo.R_d == 0) continue;
     const int t = L.tok[w.pair0 + r];
     float* ud = L.ud + (size_t)(w.pair0 + r) * lo.R_d;
     std::fill(ud, ud + lo.R_d, 0.0f);
@@ -206,9 +185,11 @@ void lora_glu(const Layer& L, const ExpertWork& w) {
     bool any = false;
     for (int k = 0; k < lo.R_d && !any; ++k) any = mask[k] != 0.0f;
     if (!any) continue;
-    if (a.x_bf16)
-      for (int j = 0; j < a.I; ++j) h[j] = tm_bf16_to_f32(tm_f32_to_bf16(h[j]));
-    const Factor A = Factor{lo.down_A, lo.factors_bf16 != 0}.at((size_t)w.e * lo.R_d, a.I);
+    const size_t row = (size_t)r * a.Ip;
+    for (int j = 0; j < a.I; ++j)
+      h[j] = !a.x_bf16 ? w.hf[row + j]
+             : w.hb    ? tm_bf16_to_f32(w.hb[row + j])
+                       : tm_bf16_to_f32(tm_f32_to_bf16(w.hf[row + j]));
     const int n = lora_rank(A, mask, h.data(), lo.R_d, a.I, cols.data(), u.data());
     for (int c = 0; c < n; ++c) ud[cols[c]] = u[c];
   }
@@ -284,34 +265,22 @@ void down_chunk(const Layer& L, int task, int tid) {
   }
 }
 
-void run_lora_task(Layer& L, int phase, int task, int tid) {
-  if (phase == 0) {
-    gather(L, L.ex[task]);
-    lora_gate_up(L, L.ex[task]);
-  } else if (phase == 1) {
-    const ExpertWork& w = L.ex[task];
-    TmRows rows = {w.xf, w.xb, w.m, L.a->Dp};
-    w.k->down(&L.a->gate_up[w.e], &rows, 0, 2 * L.a->Ip / 16, L.ident.data(), L.ones.data(), w.raw, 2 * L.a->Ip,
-              L.team->scratch(tid).data());
-    lora_glu(L, w);
-  } else {
-    down_chunk(L, task, tid);
-  }
+void up_task(const Layer& L, int task, int tid) {
+  const UpTask& u = L.up[task];
+  const ExpertWork& w = L.ex[u.w];
+  TmRows rows = {w.xf, w.xb, w.m, L.a->Dp};
+  w.k->up(&L.a->gate_up[w.e], &w.glu, &rows, u.j0, u.j1, w.hf, w.hb, L.a->Ip, L.team->scratch(tid).data());
 }
 
 void run_task(void* ctx, int phase, int task, int tid) {
   Layer& L = *(Layer*)ctx;
-  if (L.lora) {
-    run_lora_task(L, phase, task, tid);
-    return;
-  }
   if (phase == 0) {
     gather(L, L.ex[task]);
+    if (L.lora) lora_gate_up(L, L.ex[task]);
   } else if (phase == 1) {
-    const UpTask& u = L.up[task];
-    const ExpertWork& w = L.ex[u.w];
-    TmRows rows = {w.xf, w.xb, w.m, L.a->Dp};
-    w.k->up(&L.a->gate_up[w.e], &w.glu, &rows, u.j0, u.j1, w.hf, w.hb, L.a->Ip, L.team->scratch(tid).data());
+    up_task(L, task, tid);
+  } else if (L.lora && phase == 2) {
+    lora_down_rank(L, L.ex[task]);
   } else {
     down_chunk(L, task, tid);
   }
@@ -369,37 +338,36 @@ int forward(tmoe::Team& team, const TmLayerArgs& a, const TmLoraArgs* lora, char
     }
   std::stable_sort(L.ex.begin(), L.ex.end(), [](const ExpertWork& x, const ExpertWork& y) { return x.m > y.m; });
 
+  // LoRA's down update reads h in fp32 when x is fp32 (lora_down_rank): the f32 copy is kept then, whatever the
+  // down kernels read
+  const bool keep_hf = lora && !a.x_bf16;
   size_t arena = lora ? tm_align64(4 * L.tok.size() * (size_t)lora->R_d) : 0;
-  int most_rows = 0;
   for (ExpertWork& w : L.ex) {
     const size_t mpad = (w.m + 15) & ~15;
-    if (w.wants & TM_ROWS_F32) arena += tm_align64(4 * (size_t)w.m * a.Dp) + tm_align64(4 * (size_t)w.m * a.Ip);
+    if (w.wants & TM_ROWS_F32) arena += tm_align64(4 * (size_t)w.m * a.Dp);
+    if ((w.wants & TM_ROWS_F32) || keep_hf) arena += tm_align64(4 * (size_t)w.m * a.Ip);
     if (w.wants & TM_ROWS_BF16) arena += tm_align64(2 * mpad * a.Dp) + tm_align64(2 * mpad * a.Ip);
     if (lora) arena += tm_align64(8 * (size_t)w.m * a.Ip);
     L.kscratch = std::max(L.kscratch, std::max(w.k->scratch_bytes(a.Dp, w.m), w.k->scratch_bytes(a.Ip, w.m)));
-    most_rows = std::max(most_rows, w.m);
   }
   L.kscratch = tm_align64(L.kscratch);
   char* p = (char*)team.arena().reserve(arena + 64);
   for (ExpertWork& w : L.ex) {
     const size_t mpad = (w.m + 15) & ~15;
     auto take = [&p](size_t bytes) { char* q = p; p += tm_align64(bytes); return q; };
-    if (w.wants & TM_ROWS_F32) {
-      w.xf = (float*)take(4 * (size_t)w.m * a.Dp);
-      w.hf = (float*)take(4 * (size_t)w.m * a.Ip);
-    }
+    if (w.wants & TM_ROWS_F32) w.xf = (float*)take(4 * (size_t)w.m * a.Dp);
+    if ((w.wants & TM_ROWS_F32) || keep_hf) w.hf = (float*)take(4 * (size_t)w.m * a.Ip);
     if (w.wants & TM_ROWS_BF16) {
       w.xb = (uint16_t*)take(2 * mpad * a.Dp);
       w.hb = (uint16_t*)take(2 * mpad * a.Ip);
     }
-    if (lora) w.raw = (float*)take(8 * (size_t)w.m * a.Ip);
+    if (lora) {
+      w.dh = (float*)take(8 * (size_t)w.m * a.Ip);
+      w.glu.add = w.dh;
+      w.glu.add_ld = 2 * a.Ip;
+    }
   }
-  if (lora) {
-    L.ud = (float*)p;
-    L.ident.resize(most_rows);
-    for (int m = 0; m < most_rows; ++m) L.ident[m] = m;
-    L.ones.assign(most_rows, 1.0f);
-  }
+  if (lora) L.ud = (float*)p;
 
   // Phase 1 tasks: blocks of 16 intermediate columns, split so there are a few tasks per member.
   const int blocks = a.Ip / 16;
@@ -419,10 +387,11 @@ int forward(tmoe::Team& team, const TmLayerArgs& a, const TmLoraArgs* lora, char
   for (int t = 0; t < n; ++t) team.scratch(t).reserve(member);
 
   tmoe::Job job;
-  job.nphases = 3;
+  job.nphases = lora ? 4 : 3;
   job.ntasks[0] = (int)L.ex.size();
-  job.ntasks[1] = lora ? (int)L.ex.size() : (int)L.up.size();
-  job.ntasks[2] = L.nchunks;
+  job.ntasks[1] = (int)L.up.size();
+  if (lora) job.ntasks[2] = lora->R_d ? (int)L.ex.size() : 0;
+  job.ntasks[job.nphases - 1] = L.nchunks;
   job.run = run_task;
   job.ctx = &L;
   job.at_end = (amx ? amx : vec)->finish;

@@ -47,7 +47,8 @@ struct TmRows {
 };
 
 // How an up kernel turns an expert's gate and up products (row scales applied) into h, the down product's input.
-// The bias is added first, as transformers' linear adds it before the activation:
+// The bias is added first, as transformers' linear adds it before the activation, then the row's addend (LoRA
+// served per request: each row's own gate_up update, csrc/moe_layer.cpp):
 //   TM_ACT_SILU_GLU:    h = silu(gate) * up
 //   TM_ACT_GPT_OSS_GLU: gate = min(gate, limit), up = clamp(up, -limit, limit),
 //                       h = (up + 1) * gate * sigmoid(alpha * gate)          (GPT-OSS's clamped SwiGLU)
@@ -56,6 +57,8 @@ struct TmGlu {
   int32_t act;         // TM_ACT_*
   float alpha, limit;  // TM_ACT_GPT_OSS_GLU only
   const float* bias;   // [W->N] fp32 in W's packed row order (gate rows, then up rows; padding rows 0), or null
+  const float* add;    // [M][add_ld] fp32 per row of the call's x, in the same packed order, or null
+  int32_t add_ld;
 };
 
 // Decode rows attending the paged KV pool in place (paged_attention.cpp has the semantics). One task is one row, one
