@@ -16,12 +16,16 @@
 // (tm_moe_lora_forward), and adds the two, as tiermoe.layers.hybrid_moe does. The same values as that path, the
 // updates' sums taken in another order.
 // Legend: T decode rows, D hidden, H query heads, Hkv KV heads, d head dim, E experts, K top-k, R rank columns.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
+#include <mutex>
 #include <vector>
 
 #include "dispatch.h"
 #include "lora_math.h"
+#include "team.h"
 #include "tm_api.h"
 
 extern "C" {
@@ -107,24 +111,66 @@ bool any_set(const float* mask, int R) {
   return false;
 }
 
-// y_t[0, out) += bf16(update of x_t) for each row with an adapter here (x rows x_stride apart, y rows y_stride).
-void add_lora(const TmLinearLora& l, int T, const uint16_t* x, int64_t x_stride, uint16_t* y, int64_t y_stride) {
-  if (l.R == 0) return;
-  std::vector<float> xf(l.in), delta(l.out);
-  for (int t = 0; t < T; ++t) {
-    const float* mask = l.mask + (size_t)t * l.R;
-    if (!any_set(mask, l.R)) continue;
-    for (int i = 0; i < l.in; ++i) xf[i] = tm_bf16_to_f32(x[t * x_stride + i]);
-    std::fill(delta.begin(), delta.end(), 0.0f);
-    for (int k = 0; k < l.R; ++k) {
-      if (mask[k] == 0.0f) continue;
-      const float u = mask[k] * Factor{l.A, l.factors_bf16 != 0}.at(k, l.in).dot(xf.data(), l.in);
-      Factor{l.Bt, l.factors_bf16 != 0}.at(k, l.out).axpy(u, delta.data(), l.out);
-    }
-    uint16_t* yt = y + t * y_stride;
-    for (int j = 0; j < l.out; ++j)
-      yt[j] = tm_f32_to_bf16(tm_bf16_to_f32(yt[j]) + tm_bf16_to_f32(tm_f32_to_bf16(delta[j])));
+// One product's LoRA over a step's rows: x rows x_stride apart, y rows y_stride apart.
+struct LoraTarget {
+  const TmLinearLora* l;
+  const uint16_t* x;
+  int64_t x_stride;
+  uint16_t* y;
+  int64_t y_stride;
+};
+
+// y_t[0, out) += bf16(update of x_t) when row t has an adapter here; xf [in] and delta [out] are scratch.
+void add_lora_row(const LoraTarget& g, int t, float* xf, float* delta) {
+  const TmLinearLora& l = *g.l;
+  const float* mask = l.mask + (size_t)t * l.R;
+  if (!any_set(mask, l.R)) return;
+  for (int i = 0; i < l.in; ++i) xf[i] = tm_bf16_to_f32(g.x[t * g.x_stride + i]);
+  std::fill(delta, delta + l.out, 0.0f);
+  for (int k = 0; k < l.R; ++k) {
+    if (mask[k] == 0.0f) continue;
+    const float u = mask[k] * Factor{l.A, l.factors_bf16 != 0}.at(k, l.in).dot(xf, l.in);
+    Factor{l.Bt, l.factors_bf16 != 0}.at(k, l.out).axpy(u, delta, l.out);
   }
+  uint16_t* yt = g.y + t * g.y_stride;
+  for (int j = 0; j < l.out; ++j)
+    yt[j] = tm_f32_to_bf16(tm_bf16_to_f32(yt[j]) + tm_bf16_to_f32(tm_f32_to_bf16(delta[j])));
+}
+
+struct LoraJob {
+  std::vector<LoraTarget> targets;
+  int T;
+  tmoe::Team* team;
+};
+
+void run_lora_row(void* ctx, int, int task, int tid) {
+  const LoraJob& job = *(const LoraJob*)ctx;
+  const LoraTarget& g = job.targets[task / job.T];
+  float* xf = (float*)job.team->scratch(tid).data();
+  add_lora_row(g, task % job.T, xf, xf + g.l->in);
+}
+
+// The updates of several products of the step (`targets`: those no adapter of the step touches are skipped), one
+// task per product and row on the kernel team: the layer's next product waits for them, so a core left idle here is
+// time added to every step.
+void add_loras(void* team, std::initializer_list<LoraTarget> targets, int T) {
+  tmoe::Team& t = *(tmoe::Team*)team;
+  LoraJob job{{}, T, &t};
+  size_t floats = 0;
+  for (const LoraTarget& g : targets)
+    if (g.l->R) {
+      job.targets.push_back(g);
+      floats = std::max(floats, (size_t)g.l->in + g.l->out);
+    }
+  if (job.targets.empty()) return;
+  std::lock_guard<std::mutex> lock(t.mutex());
+  for (int m = 0; m < t.size(); ++m) t.scratch(m).reserve(sizeof(float) * floats);
+  tmoe::Job run;
+  run.nphases = 1;
+  run.ntasks[0] = (int)job.targets.size() * T;
+  run.run = run_lora_row;
+  run.ctx = &job;
+  t.run(run);
 }
 
 int product(void* team, TmLinearArgs p, int M, const void* x, void* out, char* err, int errlen) {
@@ -180,11 +226,9 @@ int layer(void* team, const TmDecodeLayerArgs& a, char* err, int errlen) {
   if (tm_rms_norm(a.x, D, a.input_norm, normed, T, D, a.eps, a.norm_kind, 1, 1, 1, a.sum_lanes) != 0)
     return tm_fail(err, errlen, "input RMSNorm: unknown kind or lane count");
   if (product(team, a.qkv, T, normed, qkv, err, errlen) != 0) return 1;
-  if (a.lora) {
-    add_lora(a.lora->q, T, normed, D, qkv, qkv_width);
-    add_lora(a.lora->k, T, normed, D, qkv + int64_t(H) * d, qkv_width);
-    add_lora(a.lora->v, T, normed, D, qkv + int64_t(H + Hkv) * d, qkv_width);
-  }
+  if (a.lora)
+    add_loras(team, {{&a.lora->q, normed, D, qkv, qkv_width}, {&a.lora->k, normed, D, qkv + int64_t(H) * d, qkv_width},
+                     {&a.lora->v, normed, D, qkv + int64_t(H + Hkv) * d, qkv_width}}, T);
   uint16_t *q = qkv, *k = qkv + int64_t(H) * d;
   const uint16_t* v = qkv + int64_t(H + Hkv) * d;
   int64_t q_row = qkv_width, k_row = qkv_width;
@@ -214,7 +258,7 @@ int layer(void* team, const TmDecodeLayerArgs& a, char* err, int errlen) {
   at.k_slots = a.k_slots, at.v_slots = a.v_slots, at.out = attn;
   if (tm_paged_decode_attention(a.attend_on_team ? team : nullptr, &at, err, errlen) != 0) return 1;
   if (product(team, a.o, T, attn, proj, err, errlen) != 0) return 1;
-  if (a.lora) add_lora(a.lora->o, T, attn, int64_t(H) * d, proj, D);
+  if (a.lora) add_loras(team, {{&a.lora->o, attn, int64_t(H) * d, proj, D}}, T);
   add_rows(a.x, proj, a.out, size_t(T) * D);
 
   // experts
@@ -222,7 +266,7 @@ int layer(void* team, const TmDecodeLayerArgs& a, char* err, int errlen) {
     return tm_fail(err, errlen, "post-attention RMSNorm: unknown kind or lane count");
   auto* logits = (uint16_t*)(base + w.logits);
   if (product(team, a.router, T, normed, logits, err, errlen) != 0) return 1;
-  if (a.lora) add_lora(a.lora->router, T, normed, D, logits, a.E);
+  if (a.lora) add_loras(team, {{&a.lora->router, normed, D, logits, a.E}}, T);
   void* weights = base + w.weights;
   auto* weights_f32 = (float*)(base + w.weights_f32);
   if (tm_softmax_topk(logits, T, a.E, a.K, 1, a.renormalize, a.weights_bf16, a.exp_lanes, a.sum_lanes, weights,
