@@ -138,6 +138,8 @@ class Engine:
         if config.speculative is not None:
             cost = MeasuredStepCost(step_cost_of(hybrid))  # the bytes model until timed steps tell better
             self.drafter = make_drafter(config.speculative, cost, self.max_context, hybrid)
+            if config.speculative.adaptive:  # its verify passes measure the lag reuse its lengths weigh
+                self.add_recorder(self.drafter.routing)
             windows = self.drafter.pool_layers(windows)  # an MTP layer's K/V: one more layer of the pool
         device = hybrid.gpu_device
         tokens = config.max_total_tokens or auto_pool_tokens(self.model.config, self.model.dtype, windows,
@@ -183,9 +185,9 @@ class Engine:
             block.recorder = self._pass
 
     def add_recorder(self, recorder: ExpertRecorder) -> None:
-        """Add a recorder beside the current one(s)."""
+        """Add a recorder beside the current one(s) (recording now or not: a recorder turns on and off)."""
         current = self.recorder
-        if not current.enabled:
+        if current is NO_RECORDER:
             self.set_recorder(recorder)
         elif isinstance(current, RecorderGroup):
             self.set_recorder(RecorderGroup(*current.members, recorder))

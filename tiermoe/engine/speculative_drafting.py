@@ -19,12 +19,14 @@ from tiermoe.engine.sequence import Sequence
 from tiermoe.engine.speculative_config import SpeculativeConfig
 from tiermoe.engine.speculative_length import (
     OVERALL_DECAY,
+    REUSE,
     AcceptanceEstimate,
     StepCost,
     StepShape,
     choose_draft_lengths,
 )
 from tiermoe.engine.speculative_ngram import ngram_draft
+from tiermoe.engine.speculative_reuse import LagReuse
 from tiermoe.engine.speculative_timing import MeasuredStepCost
 
 # Adaptive lengths: after this many steps without a draft, one step decides with the bytes model instead of the
@@ -44,6 +46,14 @@ class Drafter:
         self.overall = AcceptanceEstimate(decay=OVERALL_DECAY)  # every sequence's outcomes: each one's prior
         self.drafted_tokens = 0  # drafted tokens verified, over all sequences (metrics, benchmarks)
         self.accepted_tokens = 0  # of them, accepted
+        # the lag reuse the lengths count with, measured on the verify passes the engine records into it (adaptive)
+        model = cost.model if isinstance(cost, MeasuredStepCost) else cost
+        self.routing = None if model is None else LagReuse(model.top_k, model.reuse)
+
+    @property
+    def reuse(self) -> float:
+        """Lag reuse of experts between consecutive tokens of a sequence, as this engine's verify steps measure it."""
+        return REUSE if self.routing is None else self.routing.reuse
 
     def room(self, seq: Sequence) -> int:
         """The most tokens `seq` may draft now: K, within max_tokens (the verify step samples one more) and the
@@ -67,11 +77,12 @@ class Drafter:
             cost = cost.model
             first = next((i for i, r in enumerate(rooms) if r), None)
             rooms = [r if i == first else 0 for i, r in enumerate(rooms)]
+        reuse = self.reuse
         if self.config.adaptive:  # no lookup where even a full draft would not pay (a busy batch: none at all)
-            rooms = self.lookup_limits(rooms, choose_draft_lengths(cost, rates, rooms, other_tokens))
+            rooms = self.lookup_limits(rooms, choose_draft_lengths(cost, rates, rooms, other_tokens, reuse))
         found = self.propose(decoding, rooms, budget)
         if self.config.adaptive and any(found):
-            lengths = choose_draft_lengths(cost, rates, [len(d) for d in found], other_tokens)
+            lengths = choose_draft_lengths(cost, rates, [len(d) for d in found], other_tokens, reuse)
             found = [draft[:k] for draft, k in zip(found, lengths, strict=True)]
         out = {}
         for seq, draft in zip(decoding, found, strict=True):
@@ -80,6 +91,8 @@ class Drafter:
             else:
                 self.acceptance(seq).idle()
         self.dry_steps = 0 if out else self.dry_steps + 1
+        if self.routing is not None:
+            self.routing.armed = bool(out)  # the step verifies drafts: its routing measures the lag reuse
         return out
 
     def lookup_limits(self, rooms: list[int], chosen: list[int]) -> list[int]:
@@ -122,7 +135,7 @@ class Drafter:
                 lengths.append(len(seq.draft))
             else:
                 other += len(fed)
-        return StepShape.of(lengths, other, self.cost.reuse)
+        return StepShape.of(lengths, other, self.reuse)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A step's wall seconds: a measured cost learns from it."""

@@ -163,14 +163,17 @@ class StepCost:
         return self.relative(sequences + drafted + other, independent)
 
 
-def choose_draft_lengths(cost, rates: list, longest: list[int], other_tokens: int = 0) -> list[int]:
+def choose_draft_lengths(cost, rates: list, longest: list[int], other_tokens: int = 0,
+                         reuse: float | None = None) -> list[int]:
     """k per sequence (in the order given) of the step's decoding sequences: `rates` their acceptance estimates
     (a per-token chance, or (first, next) as AcceptanceEstimate.rates gives them),
     `longest` the most each may draft (what the drafter found, capped); `other_tokens`: rows of the step that are
     not these sequences' (prefill chunks). `cost`: a StepCost, or anything with `seconds_of` and `reuse`
-    (tiermoe.engine.speculative_timing's measured one). Sequences not chosen yet count as plain decode rows.
-    Runs every step: plain numbers, no shapes built per candidate."""
-    n, reuse = len(rates), cost.reuse
+    (tiermoe.engine.speculative_timing's measured one); `reuse`: the lag reuse to count with (default the cost's;
+    the drafter passes what its verify steps measured, tiermoe.engine.speculative_reuse). Sequences not chosen yet
+    count as plain decode rows. Runs every step: plain numbers, no shapes built per candidate."""
+    n = len(rates)
+    reuse = cost.reuse if reuse is None else reuse
     verifying = drafted = 0
     independent = float(other_tokens + n)  # every sequence plain: one independent token each
     produced = float(n)  # tokens the step yields without drafts
