@@ -1,8 +1,10 @@
 """`tiermoe finetune` on a tiny make-model checkpoint: what it writes, a resumed run identical to an uninterrupted
-one, KT's variables under the flags, and one-line errors for bad values."""
+one, gradient checkpointing and the CPU tier's span as the flags set them, KT's variables under the flags, and
+one-line errors for bad values."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,11 +14,15 @@ from conftest import run_cli
 from safetensors.torch import load_file
 from test_cli_bad_input import assert_one_line_error
 
+from tiermoe.cli.finetune_run import config_from_args
 from tiermoe.cli.main import build_parser
 from tiermoe.config import PlacementConfig
 from tiermoe.errors import TiermoeError
+from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.testing.make_model import make_model
+from tiermoe.training import finetune
 from tiermoe.training.finetune import FinetuneConfig, FinetuneHooks, run_finetune
+from tiermoe.training.sft_loop import train_steps
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +48,14 @@ def adapter_tensors(out: Path) -> dict[str, torch.Tensor]:
 
 def config(tiny, out: Path, **changes) -> FinetuneConfig:
     model, data = tiny
-    settings = dict(dataset=str(data), out_dir=out, steps=4, lora_rank=4, model=model, batch_size=3, max_length=48,
-                    save_every=2, progress=False)
+    settings = {"dataset": str(data), "out_dir": out, "steps": 4, "lora_rank": 4, "model": model, "batch_size": 3,
+                "max_length": 48, "save_every": 2, "progress": False}
     return FinetuneConfig(**{**settings, **changes})
 
 
 # LoRA on attention, the routers and every routed expert; and attention only, with dropout (random every step)
-RUNS = {"all-linear": {}, "dropout": dict(lora_dropout=0.2, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
-                                          expert_lora=False)}
+RUNS = {"all-linear": {}, "dropout": {"lora_dropout": 0.2, "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj"),
+                                      "expert_lora": False}}
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -81,6 +87,12 @@ def test_resume_needs_the_same_settings_and_a_checkpoint(tiny, tmp_path):
         run_finetune(config(tiny, tmp_path / "run", steps=1, resume=True))
     with pytest.raises(TiermoeError, match="holds no checkpoint"):
         run_finetune(config(tiny, tmp_path / "empty", resume=True))
+    said = []  # memory settings may change on resume: they change memory and time, not the adapter
+    run_finetune(config(tiny, tmp_path / "run", steps=2, resume=True, gradient_checkpointing=True, expert_chunk=16),
+                 FinetuneHooks(message=said.append))
+    assert any("resuming with gradient_checkpointing True (the checkpoint's run had False)" in m for m in said)
+    settings = json.loads((tmp_path / "run" / "metrics.json").read_text())["settings"]
+    assert (settings["gradient_checkpointing"], settings["expert_chunk"]) == (True, 16)
 
 
 def test_the_command_writes_adapter_checkpoints_metrics_and_plot(tiny, tmp_path):
@@ -108,9 +120,48 @@ def parse(*argv: str):
     return build_parser("finetune").parse_args(["finetune", *argv])
 
 
-def test_kt_variables_fill_what_the_flags_leave(tiny, monkeypatch):
-    from tiermoe.cli.finetune_run import config_from_args
+def one_step_seen(tiny, out: Path, monkeypatch, *flags: str) -> dict:
+    """One optimizer step of the run the flags describe: its loss, the adapters' gradients (no clipping), each MoE
+    block's calls during the step and the CPU tier's span the blocks use."""
+    model, data = tiny
+    cfg, _, _ = config_from_args(parse("--model", str(model), "--dataset", str(data), "--steps", "1", "--out",
+                                       str(out), "--lora-rank", "4", "--batch-size", "3", "--max-length", "48",
+                                       "--max-grad-norm", "0", *flags))
+    seen = {"calls": 0}
 
+    def observed_steps(model, *args, **kwargs):
+        blocks = [m for m in model.modules() if isinstance(m, HybridMoE)]
+        hooks = [b.register_forward_pre_hook(lambda *a: seen.update(calls=seen["calls"] + 1)) for b in blocks]
+        seen["chunks"] = {b.expert_chunk for b in blocks}
+        train_steps(model, *args, **kwargs)
+        for h in hooks:
+            h.remove()
+        seen["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        seen["blocks"] = len(blocks)
+
+    monkeypatch.setattr(finetune, "train_steps", observed_steps)
+    result = run_finetune(dataclasses.replace(cfg, progress=False))
+    seen["loss"] = result.history[0]["loss"]
+    return seen
+
+
+def test_gradient_checkpointing_and_the_expert_chunk_are_what_the_flags_say(tiny, tmp_path, monkeypatch):
+    """--gradient-checkpointing recomputes every MoE block in backward (each is called twice in the step) and gives
+    the loss and every adapter gradient of the run without it (fp32, 1e-6 per tensor); --expert-chunk is the span
+    every block computes its CPU tier in."""
+    plain = one_step_seen(tiny, tmp_path / "plain", monkeypatch, "--expert-chunk", "8")
+    checkpointed = one_step_seen(tiny, tmp_path / "ckpt", monkeypatch, "--expert-chunk", "8",
+                                 "--gradient-checkpointing")
+    assert plain["blocks"] > 0 and plain["calls"] == plain["blocks"] and checkpointed["calls"] == 2 * plain["calls"]
+    assert plain["chunks"] == checkpointed["chunks"] == {8}
+    assert abs(checkpointed["loss"] - plain["loss"]) <= 1e-6 * abs(plain["loss"])
+    grads = plain["grads"]
+    assert any("lora_experts" in n for n in grads) and grads.keys() == checkpointed["grads"].keys()
+    for n, g in grads.items():
+        assert (checkpointed["grads"][n] - g).norm() <= 1e-6 * g.norm(), n
+
+
+def test_kt_variables_fill_what_the_flags_leave(tiny, monkeypatch):
     model, data = tiny
     base = ("--model", str(model), "--dataset", str(data), "--steps", "5", "--out", "x")
     monkeypatch.setenv("ACCELERATE_KT_LORA_RANK", "6")
@@ -128,6 +179,17 @@ def test_kt_variables_fill_what_the_flags_leave(tiny, monkeypatch):
     assert cfg.placement.strategy == "frequency" and cfg.placement.num_gpu_experts == 1
     cfg, _, _ = config_from_args(parse(*base, "--num-gpu-experts", "0"))  # the flag's 0 wins over KT's 2
     assert cfg.placement == PlacementConfig(num_gpu_experts=0)
+    assert (cfg.gradient_checkpointing, cfg.expert_chunk) == (False, 4096)  # the defaults
+    # KT's activation policy: gpu=recompute is gradient checkpointing; cpu=retain has nothing to act on here
+    monkeypatch.setenv("ACCELERATE_KT_ACTIVATION_POLICY", '{"cpu": "retain", "gpu": "recompute"}')
+    cfg, notes, _ = config_from_args(parse(*base))
+    assert cfg.gradient_checkpointing and any("cpu=retain" in n and "no effect" in n for n in notes)
+    cfg, _, _ = config_from_args(parse(*base, "--no-gradient-checkpointing"))  # the flag wins
+    assert not cfg.gradient_checkpointing
+    monkeypatch.setenv("ACCELERATE_KT_ACTIVATION_POLICY", '{"cpu": "recompute", "gpu": "retain"}')
+    cfg, notes, _ = config_from_args(parse(*base, "--expert-chunk", "0"))
+    assert not cfg.gradient_checkpointing and cfg.expert_chunk == 0
+    assert not any("ACTIVATION_POLICY" in n for n in notes)
 
 
 @pytest.mark.parametrize("argv, env, fragment", [
@@ -148,6 +210,12 @@ def test_kt_variables_fill_what_the_flags_leave(tiny, monkeypatch):
     ((), {"ACCELERATE_KT_LORA_RANK": "x"}, "ACCELERATE_KT_LORA_RANK='x': expected an integer"),
     ((), {"ACCELERATE_KT_NUM_GPU_EXPERT": "2"}, "unknown KTransformers setting ACCELERATE_KT_NUM_GPU_EXPERT"),
     (("--dataset", "alpaca"), {}, "unknown dataset 'alpaca'"),
+    (("--expert-chunk", "-1"), {}, "expected an integer >= 0"),
+    (("--expert-chunk", "2e3"), {}, "'2e3' is not an integer"),
+    (("--expert-chunk", "100000000"), {}, "expected an expert chunk between 0 and 16,777,216 tokens"),
+    ((), {"ACCELERATE_KT_ACTIVATION_POLICY": "recompute"},
+     "ACCELERATE_KT_ACTIVATION_POLICY='recompute': expected a JSON object with exactly the keys cpu and gpu"),
+    ((), {"ACCELERATE_KT_ACTIVATION_POLICY": '{"cpu": "retain", "gpu": "keep"}'}, '"retain" or "recompute"'),
 ])
 def test_bad_values_are_one_line_errors(tiny, tmp_path, monkeypatch, argv, env, fragment):
     model, data = tiny

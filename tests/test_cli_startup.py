@@ -29,6 +29,7 @@ from tiermoe.routing.trace_import import LAYOUTS
 from tiermoe.stats.recorders import MODES, SGLANG_DEFAULT_BUFFER_SIZE
 from tiermoe.testing.presets import PRESETS
 from tiermoe.training.finetune import DEFAULT_MAX_LENGTH
+from tiermoe.training.kt_env import MAX_SEQUENCE
 from tiermoe.training.lora import MAX_RANK
 
 HEAVY = ("torch", "transformers")
@@ -81,7 +82,7 @@ def test_the_parsers_copies_of_library_values_are_the_library_values():
     assert choices.MODEL_PRESETS == {name: arch for name, (arch, _) in PRESETS.items()}
     assert choices.BENCH_STRATEGIES == BENCH_STRATEGIES and choices.DEFAULT_COPY_BUDGET == DEFAULT_COPY_BUDGET
     assert choices.FINETUNE_MAX_LENGTH == DEFAULT_MAX_LENGTH and choices.MAX_LORA_RANK == MAX_RANK
-    assert choices.DEFAULT_EXPERT_CHUNK == DEFAULT_CHUNK
+    assert choices.DEFAULT_EXPERT_CHUNK == DEFAULT_CHUNK and choices.MAX_TRAINING_SEQUENCE == MAX_SEQUENCE
     assert choices.ROUTING_PRESETS == tuple(ROUTING_PRESETS) and choices.TRACE_LAYOUTS == LAYOUTS
     assert choices.SPECULATIVE_ALGORITHMS == speculative_config.ALGORITHMS
     assert (choices.MAX_DRAFT_TOKENS, choices.MAX_NGRAM) == (speculative_config.MAX_DRAFT_TOKENS,

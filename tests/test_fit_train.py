@@ -5,11 +5,14 @@ tests/test_training_memory.py); here the command's arithmetic, what it passes on
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
+import torch
 from conftest import run_cli
 
 from tiermoe.cli import fit_train_run
+from tiermoe.cli.main import build_parser
 from tiermoe.fit import model_bytes
 from tiermoe.training.context_memory import ADAPTER_BYTES_PER_PARAM, ContextMemory
 
@@ -51,6 +54,15 @@ def test_fit_train_prints_every_term_and_the_longest_context(tiny_dir, monkeypat
     assert f"train: longest context   {longest:,} tokens in 24.00 GiB".split() in lines
     limit = json.loads((path / "config.json").read_text())["max_position_embeddings"]
     assert ("train: the model's own limit" in done.stdout) == (longest > limit)  # said when memory is not the bound
+    # the finetune command that trains at the predicted length, as tiermoe finetune parses it
+    command = next(line for line in done.stdout.splitlines() if line.startswith("train it with"))
+    argv = shlex.split(command.removeprefix("train it with").strip())
+    assert argv[:2] == ["tiermoe", "finetune"] and argv[argv.index("--steps") + 1] == "N"  # the user's choices
+    argv[argv.index("--steps") + 1] = "100"
+    args = build_parser("finetune").parse_args(argv[1:])
+    assert (args.model, args.lora_rank, args.batch_size, args.max_length, args.num_gpu_experts) == \
+        (str(path), 8, 1, min(longest, limit), 0)
+    assert args.gradient_checkpointing is True and args.expert_chunk == 64 and args.dtype == torch.float32
 
 
 @pytest.mark.parametrize("args, fragment", [

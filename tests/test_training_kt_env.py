@@ -96,6 +96,27 @@ def test_what_tiermoe_does_not_implement_says_so(env, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("policy, flag, checkpointing, noted", [
+    ('{"cpu": "recompute", "gpu": "recompute"}', None, True, False),  # KT's default policy
+    ('{"gpu": "recompute", "cpu": "retain"}', None, True, True),  # cpu=retain: nothing to act on in tiermoe
+    ('{"cpu": "recompute", "gpu": "retain"}', None, False, False),
+    ('{"cpu": "recompute", "gpu": "recompute"}', False, False, False),  # the flag wins
+    (None, None, None, False),
+])
+def test_the_activation_policy_is_gradient_checkpointing(policy, flag, checkpointing, noted):
+    env = {} if policy is None else {"ACCELERATE_KT_ACTIVATION_POLICY": policy}
+    s = read_kt_settings(env, gradient_checkpointing=flag)
+    assert s.gradient_checkpointing is checkpointing and bool(s.notes) == noted
+
+
+@pytest.mark.parametrize("value", ["recompute", '{"cpu": "recompute"}', '["recompute", "recompute"]',
+                                   '{"cpu": "recompute", "gpu": "recompute", "depth": 2}', '{"cpu": 1, "gpu": 2}'])
+def test_a_malformed_activation_policy_is_a_one_line_error(value):
+    with pytest.raises(TiermoeError, match="expected a JSON object with exactly the keys cpu and gpu") as err:
+        read_kt_settings({"ACCELERATE_KT_ACTIVATION_POLICY": value}, gradient_checkpointing=True)  # checked anyway
+    assert "\n" not in str(err.value)
+
+
 def test_kt_only_knobs_are_checked_and_noted():
     s = read_kt_settings({"ACCELERATE_KT_MAX_CACHE_DEPTH": "2", "ACCELERATE_KT_SHARE_BACKWARD_BB": "1",
                           "ACCELERATE_KT_TP_ENABLED": "0", "ACCELERATE_KT_WEIGHT_PATH": "/w"})

@@ -44,8 +44,10 @@ DEFAULT_COPY_BUDGET = 4
 FINETUNE_MAX_LENGTH = 512
 MAX_LORA_RANK = 4096
 
-# tiermoe.layers.routed_autograd.DEFAULT_CHUNK (fit --train --expert-chunk)
+# tiermoe.layers.routed_autograd.DEFAULT_CHUNK (fit --train and finetune --expert-chunk) and
+# tiermoe.training.kt_env.MAX_SEQUENCE (tokens in one training sequence: finetune --expert-chunk's bound)
 DEFAULT_EXPERT_CHUNK = 4096
+MAX_TRAINING_SEQUENCE = 1 << 24
 
 # tiermoe.routing.presets.PRESETS (trace generate --preset) and tiermoe.routing.trace_import.LAYOUTS
 ROUTING_PRESETS = ("esft-deepseek-v2-lite", "qwen3-30b-a3b")

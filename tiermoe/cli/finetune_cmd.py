@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from tiermoe.cli.choices import DTYPE_NAMES, FINETUNE_MAX_LENGTH, MAX_LORA_RANK
+from tiermoe.cli.choices import (
+    DEFAULT_EXPERT_CHUNK,
+    DTYPE_NAMES,
+    FINETUNE_MAX_LENGTH,
+    MAX_LORA_RANK,
+    MAX_TRAINING_SEQUENCE,
+)
 from tiermoe.cli.cpu_flags import add_cpu_flags
 from tiermoe.cli.flags import (
     add_command,
@@ -33,6 +39,14 @@ def bounded_int(high: int, what: str):
     return parse
 
 
+def expert_chunk(value: str) -> int:
+    number = non_negative_int(value)
+    if number > MAX_TRAINING_SEQUENCE:
+        raise argparse.ArgumentTypeError(f"expected an expert chunk between 0 and {MAX_TRAINING_SEQUENCE:,} tokens "
+                                         f"(0: the whole context), got {number:,}")
+    return number
+
+
 def dropout(value: str) -> float:
     number = finite_float(value)
     if not 0 <= number < 1:
@@ -55,13 +69,18 @@ def add_parser(sub) -> None:
         "bar shows loss and tokens/s; the held-out loss is measured before and after; OUT gets the adapter (PEFT's "
         "layout), checkpoints, metrics.json and a loss-curve plot. KTransformers' ACCELERATE_KT_* variables are "
         "read with KT's meanings (NUM_GPU_EXPERTS, LORA_RANK, LORA_ALPHA, LORA_DROPOUT, EXPERT_WEIGHT_FORMAT, "
-        "BACKEND, NUM_THREADS, MODEL_MAX_LENGTH, TRAIN_MODE, ...); a flag wins over its variable.",
+        "BACKEND, NUM_THREADS, MODEL_MAX_LENGTH, TRAIN_MODE, ACTIVATION_POLICY, ...); a flag wins over its "
+        "variable. For long contexts, --gradient-checkpointing and --expert-chunk are what `tiermoe fit --train` "
+        "predicts the longest context for (it prints the command).",
         "tiermoe finetune --dataset demo --lora-rank 8 --steps 300 --out runs/demo-lora",
         "tiermoe finetune --dataset demo --lora-rank 8 --steps 300 --out runs/demo-lora --resume   # after a stop",
         "tiermoe finetune --model /models/Qwen3-30B-A3B --gpu-device cuda:0 --dataset chats.jsonl --lora-rank 16 "
         "--steps 2000 --max-length 2048 --num-gpu-experts 8 --init-expert-location stats.pt --out runs/qwen",
         "ACCELERATE_KT_LORA_RANK=8 ACCELERATE_KT_NUM_GPU_EXPERTS=2 tiermoe finetune --dataset sharegpt --steps 200 "
         "--out runs/kt",
+        "tiermoe finetune --model /models/Qwen3-30B-A3B --dataset chats.jsonl --lora-rank 16 --steps 500 "
+        "--batch-size 1 --max-length 32768 --num-gpu-experts 0 --dtype bf16 --gradient-checkpointing --expert-chunk "
+        "4096 --out runs/long   # as tiermoe fit --train prints it",
     )
     p.add_argument("--model", "--model-path", dest="model", default=None,
                    help="checkpoint directory (default: the bundled demo model)")
@@ -80,6 +99,15 @@ def add_parser(sub) -> None:
                         f"{FINETUNE_MAX_LENGTH} or the model's positions if fewer; at most the model's positions)")
     g.add_argument("--batch-size", type=bounded_int(MAX_BATCH, "conversations per step"), default=4,
                    help="conversations per optimizer step (default 4)")
+    g = p.add_argument_group("memory (long contexts: docs/fine-tuning.md#long-contexts)")
+    g.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep only each decoder layer's input and recompute the layer in backward: less memory per "
+                        "token, about one more forward per step, the same gradients (default off, or "
+                        "ACCELERATE_KT_ACTIVATION_POLICY's gpu=recompute), e.g. --gradient-checkpointing")
+    g.add_argument("--expert-chunk", type=expert_chunk, default=DEFAULT_EXPERT_CHUNK,
+                   help=f"tokens the CPU tier's experts compute at a time, forward and backward (default "
+                        f"{DEFAULT_EXPERT_CHUNK}; 0: the whole context); what they hold follows it, not the context, "
+                        "e.g. --expert-chunk 2048")
     g = p.add_argument_group("LoRA")
     g.add_argument("--lora-rank", type=bounded_int(MAX_LORA_RANK, "a LoRA rank"), default=None,
                    help="LoRA rank (required, unless ACCELERATE_KT_LORA_RANK gives it)")

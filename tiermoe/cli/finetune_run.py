@@ -53,7 +53,8 @@ def config_from_args(args) -> tuple[FinetuneConfig, tuple[str, ...], int | None]
     cpu = cpu_from_args(args)
     kt = read_kt_settings(os.environ, num_gpu_experts=args.num_gpu_experts, lora_rank=args.lora_rank,
                           lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, expert_dtype=cpu.expert_dtype,
-                          threads=cpu.threads, max_length=args.max_length)
+                          threads=cpu.threads, max_length=args.max_length,
+                          gradient_checkpointing=args.gradient_checkpointing)
     if kt.lora_rank is None:
         raise TiermoeError("--lora-rank is required (or set ACCELERATE_KT_LORA_RANK)")
     targets = args.lora_targets if args.lora_targets == "all-linear" else \
@@ -71,7 +72,8 @@ def config_from_args(args) -> tuple[FinetuneConfig, tuple[str, ...], int | None]
         eval_every=args.eval_every or 0, keep_checkpoints=args.keep_checkpoints, resume=args.resume, seed=args.seed,
         placement=placement_from(args, kt.num_gpu_experts), gpu_device=check_device(args.gpu_device),
         cpu=dataclasses.replace(cpu, expert_dtype=kt.expert_dtype, threads=kt.threads), dtype=args.dtype,
-        eval_batch_size=args.eval_batch_size,
+        eval_batch_size=args.eval_batch_size, gradient_checkpointing=bool(kt.gradient_checkpointing),
+        expert_chunk=args.expert_chunk,
     )
     return config, kt.notes, kt.torch_threads
 

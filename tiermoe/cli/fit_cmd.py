@@ -25,7 +25,8 @@ def add_parser(sub) -> None:
         "tiermoe fit --model deepseek-v3-config.json --gpu-memory-gb 80 --ram-gb 512",
         "tiermoe fit --model /models/Qwen3-30B-A3B-Q4_K_M.gguf --gpu-memory-gb 16",
         "tiermoe fit --model /models/Qwen3-30B-A3B --ram-gb 32 --cpu-expert-dtype int4 --non-expert-dtype int4",
-        "tiermoe fit --model /models/Qwen3-30B-A3B --train --ram-gb 24          # longest LoRA training context",
+        "tiermoe fit --model /models/Qwen3-30B-A3B --train --ram-gb 24          # longest LoRA training context, and "
+        "the finetune command for it",
     )
     p.add_argument("--model", "--model-path", dest="model", default=None,
                    help="checkpoint directory, GGUF file or directory, or a config file (.json, any name) "
@@ -55,7 +56,9 @@ def add_parser(sub) -> None:
                    help="predict the longest context one LoRA training step fits in host memory (--ram-gb, default: "
                         "this machine's available memory), every expert on the CPU tier, gradient checkpointing on; "
                         "the per-token bytes are measured on copies of the model's first layers with random weights "
-                        "(seconds to minutes, and their size on disk in a temporary directory), e.g. "
+                        "(seconds to minutes, and their size on disk in a temporary directory); the last line is the "
+                        "tiermoe finetune command that trains at that length (--gradient-checkpointing, "
+                        "--expert-chunk, --max-length, --batch-size 1), e.g. "
                         "tiermoe fit --model /models/Qwen3-30B-A3B --train --ram-gb 24")
     p.add_argument("--lora-rank", type=positive_int, default=None,
                    help="with --train: LoRA rank on all linears and every expert, alpha 2 x rank, as tiermoe "

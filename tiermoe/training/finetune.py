@@ -6,6 +6,11 @@ checkpoints every `save_every` steps and after the last -> held-out loss after -
 layout) and OUT/metrics.json. With `resume`, the newest checkpoint in OUT is restored (adapter, optimizer,
 schedule, data position, generators) and the run continues exactly as if it had never stopped; the settings that
 decide the result must be the same (only `steps` may grow). Progress goes to the caller through FinetuneHooks.
+
+Two settings trade memory for time and leave the result alone: `gradient_checkpointing` (each decoder layer keeps
+only its input and is recomputed in backward) and `expert_chunk` (the CPU tier's span of tokens,
+tiermoe.training.long_context). They are what `tiermoe fit --train` predicts the longest context for; both are
+saved with the run's settings, and a resume may change them (a run that ran out of memory continues with them on).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from tiermoe.arch import detect, load_config, text_config
 from tiermoe.bundled import resolve_model
 from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
+from tiermoe.layers.routed_autograd import DEFAULT_CHUNK
 from tiermoe.model.loader import load_hybrid_model
 from tiermoe.training.adapter_io import save_adapter
 from tiermoe.training.chat_sft import ChatEncoder, SFTBatches, encode_all
@@ -36,6 +42,7 @@ from tiermoe.training.checkpoints import (
     save_checkpoint,
 )
 from tiermoe.training.finetune_data import finetune_data
+from tiermoe.training.long_context import check_expert_chunk, set_expert_chunk
 from tiermoe.training.lora import apply_lora
 from tiermoe.training.sft_loop import (
     OptimizerSettings,
@@ -49,6 +56,9 @@ from tiermoe.training.sft_loop import (
 METRICS_FILE = "metrics.json"
 DEFAULT_MAX_LENGTH = 512
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# Saved with the run's settings but free to change on resume: they decide memory and time, not the adapter
+# (checkpointing recomputes the same values; spans change only the order of fp32 sums, tests/test_cli_finetune.py).
+MEMORY_SETTINGS = ("gradient_checkpointing", "expert_chunk")
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,8 @@ class FinetuneConfig:
     gpu_device: str = "cpu"
     dtype: torch.dtype | None = None  # None: fp32 on the CPU device, else the checkpoint's dtype
     eval_batch_size: int = 8
+    gradient_checkpointing: bool = False  # each decoder layer recomputed in backward (transformers' checkpointing)
+    expert_chunk: int = DEFAULT_CHUNK  # tokens the CPU tier computes at a time in training; 0: the whole context
     progress: bool = True  # the loader's progress bar
 
     @property
@@ -82,12 +94,14 @@ class FinetuneConfig:
         return self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
 
     def run_settings(self, model_dir: Path) -> dict:
-        """What decides the trained adapter: a resume must repeat it (`steps` aside). As JSON stores it (lists)."""
+        """What decides the trained adapter: a resume must repeat it (`steps` and MEMORY_SETTINGS aside), and how
+        it was trained. As JSON stores it (lists)."""
         return json.loads(json.dumps({"model": str(model_dir.resolve()), "dataset": self.dataset,
                 "lora_rank": self.lora_rank,
                 "lora_alpha": self.alpha, "lora_dropout": self.lora_dropout, "lora_targets": self.lora_targets,
                 "expert_lora": self.expert_lora, "batch_size": self.batch_size, "max_length": self.max_length,
                 "seed": self.seed, "dtype": DTYPE_NAMES.get(self.dtype, str(self.dtype)), "steps": self.steps,
+                "gradient_checkpointing": self.gradient_checkpointing, "expert_chunk": self.expert_chunk,
                 **{f"optimizer.{k}": v for k, v in asdict(self.optimizer).items()}}))
 
 
@@ -156,6 +170,7 @@ def _checked(config: FinetuneConfig, model_dir: Path, hooks: FinetuneHooks) -> F
     if config.dtype is None:
         config = dataclasses.replace(config, dtype=torch.float32 if config.gpu_device == "cpu"
                                      else detect(model_config).dtype)
+    check_expert_chunk(config.expert_chunk)
     if positions and config.max_length > positions:
         raise TiermoeError(f"max length {config.max_length} is beyond the model's {positions} positions")
     found = checkpoint_dirs(config.out_dir)
@@ -175,7 +190,10 @@ def _checked(config: FinetuneConfig, model_dir: Path, hooks: FinetuneHooks) -> F
 
 def _check_same_run(saved: dict, now: dict, hooks: FinetuneHooks) -> None:
     for key, value in now.items():
-        if key != "steps" and saved.get(key) != value:
+        if key in MEMORY_SETTINGS and key in saved and saved[key] != value:
+            hooks.say(f"resuming with {key} {value!r} (the checkpoint's run had {saved[key]!r}): memory and time "
+                      "change, the results do not")
+        elif key != "steps" and key not in MEMORY_SETTINGS and saved.get(key) != value:
             raise TiermoeError(f"the checkpoint was made with {key} {saved.get(key)!r}, this run has {value!r}: "
                                "resume with the same settings")
     if saved.get("steps") != now["steps"]:
@@ -193,6 +211,7 @@ def run_finetune(config: FinetuneConfig, hooks: FinetuneHooks | None = None) -> 
     hybrid = load_hybrid_model(model_dir, config.placement, gpu_device=config.gpu_device, dtype=config.dtype,
                                cpu=config.cpu, progress=config.progress, trainable=True)
     with hybrid:  # the CPU tier's threads stop with it
+        set_expert_chunk(hybrid, config.expert_chunk)
         return _train(config, hooks, model_dir, hybrid, tokenizer, data)
 
 
@@ -203,6 +222,10 @@ def _train(config: FinetuneConfig, hooks: FinetuneHooks, model_dir: Path, hybrid
     else:
         torch.manual_seed(config.seed)  # LoRA's initial factors
         model = apply_lora(hybrid, _peft_config(config), experts=config.expert_lora)
+    if config.gradient_checkpointing:  # active in train mode only: evaluate() runs the plain forward
+        # newer transformers call it activation checkpointing (the old name warns); older ones have the old name only
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
     encoder = ChatEncoder(tokenizer, config.max_length)
     batches = SFTBatches(data.train, encoder, config.batch_size, config.seed)
     heldout = encode_all(data.heldout, encoder)

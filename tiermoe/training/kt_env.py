@@ -16,6 +16,11 @@ What each name does here:
 - NUM_THREADS: threads of the CPU tier, at most what the machine runs. Unset: tiermoe's default (physical cores
   less one), not KT's 1, which sizes kt-kernel's own pool. OMP_NUM_THREADS: torch's threads for the rest.
 - MODEL_MAX_LENGTH: the longest training sequence.
+- ACTIVATION_POLICY: a JSON object {"cpu": "retain"|"recompute", "gpu": "retain"|"recompute"} (KT's
+  KTActivationPolicy; KT's launcher writes it from kt_activation_policy). gpu=recompute turns gradient
+  checkpointing on (each decoder layer recomputed in backward: `tiermoe finetune --gradient-checkpointing`),
+  gpu=retain leaves it off. tiermoe's CPU tier always keeps only a layer's input and recomputes its experts in
+  backward, so cpu=retain (kt-kernel's cache of the experts' forward activations) comes back as a note.
 Not implemented, each a one-line error: TRAIN_MODE full / hybrid (full-weight training), USE_LORA_EXPERTS=1
 (KT's extra GPU-side LoRA experts), the fp8 / rawint4 / mxfp4 formats, TP_ENABLED=1. kt-kernel's memory and
 loading knobs (MAX_CACHE_DEPTH, SHARE_BACKWARD_BB, WEIGHT_LIFECYCLE, THREADPOOL_COUNT, WEIGHT_PATH, ...) have
@@ -25,6 +30,7 @@ An unknown ACCELERATE_KT_* name, or a malformed or out-of-range value, is a one-
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Mapping
@@ -47,8 +53,8 @@ KT_ONLY = {
     "WEIGHT_LIFECYCLE": ("lifecycle", "when kt-kernel frees its converted weights"),
     "TP_ENABLED": ("bool", "tensor parallelism"),
     "THREADPOOL_COUNT": ("positive", "kt-kernel's thread pools (NUMA sub-pools)"),
-    "WEIGHT_PATH": ("text", "kt-kernel's pre-converted expert weights (tiermoe reads the checkpoint, or a "
-                            "`tiermoe convert` cache)"),
+    "WEIGHT_PATH": ("text", ("kt-kernel's pre-converted expert weights (tiermoe reads the checkpoint, or a "
+                             "`tiermoe convert` cache)")),
     "NON_EXPERT_WEIGHT_PATH": ("text", "a separate non-expert checkpoint"),
     "EXPERT_CHECKPOINT_PATH": ("text", "a separate expert checkpoint"),
     "SKIP_EXPERT_LOADING": ("bool", "skipping the expert weights at load"),
@@ -56,11 +62,11 @@ KT_ONLY = {
     "SHARE_BACKWARD_BB": ("bool", "kt-kernel's shared backward buffers"),
     "SHARE_CACHE_POOL": ("bool", "kt-kernel's shared cache pool"),
     "FORCE_FUSED_EXPERT_LORA": ("bool", "kt-kernel's fused expert-LoRA kernels"),
-    "ACTIVATION_POLICY": ("text", "kt-kernel's activation checkpointing policy"),
 }
 USED = ("NUM_GPU_EXPERTS", "LORA_RANK", "LORA_ALPHA", "LORA_DROPOUT", "BACKEND", "EXPERT_WEIGHT_FORMAT", "NUM_THREADS",
         "OMP_NUM_THREADS", "MODEL_MAX_LENGTH", "TRAIN_MODE", "USE_LORA_EXPERTS", "LORA_EXPERT_NUM",
-        "LORA_EXPERT_INTERMEDIATE_SIZE")
+        "LORA_EXPERT_INTERMEDIATE_SIZE", "ACTIVATION_POLICY")
+ACTIVATION_RETENTION = ("retain", "recompute")
 KNOWN = USED + tuple(KT_ONLY)
 
 
@@ -69,7 +75,8 @@ class KTTrainingSettings:
     """The fine-tuning settings KT's variables and the command line's flags describe, with KT's defaults.
 
     lora_rank None: neither a flag nor ACCELERATE_KT_LORA_RANK gave one. expert_dtype None: the checkpoint's.
-    threads / torch_threads / max_length None: tiermoe's defaults. notes: one line for each KT-only setting given.
+    threads / torch_threads / max_length / gradient_checkpointing None: tiermoe's defaults. notes: one line for
+    each KT-only setting given (and ACTIVATION_POLICY's cpu=retain).
     """
 
     num_gpu_experts: int | None = None  # None: neither gave it (the loader's default placement)
@@ -81,6 +88,7 @@ class KTTrainingSettings:
     threads: int | None = None
     torch_threads: int | None = None
     max_length: int | None = None
+    gradient_checkpointing: bool | None = None  # None: neither a flag nor ACTIVATION_POLICY gave it
     notes: tuple[str, ...] = ()
 
     @property
@@ -187,6 +195,25 @@ def _check_not_implemented(env: dict[str, str]) -> None:
                            "tiermoe (its LoRA is on every routed expert, KT's default SFT mode)")
 
 
+def _activation_policy(value: str) -> tuple[bool, str | None]:
+    """(gradient checkpointing on, a note or None) from ACTIVATION_POLICY's JSON object, checked as KT checks it."""
+    name = PREFIX + "ACTIVATION_POLICY"
+    expected = ('expected a JSON object with exactly the keys cpu and gpu, each "retain" or "recompute", e.g. '
+                '{"cpu": "recompute", "gpu": "recompute"}')
+    try:
+        policy = json.loads(value)
+    except json.JSONDecodeError:
+        raise TiermoeError(f"{name}={value!r}: {expected}") from None
+    if not isinstance(policy, dict) or set(policy) != {"cpu", "gpu"} or \
+            any(policy[k] not in ACTIVATION_RETENTION for k in policy):
+        raise TiermoeError(f"{name}={value!r}: {expected}")
+    note = None
+    if policy["cpu"] == "retain":
+        note = (f"{name} cpu=retain (kt-kernel's cache of the CPU experts' forward activations) has no effect in "
+                "tiermoe: its CPU tier keeps a layer's input and recomputes the experts in backward")
+    return policy["gpu"] == "recompute", note
+
+
 def _kt_only_notes(env: dict[str, str]) -> tuple[str, ...]:
     notes = []
     for name, (kind, what) in KT_ONLY.items():
@@ -209,7 +236,8 @@ def _kt_only_notes(env: dict[str, str]) -> tuple[str, ...]:
 def read_kt_settings(environ: Mapping[str, str] | None = None, *, num_gpu_experts: int | None = None,
                      lora_rank: int | None = None, lora_alpha: float | None = None,
                      lora_dropout: float | None = None, expert_dtype: str | None = None, threads: int | None = None,
-                     max_length: int | None = None) -> KTTrainingSettings:
+                     max_length: int | None = None,
+                     gradient_checkpointing: bool | None = None) -> KTTrainingSettings:
     """The settings from ACCELERATE_KT_* (default: os.environ), each keyword given (not None) winning over its
     variable. Errors are one line (see the module docstring)."""
     env = kt_environment(environ)
@@ -231,10 +259,15 @@ def read_kt_settings(environ: Mapping[str, str] | None = None, *, num_gpu_expert
     torch_threads = pick(None, "OMP_NUM_THREADS",
                          lambda n, v: _int(n, v, 1, machine_cpus(), "torch threads (at most this machine's CPUs)"))
     length = pick(max_length, "MODEL_MAX_LENGTH", lambda n, v: _int(n, v, 2, MAX_SEQUENCE, "a sequence length"))
+    if "ACTIVATION_POLICY" in env:  # checked even under the flag, as every set variable is
+        recompute, note = _activation_policy(env["ACTIVATION_POLICY"])
+        notes += (note,) if note else ()
+        gradient_checkpointing = recompute if gradient_checkpointing is None else gradient_checkpointing
     return KTTrainingSettings(
         num_gpu_experts=gpu, lora_rank=rank, lora_alpha=alpha, lora_dropout=dropout or 0.0,
         expert_dtype=expert_dtype if expert_dtype is not None else env_dtype, expert_lora=expert_lora,
-        threads=cpu_threads, torch_threads=torch_threads, max_length=length, notes=notes,
+        threads=cpu_threads, torch_threads=torch_threads, max_length=length,
+        gradient_checkpointing=gradient_checkpointing, notes=notes,
     )
 
 
