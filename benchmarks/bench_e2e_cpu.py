@@ -41,53 +41,12 @@ from bench_cpu_experts import MachineProbe  # noqa: E402
 from e2e import llama_cpp as llama  # noqa: E402
 from e2e.models import MODELS, dir_bytes, prepare  # noqa: E402
 from e2e.report import LLAMA, TIERMOE, evaluate_goals, keep_round, report  # noqa: E402
+from e2e.side_process import SideError, Worker  # noqa: E402
 from support.decode_rounds import print_load_average  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).resolve().parent / "e2e" / "worker.py"
 PROMPT, PREFILL = 16, 512
 PROBES = 5  # read-bandwidth probes per round (torch.mv over 1 GiB, about 50 ms each)
-
-
-class Worker:
-    """A side in its own process (e2e/worker.py); call(op, **kwargs) runs one request and returns its result."""
-
-    def __init__(self, label: str, backend: str, args: dict, pythonpath: Path | None):
-        env = dict(os.environ)
-        if pythonpath is not None:
-            env["PYTHONPATH"] = os.pathsep.join([str(pythonpath)] + [p for p in [env.get("PYTHONPATH")] if p])
-        self.label = label
-        self.proc = subprocess.Popen([sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=env)
-        try:
-            self.layers = self.call("load", backend=backend, args=args)["layers"]
-        except SideError:
-            self.close()
-            raise
-
-    def call(self, op: str, **kwargs):
-        self.proc.stdin.write(json.dumps({"op": op, **kwargs}) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise SideError(f"{self.label}: its process ended (exit status {self.proc.wait()}); see its output above")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise SideError(f"{self.label} {op}: {reply['error']}")
-        return reply["ok"]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"op": "close"}) + "\n")
-                self.proc.stdin.close()
-            except BrokenPipeError:
-                pass
-        self.proc.wait()
-
-
-class SideError(Exception):
-    pass
 
 
 def parse_args(argv=None) -> argparse.Namespace:

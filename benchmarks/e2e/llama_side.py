@@ -41,14 +41,18 @@ class LlamaSide:
         return time.perf_counter() - start
 
     def decode_s_per_token(self, prompt: list[int], tokens: int) -> float:
+        return self.greedy(prompt, tokens + 1)[0] / tokens
+
+    def greedy(self, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
+        """The first `tokens` greedy tokens after `prompt`, and the seconds from the first to the last."""
         self.model.reset()
         self.model.eval(prompt)
-        token = self._next_token()
+        out = [self._next_token()]
         start = time.perf_counter()
-        for _ in range(tokens):
-            self.model.eval([token])
-            token = self._next_token()
-        return (time.perf_counter() - start) / tokens
+        while len(out) < tokens:
+            self.model.eval(out[-1:])
+            out.append(self._next_token())
+        return time.perf_counter() - start, out
 
     def loss(self, rows: list[list[int]]) -> float:
         """Mean next-token cross-entropy (nats), teacher-forced: a second context that keeps every position's
