@@ -99,7 +99,8 @@ make_model(\"gpt_oss\", sys.argv[1], config_overrides={\"intermediate_size\": 64
 --threads 2 --out $R/mla_decode.md'
   add bench_recorder '$PY benchmarks/bench_recorder.py --batch 2 --prompt-tokens 16 --decode-steps 4 --runs 1 \
 --modes stat,per_pass,per_token --gpu-masks'
-  add bench_speculative '$PY benchmarks/bench_speculative.py --prompts 2 --tokens 8 --draft-tokens 2,4 --rounds 1'
+  add bench_speculative "\$PY benchmarks/bench_speculative.py --prompts 2 --tokens 8 --draft-tokens 2,4 \
+--rounds 1$no_llama"
   add bench_speculative_verify 'make_once $R/models/q30b-1l-top6 --preset qwen3-30b-a3b --layers 1 --top-k 6 && \
 $PY benchmarks/bench_speculative_verify.py --table verify --model $R/models/q30b-1l-top6 --expert-dtypes bf16,int4 \
 --routing-trace data/routing/decode-route-traces/qwen.route.csv --positions 2 --rounds 1 && \

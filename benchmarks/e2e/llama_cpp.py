@@ -5,11 +5,13 @@ Cache (TIERMOE_CACHE, default ~/.cache/tiermoe):
     wheels/llama_cpp_python-0.3.36-*.whl       the built wheel (`--build-llama-cpp`: about 15 minutes on 2 cores)
     wheels/llama_cpp_python-0.3.36.tar.gz      its sdist (downloaded by pip when absent)
     llama-cpp-convert-0.3.36/                  vendor/llama.cpp's convert_hf_to_gguf.py, conversion/, gguf-py/
+    gguf/<checkpoint name>-<key>/bf16.gguf     a checkpoint converted once (cached_gguf; the key changes with it)
 The converter needs only torch, transformers and numpy; quantising needs llama_cpp (its llama_model_quantize).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import re
@@ -22,6 +24,7 @@ from pathlib import Path
 LLAMA_CPP_VERSION = "0.3.36"
 SDIST = f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"
 CONVERT_WRAPPER = Path(__file__).resolve().parent / "convert_gguf.py"
+HASHED_BYTES = 256 << 20  # checkpoint_key hashes the contents of files up to this size
 
 
 def cache_dir() -> Path:
@@ -118,6 +121,31 @@ def convert_to_gguf(hf_dir: Path, out: Path, work: Path) -> None:
         tail = log.read_text().strip().splitlines()[-1:] or ["no output"]
         raise SystemExit(f"[llama.cpp] converting {hf_dir} to GGUF failed: {tail[0]} (log: {log})")
     tmp.rename(out)
+
+
+def checkpoint_key(hf_dir: Path) -> str:
+    """A short hash of what a checkpoint directory holds: each file's name and size, the contents of files up to
+    HASHED_BYTES, the modification time of larger ones (hashing a 60 GB checkpoint would take minutes)."""
+    digest = hashlib.sha256()
+    for f in sorted(p for p in hf_dir.iterdir() if p.is_file()):
+        size = f.stat().st_size
+        digest.update(f"{f.name}\0{size}\0".encode())
+        if size <= HASHED_BYTES:
+            digest.update(f.read_bytes())
+        else:
+            digest.update(str(f.stat().st_mtime_ns).encode())
+    return digest.hexdigest()[:16]
+
+
+def cached_gguf(hf_dir: Path) -> Path:
+    """hf_dir as a bf16 GGUF (convert_to_gguf), converted on first use and kept under the cache; a changed
+    checkpoint has another key, so it is converted anew."""
+    work = cache_dir() / "gguf" / f"{hf_dir.resolve().name}-{checkpoint_key(hf_dir)}"
+    out = work / "bf16.gguf"
+    if not out.exists():
+        work.mkdir(parents=True, exist_ok=True)
+        convert_to_gguf(hf_dir, out, work)
+    return out
 
 
 def quantize_q4_k_m(src: Path, out: Path, threads: int) -> None:
