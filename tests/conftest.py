@@ -7,6 +7,7 @@ a placement bug then shows up far above the fp32 tolerance.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -127,3 +128,29 @@ def run_cli(*args: str):
         except SystemExit as exit_:  # argparse: bad flags, --help
             code = exit_.code if isinstance(exit_.code, int) else 0
     return subprocess.CompletedProcess(["tiermoe", *args], code, out.getvalue(), err.getvalue())
+
+
+def run_script(path, *args: str):
+    """Run `python PATH ARGS` in this process (runpy as __main__, its folder first on sys.path): for tests whose
+    point is what a script prints, not its process, this saves a second interpreter and its imports of torch and
+    transformers. Returns (returncode, stdout, stderr)."""
+    import contextlib
+    import io
+    import runpy
+    import subprocess
+    import sys
+
+    out, err = io.StringIO(), io.StringIO()
+    argv, path_before = sys.argv, list(sys.path)
+    sys.argv, sys.path[:0] = [str(path), *args], [str(Path(path).parent)]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(str(path), run_name="__main__")
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        if not isinstance(exit_.code, int | None):
+            err.write(f"{exit_.code}\n")  # sys.exit("message"), as the interpreter would print it
+    finally:
+        sys.argv, sys.path[:] = argv, path_before
+    return subprocess.CompletedProcess([sys.executable, str(path), *args], code, out.getvalue(), err.getvalue())

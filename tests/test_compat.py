@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ARCHS, save_tiny
+from conftest import ARCHS, run_script, save_tiny
 
 from tiermoe.arch import detect, load_config
 from tiermoe.checkpoint.safetensors import Checkpoint
@@ -33,8 +33,9 @@ def resolve(obj, path: str):
 
 
 def test_toy_example_prints_the_documented_mask():
-    out = subprocess.run([sys.executable, str(ROOT / "examples/activation_frequency_toy.py")], capture_output=True,
-                         text=True, check=True).stdout.splitlines()
+    done = run_script(ROOT / "examples/activation_frequency_toy.py")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.splitlines()
     assert out[0] == "mask: [[F,T,F,T],[F,F,T,F]]"
     assert "layer 1 expert 2: cuda:0" in out and "layer 0 expert 0: cpu" in out
 
@@ -138,8 +139,7 @@ def test_environment_sets_gpu_experts_per_layer(tiny_dir, monkeypatch):
 
 
 def test_choose_placement_strategy_example_runs_on_the_bundled_model():
-    out = subprocess.run([sys.executable, str(ROOT / "examples/choose_placement_strategy.py"), "--num-prompts", "4",
-                          "--max-tokens", "8"], capture_output=True, text=True, timeout=300, check=False)
+    out = run_script(ROOT / "examples/choose_placement_strategy.py", "--num-prompts", "4", "--max-tokens", "8")
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line[:1].isdigit()]
     assert len(lines) == 4 and all(line.count("%") == 5 for line in lines)
