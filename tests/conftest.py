@@ -29,6 +29,12 @@ def pytest_configure(config):
     # steps call deep enough that, at some stack depths, each call mapped and unmapped a frame-stack chunk (a
     # CPython 3.11 defect): the slowest tests took 3-5x as long in the suite as alone
     keep_frame_chunks()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # one worker per core already: torch's own intra-op threads (one per core in every worker) only
+        # oversubscribe the cores, and its OpenMP threads spin while they wait for one, so a test beside another
+        # worker's ran 2-8x as long as alone (test_speculative_decode: 51 s against 11 s beside test_server_fuzz).
+        # The tiny models gain nothing from them; subprocesses a test starts keep their defaults
+        torch.set_num_threads(1)
 
 
 def save_tiny(arch: str, out, seed: int = 0, sizes: dict | None = None, **save_kwargs):
