@@ -139,7 +139,7 @@ def run_cli(*args: str):
 def run_script(path, *args: str):
     """Run `python PATH ARGS` in this process (runpy as __main__, its folder first on sys.path): for tests whose
     point is what a script prints, not its process, this saves a second interpreter and its imports of torch and
-    transformers. Returns (returncode, stdout, stderr)."""
+    transformers. Returns a CompletedProcess, as run_cli does."""
     import contextlib
     import io
     import runpy
