@@ -33,8 +33,10 @@ def pytest_configure(config):
         # one worker per core already: torch's own intra-op threads (one per core in every worker) only
         # oversubscribe the cores, and its OpenMP threads spin while they wait for one, so a test beside another
         # worker's ran 2-8x as long as alone (test_speculative_decode: 51 s against 11 s beside test_server_fuzz).
-        # The tiny models gain nothing from them; subprocesses a test starts keep their defaults
+        # The tiny models gain nothing from them. The processes a test starts (ranks, servers, children that count
+        # allocations) inherit one OpenMP thread too, through the environment, unless the test sets it
         torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def save_tiny(arch: str, out, seed: int = 0, sizes: dict | None = None, **save_kwargs):
