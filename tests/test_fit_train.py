@@ -70,6 +70,7 @@ def test_fit_train_prints_every_term_and_the_longest_context(tiny_dir, monkeypat
     (("--expert-chunk", "8"), "give --train too"),
     (("--train", "--lora-rank", "0"), "positive integer"),
     (("--train", "--expert-chunk", "-1"), ">= 0"),
+    (("--train", "--expert-chunk", "100000000"), "between 0 and 16,777,216 tokens"),  # finetune's bound too
     (("--train", "--lora-rank", "100000"), "largest rank"),
 ])
 def test_bad_training_flags_are_one_line_errors(tiny_dir, args, fragment):

@@ -10,12 +10,12 @@ from tiermoe.cli.choices import (
     DTYPE_NAMES,
     FINETUNE_MAX_LENGTH,
     MAX_LORA_RANK,
-    MAX_TRAINING_SEQUENCE,
 )
 from tiermoe.cli.cpu_flags import add_cpu_flags
 from tiermoe.cli.flags import (
     add_command,
     dtype_flag,
+    expert_chunk,
     finite_float,
     non_negative_float,
     non_negative_int,
@@ -37,14 +37,6 @@ def bounded_int(high: int, what: str):
             raise argparse.ArgumentTypeError(f"expected {what} between 1 and {high:,}, got {number:,}")
         return number
     return parse
-
-
-def expert_chunk(value: str) -> int:
-    number = non_negative_int(value)
-    if number > MAX_TRAINING_SEQUENCE:
-        raise argparse.ArgumentTypeError(f"expected an expert chunk between 0 and {MAX_TRAINING_SEQUENCE:,} tokens "
-                                         f"(0: the whole context), got {number:,}")
-    return number
 
 
 def dropout(value: str) -> float:

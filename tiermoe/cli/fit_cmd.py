@@ -6,6 +6,7 @@ from __future__ import annotations
 from tiermoe.cli.choices import DEFAULT_EXPERT_CHUNK
 from tiermoe.cli.flags import (
     add_command,
+    expert_chunk,
     non_negative_float,
     non_negative_int,
     positive_int,
@@ -63,7 +64,7 @@ def add_parser(sub) -> None:
     p.add_argument("--lora-rank", type=positive_int, default=None,
                    help="with --train: LoRA rank on all linears and every expert, alpha 2 x rank, as tiermoe "
                         "finetune trains (default 16), e.g. --train --lora-rank 8")
-    p.add_argument("--expert-chunk", type=non_negative_int, default=None,
+    p.add_argument("--expert-chunk", type=expert_chunk, default=None,
                    help=f"with --train: tokens the CPU tier computes at a time in training (default "
                         f"{DEFAULT_EXPERT_CHUNK}; 0: the whole context; tiermoe.training.set_expert_chunk), e.g. "
                         "--train --expert-chunk 2048")

@@ -13,7 +13,7 @@ import argparse
 import math
 from pathlib import Path
 
-from tiermoe.cli.choices import DTYPE_NAMES
+from tiermoe.cli.choices import DTYPE_NAMES, MAX_TRAINING_SEQUENCE
 from tiermoe.config import MAX_RUNNING_REQUESTS
 
 _TORCH_NAMES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}  # DTYPE_NAMES -> torch's attribute
@@ -61,6 +61,16 @@ def non_negative_int(value: str) -> int:
     number = _int(value)
     if number < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {number}")
+    return number
+
+
+def expert_chunk(value: str) -> int:
+    """Tokens the CPU tier computes at a time in training (finetune --expert-chunk, fit --train --expert-chunk: one
+    bound, so the command fit prints is one finetune takes)."""
+    number = non_negative_int(value)
+    if number > MAX_TRAINING_SEQUENCE:
+        raise argparse.ArgumentTypeError(f"expected an expert chunk between 0 and {MAX_TRAINING_SEQUENCE:,} tokens "
+                                         f"(0: the whole context), got {number:,}")
     return number
 
 
