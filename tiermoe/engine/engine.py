@@ -138,7 +138,7 @@ class Engine:
         if config.speculative is not None:
             cost = MeasuredStepCost(step_cost_of(hybrid))  # the bytes model until timed steps tell better
             self.drafter = make_drafter(config.speculative, cost, self.max_context, hybrid)
-            if config.speculative.adaptive:  # its verify passes measure the lag reuse its lengths weigh
+            if self.drafter.routing is not None:  # adaptive: its verify passes measure the lag reuse its lengths weigh
                 self.add_recorder(self.drafter.routing)
             windows = self.drafter.pool_layers(windows)  # an MTP layer's K/V: one more layer of the pool
         device = hybrid.gpu_device

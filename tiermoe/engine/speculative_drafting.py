@@ -46,9 +46,9 @@ class Drafter:
         self.overall = AcceptanceEstimate(decay=OVERALL_DECAY)  # every sequence's outcomes: each one's prior
         self.drafted_tokens = 0  # drafted tokens verified, over all sequences (metrics, benchmarks)
         self.accepted_tokens = 0  # of them, accepted
-        # the lag reuse the lengths count with, measured on the verify passes the engine records into it (adaptive)
+        # adaptive lengths: the lag reuse they count with, measured on the verify passes the engine records into it
         model = cost.model if isinstance(cost, MeasuredStepCost) else cost
-        self.routing = None if model is None else LagReuse(model.top_k, model.reuse)
+        self.routing = LagReuse(model.top_k, model.reuse) if config.adaptive and model is not None else None
 
     @property
     def reuse(self) -> float:
