@@ -95,10 +95,10 @@ def test_a_fused_decode_step_is_bit_for_bit_the_per_op_path(arch, checkpoint, mo
 
 def test_short_prompts_take_the_whole_layer_call_each_row_attending_in_place(checkpoint, monkeypatch):
     """Prompt rows attend like decode rows (RaggedStep.rows_in_place): the prompt step's logits equal the per-op
-    path's (SDPA over the gathered past) within bf16 rounding; a step mixing decode rows and a prompt chunk, too;
-    prompt rows that would see more than PROMPT_KEYS keys keep the per-op path."""
+    path's (its decode rows and chunk rows in two calls) within bf16 rounding; a step mixing decode rows and a
+    prompt chunk, too; a step of more than PROMPT_ROWS rows keeps the per-op path."""
     path = checkpoint("qwen3_moe")
-    monkeypatch.setattr(fused_decode_layer, "PROMPT_KEYS", 150)
+    monkeypatch.setattr(fused_decode_layer, "PROMPT_ROWS", 16)
     rows = {}
     for fuse in (True, False):
         with monkeypatch.context() as m:
@@ -108,11 +108,11 @@ def test_short_prompts_take_the_whole_layer_call_each_row_attending_in_place(che
             with LLM(path, dtype=torch.bfloat16, page_size=4, progress=False) as llm:
                 engine = llm.engine
                 first, second, third = (engine.new_sequence() for _ in range(3))
-                prompt = engine.feed([first], [PROMPTS[2]])[0]  # 13 rows, 91 keys: fused
+                prompt = engine.feed([first], [PROMPTS[2]])[0]  # 13 rows: fused
                 taken = calls.n
                 mixed = engine.feed([first, second], [[5], PROMPTS[1]])  # a decode row and 9 prompt rows
                 taken = (taken, calls.n - taken)
-                engine.feed([third], [list(range(3, 20))])  # 17 rows, 153 keys: beyond PROMPT_KEYS
+                engine.feed([third], [list(range(3, 20))])  # 17 rows: beyond PROMPT_ROWS
                 rows[fuse] = (prompt, mixed, taken, calls.n - sum(taken))
     (prompt, mixed, taken, long), (want_prompt, want_mixed, _, _) = rows[True], rows[False]
     assert taken == (2, 2) and long == 0  # each step through both MoE layers; the long prompt by the per-op path

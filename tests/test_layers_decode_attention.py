@@ -19,6 +19,7 @@ from tiermoe.engine.sampling import SamplingParams
 from tiermoe.experts.kernels import ISA_NAMES, ThreadTeam, load_kernels
 from tiermoe.layers import decode_attention as decode_module
 from tiermoe.layers.decode_attention import DecodeAttention
+from tiermoe.layers.ragged_step import RaggedStep, SeqFeed
 from tiermoe.testing.op_counter import OpCounter
 
 KERNELS = load_kernels()
@@ -183,6 +184,52 @@ def test_a_decode_step_reads_the_past_where_it_lies(arch, dtype, tiny_dir):
             got[in_place] = (seq.output_ids, ops.names["index_select"])
     assert got[True][0] == got[False][0]
     assert got[True][1] == 0 < got[False][1]
+
+
+@needs_kernels
+def test_a_prompt_chunk_after_a_past_reads_it_where_it_lies_but_for_mla(tiny_dir):
+    """A prompt's second chunk beside a decode row gathers no past K/V where the kernel reads chunks (MLA's
+    chunks keep the gathered path, one index_select per layer per latent and roped key), and the next tokens equal
+    those of the gathered path."""
+    for arch, gathered in (("qwen3_moe", False), ("deepseek_v2", True)):
+        got = {}
+        for in_place in (True, False):
+            with LLM(tiny_dir(arch), dtype=torch.bfloat16, page_size=4, progress=False) as llm:
+                engine = llm.engine
+                if not in_place:
+                    engine.decode_attention = None
+                first, second = engine.new_sequence(), engine.new_sequence()
+                engine.feed([first, second], [list(range(3, 12)), list(range(20, 31))])
+                ops = OpCounter()
+                with ops:
+                    rows = engine.feed([first, second], [[5], list(range(40, 47))])
+                got[in_place] = ([int(r[-1].float().argmax()) for r in rows], ops.names["index_select"])
+        assert got[True][0] == got[False][0], arch
+        assert (got[True][1] > 0) == gathered and got[False][1] > 0, arch
+
+
+@needs_kernels
+@pytest.mark.parametrize("window, sinks", [(None, False), (6, True)])
+def test_prompt_chunks_attend_their_pages_in_place_row_by_row_causally_and_within_the_window(window, sinks):
+    """Two chunks of one step after a decode row (20 rows after a past of 10; 5 rows of a new sequence): each
+    chunk row against its own keys, up to its own position, in the window; the decode row's output untouched."""
+    g = torch.Generator().manual_seed(1)
+    page_size, H, Hkv, d = 4, 6, 2, 16
+    pages = (torch.randperm(60, generator=g)[:9] + 1).tolist()
+    feeds = [SeqFeed(7, 1, {window: [63, 64]}), SeqFeed(10, 20, {window: pages[:8]}),
+             SeqFeed(0, 5, {window: [61, 62]})]
+    step = RaggedStep(feeds, page_size, {0: window}, torch.device("cpu"), torch.float32,
+                      decode_attention=DecodeAttention(KERNELS, lambda: None))
+    assert step.chunk_attention is not None and step.first_gathered == len(step.row_parts) and not step.decode_only
+    k, v = torch.randn(65 * page_size, Hkv, d, generator=g), torch.randn(65 * page_size, Hkv, d, generator=g)
+    q, out = torch.randn(26, H, d, generator=g), torch.zeros(26, H, d)
+    sinks_H = torch.randn(H, generator=g) if sinks else None
+    step.chunk_attention.attend_chunks(step, window, q, k, v, 0.25, sinks_H, out)
+    pos = torch.tensor([10 + i for i in range(20)] + list(range(5)), dtype=torch.int32)
+    lo = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp(min=0)
+    tables = torch.tensor([pages[:8]] * 20 + [[61, 62] + [0] * 6] * 5)
+    assert rel_err(out[1:], _reference(q[1:], k, v, tables, pos, lo, page_size, 0.25, sinks_H)) <= 1e-5
+    assert not out[0].any()  # the decode row is attend_decode_rows' (RaggedStep.attend_in_place calls both)
 
 
 @needs_kernels

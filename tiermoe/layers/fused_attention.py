@@ -4,7 +4,8 @@ transformers' attention forward dispatches about 35 ops per layer for one decode
 and transposes, rotary embedding as eight elementwise ops per tensor, the cache update and the attention call.
 On the CPU at batch 1 their dispatch is the cost, not their arithmetic. `DecodeFusedAttention` takes an attention
 module's place (its children and parameters under their own names, as HybridMoE takes a MoE block's) and, in a
-step whose rows are all decode rows attending in place (tiermoe.layers.decode_attention), computes:
+step whose rows all attend in place (decode rows, and prompt chunks' rows where the kernel reads them:
+tiermoe.layers.decode_attention), computes:
 - q, k and v with ONE linear: their weights are concatenated once, and the three projections' parameters
   become row views of the concatenation (no second copy held; the original forward still reads them); packed
   projections (--non-expert-dtype) likewise become one packed product (quantized_linear.stack_rows);
@@ -12,7 +13,7 @@ step whose rows are all decode rows attending in place (tiermoe.layers.decode_at
 - rotary embedding in place, in one native call (csrc/rotary.cpp: the same products, sum and roundings; GPT-OSS's
   half-width form too);
 - the new K/V written into the pool, the attention read in place, the output projection.
-Every other step (prompt chunks, gradients, a GPU device) runs the module's original forward.
+Every other step (gathered prompt chunks, gradients, a GPU device) runs the module's original forward.
 Families: Qwen3-MoE, Qwen2-MoE, Mixtral and GPT-OSS attention (full rotary, no gate; GPT-OSS's sinks go to the
 attention kernel). OLMoE (norms over all heads, clipping), GLM-4.5 (partial rotary) and Qwen3-Next (gated) keep
 transformers' forward.
@@ -68,7 +69,8 @@ class DecodeFusedAttention(nn.Module):
     def forward(self, *args, **kwargs):
         step = kwargs.get(STEP_KWARG)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if (args or step is None or step.decode_attention is None or step.first_gathered < len(step.row_parts)
+        if (args or step is None or step.first_gathered < len(step.row_parts)  # a part to gather: SDPA's path
+                or (step.decode_attention is None and step.chunk_attention is None)
                 or cache is None or torch.is_grad_enabled()):
             return self.original_class.forward(self, *args, **kwargs)
         return self._decode(kwargs["hidden_states"], kwargs["position_embeddings"], cache, step), None
@@ -84,8 +86,8 @@ class DecodeFusedAttention(nn.Module):
         self.native.rotate(k_THd, cos[0], sin[0])
         k_slots, v_slots = cache.write(self.layer_idx, k_THd, v_THd)
         out_THd = q_THd.new_empty((T, H, v_THd.shape[-1]))
-        step.attend_decode_rows(step.layer_windows[self.layer_idx], q_THd, k_slots, v_slots, self.scaling,
-                                getattr(self, "sinks", None), out_THd)
+        step.attend_in_place(step.layer_windows[self.layer_idx], q_THd, k_slots, v_slots, self.scaling,
+                             getattr(self, "sinks", None), out_THd)
         return self.o_proj(out_THd.view(1, T, -1))
 
     def _qkv(self, x_TD: torch.Tensor) -> torch.Tensor:

@@ -54,13 +54,11 @@ from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.layers.row_lora_linear import RowLoRALinear
 
 _FAMILIES = (Qwen3MoeDecoderLayer, MixtralDecoderLayer)
-# Rows of a step with prompt rows that still takes the whole-layer call: each row attends in place like a decode
-# row (RaggedStep.rows_in_place), where the per-op path gathers the prompt's past and calls SDPA; the same products,
-# attention summed in another order (the per-op path's decode steps stay bit for bit the same). A short prompt's
-# first token (time to first token) is the gain; longer prompts are worth SDPA's many-query kernels, and so are
-# prompt rows after a long past (each row reads its keys on its own): PROMPT_KEYS bounds what they see together.
+# Rows of a step with prompt rows that still takes the whole-layer call: every row attends in place in one call
+# (RaggedStep.rows_in_place), where the per-op path attends the decode rows and the chunks' rows in two (the same
+# products, attention summed in another order where the team splits a row's keys differently; the per-op path's
+# decode steps stay bit for bit the same). Longer steps are worth torch's threads in the norms and routers.
 PROMPT_ROWS = NATIVE_MAX_ROWS
-PROMPT_KEYS = 4096
 
 
 class StepWorkspace:
@@ -97,9 +95,8 @@ class StepPlan:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if step is None or not isinstance(cache, PagedStepCache) or torch.is_grad_enabled():
             return None
-        in_place = _in_place(step)  # every row a decode row, its index built: else the rows are planned here
+        in_place = step.decode_only  # every row a decode row, its index built: else the rows are planned here
         if (x_1TD.dtype != torch.bfloat16 or x_1TD.device.type != "cpu" or x_1TD.dim() != 3 or x_1TD.shape[0] != 1
-                or not (in_place or step.segment_keys <= PROMPT_KEYS)
                 or x_1TD.shape[1] > (NATIVE_MAX_ROWS if in_place else PROMPT_ROWS)):
             return None
         cos, sin = kwargs["position_embeddings"]
@@ -236,9 +233,6 @@ def _fill(args: TmLinearLora, stack: LoRAStack, mask_TR: torch.Tensor | None, he
     args.A, args.Bt, args.mask = stack.A.data_ptr(), stack.Bt.data_ptr(), mask_TR.data_ptr()
 
 
-def _in_place(step) -> bool:
-    """Whether every row of `step` is a decode row attending the pool in place (its index is built already)."""
-    return step.decode_attention is not None and step.first_gathered == len(step.row_parts)
 
 
 def _product(kernels: Kernels, linear: QuantizedLinear) -> TmLinearArgs:

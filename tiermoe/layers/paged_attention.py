@@ -14,7 +14,8 @@ attention modules stay transformers' (their projections, norms and rope); two th
 A step whose decode rows attend in place (step.decode_attention, tiermoe.layers.decode_attention) gets the
 layer's slots themselves from `update`, no gather: the decode rows read them through their page tables in one
 native call, and only the segments' pages are gathered, by the attention function. Where the step's prompt chunks
-attend in place too (step.chunk_attention: the Triton kernel, CUDA's), nothing is gathered.
+attend in place too (step.chunk_attention: the Triton kernel, CUDA's, or the native kernel, the CPU's), nothing is
+gathered.
 Legend: T new tokens, K read keys, H heads, d head dim, b rows of one attention call, q its queries, w its keys.
 """
 
@@ -167,11 +168,10 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     window = step.layer_windows[module.layer_idx]
     out = query.new_empty((1, query.shape[2], query.shape[1], value.shape[-1]))
     scale = query.shape[-1] ** -0.5 if kwargs.get("scaling") is None else kwargs["scaling"]
-    if step.decode_attention is not None:
-        key, value = _decode_in_place(step, window, query, key, value, out, scale, kwargs.get("s_aux"))
     if step.chunk_attention is not None:  # every row in place: no part is left to gather
-        step.chunk_attention.attend_chunks(step, window, query[0].transpose(0, 1), key, value, scale,
-                                           kwargs.get("s_aux"), out[0])
+        step.attend_in_place(window, query[0].transpose(0, 1), key, value, scale, kwargs.get("s_aux"), out[0])
+    elif step.decode_attention is not None:
+        key, value = _decode_in_place(step, window, query, key, value, out, scale, kwargs.get("s_aux"))
 
     def one_part(part: Part) -> torch.Tensor:
         result, _ = attend(module, part_queries(query, part), part_keys(key, part), part_keys(value, part),

@@ -17,8 +17,9 @@ Given a `decode_attention` (tiermoe.layers.decode_attention: on the CPU, where e
 tiermoe.layers.paged_attention), the decode rows attend the pool in place instead: they get no gathered pages,
 padding or masks, but per group each row's page table and first visible position (`DecodeIndex`), and the
 gathered parts are the segments only (`first_gathered` indexes them in row_parts). Where that attention also
-reads prompt chunks in place (`reads_chunks`: the Triton kernel, CUDA's), nothing is gathered: each chunk gets its
-page table (`GroupIndex.chunk_tables`) and its rows are cut into blocks of CHUNK_ROWS (`chunk_blocks`).
+reads prompt chunks in place (`reads_chunks`: the Triton kernel, CUDA's, and the CPU's native kernel but for MLA),
+nothing is gathered: each chunk gets its page table (`GroupIndex.chunk_tables`); the Triton kernel takes its rows
+in blocks of CHUNK_ROWS (`chunk_blocks`), the native kernel row by row (`chunk_rows`).
 
 The engine's steps write their tensors into the pool's step buffers (tiermoe.layers.step_buffers: the same
 addresses every step), all but the gathered parts' masks: a mask holds a value per key read, so a buffer for them
@@ -167,9 +168,7 @@ class RaggedStep:
         self.groups = {w: self._group(w, device, mask_dtype) for w in dict.fromkeys(layer_windows.values())
                        if not isinstance(w, str)}
         self._in_place: dict[int | None, tuple[DecodeIndex, torch.Tensor]] = {}  # rows_in_place, per group
-        # keys the segments' rows see in full attention (each row its past and itself): what attending them in
-        # place, row by row, would read
-        self.segment_keys = sum(f.new * f.past + f.new * (f.new + 1) // 2 for f in feeds[num_decode:])
+        self._chunk_rows: dict[int | None, tuple[DecodeIndex, torch.Tensor]] = {}  # chunk_rows, per group
 
     def _group(self, window: int | None, device: torch.device, mask_dtype: torch.dtype) -> GroupIndex:
         size, low = self.page_size, torch.finfo(mask_dtype).min
@@ -228,6 +227,39 @@ class RaggedStep:
             self._in_place[window] = (DecodeIndex(table, torch.tensor(lo, dtype=torch.int32), keys),
                                       torch.tensor(pos, dtype=torch.int32))
         return self._in_place[window]
+
+    @property
+    def decode_only(self) -> bool:
+        """Whether every row is a decode row attending the pool in place (its index built)."""
+        return self.decode_attention is not None and self.num_decode == len(self.feeds)
+
+    def chunk_rows(self, window: int | None) -> tuple[DecodeIndex, torch.Tensor]:
+        """The prompt chunks' rows (the step's rows after its decode rows), each a query attending its sequence's
+        pages in place: (DecodeIndex of those rows, pos [rows] int32). Each row takes its chunk's table (pages up
+        to the chunk's last query; a row reads only its keys [lo, pos]). Built on first use per group, then kept."""
+        if window not in self._chunk_rows:
+            segments = self.feeds[self.num_decode:]
+            pos = [f.past + i for f in segments for i in range(f.new)]
+            lo = [_first_visible(p, window) for p in pos]
+            chunk_tables = self.groups[window].chunk_tables
+            tables = chunk_tables.repeat_interleave(torch.tensor([f.new for f in segments],
+                                                                 device=chunk_tables.device), dim=0)
+            index = DecodeIndex(tables, torch.tensor(lo, dtype=torch.int32, device=tables.device),
+                                sum(p + 1 - first for p, first in zip(pos, lo)))
+            self._chunk_rows[window] = (index, torch.tensor(pos, dtype=torch.int32, device=tables.device))
+        return self._chunk_rows[window]
+
+    def attend_in_place(self, window: int | None, q_THd: torch.Tensor, k_SHd: torch.Tensor, v_SHd: torch.Tensor,
+                        scale: float, sinks_H: torch.Tensor | None, out_THd: torch.Tensor) -> None:
+        """Every row that attends the pool in place: the decode rows, and the prompt chunks' rows where the
+        attention reads them (`chunk_attention`)."""
+        if self.chunk_attention is None:  # decode rows only: no slice to dispatch (a decode step counts its ops)
+            self.attend_decode_rows(window, q_THd, k_SHd, v_SHd, scale, sinks_H, out_THd)
+            return
+        if self.decode_attention is not None:
+            self.attend_decode_rows(window, q_THd[:self.num_decode], k_SHd, v_SHd, scale, sinks_H,
+                                    out_THd[:self.num_decode])
+        self.chunk_attention.attend_chunks(self, window, q_THd, k_SHd, v_SHd, scale, sinks_H, out_THd)
 
     def attend_decode_rows(self, window: int | None, q_THd: torch.Tensor, k_SHd: torch.Tensor, v_SHd: torch.Tensor,
                            scale: float, sinks_H: torch.Tensor | None, out_THd: torch.Tensor,
