@@ -9,13 +9,14 @@ pool holds it:
 - gathered: what the engine ran before, and what transformers' SDPA path over a paged pool needs: the chunk's
   pages gathered (`paged_attention.gather_pages`), then transformers' `sdpa_attention_forward` with the chunk's
   causal mask (which repeats each KV head for its query heads where a mask is given).
-Both on a kernel team / torch pool of --threads threads. Each round times every case both ways, the two
+Both on one thread by default (--threads: a kernel team and torch's pool of that many; on a 2-core machine with
+anything else running, torch's second thread and the team's wait for each other's CPU). Each round times every case both ways, the two
 alternating; the table gives the median and the spread (min-max) of --rounds rounds of --calls calls, and the
 ratio of the medians (gathered / in place: above 1, in place is faster).
 
     python benchmarks/bench_chunk_attention.py
     python benchmarks/bench_chunk_attention.py --cases 4096x8 4096x16 0x512 --rounds 7 --dtype fp32
-    python benchmarks/bench_chunk_attention.py --shape demo --threads 1
+    python benchmarks/bench_chunk_attention.py --shape demo --threads 2
 """
 
 from __future__ import annotations
@@ -97,8 +98,7 @@ def main() -> None:
                         help=f"PASTxROWS: a chunk of ROWS rows after a past of PAST (default: {' '.join(CASES)})")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="kernel team and torch threads (default: every CPU)")
+    parser.add_argument("--threads", type=int, default=1, help="kernel team and torch threads (default 1)")
     parser.add_argument("--calls", type=int, default=3, help="calls per timed round")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
@@ -110,6 +110,9 @@ def main() -> None:
     if kernels is None:
         parser.error("the CPU kernels are not built here (no C++ compiler?)")
     torch.set_num_threads(args.threads)
+    # torch's thread pool started before the team pins the calling thread to its CPU: threads started after that
+    # inherit the one-CPU mask, so SDPA would run its threads on one CPU
+    torch.ones(256, 256) @ torch.ones(256, 256)
     team = ThreadTeam(kernels, args.threads)
     attention = DecodeAttention(kernels, lambda: team)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

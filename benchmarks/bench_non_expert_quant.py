@@ -2,7 +2,8 @@
 
 The bundled model (or --model) is loaded CPU-only (gpu_device "cpu", every routed expert on the CPU tier, in the
 checkpoint's dtype) once per configuration: non-expert linears as loaded (torch's, --non-expert-dtype none), or packed
-bf16 / int8 / int4 (tiermoe.model.non_expert_quant), with the experts bf16 (bf16 also with an int4 LM head alone), and
+bf16 / int8 / int4 (tiermoe.model.non_expert_quant), with the experts bf16 (bf16 also with an int4 LM head alone), the
+"8-bit model" (int8 non-experts and experts, what a llama.cpp Q8_0 file is) and
 the "4-bit model": int4 non-experts with int4 experts (--cpu-expert-dtype int4), what a llama.cpp Q4_K_M file is, with
 its LM head int4 (the default) and int8 (--head-dtype int8, nearer Q4_K_M's 6-bit output matrix). For each: the
 held-out loss (nats) of the same GSM8K prompts bench_format_loss.py scores (the demo model never saw them), its change
@@ -12,21 +13,44 @@ the KL does not), the non-expert bytes held, and the weight bytes one decode tok
 plus top-k experts per MoE layer; an embedding row is negligible). Then decode speed: the same greedy generations
 (ignore_eos, fixed length) for every configuration, alternating within each round, best of the rounds.
 
+Beside them, llama.cpp's formats of the same checkpoint where llama-cpp-python is installed (--no-llama-cpp: not):
+its bf16 GGUF (llama.cpp's own converter), and Q8_0 and Q4_K_M quantised from it by llama.cpp (files cached, see
+benchmarks/e2e/llama_cpp.py), each scored on the same prompts against the same unquantised tiermoe model (loss, KL,
+top token; llama.cpp in a process of its own), with the weight bytes a token reads from the file, and a second table
+of the type llama.cpp gave each kind of tensor: its mixes keep some tensors at more bits (Q4_K_M's output matrix
+and some value and down projections at Q6_K), and a row width that is not a multiple of its block (256 for the
+K-quants) falls back to another type. Their decode speed is bench_e2e_cpu.py's.
+
     python benchmarks/bench_non_expert_quant.py                      # bundled model, 64 prompts, 3 rounds
     python benchmarks/bench_non_expert_quant.py --model DIR --num-prompts 32 --rounds 5 --tokens 128
+    python benchmarks/bench_non_expert_quant.py --rounds 0           # quality and bytes only, no speed runs
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from pathlib import Path
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_format_loss import prompt_rows  # noqa: E402  (the held-out prompts that benchmark scores)
+from e2e.llama_cpp import (  # noqa: E402
+    QUANT_TYPES,
+    cached_gguf,
+    cached_quantized,
+    gguf_bytes_per_token,
+    llama_cpp_installed,
+    missing_message,
+    tensor_types,
+)
+from e2e.side_process import SideError, Worker  # noqa: E402
 from support.decode_rounds import decode_speed, print_load_average  # noqa: E402
 
 from tiermoe import LLM  # noqa: E402
@@ -41,9 +65,11 @@ CONFIGS = (
     ("bf16", "bf16", None, None),
     ("bf16, head int4", "bf16", None, "int4"),  # what the int4 head alone changes
     ("int8", "int8", None, None),
+    ("int8, experts int8", "int8", "int8", None),  # the 8-bit model: what a llama.cpp Q8_0 file is
     ("int4", "int4", None, None),
     ("int4, experts int4", "int4", "int4", None),
     ("int4, experts int4, head int8", "int4", "int4", "int8"),
+    ("int8, experts int4", "int8", "int4", None),  # 4-bit experts, 8-bit the rest (Q4_K_M's k / v are Q8_0)
 )
 
 
@@ -87,6 +113,55 @@ def bytes_per_token(llm: LLM) -> tuple[int, int]:
     return held.non_expert, int(held.non_expert - table + spec.top_k * spec.num_moe_layers * per_expert)
 
 
+def llama_cpp_quality(model_dir: Path, rows: list[torch.Tensor], reference: list[torch.Tensor]) -> dict:
+    """llama.cpp's bf16, Q8_0 and Q4_K_M of the checkpoint against `reference` (log_probs of the unquantised
+    model): per format its quality (LlamaSide.quality), the weight bytes a decode token reads and its tensor types;
+    a format llama.cpp fails on gets its one-line reason instead."""
+    threads = os.cpu_count() or 1
+    ids = [r[0].tolist() for r in rows]
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_path = Path(tmp) / "reference.npy"
+        np.save(ref_path, torch.cat(reference).numpy())
+        for kind in ("bf16", *QUANT_TYPES):
+            label = f"llama.cpp {kind}"
+            try:
+                path = cached_gguf(model_dir) if kind == "bf16" else cached_quantized(model_dir, kind, threads)
+                side = Worker(label, "llama.cpp", {"path": str(path), "threads": threads, "context": 256}, None)
+            except (SideError, SystemExit) as err:
+                out[label] = {"error": str(err)}
+                print(f"{label}: {err}", flush=True)
+                continue
+            try:
+                out[label] = {**side.call("quality", rows=ids, reference=str(ref_path)),
+                              "read": gguf_bytes_per_token(path, 0), "types": tensor_types(path)}
+            except SideError as err:
+                out[label] = {"error": str(err)}
+            finally:
+                side.close()
+            print(f"{label}: {out[label].get('error') or 'scored'}", flush=True)
+    return out
+
+
+def print_llama_cpp(results: dict, base_loss: float) -> None:
+    """llama.cpp's rows of the quality table, then the types it gave each kind of tensor."""
+    for label, r in results.items():
+        if "error" in r:
+            print(f"| {label} | | | not run: {r['error']} | | | | | | | |")
+            continue
+        print(f"| {label} (GGUF) | (the file's) | (the file's) | {r['loss']:.4f} | {r['loss'] - base_loss:+.4f} | "
+              f"{r['kl']:.5f} | {r['top1']:.1%} | - | {r['read'] / 2**20:.2f} | - | - |")
+    typed = {label: r["types"] for label, r in results.items() if "types" in r}
+    if not typed:
+        return
+    kinds = list(dict.fromkeys(k for types in typed.values() for k in types))
+    print("\nllama.cpp's type for each kind of tensor (several where its layers differ):\n")
+    print("| tensor | " + " | ".join(typed) + " |")
+    print("|---|" + "---|" * len(typed))
+    for kind in kinds:
+        print(f"| {kind} | " + " | ".join(", ".join(types.get(kind, ["-"])) for types in typed.values()) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="Example: python benchmarks/bench_non_expert_quant.py --rounds 5",
@@ -96,9 +171,13 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="tokens scored per prompt at most (default 256)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoding together in the speed runs (default 1)")
     p.add_argument("--tokens", type=int, default=64, help="tokens decoded per sequence per speed run (default 64)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating speed rounds; the best counts (default 3)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="alternating speed rounds; the best counts (default 3; 0: no speed runs)")
+    p.add_argument("--no-llama-cpp", action="store_true", help="leave out llama.cpp's formats")
     p.add_argument("--cpu-threads", type=int, default=None, help="kernel threads (default: tiermoe's default)")
     args = p.parse_args()
+    if args.rounds < 0 or min(args.num_prompts, args.max_tokens, args.batch, args.tokens) < 1:
+        p.error("--rounds must be >= 0, and --num-prompts, --max-tokens, --batch and --tokens >= 1")
 
     model_dir = resolve_model(args.model)
     spec = detect(load_config(model_dir))
@@ -115,10 +194,17 @@ def main() -> None:
         reference = list(log_probs(llms[CONFIGS[0][0]], rows))
         divergences = {label: divergence(llm, rows, reference) for label, llm in llms.items()}
         sizes = {label: bytes_per_token(llm) for label, llm in llms.items()}
-        speed = decode_speed(llms, [r[0, :16].tolist() for r in rows[:args.batch]], args.tokens, args.rounds)
+        speed = (decode_speed(llms, [r[0, :16].tolist() for r in rows[:args.batch]], args.tokens, args.rounds)
+                 if args.rounds else {})
     finally:
         for llm in llms.values():
             llm.close()
+    llama = {}
+    if not args.no_llama_cpp:
+        if llama_cpp_installed():
+            llama = llama_cpp_quality(model_dir, rows, reference)
+        else:
+            print(missing_message(), flush=True)
     print_load_average("after")
 
     base = CONFIGS[0][0]
@@ -131,9 +217,11 @@ def main() -> None:
         kl, agree = divergences[label]
         loaded = f"as loaded ({str(spec.dtype).removeprefix('torch.')})"
         ne = None if ne == "none" else ne
+        tok_s = f"{speed[label]:.1f} | {speed[label] / speed[base]:.2f}x" if speed else "- | -"
         print(f"| {ne or loaded} | {head or ne or loaded} | {ex or 'as loaded'} | {losses[label]:.4f} | "
               f"{losses[label] - losses[base]:+.4f} | {kl:.5f} | {agree:.1%} | {held / 2**20:.2f} | "
-              f"{read / 2**20:.2f} | {speed[label]:.1f} | {speed[label] / speed[base]:.2f}x |")
+              f"{read / 2**20:.2f} | {tok_s} |")
+    print_llama_cpp(llama, losses[base])
 
 
 if __name__ == "__main__":

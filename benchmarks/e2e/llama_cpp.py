@@ -1,11 +1,13 @@
-"""llama.cpp for bench_e2e_cpu.py: the llama-cpp-python wheel (built once from its sdist and cached), the GGUF
-converter that sdist vendors, quantisation to Q4_K_M, and what a GGUF file reads per decoded token.
+"""llama.cpp for bench_e2e_cpu.py and bench_non_expert_quant.py: the llama-cpp-python wheel (built once from its
+sdist and cached), the GGUF converter that sdist vendors, quantisation to Q4_K_M or Q8_0, what a GGUF file reads per
+decoded token and the type each of its tensors has.
 
 Cache (TIERMOE_CACHE, default ~/.cache/tiermoe):
     wheels/llama_cpp_python-0.3.36-*.whl       the built wheel (`--build-llama-cpp`: about 15 minutes on 2 cores)
     wheels/llama_cpp_python-0.3.36.tar.gz      its sdist (downloaded by pip when absent)
     llama-cpp-convert-0.3.36/                  vendor/llama.cpp's convert_hf_to_gguf.py, conversion/, gguf-py/
     gguf/<checkpoint name>-<key>/bf16.gguf     a checkpoint converted once (cached_gguf; the key changes with it)
+    gguf/<checkpoint name>-<key>/q8_0.gguf     ... quantised from it once (cached_quantized), q4_k_m.gguf likewise
 The converter needs only torch, transformers and numpy; quantising needs llama_cpp (its llama_model_quantize).
 """
 
@@ -148,13 +150,19 @@ def cached_gguf(hf_dir: Path) -> Path:
     return out
 
 
-def quantize_q4_k_m(src: Path, out: Path, threads: int) -> None:
-    """src (a bf16 GGUF) as Q4_K_M, by llama.cpp's llama_model_quantize (in a subprocess: it prints a line per
-    tensor to stdout, which becomes a progress count here)."""
+# llama.cpp's file types by the names its quantize tool takes (llama_cpp.LLAMA_FTYPE_MOSTLY_<name>)
+QUANT_TYPES = ("Q8_0", "Q4_K_M")
+
+
+def quantize(src: Path, out: Path, kind: str, threads: int) -> None:
+    """src (a bf16 GGUF) as `kind` (one of QUANT_TYPES), by llama.cpp's llama_model_quantize (in a subprocess: it
+    prints a line per tensor to stdout, which becomes a progress count here)."""
+    if kind not in QUANT_TYPES:
+        raise ValueError(f"llama.cpp quantisation {kind!r} is not one of {', '.join(QUANT_TYPES)}")
     tmp = out.with_suffix(".partial")
     code = ("import ctypes, sys, llama_cpp\n"
             "p = llama_cpp.llama_model_quantize_default_params()\n"
-            "p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M\n"
+            f"p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_{kind}\n"
             f"p.nthread = {threads}\n"
             "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))\n")
     proc = subprocess.Popen([sys.executable, "-c", code, str(src), str(tmp)], stdout=subprocess.PIPE,
@@ -166,8 +174,32 @@ def quantize_q4_k_m(src: Path, out: Path, threads: int) -> None:
             print(f"\r[llama.cpp] quantizing {out.name}: tensor {m[1]}/{m[2]}", end="", flush=True)
     print(flush=True)
     if proc.wait() != 0:
-        raise SystemExit(f"[llama.cpp] quantizing {src.name} to Q4_K_M failed: " + " / ".join(tail[-3:]))
+        raise SystemExit(f"[llama.cpp] quantizing {src.name} to {kind} failed: " + " / ".join(tail[-3:]))
     tmp.rename(out)
+
+
+def cached_quantized(hf_dir: Path, kind: str, threads: int) -> Path:
+    """hf_dir as a `kind` GGUF, quantised from its cached bf16 GGUF on first use and kept beside it."""
+    bf16 = cached_gguf(hf_dir)
+    out = bf16.with_name(f"{kind.lower()}.gguf")
+    if not out.exists():
+        quantize(bf16, out, kind, threads)
+    return out
+
+
+def tensor_types(path: Path) -> dict[str, list[str]]:
+    """The GGUF type of each kind of tensor in `path` (its name without the layer number: blk.N.attn_q.weight ->
+    attn_q.weight), with every type the kind has where layers differ (llama.cpp's mixes, and its fallbacks for rows
+    whose width is not a multiple of its block)."""
+    from gguf import GGUFReader
+
+    kinds: dict[str, list[str]] = {}
+    for t in GGUFReader(path).tensors:
+        kind = re.sub(r"^blk\.\d+\.", "", t.name)
+        name = t.tensor_type.name
+        if name not in kinds.setdefault(kind, []):
+            kinds[kind].append(name)
+    return kinds
 
 
 def gguf_bytes_per_token(path: Path, context: float) -> int:

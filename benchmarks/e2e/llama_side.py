@@ -55,20 +55,43 @@ class LlamaSide:
         return time.perf_counter() - start, out
 
     def loss(self, rows: list[list[int]]) -> float:
-        """Mean next-token cross-entropy (nats), teacher-forced: a second context that keeps every position's
-        logits (logits_all), opened for this only (it would slow the timed prefill down)."""
-        scorer = self._open(max(len(r) for r in rows) + 8, logits_all=True)
+        """Mean next-token cross-entropy (nats), teacher-forced."""
         total, count = 0.0, 0
+        for row, log_p in zip(rows, self._log_probs(rows)):
+            total += F.nll_loss(log_p, torch.tensor(row[1:]), reduction="sum").item()
+            count += len(row) - 1
+        return total / count
+
+    def quality(self, rows: list[list[int]], reference: str) -> dict:
+        """Teacher-forced over `rows`: the mean next-token loss (nats), the mean KL(reference || this model) per
+        position and the share of positions whose most likely token is the reference's. `reference`: an .npy of
+        another model's next-token log-probabilities [positions, vocab] (fp32), every row's scored positions in
+        turn (what bench_non_expert_quant.py writes for its unquantised model)."""
+        ref_all = torch.from_numpy(np.load(reference))
+        loss = kl = 0.0
+        same = count = 0
+        for row, log_p in zip(rows, self._log_probs(rows)):
+            ref = ref_all[count:count + len(row) - 1]
+            loss += F.nll_loss(log_p, torch.tensor(row[1:]), reduction="sum").item()
+            kl += F.kl_div(log_p, ref, log_target=True, reduction="sum").item()
+            same += int((ref.argmax(-1) == log_p.argmax(-1)).sum())
+            count += len(row) - 1
+        if count != ref_all.shape[0]:
+            raise ValueError(f"the reference has {ref_all.shape[0]} positions, the rows {count}")
+        return {"loss": loss / count, "kl": kl / count, "top1": same / count}
+
+    def _log_probs(self, rows: list[list[int]]):
+        """Per row: its next-token log-probabilities [len - 1, vocab] (fp32), from a second context that keeps
+        every position's logits (logits_all), opened for this only (it would slow the timed prefill down)."""
+        scorer = self._open(max(len(r) for r in rows) + 8, logits_all=True)
         try:
             for row in rows:
                 scorer.reset()
                 scorer.eval(row)
                 logits = torch.from_numpy(np.array(scorer.scores[:len(row) - 1], dtype=np.float32))
-                total += F.cross_entropy(logits, torch.tensor(row[1:]), reduction="sum").item()
-                count += len(row) - 1
+                yield F.log_softmax(logits, dim=-1)
         finally:
             scorer.close()
-        return total / count
 
     def close(self) -> None:
         self.model.close()

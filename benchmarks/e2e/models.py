@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from e2e.llama_cpp import convert_to_gguf, quantize_q4_k_m
+from e2e.llama_cpp import convert_to_gguf, quantize
 from tiermoe.testing.make_model import make_model
 
 
@@ -77,7 +77,7 @@ def prepare(model: BenchModel, root: Path, formats: list[str], llama: bool, thre
         convert_to_gguf(p["hf"], p["bf16"], p["base"])
     if "4-bit" in formats and not p["4-bit"].exists():
         _check_disk(root, model.checkpoint_gb * Q4_SHARE, f"the Q4_K_M GGUF of {model.name}")
-        quantize_q4_k_m(p["bf16"], p["4-bit"], threads)
+        quantize(p["bf16"], p["4-bit"], "Q4_K_M", threads)
     return p
 
 
