@@ -7,6 +7,7 @@ fed yet, so nothing needs rolling back), so this holds when a step is one model 
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -224,3 +225,26 @@ def test_a_failed_forward_and_its_failed_reruns_are_not_recorded(llm, solo, monk
     fed = sum(s.num_fed for s in seqs)  # the tokens that went through a forward that succeeded
     assert counter.rows == {layer: fed for layer in llm.hybrid.spec.moe_layers}
     assert_others_are_exact(seqs, solo)
+
+
+def test_a_step_leaves_no_reference_cycle_holding_its_logits_or_sequences(llm):
+    """Every step's logits and sequences are freed when the step is done, not when a garbage collection finds them
+    in a cycle (the bisecting forward was a recursive closure: a cycle per step that held both)."""
+    engine = llm.engine
+    seqs = [engine.add(p, greedy()) for p in PROMPTS]
+    engine.step()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            engine.step()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        held = [o for o in gc.garbage if isinstance(o, (torch.Tensor, Sequence))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    engine.run_to_completion()
+    assert all(s.finished for s in seqs)
+    assert not held, f"{len(held)} tensors or sequences freed only by the garbage collector"

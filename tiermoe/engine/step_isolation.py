@@ -25,15 +25,21 @@ Forward = Callable[[list[Sequence], list[list[int]]], list[torch.Tensor]]
 def forward_isolating(forward: Forward, batch: list[Sequence],
                       inputs: list[list[int]]) -> tuple[list[torch.Tensor | None], dict[int, BaseException]]:
     """`forward(batch, inputs)` -> (each sequence's logits, {index: error} of the sequences that failed).
-    Raises DeviceLostError (fatal) on a sticky device error, without re-running anything."""
+    Raises DeviceLostError (fatal) on a sticky device error, without re-running anything.
+
+    The halves are a stack of row lists, first half first, not a recursive closure: a nested function that calls
+    itself is a reference cycle (the function, its cell), and every step's would have held its logits and its
+    sequences until a garbage collection found it (under load that was 15,000 logits rows of a 152k vocabulary
+    per 10 s for the collector to walk and free)."""
     logits: list[torch.Tensor | None] = [None] * len(batch)
     errors: dict[int, BaseException] = {}
-
-    def run(rows: list[int]) -> None:
+    pending = [list(range(len(batch)))]
+    while pending:
+        rows = pending.pop()
         try:
             for i, row_logits in zip(rows, forward([batch[i] for i in rows], [inputs[i] for i in rows])):
                 logits[i] = row_logits
-            return
+            continue
         except Exception as err:  # noqa: BLE001 - found below: which sequence(s) it belongs to
             failure = err
         sticky = sticky_device_error(failure)
@@ -41,10 +47,7 @@ def forward_isolating(forward: Forward, batch: list[Sequence],
             raise device_lost(sticky) from failure
         if len(rows) == 1:
             errors[rows[0]] = failure
-            return
+            continue
         half = (len(rows) + 1) // 2
-        run(rows[:half])
-        run(rows[half:])
-
-    run(list(range(len(batch))))
+        pending += [rows[half:], rows[:half]]  # the first half is popped first
     return logits, errors
