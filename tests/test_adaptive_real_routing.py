@@ -17,6 +17,7 @@ import torch
 from tiermoe.analysis.dynamic_bench import replay_cost_model
 from tiermoe.analysis.trace_replay import replay, trace_passes
 from tiermoe.arch import detect
+from tiermoe.placement.adaptive_forecast import shrunk_shares, within_pass_dispersion
 from tiermoe.placement.adaptive_policy import AdaptivePolicy
 from tiermoe.placement.profiles import load_profile
 from tiermoe.routing.trace_convert import detect_layout, read_routing
@@ -85,3 +86,44 @@ def test_a_request_that_departs_from_its_calibration_is_followed_before_the_firs
     for p in range(4):  # the first forecast opens after the first pass and is scored after the fifth
         policy.observe(law.counts_PME[p], int(law.tokens_P[p]), bool(law.prefill_P[p]))
         assert policy._lasting_check.short.scored == 0 and policy.lasting_weight == 0.0
+
+
+def _moved(policy: AdaptivePolicy, counts_LE: torch.Tensor, num_tokens: int) -> float:
+    """How far lasting_rates moved from the calibration toward the pass's own rates (0: not at all, 1: all the way)."""
+    per_layer_k = counts_LE.sum(dim=1, keepdim=True).double() / num_tokens
+    prior = policy.prior_share_LE * per_layer_k
+    served = counts_LE.double() / num_tokens
+    return float(((policy.lasting_rates() - prior) * (served - prior)).sum() / ((served - prior) ** 2).sum())
+
+
+def test_the_first_pass_is_followed_as_far_as_its_tokens_route_unlike_each_other():
+    """Before the carry-over check can read anything (after the first pass), the pass's counts are followed as far
+    as they depart from the calibration beyond their noise, the noise counted with how alike the pass's tokens route
+    (within_pass_dispersion): Qwen3-30B-A3B's prompt (its first 4 MoE layers, 4 tokens) routes about as independent
+    tokens would and moves the forecast from the published heat; the first tokens of three ESFT law requests side
+    by side are the same token (about 2.4x as alike) and leave it near the calibration, where counting them as
+    independent tokens would have moved it two-thirds of the way."""
+    cost = replay_cost_model(detect(make_config("deepseek_v2", "deepseek-v2-lite")), load_profile("rtx4090"))
+    trace = DATA / "qwen_route_slice.csv"
+    qwen = trace_passes(read_routing(trace, detect_layout(trace)))
+    prompt_LE, prompt_tokens = qwen.counts_PME[0, :4], int(qwen.tokens_P[0])
+    policy = AdaptivePolicy(4, 128, cost, None, load_counts(str(DATA / "heat_qwen3_slice.csv"), 4, 128))
+    assert within_pass_dispersion(prompt_LE, prompt_tokens, policy.prior_share_LE) < 1.1
+    policy.observe(prompt_LE, prompt_tokens, True)
+    assert policy.lasting_weight == 0.0 and _moved(policy, prompt_LE, prompt_tokens) > 0.1  # check: no reading
+
+    law = read_routing(DATA / "esft_law_requests.txt", "esft-trace")
+    law = trace_passes(dict(law, token_pass=law["token_position"], token_is_prefill=law["token_position"] == 0))
+    first_LE, tokens = law.counts_PME[0], int(law.tokens_P[0])
+    policy = AdaptivePolicy(26, 64, cost, None, law.total_LE()[list(law.moe_layers)])
+    alike = within_pass_dispersion(first_LE, tokens, policy.prior_share_LE)
+    assert 2.0 < alike <= tokens
+    policy.observe(first_LE, tokens, True)
+    as_independent = shrunk_shares(first_LE.double(), policy.prior_share_LE, policy.settings.z_score)
+    prior = policy.prior_share_LE
+    served = first_LE.double() / first_LE.sum(dim=1, keepdim=True)
+    assert float(((as_independent - prior) * (served - prior)).sum() / ((served - prior) ** 2).sum()) > 0.5
+    assert _moved(policy, first_LE, tokens) < 0.1
+    one_token = torch.zeros(26, 64)
+    one_token[:, :6] = 1.0
+    assert within_pass_dispersion(one_token, 1, policy.prior_share_LE) == 1.0

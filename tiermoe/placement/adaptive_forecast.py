@@ -208,6 +208,17 @@ class Dispersion:
         self._tokens = 0
 
 
+def within_pass_dispersion(counts_LE: torch.Tensor, num_tokens: int, share_LE: torch.Tensor) -> float:
+    """How much more alike the tokens of one pass route than independent tokens at `share_LE` would (>= 1): the
+    squared counts over their expectation, sum over e of (n pi_e (1 - pi_e) + n^2 pi_e^2) with pi_e = k share_e
+    each token's chance of routing to e. Tokens that all route alike (the same first token of requests side by
+    side) give about n; a pass of one token gives 1."""
+    counts = counts_LE.to(torch.float64)
+    per_token = share_LE * counts.sum(dim=1, keepdim=True) / num_tokens
+    expected = float(counts.sum() + num_tokens * (num_tokens - 1) * (per_token * per_token).sum())
+    return max(1.0, float((counts * counts).sum()) / expected) if expected > 0 else 1.0
+
+
 class PromptEvidence:
     """The prompts of the requests being decoded, as a forecast of their decode routing.
 
