@@ -230,6 +230,12 @@ def test_prompt_chunks_attend_their_pages_in_place_row_by_row_causally_and_withi
     tables = torch.tensor([pages[:8]] * 20 + [[61, 62] + [0] * 6] * 5)
     assert rel_err(out[1:], _reference(q[1:], k, v, tables, pos, lo, page_size, 0.25, sinks_H)) <= 1e-5
     assert not out[0].any()  # the decode row is attend_decode_rows' (RaggedStep.attend_in_place calls both)
+    fp32 = DecodeAttention(KERNELS, lambda: None, max_chunk_rows=20)  # fp32's bound: a longer chunk is gathered
+    assert RaggedStep(feeds, page_size, {0: window}, torch.device("cpu"), torch.float32,
+                      decode_attention=fp32).chunk_attention is not None
+    longer = [feeds[0], SeqFeed(10, 21, {window: pages[:8]})]
+    assert RaggedStep(longer, page_size, {0: window}, torch.device("cpu"), torch.float32,
+                      decode_attention=fp32).chunk_attention is None
 
 
 @needs_kernels

@@ -7,9 +7,11 @@ arithmetic. `tm_paged_decode_attention` (tiermoe/experts/csrc/paged_attention.cp
 its page table instead: no copy, no padding, no mask. A prompt chunk's rows are read the same way, each row a
 query at its own position (`attend_chunks`, RaggedStep.chunk_rows): reading a chunk's keys once per row costs less
 than gathering them and repeating each KV head for its query heads, as transformers' SDPA path does, for every
-chunk measured (bf16, Qwen3-30B-A3B's 32 / 4 heads, 2-core AMD EPYC: 9x at 8 rows after a 4k past, 5x at 16, 1.6x
-at 128, 2x for 512 rows at the start, 1.3x for 512 after 2k; fp32 0.9x only for 512-row chunks after a long past).
-MLA's prompt chunks keep the gathered path (its expanded form is the cheaper one for many queries).
+bf16 chunk measured (benchmarks/bench_chunk_attention.py, Qwen3-30B-A3B's 32 / 4 heads, one thread of a 2-core AMD
+EPYC: 7.4x at 8 rows after a 4k past, 4.2x at 16, 1.5x at 128, 2.1x for 512 rows at the start, 1.2x for 512 after
+2k). In fp32 torch's matmuls win for many rows after a long past (0.72-0.78x in place for 128 and 512 rows after 2-4k
+keys), so fp32 chunks of more than FP32_MAX_CHUNK_ROWS rows are gathered. MLA's prompt chunks keep the gathered path
+(its expanded form is the cheaper one for many queries).
 
 Used where the model is on the CPU in fp32 or bf16, the kernels are built, and nothing needs gradients
 (`decode_attention_for` decides), by transformers' softmax attentions that the pool serves through
@@ -72,6 +74,8 @@ TEAM_MIN_MLA_WORK = 16 << 20
 MLA_KERNEL_MAX_HEADS = 32  # without pair products
 # Keys a split of a row takes at least: below it the merge and the wake of another thread cost more than they save.
 MIN_SPLIT_KEYS = 256
+# fp32 prompt chunks read in place up to this many rows (the module docstring; 1.1-1.7x at 64 rows after 1-4k keys)
+FP32_MAX_CHUNK_ROWS = 64
 DELTA_MAX_HEAD_DIM = 512  # csrc/tm_kernels.h TM_DELTA_MAX_DIM: the native rule refuses larger head dims
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -79,9 +83,11 @@ _DTYPES = (torch.float32, torch.bfloat16)
 class DecodeAttention:
     """The native decode attention on `kernels`; `team` gives the model's kernel thread team."""
 
-    def __init__(self, kernels: Kernels, team: Callable[[], ThreadTeam], reads_chunks: bool = True):
+    def __init__(self, kernels: Kernels, team: Callable[[], ThreadTeam], reads_chunks: bool = True,
+                 max_chunk_rows: int | None = None):
         self.kernels, self.team = kernels, team
         self.reads_chunks = reads_chunks  # whether prompt chunks attend in place too (RaggedStep.chunk_attention)
+        self.max_chunk_rows = max_chunk_rows  # a step with a longer chunk gathers its chunks (None: any length)
 
     def attend(self, q_THd: torch.Tensor, k_SHd: torch.Tensor, v_SHd: torch.Tensor, tables_TN: torch.Tensor,
                pos_T: torch.Tensor, lo_T: torch.Tensor, page_size: int, scale: float, keys: int,
@@ -235,7 +241,8 @@ def decode_attention_for(model: nn.Module, device: torch.device, kernels: Kernel
     mla_heads = max((m.num_heads for m in model.modules() if isinstance(m, MLAAttention)), default=0)
     if mla_heads and not kernel_attends_mla(mla_heads, model.dtype, kernels.isa):
         return None
-    return DecodeAttention(kernels, team, reads_chunks=not mla_heads)
+    return DecodeAttention(kernels, team, reads_chunks=not mla_heads,
+                           max_chunk_rows=None if model.dtype == torch.bfloat16 else FP32_MAX_CHUNK_ROWS)
 
 
 def kernel_attends_mla(heads: int, dtype: torch.dtype, isa: int) -> bool:

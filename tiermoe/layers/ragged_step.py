@@ -139,8 +139,11 @@ class RaggedStep:
         self.row_parts = [RowPart(a, b - a, 1, slice(a, b)) for a, b in decode_runs(
             [f.past for f in feeds[:num_decode]])]
         self.decode_attention = decode_attention if num_decode > 0 else None
-        # the prompt chunks attend in place too where the attention reads them (the Triton kernel, CUDA's)
-        reads_chunks = getattr(decode_attention, "reads_chunks", False) and num_decode < len(feeds)
+        # the prompt chunks attend in place too where the attention reads them (the Triton kernel, CUDA's; the
+        # native kernel up to its max_chunk_rows, the CPU's)
+        max_rows = getattr(decode_attention, "max_chunk_rows", None)
+        reads_chunks = (getattr(decode_attention, "reads_chunks", False) and num_decode < len(feeds)
+                        and (max_rows is None or max(f.new for f in feeds[num_decode:]) <= max_rows))
         self.chunk_attention = decode_attention if reads_chunks else None
         self.first_gathered = len(self.row_parts) if self.decode_attention is not None else 0
         self.decode_pos = None  # [num_decode] int32 query positions, when the decode rows attend in place
