@@ -35,7 +35,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
 import torch
 import torch.nn.functional as F
 
