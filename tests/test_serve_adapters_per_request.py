@@ -268,11 +268,13 @@ def test_unloading_an_adapter_in_use_waits_for_its_requests(server, served):
         time.sleep(0.01)
     posted_at = time.monotonic()
     r = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "b"}, timeout=120)
-    unloaded_at = time.monotonic()
+    # read as the unload returns: its request's sequence has left the engine (the client may still be reading the
+    # reply, so the client's clock cannot order the two)
+    running_when_unloaded = len(state.llm.engine.running)
     runner.join(timeout=120)
     assert r.status_code == 200 and set(r.json()["loaded_adapters"]) == {"a", "c"}
     assert len(finished["tokens"]) == 40  # the request ran to its end with its adapter...
-    assert posted_at < finished["at"] <= unloaded_at  # ...which the unload, posted while it ran, waited for
+    assert posted_at < finished["at"] and running_when_unloaded == 0  # ...which the unload waited for
     r = httpx.post(f"{url}/generate", json={"input_ids": [3, 4], "lora_path": "b"})
     assert r.status_code == 400  # gone for new requests from the moment the unload came
     r = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "b", "lora_path": str(served[1]["b"])}, timeout=60)
