@@ -6,7 +6,12 @@ a placement bug then shows up far above the fp32 tolerance.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import runpy
+import subprocess
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -121,44 +126,38 @@ def save_char_tokenizer(out) -> None:
     fast.save_pretrained(out)
 
 
-def run_cli(*args: str):
-    """Run `tiermoe ARGS` in this process (fast: no second interpreter); returns (returncode, stdout, stderr)."""
-    import contextlib
-    import io
-    import subprocess
-
-    from tiermoe.cli.main import main
-
+def _captured(run) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `run()` with both streams captured: its return value, or its SystemExit's
+    code as the interpreter would turn it into one (None: 0; a message: printed to stderr, 1)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = main(list(args))
-        except SystemExit as exit_:  # argparse: bad flags, --help
-            code = exit_.code if isinstance(exit_.code, int) else 0
-    return subprocess.CompletedProcess(["tiermoe", *args], code, out.getvalue(), err.getvalue())
+            code = run()
+        except SystemExit as exit_:  # argparse: bad flags, --help; a script's sys.exit
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+            if not isinstance(exit_.code, int | None):
+                print(exit_.code, file=sys.stderr)
+    return code, out.getvalue(), err.getvalue()
+
+
+def run_cli(*args: str):
+    """Run `tiermoe ARGS` in this process (fast: no second interpreter); returns (returncode, stdout, stderr)."""
+    from tiermoe.cli.main import main
+
+    return subprocess.CompletedProcess(["tiermoe", *args], *_captured(lambda: main(list(args))))
 
 
 def run_script(path, *args: str):
     """Run `python PATH ARGS` in this process (runpy as __main__, its folder first on sys.path): for tests whose
     point is what a script prints, not its process, this saves a second interpreter and its imports of torch and
     transformers. Returns a CompletedProcess, as run_cli does."""
-    import contextlib
-    import io
-    import runpy
-    import subprocess
-    import sys
+    def script() -> int:
+        runpy.run_path(str(path), run_name="__main__")
+        return 0
 
-    out, err = io.StringIO(), io.StringIO()
     argv, path_before = sys.argv, list(sys.path)
     sys.argv, sys.path[:0] = [str(path), *args], [str(Path(path).parent)]
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            runpy.run_path(str(path), run_name="__main__")
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-        if not isinstance(exit_.code, int | None):
-            err.write(f"{exit_.code}\n")  # sys.exit("message"), as the interpreter would print it
+        return subprocess.CompletedProcess([sys.executable, str(path), *args], *_captured(script))
     finally:
         sys.argv, sys.path[:] = argv, path_before
-    return subprocess.CompletedProcess([sys.executable, str(path), *args], code, out.getvalue(), err.getvalue())

@@ -88,12 +88,15 @@ def test_a_request_that_departs_from_its_calibration_is_followed_before_the_firs
         assert policy._lasting_check.short.scored == 0 and policy.lasting_weight == 0.0
 
 
+def _toward(forecast: torch.Tensor, prior: torch.Tensor, served: torch.Tensor) -> float:
+    """How far `forecast` lies from `prior` toward `served` (0: at the prior, 1: all the way), along their line."""
+    return float(((forecast - prior) * (served - prior)).sum() / ((served - prior) ** 2).sum())
+
+
 def _moved(policy: AdaptivePolicy, counts_LE: torch.Tensor, num_tokens: int) -> float:
     """How far lasting_rates moved from the calibration toward the pass's own rates (0: not at all, 1: all the way)."""
     per_layer_k = counts_LE.sum(dim=1, keepdim=True).double() / num_tokens
-    prior = policy.prior_share_LE * per_layer_k
-    served = counts_LE.double() / num_tokens
-    return float(((policy.lasting_rates() - prior) * (served - prior)).sum() / ((served - prior) ** 2).sum())
+    return _toward(policy.lasting_rates(), policy.prior_share_LE * per_layer_k, counts_LE.double() / num_tokens)
 
 
 def test_the_first_pass_is_followed_as_far_as_its_tokens_route_unlike_each_other():
@@ -120,9 +123,8 @@ def test_the_first_pass_is_followed_as_far_as_its_tokens_route_unlike_each_other
     assert 2.0 < alike <= tokens
     policy.observe(first_LE, tokens, True)
     as_independent = shrunk_shares(first_LE.double(), policy.prior_share_LE, policy.settings.z_score)
-    prior = policy.prior_share_LE
     served = first_LE.double() / first_LE.sum(dim=1, keepdim=True)
-    assert float(((as_independent - prior) * (served - prior)).sum() / ((served - prior) ** 2).sum()) > 0.5
+    assert _toward(as_independent, policy.prior_share_LE, served) > 0.5
     assert _moved(policy, first_LE, tokens) < 0.1
     one_token = torch.zeros(26, 64)
     one_token[:, :6] = 1.0
