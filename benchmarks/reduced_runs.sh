@@ -81,6 +81,8 @@ define_runs() {
 from tiermoe.testing.make_model import make_model; \
 make_model(\"gpt_oss\", sys.argv[1], config_overrides={\"intermediate_size\": 64})' \$R/models/gpt-oss-i64 && \
 \$PY benchmarks/bench_cpu_gpt_oss_layer.py --model \$R/models/gpt-oss-i64 --tokens 1,4 --rounds 1 --calls 1 --threads 1"
+  add bench_read_pace '$PY benchmarks/bench_read_pace.py --shape demo --rounds 1 --calls 2 --cycle-mib 8 \
+--plot $R/read_pace.png'
   add bench_chunk_attention '$PY benchmarks/bench_chunk_attention.py --cases 64x4 0x32 --shape demo --calls 1 \
 --rounds 1'
   add bench_decode_attention '$PY benchmarks/bench_decode_attention.py --past 64 --shapes demo deepseek-v2-lite \

@@ -154,3 +154,24 @@ def test_a_small_product_runs_on_the_caller_alone_and_a_large_one_on_the_team_al
     finally:
         for team in (one, pair, always):
             team.close()
+
+
+@needs_kernels
+def test_the_read_probe_and_the_empty_job_run_on_every_member_and_refuse_what_they_cannot_read():
+    """The benchmarks' floor (bench_read_pace.py): the team's members read the buffer (every one takes part, so the
+    helpers' job count moves), and a buffer the probe cannot read is refused with a message, not read past."""
+    kernels = load_kernels()
+    team = ThreadTeam(kernels, 2)
+    try:
+        buffer = torch.ones(1 << 20, dtype=torch.int64)  # 8 MiB: 32 of the probe's chunks
+        before = team.shared_jobs
+        assert team.read_seconds(buffer, 2) > 0
+        team.empty_job()
+        assert team.shared_jobs - before == 3  # two passes and the empty job, none on the caller alone
+        for bad in (buffer[::2], torch.ones(3, dtype=torch.uint8), buffer[1:].view(torch.uint8)[1:9]):
+            with pytest.raises(ValueError, match="contiguous CPU buffer of a multiple of 8 bytes"):
+                team.read_seconds(bad, 1)
+        with pytest.raises(ValueError, match="reps >= 1"):
+            team.read_seconds(buffer, 0)
+    finally:
+        team.close()

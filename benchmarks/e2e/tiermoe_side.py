@@ -23,6 +23,8 @@ from tiermoe.engine.sampling import SamplingParams
 from tiermoe.placement.kv_layout import kv_layout
 from tiermoe.testing.op_counter import OpCounter
 
+PROBE_BYTES = 1 << 30
+
 
 class TiermoeSide:
     def __init__(self, path: str, threads: int | None, quant: str):
@@ -125,6 +127,16 @@ class TiermoeSide:
         text = getattr(hybrid.config, "text_config", None) or hybrid.config
         itemsize = hybrid.model.get_input_embeddings().weight.element_size()
         return int(bytes_per_token(self.llm)[1] + context * kv_layout(text, itemsize).full_per_token)
+
+    def read_rate(self, reps: int = 3) -> float | None:
+        """Bytes/s of the best of `reps` STREAM-style reads of 1 GiB by the model's own kernel thread team (its
+        threads, pinning and task split: csrc/probes.cpp), in this process; None where the model computes on no
+        team (no packed linears, or a tree without the probe)."""
+        teams = [m.team() for m in self.llm.hybrid.model.modules() if type(m).__name__ == "QuantizedLinear"]
+        if not teams or not hasattr(teams[0], "read_seconds"):
+            return None
+        buffer = torch.ones(PROBE_BYTES // 8, dtype=torch.int64)
+        return PROBE_BYTES / teams[0].read_seconds(buffer, reps)
 
     def held_out_rows(self, num: int, max_tokens: int) -> list[list[int]]:
         """Token ids of `num` GSM8K questions in the model's chat template (the text bench_format_loss scores)."""

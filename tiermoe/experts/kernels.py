@@ -29,8 +29,12 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tiermoe.errors import TiermoeError
+
+if TYPE_CHECKING:
+    import torch
 
 ISA_NAMES = ("base", "avx2", "avx512", "avx512bf16", "amx")
 TORCH_ISA = "torch"  # not a kernel level: "use no kernels"
@@ -43,7 +47,7 @@ ACTIVATION_CODES = {"silu_glu": 0, "gpt_oss_glu": 1}
 # splits; 9: a MoE layer's activation (SiLU-GLU or GPT-OSS's clamped SwiGLU) and per-expert biases (TmLayerArgs);
 # 10: LoRA adapters served per request: a MoE layer's (tm_moe_lora_forward, TmLoraArgs), a decode layer's
 # (TmDecodeLayerArgs.lora)
-ABI_VERSION = 11
+ABI_VERSION = 12
 # A MoE layer or packed product smaller than this (bytes of weights read, each row of activations beyond the first
 # counted as an eighth more: csrc/tm_kernels.h tm_product_work) runs on the calling thread alone. Waking a helper
 # asleep between a decode step's calls cost about 250 us on this project's 2-vCPU VMs (an idle vCPU is halted),
@@ -235,6 +239,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tm_team_size.argtypes = [ctypes.c_void_p]
     lib.tm_team_shared_jobs.restype = ctypes.c_long
     lib.tm_team_shared_jobs.argtypes = [ctypes.c_void_p]
+    lib.tm_read_probe.restype = ctypes.c_int
+    lib.tm_read_probe.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                  ctypes.POINTER(ctypes.c_double)]
+    lib.tm_team_empty_job.restype = ctypes.c_int
+    lib.tm_team_empty_job.argtypes = [ctypes.c_void_p]
     lib.tm_moe_forward.restype = ctypes.c_int
     lib.tm_moe_forward.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmLayerArgs), ctypes.c_char_p, ctypes.c_int]
     lib.tm_moe_lora_forward.restype = ctypes.c_int
@@ -342,6 +351,21 @@ class ThreadTeam:
     def shared_jobs(self) -> int:
         """How many jobs so far woke the helpers (the rest ran on the caller alone)."""
         return self.kernels.lib.tm_team_shared_jobs(self.handle)
+
+    def read_seconds(self, buffer: torch.Tensor, reps: int) -> float:
+        """The fastest of `reps` reads of `buffer` (contiguous, CPU, a multiple of 8 bytes) by every member, each
+        taking chunks of it as the products take their tasks: the team's read rate is buffer bytes over this."""
+        nbytes = buffer.numel() * buffer.element_size()
+        if buffer.device.type != "cpu" or not buffer.is_contiguous() or nbytes % 8 or buffer.data_ptr() % 8:
+            raise ValueError("the read probe takes a contiguous CPU buffer of a multiple of 8 bytes, 8-aligned")
+        seconds = ctypes.c_double()
+        if self.kernels.lib.tm_read_probe(self.handle, buffer.data_ptr(), nbytes, reps, ctypes.byref(seconds)):
+            raise ValueError(f"the read probe needs reps >= 1, got {reps}")
+        return seconds.value
+
+    def empty_job(self) -> None:
+        """One job with no work that every member takes part in (timed after an idle gap: the wake-up cost)."""
+        self.kernels.lib.tm_team_empty_job(self.handle)
 
     def close(self) -> None:
         self._finalizer()

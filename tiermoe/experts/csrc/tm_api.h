@@ -76,5 +76,7 @@ int tm_softmax_topk(const void* logits, int rows, int n, int k, int logits_bf16,
                     int softmax_lanes, int sum_lanes, void* weights, int64_t* ids);
 int tm_rotary_inplace(void* x, int T, int H, int d, int64_t row_stride, int64_t head_stride, const void* cos,
                       const void* sin, int64_t cs_row_stride, int half_width, int bf16);
+int tm_read_probe(void* team, const void* buf, int64_t bytes, int reps, double* best_seconds);
+int tm_team_empty_job(void* team);
 
 }  // extern "C"
