@@ -27,36 +27,46 @@ def _goal(results: dict, start: str):
     return next(g for g in evaluate_goals(results) if g.words.startswith(start))
 
 
-def test_host_time_per_layer_is_the_step_beyond_its_bytes():
-    # 100 tok/s = 10 ms a step; 0.1 GB at 20 GB/s = 5 ms of reading; the other 5 ms over 2 layers
-    assert host_us_per_layer({"decode_tok_s": 100.0, "bytes_per_token": 0.1 * GB}, 20 * GB, 2) == pytest.approx(2500)
-    # a step faster than its floor has no host time left (never negative)
-    assert host_us_per_layer({"decode_tok_s": 1000.0, "bytes_per_token": 0.1 * GB}, 20 * GB, 2) == 0.0
-    assert host_us_per_layer({}, 20 * GB, 2) is None
+def test_time_outside_the_kernels_per_layer_is_the_measured_figure_never_one_derived_from_the_floor():
+    # 10 ms a step of which 6 ms inside the kernel library: 4 ms outside over 2 layers
+    profiled = {"decode_tok_s": 100.0, "components_ms": {"step": 10.0, "native": 6.0, "outside_native": 4.0}}
+    assert host_us_per_layer(profiled, 2) == pytest.approx(2000)
+    assert host_us_per_layer({"decode_tok_s": 100.0, "bytes_per_token": 0.1 * GB}, 2) is None  # not profiled
 
 
 def test_goals_judged_against_llama_cpp_with_their_figures():
-    ours = {"decode_tok_s": 50.0, "ttft16_s": 0.060, "prefill512_tok_s": 900.0, "bytes_per_token": 0.5 * GB}
-    theirs = {"decode_tok_s": 40.0, "ttft16_s": 0.050, "prefill512_tok_s": 800.0, "bytes_per_token": 0.5 * GB}
+    # floor: 20 GB/s / 0.5 GB = 40 tok/s; llama.cpp at 24 tok/s reads at 60% of it, so the ratio is judged
+    ours = {"decode_tok_s": 36.0, "ttft16_s": 0.050, "prefill512_tok_s": 1680.0, "bytes_per_token": 0.5 * GB}
+    theirs = {"decode_tok_s": 24.0, "ttft16_s": 0.050, "prefill512_tok_s": 800.0, "bytes_per_token": 0.5 * GB}
     results = _results(ours, theirs)
     decode = _goal(results, "bf16 decode")
-    assert decode.reached is True and "1.25x" in decode.measured
-    assert _goal(results, "time to first token").reached is True  # 1.2x <= 1.5x
+    assert decode.reached is True and "1.50x" in decode.measured
+    assert _goal(results, "time to first token").reached is True  # 1.0x <= 1.0x
     prefill = _goal(results, "prefill 512")
-    assert prefill.reached is False and "1.12x" in prefill.measured  # 900 / 800 < 1.2
-    # floor: 20 GB/s / 0.5 GB = 40 tok/s; 50 tok/s is above it
-    assert _goal(results, "decode >= 80%").reached is True
-    # the host goal is judged on the host-bound model only (a wide model's step beyond its floor is not host time)
-    assert not any(g.words.startswith("host time") for g in evaluate_goals(results))
+    assert prefill.reached is True and "2.10x" in prefill.measured  # 1680 / 800 >= 2
+    theirs["ttft16_s"] = 0.045
+    assert _goal(results, "time to first token").reached is False  # 1.11x llama.cpp's
+    assert _goal(results, "decode >= 85%").reached is True  # 36 of 40 tok/s: 90%
+    ours["decode_tok_s"] = 32.0  # 80% of the floor, still 1.33x llama.cpp
+    assert _goal(results, "decode >= 85%").reached is False and _goal(results, "bf16 decode").reached is True
 
 
-def test_host_goal_on_the_host_bound_model_instead_of_the_floor():
-    # 48 layers, 200 tok/s (5 ms a step) against 1000 tok/s (1 ms), bytes next to nothing: 5x the host time
-    ours, theirs = {"decode_tok_s": 200.0, "bytes_per_token": 1e3}, {"decode_tok_s": 1000.0, "bytes_per_token": 1e3}
+def test_the_ratio_is_not_judged_where_llama_cpp_reads_near_the_floor():
+    # llama.cpp at 32 of 40 tok/s (80% of the floor): 1.1x of it is not judged; the floor goal judges the row
+    results = _results({"decode_tok_s": 35.2, "bytes_per_token": 0.5 * GB},
+                       {"decode_tok_s": 32.0, "bytes_per_token": 0.5 * GB})
+    decode = _goal(results, "bf16 decode")
+    assert decode.reached is None and "not judged: llama.cpp at 80% of the floor" in decode.measured
+    assert _goal(results, "decode >= 85%").reached is True  # 88%
+
+
+def test_the_thin_model_is_judged_on_the_ratio_alone():
+    # 48 layers, weights in cache: faster than its "floor" means nothing there; 1000 against 1000 tok/s is 1.0x
+    ours, theirs = {"decode_tok_s": 1000.0, "bytes_per_token": 1e3}, {"decode_tok_s": 1000.0, "bytes_per_token": 1e3}
     results = _results(ours, theirs, layers=48, host_bound=True)
-    host = _goal(results, "host time")
-    assert host.reached is False and "5.00x" in host.measured
-    assert not any(g.words.startswith("decode >= 80%") for g in evaluate_goals(results))
+    decode = _goal(results, "bf16 decode")
+    assert decode.reached is False and "1.00x" in decode.measured
+    assert not any(g.words.startswith("decode >= 85%") for g in evaluate_goals(results))
 
 
 def test_a_goal_is_reached_only_when_every_row_meets_it():
@@ -73,7 +83,7 @@ def test_without_llama_cpp_the_comparisons_are_not_measured():
     results = _results({"decode_tok_s": 50.0, "ttft16_s": 0.06, "bytes_per_token": 0.1 * GB}, None)
     assert _goal(results, "bf16 decode").reached is None
     assert _goal(results, "prefill 512").reached is None
-    assert _goal(results, "decode >= 80%").reached is False  # 50 tok/s of a 200 tok/s floor: needs no llama.cpp
+    assert _goal(results, "decode >= 85%").reached is False  # 50 tok/s of a 200 tok/s floor: needs no llama.cpp
     text = report(results)
     assert "not measured" in text and "| m | bf16 | tiermoe | 50.0 |" in text
 

@@ -1,14 +1,17 @@
-"""bench_e2e_cpu.py's figures turned into what it prints: derived figures (share of the bandwidth floor, host time
-per layer), the issue's goals with the figure each was judged on, and the markdown tables. Pure functions over the
-results dict the benchmark also writes as JSON, so they are tested without llama.cpp or a model.
+"""bench_e2e_cpu.py's figures turned into what it prints: derived figures (share of the read probe's floor, the
+measured time outside the kernels per layer), the issue's goals with the figure each was judged on, and the
+markdown tables. Pure functions over the results dict the benchmark also writes as JSON, so they are tested
+without llama.cpp or a model.
 
 results = {"machine": {"read_bandwidth": bytes/s, ...},
            "rows": [{"model", "format" ("bf16" | "4-bit"), "layers", optional "host_bound" (a model of next to no
-                     bytes, where a step is host time: the host goal is judged there, the floor goal elsewhere),
+                     bytes, whose weights sit in cache: the ratio to llama.cpp alone is judged there, the
+                     floor goal elsewhere),
                      "backends": {label: {"decode_tok_s", "ttft16_s", "prefill512_tok_s" (medians of the rounds;
                                           "rounds" {figure: every value}, "spread" {figure: [min, max]}),
                                           "bytes_per_token",
-                                          optional "components_ms" {part: ms per step}, "ops_per_layer"}}}],
+                                          optional "components_ms" {part: ms per step, "native" and
+                                          "outside_native" among them}, "ops_per_layer"}}}],
            "loss": [{"model", "vocab", "tokens", "tiermoe bf16", "tiermoe 4-bit", "llama.cpp bf16",
                      "llama.cpp Q4_K_M"}]}
 A backend that did not run is absent; a figure that was not measured is absent or None.
@@ -23,12 +26,12 @@ from dataclasses import dataclass
 LLAMA = "llama.cpp"
 TIERMOE = "tiermoe"
 
-# the issue's goals: (key, words, threshold)
-DECODE_VS_LLAMA = 1.0
-FLOOR_SHARE = 0.8
-HOST_VS_LLAMA = 2.0
-TTFT_VS_LLAMA = 1.5
-PREFILL_VS_LLAMA = 1.2
+# the goals of the issue "Decode at the memory's pace"
+FLOOR_SHARE = 0.85  # decode's share of the read probe's floor, on every model whose bytes are not next to nothing
+DECODE_VS_LLAMA = 1.2  # judged where llama.cpp reads below LLAMA_FLOOR_SHARE of the floor, and on the thin model
+LLAMA_FLOOR_SHARE = 0.70
+TTFT_VS_LLAMA = 1.0
+PREFILL_VS_LLAMA = 2.0
 LOSS_MARGIN = 0.01  # nats
 
 
@@ -69,15 +72,12 @@ def floor_tok_s(backend: dict, bandwidth: float) -> float | None:
     return bandwidth / read if read and bandwidth else None
 
 
-def host_us_per_layer(backend: dict, bandwidth: float, layers: int) -> float | None:
-    """Per layer, the part of a decode step that is not reading bytes: (step - bytes / bandwidth) / layers.
-
-    On the tiny-width model the bytes are next to nothing, so this is the host's dispatch per layer; on a wide
-    model it is what the step costs beyond the floor."""
-    speed, floor = backend.get("decode_tok_s"), floor_tok_s(backend, bandwidth)
-    if not speed:
-        return None
-    return max(0.0, 1.0 / speed - (1.0 / floor if floor else 0.0)) / layers * 1e6
+def host_us_per_layer(backend: dict, layers: int) -> float | None:
+    """Per layer, the measured part of a decode step outside the kernel library's calls (Python, torch's own ops,
+    the engine: components_ms "outside_native", timed by wrapping the library's entries); None where a backend
+    was not profiled (llama.cpp)."""
+    outside = backend.get("components_ms", {}).get("outside_native")
+    return None if outside is None else outside / layers * 1e3
 
 
 def _ratio(a, b) -> float | None:
@@ -99,17 +99,19 @@ def evaluate_goals(results: dict) -> list[Goal]:
 
     for row in results["rows"]:
         ours, theirs = row["backends"].get(TIERMOE, {}), row["backends"].get(LLAMA, {})
-        layers = row["layers"]
         decode = _ratio(ours.get("decode_tok_s"), theirs.get("decode_tok_s"))
-        judge(f"{row['format']} decode >= {DECODE_VS_LLAMA:.1f}x llama.cpp", row, decode,
-              f"{decode:.2f}x" if decode else "", decode is not None and decode >= DECODE_VS_LLAMA)
-        if row.get("host_bound"):
-            host = _ratio(host_us_per_layer(ours, bandwidth, layers), host_us_per_layer(theirs, bandwidth, layers))
-            judge(f"host time per layer <= {HOST_VS_LLAMA:.0f}x llama.cpp's", row, host,
-                  f"{host:.2f}x" if host else "", host is not None and host <= HOST_VS_LLAMA)
-        else:
+        theirs_share = _ratio(theirs.get("decode_tok_s"), floor_tok_s(theirs, bandwidth))
+        words = (f"{row['format']} decode >= {DECODE_VS_LLAMA:.1f}x llama.cpp where llama.cpp reads below "
+                 f"{LLAMA_FLOOR_SHARE:.0%} of the floor (on the thin model always)")
+        if row.get("host_bound") or theirs_share is None or theirs_share < LLAMA_FLOOR_SHARE:
+            judge(words, row, decode, f"{decode:.2f}x" if decode else "", decode is not None and
+                  decode >= DECODE_VS_LLAMA)
+        else:  # llama.cpp is near the floor: only the floor goal can ask more of this row
+            per_goal.setdefault(words, []).append((_row_name(row), f"{decode:.2f}x, not judged: llama.cpp at "
+                                                   f"{theirs_share:.0%} of the floor", None))
+        if not row.get("host_bound"):
             share = _ratio(ours.get("decode_tok_s"), floor_tok_s(ours, bandwidth))
-            judge(f"decode >= {FLOOR_SHARE:.0%} of the bandwidth floor", row, share,
+            judge(f"decode >= {FLOOR_SHARE:.0%} of the read probe's floor", row, share,
                   f"{share:.0%}" if share else "", share is not None and share >= FLOOR_SHARE)
         ttft = _ratio(ours.get("ttft16_s"), theirs.get("ttft16_s"))
         judge(f"time to first token (16-token prompt) <= {TTFT_VS_LLAMA}x llama.cpp's", row, ttft,
@@ -133,11 +135,11 @@ def evaluate_goals(results: dict) -> list[Goal]:
 
 
 def _goal_order(words: str) -> int:
-    """The issue's order: decode bf16, decode 4-bit, floor, host, first token, prefill, loss."""
-    for i, start in enumerate(("bf16 decode", "4-bit decode", "decode >=", "host", "time to first", "prefill")):
+    """The issue's order: decode bf16, decode 4-bit, floor, first token, prefill, loss."""
+    for i, start in enumerate(("bf16 decode", "4-bit decode", "decode >=", "time to first", "prefill")):
         if words.startswith(start):
             return i
-    return 6
+    return 5
 
 
 def loss_deltas(loss: dict) -> tuple[float | None, float | None]:
@@ -154,13 +156,12 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
 def speed_table(results: dict) -> list[str]:
     bandwidth = results["machine"].get("read_bandwidth") or 0.0
     lines = ["| model | format | backend | decode tok/s | vs llama.cpp | of floor | TTFT 16 ms | vs llama.cpp | "
-             "prefill 512 tok/s | vs llama.cpp | host us/layer | vs llama.cpp | torch ops/layer |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "prefill 512 tok/s | vs llama.cpp | outside the kernels, us/layer | torch ops/layer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in results["rows"]:
         ref = row["backends"].get(LLAMA, {})
-        ref_host = host_us_per_layer(ref, bandwidth, row["layers"])
         for label, b in row["backends"].items():
-            host = host_us_per_layer(b, bandwidth, row["layers"])
+            host = host_us_per_layer(b, row["layers"])
             ttft = b.get("ttft16_s")
             lines.append(
                 f"| {row['model']} | {row['format']} | {label} | {_with_spread(b, 'decode_tok_s', '.1f')} | "
@@ -169,16 +170,17 @@ def speed_table(results: dict) -> list[str]:
                 f"{_with_spread(b, 'ttft16_s', '.1f', 1e3)} | {_fmt(_ratio(ttft, ref.get('ttft16_s')), '.2f')}x | "
                 f"{_with_spread(b, 'prefill512_tok_s', '.0f')} | "
                 f"{_fmt(_ratio(b.get('prefill512_tok_s'), ref.get('prefill512_tok_s')), '.2f')}x | "
-                f"{_fmt(host, '.0f')} | {_fmt(_ratio(host, ref_host), '.2f')}x | "
+                f"{_fmt(host, '.0f')} | "
                 f"{_fmt(b.get('ops_per_layer'), '.0f')} |")
     return lines
 
 
 def component_table(results: dict) -> list[str]:
     """ms per decode step of one sequence by part, for the backends that reported parts (tiermoe's)."""
-    parts = ("lm_head", "attention", "experts", "fused_layers", "rest")
+    parts = ("lm_head", "attention", "experts", "fused_layers", "rest", "native", "outside_native")
     lines = ["| model | format | backend | step ms | LM head | attention | experts (MoE blocks) | whole layers (one "
-             "native call: attention + experts) | rest (host) |", "|---|---|---|---|---|---|---|---|---|"]
+             "native call: attention + experts) | rest (norms, embedding, engine, sampling) | inside the kernels | "
+             "outside the kernels |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in results["rows"]:
         for label, b in row["backends"].items():
             comp = b.get("components_ms")

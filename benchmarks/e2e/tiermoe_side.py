@@ -8,6 +8,7 @@ only the long-standing API: LLM, its engine's add / step, SamplingParams, CPUCon
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 from bench_non_expert_quant import (  # benchmarks/, on sys.path by e2e/worker.py
@@ -20,10 +21,43 @@ from tiermoe.config import CPUConfig
 from tiermoe.data.prompts import select
 from tiermoe.data.registry import load_prompts
 from tiermoe.engine.sampling import SamplingParams
+from tiermoe.experts.kernels import load_kernels
 from tiermoe.placement.kv_layout import kv_layout
 from tiermoe.testing.op_counter import OpCounter
 
 PROBE_BYTES = 1 << 30
+# The kernel library's compute entries (products, attention, whole layers, norms, routing, rotary): the time a
+# step spends inside them is measured by wrapping each (`native_time`); the rest of the step is Python, torch and
+# the engine.
+NATIVE_CALLS = ("tm_linear_forward", "tm_linear_transposed", "tm_moe_forward", "tm_moe_lora_forward",
+                "tm_paged_decode_attention", "tm_decode_layer", "tm_rms_norm", "tm_rms_norm_gated", "tm_softmax_topk",
+                "tm_grouped_topk", "tm_rotary_inplace", "tm_gated_delta_decode")
+
+
+@contextmanager
+def native_time(total: list[float]):
+    """Adds the seconds spent inside the kernel library's compute entries to total[0] while active (every call
+    goes through `kernels.lib.<name>`, looked up at the call, so wrapping the library's attributes catches all)."""
+    kernels = load_kernels()
+    lib = kernels.lib if kernels is not None else None
+    wrapped = {name: getattr(lib, name) for name in NATIVE_CALLS if lib is not None and hasattr(lib, name)}
+
+    def timed(fn):
+        def call(*args):
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                total[0] += time.perf_counter() - start
+        return call
+
+    for name, fn in wrapped.items():
+        setattr(lib, name, timed(fn))
+    try:
+        yield
+    finally:
+        for name, fn in wrapped.items():
+            setattr(lib, name, fn)
 
 
 class TiermoeSide:
@@ -71,7 +105,9 @@ class TiermoeSide:
         """ms per decode step in the LM head, the attention modules, the MoE blocks (router and experts) and the
         decoder layers computed whole by one native call (tiermoe.layers.fused_decode_layer: their attention and
         experts together, less any module timed inside them), timed by forward hooks; "rest" is the step less
-        those: norms, embedding, residuals, the engine and sampling."""
+        those: norms, embedding, residuals, the engine and sampling. "native" is the time inside the kernel
+        library's calls (measured, `native_time`) and "outside_native" the step less it: what the step costs beyond
+        the kernels (Python, torch's own ops, the engine), per step."""
         model = self.llm.hybrid.model
         parts = {"lm_head": [model.get_output_embeddings()],
                  "attention": [m for n, m in model.named_modules() if n.endswith(("self_attn", "linear_attn"))],
@@ -98,10 +134,12 @@ class TiermoeSide:
             self._start(prompt, steps + 2)
             self._step()  # one decode step before timing
             totals.update(dict.fromkeys(parts, 0.0))
-            start = time.perf_counter()
-            for _ in range(steps):
-                self._step()
-            step = (time.perf_counter() - start) / steps
+            native = [0.0]
+            with native_time(native):
+                start = time.perf_counter()
+                for _ in range(steps):
+                    self._step()
+                step = (time.perf_counter() - start) / steps
             self._finish()
         finally:
             for h in hooks:
@@ -109,6 +147,8 @@ class TiermoeSide:
         out = {part: totals[part] / steps * 1e3 for part in parts}
         out["step"] = step * 1e3
         out["rest"] = out["step"] - sum(out[p] for p in parts)
+        out["native"] = native[0] / steps * 1e3
+        out["outside_native"] = out["step"] - out["native"]
         return out
 
     def ops_per_layer(self, prompt: list[int]) -> float:
