@@ -107,8 +107,8 @@ def evaluate_goals(results: dict) -> list[Goal]:
             judge(words, row, decode, f"{decode:.2f}x" if decode else "", decode is not None and
                   decode >= DECODE_VS_LLAMA)
         else:  # llama.cpp is near the floor: only the floor goal can ask more of this row
-            per_goal.setdefault(words, []).append((_row_name(row), f"{decode:.2f}x, not judged: llama.cpp at "
-                                                   f"{theirs_share:.0%} of the floor", None))
+            text = f"{decode:.2f}x, not judged: llama.cpp at {theirs_share:.0%} of the floor"
+            per_goal.setdefault(words, []).append((_row_name(row), text, None))
         if not row.get("host_bound"):
             share = _ratio(ours.get("decode_tok_s"), floor_tok_s(ours, bandwidth))
             judge(f"decode >= {FLOOR_SHARE:.0%} of the read probe's floor", row, share,
