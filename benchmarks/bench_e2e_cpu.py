@@ -9,8 +9,12 @@ process of its own (e2e/worker.py), and the sides alternate within every round:
 - the bandwidth floor: bytes one decode token reads (weights + KV cache) over the read bandwidth probed in the same
   run by a STREAM-style read of 1 GiB on tiermoe's own kernel thread team, inside its worker process, after every
   round (csrc/probes.cpp; the best probe counts; where tiermoe has no team, torch.mv over 1 GiB in the parent);
-  decode's share of it, and the host time per layer (the step less its floor, per layer);
-- tiermoe's time per part of a decode step (LM head, attention, MoE blocks, the rest: host) and its torch ops per
+  decode's share of it;
+- tiermoe's batched decode: 8 sequences decoding together, each step's time against the least it must read (each
+  weight once: non-expert weights and head, per MoE layer the union of the experts its rows route to, counted by
+  a recorder, and the KV caches) at the probe's rate;
+- tiermoe's time per part of a decode step (LM head, attention, MoE blocks, the rest; and inside the kernel
+  library's calls against outside them, measured by wrapping the calls: the host's time) and its torch ops per
   layer; with --compare-commit REV the same for REV's tiermoe, alternating with this tree;
 - held-out loss of each 4-bit form against its own bf16 model (GSM8K questions in the chat template, as
   bench_non_expert_quant.py scores them; random weights put every loss near log(vocab): the change from bf16 is
@@ -48,6 +52,7 @@ from support.decode_rounds import print_load_average  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT, PREFILL = 16, 512
+BATCH = 8  # sequences decoding together (the batched figure)
 PROBES = 5  # read-bandwidth probes per round (torch.mv over 1 GiB, about 50 ms each)
 
 
@@ -119,6 +124,17 @@ def compare_tree(rev: str, work: Path) -> tuple[str, Path]:
 def random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
     """n ordinary token ids, different every call (no side reuses a cached prefix)."""
     return [rng.randrange(10, min(vocab, 150000)) for _ in range(n)]
+
+
+def tiermoe_round_extras(worker: Worker, figures: dict, team_rates: list[float], rng: random.Random, vocab: int,
+                         args) -> None:
+    """After each of tiermoe's rounds: the read probe on its team (into `team_rates`), and BATCH sequences decoding
+    together with what their step reads at least (into figures["batched_rounds"])."""
+    rate = worker.call("read_rate")
+    team_rates.extend([rate] if rate else [])
+    prompts = [random_prompt(rng, vocab, PROMPT) for _ in range(BATCH)]
+    figures.setdefault("batched_rounds", []).append(
+        worker.call("batched_decode", prompts=prompts, tokens=max(4, args.tokens // 4)))
 
 
 def measure_round(worker: Worker, rng: random.Random, vocab: int, tokens: int) -> dict:
@@ -210,8 +226,7 @@ def run_row(model, fmt: str, files: dict, args, compare, probe: MachineProbe, te
             for side in list(sides):
                 on_side(side, lambda w: keep_round(best[w.label], measure_round(w, rng, vocab, args.tokens)))
                 if side[0] == TIERMOE and side[0] in workers:
-                    rate = workers[side[0]].call("read_rate")
-                    team_rates.extend([rate] if rate else [])
+                    on_side(side, lambda w: tiermoe_round_extras(w, best[w.label], team_rates, rng, vocab, args))
             print(f"{tag} round {r + 1}/{args.rounds} (medians so far): " + "; ".join(
                 f"{label} {b['decode_tok_s']:.1f} tok/s, TTFT16 {b['ttft16_s'] * 1e3:.0f} ms, "
                 f"prefill512 {b['prefill512_tok_s']:.0f} tok/s" for label, b in best.items()), flush=True)

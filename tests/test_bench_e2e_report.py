@@ -106,3 +106,14 @@ def test_each_figure_is_the_median_of_the_rounds_with_its_spread_in_the_table():
     assert figures["decode_tok_s"] == 7.0 and figures["ttft16_s"] == 0.15  # one fast outlier moves nothing
     assert figures["spread"]["decode_tok_s"] == [5.0, 30.0] and len(figures["rounds"]["ttft16_s"]) == 5
     assert "| 7.0 (5.0-30.0) |" in report(_results(figures, {}))
+
+
+def test_the_batched_figure_is_the_bound_of_the_step_over_its_time():
+    # 8 sequences: 0.2 GB read at least per step at 20 GB/s is a 10 ms bound; steps of 12.4 ms reach 81% of it
+    rounds = [{"step_s": s, "bytes": 0.2 * GB, "experts_per_layer": 50.0} for s in (0.0124, 0.011, 0.030)]
+    results = _results({"decode_tok_s": 50.0, "batched_rounds": rounds}, None)
+    goal = _goal(results, "8 sequences together")
+    assert goal.reached is True and "81%" in goal.measured
+    assert "| m | bf16 | tiermoe | 12.4 (11.0-30.0) | 50.0 | 200 | 10.0 | 81% |" in report(results)
+    rounds[0]["step_s"] = rounds[1]["step_s"] = 0.02  # the median step is 20 ms: 50%
+    assert _goal(results, "8 sequences together").reached is False

@@ -60,6 +60,33 @@ def native_time(total: list[float]):
             setattr(lib, name, fn)
 
 
+class UnionCounter:
+    """A recorder (tiermoe.stats.recording) counting each decode pass's distinct experts per MoE layer."""
+
+    def __init__(self):
+        self.enabled = True
+        self.passes, self.layer_counts = 0, []
+        self._layers: list[int] = []
+
+    def begin_pass(self, info) -> None:
+        self._layers = []
+
+    def record(self, layer: int, ids_TK: torch.Tensor, gpu_mask_E: torch.Tensor) -> None:
+        self._layers.append(int(ids_TK.unique().numel()))
+
+    def end_pass(self) -> None:
+        if self._layers:
+            self.passes += 1
+            self.layer_counts.extend(self._layers)
+
+    def mean_per_layer(self) -> float:
+        return sum(self.layer_counts) / max(1, len(self.layer_counts))
+
+    def mean_per_step(self) -> float:
+        """Distinct experts summed over the layers, per pass."""
+        return sum(self.layer_counts) / max(1, self.passes)
+
+
 class TiermoeSide:
     def __init__(self, path: str, threads: int | None, quant: str):
         """threads None: tiermoe's defaults (CPU tier and torch), as a user runs it without --cpu-threads."""
@@ -167,6 +194,40 @@ class TiermoeSide:
         text = getattr(hybrid.config, "text_config", None) or hybrid.config
         itemsize = hybrid.model.get_input_embeddings().weight.element_size()
         return int(bytes_per_token(self.llm)[1] + context * kv_layout(text, itemsize).full_per_token)
+
+    def batched_decode(self, prompts: list[list[int]], tokens: int) -> dict:
+        """len(prompts) sequences decoding together: seconds per step (their prompts' steps left out), and what
+        one step reads at least, each weight once: the non-expert weights and head, per MoE layer the union of the
+        experts the step's rows route to (counted by a recorder over `tokens` more steps, after the timed ones, so
+        the timing pays no recording), and each sequence's KV cache."""
+        seqs = [self.engine.add(p, SamplingParams(max_tokens=2 * tokens + 2, ignore_eos=True)) for p in prompts]
+        while not all(s.output_ids for s in seqs):  # every prompt computed, every sequence decoding
+            self._step()
+        start = time.perf_counter()
+        for _ in range(tokens):
+            self._step()
+        step_s = (time.perf_counter() - start) / tokens
+        union = UnionCounter()
+        self.engine.add_recorder(union)
+        try:
+            for _ in range(tokens):
+                self._step()
+        finally:
+            union.enabled = False
+        self._finish()
+        hybrid = self.llm.hybrid
+        non_expert, _ = bytes_per_token(self.llm)
+        held = hybrid.tier_bytes()
+        per_expert = held.cpu_experts / max(1, hybrid.spec.total_routed_experts)
+        text = getattr(hybrid.config, "text_config", None) or hybrid.config
+        itemsize = hybrid.model.get_input_embeddings().weight.element_size()
+        context = len(prompts[0]) + 1.5 * tokens
+        kv = len(prompts) * context * kv_layout(text, itemsize).full_per_token
+        embedding = hybrid.model.get_input_embeddings().weight
+        head_is_table = getattr(hybrid.model.get_output_embeddings(), "weight", None) is embedding
+        table = 0 if head_is_table else embedding.numel() * embedding.element_size()
+        return {"step_s": step_s, "experts_per_layer": union.mean_per_layer(),
+                "bytes": int(non_expert - table + union.mean_per_step() * per_expert + kv)}
 
     def read_rate(self, reps: int = 3) -> float | None:
         """Bytes/s of the best of `reps` STREAM-style reads of 1 GiB by the model's own kernel thread team (its
