@@ -1,6 +1,7 @@
 """A decoder layer's decode step in one native call (tiermoe.layers.fused_decode_layer): bit for bit what the per-op
 path computes (the fused norms, attention, packed linears and router, and the CPU tier, each called from Python),
-for Qwen3-MoE and Mixtral in bf16, one sequence and a ragged batch across pages; a handful of torch ops per layer;
+for Qwen3-MoE and Mixtral in bf16 (and Qwen3-MoE with int4 non-experts: q and k / v in two products), one sequence
+and a ragged batch across pages; a handful of torch ops per layer;
 the recorder sees the same routing; and every step or model it does not take runs the per-op path unchanged."""
 
 from __future__ import annotations
@@ -79,17 +80,19 @@ def per_op(monkeypatch):
 
 
 @pytest.mark.exactness
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_a_fused_decode_step_is_bit_for_bit_the_per_op_path(arch, checkpoint, monkeypatch):
+# int4: q in int4 and k / v stacked in int8 (tiermoe.model.non_expert_quant.linear_format), two products
+@pytest.mark.parametrize("arch,non_experts", [("qwen3_moe", None), ("mixtral", None), ("qwen3_moe", "int4")])
+def test_a_fused_decode_step_is_bit_for_bit_the_per_op_path(arch, non_experts, checkpoint, monkeypatch):
     path = checkpoint(arch)
+    cpu = CPUConfig(non_expert_dtype=non_experts)
     monkeypatch.setattr(fused_decode_layer, "PROMPT_ROWS", 0)  # prompts by the per-op path in both runs
     calls = Calls(monkeypatch)
-    logits, fused, tokens = decode_logits(path)
+    logits, fused, tokens = decode_logits(path, cpu=cpu)
     spec = detect(load_config(path))
     assert fused == len(spec.moe_layers) and calls.n == fused * 4  # every MoE layer, every decode step
     with monkeypatch.context() as m:
         per_op(m)
-        want, none, want_tokens = decode_logits(path)
+        want, none, want_tokens = decode_logits(path, cpu=cpu)
     assert none == 0 and torch.equal(logits, want) and tokens == want_tokens
 
 

@@ -46,8 +46,10 @@ ACTIVATION_CODES = {"silu_glu": 0, "gpt_oss_glu": 1}
 # 7: a whole decoder layer of a decode step (tm_decode_layer); 8: decode attention with a two-part key (MLA) and key
 # splits; 9: a MoE layer's activation (SiLU-GLU or GPT-OSS's clamped SwiGLU) and per-expert biases (TmLayerArgs);
 # 10: LoRA adapters served per request: a MoE layer's (tm_moe_lora_forward, TmLoraArgs), a decode layer's
-# (TmDecodeLayerArgs.lora)
-ABI_VERSION = 12
+# (TmDecodeLayerArgs.lora); 11: the up kernels' per-row addend (LoRA's gate_up update); 12: the read probe
+# (probes.cpp); 13: a decode layer's k and v in a product of their own (TmDecodeLayerArgs.kv: an int4 model's int8
+# k / v)
+ABI_VERSION = 13
 # A MoE layer or packed product smaller than this (bytes of weights read, each row of activations beyond the first
 # counted as an eighth more: csrc/tm_kernels.h tm_product_work) runs on the calling thread alone. Waking a helper
 # asleep between a decode step's calls cost about 250 us on this project's 2-vCPU VMs (an idle vCPU is halted),
@@ -146,7 +148,7 @@ class TmDecodeLayerArgs(ctypes.Structure):
                                                 "attend_on_team")],
                 ("eps", ctypes.c_double), ("qk_eps", ctypes.c_double),
                 *[(n, ctypes.c_void_p) for n in ("x", "out", "input_norm", "post_norm", "q_norm", "k_norm")],
-                ("qkv", TmLinearArgs), ("o", TmLinearArgs), ("router", TmLinearArgs),
+                ("qkv", TmLinearArgs), ("o", TmLinearArgs), ("router", TmLinearArgs), ("kv", TmLinearArgs),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("cs_row_stride", ctypes.c_int64),
                 ("k_slots", ctypes.c_void_p), ("v_slots", ctypes.c_void_p), ("write_slots", ctypes.c_void_p),
                 ("attn", TmAttnArgs), ("moe", TmLayerArgs), ("ids", ctypes.c_void_p), ("work", ctypes.c_void_p),

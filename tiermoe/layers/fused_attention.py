@@ -61,10 +61,10 @@ class DecodeFusedAttention(nn.Module):
         self.heads = (original.config.num_attention_heads, original.config.num_key_value_heads)
         projections = [getattr(self, n) for n in _PROJECTIONS]
         self.qkv_weight, self.qkv_bias = _concatenated(*projections)
-        # Packed projections (--non-expert-dtype) stacked into one product. Held in a tuple, not as a child module:
-        # its tensors are the projections' own (their buffers are views of them), which the model counts once.
-        stacked = stack_rows(projections) if all(type(p) is QuantizedLinear for p in projections) else None
-        self.stacked_qkv = () if stacked is None else (stacked,)
+        # Packed projections (--non-expert-dtype) stacked into as few products as their formats allow. Held in a
+        # tuple, not as child modules: their tensors are the projections' own (their buffers are views of them),
+        # which the model counts once.
+        self.stacked_qkv = _stacked_runs(projections) if all(type(p) is QuantizedLinear for p in projections) else ()
 
     def forward(self, *args, **kwargs):
         step = kwargs.get(STEP_KWARG)
@@ -93,8 +93,10 @@ class DecodeFusedAttention(nn.Module):
     def _qkv(self, x_TD: torch.Tensor) -> torch.Tensor:
         if self.qkv_weight is None and not self.stacked_qkv:  # projections that are not plain linears
             return torch.cat([getattr(self, n)(x_TD) for n in _PROJECTIONS], dim=-1)
-        if self.stacked_qkv:
+        if len(self.stacked_qkv) == 1:
             qkv_TO = self.stacked_qkv[0](x_TD)
+        elif self.stacked_qkv:
+            qkv_TO = torch.cat([product(x_TD) for product in self.stacked_qkv], dim=-1)
         else:
             qkv_TO = F.linear(x_TD, self.qkv_weight, self.qkv_bias)
         return self._with_adapters(x_TD, qkv_TO)
@@ -111,6 +113,23 @@ class DecodeFusedAttention(nn.Module):
                     qkv_TO[:, start:start + proj.out_features] += delta
             start += proj.out_features
         return qkv_TO
+
+
+def _stacked_runs(projections: list[QuantizedLinear]) -> tuple[QuantizedLinear, ...]:
+    """Products giving the projections' outputs side by side in their order: each run of consecutive projections
+    held in one format stacked into one (stack_rows), so an int4 model's int8 k and v (non_expert_quant.linear_format)
+    take one product beside q's; a run that does not stack stays its projections."""
+    runs: list[QuantizedLinear] = []
+    start = 0
+    while start < len(projections):
+        end = start + 1
+        while end < len(projections) and projections[end].fmt == projections[start].fmt:
+            end += 1
+        run = projections[start:end]
+        stacked = stack_rows(run) if len(run) > 1 else None
+        runs.extend(run if stacked is None else [stacked])
+        start = end
+    return tuple(runs)
 
 
 def _concatenated(*linears: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -14,11 +14,12 @@ per request takes the call too, with each row's updates (`lora`: the adapted mod
 masks, tiermoe.layers.lora_stack), added where the per-op modules add them.
 
 Swapped in where every piece is the fused one: DecodeFusedAttention with its q/k/v stacked into one packed product
-and a packed output projection (no biases, no sinks), FusedRMSNorm norms of one kind, a FusedTopKRouter with its
-packed bf16 weight, and a HybridMoE without shared experts over a CPU tier computed by the kernels: that is, a
-CPU-only bf16 run with packed non-expert linears (the default there, tiermoe.model.cpu_only). A step takes the call
-only while the MoE block's router is still that FusedTopKRouter: a router put in its place (the trace's routing of
-`bench placement --routing-trace`) is asked by the per-op path, which the native call would bypass.
+(or q in one and k/v in another, where they are held in two formats) and a packed output projection (no biases, no
+sinks), FusedRMSNorm norms of one kind, a FusedTopKRouter with its packed bf16 weight, and a HybridMoE without
+shared experts over a CPU tier computed by the kernels: that is, a CPU-only bf16 run with packed non-expert linears
+(the default there, tiermoe.model.cpu_only). A step takes the call only while the MoE block's router is still that
+FusedTopKRouter: a router put in its place (the trace's routing of `bench placement --routing-trace`) is asked by
+the per-op path, which the native call would bypass.
 Legend: T decode rows, D hidden, H query heads, Hkv KV heads, d head dim, K top-k.
 """
 
@@ -143,6 +144,7 @@ class FusedDecodeLayer(nn.Module):
         H, Hkv = attn.heads
         norm = self.input_layernorm
         qk_norm = hasattr(attn, "q_norm")
+        qkv, kv = _qkv_products(attn)
         self.args = TmDecodeLayerArgs(
             D=norm.weight.shape[0], H=H, Hkv=Hkv, d=attn.head_dim, E=router.num_experts, K=router.top_k,
             norm_kind=norm.kind, sum_lanes=ops.sum_lanes, exp_lanes=ops.exp_lanes, qk_norm=int(qk_norm),
@@ -151,8 +153,8 @@ class FusedDecodeLayer(nn.Module):
             post_norm=self.post_attention_layernorm.weight.data_ptr(),
             q_norm=attn.q_norm.weight.data_ptr() if qk_norm else None,
             k_norm=attn.k_norm.weight.data_ptr() if qk_norm else None,
-            qkv=_product(kernels, attn.stacked_qkv[0]), o=_product(kernels, attn.o_proj),
-            router=_product(kernels, router.packed),
+            qkv=_product(kernels, qkv), o=_product(kernels, attn.o_proj), router=_product(kernels, router.packed),
+            kv=TmLinearArgs() if kv is None else _product(kernels, kv),
             attn=TmAttnArgs(isa=kernels.isa, scale=attn.scaling))
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
@@ -241,6 +243,18 @@ def _product(kernels: Kernels, linear: QuantizedLinear) -> TmLinearArgs:
                         seg_len=w.seg_len, x_bf16=1, W=w.c_ptr)
 
 
+def _qkv_products(attn: DecodeFusedAttention) -> tuple[QuantizedLinear, QuantizedLinear | None] | None:
+    """The packed products the native call computes q, k and v with: (q, k and v's) where k and v are stacked in
+    a format of their own (an int4 model's int8 k / v: tiermoe.model.non_expert_quant.linear_format), else (all
+    three's, None); None when the attention's projections are not packed so, or have biases."""
+    products = attn.stacked_qkv
+    H, Hkv = attn.heads
+    if (len(products) not in (1, 2) or any(p.bias is not None or p.kernels is None for p in products)
+            or products[0].out_features != (H if len(products) == 2 else H + 2 * Hkv) * attn.head_dim):
+        return None
+    return products[0], products[1] if len(products) == 2 else None
+
+
 def fusable(layer: nn.Module) -> bool:
     """Whether `layer` is a decoder layer FusedDecodeLayer computes (see the module docstring)."""
     if not isinstance(layer, _FAMILIES):
@@ -252,7 +266,7 @@ def fusable(layer: nn.Module) -> bool:
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     if hasattr(attn, "q_norm"):
         norms += [attn.q_norm, attn.k_norm]
-    return (bool(attn.stacked_qkv) and attn.stacked_qkv[0].bias is None and type(attn.o_proj) is QuantizedLinear
+    return (_qkv_products(attn) is not None and type(attn.o_proj) is QuantizedLinear
             and attn.o_proj.bias is None and attn.o_proj.kernels is not None and getattr(attn, "sinks", None) is None
             and all(type(n) is FusedRMSNorm and n.weight.dtype == torch.bfloat16 for n in norms)
             and len({n.kind for n in norms}) == 1 and len({n.eps for n in norms[:2]}) == 1

@@ -58,6 +58,7 @@ struct TmDecodeLayerArgs {
   const uint16_t* q_norm;            // [d] (qk_norm)
   const uint16_t* k_norm;            // [d] (qk_norm)
   TmLinearArgs qkv, o, router;       // the packed products; M, x and out are set here
+  TmLinearArgs kv;                   // N > 0: k and v's own product (a format of their own), qkv then q's alone
   const uint16_t* cos;               // [T, d] rows cs_row_stride apart
   const uint16_t* sin;
   int64_t cs_row_stride;
@@ -77,7 +78,7 @@ namespace {
 
 // Where the intermediates sit in `work`, each 64-byte aligned.
 struct Work {
-  size_t normed, qkv, qn, kn, attn, proj, logits, weights, weights_f32, total;
+  size_t normed, qkv, parts, qn, kn, attn, proj, logits, weights, weights_f32, total;
 };
 
 Work layout(const TmDecodeLayerArgs& a) {
@@ -87,6 +88,7 @@ Work layout(const TmDecodeLayerArgs& a) {
   auto take = [&at](size_t bytes) { size_t here = at; at += tm_align64(bytes); return here; };
   w.normed = take(T * D * 2);
   w.qkv = take(T * qkv_width * 2);
+  w.parts = take(a.kv.N > 0 ? T * qkv_width * 2 : 0);
   w.qn = take(T * a.H * a.d * 2);
   w.kn = take(T * a.Hkv * a.d * 2);
   w.attn = take(T * a.H * a.d * 2);
@@ -212,6 +214,23 @@ int experts_with_lora(void* team, TmLayerArgs moe, const TmLoraArgs& lora, char*
   return 0;
 }
 
+// q, k and v of the step's rows side by side in `qkv` [T, (H + 2 Hkv) d]: one product, or q's and kv's each into
+// `parts` and then interleaved row by row (a copy of T rows: nothing beside the products' reads).
+int qkv_product(void* team, const TmDecodeLayerArgs& a, const uint16_t* normed, uint16_t* qkv, uint16_t* parts,
+                char* err, int errlen) {
+  if (a.kv.N == 0) return product(team, a.qkv, a.T, normed, qkv, err, errlen);
+  const int64_t q_width = a.qkv.N, kv_width = a.kv.N;
+  uint16_t* kv = parts + int64_t(a.T) * q_width;
+  if (product(team, a.qkv, a.T, normed, parts, err, errlen) != 0 ||
+      product(team, a.kv, a.T, normed, kv, err, errlen) != 0)
+    return 1;
+  for (int64_t t = 0; t < a.T; ++t) {
+    std::memcpy(qkv + t * (q_width + kv_width), parts + t * q_width, q_width * 2);
+    std::memcpy(qkv + t * (q_width + kv_width) + q_width, kv + t * kv_width, kv_width * 2);
+  }
+  return 0;
+}
+
 int layer(void* team, const TmDecodeLayerArgs& a, char* err, int errlen) {
   const int T = a.T, D = a.D, H = a.H, Hkv = a.Hkv, d = a.d;
   const Work w = layout(a);
@@ -225,7 +244,7 @@ int layer(void* team, const TmDecodeLayerArgs& a, char* err, int errlen) {
   // attention
   if (tm_rms_norm(a.x, D, a.input_norm, normed, T, D, a.eps, a.norm_kind, 1, 1, 1, a.sum_lanes) != 0)
     return tm_fail(err, errlen, "input RMSNorm: unknown kind or lane count");
-  if (product(team, a.qkv, T, normed, qkv, err, errlen) != 0) return 1;
+  if (qkv_product(team, a, normed, qkv, (uint16_t*)(base + w.parts), err, errlen) != 0) return 1;
   if (a.lora)
     add_loras(team, {{&a.lora->q, normed, D, qkv, qkv_width}, {&a.lora->k, normed, D, qkv + int64_t(H) * d, qkv_width},
                      {&a.lora->v, normed, D, qkv + int64_t(H + Hkv) * d, qkv_width}}, T);
@@ -296,7 +315,9 @@ int tm_decode_layer(void* team, const TmDecodeLayerArgs* args, char* err, int er
   const TmDecodeLayerArgs& a = *args;
   if (a.T < 1 || a.D < 1 || a.H < 1 || a.Hkv < 1 || a.H % a.Hkv != 0 || a.d < 2 || a.K < 1 || a.K > a.E)
     return tm_fail(err, errlen, "decode layer shapes must be positive, with query heads a multiple of KV heads");
-  if (a.qkv.N != (a.H + 2 * a.Hkv) * a.d || a.qkv.K != a.D || a.o.N != a.D || a.o.K != a.H * a.d ||
+  const bool parts = a.kv.N > 0;
+  if (a.qkv.N != (parts ? a.H : a.H + 2 * a.Hkv) * a.d || a.qkv.K != a.D ||
+      (parts && (a.kv.N != 2 * a.Hkv * a.d || a.kv.K != a.D)) || a.o.N != a.D || a.o.K != a.H * a.d ||
       a.router.N != a.E || a.router.K != a.D || a.moe.D != a.D)
     return tm_fail(err, errlen, "decode layer: a product's shape disagrees with the layer's");
   return layer(team, a, err, errlen);

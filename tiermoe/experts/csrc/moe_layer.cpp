@@ -33,7 +33,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 12;  // 2: tm_linear_forward / tm_linear_transposed;
+constexpr int kAbiVersion = 13;  // 2: tm_linear_forward / tm_linear_transposed;
                                 // 3: layer_ops.cpp, paged attention, rotary;
                                 // 4: decode attention per ISA (TmAttnArgs.isa);
                                 // 5: the gated delta rule's decode step (TmKernels.delta);
@@ -44,6 +44,7 @@ constexpr int kAbiVersion = 12;  // 2: tm_linear_forward / tm_linear_transposed;
                                 // 10: tm_moe_lora_forward (TmLoraArgs)
                                 // 11: TmGlu's per-row addend (LoRA's gate_up update inside the up kernels)
                                 // 12: probes.cpp (tm_read_probe, tm_team_empty_job)
+                                // 13: TmDecodeLayerArgs.kv (k and v in a product of their own)
 
 bool request_amx_permission() {
 #ifdef __linux__
