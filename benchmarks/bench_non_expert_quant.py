@@ -5,7 +5,8 @@ checkpoint's dtype) once per configuration: non-expert linears as loaded (torch'
 bf16 / int8 / int4 (tiermoe.model.non_expert_quant), with the experts bf16 (bf16 also with an int4 LM head alone), the
 "8-bit model" (int8 non-experts and experts, what a llama.cpp Q8_0 file is) and
 the "4-bit model": int4 non-experts with int4 experts (--cpu-expert-dtype int4), what a llama.cpp Q4_K_M file is, with
-its LM head int4 (the default) and int8 (--head-dtype int8, nearer Q4_K_M's 6-bit output matrix). For each: the
+its key / value projections and LM head int8 (the default, as Q4_K_M keeps more bits there), its head int4 too
+(--head-dtype int4), and every non-expert linear int8. For each: the
 held-out loss (nats) of the same GSM8K prompts bench_format_loss.py scores (the demo model never saw them), its change
 against the unquantised model, the KL divergence from the unquantised model's next-token distribution and how often
 their top tokens agree (the loss of a small model moves by chance either way under a few per mille of weight error;
@@ -56,6 +57,7 @@ from tiermoe import LLM  # noqa: E402
 from tiermoe.arch import detect, load_config  # noqa: E402
 from tiermoe.bundled import resolve_model  # noqa: E402
 from tiermoe.config import CPUConfig  # noqa: E402
+from tiermoe.model.non_expert_quant import INT8_IN_INT4, head_format, linear_format  # noqa: E402
 from tiermoe.placement.plan import PlacementPlan  # noqa: E402
 
 # (label, --non-expert-dtype, --cpu-expert-dtype, --head-dtype); the first is the baseline
@@ -65,11 +67,24 @@ CONFIGS = (
     ("bf16, head int4", "bf16", None, "int4"),  # what the int4 head alone changes
     ("int8", "int8", None, None),
     ("int8, experts int8", "int8", "int8", None),  # the 8-bit model: what a llama.cpp Q8_0 file is
-    ("int4", "int4", None, None),
-    ("int4, experts int4", "int4", "int4", None),
-    ("int4, experts int4, head int8", "int4", "int4", "int8"),
-    ("int8, experts int4", "int8", "int4", None),  # 4-bit experts, 8-bit the rest (Q4_K_M's k / v are Q8_0)
+    ("int4", "int4", None, None),  # k / v and the head int8 (non_expert_quant.linear_format, head_format)
+    ("int4, experts int4", "int4", "int4", None),  # the 4-bit model
+    ("int4, experts int4, head int4", "int4", "int4", "int4"),  # what the int8 head buys
+    ("int8, experts int4", "int8", "int4", None),  # 4-bit experts, 8-bit the rest: q and o in int8 too
 )
+
+
+def linears_label(ne: str) -> str | None:
+    """The decoder linears' format(s) --non-expert-dtype `ne` packs (None: as loaded)."""
+    if ne == "none":
+        return None
+    other = [leaf for leaf in INT8_IN_INT4 if linear_format(leaf, ne) != ne]
+    return f"{ne}, {' / '.join(other)} {linear_format(other[0], ne)}" if other else ne
+
+
+def head_label(ne: str, head: str | None) -> str | None:
+    """The packed LM head's format (None: as loaded)."""
+    return None if ne == "none" else head_format(ne, head)
 
 
 def held_out_loss(llm: LLM, rows: list[torch.Tensor]) -> float:
@@ -215,9 +230,9 @@ def main() -> None:
         held, read = sizes[label]
         kl, agree = divergences[label]
         loaded = f"as loaded ({str(spec.dtype).removeprefix('torch.')})"
-        ne = None if ne == "none" else ne
         tok_s = f"{speed[label]:.1f} | {speed[label] / speed[base]:.2f}x" if speed else "- | -"
-        print(f"| {ne or loaded} | {head or ne or loaded} | {ex or 'as loaded'} | {losses[label]:.4f} | "
+        print(f"| {linears_label(ne) or loaded} | {head_label(ne, head) or loaded} | {ex or 'as loaded'} | "
+              f"{losses[label]:.4f} | "
               f"{losses[label] - losses[base]:+.4f} | {kl:.5f} | {agree:.1%} | {held / 2**20:.2f} | "
               f"{read / 2**20:.2f} | {tok_s} |")
     print_llama_cpp(llama, losses[base])

@@ -18,9 +18,10 @@ from tiermoe.errors import TiermoeError
 from tiermoe.experts.kernels import ThreadTeam, load_kernels, supported_isa
 from tiermoe.experts.quant import block, blocked_nbytes, dequantize, quantize
 from tiermoe.fit import model_bytes
+from tiermoe.layers.fused_decode_layer import FusedDecodeLayer
 from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.model.loader import load_hybrid_model
-from tiermoe.model.non_expert_quant import KEPT_LINEARS, head_format, quantizable_linears
+from tiermoe.model.non_expert_quant import INT8_IN_INT4, KEPT_LINEARS, head_format, linear_format, quantizable_linears
 from tiermoe.bundled import resolve_model
 
 needs_kernels = pytest.mark.skipif(supported_isa() is None, reason="the kernel library is unavailable")
@@ -34,6 +35,7 @@ TOLERANCE = {"int8": 0.03, "int4": 0.4}
 # Qwen3-Next's gated delta rule carries any error of a random in_proj_qkvz along the sequence (bf16 weights alone
 # give 0.015, int8 0.07, int4 0.66 at the median position): only int8 is held to a bound there.
 ARCH_TOLERANCE = {"qwen3_next": {"int8": 0.15, "int4": None}}
+KEY_VALUE = {"deepseek_v3": {"kv_a_proj_with_mqa"}}  # each layout's key / value projections (else k_proj, v_proj)
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +88,12 @@ def _params(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _dequantized_reference(hybrid, router_attr: str, fmt: str, head_fmt: str) -> None:
-    """Put into a plain model's linears the weights `fmt` stores, into its head those `head_fmt` stores
+    """Put into a plain model's linears the weights `fmt` stores (each in `linear_format`'s format for it), into
+    its head those `head_fmt` stores
     (dequantised to fp32): what a quantised load must compute exactly."""
     with torch.no_grad():
-        for _, linear in quantizable_linears(hybrid.model, router_attr):
-            linear.weight.copy_(dequantize(block(quantize(linear.weight, fmt)), torch.float32))
+        for name, linear in quantizable_linears(hybrid.model, router_attr):
+            linear.weight.copy_(dequantize(block(quantize(linear.weight, linear_format(name, fmt))), torch.float32))
         head = hybrid.model.get_output_embeddings()  # a copy of its own: a tied embedding table stays as loaded
         head.weight = nn.Parameter(dequantize(block(quantize(head.weight, head_fmt)), torch.float32))
 
@@ -124,7 +127,13 @@ def test_quantized_non_experts_compute_their_stored_weights_and_keep_routers_and
             modules = dict(hybrid.model.named_modules())
             swapped = [name for name, m in modules.items() if isinstance(m, QuantizedLinear)]
             assert len(swapped) == linears + 1  # and the LM head
-            assert isinstance(hybrid.model.get_output_embeddings(), QuantizedLinear)
+            head_module = hybrid.model.get_output_embeddings()
+            assert isinstance(head_module, QuantizedLinear) and head_module.fmt == head_format(fmt, head)
+            formats = {name: modules[name].fmt for name in swapped if modules[name] is not head_module}
+            # int4 keeps the key / value projections in int8 (MLA: its latent one); the rest in the format asked
+            other = {name.rpartition(".")[2] for name, f in formats.items() if f != fmt}
+            assert other == (KEY_VALUE.get(arch, {"k_proj", "v_proj"}) if fmt == "int4" else set()), formats
+            assert all(f == linear_format(name, fmt) for name, f in formats.items())
             left = [name for name, m in modules.items() if type(m) is nn.Linear]
             assert all(name.rpartition(".")[2] in (spec.router_attr, *KEPT_LINEARS) for name in left), left
             now = _params(hybrid.model)
@@ -136,12 +145,31 @@ def test_quantized_non_experts_compute_their_stored_weights_and_keep_routers_and
                 plain_bytes - model_bytes(path).non_expert)  # `tiermoe fit` counts what the load holds
 
 
+def test_an_int4_model_holds_keys_values_and_its_head_in_int8_and_the_rest_as_asked():
+    for leaf in INT8_IN_INT4:
+        assert linear_format(f"model.layers.3.self_attn.{leaf}", "int4") == "int8" == linear_format(leaf, "int4")
+        assert linear_format(f"model.layers.3.self_attn.{leaf}", "int8") == "int8"
+        assert linear_format(f"model.layers.3.self_attn.{leaf}", "bf16") == "bf16"
+    for name in ("self_attn.q_proj", "self_attn.o_proj", "self_attn.q_a_proj", "self_attn.q_b_proj",
+                 "linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "linear_attn.out_proj", "self_attn.qkv_proj",
+                 "mlp.down_proj", "mlp.shared_expert.up_proj", "mlp.shared_experts.gate_proj", "self_attn.k_proj_x"):
+        assert linear_format(f"model.layers.0.{name}", "int4") == "int4", name  # fused or unknown: as asked
+    assert [head_format(f) for f in ("bf16", "int8", "int4")] == ["bf16", "int8", "int8"]
+    assert head_format("int4", "int4") == "int4" and head_format("int8", "int4") == "int4"
+
+
 @needs_kernels
 def test_generation_through_llm_runs_on_the_quantized_linears():
     with LLM("tiermoe-demo", cpu=CPUConfig(non_expert_dtype="int4"), progress=False) as llm:
         prompt = llm.encode("The capital of France is")
         out = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
-        assert isinstance(llm.hybrid.model.model.layers[0].self_attn.q_proj, QuantizedLinear)
+        layer = llm.hybrid.model.model.layers[0]
+        attention = layer.self_attn
+        assert [attention.q_proj.fmt, attention.k_proj.fmt, attention.v_proj.fmt] == ["int4", "int8", "int8"]
+        # q in one product, k and v stacked in another (DecodeFusedAttention), both in the layer's one native call
+        assert [(p.fmt, p.out_features) for p in attention.stacked_qkv] == [("int4", 256), ("int8", 256)]
+        assert isinstance(layer, FusedDecodeLayer) and (layer.args.qkv.N, layer.args.kv.N) == (256, 256)
+        assert llm.hybrid.model.get_output_embeddings().fmt == "int8"
         ids = list(prompt)
         for _ in range(6):  # the same greedy tokens from whole-sequence forwards of the same model
             ids.append(int(llm.hybrid(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))

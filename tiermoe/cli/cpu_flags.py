@@ -65,14 +65,15 @@ def add_cpu_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--non-expert-dtype", choices=(NON_EXPERT_AS_LOADED, *NON_EXPERT_DTYPES), default=None,
                    help="CPU-only runs (--gpu-device cpu): hold the non-expert linears (attention, dense and shared "
                         "MLPs, LM head) packed in this format, computed by the same kernels (routers, norms, "
-                        "embeddings and MLA's kv_b stay as loaded); 'none': torch's "
-                        "linears as loaded. Default: bf16 for a bf16 model run CPU-only in one process, with the "
-                        "CPU tier's threads on every physical core; the checkpoint's dtype otherwise")
+                        "embeddings and MLA's kv_b stay as loaded; int4 holds attention's k / v projections in "
+                        "int8, as llama.cpp's Q4_K_M keeps them at Q8_0); 'none': torch's linears as loaded. "
+                        "Default: bf16 for a bf16 model run CPU-only in one process, with the CPU tier's threads on "
+                        "every physical core; the checkpoint's dtype otherwise")
     g.add_argument("--head-dtype", choices=NON_EXPERT_DTYPES, default=None,
-                   help="format of the packed LM head, where the non-expert linears are packed (default: theirs). "
-                        "int4 reads 0.55 bytes a weight, int8 1.0: under int4 the careful choice is int8, nearer "
-                        "the 6.6-bit output matrix of llama.cpp's Q4_K_M (docs/cpu-backends.md has the measured "
-                        "cost of both)")
+                   help="format of the packed LM head, where the non-expert linears are packed (default: theirs, "
+                        "int8 under int4, nearer the 6.6-bit output matrix of llama.cpp's Q4_K_M). int4 reads 0.55 "
+                        "bytes a weight, int8 1.0: --head-dtype int4 is the faster, coarser choice "
+                        "(docs/cpu-backends.md has the measured cost of both)")
     g.add_argument("--kt-method", dest="kt_method", type=kt_method, default=None,
                    help="SGLang-kt spelling of the format: AMXINT4 = int4, AMXINT8 = int8, BF16 = bf16")
     g.add_argument("--cpu-threads", "--kt-cpuinfer", dest="cpu_threads", type=cpu_threads, default=None,

@@ -48,9 +48,10 @@ def add_parser(sub) -> None:
                    help="format of CPU-tier experts (default: the compute dtype)")
     p.add_argument("--non-expert-dtype", choices=("bf16", "int8", "int4"),
                    help="count the non-expert linears packed in this format, as a CPU-only load with "
-                        "--non-expert-dtype holds them (default: the compute dtype)")
+                        "--non-expert-dtype holds them (int4: attention's k / v in int8; default: the compute dtype)")
     p.add_argument("--head-dtype", choices=("bf16", "int8", "int4"),
-                   help="with --non-expert-dtype: the LM head's format, as --head-dtype loads it (default: theirs)")
+                   help="with --non-expert-dtype: the LM head's format, as --head-dtype loads it (default: theirs, "
+                        "int8 under int4)")
     p.add_argument("--gpu-experts", type=non_negative_int,
                    help="GPU-tier experts in total to check (default: the largest count that fits)")
     p.add_argument("--train", action="store_true",

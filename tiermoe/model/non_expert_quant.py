@@ -9,13 +9,28 @@ dense layers' MLPs, shared experts) and the LM head. Kept as loaded:
     into the query (tiermoe.layers.mla_attention), which a packed matrix cannot give without a dequantisation
     per forward;
   - norms and embeddings (not linears), and FP8-stored linears (FP8Linear, kept as stored).
-The LM head takes the format of the rest unless --head-dtype says otherwise (CPUConfig.head_dtype). It is the
-largest matrix a decode token reads on a Qwen3-30B-A3B-class model (151,936 x 2048), so its format decides much
-of a 4-bit model's step: int4 reads 166 MB of it, int8 311 MB, llama.cpp's Q4_K_M keeps it at Q6_K (255 MB)
-because logits are the one place where weight error is not averaged away by later layers. The measured held-out
-loss of a 4-bit model with an int4 head stays within Q4_K_M's change + 0.01 nats (BENCHMARKS.md, "An int4 LM
-head"); `--head-dtype int8` is the careful choice, at 1.9x the head's bytes. A head tied to the embeddings gets a
-packed copy of its own; the embeddings keep the loaded table (one row is read per token).
+Each is packed in --non-expert-dtype's format, except that an int4 model keeps more bits where error hurts most,
+as llama.cpp's Q4_K_M does (`linear_format`, matched on the projection's leaf name):
+  - attention's keys and values (`k_proj`, `v_proj`, and MLA's latent `kv_a_proj_with_mqa`) in int8, as Q4_K_M
+    keeps a MoE model's attn_k / attn_v at Q8_0: every query head of a group reads the same keys and values, so
+    their error reaches several heads, and they are a small share of a MoE model's bytes (on Qwen3-30B-A3B,
+    2 x 512 x 2048 per layer against 4096 x 2048 for q and for o: +46 MB, about 3 % of what a 4-bit token reads).
+    On the bundled model they bring the 4-bit model's KL from the unquantised model from 0.00195 to 0.00111 nats
+    per token (int8 head) for 3.5 % more bytes read (benchmarks/bench_non_expert_quant.py);
+  - everything else keeps the format asked: q and o in int8 too cost the bundled model as much again for less
+    (KL 0.00093 with o, 0.00102 with q, each +0.11 MiB on 3.36); fused projections (Qwen3-Next's `in_proj_qkvz`,
+    a `qkv_proj`) hold queries with the keys and values and stay int4, as do dense MLPs and shared experts (none
+    in the bundled model to measure): a name the rule does not know costs no more bytes than asked.
+The LM head takes the format of the rest, but int8 where the rest is int4 (`head_format`), unless --head-dtype
+says otherwise (CPUConfig.head_dtype). It is the largest matrix a decode token reads on a Qwen3-30B-A3B-class
+model (151,936 x 2048), so its format decides much of a 4-bit model's step: int4 reads 166 MB of it, int8 311 MB,
+llama.cpp's Q4_K_M keeps it at Q6_K (255 MB) because logits are the one place where weight error is not averaged
+away by later layers. On the bundled model an int4 head triples the 4-bit model's KL (0.0035 nats per token
+against 0.0011, the top token the unquantised model's at 92.6 % of positions against 97.0 %) and a bf16 head gains
+nothing over int8 (0.0011): int8 is the least of the formats that keeps the logits, at about 8 % more bytes read
+per Qwen3-30B-A3B token than int4. `--head-dtype int4` is the faster choice; its held-out loss stays within
+Q4_K_M's change + 0.01 nats (BENCHMARKS.md, "An int4 LM head"). A head tied to the embeddings gets a packed copy
+of its own; the embeddings keep the loaded table (one row is read per token).
 """
 
 from __future__ import annotations
@@ -36,11 +51,21 @@ from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.model.skeleton import decoder_layers
 
 KEPT_LINEARS = ("shared_expert_gate", "kv_b_proj")  # see the module's docstring
+# Projections an int4 model holds in int8 (module docstring): attention's keys and values, and MLA's latent key /
+# value projection
+INT8_IN_INT4 = ("k_proj", "v_proj", "kv_a_proj_with_mqa")
+
+
+def linear_format(name: str, fmt: str) -> str:
+    """The format --non-expert-dtype `fmt` packs the decoder linear `name` (qualified or its leaf) in: int8 for the
+    key / value projections of an int4 model (INT8_IN_INT4, module docstring), else `fmt`."""
+    return "int8" if fmt == "int4" and name.rpartition(".")[2] in INT8_IN_INT4 else fmt
 
 
 def head_format(non_expert_dtype: str, head_dtype: str | None = None) -> str:
-    """The packed LM head's format: --head-dtype if given, else the non-expert linears' (module docstring)."""
-    return head_dtype or non_expert_dtype
+    """The packed LM head's format: --head-dtype if given, else the non-expert linears', int8 for int4 (module
+    docstring)."""
+    return head_dtype or ("int8" if non_expert_dtype == "int4" else non_expert_dtype)
 
 
 def check_non_expert_dtype(cpu: CPUConfig, gpu_device: torch.device, trainable: bool) -> None:
@@ -88,7 +113,7 @@ def quantize_non_experts(model: nn.Module, router_attr: str, cpu: CPUConfig, wor
     swapped = 0
     for name, linear in quantizable_linears(model, router_attr):
         parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, QuantizedLinear(linear, fmt, kernels, team))
+        setattr(model.get_submodule(parent), leaf, QuantizedLinear(linear, linear_format(name, fmt), kernels, team))
         swapped += 1
     head = model.get_output_embeddings()
     if type(head) is nn.Linear:
@@ -121,15 +146,15 @@ def pack_routers(model: nn.Module, cpu: CPUConfig, worker: CPUWorker) -> int:
 
 def quantized_bytes_change(skeleton: nn.Module, router_attr: str, fmt: str, tied_head: bool,
                            fp8: bool = False, head_dtype: str | None = None) -> int:
-    """Bytes that quantising to `fmt` (the head to `head_format(fmt, head_dtype)`) adds to the non-expert weights of
-    `skeleton` (a meta model: shapes only; negative: saved), bf16 routers packed included. `tiermoe fit` adds it
-    to what the checkpoint's headers say. fp8: the checkpoint stores its decoder linears in FP8, which a load
-    keeps as stored (not packed)."""
+    """Bytes that quantising to `fmt` (each linear to `linear_format(name, fmt)`, the head to `head_format(fmt,
+    head_dtype)`) adds to the non-expert weights of `skeleton` (a meta model: shapes only; negative: saved), bf16
+    routers packed included. `tiermoe fit` adds it to what the checkpoint's headers say. fp8: the checkpoint stores
+    its decoder linears in FP8, which a load keeps as stored (not packed)."""
     change = 0
     for name, linear in quantizable_linears(skeleton, router_attr):
         weight = linear.weight
         if not (fp8 and is_fp8_quantised(f"{name}.weight", tuple(weight.shape))):
-            change += blocked_nbytes(fmt, *weight.shape) - weight.numel() * weight.element_size()
+            change += blocked_nbytes(linear_format(name, fmt), *weight.shape) - weight.numel() * weight.element_size()
     head = skeleton.get_output_embeddings()
     if type(head) is nn.Linear:
         packed = blocked_nbytes(head_format(fmt, head_dtype), *head.weight.shape)
