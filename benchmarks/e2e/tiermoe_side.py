@@ -190,10 +190,14 @@ class TiermoeSide:
     def bytes_per_token(self, context: float) -> int:
         """Weight bytes one decode token reads (bench_non_expert_quant.bytes_per_token) plus the KV cache of
         `context` tokens in the model's dtype."""
+        return int(bytes_per_token(self.llm)[1] + self._kv_bytes(context))
+
+    def _kv_bytes(self, context: float) -> float:
+        """The KV cache of `context` tokens of one sequence, in the model's dtype."""
         hybrid = self.llm.hybrid
         text = getattr(hybrid.config, "text_config", None) or hybrid.config
         itemsize = hybrid.model.get_input_embeddings().weight.element_size()
-        return int(bytes_per_token(self.llm)[1] + context * kv_layout(text, itemsize).full_per_token)
+        return context * kv_layout(text, itemsize).full_per_token
 
     def batched_decode(self, prompts: list[list[int]], tokens: int) -> dict:
         """len(prompts) sequences decoding together: seconds per step (their prompts' steps left out), and what
@@ -215,19 +219,12 @@ class TiermoeSide:
         finally:
             union.enabled = False
         self._finish()
-        hybrid = self.llm.hybrid
-        non_expert, _ = bytes_per_token(self.llm)
-        held = hybrid.tier_bytes()
-        per_expert = held.cpu_experts / max(1, hybrid.spec.total_routed_experts)
-        text = getattr(hybrid.config, "text_config", None) or hybrid.config
-        itemsize = hybrid.model.get_input_embeddings().weight.element_size()
+        spec = self.llm.hybrid.spec
+        per_expert = self.llm.hybrid.tier_bytes().cpu_experts / max(1, spec.total_routed_experts)
+        weights = bytes_per_token(self.llm)[1] - spec.top_k * spec.num_moe_layers * per_expert  # all but experts
         context = len(prompts[0]) + 1.5 * tokens
-        kv = len(prompts) * context * kv_layout(text, itemsize).full_per_token
-        embedding = hybrid.model.get_input_embeddings().weight
-        head_is_table = getattr(hybrid.model.get_output_embeddings(), "weight", None) is embedding
-        table = 0 if head_is_table else embedding.numel() * embedding.element_size()
         return {"step_s": step_s, "experts_per_layer": union.mean_per_layer(),
-                "bytes": int(non_expert - table + union.mean_per_step() * per_expert + kv)}
+                "bytes": int(weights + union.mean_per_step() * per_expert + len(prompts) * self._kv_bytes(context))}
 
     def read_rate(self, reps: int = 3) -> float | None:
         """Bytes/s of the best of `reps` STREAM-style reads of 1 GiB by the model's own kernel thread team (its
