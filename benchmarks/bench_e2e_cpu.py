@@ -127,10 +127,13 @@ def random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
     return [rng.randrange(10, min(vocab, 150000)) for _ in range(n)]
 
 
-def tiermoe_round_extras(worker: Worker, figures: dict, team_rates: list[float], rng: random.Random, vocab: int,
-                         args) -> None:
-    """After each of tiermoe's rounds: the read probe on its team (into `team_rates`), and BATCH sequences decoding
-    together with what their step reads at least (into figures["batched_rounds"])."""
+def one_round(worker: Worker, figures: dict, team_rates: list[float], rng: random.Random, vocab: int, args) -> None:
+    """One side's round into `figures`; on tiermoe's side (this tree's) also the read probe on its team (into
+    `team_rates`) and BATCH sequences decoding together with what their step reads at least
+    (figures["batched_rounds"]), on the same load of the model."""
+    keep_round(figures, measure_round(worker, rng, vocab, args.tokens))
+    if worker.label != TIERMOE:
+        return
     rate = worker.call("read_rate")
     team_rates.extend([rate] if rate else [])
     prompts = [random_prompt(rng, vocab, PROMPT) for _ in range(BATCH)]
@@ -225,9 +228,7 @@ def run_row(model, fmt: str, files: dict, args, compare, probe: MachineProbe, te
             for _ in range(PROBES):  # the floor is the machine's best read rate, not one unlucky sample
                 probe.probe(args.threads)
             for side in list(sides):
-                on_side(side, lambda w: keep_round(best[w.label], measure_round(w, rng, vocab, args.tokens)))
-                if side[0] == TIERMOE and side[0] in workers:
-                    on_side(side, lambda w: tiermoe_round_extras(w, best[w.label], team_rates, rng, vocab, args))
+                on_side(side, lambda w: one_round(w, best[w.label], team_rates, rng, vocab, args))
             print(f"{tag} round {r + 1}/{args.rounds} (medians so far): " + "; ".join(
                 f"{label} {b['decode_tok_s']:.1f} tok/s, TTFT16 {b['ttft16_s'] * 1e3:.0f} ms, "
                 f"prefill512 {b['prefill512_tok_s']:.0f} tok/s" for label, b in best.items()), flush=True)
