@@ -3,6 +3,9 @@ it (tiermoe.model.cpu_only), and the team running small jobs on the caller alone
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 import torch
 from conftest import rel_err
@@ -175,3 +178,26 @@ def test_the_read_probe_and_the_empty_job_run_on_every_member_and_refuse_what_th
             team.read_seconds(buffer, 0)
     finally:
         team.close()
+
+
+@needs_kernels
+@pytest.mark.skipif(len(physical_cpus()) < 2, reason="needs two cores")
+def test_a_thread_pinned_by_a_team_still_sees_every_core():
+    """A team pins its calling thread to one CPU on its first job; a team made later from that thread (a second
+    model, another thread count) must still be offered every core, not the one the caller was pinned to."""
+    kernels = load_kernels()
+    cores, seen = physical_cpus(), {}
+    team = ThreadTeam(kernels, 1, cpus=[cores[-1]])
+
+    def pinned_caller():
+        team.empty_job()  # pins this thread
+        seen["affinity"], seen["cores"] = sorted(os.sched_getaffinity(0)), physical_cpus()
+
+    try:
+        worker = threading.Thread(target=pinned_caller)
+        worker.start()
+        worker.join()
+    finally:
+        team.close()
+    assert seen["affinity"] == [cores[-1]]
+    assert seen["cores"] == cores

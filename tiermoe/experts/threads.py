@@ -22,6 +22,7 @@ experts' memory stays where the loader put it (kt-kernel also splits the weights
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,8 +36,19 @@ SYSFS = Path("/sys/devices/system")  # the topology's root; tests point it at a 
 
 
 def allowed_cpus() -> list[int]:
-    """The logical CPUs this process may run on, sorted."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    """The logical CPUs this process may run on, sorted, as they were when first asked (`_first_affinity`)."""
+    return list(_first_affinity())
+
+
+@functools.cache
+def _first_affinity() -> tuple[int, ...]:
+    """Read once per process: a kernel team pins its calling thread to one CPU on its first job, and a thread's
+    affinity is what sched_getaffinity reports, so asked again from that thread it would name one CPU, and a team
+    made later (another thread count, a second model) would see one core and start its helpers on the caller's.
+    The first question comes before any team exists (making one asks which CPUs to pin to)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return tuple(range(os.cpu_count() or 1))
+    return tuple(sorted(os.sched_getaffinity(0)))
 
 
 def physical_cpus(allowed: list[int] | None = None) -> list[int]:
