@@ -170,6 +170,11 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
+def _times(ratio: float | None) -> str:
+    """A ratio against llama.cpp as the table shows it ("-" where a side is missing)."""
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
 def speed_table(results: dict) -> list[str]:
     bandwidth = results["machine"].get("read_bandwidth") or 0.0
     lines = ["| model | format | backend | decode tok/s | vs llama.cpp | of floor | TTFT 16 ms | vs llama.cpp | "
@@ -182,11 +187,11 @@ def speed_table(results: dict) -> list[str]:
             ttft = b.get("ttft16_s")
             lines.append(
                 f"| {row['model']} | {row['format']} | {label} | {_with_spread(b, 'decode_tok_s', '.1f')} | "
-                f"{_fmt(_ratio(b.get('decode_tok_s'), ref.get('decode_tok_s')), '.2f')}x | "
+                f"{_times(_ratio(b.get('decode_tok_s'), ref.get('decode_tok_s')))} | "
                 f"{_fmt(_ratio(b.get('decode_tok_s'), floor_tok_s(b, bandwidth)), '.0%')} | "
-                f"{_with_spread(b, 'ttft16_s', '.1f', 1e3)} | {_fmt(_ratio(ttft, ref.get('ttft16_s')), '.2f')}x | "
+                f"{_with_spread(b, 'ttft16_s', '.1f', 1e3)} | {_times(_ratio(ttft, ref.get('ttft16_s')))} | "
                 f"{_with_spread(b, 'prefill512_tok_s', '.0f')} | "
-                f"{_fmt(_ratio(b.get('prefill512_tok_s'), ref.get('prefill512_tok_s')), '.2f')}x | "
+                f"{_times(_ratio(b.get('prefill512_tok_s'), ref.get('prefill512_tok_s')))} | "
                 f"{_fmt(host, '.0f')} | "
                 f"{_fmt(b.get('ops_per_layer'), '.0f')} |")
     return lines
