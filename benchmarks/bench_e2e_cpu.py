@@ -23,7 +23,8 @@ the sides alternate within every round:
 Then the tables, with ratios against llama.cpp and the issue's goals, reached or not.
 
 llama.cpp is llama-cpp-python 0.3.36 (e2e/llama_cpp.py: the wheel is built once, about 15 minutes on 2 cores, and
-cached). Without it the llama.cpp side is skipped with a one-line message and tiermoe's side still runs. Models and
+cached), on its default path (weights repacked at load for its fastest CPU kernels); where that path fails on a
+machine, the same file runs without repacking from then on, and the tables say so ("without its weight repacking"). Without it the llama.cpp side is skipped with a one-line message and tiermoe's side still runs. Models and
 GGUF files are made on the first run and kept (e2e/models.py); timing figures from a loaded machine are not
 results (the load average is printed before and after).
 
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu_experts import MachineProbe  # noqa: E402
 from e2e import llama_cpp as llama  # noqa: E402
 from e2e.models import MODELS, dir_bytes, prepare  # noqa: E402
-from e2e.report import LLAMA, TIERMOE, evaluate_goals, keep_round, report  # noqa: E402
+from e2e.report import LLAMA, NO_REPACK, TIERMOE, evaluate_goals, keep_round, report  # noqa: E402
 from e2e.side_process import SideError, Worker  # noqa: E402
 from support.decode_rounds import print_load_average  # noqa: E402
 
@@ -141,6 +142,17 @@ def one_round(worker: Worker, figures: dict, team_rates: list[float], rng: rando
         worker.call("batched_decode", prompts=prompts, tokens=max(4, args.tokens // 4)))
 
 
+def without_repacking(side: tuple) -> tuple | None:
+    """The llama.cpp side `side` (label, backend, load args, ...) loading the same file without llama.cpp's weight
+    repacking, or None where that is not a fallback: another backend, or repacking off already. llama.cpp's repack
+    path is its fastest on a CPU that has it, and the one that can fail (SIGILL in its AMX repacking on a 2-core Xeon
+    VM); without it the same file runs its plain CPU kernels, and the tables say so, never a silent drop."""
+    label, backend, load, *rest = side
+    if backend != "llama.cpp" or load.get("repack") is False:
+        return None
+    return (label, backend, {**load, "repack": False}, *rest)
+
+
 def measure_round(worker: Worker, rng: random.Random, vocab: int, tokens: int) -> dict:
     decode = worker.call("decode_s_per_token", prompt=random_prompt(rng, vocab, PROMPT), tokens=tokens)
     ttft = worker.call("first_token_s", prompt=random_prompt(rng, vocab, PROMPT))
@@ -206,6 +218,16 @@ def run_row(model, fmt: str, files: dict, args, compare, probe: MachineProbe, te
             layers.append(workers[side[0]].layers)
             task(workers[side[0]])
         except SideError as err:
+            fallback = without_repacking(side)
+            if side[0] in workers:
+                workers.pop(side[0]).close()
+            if fallback is not None:
+                print(f"{tag} {side[0]} failed ({err}); running the same file without its weight repacking from "
+                      "here on, its earlier rounds dropped (labelled in the tables)", flush=True)
+                sides[sides.index(side)] = fallback
+                best[side[0]] = {"path": NO_REPACK}
+                on_side(fallback, task)
+                return
             print(f"{tag} {side[0]} dropped: {err}", flush=True)
             sides.remove(side)
             best.pop(side[0])

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from e2e.report import evaluate_goals, host_us_per_layer, keep_round, report  # noqa: E402
+from e2e.report import NO_REPACK, evaluate_goals, host_us_per_layer, keep_round, report  # noqa: E402
 
 GB = 1e9
 
@@ -117,3 +117,17 @@ def test_the_batched_figure_is_the_bound_of_the_step_over_its_time():
     assert "| m | bf16 | tiermoe | 12.4 (11.0-30.0) | 50.0 | 200 | 10.0 | 81% |" in report(results)
     rounds[0]["step_s"] = rounds[1]["step_s"] = 0.02  # the median step is 20 ms: 50%
     assert _goal(results, "8 sequences together").reached is False
+
+
+def test_a_failed_llama_cpp_side_falls_back_to_the_same_file_without_repacking_and_says_so():
+    from bench_e2e_cpu import without_repacking
+
+    side = ("llama.cpp", "llama.cpp", {"path": "m.gguf", "threads": 2, "context": 600}, None, 10, 10)
+    fallback = without_repacking(side)
+    assert fallback == ("llama.cpp", "llama.cpp", {"path": "m.gguf", "threads": 2, "context": 600, "repack": False},
+                        None, 10, 10)
+    assert without_repacking(fallback) is None  # no second fallback: then the side is dropped, with its error
+    assert without_repacking(("tiermoe", "tiermoe", {"path": "hf"}, None, 10, 10)) is None
+    results = _results({"decode_tok_s": 50.0}, {"decode_tok_s": 40.0, "path": NO_REPACK})
+    assert f"| m | bf16 | llama.cpp ({NO_REPACK}) | 40.0 |" in report(results)
+    assert _goal(results, "bf16 decode").reached is True  # still the llama.cpp the ratios are taken against

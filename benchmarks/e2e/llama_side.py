@@ -9,6 +9,7 @@ stay out of the timed path, so llama.cpp is measured at its fastest.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import llama_cpp
 import numpy as np
@@ -19,15 +20,18 @@ BATCH = 512  # tokens per llama_decode call: a 512-token prompt is one batch, as
 
 
 class LlamaSide:
-    def __init__(self, path: str, threads: int, context: int):
-        self.path, self.threads = path, threads
+    def __init__(self, path: str, threads: int, context: int, repack: bool = True):
+        """repack False: the same file without llama.cpp's weight repacking (bench_e2e_cpu.py falls back to it
+        where the repacking path fails on a machine)."""
+        self.path, self.threads, self.repack = path, threads, repack
         self.model = self._open(context, logits_all=False)
         meta = self.model.metadata
         self.layers = int(meta[f"{meta['general.architecture']}.block_count"])
 
     def _open(self, context: int, logits_all: bool) -> llama_cpp.Llama:
-        return llama_cpp.Llama(self.path, n_ctx=context, n_threads=self.threads, n_threads_batch=self.threads,
-                               n_batch=BATCH, n_ubatch=BATCH, logits_all=logits_all, verbose=False)
+        with _repacking(self.repack):
+            return llama_cpp.Llama(self.path, n_ctx=context, n_threads=self.threads, n_threads_batch=self.threads,
+                                   n_batch=BATCH, n_ubatch=BATCH, logits_all=logits_all, verbose=False)
 
     def _next_token(self) -> int:
         logits = llama_cpp.llama_get_logits_ith(self.model.ctx, -1)
@@ -95,3 +99,27 @@ class LlamaSide:
 
     def close(self) -> None:
         self.model.close()
+
+
+@contextmanager
+def _repacking(allowed: bool):
+    """llama.cpp repacks a model's weights at load for its fastest CPU kernels (its "extra buffer types": AMX and
+    interleaved layouts) unless the model parameters' use_extra_bufts is off, as llama.cpp's own --no-repack sets it.
+    llama-cpp-python has no keyword for it, so for a load without repacking its default parameters are wrapped for
+    the duration of that load."""
+    if allowed:
+        yield
+        return
+    module = llama_cpp.llama_cpp
+    default = module.llama_model_default_params
+
+    def without_repacking():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    module.llama_model_default_params = without_repacking
+    try:
+        yield
+    finally:
+        module.llama_model_default_params = default

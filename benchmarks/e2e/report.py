@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 LLAMA = "llama.cpp"
 TIERMOE = "tiermoe"
+NO_REPACK = "without its weight repacking"  # a backend's "path" where llama.cpp's repack path failed
 
 # the goals of the issue "Decode at the memory's pace"
 FLOOR_SHARE = 0.85  # decode's share of the read probe's floor, on every model whose bytes are not next to nothing
@@ -185,8 +186,9 @@ def speed_table(results: dict) -> list[str]:
         for label, b in row["backends"].items():
             host = host_us_per_layer(b, row["layers"])
             ttft = b.get("ttft16_s")
+            shown = f"{label} ({b['path']})" if b.get("path") else label
             lines.append(
-                f"| {row['model']} | {row['format']} | {label} | {_with_spread(b, 'decode_tok_s', '.1f')} | "
+                f"| {row['model']} | {row['format']} | {shown} | {_with_spread(b, 'decode_tok_s', '.1f')} | "
                 f"{_times(_ratio(b.get('decode_tok_s'), ref.get('decode_tok_s')))} | "
                 f"{_fmt(_ratio(b.get('decode_tok_s'), floor_tok_s(b, bandwidth)), '.0%')} | "
                 f"{_with_spread(b, 'ttft16_s', '.1f', 1e3)} | {_times(_ratio(ttft, ref.get('ttft16_s')))} | "
