@@ -10,9 +10,9 @@ pool holds it:
   pages gathered (`paged_attention.gather_pages`), then transformers' `sdpa_attention_forward` with the chunk's
   causal mask (which repeats each KV head for its query heads where a mask is given).
 Both on one thread by default (--threads: a kernel team and torch's pool of that many; on a 2-core machine with
-anything else running, torch's second thread and the team's wait for each other's CPU). Each round times every case both ways, the two
-alternating; the table gives the median and the spread (min-max) of --rounds rounds of --calls calls, and the
-ratio of the medians (gathered / in place: above 1, in place is faster).
+anything else running, torch's second thread and the team's wait for each other's CPU). Each round times every
+case both ways, the two alternating; the table gives the median and the spread (min-max) of --rounds rounds of
+--calls calls, and the ratio of the medians (gathered / in place: above 1, in place is faster).
 
     python benchmarks/bench_chunk_attention.py
     python benchmarks/bench_chunk_attention.py --cases 4096x8 4096x16 0x512 --rounds 7 --dtype fp32

@@ -24,9 +24,10 @@ Then the tables, with ratios against llama.cpp and the issue's goals, reached or
 
 llama.cpp is llama-cpp-python 0.3.36 (e2e/llama_cpp.py: the wheel is built once, about 15 minutes on 2 cores, and
 cached), on its default path (weights repacked at load for its fastest CPU kernels); where that path fails on a
-machine, the same file runs without repacking from then on, and the tables say so ("without its weight repacking"). Without it the llama.cpp side is skipped with a one-line message and tiermoe's side still runs. Models and
-GGUF files are made on the first run and kept (e2e/models.py); timing figures from a loaded machine are not
-results (the load average is printed before and after).
+machine, the same file runs without repacking from then on, and the tables say so ("without its weight
+repacking"). Without llama-cpp-python the llama.cpp side is skipped with a one-line message and tiermoe's side
+still runs. Models and GGUF files are made on the first run and kept (e2e/models.py); timing figures from a
+loaded machine are not results (the load average is printed before and after).
 
     python benchmarks/bench_e2e_cpu.py --build-llama-cpp --quick          # build llama.cpp, a short first run
     python benchmarks/bench_e2e_cpu.py --rounds 5 --json e2e.json         # every model, 5 alternating rounds

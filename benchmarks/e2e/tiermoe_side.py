@@ -23,6 +23,8 @@ from tiermoe.data.registry import load_prompts
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.experts.kernels import load_kernels
 from tiermoe.placement.kv_layout import kv_layout
+from tiermoe.stats.model_shape import ModelShape
+from tiermoe.stats.per_pass_recorder import PerPassRecorder
 from tiermoe.testing.op_counter import OpCounter
 
 PROBE_BYTES = 1 << 30
@@ -58,33 +60,6 @@ def native_time(total: list[float]):
     finally:
         for name, fn in wrapped.items():
             setattr(lib, name, fn)
-
-
-class UnionCounter:
-    """A recorder (tiermoe.stats.recording) counting each decode pass's distinct experts per MoE layer."""
-
-    def __init__(self):
-        self.enabled = True
-        self.passes, self.layer_counts = 0, []
-        self._layers: list[int] = []
-
-    def begin_pass(self, info) -> None:
-        self._layers = []
-
-    def record(self, layer: int, ids_TK: torch.Tensor, gpu_mask_E: torch.Tensor) -> None:
-        self._layers.append(int(ids_TK.unique().numel()))
-
-    def end_pass(self) -> None:
-        if self._layers:
-            self.passes += 1
-            self.layer_counts.extend(self._layers)
-
-    def mean_per_layer(self) -> float:
-        return sum(self.layer_counts) / max(1, len(self.layer_counts))
-
-    def mean_per_step(self) -> float:
-        """Distinct experts summed over the layers, per pass."""
-        return sum(self.layer_counts) / max(1, self.passes)
 
 
 class TiermoeSide:
@@ -202,8 +177,8 @@ class TiermoeSide:
     def batched_decode(self, prompts: list[list[int]], tokens: int) -> dict:
         """len(prompts) sequences decoding together: seconds per step (their prompts' steps left out), and what
         one step reads at least, each weight once: the non-expert weights and head, per MoE layer the union of the
-        experts the step's rows route to (counted by a recorder over `tokens` more steps, after the timed ones, so
-        the timing pays no recording), and each sequence's KV cache."""
+        experts the step's rows route to (counted by the per-pass recorder over `tokens` more steps, after the timed
+        ones, so the timing pays no recording), and each sequence's KV cache."""
         seqs = [self.engine.add(p, SamplingParams(max_tokens=2 * tokens + 2, ignore_eos=True)) for p in prompts]
         while not all(s.output_ids for s in seqs):  # every prompt computed, every sequence decoding
             self._step()
@@ -211,30 +186,34 @@ class TiermoeSide:
         for _ in range(tokens):
             self._step()
         step_s = (time.perf_counter() - start) / tokens
-        union = UnionCounter()
-        self.engine.add_recorder(union)
+        spec = self.llm.hybrid.spec
+        per_pass = PerPassRecorder(ModelShape.of(spec))
+        self.engine.add_recorder(per_pass)
         try:
             for _ in range(tokens):
                 self._step()
         finally:
-            union.enabled = False
+            per_pass.stop()
         self._finish()
-        spec = self.llm.hybrid.spec
+        counts_PME = per_pass.dump()["logical_count"][:, list(spec.moe_layers)]
+        union_PM = (counts_PME > 0).sum(dim=-1).double()  # distinct experts of each pass and MoE layer
         per_expert = self.llm.hybrid.tier_bytes().cpu_experts / max(1, spec.total_routed_experts)
         weights = bytes_per_token(self.llm)[1] - spec.top_k * spec.num_moe_layers * per_expert  # all but experts
         context = len(prompts[0]) + 1.5 * tokens
-        return {"step_s": step_s, "experts_per_layer": union.mean_per_layer(),
-                "bytes": int(weights + union.mean_per_step() * per_expert + len(prompts) * self._kv_bytes(context))}
+        experts_read = float(union_PM.sum(dim=1).mean()) * per_expert
+        return {"step_s": step_s, "experts_per_layer": float(union_PM.mean()),
+                "bytes": int(weights + experts_read + len(prompts) * self._kv_bytes(context))}
 
     def read_rate(self, reps: int = 3) -> float | None:
         """Bytes/s of the best of `reps` STREAM-style reads of 1 GiB by the model's own kernel thread team (its
         threads, pinning and task split: csrc/probes.cpp), in this process; None where the model computes on no
         team (no packed linears, or a tree without the probe)."""
-        teams = [m.team() for m in self.llm.hybrid.model.modules() if type(m).__name__ == "QuantizedLinear"]
-        if not teams or not hasattr(teams[0], "read_seconds"):
+        team = next((m.team() for m in self.llm.hybrid.model.modules() if type(m).__name__ == "QuantizedLinear"),
+                    None)  # every packed linear computes on the one team
+        if team is None or not hasattr(team, "read_seconds"):
             return None
         buffer = torch.ones(PROBE_BYTES // 8, dtype=torch.int64)
-        return PROBE_BYTES / teams[0].read_seconds(buffer, reps)
+        return PROBE_BYTES / team.read_seconds(buffer, reps)
 
     def held_out_rows(self, num: int, max_tokens: int) -> list[list[int]]:
         """Token ids of `num` GSM8K questions in the model's chat template (the text bench_format_loss scores)."""
