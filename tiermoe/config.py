@@ -349,7 +349,8 @@ class AdaptiveSettings:
 
     half_life_tokens: float = 8192.0  # memory of the served workload's estimate (LFU with forgetting)
     replan_every: int = 1  # passes between re-plans
-    horizon_tokens: float | None = None  # how long a lasting swap is expected to pay (default: half the half-life)
+    horizon_tokens: float | None = None  # how long a lasting swap is expected to pay (default: twice the served
+    # tokens seen, up to half the half-life: adaptive_policy.HORIZON_PER_TOKEN_SEEN)
     margin: float = 1.0  # swap only when the expected saving exceeds margin x the copies it needs
     max_swaps_in_flight: int = 4  # copy budget, as the caches' default --copy-budget (0: never swaps)
     z_score: float = 2.0  # follow the evidence only this many standard errors past noise

@@ -69,7 +69,8 @@ def add_adaptive_flags(p: argparse.ArgumentParser, mode: str = POLICY) -> None:
                    metavar="TOKENS", help="the short window of temporal locality (default "
                    f"{d.recent_half_life_tokens:g} tokens)")
     g.add_argument("--adaptive-horizon", dest=DEST + "horizon_tokens", type=positive_float, metavar="TOKENS",
-                   help="how long a lasting swap is expected to pay (default half the half-life)")
+                   help="how long a lasting swap is expected to pay (default: twice the served tokens seen, "
+                        "at most half the half-life)")
     g.add_argument("--adaptive-margin", dest=DEST + "margin", type=non_negative_float, metavar="M",
                    help=f"swap only when the expected saving exceeds M x its copies (default {d.margin:g})")
     g.add_argument("--adaptive-max-swaps", dest=DEST + "max_swaps_in_flight", metavar="N",

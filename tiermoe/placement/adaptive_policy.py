@@ -55,6 +55,11 @@ LASTING_CHECK_PASSES = 4
 # but opened too late for a 128-token decode (3-7% below LFU); settling after 8 forecasts (128 passes) keeps both
 LONG_CHECK_PASSES = 16
 LONG_CHECK_SCORED = 8
+# a lasting swap is valued over this many times the served tokens its forecast rests on (at most half the
+# half-life): a forecast from T tokens stands for about as many again before one from twice the evidence replaces
+# it. A fixed 4,096 tokens valued the first swaps of a 128-token decode 30x past its end, where what the last few
+# tokens routed decides the next ones (the decode traces, BENCHMARKS.md "The horizon follows the evidence")
+HORIZON_PER_TOKEN_SEEN = 2.0
 
 
 class AdaptivePolicy:
@@ -77,8 +82,8 @@ class AdaptivePolicy:
     4. What an expert is worth per token on the GPU tier is the step time the cost model (tiermoe.placement.pass_cost)
        gives its move, each layer waiting for its slower tier, over the recent mix of pass sizes (swap_values: what
        promoting it saves, what demoting it costs). A swap (one in, one out) is worth the best of: staying
-       (near-term saving over the short window, request saving over the request's rest, lasting saving up to
-       `horizon_tokens` at the low end of lasting_range for what it promotes and the high end for what it demotes,
+       (near-term saving over the short window, request saving over the request's rest, lasting saving over the
+       horizon (`horizon`) at the low end of lasting_range for what it promotes and the high end for what it demotes,
        less its copies), leaving with the request or after the short window (those savings only, less its copies and
        the copies back). It is made when
        that exceeds `margin` x its copies, best first, at most `max_swaps_in_flight` at once, never on an expert whose
@@ -122,7 +127,13 @@ class AdaptivePolicy:
 
     @property
     def horizon(self) -> float:
-        return self.settings.horizon_tokens or self.settings.half_life_tokens / 2
+        """Tokens a lasting swap is expected to pay over: `horizon_tokens` when set, else HORIZON_PER_TOKEN_SEEN
+        times the (decayed) served tokens, no less than the short window, no more than half the half-life."""
+        s = self.settings
+        if s.horizon_tokens is not None:
+            return s.horizon_tokens
+        grown = max(s.recent_half_life_tokens, HORIZON_PER_TOKEN_SEEN * self._tokens)
+        return min(s.half_life_tokens / 2, grown)
 
     @property
     def recent_weight(self) -> float:
