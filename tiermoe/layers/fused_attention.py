@@ -22,6 +22,8 @@ Legend: T rows, H query heads, Hkv KV heads, d head dim.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -120,15 +122,10 @@ def _stacked_runs(projections: list[QuantizedLinear]) -> tuple[QuantizedLinear, 
     held in one format stacked into one (stack_rows), so an int4 model's int8 k and v (non_expert_quant.linear_format)
     take one product beside q's; a run that does not stack stays its projections."""
     runs: list[QuantizedLinear] = []
-    start = 0
-    while start < len(projections):
-        end = start + 1
-        while end < len(projections) and projections[end].fmt == projections[start].fmt:
-            end += 1
-        run = projections[start:end]
+    for _, same_format in itertools.groupby(projections, key=lambda p: p.fmt):
+        run = list(same_format)
         stacked = stack_rows(run) if len(run) > 1 else None
         runs.extend(run if stacked is None else [stacked])
-        start = end
     return tuple(runs)
 
 
