@@ -7,6 +7,13 @@ published shape). Writes `decode_<trace>_<profile>.json` in `bench dynamic --jso
 benchmarks/placement_verdict.py reads. Estimates: seconds, whatever the load.
 
     PYTHONPATH=$PWD python benchmarks/bench_decode_traces.py --data data/routing --out benchmarks/results
+
+Variants of the adaptive policy are replayed beside it as `adaptive[NAME]` rows (AdaptiveSettings fields, as
+bench_cross_task.py takes them), and placement_verdict.py judges one with `--adaptive 'adaptive[NAME]'`:
+
+    PYTHONPATH=$PWD python benchmarks/bench_decode_traces.py --data data/routing --out scratch/variants \
+        --adaptive-variant flat:cross_layer=0 --adaptive-variant short:recent_half_life_tokens=6
+    python benchmarks/placement_verdict.py scratch/variants/decode_*.json --adaptive 'adaptive[flat]'
 """
 
 from __future__ import annotations
@@ -16,12 +23,14 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from bench_cross_task import parse_variant  # benchmarks/, beside this file
+
 from tiermoe.analysis.dynamic_bench import (
     DEFAULT_RATIOS,
     replay_cost_model,
     run_dynamic_bench,
 )
-from tiermoe.analysis.trace_replay import trace_passes
+from tiermoe.analysis.trace_replay import replay, trace_passes
 from tiermoe.arch import detect
 from tiermoe.config import AdaptiveSettings
 from tiermoe.placement.profiles import load_profile
@@ -37,17 +46,24 @@ TRACES = {  # name: (trace file, heat file or None, arch, preset, config overrid
 }
 
 
-def run(data: Path, name: str, profile: str, copy_budget: int = 4) -> dict:
+def run(data: Path, name: str, profile: str, copy_budget: int = 4,
+        variants: list[tuple[str, dict]] = ()) -> dict:
     trace_file, heat, arch, preset, overrides = TRACES[name]
     passes = trace_passes(read_routing(data / trace_file, detect_layout(data / trace_file)))
     spec = detect(make_config(arch, preset, **overrides))
     calibration = load_counts(str(data / heat), passes.num_layers, passes.num_experts) if heat else None
     gpu = load_profile(profile)
     adaptive = AdaptiveSettings(max_swaps_in_flight=copy_budget).for_ranks(1)
-    bench = run_dynamic_bench(passes, replay_cost_model(spec, gpu), DEFAULT_RATIOS, calibration,
-                              copy_budget=copy_budget, adaptive=adaptive)
+    cost = replay_cost_model(spec, gpu)
+    bench = run_dynamic_bench(passes, cost, DEFAULT_RATIOS, calibration, copy_budget=copy_budget, adaptive=adaptive)
+    rows = bench.rows
+    for variant, fields in variants:
+        settings = AdaptiveSettings(**dict({"max_swaps_in_flight": copy_budget}, **fields)).for_ranks(1)
+        rows += [dict(replay(passes, "adaptive", ratio, cost, calibration, adaptive=settings,
+                             copy_budget=copy_budget).summary(), policy=f"adaptive[{variant}]")
+                 for ratio in DEFAULT_RATIOS]
     return {"gpu_profile": gpu.as_dict(), "passes": passes.num_passes, "adaptive": asdict(adaptive),
-            "rows": bench.rows}
+            "variants": dict(variants), "rows": rows}
 
 
 def main() -> None:
@@ -56,12 +72,15 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="folder for decode_<trace>_<profile>.json")
     ap.add_argument("--traces", default="qwen,gptoss")
     ap.add_argument("--profiles", default="rtx4090,h200")
+    ap.add_argument("--adaptive-variant", action="append", default=[], type=parse_variant, metavar="NAME:FIELD=V,...",
+                    help="also replay adaptive with these AdaptiveSettings fields, as rows 'adaptive[NAME]' "
+                         "(repeatable; bools as 0 / 1)")
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     for name in args.traces.split(","):
         for profile in args.profiles.split(","):
             path = Path(args.out) / f"decode_{name}_{profile}.json"
-            path.write_text(json.dumps(run(Path(args.data), name, profile)))
+            path.write_text(json.dumps(run(Path(args.data), name, profile, variants=args.adaptive_variant)))
             print(f"wrote {path}", flush=True)
 
 
