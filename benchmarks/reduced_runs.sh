@@ -120,6 +120,7 @@ $PY benchmarks/bench_speculative_verify.py --table acceptance --dtype fp32 --acc
 --rounds 1'
   add bench_format_loss "\$PY benchmarks/bench_format_loss.py --num-prompts 2 --max-tokens 32 \
 --backends native,torch$kt"
+  add bench_format_mix "\$PY benchmarks/bench_format_mix.py --num-prompts 2 --max-tokens 32$no_llama"
 
   # memory
   add bench_load_memory 'make_once $R/models/tiny-qwen3 --arch qwen3_moe && \
