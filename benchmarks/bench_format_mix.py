@@ -31,7 +31,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the held-out prompts the quality benchmarks score
 from bench_format_loss import prompt_rows
-from bench_non_expert_quant import divergence, llama_cpp_quality, log_probs
+from bench_non_expert_quant import (
+    add_scoring_flags,
+    divergence,
+    llama_cpp_quality,
+    log_probs,
+)
 from e2e.llama_cpp import llama_cpp_installed, missing_message
 
 from tiermoe import LLM
@@ -148,9 +153,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="Example: python benchmarks/bench_format_mix.py --num-prompts 16",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="checkpoint directory (default: the bundled demo model)")
-    p.add_argument("--num-prompts", type=int, default=64, help="held-out prompts scored (default 64)")
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens scored per prompt at most (default 256)")
+    add_scoring_flags(p)
     p.add_argument("--no-llama-cpp", action="store_true", help="leave out llama.cpp's Q4_K_M")
     args = p.parse_args()
     if min(args.num_prompts, args.max_tokens) < 1:

@@ -176,13 +176,18 @@ def print_llama_cpp(results: dict, base_loss: float) -> None:
         print(f"| {kind} | " + " | ".join(", ".join(types.get(kind, ["-"])) for types in typed.values()) + " |")
 
 
+def add_scoring_flags(p: argparse.ArgumentParser) -> None:
+    """The model and the held-out prompts a quality benchmark scores (this one's and bench_format_mix.py's)."""
+    p.add_argument("--model", help="checkpoint directory (default: the bundled demo model)")
+    p.add_argument("--num-prompts", type=int, default=64, help="held-out prompts scored (default 64)")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens scored per prompt at most (default 256)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="Example: python benchmarks/bench_non_expert_quant.py --rounds 5",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="checkpoint directory (default: the bundled demo model)")
-    p.add_argument("--num-prompts", type=int, default=64, help="held-out prompts scored (default 64)")
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens scored per prompt at most (default 256)")
+    add_scoring_flags(p)
     p.add_argument("--batch", type=int, default=1, help="sequences decoding together in the speed runs (default 1)")
     p.add_argument("--tokens", type=int, default=64, help="tokens decoded per sequence per speed run (default 64)")
     p.add_argument("--rounds", type=int, default=3,
