@@ -3,18 +3,19 @@
 bench_non_expert_quant.py scores the mixes tiermoe packs: its flags take one format for the routed experts and one
 for the decoder's linears (int4 keeps k / v and the head int8). This one asks, before anyone builds a format or a
 flag, what a mix would give: every weight of the model is rounded through a format and back, per projection (q, k,
-v, o; the experts' gate / up and down, per layer; the LM head), and the model runs with the rounded weights in fp32
-products. The formats: tiermoe's packed bf16 / int8 / int4 (`quantize` then `dequantize`: the stored codes exactly),
+v, o; the experts' gate / up and down, per layer; the LM head), and the model runs on the rounded weights, held in
+its own dtype (bf16: one more rounding of each, 2^-9 of it, small beside a 4- or 8-bit code's), the head's product
+in fp32. The formats: tiermoe's packed bf16 / int8 / int4 (`quantize` then `dequantize`: the stored codes exactly),
 and `q6`, a 6-bit form like llama.cpp's Q6_K (symmetric 6-bit codes in groups of 16 columns, each group's scale 8
 bits of its row's largest), which tiermoe has no kernel for. What the simulation leaves out: the int8 rounding of
 activations in the packed int4 / int8 products; the first two mixes are packable, and bench_non_expert_quant.py's
-packed rows of them (KL 0.00111, 0.00079) differ from the simulation by about 0.00002-0.00004 nats.
+packed rows of them (KL 0.00111, 0.00079) differ from the simulation by about 0.00001-0.00006 nats.
 
 Each mix: the KL from the unquantised model's next-token distribution and the top-token agreement on the held-out
 GSM8K prompts bench_non_expert_quant.py scores, and the weight bytes one decode token reads at the mix's formats
 (every decoder linear, the routers as loaded, the head, top-k experts per MoE layer: the packed formats' bytes, 6
-bits and a byte per 16 weights for q6), beside llama.cpp's Q4_K_M of the same checkpoint where llama-cpp-python is installed. Quality only:
-nothing is timed, and the figures do not depend on load.
+bits and a byte per 16 weights for q6), beside llama.cpp's Q4_K_M of the same checkpoint where llama-cpp-python is
+installed. Quality only: nothing is timed, and the figures do not depend on load.
 
     python benchmarks/bench_format_mix.py                      # the bundled model, 64 prompts
     python benchmarks/bench_format_mix.py --num-prompts 16 --no-llama-cpp
