@@ -110,6 +110,8 @@ $PY benchmarks/bench_speculative_verify.py --table verify --model $R/models/q30b
 --routing-trace data/routing/decode-route-traces/qwen.route.csv --positions 2 --rounds 1 && \
 $PY benchmarks/bench_speculative_verify.py --table acceptance --dtype fp32 --acceptance 0,0.7 --fixed --batch 2 \
 --tokens 8 --rounds 1'
+  add bench_team_spin 'make_once $R/models/q30b-1l-top6 --preset qwen3-30b-a3b --layers 1 --top-k 6 && \
+$PY benchmarks/bench_team_spin.py --model $R/models/q30b-1l-top6 --rounds 2 --tokens 4 --prompt 16'
   add bench_structured_batch '$PY benchmarks/bench_structured_batch.py --batch 2 --tokens 4 --rounds 1'
   add bench_lora_serving '$PY benchmarks/bench_lora_serving.py --batch 4 --tokens 4 --rounds 1 --check-tokens 4'
   add bench_structured_output "\$PY benchmarks/bench_structured_output.py --tokenizer $tokenizer --batch 2 \

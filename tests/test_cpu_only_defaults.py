@@ -16,7 +16,16 @@ from tiermoe.config import CPUConfig
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.errors import TiermoeError
-from tiermoe.experts.kernels import SOLO_BYTES, ThreadTeam, load_kernels, solo_bytes_from_env, supported_isa
+from tiermoe.experts.kernels import (
+    MAX_SPIN_US,
+    SOLO_BYTES,
+    SPIN_US,
+    ThreadTeam,
+    load_kernels,
+    solo_bytes_from_env,
+    spin_us_from_env,
+    supported_isa,
+)
 from tiermoe.experts.quant import blocked_nbytes
 from tiermoe.experts.threads import physical_cpus, torch_threads
 from tiermoe.layers.quantized_linear import QuantizedLinear
@@ -62,6 +71,22 @@ def test_the_solo_size_can_be_set_for_tests_and_a_bad_one_says_what_is_expected(
     if supported_isa() is not None:  # read when the kernels load, so a model load stops there with that message
         with pytest.raises(TiermoeError, match="TIERMOE_TEAM_SOLO_BYTES='4MB': expected a whole number of bytes"):
             load_kernels()
+
+
+def test_the_helpers_spin_can_be_set_and_a_bad_or_unbounded_one_says_what_is_expected(monkeypatch):
+    assert spin_us_from_env() == SPIN_US
+    monkeypatch.setenv("TIERMOE_TEAM_SPIN_US", "2000")
+    assert spin_us_from_env() == 2000
+    if supported_isa() is not None:  # the kernels carry it to every team made from them
+        kernels = load_kernels()
+        assert kernels.spin_us == 2000
+        team = ThreadTeam(kernels, 2)
+        assert team.read_seconds(torch.ones(1 << 16, dtype=torch.int64), 1) > 0  # helpers that spin still work
+        team.close()
+    for bad in ("2ms", "-5", str(MAX_SPIN_US + 1)):
+        monkeypatch.setenv("TIERMOE_TEAM_SPIN_US", bad)
+        with pytest.raises(TiermoeError, match=f"TIERMOE_TEAM_SPIN_US='{bad}': expected a whole number of microseconds"):
+            spin_us_from_env()
 
 
 def test_torch_threads_are_set_for_the_block_and_restored():

@@ -13,6 +13,7 @@ build fails, callers fall back to pure torch after a one-line warning.
 Forcing a path (tests, comparisons): TIERMOE_CPU_ISA=amx|avx512bf16|avx512|avx2|base caps the ISA, and
 TIERMOE_CPU_ISA=torch disables the library; `load_kernels(isa=...)` does the same per call.
 TIERMOE_TEAM_SOLO_BYTES=N sets the size under which a team runs a job on its caller alone (SOLO_BYTES).
+TIERMOE_TEAM_SPIN_US=N sets how long a team's helpers spin after a job before they sleep (SPIN_US).
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ ABI_VERSION = 13
 # so splitting paid from about 4 MB at one row and 8 rows (docs/cpu-backends.md, "CPU-only runs"); on bare metal a
 # wake costs microseconds and a lower figure would do, but a job this small takes under half a millisecond alone.
 SOLO_BYTES = 4 << 20
+# Microseconds a helper spins after a job before it sleeps: long enough to cover the Python between a decode step's
+# calls without taking a core from torch's threads for long (prompt steps run torch ops on the cores beside the
+# team); the default's measurements: BENCHMARKS.md (bench_team_spin.py). At most MAX_SPIN_US.
+SPIN_US = 50
+MAX_SPIN_US = 1_000_000
 CSRC = Path(__file__).with_name("csrc")
 CXXFLAGS = ("-O3", "-std=c++20", "-fPIC", "-pthread", "-Wno-psabi")
 
@@ -157,12 +163,14 @@ class TmDecodeLayerArgs(ctypes.Structure):
 
 @dataclass(frozen=True)
 class Kernels:
-    """The loaded library, the ISA level its calls use, and the size under which its teams run a job on the
-    caller alone (SOLO_BYTES, or $TIERMOE_TEAM_SOLO_BYTES as it was when loaded)."""
+    """The loaded library, the ISA level its calls use, the size under which its teams run a job on the caller
+    alone (SOLO_BYTES, or $TIERMOE_TEAM_SOLO_BYTES as it was when loaded) and how long their helpers spin before
+    they sleep (SPIN_US, or $TIERMOE_TEAM_SPIN_US)."""
 
     lib: ctypes.CDLL
     isa: int
     solo_bytes: int = SOLO_BYTES
+    spin_us: int = SPIN_US
 
     @property
     def isa_name(self) -> str:
@@ -307,7 +315,7 @@ def load_kernels(isa: str | None = None) -> Kernels | None:
     requested = isa or os.environ.get("TIERMOE_CPU_ISA") or None
     if requested is not None and requested not in (*ISA_NAMES, TORCH_ISA):
         raise TiermoeError(f"unknown CPU ISA '{requested}'; choose one of: {', '.join((*ISA_NAMES, TORCH_ISA))}")
-    solo_bytes = solo_bytes_from_env()
+    solo_bytes, spin_us = solo_bytes_from_env(), spin_us_from_env()
     if requested == TORCH_ISA:
         return None
     lib = _library(str(_cache_dir()), _compiler())
@@ -317,7 +325,7 @@ def load_kernels(isa: str | None = None) -> Kernels | None:
     level = best if requested is None else ISA_NAMES.index(requested)
     if level > best:
         raise TiermoeError(f"CPU ISA '{requested}' is not supported by this CPU (best: {ISA_NAMES[best]})")
-    return Kernels(lib, level, solo_bytes)
+    return Kernels(lib, level, solo_bytes, spin_us)
 
 
 def solo_bytes_from_env() -> int:
@@ -330,19 +338,32 @@ def solo_bytes_from_env() -> int:
     return int(text)
 
 
+def spin_us_from_env() -> int:
+    """$TIERMOE_TEAM_SPIN_US (0: helpers sleep as soon as a job is done), else SPIN_US."""
+    text = os.environ.get("TIERMOE_TEAM_SPIN_US")
+    if text is None:
+        return SPIN_US
+    if not text.strip().isdigit() or int(text) > MAX_SPIN_US:
+        raise TiermoeError(f"TIERMOE_TEAM_SPIN_US={text!r}: expected a whole number of microseconds, 0 to "
+                           f"{MAX_SPIN_US:,}")
+    return int(text)
+
+
 class ThreadTeam:
     """`n` threads for the kernels: the calling thread plus n - 1 helpers, pinned to `cpus` (member 0 first) or
-    unpinned when `cpus` is empty. Helpers spin `spin_us` after a layer, then sleep. A MoE layer or packed product
-    smaller than `solo_bytes` (default: the kernels', Kernels.solo_bytes) runs on the caller alone. Closed by
-    `close()` or when collected."""
+    unpinned when `cpus` is empty. Helpers spin `spin_us` after a job (default: the kernels', Kernels.spin_us), then
+    sleep. A MoE layer or packed product smaller than `solo_bytes` (default: the kernels', Kernels.solo_bytes) runs
+    on the caller alone. Closed by `close()` or when collected."""
 
-    def __init__(self, kernels: Kernels, n: int, cpus: list[int] | tuple[int, ...] = (), spin_us: int = 50,
+    def __init__(self, kernels: Kernels, n: int, cpus: list[int] | tuple[int, ...] = (), spin_us: int | None = None,
                  solo_bytes: int | None = None):
         arr = (ctypes.c_int * max(len(cpus), 1))(*cpus)
         self.n = n
         self.cpus = tuple(cpus)
         if solo_bytes is None:
             solo_bytes = kernels.solo_bytes
+        if spin_us is None:
+            spin_us = kernels.spin_us
         self.kernels = kernels
         self.handle = kernels.lib.tm_team_create(n, arr if cpus else None, len(cpus), spin_us, solo_bytes)
         if not self.handle:
