@@ -99,6 +99,16 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return name, fields
 
 
+def variant_rows(passes, cost, ratios, calibration, copy_budget: int, variants) -> list[dict]:
+    """Adaptive replayed with each variant's AdaptiveSettings fields (parse_variant), as rows 'adaptive[NAME]'."""
+    rows = []
+    for name, fields in variants:
+        settings = AdaptiveSettings(**dict({"max_swaps_in_flight": copy_budget}, **fields))
+        rows += [dict(replay(passes, "adaptive", ratio, cost, calibration, adaptive=settings,
+                             copy_budget=copy_budget).summary(), policy=f"adaptive[{name}]") for ratio in ratios]
+    return rows
+
+
 def run_pair(job) -> list[dict]:
     data, calib_task, replay_task, profile, config_dir, ratios, copy_budget, policies, variants, share = job
     torch.set_num_threads(1)
@@ -109,13 +119,7 @@ def run_pair(job) -> list[dict]:
     calibration = counts_from_trace(calib, calib["num_layers"], calib["num_experts"]).double()
     passes = trace_passes(with_prompts(held_out, share))
     bench = run_dynamic_bench(passes, cost, ratios, calibration, copy_budget=copy_budget, policies=policies)
-    rows = bench.rows
-    for name, fields in variants:
-        settings = AdaptiveSettings(**dict({"max_swaps_in_flight": copy_budget}, **fields))
-        for ratio in ratios:
-            row = replay(passes, "adaptive", ratio, cost, calibration, adaptive=settings,
-                         copy_budget=copy_budget).summary()
-            rows.append(dict(row, policy=f"adaptive[{name}]"))
+    rows = bench.rows + variant_rows(passes, cost, ratios, calibration, copy_budget, variants)
     return [dict(row, calibration=calib_task, replayed=replay_task, gpu_profile=profile, prompt_share=share)
             for row in rows]
 

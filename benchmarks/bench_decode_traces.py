@@ -23,14 +23,15 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from bench_cross_task import parse_variant  # benchmarks/, beside this file
+# benchmarks/, beside this file
+from bench_cross_task import parse_variant, variant_rows
 
 from tiermoe.analysis.dynamic_bench import (
     DEFAULT_RATIOS,
     replay_cost_model,
     run_dynamic_bench,
 )
-from tiermoe.analysis.trace_replay import replay, trace_passes
+from tiermoe.analysis.trace_replay import trace_passes
 from tiermoe.arch import detect
 from tiermoe.config import AdaptiveSettings
 from tiermoe.placement.profiles import load_profile
@@ -56,12 +57,7 @@ def run(data: Path, name: str, profile: str, copy_budget: int = 4,
     adaptive = AdaptiveSettings(max_swaps_in_flight=copy_budget).for_ranks(1)
     cost = replay_cost_model(spec, gpu)
     bench = run_dynamic_bench(passes, cost, DEFAULT_RATIOS, calibration, copy_budget=copy_budget, adaptive=adaptive)
-    rows = bench.rows
-    for variant, fields in variants:
-        settings = AdaptiveSettings(**dict({"max_swaps_in_flight": copy_budget}, **fields)).for_ranks(1)
-        rows += [dict(replay(passes, "adaptive", ratio, cost, calibration, adaptive=settings,
-                             copy_budget=copy_budget).summary(), policy=f"adaptive[{variant}]")
-                 for ratio in DEFAULT_RATIOS]
+    rows = bench.rows + variant_rows(passes, cost, DEFAULT_RATIOS, calibration, copy_budget, variants)
     return {"gpu_profile": gpu.as_dict(), "passes": passes.num_passes, "adaptive": asdict(adaptive),
             "variants": dict(variants), "rows": rows}
 

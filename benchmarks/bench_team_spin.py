@@ -6,8 +6,8 @@ awake across the Python between a step's calls, and takes its core from anything
 threads in a prompt step). This loads the model once per spin value in one process (each load's team takes the
 value in force when it loads) and times, alternating the loads in every round: a decode step of one sequence
 (`--tokens` steps) and the first token of a `--prompt`-token prompt (random tokens, new every time, so no
-prefix is cached). Median and spread (min-max) of `--rounds`
-rounds, and in how many rounds each spin beat the first one's time.
+prefix is cached). Median and spread (min-max) of `--rounds` rounds, and in how many rounds each spin beat the
+first one's time.
 
     python benchmarks/bench_team_spin.py --model DIR                            # spins 50 and 2000 us, 4-bit
     python benchmarks/bench_team_spin.py --model DIR --spins 0,50,500,2000 --format bf16 --rounds 9
@@ -65,16 +65,16 @@ def main() -> None:
     if min(args.rounds, args.tokens, args.prompt, args.threads) < 1 or args.threads > (os.cpu_count() or 1):
         p.error(f"--rounds, --tokens and --prompt must be >= 1, --threads 1 to {os.cpu_count()}")
 
+    short = list(range(100, 164))  # the decoded sequence's prompt
     sides = {}
     for spin in args.spins:
         print(f"loading at spin {spin} us", file=sys.stderr, flush=True)
         sides[spin] = load_at_spin(args.model, args.threads, args.format, spin)
-        sides[spin].decode_s_per_token(list(range(100, 164)), 4)  # warm
+        sides[spin].decode_s_per_token(short, 4)  # warm
     decode = {s: [] for s in args.spins}
     first = {s: [] for s in args.spins}
     vocab = next(iter(sides.values())).llm.hybrid.model.get_input_embeddings().num_embeddings
     tokens = torch.Generator().manual_seed(0)
-    short = list(range(100, 164))
     for r in range(args.rounds):
         order = args.spins if r % 2 == 0 else args.spins[::-1]
         for spin in order:

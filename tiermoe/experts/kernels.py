@@ -328,25 +328,26 @@ def load_kernels(isa: str | None = None) -> Kernels | None:
     return Kernels(lib, level, solo_bytes, spin_us)
 
 
+def _whole_number_from_env(name: str, default: int, expected: str, most: int | None = None) -> int:
+    """$name as a whole number (at most `most`), else `default`; anything else is refused saying `expected`."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    if not text.strip().isdigit() or (most is not None and int(text) > most):
+        raise TiermoeError(f"{name}={text!r}: expected {expected}")
+    return int(text)
+
+
 def solo_bytes_from_env() -> int:
     """$TIERMOE_TEAM_SOLO_BYTES (0: every job shared; tests, comparisons), else SOLO_BYTES."""
-    text = os.environ.get("TIERMOE_TEAM_SOLO_BYTES")
-    if text is None:
-        return SOLO_BYTES
-    if not text.strip().isdigit():
-        raise TiermoeError(f"TIERMOE_TEAM_SOLO_BYTES={text!r}: expected a whole number of bytes (0 shares every job)")
-    return int(text)
+    return _whole_number_from_env("TIERMOE_TEAM_SOLO_BYTES", SOLO_BYTES,
+                                  "a whole number of bytes (0 shares every job)")
 
 
 def spin_us_from_env() -> int:
     """$TIERMOE_TEAM_SPIN_US (0: helpers sleep as soon as a job is done), else SPIN_US."""
-    text = os.environ.get("TIERMOE_TEAM_SPIN_US")
-    if text is None:
-        return SPIN_US
-    if not text.strip().isdigit() or int(text) > MAX_SPIN_US:
-        raise TiermoeError(f"TIERMOE_TEAM_SPIN_US={text!r}: expected a whole number of microseconds, 0 to "
-                           f"{MAX_SPIN_US:,}")
-    return int(text)
+    return _whole_number_from_env("TIERMOE_TEAM_SPIN_US", SPIN_US,
+                                  f"a whole number of microseconds, 0 to {MAX_SPIN_US:,}", MAX_SPIN_US)
 
 
 class ThreadTeam:
