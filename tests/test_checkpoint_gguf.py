@@ -191,7 +191,8 @@ def test_gguf_experts_convert_to_int4_on_the_cpu_tier(gguf_case):
                            cpu=CPUConfig(expert_dtype="int4")) as hybrid:
         logits = hybrid(input_ids=ids).logits
         spec = hybrid.spec
-        assert hybrid.tier_bytes().cpu_experts < 0.6 * spec.total_routed_experts * spec.params_per_expert
+        # gate_up at 0.55 bytes a parameter, down (a third) int6 at 0.81, and each row's scale
+        assert hybrid.tier_bytes().cpu_experts < 0.7 * spec.total_routed_experts * spec.params_per_expert
     assert rel_err(logits, ref) < 0.3  # tiermoe's int4 on top of Q4_K: the error this conversion adds
 
 

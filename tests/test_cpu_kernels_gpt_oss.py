@@ -33,7 +33,7 @@ from tiermoe.model.loader import load_hybrid_model
 BEST = supported_isa()
 pytestmark = pytest.mark.skipif(BEST is None, reason="the kernel library cannot be built here")
 ISAS = ISA_NAMES[: ISA_NAMES.index(BEST) + 1] if BEST else ()
-FORMATS = ("bf16", "int8", "int4")
+FORMATS = ("bf16", "int8", "int4", "int6")
 GPT_OSS = ExpertActivation("gpt_oss_glu")  # alpha 1.702, limit 7, as the releases
 GATE_UP_SCALE = 5.0  # on the tiny model's gate_up weights (biases ~ N(0, 1)): some gate / up values pass +-7
 

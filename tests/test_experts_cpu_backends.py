@@ -27,7 +27,7 @@ from tiermoe.experts.weights import ExpertWeights
 from tiermoe.model.loader import load_hybrid_model
 
 SILU = ExpertActivation("silu_glu")
-FORMATS = ("bf16", "int8", "int4")
+FORMATS = ("bf16", "int8", "int4", "int6")
 BEST = supported_isa()
 ISAS = [*ISA_NAMES[: ISA_NAMES.index(BEST) + 1], "torch"] if BEST else ["torch"]
 
@@ -61,13 +61,14 @@ def run(tier, x, ids, w) -> torch.Tensor:
 def assert_tier_matches_reference(tier, held: dict, x, ids, w, act: ExpertActivation, bf16_math: bool, label):
     """fp32 and bf16 activations through `tier` against the torch reference on the experts it holds (`held`,
     dequantised): AMX and VDPBF16PS multiply bf16 activations (1e-2), every other path is exact fp32 (1e-5); bf16
-    inputs give bf16 outputs within 2e-2."""
+    inputs give bf16 outputs within 2.5e-2 (int8 / int4 / int6 weights on the AVX512-BF16 level quantise them to
+    int8 in blocks of 32: up to 0.021 measured, GPT-OSS's layer at 3 tokens)."""
     ref = routed_experts_forward(held, x, ids, w, act)
     assert rel_err(run(tier, x, ids, w), ref) < (1e-2 if bf16_math else 1e-5), label
     xb = x.to(torch.bfloat16)
     y = run(tier, xb, ids, w)
     assert y.dtype == torch.bfloat16
-    assert rel_err(y.float(), routed_experts_forward(held, xb.float(), ids, w, act)) < 2e-2, label
+    assert rel_err(y.float(), routed_experts_forward(held, xb.float(), ids, w, act)) < 2.5e-2, label
 
 
 @pytest.fixture
@@ -175,15 +176,20 @@ def test_int4_is_stored_packed_in_at_most_0_56_bytes_per_parameter():
 
 
 @pytest.mark.skipif(BEST is None, reason="the kernel library is unavailable")
-def test_the_native_int4_quantiser_matches_the_torch_reference():
-    from tiermoe.experts.quant import _quantize_int4
+@pytest.mark.parametrize("fmt,row_bytes", [("int4", 128), ("int6", 192)])
+def test_the_native_grouped_quantiser_matches_the_torch_reference(fmt, row_bytes):
+    from tiermoe.experts.quant import _quantize_grouped
 
     w = torch.randn(96, 200, generator=torch.Generator().manual_seed(5))  # K not a multiple of 64: padded
-    native, ref = _quantize_int4(w, native=True), _quantize_int4(w, native=False)
-    assert native.codes.shape == ref.codes.shape == (96, 128)
+    native, ref = _quantize_grouped(w, fmt, native=True), _quantize_grouped(w, fmt, native=False)
+    assert native.codes.shape == ref.codes.shape == (96, row_bytes)
     assert (native.codes == ref.codes).float().mean() > 0.999  # float sums in another order may flip a tie
     assert torch.equal(native.gzero, ref.gzero)
-    assert torch.allclose(dequantize(native, torch.float32), dequantize(ref, torch.float32), rtol=0, atol=0.05)
+    # a tie in a group scale's rounding may go the other way and move its whole group (one of 672 here)
+    apart = (dequantize(native, torch.float32) - dequantize(ref, torch.float32)).abs() > 1e-3
+    assert apart.float().mean() < 0.01
+    errs = [(dequantize(q, torch.float32) - w).norm() / w.norm() for q in (native, ref)]
+    assert abs(errs[0] - errs[1]) < 0.01 * errs[1]
 
 
 def test_get_gives_the_canonical_expert_back_and_pop_releases_it(worker):
@@ -198,10 +204,11 @@ def test_get_gives_the_canonical_expert_back_and_pop_releases_it(worker):
         if fmt == "bf16":
             assert torch.equal(got.gate_up, experts[1].gate_up.to(torch.bfloat16).float())
         assert 1 not in tier and len(tier) == 2
-        # int4 keeps the stored form (the next test): its bytes stay until the expert comes back
-        assert tier.parked(1) == (fmt == "int4") and tier.nbytes == (before if fmt == "int4" else before * 2 // 3)
+        # int4 / int6 keep the stored form (the next test): its bytes stay until the expert comes back
+        grouped = fmt in ("int4", "int6")
+        assert tier.parked(1) == grouped and tier.nbytes == (before if grouped else before * 2 // 3)
         tier.add(1, got)  # back again: quantising dequantised weights keeps them
-        assert rel_err(tier.get(1).down, got.down) < (1e-6 if fmt != "int4" else 0.05)
+        assert rel_err(tier.get(1).down, got.down) < (0.05 if grouped else 1e-6)
         assert not tier.parked(1) and tier.nbytes == before  # what is added replaces a kept form
 
 

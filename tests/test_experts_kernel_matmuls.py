@@ -36,6 +36,7 @@ SHAPES = {  # (D, I) per format: aligned, padded K, padded rows and K
     "bf16": [(128, 64), (96, 32)],
     "int8": [(128, 64), (96, 48), (40, 24)],
     "int4": [(128, 64), (96, 48), (40, 24)],
+    "int6": [(128, 64), (96, 48), (40, 24)],
 }
 CASES = [(fmt, d, i) for fmt, shapes in SHAPES.items() for d, i in shapes]
 

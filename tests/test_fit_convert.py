@@ -47,8 +47,13 @@ def test_fit_counts_qwen3_30b_a3b_bytes_by_hand(tmp_path):
     assert m.kv_bytes_per_token == layers * 2 * kv * 2
     assert m.total_experts == layers * experts
     int4 = model_bytes(config, "bf16", "int4")
-    # gate_up [1536, 2048] and down [2048, 768]: codes 1/2 byte, gscale 1/32, zero 1/64 per parameter, 4 per row
-    assert int4.cpu_bytes_per_expert == 3 * h * inter * (1 / 2 + 1 / 32 + 1 / 64) + 4 * (2 * inter + h)
+    # gate_up [1536, 2048]: codes 1/2 byte, gscale 1/32, zero 1/64 per parameter; down [2048, 768] int6: codes 3/4,
+    # gscale and zero 1/32 each; 4 per row
+    int6_down = h * inter * (3 / 4 + 2 / 32)
+    assert int4.cpu_bytes_per_expert == 2 * h * inter * (1 / 2 + 1 / 32 + 1 / 64) + int6_down + 4 * (2 * inter + h)
+    assert int4.cpu_formats == "int4, down projections int6"
+    all_int4 = model_bytes(config, "bf16", "int4", cpu_expert_down_dtype="int4")
+    assert all_int4.cpu_bytes_per_expert == 3 * h * inter * (1 / 2 + 1 / 32 + 1 / 64) + 4 * (2 * inter + h)
     report = fit_report(m, kv_tokens=4096, gpu_memory_gb=24, ram_gb=64)
     workspaces = (32 + 1) * 2**20  # cuBLAS + cuBLASLt of the one forward thread (Hopper)
     left = 24 * GIB - m.non_expert - 4096 * m.kv_bytes_per_token - workspaces
@@ -73,8 +78,10 @@ def test_fit_counts_deepseek_v3_fp8_bytes_by_hand(tmp_path):
     assert m.total_experts == (layers - dense) * experts
     # sanity in round numbers: ~17 B non-expert parameters, 1.85 B of them bf16 embeddings -> ~19 GB
     assert 18e9 < m.non_expert < 20e9
-    assert m.cpu_bytes_per_expert == 3 * h * moe_inter * (1 / 2 + 1 / 32 + 1 / 64) + 4 * (2 * moe_inter + h)
-    assert 355e9 < m.total_experts * m.cpu_bytes_per_expert < 360e9  # 654 B expert parameters at 0.547 B each
+    assert m.cpu_bytes_per_expert == (2 * h * moe_inter * (1 / 2 + 1 / 32 + 1 / 64) + h * moe_inter * (3 / 4 + 2 / 32)
+                                      + 4 * (2 * moe_inter + h))  # down projections int6
+    # 654 B expert parameters, two thirds at 0.547 B each, the down projections' third at 0.81 (int4 throughout: 358 GB)
+    assert 412e9 < m.total_experts * m.cpu_bytes_per_expert < 418e9
 
 
 def test_fit_cli_from_config_alone_prints_every_part_and_fails_when_it_will_not_fit(tmp_path):

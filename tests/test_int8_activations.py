@@ -66,7 +66,7 @@ def expert(d: int, i: int, seed: int) -> ExpertWeights:
     return w
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int6"])
 @pytest.mark.parametrize("d,i", [(128, 64), (96, 48), (40, 24)])
 def test_products_equal_the_emulated_quantisation_within_one_bf16_rounding(fmt, d, i, worker):
     tier = NativeCPUExperts(worker, SILU, fmt, torch.float32, threads=2, isa=ISA)
@@ -81,7 +81,7 @@ def test_products_equal_the_emulated_quantisation_within_one_bf16_rounding(fmt, 
             assert rel_err(got, getattr(ref, name)(x.float())) > 0.03, (name, m)  # the test can tell
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int6"])
 def test_a_layer_quantises_its_input_and_its_intermediate(fmt, worker):
     d, i, e, t = 96, 48, 4, 6
     tier = NativeCPUExperts(worker, SILU, fmt, torch.float32, threads=2, isa=ISA)

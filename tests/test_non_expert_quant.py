@@ -21,7 +21,14 @@ from tiermoe.fit import model_bytes
 from tiermoe.layers.fused_decode_layer import FusedDecodeLayer
 from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.model.loader import load_hybrid_model
-from tiermoe.model.non_expert_quant import INT8_IN_INT4, KEPT_LINEARS, head_format, linear_format, quantizable_linears
+from tiermoe.model.non_expert_quant import (
+    INT6_IN_INT4,
+    INT8_IN_INT4,
+    KEPT_LINEARS,
+    head_format,
+    linear_format,
+    quantizable_linears,
+)
 from tiermoe.bundled import resolve_model
 
 needs_kernels = pytest.mark.skipif(supported_isa() is None, reason="the kernel library is unavailable")
@@ -130,9 +137,11 @@ def test_quantized_non_experts_compute_their_stored_weights_and_keep_routers_and
             head_module = hybrid.model.get_output_embeddings()
             assert isinstance(head_module, QuantizedLinear) and head_module.fmt == head_format(fmt, head)
             formats = {name: modules[name].fmt for name in swapped if modules[name] is not head_module}
-            # int4 keeps the key / value projections in int8 (MLA: its latent one); the rest in the format asked
+            # int4 keeps the key / value projections in int8 (MLA: its latent one), attention's output in int6; the
+            # rest in the format asked
             other = {name.rpartition(".")[2] for name, f in formats.items() if f != fmt}
-            assert other == (KEY_VALUE.get(arch, {"k_proj", "v_proj"}) if fmt == "int4" else set()), formats
+            more_bits = KEY_VALUE.get(arch, {"k_proj", "v_proj"}) | {"o_proj"}
+            assert other == (more_bits if fmt == "int4" else set()), formats
             assert all(f == linear_format(name, fmt) for name, f in formats.items())
             left = [name for name, m in modules.items() if type(m) is nn.Linear]
             assert all(name.rpartition(".")[2] in (spec.router_attr, *KEPT_LINEARS) for name in left), left
@@ -145,16 +154,17 @@ def test_quantized_non_experts_compute_their_stored_weights_and_keep_routers_and
                 plain_bytes - model_bytes(path).non_expert)  # `tiermoe fit` counts what the load holds
 
 
-def test_an_int4_model_holds_keys_values_and_its_head_in_int8_and_the_rest_as_asked():
-    for leaf in INT8_IN_INT4:
-        assert linear_format(f"model.layers.3.self_attn.{leaf}", "int4") == "int8" == linear_format(leaf, "int4")
-        assert linear_format(f"model.layers.3.self_attn.{leaf}", "int8") == "int8"
-        assert linear_format(f"model.layers.3.self_attn.{leaf}", "bf16") == "bf16"
-    for name in ("self_attn.q_proj", "self_attn.o_proj", "self_attn.q_a_proj", "self_attn.q_b_proj",
+def test_an_int4_model_holds_keys_values_in_int8_its_output_and_head_in_int6_and_the_rest_as_asked():
+    for leaves, more in ((INT8_IN_INT4, "int8"), (INT6_IN_INT4, "int6")):
+        for leaf in leaves:
+            assert linear_format(f"model.layers.3.self_attn.{leaf}", "int4") == more == linear_format(leaf, "int4")
+            assert linear_format(f"model.layers.3.self_attn.{leaf}", "int8") == "int8"
+            assert linear_format(f"model.layers.3.self_attn.{leaf}", "bf16") == "bf16"
+    for name in ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.q_b_proj",
                  "linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "linear_attn.out_proj", "self_attn.qkv_proj",
                  "mlp.down_proj", "mlp.shared_expert.up_proj", "mlp.shared_experts.gate_proj", "self_attn.k_proj_x"):
         assert linear_format(f"model.layers.0.{name}", "int4") == "int4", name  # fused or unknown: as asked
-    assert [head_format(f) for f in ("bf16", "int8", "int4")] == ["bf16", "int8", "int8"]
+    assert [head_format(f) for f in ("bf16", "int8", "int4", "int6")] == ["bf16", "int8", "int6", "int6"]
     assert head_format("int4", "int4") == "int4" and head_format("int8", "int4") == "int4"
 
 
@@ -165,11 +175,12 @@ def test_generation_through_llm_runs_on_the_quantized_linears():
         out = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
         layer = llm.hybrid.model.model.layers[0]
         attention = layer.self_attn
-        assert [attention.q_proj.fmt, attention.k_proj.fmt, attention.v_proj.fmt] == ["int4", "int8", "int8"]
+        assert [attention.q_proj.fmt, attention.k_proj.fmt, attention.v_proj.fmt, attention.o_proj.fmt] == [
+            "int4", "int8", "int8", "int6"]
         # q in one product, k and v stacked in another (DecodeFusedAttention), both in the layer's one native call
         assert [(p.fmt, p.out_features) for p in attention.stacked_qkv] == [("int4", 256), ("int8", 256)]
         assert isinstance(layer, FusedDecodeLayer) and (layer.args.qkv.N, layer.args.kv.N) == (256, 256)
-        assert llm.hybrid.model.get_output_embeddings().fmt == "int8"
+        assert llm.hybrid.model.get_output_embeddings().fmt == "int6"
         ids = list(prompt)
         for _ in range(6):  # the same greedy tokens from whole-sequence forwards of the same model
             ids.append(int(llm.hybrid(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
@@ -186,7 +197,7 @@ def test_the_option_is_refused_off_cpu_for_training_and_when_unknown(tiny_dir):
         load_hybrid_model(path, None, gpu_device="cuda:0", cpu=CPUConfig(non_expert_dtype="int8"), progress=False)
     with pytest.raises(TiermoeError, match="a model to fine-tune keeps its non-expert weights"):
         _load(path, "int4", trainable=True)
-    with pytest.raises(TiermoeError, match="non-expert dtype 'int3' is unknown; choose one of: none, bf16, int8, int4"):
+    with pytest.raises(TiermoeError, match="non-expert dtype 'int3' is unknown; choose one of: none, bf16, int8, int4, int6"):
         CPUConfig(non_expert_dtype="int3")
     p = argparse.ArgumentParser()
     add_cpu_flags(p)
@@ -196,7 +207,7 @@ def test_the_option_is_refused_off_cpu_for_training_and_when_unknown(tiny_dir):
     with pytest.raises(SystemExit):
         p.parse_args(["--non-expert-dtype", "fp4"])
     assert cpu_from_args(p.parse_args(["--non-expert-dtype", "int4", "--head-dtype", "int8"])).head_dtype == "int8"
-    with pytest.raises(TiermoeError, match="LM head dtype 'int2' is unknown; choose one of: bf16, int8, int4"):
+    with pytest.raises(TiermoeError, match="LM head dtype 'int2' is unknown; choose one of: bf16, int8, int4, int6"):
         CPUConfig(non_expert_dtype="int4", head_dtype="int2")
     with pytest.raises(TiermoeError, match=r"--head-dtype int8 is for CPU-only runs"):
         load_hybrid_model(path, None, gpu_device="cuda:0", cpu=CPUConfig(head_dtype="int8"), progress=False)

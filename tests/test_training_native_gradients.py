@@ -34,7 +34,7 @@ pytest.importorskip("peft")
 pytestmark = pytest.mark.skipif(supported_isa() is None, reason="the kernel library cannot be built here")
 
 TOL = 1e-5  # the kernels' fp32 tolerance
-FORMATS = ("bf16", "int8", "int4")
+FORMATS = ("bf16", "int8", "int4", "int6")
 PLACEMENTS = ("all_cpu", "random_half", "all_gpu")
 
 

@@ -100,8 +100,11 @@ class PlacementConfig:
 
 
 CPU_BACKENDS = ("native", "torch", "kt")  # native: tiermoe's kernels (tiermoe.experts.native), the default
-CPU_EXPERT_DTYPES = ("bf16", "int8", "int4")
-NON_EXPERT_DTYPES = ("bf16", "int8", "int4")
+CPU_EXPERT_DTYPES = ("bf16", "int8", "int4", "int6")
+NON_EXPERT_DTYPES = ("bf16", "int8", "int4", "int6")
+# Where a 4-bit model keeps more bits: its experts' down projections in int6, as llama.cpp's Q4_K_M keeps ffn_down at
+# Q5 / Q6 (BENCHMARKS.md, "int6 where 4 bits cost most"); --cpu-expert-down-dtype overrides.
+DOWN_FORMAT_UNDER = {"int4": "int6"}
 NON_EXPERT_AS_LOADED = "none"  # --non-expert-dtype none: torch's linears in the checkpoint's dtype
 THREADS_PER_CPU = 4
 
@@ -131,6 +134,17 @@ class CPUConfig:
     # --head-dtype: the format of the packed LM head, where the non-expert linears are packed; None follows
     # --non-expert-dtype, int8 under int4 (tiermoe.model.non_expert_quant.head_format).
     head_dtype: str | None = None
+    # --cpu-expert-down-dtype: the format of the routed experts' down projections on the native CPU tier; None
+    # follows --cpu-expert-dtype, int6 under int4 (DOWN_FORMAT_UNDER, `down_format`).
+    expert_down_dtype: str | None = None
+
+    @property
+    def down_format(self) -> str | None:
+        """The experts' down projections' format on the native CPU tier (None: the checkpoint's dtype, as
+        `expert_dtype` None)."""
+        if self.expert_down_dtype is not None:
+            return self.expert_down_dtype
+        return DOWN_FORMAT_UNDER.get(self.expert_dtype, self.expert_dtype)
 
     @property
     def packs_non_experts(self) -> bool:
@@ -155,6 +169,15 @@ class CPUConfig:
         if self.expert_dtype is not None and self.expert_dtype not in CPU_EXPERT_DTYPES:
             raise TiermoeError(f"cpu expert dtype '{self.expert_dtype}' is unknown; choose one of: "
                                f"{', '.join(CPU_EXPERT_DTYPES)}")
+        if self.expert_down_dtype is not None:
+            pairs = {("int4", "int6"), ("int6", "int4")}  # gate_up and down must pad I alike (quant.k_align)
+            fmt = self.expert_dtype
+            if self.expert_down_dtype not in CPU_EXPERT_DTYPES:
+                raise TiermoeError(f"cpu expert down dtype '{self.expert_down_dtype}' is unknown; choose one of: "
+                                   f"{', '.join(CPU_EXPERT_DTYPES)}")
+            if self.backend != "native" or (fmt != self.expert_down_dtype and (fmt, self.expert_down_dtype) not in pairs):
+                raise TiermoeError(f"--cpu-expert-down-dtype {self.expert_down_dtype} needs the native backend and "
+                                   f"--cpu-expert-dtype int4 or int6 (got {self.backend}, {fmt or 'as loaded'})")
         if self.threads is not None and self.threads < 1:
             raise TiermoeError(f"cpu threads must be >= 1, got {self.threads}")
         limit = THREADS_PER_CPU * machine_cpus()

@@ -41,6 +41,7 @@ from tiermoe.checkpoint.expert_cache import (
 from tiermoe.checkpoint.fp8 import fp8_block_size
 from tiermoe.checkpoint.gguf_reader import gguf_files
 from tiermoe.checkpoint.weight_copy import link_or_copy
+from tiermoe.config import CPUConfig
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.kernels import load_kernels
 from tiermoe.experts.quant import FORMATS, expert_in_layout, kernels_take_shape, quantize
@@ -62,12 +63,14 @@ def kernel_layout(fmt: str, spec) -> bool:
 
 
 def convert_cpu_experts(model: str | Path, fmt: str, out: str | Path, dtype: torch.dtype | None = None,
-                        progress: bool = True) -> Path:
-    """Write all routed experts of `model` in CPU format `fmt` ("bf16" | "int8" | "int4") to `out`, with the
-    source's weights beside them (`out/source/`)."""
+                        progress: bool = True, down_fmt: str | None = None) -> Path:
+    """Write all routed experts of `model` in CPU format `fmt` ("bf16" | "int8" | "int4" | "int6"), their down
+    projections in `down_fmt` (None: as the loader holds them, CPUConfig.down_format: int6 under int4), to `out`,
+    with the source's weights beside them (`out/source/`)."""
     src, out = Path(model).resolve(), Path(out)
     if fmt not in FORMATS:
         raise TiermoeError(f"--cpu-expert-dtype '{fmt}' is unknown; choose one of: {', '.join(FORMATS)}")
+    down_fmt = CPUConfig(expert_dtype=fmt, expert_down_dtype=down_fmt).down_format  # says what a bad pair is
     if out.exists() and not out.is_dir():
         raise TiermoeError(f"output '{out}' exists and is not a directory; choose a new directory")
     if out.exists() and any(out.iterdir()):
@@ -79,7 +82,7 @@ def convert_cpu_experts(model: str | Path, fmt: str, out: str | Path, dtype: tor
     shutil.rmtree(partial, ignore_errors=True)  # left by a killed run of an earlier process with this id
     partial.mkdir()
     try:
-        _write_cache(src, fmt, partial, dtype, progress)
+        _write_cache(src, fmt, down_fmt, partial, dtype, progress)
         os.replace(partial, out)  # atomic; replaces `out` only when it is an empty directory
     except BaseException:  # a failure or Ctrl-C: nothing half-written stays behind
         shutil.rmtree(partial, ignore_errors=True)
@@ -87,7 +90,7 @@ def convert_cpu_experts(model: str | Path, fmt: str, out: str | Path, dtype: tor
     return out
 
 
-def _write_cache(src: Path, fmt: str, out: Path, dtype: torch.dtype | None, progress: bool) -> None:
+def _write_cache(src: Path, fmt: str, down_fmt: str, out: Path, dtype: torch.dtype | None, progress: bool) -> None:
     """The whole cache of `src` written into the (empty) directory `out`."""
     config = load_config(src)
     spec = detect(config)
@@ -104,7 +107,7 @@ def _write_cache(src: Path, fmt: str, out: Path, dtype: torch.dtype | None, prog
             writer = None
             for e in range(spec.num_experts):
                 w = read_expert(ckpt, source, e, spec, dtype)
-                gate_up, down = expert_in_layout(quantize(w.gate_up, fmt), quantize(w.down, fmt), layout)
+                gate_up, down = expert_in_layout(quantize(w.gate_up, fmt), quantize(w.down, down_fmt), layout)
                 tensors = expert_tensors(e, gate_up, down, w.gate_up_bias, w.down_bias)
                 if writer is None:  # every expert has expert 0's shapes: the header is known now
                     specs = [(f"{x}.{name.split('.', 1)[1]}", t.dtype, tuple(t.shape))
@@ -116,13 +119,14 @@ def _write_cache(src: Path, fmt: str, out: Path, dtype: torch.dtype | None, prog
             writer.close()
     _copy_side_files(src, out, config)
     dtype_name = str(dtype).removeprefix("torch.")
-    manifest = {"version": VERSION, "format": fmt, "dtype": dtype_name, "layout": layout,
+    manifest = {"version": VERSION, "format": fmt, "down_format": down_fmt, "dtype": dtype_name, "layout": layout,
                 "source": SOURCE_DIR, "converted_from": str(src),
                 "source_fingerprint": source_fingerprint(weight_files(out / SOURCE_DIR)),
                 "model_type": spec.model_type, "moe_layers": list(spec.moe_layers), "num_experts": spec.num_experts,
                 "matrices": metas}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    (out / MODEL_CARD).write_text(_conversion_card(src, out, spec, fmt, dtype_name, layout, placed))
+    formats = fmt if down_fmt == fmt else f"{fmt} (down projections {down_fmt})"
+    (out / MODEL_CARD).write_text(_conversion_card(src, out, spec, formats, dtype_name, layout, placed))
 
 
 def _place_source_weights(src: Path, dest: Path, progress: bool) -> str:
@@ -167,13 +171,13 @@ def _save_gguf_tokenizer(src: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _conversion_card(src: Path, out: Path, spec, fmt: str, dtype: str, layout: str, placed: str) -> str:
+def _conversion_card(src: Path, out: Path, spec, formats: str, dtype: str, layout: str, placed: str) -> str:
     """The converted directory's README.md: what it holds, how it was made, how to load it."""
     own_card = (out / SOURCE_DIR / MODEL_CARD).is_file()
     lines = [
-        f"# {src.name}, CPU-tier experts in {fmt}",
+        f"# {src.name}, CPU-tier experts in {formats}",
         "",
-        f"Written by `tiermoe convert --cpu-expert-dtype {fmt}` from `{src.name}`. Load this directory as the model "
+        f"Written by `tiermoe convert --cpu-expert-dtype {formats.split()[0]}` from `{src.name}`. Load this directory as the model "
         "(`--model` of `generate`, `chat --local`, `serve`, ...): the CPU tier memory-maps its converted experts "
         "instead of reading and quantising the source's.",
         "",
@@ -182,7 +186,7 @@ def _conversion_card(src: Path, out: Path, spec, fmt: str, dtype: str, layout: s
         f"| converted from | `{src}` (the path at conversion; no longer read) |",
         f"| model type | `{spec.model_type}`, {len(spec.moe_layers)} MoE layers x {spec.num_experts} routed experts, "
         f"top-{spec.top_k} |",
-        f"| CPU-tier experts | {fmt}, `{layout}` layout, computed in {dtype}: `layer-NNN.safetensors` |",
+        f"| CPU-tier experts | {formats}, `{layout}` layout, computed in {dtype}: `layer-NNN.safetensors` |",
         f"| source weights | `{SOURCE_DIR}/`, {placed} from the source: non-expert weights, and the experts a GPU "
         "tier loads in their original format |",
         "| config, tokenizer | the source's |",

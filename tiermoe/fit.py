@@ -31,11 +31,11 @@ from tiermoe.bundled import resolve_model
 from tiermoe.checkpoint.expert_cache import find_cache
 from tiermoe.checkpoint.fp8 import fp8_block_size, is_fp8_quantised
 from tiermoe.checkpoint.gguf_reader import gguf_files
-from tiermoe.config import MIN_KV_TOKENS_PER_REQUEST, NON_EXPERT_DTYPES
+from tiermoe.config import DOWN_FORMAT_UNDER, MIN_KV_TOKENS_PER_REQUEST, NON_EXPERT_DTYPES
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.fp8_blocks import DEFAULT_BLOCK, dequant_bytes, scale_shape
 from tiermoe.experts.fp8_tier import fp8_expert_bytes
-from tiermoe.experts.quant import k_align, round_up
+from tiermoe.experts.quant import GROUPED, k_align, round_up
 from tiermoe.model.held_bytes import (
     ROUTED_EXPERT_NAME,
     HeldBytes,
@@ -60,7 +60,7 @@ CONFIG_DTYPES = {"bf16": (torch.bfloat16, False), "fp16": (torch.float16, False)
                  "fp8": (torch.bfloat16, True)}
 
 
-KERNEL_FORMATS = ("bf16", "int8", "int4")  # the CPU tier's formats the native kernels compute
+KERNEL_FORMATS = ("bf16", "int8", "int4", "int6")  # the CPU tier's formats the native kernels compute
 
 
 def matrix_bytes(n: int, k: int, fmt: str) -> int:
@@ -69,23 +69,26 @@ def matrix_bytes(n: int, k: int, fmt: str) -> int:
         return 2 * n * k
     if fmt == "int8":
         return n * k + 4 * n
+    kp = -(-k // 64) * 64
     if fmt == "int4":
-        kp = -(-k // 64) * 64
         return n * kp // 2 + 4 * n + n * kp // 32 + n * kp // 64
+    if fmt == "int6":
+        return n * kp * 3 // 4 + 4 * n + 2 * n * kp // 32
     if fmt in ("fp32", "fp16"):  # kept in the checkpoint's dtype by the torch path
         return n * k * (4 if fmt == "fp32" else 2)
-    raise TiermoeError(f"unknown CPU expert format '{fmt}'; choose one of: bf16, int8, int4")
+    raise TiermoeError(f"unknown CPU expert format '{fmt}'; choose one of: {', '.join(KERNEL_FORMATS)}")
 
 
-def cpu_expert_bytes(spec: ArchSpec, fmt: str, dtype: torch.dtype) -> int:
-    """One expert on the CPU tier: gate_up [2I, H] (up [I, H] without a gate) and down [H, I] in `fmt`, biases
-    in `dtype`, and for the native kernels' formats a second copy of the biases in fp32, in the kernels' padded row
-    order (tiermoe.experts.native)."""
+def cpu_expert_bytes(spec: ArchSpec, fmt: str, dtype: torch.dtype, down_fmt: str | None = None) -> int:
+    """One expert on the CPU tier: gate_up [2I, H] (up [I, H] without a gate) in `fmt` and down [H, I] in
+    `down_fmt` (None: as a load holds it, int6 under int4: tiermoe.config.DOWN_FORMAT_UNDER), biases in `dtype`,
+    and for the native kernels' formats a second copy of the biases in fp32, in the kernels' padded row order
+    (tiermoe.experts.native)."""
     h, i, rows = spec.hidden_size, spec.expert_intermediate_size, spec.gate_up_rows
     bias = (rows + h) * dtype.itemsize if spec.expert_bias else 0
     if spec.expert_bias and fmt in KERNEL_FORMATS:
         bias += (rows // i * round_up(i, k_align(fmt)) + h) * 4
-    return matrix_bytes(rows, h, fmt) + matrix_bytes(h, i, fmt) + bias
+    return matrix_bytes(rows, h, fmt) + matrix_bytes(h, i, down_fmt or DOWN_FORMAT_UNDER.get(fmt, fmt)) + bias
 
 
 def cpu_format(expert_dtype: str | None, dtype: torch.dtype) -> str:
@@ -105,11 +108,18 @@ class ModelBytes:
     gpu_bytes_per_expert: int
     cpu_bytes_per_expert: int
     load_buffer: int  # the loader's one-expert host buffer (an expert in the compute dtype)
-    cpu_format: str
+    cpu_format: str  # the CPU tier's experts' format (their down projections' where `cpu_down_format` says)
     kv: KVLayout  # cache bytes by layer kind (full attention per token, sliding windows, linear-attention states)
     source: str  # "safetensors headers", "config.json (fp8)", "GGUF headers"
     fp8_matrix: int = 0  # the largest FP8 non-expert weight, dequantised (a transient per forward thread)
     fp8_expert: int = 0  # one FP8 GPU-tier expert, dequantised (a transient of the MoE block)
+    cpu_down_format: str | None = None  # None: `cpu_format`
+
+    @property
+    def cpu_formats(self) -> str:
+        """The CPU tier's formats in words: "int4", "int4, down projections int6"."""
+        down = self.cpu_down_format
+        return self.cpu_format if down in (None, self.cpu_format) else f"{self.cpu_format}, down projections {down}"
 
     @property
     def total_experts(self) -> int:
@@ -141,10 +151,12 @@ def _non_expert_from_config(cfg, dtype: torch.dtype, fp8: bool) -> tuple[int, in
 
 
 def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: str | None = None,
-                non_expert_dtype: str | None = None, head_dtype: str | None = None) -> ModelBytes:
+                non_expert_dtype: str | None = None, head_dtype: str | None = None,
+                cpu_expert_down_dtype: str | None = None) -> ModelBytes:
     """Memory of `model`: a checkpoint directory (safetensors headers), a GGUF file or directory, or a config
     file (a .json of any name, or a directory holding only a config.json) whose weights are `dtype` (bf16, fp16,
-    fp32 or fp8; default: the dtype the config states).
+    fp32 or fp8; default: the dtype the config states). `cpu_expert_down_dtype`: the experts' down projections'
+    format (None: as a load holds them, int6 under int4).
     `non_expert_dtype` (--non-expert-dtype): the non-expert linears counted packed in that format, as a CPU-only
     load holds them (tiermoe.model.non_expert_quant), the LM head in `head_dtype` if given (--head-dtype)."""
 
@@ -157,7 +169,8 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
         spec = detect(cfg)
         compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
         return _bytes(path.name, spec, cfg, held_from_headers(path, compute, cfg, spec), compute,
-                      cpu_expert_dtype, "GGUF headers (converted at load)", non_expert_dtype, head_dtype)
+                      cpu_expert_dtype, "GGUF headers (converted at load)", non_expert_dtype, head_dtype,
+                      cpu_expert_down_dtype)
     config_file = path if path.is_file() else path / "config.json"
     if config_file.suffix != ".json" or not config_file.is_file():
         raise TiermoeError(f"'{path}' is neither a checkpoint directory, a config file (.json) nor a GGUF file")
@@ -170,8 +183,9 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
     # weights count only beside a checkpoint's own config.json: any other .json is a config file alone
     in_checkpoint = config_file.name == "config.json"
     cache = find_cache(config_file.parent) if in_checkpoint else None
-    if cache is not None:  # a `tiermoe convert` output: its format, the source's non-expert weights
-        cpu_expert_dtype = cpu_expert_dtype or cache.fmt
+    cpu_down_dtype = cpu_expert_down_dtype
+    if cache is not None and cpu_expert_dtype in (None, cache.fmt) and cpu_down_dtype in (None, cache.down_fmt):  # a `tiermoe convert` output: its formats,
+        cpu_expert_dtype, cpu_down_dtype = cache.fmt, cache.down_fmt  # the source's non-expert weights
     has_weights = cache is not None or (in_checkpoint and any(config_file.parent.glob("*.safetensors")))
     if has_weights:
         compute = CONFIG_DTYPES[dtype][0] if dtype else spec.dtype
@@ -191,7 +205,8 @@ def model_bytes(model: str | Path, dtype: str | None = None, cpu_expert_dtype: s
         held = HeldBytes(non_expert, gpu_expert, fp8_matrix, fp8_expert)
         source = f"{config_file.name} ({dtype})"
     name = config_file.parent.name if in_checkpoint else config_file.stem
-    return _bytes(name, spec, cfg, held, compute, cpu_expert_dtype, source, non_expert_dtype, head_dtype)
+    return _bytes(name, spec, cfg, held, compute, cpu_expert_dtype, source, non_expert_dtype, head_dtype,
+                  cpu_down_dtype)
 
 
 def stated_dtype(cfg) -> str | None:
@@ -204,8 +219,10 @@ def stated_dtype(cfg) -> str | None:
 
 
 def _bytes(name, spec, cfg, held: HeldBytes, compute, cpu_expert_dtype, source,
-           non_expert_dtype: str | None = None, head_dtype: str | None = None) -> ModelBytes:
+           non_expert_dtype: str | None = None, head_dtype: str | None = None,
+           cpu_down_dtype: str | None = None) -> ModelBytes:
     fmt = cpu_format(cpu_expert_dtype, compute)
+    down = cpu_down_dtype or DOWN_FORMAT_UNDER.get(fmt, fmt)
     non_expert = held.non_expert
     if non_expert_dtype is not None:
         if non_expert_dtype not in NON_EXPERT_DTYPES:
@@ -217,8 +234,8 @@ def _bytes(name, spec, cfg, held: HeldBytes, compute, cpu_expert_dtype, source,
                                              fp8=held.fp8_matrix > 0, head_dtype=head_dtype)
     return ModelBytes(
         name=name, spec=spec, non_expert=non_expert, gpu_bytes_per_expert=held.gpu_expert,
-        cpu_bytes_per_expert=cpu_expert_bytes(spec, fmt, compute), load_buffer=spec.bytes_per_expert(compute),
-        cpu_format=fmt,
+        cpu_bytes_per_expert=cpu_expert_bytes(spec, fmt, compute, down), load_buffer=spec.bytes_per_expert(compute),
+        cpu_format=fmt, cpu_down_format=down,
         kv=kv_layout(text_config(cfg), compute.itemsize), source=source,
         fp8_matrix=held.fp8_matrix, fp8_expert=held.fp8_expert)
 
@@ -300,10 +317,11 @@ class FitReport:
             out.append(f"GPU memory: {what}, more than the {_gib(self.gpu_memory)} available")
         if self.ram is not None and self.host_total > self.ram:
             need = self.min_gpu_experts
-            hint = (f"; put at least {need} experts on the GPU tier or choose a smaller --cpu-expert-dtype"
-                    if need is not None and need <= self.model.total_experts else
-                    "; choose a smaller --cpu-expert-dtype")
-            out.append(f"host memory: the CPU tier needs {_gib(self.host_total)} ({self.model.cpu_format} "
+            smaller = "a smaller --cpu-expert-dtype" + (" (or --cpu-expert-down-dtype int4)"
+                                                         if self.model.cpu_down_format == "int6" else "")
+            hint = (f"; put at least {need} experts on the GPU tier or choose {smaller}"
+                    if need is not None and need <= self.model.total_experts else f"; choose {smaller}")
+            out.append(f"host memory: the CPU tier needs {_gib(self.host_total)} ({self.model.cpu_formats} "
                        f"experts), more than the {_gib(self.ram)} available{hint}")
         return out
 
@@ -324,12 +342,13 @@ class FitReport:
             ("GPU: FP8 transients", _gib(self.fp8_transients) if self.fp8_transients else "none (no FP8 weights)"),
             ("GPU: total", _gib(self.gpu_total) + (f" of {_gib(self.gpu_memory)}" if self.gpu_memory else "")),
             ("host: CPU-tier experts", (f"{m.total_experts - self.gpu_experts} x {_mib(m.cpu_bytes_per_expert)} "
-                                        f"({m.cpu_format}) = {_gib(self.cpu_experts)}")),
+                                        f"({m.cpu_formats}) = {_gib(self.cpu_experts)}")),
             ("host: total", f"{_gib(self.host_total)} (with a one-expert load buffer)"
                             + (f" of {_gib(self.ram)}" if self.ram else "")),
         ]
-        if m.cpu_format == "int4" and self.gpu_experts:  # tiermoe.experts.native: restored exactly on demotion
-            rows.append(("host: kept int4 forms", (f"up to {self.gpu_experts} x {_mib(m.cpu_bytes_per_expert)} = "
+        if {m.cpu_format, m.cpu_down_format} & set(GROUPED) and self.gpu_experts:  # restored exactly on demotion
+            rows.append((f"host: kept {m.cpu_format} forms",  # (tiermoe.experts.native)
+                         (f"up to {self.gpu_experts} x {_mib(m.cpu_bytes_per_expert)} = "
                                                    f"{_gib(self.gpu_experts * m.cpu_bytes_per_expert)} more once "
                                                    "dynamic placement has promoted CPU-tier experts")))
         if self.max_gpu_experts is not None:

@@ -110,6 +110,11 @@ class ExpertCache:
         return self.manifest["format"]
 
     @property
+    def down_fmt(self) -> str:
+        """The experts' down projections' format (caches written before it could differ hold them in `fmt`)."""
+        return self.manifest.get("down_format", self.fmt)
+
+    @property
     def source(self) -> Path:
         """The weights converted from: the cache's own `source/` folder, named relative to the cache so that it
         moves with it (an absolute path, as caches written before they stood alone name it, is kept as it is)."""

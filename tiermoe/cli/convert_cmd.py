@@ -5,6 +5,7 @@ later loads map them instead."""
 from __future__ import annotations
 
 from tiermoe.cli.flags import add_command, dtype_flag
+from tiermoe.config import CPU_EXPERT_DTYPES
 
 
 def add_parser(sub) -> None:
@@ -21,8 +22,11 @@ def add_parser(sub) -> None:
         "tiermoe generate --model /models/DeepSeek-V3-int4 --gpu-device cuda:0 --prompt Hi",
     )
     p.add_argument("--model", required=True, help="source checkpoint directory or GGUF file / directory")
-    p.add_argument("--cpu-expert-dtype", required=True, choices=("bf16", "int8", "int4"),
-                   help="the CPU tier's format (int4: 0.55 bytes/param, int8: 1, bf16: 2)")
+    p.add_argument("--cpu-expert-dtype", required=True, choices=CPU_EXPERT_DTYPES,
+                   help="the CPU tier's format (int4: 0.55 bytes/param, int6: 0.81, int8: 1, bf16: 2); int4 keeps "
+                        "the down projections in int6 unless --cpu-expert-down-dtype says otherwise")
+    p.add_argument("--cpu-expert-down-dtype", choices=CPU_EXPERT_DTYPES, default=None,
+                   help="the experts' down projections' format (default: --cpu-expert-dtype's, int6 under int4)")
     p.add_argument("--out", required=True,
                    help="new (or empty) directory for the converted experts and the source's weights")
     p.add_argument("--dtype", type=dtype_flag, default=None,

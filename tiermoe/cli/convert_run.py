@@ -7,6 +7,7 @@ from tiermoe.convert import convert_cpu_experts
 
 
 def run(args) -> int:
-    out = convert_cpu_experts(args.model, args.cpu_expert_dtype, args.out, args.dtype)
+    out = convert_cpu_experts(args.model, args.cpu_expert_dtype, args.out, args.dtype,
+                              down_fmt=args.cpu_expert_down_dtype)
     print(f"converted CPU-tier experts written to {out}; load them with --model {out}")
     return 0

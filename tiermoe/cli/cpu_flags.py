@@ -21,7 +21,7 @@ def kt_method(value: str) -> str:
     fmt = KT_METHODS.get(value.upper())
     if fmt is None:
         raise argparse.ArgumentTypeError(f"--kt-method '{value}' is not supported; expected one of "
-                                         f"{', '.join(KT_METHODS)} (or use --cpu-expert-dtype {{bf16,int8,int4}})")
+                                         f"{', '.join(KT_METHODS)} (or use --cpu-expert-dtype {{{','.join(CPU_EXPERT_DTYPES)}}})")
     return fmt
 
 
@@ -61,19 +61,25 @@ def add_cpu_flags(p: argparse.ArgumentParser) -> None:
                         f"(kt-kernel, if installed) (default {CPUConfig().backend})")
     g.add_argument("--cpu-expert-dtype", choices=CPU_EXPERT_DTYPES, default=None,
                    help="format the CPU-tier experts are stored and computed in, quantised once at load "
-                        "(default: the checkpoint's dtype)")
+                        "(default: the checkpoint's dtype). int4 keeps the experts' down projections in int6 (6.5 "
+                        "bits), as llama.cpp's Q4_K_M keeps them at Q5 / Q6: --cpu-expert-down-dtype int4 for 4 bits "
+                        "throughout")
+    g.add_argument("--cpu-expert-down-dtype", choices=CPU_EXPERT_DTYPES, default=None,
+                   help="format of the CPU-tier experts' down projections on the native backend (default: "
+                        "--cpu-expert-dtype's, int6 under int4; int4 and int6 may be paired either way)")
     g.add_argument("--non-expert-dtype", choices=(NON_EXPERT_AS_LOADED, *NON_EXPERT_DTYPES), default=None,
                    help="CPU-only runs (--gpu-device cpu): hold the non-expert linears (attention, dense and shared "
                         "MLPs, LM head) packed in this format, computed by the same kernels (routers, norms, "
                         "embeddings and MLA's kv_b stay as loaded; int4 holds attention's k / v projections in "
-                        "int8, as llama.cpp's Q4_K_M keeps them at Q8_0); 'none': torch's linears as loaded. "
+                        "int8 and its output projection in int6, as llama.cpp's Q4_K_M keeps them at Q8_0 and "
+                        "Q5_K); 'none': torch's linears as loaded. "
                         "Default: bf16 for a bf16 model run CPU-only in one process, with the CPU tier's threads on "
                         "every physical core; the checkpoint's dtype otherwise")
     g.add_argument("--head-dtype", choices=NON_EXPERT_DTYPES, default=None,
                    help="format of the packed LM head, where the non-expert linears are packed (default: theirs, "
-                        "int8 under int4, nearer the 6.6-bit output matrix of llama.cpp's Q4_K_M). int4 reads 0.55 "
-                        "bytes a weight, int8 1.0: --head-dtype int4 is the faster, coarser choice "
-                        "(docs/cpu-backends.md has the measured cost of both)")
+                        "int6 under int4, as the 6.6-bit output matrix of llama.cpp's Q4_K_M). int4 reads 0.55 "
+                        "bytes a weight, int6 0.81, int8 1.0: --head-dtype int4 is the faster, coarser choice "
+                        "(docs/cpu-backends.md has the measured cost of each)")
     g.add_argument("--kt-method", dest="kt_method", type=kt_method, default=None,
                    help="SGLang-kt spelling of the format: AMXINT4 = int4, AMXINT8 = int8, BF16 = bf16")
     g.add_argument("--cpu-threads", "--kt-cpuinfer", dest="cpu_threads", type=cpu_threads, default=None,
@@ -104,4 +110,5 @@ def cpu_from_args(args) -> CPUConfig:
                      threads=getattr(args, "cpu_threads", None), numa_nodes=tuple(nodes) if nodes else None,
                      deferred_experts=getattr(args, "deferred_experts", 0),
                      non_expert_dtype=getattr(args, "non_expert_dtype", None),
-                     head_dtype=getattr(args, "head_dtype", None))
+                     head_dtype=getattr(args, "head_dtype", None),
+                     expert_down_dtype=getattr(args, "cpu_expert_down_dtype", None))

@@ -11,6 +11,7 @@ from tiermoe.cli.flags import (
     non_negative_int,
     positive_int,
 )
+from tiermoe.config import CPU_EXPERT_DTYPES, NON_EXPERT_DTYPES
 
 
 def add_parser(sub) -> None:
@@ -44,14 +45,16 @@ def add_parser(sub) -> None:
                         "linear-attention state, and a forward thread with its cuBLAS workspace")
     p.add_argument("--gpu-prefill-buffer-gb", type=non_negative_float, default=0.0,
                    help="layerwise-prefill buffer (with --kt-gpu-prefill-token-threshold; default 0)")
-    p.add_argument("--cpu-expert-dtype", choices=("bf16", "int8", "int4"),
-                   help="format of CPU-tier experts (default: the compute dtype)")
-    p.add_argument("--non-expert-dtype", choices=("bf16", "int8", "int4"),
+    p.add_argument("--cpu-expert-dtype", choices=CPU_EXPERT_DTYPES,
+                   help="format of CPU-tier experts (default: the compute dtype; int4 keeps the down projections in "
+                        "int6, as a load does)")
+    p.add_argument("--non-expert-dtype", choices=NON_EXPERT_DTYPES,
                    help="count the non-expert linears packed in this format, as a CPU-only load with "
-                        "--non-expert-dtype holds them (int4: attention's k / v in int8; default: the compute dtype)")
-    p.add_argument("--head-dtype", choices=("bf16", "int8", "int4"),
+                        "--non-expert-dtype holds them (int4: attention's k / v in int8, its output in int6; "
+                        "default: the compute dtype)")
+    p.add_argument("--head-dtype", choices=NON_EXPERT_DTYPES,
                    help="with --non-expert-dtype: the LM head's format, as --head-dtype loads it (default: theirs, "
-                        "int8 under int4)")
+                        "int6 under int4)")
     p.add_argument("--gpu-experts", type=non_negative_int,
                    help="GPU-tier experts in total to check (default: the largest count that fits)")
     p.add_argument("--train", action="store_true",

@@ -49,8 +49,8 @@ ACTIVATION_CODES = {"silu_glu": 0, "gpt_oss_glu": 1}
 # 10: LoRA adapters served per request: a MoE layer's (tm_moe_lora_forward, TmLoraArgs), a decode layer's
 # (TmDecodeLayerArgs.lora); 11: the up kernels' per-row addend (LoRA's gate_up update); 12: the read probe
 # (probes.cpp); 13: a decode layer's k and v in a product of their own (TmDecodeLayerArgs.kv: an int4 model's int8
-# k / v)
-ABI_VERSION = 13
+# k / v); 14: the int6 format (TM_INT6, tm_quantize_int6)
+ABI_VERSION = 14
 # A MoE layer or packed product smaller than this (bytes of weights read, each row of activations beyond the first
 # counted as an eighth more: csrc/tm_kernels.h tm_product_work) runs on the calling thread alone. Waking a helper
 # asleep between a decode step's calls cost about 250 us on this project's 2-vCPU VMs (an idle vCPU is halted),
@@ -277,9 +277,10 @@ def _declare(lib: ctypes.CDLL) -> None:
                                       ctypes.c_int]
     lib.tm_gguf_dequant.restype = ctypes.c_int
     lib.tm_gguf_dequant.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    lib.tm_quantize_int4.restype = ctypes.c_int
-    lib.tm_quantize_int4.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    for name in ("tm_quantize_int4", "tm_quantize_int6"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.tm_rms_norm.restype = ctypes.c_int
     lib.tm_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                 ctypes.c_int, ctypes.c_double, *[ctypes.c_int] * 5]

@@ -62,6 +62,9 @@ class KtCPUExperts(ComputedOnWorker):
         if act.kind != "silu_glu":
             raise TiermoeError(f"--cpu-backend kt computes SiLU-GLU experts only, not {act.kind}; "
                                "use --cpu-backend native or torch for this model")
+        if fmt not in KT_CLASSES:
+            raise TiermoeError(f"kt-kernel has no {fmt} experts; choose --cpu-expert-dtype "
+                               f"{' / '.join(KT_CLASSES)}, or --cpu-backend native")
         names = [n for n in KT_CLASSES[fmt] if getattr(self.ext.moe, n, None) is not None]
         if not names:
             raise TiermoeError(f"this kt-kernel build has no {fmt} MoE operator for this CPU")

@@ -1,4 +1,4 @@
-"""The native CPU tier: experts stored bf16 / int8 / int4, a whole layer computed by one C++ call.
+"""The native CPU tier: experts stored bf16 / int8 / int4 / int6, a whole layer computed by one C++ call.
 
 Each expert is quantised once when added (tiermoe.experts.quant) and packed for the kernels; `submit` hands the
 layer's tokens to the model's CPU-worker thread, which makes one call into the kernel library: route, gather,
@@ -35,6 +35,7 @@ from tiermoe.experts.kernels import (
     load_kernels,
 )
 from tiermoe.experts.quant import (
+    GROUPED,
     QMatrix,
     dequantize,
     expert_in_layout,
@@ -73,7 +74,9 @@ class _Stored:
 
 
 class NativeCPUExperts(ComputedOnWorker):
-    """A CPU tier in `fmt` ("bf16" | "int8" | "int4"); `dtype` is the model's dtype (what `get` returns).
+    """A CPU tier in `fmt` ("bf16" | "int8" | "int4" | "int6"), the experts' down projections in `down_fmt` (None:
+    `fmt`; an int4 model's are int6 by default, tiermoe.config.CPUConfig.down_format); `dtype` is the model's dtype
+    (what `get` returns).
 
     threads: members of the kernel thread team (the worker thread plus threads - 1 helpers), shared by all layers
     of the model through the worker; numa_nodes: pin them as kt-kernel's per-node pools (tiermoe.experts.threads).
@@ -82,15 +85,19 @@ class NativeCPUExperts(ComputedOnWorker):
 
     def __init__(self, worker: CPUWorker, act: ExpertActivation, fmt: str, dtype: torch.dtype, threads: int,
                  pin: bool = False, isa: str | None = None, amx_min_rows: int = AMX_MIN_ROWS,
-                 numa_nodes: tuple[int, ...] | None = None):
+                 numa_nodes: tuple[int, ...] | None = None, down_fmt: str | None = None):
+        down_fmt = down_fmt or fmt
+        if k_align(down_fmt) != k_align(fmt):  # the layer's padded I is shared by gate_up's rows and down's columns
+            raise ValueError(f"experts' down projections in {down_fmt} cannot sit beside gate_up in {fmt}; "
+                             f"choose int4 with int6 (or one format for both)")
         self.device = torch.device("cpu")
         self.numa_nodes = numa_nodes
         self.pin = pin
-        self.worker, self.act, self.fmt, self.dtype = worker, act, fmt, dtype
+        self.worker, self.act, self.fmt, self.down_fmt, self.dtype = worker, act, fmt, down_fmt, dtype
         self.threads, self.amx_min_rows = threads, amx_min_rows
         self.kernels = load_kernels(isa) if act.kind in ACTIVATION_CODES else None
         self._experts: dict[int, _Stored] = {}
-        # Promoted experts' stored forms, kept (int4 only) so a demotion restores the exact codes: int4 quantised
+        # Promoted experts' stored forms, kept (int4 / int6 only) so a demotion restores the exact codes: int4 quantised
         # again from its own dequantised copy is not the same (about 10% of the codes move, and the expert drifts
         # further with every round trip), whereas int8 per row and bf16 come back exactly. Bounded by the GPU
         # tier's experts at about a quarter of their bf16 bytes.
@@ -126,14 +133,15 @@ class NativeCPUExperts(ComputedOnWorker):
     def add(self, expert: int, weights: ExpertWeights) -> None:
         if weights.device.type != "cpu":
             raise ValueError(f"expert {expert} is on {weights.device}, this tier is cpu")
-        self.add_quantized(expert, quantize(weights.gate_up, self.fmt), quantize(weights.down, self.fmt),
+        self.add_quantized(expert, quantize(weights.gate_up, self.fmt), quantize(weights.down, self.down_fmt),
                            weights.gate_up_bias, weights.down_bias)
 
     def _adopt_shape(self, expert: int, d: int, i: int) -> None:
         """The first expert fixes the layer's (D, I) and whether the kernels compute it; later ones must match."""
         if self._shape is None:
             self._shape = (d, i)
-            self._blocked = self.kernels is not None and kernels_take_shape(self.fmt, d, i)
+            self._blocked = (self.kernels is not None and kernels_take_shape(self.fmt, d, i)
+                             and kernels_take_shape(self.down_fmt, d, i))
         elif self._shape != (d, i):
             raise ValueError(f"expert {expert} has shape D={d}, I={i}; this layer's experts have D, I = {self._shape}")
 
@@ -142,8 +150,9 @@ class NativeCPUExperts(ComputedOnWorker):
         """An expert already in this tier's format (just quantised by `add`, or memory-mapped from a `tiermoe
         convert` cache): held as given when its layout is the one this tier computes with, re-laid-out otherwise,
         never quantised again."""
-        if gate_up.fmt != self.fmt or down.fmt != self.fmt:
-            raise ValueError(f"expert {expert} is stored as {gate_up.fmt}, this tier holds {self.fmt}")
+        if gate_up.fmt != self.fmt or down.fmt != self.down_fmt:
+            raise ValueError(f"expert {expert} is stored as {gate_up.fmt} (down {down.fmt}), this tier holds "
+                             f"{self.fmt} (down {self.down_fmt})")
         d, i = down.n, down.k
         self._adopt_shape(expert, d, i)
         wrong_gate_up = gate_up_bias is not None and tuple(gate_up_bias.shape) != (2 * i,)
@@ -175,7 +184,7 @@ class NativeCPUExperts(ComputedOnWorker):
     def pop(self, expert: int) -> ExpertWeights:
         weights = self.get(expert)
         stored = self._experts.pop(expert)
-        if self.fmt == "int4":  # see _parked
+        if self.fmt in GROUPED or self.down_fmt in GROUPED:  # see _parked
             self._parked[expert] = stored
         self._set_table(expert)
         return weights

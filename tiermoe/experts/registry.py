@@ -1,6 +1,6 @@
 """CPU-tier backends by name (--cpu-backend) and the factory the loader calls once per MoE layer.
 
-  native  tiermoe's C++ kernels (tiermoe.experts.native), bf16 / int8 / int4; the default. Experts kept in fp32 /
+  native  tiermoe's C++ kernels (tiermoe.experts.native), bf16 / int8 / int4 / int6; the default. Experts kept in fp32 /
           fp16 (an fp32 or fp16 checkpoint without --cpu-expert-dtype) are computed by the torch reference, which
           is exact for them.
   torch   the plain-torch reference (TorchCPUExperts), in the checkpoint's dtype.
@@ -37,7 +37,8 @@ def make_cpu_tier(config: CPUConfig, worker: CPUWorker, act: ExpertActivation, p
         if fmt is None:
             return TorchCPUExperts(worker, act, pin=pin)
 
-        return NativeCPUExperts(worker, act, fmt, checkpoint_dtype, threads, pin=pin, numa_nodes=config.numa_nodes)
+        return NativeCPUExperts(worker, act, fmt, checkpoint_dtype, threads, pin=pin, numa_nodes=config.numa_nodes,
+                                down_fmt=config.down_format)
     if config.backend == "kt":
         return KtCPUExperts(worker, act, fmt or "bf16", checkpoint_dtype, threads, pin=pin,
                             numa_nodes=config.numa_nodes)

@@ -284,11 +284,13 @@ def _usable_cache(cache: ExpertCache, cpu: CPUConfig,
         warnings.warn(f"the CPU-expert cache in {cache.root} holds experts without the adapter's LoRA; converting "
                       f"the merged experts from {cache.source} instead", stacklevel=3)
         return cpu, None
-    if cpu.backend == "native" and cpu.expert_dtype in (None, cache.fmt):
-        return replace(cpu, expert_dtype=cache.fmt), cache
-    warnings.warn(f"the CPU-expert cache in {cache.root} holds native {cache.fmt} experts but --cpu-backend "
-                  f"{cpu.backend} --cpu-expert-dtype {cpu.expert_dtype} was asked for; converting from "
-                  f"{cache.source} instead", stacklevel=3)
+    if cpu.backend == "native" and cpu.expert_dtype in (None, cache.fmt) and cpu.expert_down_dtype in (None,
+                                                                                                  cache.down_fmt):
+        return replace(cpu, expert_dtype=cache.fmt, expert_down_dtype=cache.down_fmt), cache
+    asked = f" --cpu-expert-down-dtype {cpu.expert_down_dtype}" if cpu.expert_down_dtype else ""
+    warnings.warn(f"the CPU-expert cache in {cache.root} holds native {cache.fmt} experts (down projections "
+                  f"{cache.down_fmt}) but --cpu-backend {cpu.backend} --cpu-expert-dtype {cpu.expert_dtype}{asked} "
+                  f"was asked for; converting from {cache.source} instead", stacklevel=3)
     return cpu, None
 
 

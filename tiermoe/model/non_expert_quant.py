@@ -54,18 +54,24 @@ KEPT_LINEARS = ("shared_expert_gate", "kv_b_proj")  # see the module's docstring
 # Projections an int4 model holds in int8 (module docstring): attention's keys and values, and MLA's latent key /
 # value projection
 INT8_IN_INT4 = ("k_proj", "v_proj", "kv_a_proj_with_mqa")
+# ... and in int6: attention's output projection
+INT6_IN_INT4 = ("o_proj",)
 
 
 def linear_format(name: str, fmt: str) -> str:
-    """The format --non-expert-dtype `fmt` packs the decoder linear `name` (qualified or its leaf) in: int8 for the
-    key / value projections of an int4 model (INT8_IN_INT4, module docstring), else `fmt`."""
-    return "int8" if fmt == "int4" and name.rpartition(".")[2] in INT8_IN_INT4 else fmt
+    """The format --non-expert-dtype `fmt` packs the decoder linear `name` (qualified or its leaf) in: for an int4
+    model, int8 for the key / value projections (INT8_IN_INT4) and int6 for attention's output (INT6_IN_INT4; module
+    docstring); else `fmt`."""
+    leaf = name.rpartition(".")[2]
+    if fmt == "int4" and leaf in INT8_IN_INT4:
+        return "int8"
+    return "int6" if fmt == "int4" and leaf in INT6_IN_INT4 else fmt
 
 
 def head_format(non_expert_dtype: str, head_dtype: str | None = None) -> str:
-    """The packed LM head's format: --head-dtype if given, else the non-expert linears', int8 for int4 (module
+    """The packed LM head's format: --head-dtype if given, else the non-expert linears', int6 for int4 (module
     docstring)."""
-    return head_dtype or ("int8" if non_expert_dtype == "int4" else non_expert_dtype)
+    return head_dtype or ("int6" if non_expert_dtype == "int4" else non_expert_dtype)
 
 
 def check_non_expert_dtype(cpu: CPUConfig, gpu_device: torch.device, trainable: bool) -> None:

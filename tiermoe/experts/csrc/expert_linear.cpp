@@ -187,9 +187,9 @@ int check(const TmLinearArgs& a, char* err, int errlen) {
   const TmMatrix* W = a.W;
   if (a.isa < 0 || a.isa > tm_cpu_isa())
     return fail(err, errlen, "kernel level %ld is not supported by this CPU", a.isa);
-  if (!W || !W->codes || W->fmt < TM_BF16 || W->fmt > TM_INT4)
+  if (!W || !W->codes || W->fmt < TM_BF16 || W->fmt > TM_INT6)
     return fail(err, errlen, "no packed matrix (format %ld)", W ? W->fmt : -1);
-  if (W->N <= 0 || W->N % 16 || W->K <= 0 || W->K % (W->fmt == TM_INT4 ? 64 : 32))
+  if (W->N <= 0 || W->N % 16 || W->K <= 0 || W->K % (W->fmt == TM_INT4 || W->fmt == TM_INT6 ? 64 : 32))
     return fail(err, errlen, "packed matrix of %ld rows is not padded as the kernels read it", W->N);
   if (a.seg_rows <= 0 || a.seg_rows % 16 || W->N % a.seg_rows || a.seg_len <= 0 || a.seg_len > a.seg_rows ||
       (long)a.seg_len * (W->N / a.seg_rows) != a.N)

@@ -76,9 +76,11 @@ void amx_any(int ma, int nb, const uint16_t* a, int lda, const uint16_t* const* 
 }
 
 // Dequantise one 16-row strip into bf16 pairs (the B-tile layout). int8 keeps integer values (exact in bf16;
-// the channel scale is applied to the outputs); int4 folds the row, group scale and zero in.
+// the channel scale is applied to the outputs); int4 and int6 fold the row, group scale and zero in (int6 by the
+// portable conversion: its decode steps are all in reading the matrix).
 void dequant_strip(const TmMatrix* W, int strip, uint16_t* dst) {
   const int K = W->K;
+  if (W->fmt == TM_INT6) return to_bf16_generic(W, strip, 0, K / 2, dst);
   if (W->fmt == TM_INT8) {
     const uint8_t* src = (const uint8_t*)W->codes + (size_t)K * 16 * strip;
     for (int p = 0; p < K / 2; ++p) {
@@ -117,7 +119,7 @@ const uint16_t* strip_bf16(const TmMatrix* W, int strip, uint16_t* scratch) {
   return scratch;
 }
 
-// The factor each output column still needs: the channel scale for int8 (int4 folded it in), 1 otherwise.
+// The factor each output column still needs: the channel scale for int8 (int4 / int6 folded it in), 1 otherwise.
 v16f column_scale(const TmMatrix* W, int strip) {
   return W->fmt == TM_INT8 ? ld_f32x16(W->scale + 16 * (size_t)strip) : splat(1.0f);
 }

@@ -91,6 +91,7 @@ void up_bf16(const TmMatrix* W, const TmGlu* glu, const TmRows* x, int j0, int j
              void* scratch) {
   if (W->fmt == TM_INT8) return up_q8<TM_INT8>(W, glu, x, j0, j1, hf, hb, ldh, scratch);
   if (W->fmt == TM_INT4) return up_q8<TM_INT4>(W, glu, x, j0, j1, hf, hb, ldh, scratch);
+  if (W->fmt == TM_INT6) return up_q8<TM_INT6>(W, glu, x, j0, j1, hf, hb, ldh, scratch);
   const int M = x->M;
   for (int j = j0; j < j1; ++j)
     for (int m0 = 0; m0 < M; m0 += kMaxRows) {
@@ -107,6 +108,7 @@ void down_bf16(const TmMatrix* W, const TmRows* h, int c0, int c1, const int32_t
                int ldy, void* scratch) {
   if (W->fmt == TM_INT8) return down_q8<TM_INT8>(W, h, c0, c1, out, w, y, ldy, scratch);
   if (W->fmt == TM_INT4) return down_q8<TM_INT4>(W, h, c0, c1, out, w, y, ldy, scratch);
+  if (W->fmt == TM_INT6) return down_q8<TM_INT6>(W, h, c0, c1, out, w, y, ldy, scratch);
   const int M = h->M;
   for (int c = c0; c < c1; c += 2)
     for (int m0 = 0; m0 < M; m0 += kMaxRows) {

@@ -33,7 +33,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 13;  // 2: tm_linear_forward / tm_linear_transposed;
+constexpr int kAbiVersion = 14;  // 2: tm_linear_forward / tm_linear_transposed;
                                 // 3: layer_ops.cpp, paged attention, rotary;
                                 // 4: decode attention per ISA (TmAttnArgs.isa);
                                 // 5: the gated delta rule's decode step (TmKernels.delta);
@@ -45,6 +45,7 @@ constexpr int kAbiVersion = 13;  // 2: tm_linear_forward / tm_linear_transposed;
                                 // 11: TmGlu's per-row addend (LoRA's gate_up update inside the up kernels)
                                 // 12: probes.cpp (tm_read_probe, tm_team_empty_job)
                                 // 13: TmDecodeLayerArgs.kv (k and v in a product of their own)
+                                // 14: the int6 format (TM_INT6), tm_quantize_int6
 
 bool request_amx_permission() {
 #ifdef __linux__
@@ -336,7 +337,9 @@ int forward(tmoe::Team& team, const TmLayerArgs& a, const TmLoraArgs* lora, char
                            : a.x_bf16 || a.gate_up[e].fmt == TM_BF16 ? vec
                                                                       : exact;
       const TmGlu glu = {a.act, a.alpha, a.limit, a.gate_up_bias ? a.gate_up_bias[e] : nullptr};
-      L.ex.push_back({e, m, start[e], k, glu, k->wants(a.gate_up[e].fmt, m), nullptr, nullptr, nullptr, nullptr});
+      // gate_up and down may be held in different formats (int4 with int6 downs): the copies both want
+      const int wants = k->wants(a.gate_up[e].fmt, m) | k->wants(a.down[e].fmt, m);
+      L.ex.push_back({e, m, start[e], k, glu, wants, nullptr, nullptr, nullptr, nullptr});
     }
   std::stable_sort(L.ex.begin(), L.ex.end(), [](const ExpertWork& x, const ExpertWork& y) { return x.m > y.m; });
 

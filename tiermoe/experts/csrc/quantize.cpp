@@ -1,5 +1,5 @@
-// int4 quantisation at load time, the same algorithm as tiermoe/experts/quant.py `_quantize_int4`, fused per
-// group of 32 so a matrix is read a handful of times from L1 instead of ~20 times from memory (that path takes
+// int4 / int6 quantisation at load time, the same algorithm as tiermoe/experts/quant.py `_quantize_grouped`, fused
+// per group of 32 so a matrix is read a handful of times from L1 instead of ~20 times from memory (that path takes
 // ~0.3 s per expert in torch; this one ~10 ms). Compiled for plain x86-64.
 #include <algorithm>
 #include <cstdint>
@@ -9,7 +9,7 @@ namespace {
 constexpr int kGroup = 32;
 
 // Round half to even (like torch.round) without a libm call: adding 1.5 * 2^23 leaves no fraction bits. Exact for
-// |v| < 2^22; anything larger is clamped to [0, 15] by every caller anyway.
+// |v| < 2^22; anything larger is clamped to [0, top] by every caller anyway.
 // (IEEE arithmetic: without -ffast-math the compiler may not fold (v + m) - m back to v.)
 inline float round_even(float v) {
   constexpr float m = 12582912.0f;
@@ -18,8 +18,8 @@ inline float round_even(float v) {
 
 inline float clampf(float v, float lo, float hi) { return std::min(std::max(v, lo), hi); }
 
-// Best (scale, zero) of one group of 32 weights: min/max start, then `refits` least-squares refits.
-void fit_group(const float* w, int refits, float* s_out, float* z_out) {
+// Best (scale, zero) of one group of 32 weights with codes 0..top: min/max start, then `refits` least-squares refits.
+void fit_group(const float* w, int refits, float top, float* s_out, float* z_out) {
   float lo = w[0], hi = w[0], sw = 0, sww = 0;
   for (int i = 0; i < kGroup; ++i) {
     lo = std::min(lo, w[i]);
@@ -27,13 +27,13 @@ void fit_group(const float* w, int refits, float* s_out, float* z_out) {
     sw += w[i];
     sww += w[i] * w[i];
   }
-  float s = std::max((hi - lo) / 15.0f, 1e-30f);
-  float z = clampf(round_even(-lo / s), 0, 15);
+  float s = std::max((hi - lo) / top, 1e-30f);
+  float z = clampf(round_even(-lo / s), 0, top);
   float best_err = 0, best_s = s, best_z = z;
   for (int step = 0; step <= refits; ++step) {
     float sq = 0, sqq = 0, sqw = 0;
     for (int i = 0; i < kGroup; ++i) {
-      float q = clampf(round_even(w[i] / s + z), 0, 15);
+      float q = clampf(round_even(w[i] / s + z), 0, top);
       sq += q;
       sqq += q * q;
       sqw += q * w[i];
@@ -48,20 +48,16 @@ void fit_group(const float* w, int refits, float* s_out, float* z_out) {
     float var = sqq - sq * sq / kGroup;
     if (var > 0) s = (sqw - sq * sw / kGroup) / std::max(var, 1e-12f);
     s = std::max(s, 1e-30f);
-    z = clampf(round_even(-(sw - s * sq) / (kGroup * s)), 0, 15);
+    z = clampf(round_even(-(sw - s * sq) / (kGroup * s)), 0, top);
   }
   *s_out = best_s;
   *z_out = best_z;
 }
 
-}  // namespace
-
-extern "C" {
-
-// w [n][k] fp32 -> codes [n][kp/2], row_scale [n], gscale [n][kp/32], gzero [n][kp/64] (kp = k rounded up to 64).
-// Returns 1 (and writes nothing) when k is above 262144.
-int tm_quantize_int4(const float* w, int n, int k, int refits, uint8_t* codes, float* row_scale, uint8_t* gscale,
-                     uint8_t* gzero) {
+// Quantise W [n][k] in groups of 32 with codes 0..top; `store` receives each row's group g: its 32 codes and zero.
+template <class Store>
+int quantize_grouped(const float* w, int n, int k, int refits, float top, float* row_scale, uint8_t* gscale,
+                     Store store) {
   const int kp = (k + 63) / 64 * 64, G = kp / kGroup;
   float buf[kGroup];
   float s[8192], z[8192];
@@ -71,7 +67,7 @@ int tm_quantize_int4(const float* w, int n, int k, int refits, uint8_t* codes, f
     float smax = 0;
     for (int g = 0; g < G; ++g) {
       for (int i = 0; i < kGroup; ++i) buf[i] = g * kGroup + i < k ? row[g * kGroup + i] : 0.0f;
-      fit_group(buf, refits, &s[g], &z[g]);
+      fit_group(buf, refits, top, &s[g], &z[g]);
       smax = std::max(smax, s[g]);
     }
     const float rs = std::max(smax / 255.0f, 1e-30f);
@@ -83,14 +79,44 @@ int tm_quantize_int4(const float* w, int n, int k, int refits, uint8_t* codes, f
       uint8_t q[kGroup];
       for (int i = 0; i < kGroup; ++i) {
         const float v = g * kGroup + i < k ? row[g * kGroup + i] : 0.0f;
-        q[i] = (uint8_t)clampf(round_even(v / step + z[g]), 0, 15);
+        q[i] = (uint8_t)clampf(round_even(v / step + z[g]), 0, top);
       }
-      for (int i = 0; i < kGroup / 2; ++i) codes[(size_t)r * (kp / 2) + g * (kGroup / 2) + i] = q[2 * i] | (q[2 * i + 1] << 4);
-      uint8_t& zb = gzero[(size_t)r * (G / 2) + g / 2];
-      zb = (g & 1) ? (uint8_t)(zb | ((uint8_t)z[g] << 4)) : (uint8_t)z[g];
+      store(r, g, q, (uint8_t)z[g]);
     }
   }
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// w [n][k] fp32 -> codes [n][kp/2], row_scale [n], gscale [n][kp/32], gzero [n][kp/64] (kp = k rounded up to 64).
+// Returns 1 (and writes nothing) when k is above 262144.
+int tm_quantize_int4(const float* w, int n, int k, int refits, uint8_t* codes, float* row_scale, uint8_t* gscale,
+                     uint8_t* gzero) {
+  const int kp = (k + 63) / 64 * 64, G = kp / kGroup;
+  return quantize_grouped(w, n, k, refits, 15.0f, row_scale, gscale, [&](int r, int g, const uint8_t* q, uint8_t z) {
+    for (int i = 0; i < kGroup / 2; ++i) codes[(size_t)r * (kp / 2) + g * (kGroup / 2) + i] = q[2 * i] | (q[2 * i + 1] << 4);
+    uint8_t& zb = gzero[(size_t)r * (G / 2) + g / 2];
+    zb = (g & 1) ? (uint8_t)(zb | (z << 4)) : z;
+  });
+}
+
+// w [n][k] fp32 -> codes [n][3 kp / 4] (per row: kp / 2 bytes of low nibbles, two codes a byte, low nibble k even;
+// then kp / 4 bytes of high 2-bit pairs, four codes a byte, k % 4 in bits 2 (k % 4), 2 (k % 4) + 1), row_scale [n],
+// gscale [n][kp/32], gzero [n][kp/32] (0..63). Returns 1 (and writes nothing) when k is above 262144.
+int tm_quantize_int6(const float* w, int n, int k, int refits, uint8_t* codes, float* row_scale, uint8_t* gscale,
+                     uint8_t* gzero) {
+  const int kp = (k + 63) / 64 * 64, G = kp / kGroup;
+  return quantize_grouped(w, n, k, refits, 63.0f, row_scale, gscale, [&](int r, int g, const uint8_t* q, uint8_t z) {
+    uint8_t* lo = codes + (size_t)r * (3 * kp / 4) + g * (kGroup / 2);
+    uint8_t* hi = codes + (size_t)r * (3 * kp / 4) + kp / 2 + g * (kGroup / 4);
+    for (int i = 0; i < kGroup / 2; ++i) lo[i] = (q[2 * i] & 15) | ((q[2 * i + 1] & 15) << 4);
+    for (int i = 0; i < kGroup / 4; ++i)
+      hi[i] = (q[4 * i] >> 4) | ((q[4 * i + 1] >> 4) << 2) | ((q[4 * i + 2] >> 4) << 4) | ((q[4 * i + 3] >> 4) << 6);
+    gzero[(size_t)r * G + g] = z;
+  });
 }
 
 }  // extern "C"

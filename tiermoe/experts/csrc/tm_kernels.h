@@ -11,7 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-enum TmFormat { TM_BF16 = 0, TM_INT8 = 1, TM_INT4 = 2 };
+enum TmFormat { TM_BF16 = 0, TM_INT8 = 1, TM_INT4 = 2, TM_INT6 = 3 };
 enum TmIsa { TM_ISA_BASE = 0, TM_ISA_AVX2 = 1, TM_ISA_AVX512 = 2, TM_ISA_AVX512BF16 = 3, TM_ISA_AMX = 4 };
 enum { TM_ROWS_F32 = 1, TM_ROWS_BF16 = 2 };
 
@@ -21,6 +21,11 @@ enum { TM_ROWS_F32 = 1, TM_ROWS_BF16 = 2 };
 //   int4: uint8 codes  [N/16][K/2][16] (low nibble k even, high nibble k odd),
 //         gscale uint8 [N/16][K/32][16], gzero uint8 [N/16][K/64][16] (low nibble group 2j, high 2j+1),
 //         w = scale[n] * gscale * (code - zero)
+//   int6: per strip, groups of 32 k of 384 bytes: the group's 16 lines of low nibbles as int4 (256 bytes), then
+//         its high 2 bits in two 64-byte blocks, block h for the group's lines 8h .. 8h + 7: byte 4r + i holds
+//         row r's line 8h + i (low nibble) and line 8h + 4 + i (high nibble), each nibble k even in bits 0-1 and
+//         k odd in bits 2-3 (what lets the VNNI kernel OR them into a load of 4 lines after its transpose);
+//         gscale uint8 [N/16][K/32][16], gzero uint8 [N/16][K/32][16] (0..63), w = scale[n] * gscale * (code - zero)
 struct TmMatrix {
   const void* codes;
   const float* scale;
@@ -31,7 +36,7 @@ struct TmMatrix {
 
 // The bytes of a matrix's codes (its scales add a few percent): what a product with it reads.
 inline size_t tm_matrix_bytes(const TmMatrix& W) {
-  return (size_t)W.N * W.K * (W.fmt == TM_BF16 ? 16 : W.fmt == TM_INT8 ? 8 : 4) / 8;
+  return (size_t)W.N * W.K * (W.fmt == TM_BF16 ? 16 : W.fmt == TM_INT8 ? 8 : W.fmt == TM_INT6 ? 6 : 4) / 8;
 }
 
 // A product's work for a team's solo test (team.h), in bytes read: the matrix once, and each further row of
@@ -127,13 +132,13 @@ struct TmKernels {
                int ldy, void* scratch);
   // Called by each thread when a layer is done (AMX releases its tile state).
   void (*finish)(void);
-  // The transposed product, for k pairs p in [p0, p1) (multiples of 16: whole int4 groups):
+  // The transposed product, for k pairs p in [p0, p1) (multiples of 16: whole int4 / int6 groups):
   //   out[m][2(p - p0) + e] = sum over packed rows r of g[m][r] * V[r][2p + e],
-  // where V is W without its row scales (bf16: w; int8: the codes; int4: gscale * (code - zero)), so g holds M
+  // where V is W without its row scales (bf16: w; int8: the codes; int4 / int6: gscale * (code - zero)), so g holds M
   // rows in W's packed row order with the row scales already multiplied in, zeros on padding rows, in the copies
   // `wants` asks for (the bf16 copy only for bf16 weights, which have no row scales).
   void (*transposed)(const TmMatrix* W, const TmRows* g, int p0, int p1, float* out, int ldo);
-  // Lines (k pairs) [p0, p1) of strip `strip` of an int8 / int4 W as bf16 lines (the bf16 packed layout), every
+  // Lines (k pairs) [p0, p1) of strip `strip` of an int8 / int4 / int6 W as bf16 lines (the bf16 packed layout), every
   // scale folded in and rounded as dequantising to fp32 and casting to bf16 would: what lets the bf16 kernels
   // multiply quantised weights (training's products with bf16 activations).
   void (*to_bf16)(const TmMatrix* W, int strip, int p0, int p1, uint16_t* dst);
