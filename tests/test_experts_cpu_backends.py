@@ -361,3 +361,45 @@ def test_generate_runs_on_a_quantised_cpu_tier_and_bad_cpu_flags_are_one_line_er
                            (["--cpu-backend", "gpu"], "invalid choice")]:
         bad = run_cli("generate", "--model", str(path), "--prompt", "hi", *args)
         assert bad.returncode == 2 and "Traceback" not in bad.stderr and fragment in bad.stderr, bad.stderr
+
+
+@pytest.mark.skipif(BEST is None, reason="the kernel library is unavailable")
+@pytest.mark.parametrize("isa", [isa for isa in ISAS if isa != "torch"])
+def test_an_int4_tier_with_int6_down_projections_computes_what_it_holds(isa, worker):
+    """gate_up in int4 and down in int6 (an int4 model's default, CPUConfig.down_format): each matrix is computed in
+    its own format, exact in fp32 on the vector levels, and held in the bytes of each."""
+    d, i = 96, 48  # K padded for int4 / int6 (64), I padded in gate_up's rows and down's columns alike
+    tier = NativeCPUExperts(worker, SILU, "int4", torch.float32, threads=2, isa=isa, down_fmt="int6")
+    experts = random_experts(d, i, 4)
+    for x, w in experts.items():
+        tier.add(x, w)
+    held = {x: tier.get(x) for x in experts}
+    stored = tier._experts[0]
+    assert (stored.gate_up.fmt, stored.down.fmt) == ("int4", "int6")
+    assert tier.path == f"kernels/{isa}"
+    all_int4 = NativeCPUExperts(worker, SILU, "int4", torch.float32, threads=1, isa=isa)
+    all_int4.add(0, experts[0])
+    # int6 downs: a quarter of the error of int4's
+    down_err = [rel_err(t.get(0).down, experts[0].down) for t in (tier, all_int4)]
+    assert down_err[0] < 0.35 * down_err[1], down_err
+    g = torch.Generator().manual_seed(3)
+    for t in (1, 5):
+        x = torch.randn(t, d, generator=g)
+        ids = torch.rand(t, 4, generator=g).topk(2, dim=1).indices
+        w = torch.softmax(torch.randn(t, 2, generator=g), dim=1)
+        tol = 1e-2 if isa == "amx" and t >= tier.amx_min_rows else 1e-5
+        assert rel_err(run(tier, x, ids, w), routed_experts_forward(held, x, ids, w, SILU)) < tol, t
+
+
+def test_an_expert_down_format_is_refused_where_it_cannot_be_held(worker):
+    with pytest.raises(ValueError, match="cannot sit beside gate_up in bf16"):
+        NativeCPUExperts(worker, SILU, "bf16", torch.float32, threads=1, down_fmt="int6")
+    assert CPUConfig(expert_dtype="int4").down_format == "int6" and CPUConfig(expert_dtype="int8").down_format == "int8"
+    assert CPUConfig(expert_dtype="int4", expert_down_dtype="int4").down_format == "int4"
+    assert CPUConfig().down_format is None
+    with pytest.raises(TiermoeError, match="needs the native backend and --cpu-expert-dtype int4 or int6"):
+        CPUConfig(expert_dtype="int8", expert_down_dtype="int6")
+    with pytest.raises(TiermoeError, match="needs the native backend"):
+        CPUConfig(backend="kt", expert_dtype="int4", expert_down_dtype="int4")
+    with pytest.raises(TiermoeError, match="cpu expert down dtype 'int5' is unknown"):
+        CPUConfig(expert_dtype="int4", expert_down_dtype="int5")

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import run_cli
 
+from tiermoe.checkpoint.expert_cache import MANIFEST
 from tiermoe.config import CPUConfig
 from tiermoe.fit import fit_report, model_bytes
 from tiermoe.model.loader import load_hybrid_model
@@ -137,14 +138,18 @@ def _tiny_aligned(tmp_path, name="src"):
         hidden_size=128, moe_intermediate_size=64, head_dim=32))
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
-def test_converted_cache_loads_to_the_same_logits_as_converting_at_load(tmp_path, fmt):
+@pytest.mark.parametrize("fmt,down", [("int4", None), ("int4", "int4"), ("int8", None), ("bf16", None)])
+def test_converted_cache_loads_to_the_same_logits_as_converting_at_load(tmp_path, fmt, down):
     src = _tiny_aligned(tmp_path)
-    r = run_cli("convert", "--model", str(src), "--cpu-expert-dtype", fmt, "--out", str(tmp_path / "c"))
+    r = run_cli("convert", "--model", str(src), "--cpu-expert-dtype", fmt, "--out", str(tmp_path / "c"),
+                *(["--cpu-expert-down-dtype", down] if down else []))
     assert r.returncode == 0, r.stderr
     cache = tmp_path / "c"
+    manifest = json.loads((cache / MANIFEST).read_text())
+    assert manifest["down_format"] == (down or {"int4": "int6"}.get(fmt, fmt))  # int4's downs int6 unless asked
     ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(0))
-    with load_hybrid_model(src, None, progress=False, cpu=CPUConfig(expert_dtype=fmt)) as direct:
+    with load_hybrid_model(src, None, progress=False,
+                           cpu=CPUConfig(expert_dtype=fmt, expert_down_dtype=down)) as direct:
         want = direct(input_ids=ids).logits
         want_bytes = direct.tier_bytes()
     with load_hybrid_model(cache, None, progress=False) as cached:
