@@ -1,15 +1,14 @@
 """Which 4-bit mix would be as good as llama.cpp's Q4_K_M: per-projection format mixes simulated on the demo model.
 
-bench_non_expert_quant.py scores the mixes tiermoe packs: its flags take one format for the routed experts and one
-for the decoder's linears (int4 keeps k / v and the head int8). This one asks, before anyone builds a format or a
-flag, what a mix would give: every weight of the model is rounded through a format and back, per projection (q, k,
+bench_non_expert_quant.py scores the mixes tiermoe packs (int4 keeps k / v int8, o, the head and the experts' downs
+int6). This one asks, before anyone builds a format or a flag, what a mix would give (it is how int6 was chosen): every weight of the model is rounded through a format and back, per projection (q, k,
 v, o; the experts' gate / up and down, per layer; the LM head), and the model runs on the rounded weights, held in
 its own dtype (bf16: one more rounding of each, 2^-9 of it, small beside a 4- or 8-bit code's), the head's product
-in fp32. The formats: tiermoe's packed bf16 / int8 / int4 (`quantize` then `dequantize`: the stored codes exactly),
-and `q6`, a 6-bit form like llama.cpp's Q6_K (symmetric 6-bit codes in groups of 16 columns, each group's scale 8
-bits of its row's largest), which tiermoe has no kernel for. What the simulation leaves out: the int8 rounding of
-activations in the packed int4 / int8 products; the first two mixes are packable, and bench_non_expert_quant.py's
-packed rows of them (KL 0.00111, 0.00079) differ from the simulation by about 0.00001-0.00006 nats.
+in fp32. The formats: tiermoe's packed bf16 / int8 / int4 / int6 (`quantize` then `dequantize`: the stored codes
+exactly), and `q6`, a 6-bit form like llama.cpp's Q6_K (symmetric 6-bit codes in groups of 16 columns, each group's
+scale 8 bits of its row's largest). What the simulation leaves out: the int8 rounding of activations in the packed
+products; the mixes marked packable are what bench_non_expert_quant.py loads, and its packed rows of them differ from
+the simulation by about 0.00001-0.00006 nats.
 
 Each mix: the KL from the unquantised model's next-token distribution and the top-token agreement on the held-out
 GSM8K prompts bench_non_expert_quant.py scores, and the weight bytes one decode token reads at the mix's formats
@@ -52,9 +51,11 @@ Q6_GROUP = 16  # columns per 6-bit group, as Q6_K's
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # (label, {q_proj, k_proj, v_proj, o_proj: format}, experts' gate / up, down, head). down "more-bits:A/B": A in the
 # layers where llama.cpp's Q4_K_M gives a down projection more bits (more_bits_layers), B elsewhere.
+# "4-bit default" is the mix int4 packed before int6 was built (o int4, the head int8, the experts' downs int4)
 DEFAULT_4BIT = {"q_proj": "int4", "k_proj": "int8", "v_proj": "int8", "o_proj": "int4"}
 INT8 = dict.fromkeys(PROJECTIONS, "int8")
 O_Q6 = dict(DEFAULT_4BIT, o_proj="q6")
+O_INT6 = dict(DEFAULT_4BIT, o_proj="int6")
 MIXES = (
     ("4-bit default (packable)", DEFAULT_4BIT, "int4", "int4", "int8"),
     ("int8 decoder linears, int4 experts (packable)", INT8, "int4", "int4", "int8"),
@@ -67,6 +68,7 @@ MIXES = (
     ("4-bit default, o, down and head 6-bit", O_Q6, "int4", "q6", "q6"),
     ("4-bit default, o and head 6-bit, down 6-bit where Q4_K_M has more bits", O_Q6, "int4", "more-bits:q6/int4",
      "q6"),
+    ("o, down and head int6 (packable: the 4-bit model now)", O_INT6, "int4", "int6", "int6"),
 )
 
 

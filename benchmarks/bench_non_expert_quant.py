@@ -5,8 +5,9 @@ checkpoint's dtype) once per configuration: non-expert linears as loaded (torch'
 bf16 / int8 / int4 (tiermoe.model.non_expert_quant), with the experts bf16 (bf16 also with an int4 LM head alone), the
 "8-bit model" (int8 non-experts and experts, what a llama.cpp Q8_0 file is) and
 the "4-bit model": int4 non-experts with int4 experts (--cpu-expert-dtype int4), what a llama.cpp Q4_K_M file is, with
-its key / value projections and LM head int8 (the default, as Q4_K_M keeps more bits there), its head int4 too
-(--head-dtype int4), and every non-expert linear int8. For each: the
+its key / value projections int8, attention's output, the LM head and the experts' down projections int6 (the
+default, as Q4_K_M keeps more bits there), with its downs int4 too (--cpu-expert-down-dtype int4), its head int4 too
+(--head-dtype int4), every non-expert linear int8, and int6 throughout. For each: the
 held-out loss (nats) of the same GSM8K prompts bench_format_loss.py scores (the demo model never saw them), its change
 against the unquantised model, the KL divergence from the unquantised model's next-token distribution and how often
 their top tokens agree (the loss of a small model moves by chance either way under a few per mille of weight error;
@@ -57,20 +58,22 @@ from tiermoe import LLM  # noqa: E402
 from tiermoe.arch import detect, load_config  # noqa: E402
 from tiermoe.bundled import resolve_model  # noqa: E402
 from tiermoe.config import CPUConfig  # noqa: E402
-from tiermoe.model.non_expert_quant import INT8_IN_INT4, head_format, linear_format  # noqa: E402
+from tiermoe.model.non_expert_quant import INT6_IN_INT4, INT8_IN_INT4, head_format, linear_format  # noqa: E402
 from tiermoe.placement.plan import PlacementPlan  # noqa: E402
 
-# (label, --non-expert-dtype, --cpu-expert-dtype, --head-dtype); the first is the baseline
+# (label, --non-expert-dtype, --cpu-expert-dtype, --head-dtype, --cpu-expert-down-dtype); the first is the baseline
 CONFIGS = (
-    ("as loaded", "none", None, None),  # torch's linears (a bf16 model's default packs them in bf16)
-    ("bf16", "bf16", None, None),
-    ("bf16, head int4", "bf16", None, "int4"),  # what the int4 head alone changes
-    ("int8", "int8", None, None),
-    ("int8, experts int8", "int8", "int8", None),  # the 8-bit model: what a llama.cpp Q8_0 file is
-    ("int4", "int4", None, None),  # k / v and the head int8 (non_expert_quant.linear_format, head_format)
-    ("int4, experts int4", "int4", "int4", None),  # the 4-bit model
-    ("int4, experts int4, head int4", "int4", "int4", "int4"),  # what the int8 head buys
-    ("int8, experts int4", "int8", "int4", None),  # 4-bit experts, 8-bit the rest: q and o in int8 too
+    ("as loaded", "none", None, None, None),  # torch's linears (a bf16 model's default packs them in bf16)
+    ("bf16", "bf16", None, None, None),
+    ("bf16, head int4", "bf16", None, "int4", None),  # what the int4 head alone changes
+    ("int8", "int8", None, None, None),
+    ("int8, experts int8", "int8", "int8", None, None),  # the 8-bit model: what a llama.cpp Q8_0 file is
+    ("int4", "int4", None, None, None),  # k / v int8, o and the head int6 (non_expert_quant.linear_format, head_format)
+    ("int4, experts int4", "int4", "int4", None, None),  # the 4-bit model: the experts' downs int6
+    ("int4, experts int4 throughout", "int4", "int4", None, "int4"),  # what the int6 downs buy
+    ("int4, experts int4, head int4", "int4", "int4", "int4", None),  # what the int6 head buys
+    ("int8, experts int4 throughout", "int8", "int4", None, "int4"),  # 4-bit experts, 8-bit the rest
+    ("int6, experts int6", "int6", "int6", None, None),  # 6.5 bits throughout
 )
 
 
@@ -78,8 +81,19 @@ def linears_label(ne: str) -> str | None:
     """The decoder linears' format(s) --non-expert-dtype `ne` packs (None: as loaded)."""
     if ne == "none":
         return None
-    other = [leaf for leaf in INT8_IN_INT4 if linear_format(leaf, ne) != ne]
-    return f"{ne}, {' / '.join(other)} {linear_format(other[0], ne)}" if other else ne
+    other = {}
+    for leaf in (*INT8_IN_INT4, *INT6_IN_INT4):
+        if linear_format(leaf, ne) != ne:
+            other.setdefault(linear_format(leaf, ne), []).append(leaf)
+    return ", ".join([ne, *(f"{' / '.join(leaves)} {fmt}" for fmt, leaves in other.items())])
+
+
+def experts_label(ex: str | None, down: str | None) -> str:
+    """The routed experts' format(s) (--cpu-expert-dtype, --cpu-expert-down-dtype)."""
+    if ex is None:
+        return "as loaded"
+    down = CPUConfig(expert_dtype=ex, expert_down_dtype=down).down_format
+    return ex if down == ex else f"{ex}, down {down}"
 
 
 def head_label(ne: str, head: str | None) -> str | None:
@@ -206,8 +220,8 @@ def main() -> None:
     all_cpu = PlacementPlan.all_cpu(spec.num_layers, spec.num_experts)
     llms = {label: LLM(model_dir, placement=all_cpu, progress=False,
                        cpu=CPUConfig(non_expert_dtype=ne, expert_dtype=ex, head_dtype=head,
-                                     threads=args.cpu_threads))
-            for label, ne, ex, head in CONFIGS}
+                                     expert_down_dtype=down, threads=args.cpu_threads))
+            for label, ne, ex, head, down in CONFIGS}
     try:
         losses = {label: held_out_loss(llm, rows) for label, llm in llms.items()}
         reference = list(log_probs(llms[CONFIGS[0][0]], rows))
@@ -231,12 +245,12 @@ def main() -> None:
           f"(nats/token) | top token as loaded's | non-expert MiB | weights read per token, MiB | decode tok/s "
           f"(batch {args.batch}) | vs as loaded |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for label, ne, ex, head in CONFIGS:
+    for label, ne, ex, head, down in CONFIGS:
         held, read = sizes[label]
         kl, agree = divergences[label]
         loaded = f"as loaded ({str(spec.dtype).removeprefix('torch.')})"
         tok_s = f"{speed[label]:.1f} | {speed[label] / speed[base]:.2f}x" if speed else "- | -"
-        print(f"| {linears_label(ne) or loaded} | {head_label(ne, head) or loaded} | {ex or 'as loaded'} | "
+        print(f"| {linears_label(ne) or loaded} | {head_label(ne, head) or loaded} | {experts_label(ex, down)} | "
               f"{losses[label]:.4f} | "
               f"{losses[label] - losses[base]:+.4f} | {kl:.5f} | {agree:.1%} | {held / 2**20:.2f} | "
               f"{read / 2**20:.2f} | {tok_s} |")

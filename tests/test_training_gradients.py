@@ -1,6 +1,6 @@
 """Fine-tuning is exact: the hybrid model's loss and every LoRA gradient equal those of the unmodified transformers
 model with the same PEFT LoRA, whatever the placement (fp32, with the torch CPU tier an fp32 checkpoint gets; the
-native kernels' bf16 / int8 / int4 CPU tier at its own tolerance: tests/test_training_native_gradients.py).
+native kernels' bf16 / int8 / int4 / int6 CPU tier at its own tolerance: tests/test_training_native_gradients.py).
 
 How exact: each gradient within 1e-6 of the true one per tensor (||g - g_true|| / ||g_true||, the truth being PEFT's
 model computed in float64), or, where fp32 cannot get that close, no further than 1.5x PEFT's own fp32 gradients

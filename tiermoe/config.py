@@ -132,7 +132,7 @@ class CPUConfig:
     # (tiermoe.model.cpu_only).
     non_expert_dtype: str | None = None
     # --head-dtype: the format of the packed LM head, where the non-expert linears are packed; None follows
-    # --non-expert-dtype, int8 under int4 (tiermoe.model.non_expert_quant.head_format).
+    # --non-expert-dtype, int6 under int4 (tiermoe.model.non_expert_quant.head_format).
     head_dtype: str | None = None
     # --cpu-expert-down-dtype: the format of the routed experts' down projections on the native CPU tier; None
     # follows --cpu-expert-dtype, int6 under int4 (DOWN_FORMAT_UNDER, `down_format`).

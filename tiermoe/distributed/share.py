@@ -8,7 +8,7 @@ see this object through the loader's RankShare protocol; the leader (rank 0) and
 Rank 0 reads each CPU expert straight into its slot of a SharedExpertStore and hands the slot's tensors to the CPU
 tier. A backend that computes from the tensors it is given (the torch backend, and the native one for experts it
 keeps in the checkpoint's layout) then holds the expert in shared memory, where the ranks of the host can map it.
-A backend that converts experts into its own format on `add` (the native backend's packed bf16 / int8 / int4)
+A backend that converts experts into its own format on `add` (the native backend's packed bf16 / int8 / int4 / int6)
 holds its own copy: the slot is released at once, so the host still holds one copy, in rank 0's memory, and
 swaps pass experts through the slots (`kept(layer)` says which case a layer is in).
 """

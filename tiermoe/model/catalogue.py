@@ -52,7 +52,7 @@ def parts_of(spec: ArchSpec, found: Discovery) -> Parts:
     else:
         block = f"the model's own {found.block_class} (its experts module on the two tiers)"
     if spec.activation in CPU_KERNEL_ACTIVATIONS:
-        cpu = "native kernels (bf16 / int8 / int4)"
+        cpu = "native kernels (bf16 / int8 / int4 / int6)"
     else:
         cpu = f"torch, exactly ({found.experts.act_name}: no native kernel yet)"
     experts = f"GPU tier: grouped GEMMs; CPU tier: {cpu}"
