@@ -58,7 +58,8 @@ from tiermoe import LLM  # noqa: E402
 from tiermoe.arch import detect, load_config  # noqa: E402
 from tiermoe.bundled import resolve_model  # noqa: E402
 from tiermoe.config import CPUConfig  # noqa: E402
-from tiermoe.model.non_expert_quant import INT6_IN_INT4, INT8_IN_INT4, head_format, linear_format  # noqa: E402
+from tiermoe.model import non_expert_quant  # noqa: E402
+from tiermoe.model.non_expert_quant import INT8_IN_INT4, head_format, linear_format  # noqa: E402
 from tiermoe.placement.plan import PlacementPlan  # noqa: E402
 
 # (label, --non-expert-dtype, --cpu-expert-dtype, --head-dtype, --cpu-expert-down-dtype); the first is the baseline
@@ -82,7 +83,8 @@ def linears_label(ne: str) -> str | None:
     if ne == "none":
         return None
     other = {}
-    for leaf in (*INT8_IN_INT4, *INT6_IN_INT4):
+    # getattr: bench_e2e_cpu.py --compare-commit runs this file against older trees, which had no int6
+    for leaf in (*INT8_IN_INT4, *getattr(non_expert_quant, "INT6_IN_INT4", ())):
         if linear_format(leaf, ne) != ne:
             other.setdefault(linear_format(leaf, ne), []).append(leaf)
     return ", ".join([ne, *(f"{' / '.join(leaves)} {fmt}" for fmt, leaves in other.items())])

@@ -17,20 +17,20 @@ as llama.cpp's Q4_K_M does (`linear_format`, matched on the projection's leaf na
     2 x 512 x 2048 per layer against 4096 x 2048 for q and for o: +46 MB, about 3 % of what a 4-bit token reads).
     On the bundled model they bring the 4-bit model's KL from the unquantised model from 0.00195 to 0.00111 nats
     per token (int8 head) for 3.5 % more bytes read (benchmarks/bench_non_expert_quant.py);
-  - everything else keeps the format asked: q and o in int8 too cost the bundled model as much again for less
-    (KL 0.00093 with o, 0.00102 with q, each +0.11 MiB on 3.36); fused projections (Qwen3-Next's `in_proj_qkvz`,
-    a `qkv_proj`) hold queries with the keys and values and stay int4, as do dense MLPs and shared experts (none
-    in the bundled model to measure): a name the rule does not know costs no more bytes than asked.
-The LM head takes the format of the rest, but int8 where the rest is int4 (`head_format`), unless --head-dtype
+  - attention's output (`o_proj`) in int6, as Q4_K_M keeps attn_output at Q5_K on this kind of model;
+  - everything else keeps the format asked: fused projections (Qwen3-Next's `in_proj_qkvz`, a `qkv_proj`) hold
+    queries with the keys and values and stay int4, as do q, dense MLPs and shared experts (none in the bundled
+    model to measure): a name the rule does not know costs no more bytes than asked.
+The LM head takes the format of the rest, but int6 where the rest is int4 (`head_format`), unless --head-dtype
 says otherwise (CPUConfig.head_dtype). It is the largest matrix a decode token reads on a Qwen3-30B-A3B-class
-model (151,936 x 2048), so its format decides much of a 4-bit model's step: int4 reads 166 MB of it, int8 311 MB,
-llama.cpp's Q4_K_M keeps it at Q6_K (255 MB) because logits are the one place where weight error is not averaged
-away by later layers. On the bundled model an int4 head triples the 4-bit model's KL (0.0035 nats per token
-against 0.0011, the top token the unquantised model's at 92.6 % of positions against 97.0 %) and a bf16 head gains
-nothing over int8 (0.0011): int8 is the least of the formats that keeps the logits, at about 8 % more bytes read
-per Qwen3-30B-A3B token than int4. `--head-dtype int4` is the faster choice; its held-out loss stays within
-Q4_K_M's change + 0.01 nats (BENCHMARKS.md, "An int4 LM head"). A head tied to the embeddings gets a packed copy
-of its own; the embeddings keep the loaded table (one row is read per token).
+model (151,936 x 2048), so its format decides much of a 4-bit model's step: int4 reads 166 MB of it, int6 253 MB,
+int8 311 MB, and llama.cpp's Q4_K_M keeps it at Q6_K (255 MB) because logits are the one place where weight error is
+not averaged away by later layers. On the bundled model an int4 head triples the 4-bit model's KL. With the
+experts' down projections int6 too (tiermoe.config.DOWN_FORMAT_UNDER) the 4-bit model's KL is 0.00071 nats per
+token at 3.34 MiB read per token, against Q4_K_M's 0.00083 at 3.35 (int4 o, int8 head and int4 downs: 0.00111 at
+3.36; BENCHMARKS.md, "int6 where 4 bits cost most"). `--head-dtype int4` is the faster, coarser choice, int8 the
+finer one at 23 % more head bytes. A head tied to the embeddings gets a packed copy of its own; the embeddings keep
+the loaded table (one row is read per token).
 """
 
 from __future__ import annotations
