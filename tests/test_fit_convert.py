@@ -224,3 +224,22 @@ def test_a_cache_written_for_the_kernels_loads_on_a_machine_without_them(tmp_pat
         want = direct(input_ids=ids).logits
     with load_hybrid_model(cache, None, progress=False) as cached:
         assert torch.equal(cached(input_ids=ids).logits, want)
+
+
+def test_a_version_1_cache_is_read_unless_its_int4_codes_are_in_the_old_order(tmp_path):
+    from tiermoe.checkpoint.expert_cache import MANIFEST, find_cache
+    from tiermoe.convert import convert_cpu_experts
+    from tiermoe.errors import TiermoeError
+
+    src = _tiny_aligned(tmp_path)
+    for fmt in ("int8", "int4"):
+        cache = convert_cpu_experts(src, fmt, tmp_path / fmt, progress=False, down_fmt=fmt)
+        manifest = json.loads((cache / MANIFEST).read_text())
+        manifest["version"] = 1  # as written before int4's chunks were interleaved by row
+        del manifest["down_format"]
+        (cache / MANIFEST).write_text(json.dumps(manifest))
+        if fmt == "int8":
+            assert find_cache(cache).down_fmt == "int8"
+        else:
+            with pytest.raises(TiermoeError, match="layout of cache version 1.*run `tiermoe convert` again"):
+                find_cache(cache)

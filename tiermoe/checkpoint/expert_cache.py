@@ -31,7 +31,9 @@ from tiermoe.errors import TiermoeError
 from tiermoe.experts.quant import QMatrix
 
 MANIFEST = "tiermoe-cpu-experts.json"
-VERSION = 1
+# 2: int4's blocked codes in chunks of 4 lines interleaved by row (csrc/tm_kernels.h), int6, a down format of its own;
+# a version-1 cache is read unless it holds blocked int4 codes (their order changed)
+VERSION = 2
 SOURCE_DIR = "source"  # the cache's own copy of the source's weights, as the manifest names it (relative)
 _FIELDS = ("codes", "scale", "gscale", "gzero")
 _DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
@@ -175,10 +177,14 @@ def find_cache(model_dir: str | Path) -> ExpertCache | None:
         raise TiermoeError(f"{path} is not valid JSON ({err}); run `tiermoe convert` again") from None
     if not isinstance(manifest, dict):
         raise TiermoeError(f"{path} is not a JSON object; run `tiermoe convert` again")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in (1, VERSION):
         raise TiermoeError(f"{path} is a cache of version {manifest.get('version')}, this tiermoe reads {VERSION}; "
                            "run `tiermoe convert` again")
     _check_manifest(path, manifest)
+    matrices = manifest["matrices"].values()
+    if manifest["version"] == 1 and any(m["fmt"] == "int4" and m["layout"] == "blocked" for m in matrices):
+        raise TiermoeError(f"{path} holds int4 experts in the layout of cache version 1 (the kernels read each 4 "
+                           "lines interleaved by row since version 2); run `tiermoe convert` again")
     return ExpertCache(Path(model_dir), manifest)
 
 

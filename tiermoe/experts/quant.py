@@ -219,7 +219,7 @@ def block(m: QMatrix, row_segments: tuple[tuple[int, int], ...] | None = None, s
         pairs = rows_of(m.codes, k_pad).view(pair).view(n_pad // 16, 16, k_pad // 2)
         codes = pairs.transpose(1, 2).contiguous().view(m.codes.dtype).view(n_pad // 16, k_pad // 2, 16, 2)
     elif m.fmt == "int4":
-        codes = rows_of(m.codes, k_pad // 2).view(n_pad // 16, 16, k_pad // 2).transpose(1, 2).contiguous()
+        codes = _chunked(rows_of(m.codes, k_pad // 2).view(n_pad // 16, 16, k_pad // 8, 4))
     else:
         codes = _int6_blocked(rows_of(_codes_of_rows(m)[0], k_pad))
     out = replace(m, layout="blocked", codes=codes, segments=segments, segment_rows=seg_rows)
@@ -232,18 +232,33 @@ def block(m: QMatrix, row_segments: tuple[tuple[int, int], ...] | None = None, s
     return out
 
 
+def _chunked(lines: torch.Tensor) -> torch.Tensor:
+    """int4 low-nibble bytes [S, 16 rows, C chunks, 4 lines] as the kernels hold them, [S, 4C, 16]: each chunk of 4
+    lines 64 bytes, byte 4r + i row r's line i (what one 32-bit lane of VPDPBUSD takes: csrc/tm_kernels.h)."""
+    s, _, c, _ = lines.shape
+    return lines.permute(0, 2, 1, 3).reshape(s, 4 * c, 16)
+
+
+def _unchunked(codes: torch.Tensor) -> torch.Tensor:
+    """The [S, 16 rows, C chunks, 4 lines] of int4 codes held as `_chunked` gives them (its inverse)."""
+    s, lines, _ = codes.shape
+    return codes.view(s, lines // 4, 16, 4).permute(0, 2, 1, 3)
+
+
 def _int6_blocked(q: torch.Tensor) -> torch.Tensor:
     """int6 codes q [Np, Kp] (one uint8 each) in the kernels' layout (csrc/tm_kernels.h), as [Np/16, Kp/2, 24]: per
-    strip and group of 32 k, 16 lines of low nibbles (16 rows a line), then two blocks of high bits, block h holding
-    row r's lines 8h + i and 8h + 4 + i in byte 4r + i (k even in bits 0-1, odd in 2-3; the second line 4 up)."""
+    strip and group of 32 k, 16 lines of low nibbles held as int4's (`_chunked`), then two blocks of high bits,
+    block h holding row r's lines 8h + i and 8h + 4 + i in byte 4r + i (k even in bits 0-1, odd in 2-3; the second
+    line 4 up)."""
     s, g = q.shape[0] // 16, q.shape[1] // INT4_GROUP
     qg = q.view(s, 16, g, INT4_GROUP)  # [S, r, G, k]
     lo = qg & 15
-    lines = (lo[..., 0::2] | (lo[..., 1::2] << 4)).permute(0, 2, 3, 1)  # [S, G, line, r]
+    nibbles = (lo[..., 0::2] | (lo[..., 1::2] << 4)).reshape(s, 16, 4 * g, 4)  # [S, r, chunk, line % 4]
+    lines = _chunked(nibbles).view(s, g, 256)
     hi = (qg >> 4).view(s, 16, g, 2, 2, 4, 2)  # [S, r, G, h, line // 4 % 2, line % 4, k % 2]
     pairs = hi[..., 0] | (hi[..., 1] << 2)
     blocks = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # [S, G, h, r, i]
-    group = torch.cat([lines.reshape(s, g, 256), blocks.reshape(s, g, 128)], dim=2)
+    group = torch.cat([lines, blocks.reshape(s, g, 128)], dim=2)
     return group.reshape(s, g * 16, 24).contiguous()
 
 
@@ -251,7 +266,7 @@ def _int6_unblocked(codes: torch.Tensor) -> torch.Tensor:
     """The codes [Np, Kp] (one uint8 each) of an int6 blocked matrix's codes (inverse of `_int6_blocked`)."""
     s, g = codes.shape[0], codes.shape[1] // 16
     group = codes.reshape(s, g, 384)
-    lines = group[..., :256].reshape(s, g, 16, 16).permute(0, 3, 1, 2)  # [S, r, G, line]
+    lines = _unchunked(group[..., :256].reshape(s, 16 * g, 16)).reshape(s, 16, g, 16)  # [S, r, G, line]
     lo = torch.stack([lines & 15, lines >> 4], dim=-1).reshape(s, 16, g, INT4_GROUP)
     blocks = group[..., 256:].reshape(s, g, 2, 16, 4).permute(0, 3, 1, 2, 4)  # [S, r, G, h, i]
     pairs = torch.stack([blocks & 15, blocks >> 4], dim=-2)  # [S, r, G, h, line // 4 % 2, i]
@@ -273,7 +288,7 @@ def unblock(m: QMatrix) -> QMatrix:
         pairs = m.codes.view(pair).view(n_pad // 16, -1, 16).transpose(1, 2).reshape(n_pad, -1).contiguous()
         codes = rows_back(pairs.view(m.codes.dtype))[:, : m.k]
     elif m.fmt == "int4":
-        codes = rows_back(m.codes.permute(0, 2, 1).reshape(n_pad, -1))
+        codes = rows_back(_unchunked(m.codes).reshape(n_pad, -1))
     else:
         codes = _rows_codes(rows_back(_int6_unblocked(m.codes)), "int6")
     out = QMatrix(m.fmt, "rows", m.n, m.k, codes.contiguous())

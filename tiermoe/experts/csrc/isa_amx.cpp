@@ -102,8 +102,9 @@ void dequant_strip(const TmMatrix* W, int strip, uint16_t* dst) {
                                       _mm_loadu_si128((const __m128i*)(W->gscale + 16 * ((size_t)strip * G + g))))));
     __m512i zb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(W->gzero + 16 * ((size_t)strip * (G / 2) + g / 2))));
     __m512 z = _mm512_cvtepi32_ps((g & 1) ? _mm512_srli_epi32(zb, 4) : _mm512_and_si512(zb, nib));
-    for (int p = 16 * g; p < 16 * g + 16; ++p) {
-      __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(src + 16 * (size_t)p)));
+    for (int p = 16 * g; p < 16 * g + 16; ++p) {  // line p: byte p % 4 of each row's lane in its 4-line chunk
+      const __m512i chunk = _mm512_loadu_si512(src + 64 * (size_t)(p / 4));
+      __m512i q = _mm512_and_si512(_mm512_srlv_epi32(chunk, _mm512_set1_epi32(8 * (p % 4))), _mm512_set1_epi32(0xFF));
       __m512 lo = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, nib)), z), s);
       __m512 hi = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), z), s);
       __m512 e0 = _mm512_permutex2var_ps(lo, even, hi), e1 = _mm512_permutex2var_ps(lo, odd, hi);

@@ -18,10 +18,11 @@ enum { TM_ROWS_F32 = 1, TM_ROWS_BF16 = 2 };
 // One packed weight matrix W [N, K]. Rows are grouped in strips of 16; within a strip, consecutive k pairs:
 //   bf16: uint16 codes [N/16][K/2][16][2]   (the AMX B-tile / VNNI layout: one 64-byte line = 16 rows x 2 k)
 //   int8: int8 codes   [N/16][K/2][16][2],  w = code * scale[n]
-//   int4: uint8 codes  [N/16][K/2][16] (low nibble k even, high nibble k odd),
+//   int4: uint8 codes  [N/16][K/8][16][4]: chunks of 4 lines, byte 4r + i holding row r's line i (the order
+//         VPDPBUSD reads a row's 4 bytes in one lane), low nibble k even, high nibble k odd;
 //         gscale uint8 [N/16][K/32][16], gzero uint8 [N/16][K/64][16] (low nibble group 2j, high 2j+1),
 //         w = scale[n] * gscale * (code - zero)
-//   int6: per strip, groups of 32 k of 384 bytes: the group's 16 lines of low nibbles as int4 (256 bytes), then
+//   int6: per strip, groups of 32 k of 384 bytes: the group's 16 lines of low nibbles as int4's (256 bytes), then
 //         its high 2 bits in two 64-byte blocks, block h for the group's lines 8h .. 8h + 7: byte 4r + i holds
 //         row r's line 8h + i (low nibble) and line 8h + 4 + i (high nibble), each nibble k even in bits 0-1 and
 //         k odd in bits 2-3 (what lets the VNNI kernel OR them into a load of 4 lines after its transpose);
