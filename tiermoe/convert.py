@@ -125,8 +125,7 @@ def _write_cache(src: Path, fmt: str, down_fmt: str, out: Path, dtype: torch.dty
                 "model_type": spec.model_type, "moe_layers": list(spec.moe_layers), "num_experts": spec.num_experts,
                 "matrices": metas}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    formats = fmt if down_fmt == fmt else f"{fmt} (down projections {down_fmt})"
-    (out / MODEL_CARD).write_text(_conversion_card(src, out, spec, formats, dtype_name, layout, placed))
+    (out / MODEL_CARD).write_text(_conversion_card(src, out, spec, fmt, down_fmt, dtype_name, layout, placed))
 
 
 def _place_source_weights(src: Path, dest: Path, progress: bool) -> str:
@@ -171,13 +170,18 @@ def _save_gguf_tokenizer(src: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _conversion_card(src: Path, out: Path, spec, formats: str, dtype: str, layout: str, placed: str) -> str:
+def _conversion_card(src: Path, out: Path, spec, fmt: str, down_fmt: str, dtype: str, layout: str,
+                     placed: str) -> str:
     """The converted directory's README.md: what it holds, how it was made, how to load it."""
     own_card = (out / SOURCE_DIR / MODEL_CARD).is_file()
+    formats = fmt if down_fmt == fmt else f"{fmt} (down projections {down_fmt})"
+    flags = f"--cpu-expert-dtype {fmt}"
+    if down_fmt != CPUConfig(expert_dtype=fmt).down_format:
+        flags += f" --cpu-expert-down-dtype {down_fmt}"
     lines = [
         f"# {src.name}, CPU-tier experts in {formats}",
         "",
-        f"Written by `tiermoe convert --cpu-expert-dtype {formats.split()[0]}` from `{src.name}`. Load this directory as the model "
+        f"Written by `tiermoe convert {flags}` from `{src.name}`. Load this directory as the model "
         "(`--model` of `generate`, `chat --local`, `serve`, ...): the CPU tier memory-maps its converted experts "
         "instead of reading and quantising the source's.",
         "",

@@ -321,8 +321,8 @@ class FitReport:
                                                          if self.model.cpu_down_format == "int6" else "")
             hint = (f"; put at least {need} experts on the GPU tier or choose {smaller}"
                     if need is not None and need <= self.model.total_experts else f"; choose {smaller}")
-            out.append(f"host memory: the CPU tier needs {_gib(self.host_total)} ({self.model.cpu_formats} "
-                       f"experts), more than the {_gib(self.ram)} available{hint}")
+            out.append(f"host memory: the CPU tier needs {_gib(self.host_total)} (experts in "
+                       f"{self.model.cpu_formats}), more than the {_gib(self.ram)} available{hint}")
         return out
 
     def describe(self) -> str:

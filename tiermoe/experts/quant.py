@@ -18,8 +18,9 @@ and algorithm, so every kernel reads both through one path.
 Two layouts. "rows" is W's own row order (K padded to 64 for int4 / int6 so groups pair up in bytes; int6: a row's
 low nibbles, then its high 2-bit pairs): what the pure-torch path computes with and what `dequantize` reads.
 "blocked" is what the C++ kernels read (csrc/tm_kernels.h): rows in strips of 16 and consecutive k pairs
-interleaved, [N/16][K/2][16][2], which is also the AMX B-tile layout (int6: groups of 384 bytes, low nibbles as
-int4 then the high bits, held as [N/16][K/2][24]).
+interleaved, [N/16][K/2][16][2], which is also the AMX B-tile layout; int4 in chunks of 4 such lines interleaved by
+row (byte 4r + i: row r's line i, the 4 bytes VPDPBUSD takes in one lane), held as [N/16][K/2][16]; int6 in groups
+of 384 bytes, low nibbles as int4's then the high bits, held as [N/16][K/2][24].
 """
 
 from __future__ import annotations
