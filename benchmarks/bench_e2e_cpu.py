@@ -2,8 +2,8 @@
 
 For each model and format (the issue's: Qwen3-30B-A3B's shapes with 2 and 8 layers, in bf16 and 4-bit, where
 tiermoe runs `--cpu-expert-dtype int4 --non-expert-dtype int4` (attention's k / v int8, its output, the LM head
-and the experts' down projections int6, as Q4_K_M keeps more bits there) and llama.cpp the Q4_K_M file quantised from the same bf16 GGUF; and 48 layers of tiny
-width, where a decode step is nearly all host time) each side runs in a process of its own (e2e/worker.py), and
+and the experts' down projections int6, as Q4_K_M keeps more bits there) and llama.cpp the Q4_K_M file quantised
+from the same bf16 GGUF; and 48 layers of tiny width, where a decode step is nearly all host time) each side runs in a process of its own (e2e/worker.py), and
 the sides alternate within every round:
 - decode: tokens/s of one sequence after a 16-token prompt (greedy; the prompt's step left out);
 - time to first token of a 16-token prompt, and prefill of a 512-token prompt (tokens/s up to its first token);

@@ -175,7 +175,8 @@ class CPUConfig:
             if self.expert_down_dtype not in CPU_EXPERT_DTYPES:
                 raise TiermoeError(f"cpu expert down dtype '{self.expert_down_dtype}' is unknown; choose one of: "
                                    f"{', '.join(CPU_EXPERT_DTYPES)}")
-            if self.backend != "native" or (fmt != self.expert_down_dtype and (fmt, self.expert_down_dtype) not in pairs):
+            down = self.expert_down_dtype
+            if self.backend != "native" or (fmt != down and (fmt, down) not in pairs):
                 raise TiermoeError(f"--cpu-expert-down-dtype {self.expert_down_dtype} needs the native backend and "
                                    f"--cpu-expert-dtype int4 or int6 (got {self.backend}, {fmt or 'as loaded'})")
         if self.threads is not None and self.threads < 1:

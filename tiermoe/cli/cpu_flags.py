@@ -20,8 +20,9 @@ KT_METHODS = {"AMXINT4": "int4", "AMXINT8": "int8", "BF16": "bf16", "AMXBF16": "
 def kt_method(value: str) -> str:
     fmt = KT_METHODS.get(value.upper())
     if fmt is None:
+        formats = ",".join(CPU_EXPERT_DTYPES)
         raise argparse.ArgumentTypeError(f"--kt-method '{value}' is not supported; expected one of "
-                                         f"{', '.join(KT_METHODS)} (or use --cpu-expert-dtype {{{','.join(CPU_EXPERT_DTYPES)}}})")
+                                         f"{', '.join(KT_METHODS)} (or use --cpu-expert-dtype {{{formats}}})")
     return fmt
 
 
