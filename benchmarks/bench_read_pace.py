@@ -5,7 +5,8 @@ active experts. For each thread count from 1 to the physical cores, on one kerne
 as a model's team is; tiermoe.experts.native.kernel_team):
 - the floor: a STREAM-style read of 1 GiB by the team's own threads (`tm_read_probe`, csrc/probes.cpp: each member
   takes 256 KiB chunks as the products take their tasks), best of 3 passes per round;
-- one-row products of Qwen3-30B-A3B's shapes (--shape), each in bf16, int8 and int4 (--formats), each cycling
+- one-row products of Qwen3-30B-A3B's shapes (--shape), each in bf16, int8, int4 and int6 (--formats; int6 is the
+  4-bit model's head, attention output and experts' downs), each cycling
   through copies of at least --cycle-mib so no call finds its weights in cache: the LM head [151936, 2048], the
   attention's q, k and v stacked [5120, 2048] (one call, as the CPU-only decode makes it) and o [2048, 4096]
   (QuantizedLinear), and one MoE layer's 8 routed experts of 128 for one token (the CPU tier's kernels, random
@@ -60,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
-    p.add_argument("--formats", default="bf16,int8,int4", help=f"comma-separated, of: {', '.join(FORMATS)}")
+    p.add_argument("--formats", default="bf16,int8,int4,int6", help=f"comma-separated, of: {', '.join(FORMATS)}")
     p.add_argument("--products", default=",".join(PRODUCTS), help=f"comma-separated, of: {', '.join(PRODUCTS)}")
     p.add_argument("--threads", help="comma-separated team sizes (default: 1 to the physical cores)")
     p.add_argument("--rounds", type=int, default=5, help="rounds; the median counts, the spread is shown (default 5)")
