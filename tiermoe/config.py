@@ -109,6 +109,12 @@ NON_EXPERT_AS_LOADED = "none"  # --non-expert-dtype none: torch's linears in the
 THREADS_PER_CPU = 4
 
 
+def expert_down_format(expert_fmt: str | None, asked: str | None = None) -> str | None:
+    """The format the routed experts' down projections are held in: `asked` (--cpu-expert-down-dtype), else
+    DOWN_FORMAT_UNDER's for `expert_fmt`, else `expert_fmt` itself."""
+    return asked or DOWN_FORMAT_UNDER.get(expert_fmt, expert_fmt)
+
+
 @dataclass(frozen=True)
 class CPUConfig:
     """The CPU tier: which backend computes it, the format its experts are stored in, and its threads.
@@ -142,9 +148,7 @@ class CPUConfig:
     def down_format(self) -> str | None:
         """The experts' down projections' format on the native CPU tier (None: the checkpoint's dtype, as
         `expert_dtype` None)."""
-        if self.expert_down_dtype is not None:
-            return self.expert_down_dtype
-        return DOWN_FORMAT_UNDER.get(self.expert_dtype, self.expert_dtype)
+        return expert_down_format(self.expert_dtype, self.expert_down_dtype)
 
     @property
     def packs_non_experts(self) -> bool:

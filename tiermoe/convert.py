@@ -41,7 +41,7 @@ from tiermoe.checkpoint.expert_cache import (
 from tiermoe.checkpoint.fp8 import fp8_block_size
 from tiermoe.checkpoint.gguf_reader import gguf_files
 from tiermoe.checkpoint.weight_copy import link_or_copy
-from tiermoe.config import CPUConfig
+from tiermoe.config import CPUConfig, expert_down_format
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.kernels import load_kernels
 from tiermoe.experts.quant import FORMATS, expert_in_layout, kernels_take_shape, quantize
@@ -176,7 +176,7 @@ def _conversion_card(src: Path, out: Path, spec, fmt: str, down_fmt: str, dtype:
     own_card = (out / SOURCE_DIR / MODEL_CARD).is_file()
     formats = fmt if down_fmt == fmt else f"{fmt} (down projections {down_fmt})"
     flags = f"--cpu-expert-dtype {fmt}"
-    if down_fmt != CPUConfig(expert_dtype=fmt).down_format:
+    if down_fmt != expert_down_format(fmt):
         flags += f" --cpu-expert-down-dtype {down_fmt}"
     lines = [
         f"# {src.name}, CPU-tier experts in {formats}",

@@ -31,7 +31,11 @@ from tiermoe.bundled import resolve_model
 from tiermoe.checkpoint.expert_cache import find_cache
 from tiermoe.checkpoint.fp8 import fp8_block_size, is_fp8_quantised
 from tiermoe.checkpoint.gguf_reader import gguf_files
-from tiermoe.config import DOWN_FORMAT_UNDER, MIN_KV_TOKENS_PER_REQUEST, NON_EXPERT_DTYPES
+from tiermoe.config import (
+    MIN_KV_TOKENS_PER_REQUEST,
+    NON_EXPERT_DTYPES,
+    expert_down_format,
+)
 from tiermoe.errors import TiermoeError
 from tiermoe.experts.fp8_blocks import DEFAULT_BLOCK, dequant_bytes, scale_shape
 from tiermoe.experts.fp8_tier import fp8_expert_bytes
@@ -81,14 +85,14 @@ def matrix_bytes(n: int, k: int, fmt: str) -> int:
 
 def cpu_expert_bytes(spec: ArchSpec, fmt: str, dtype: torch.dtype, down_fmt: str | None = None) -> int:
     """One expert on the CPU tier: gate_up [2I, H] (up [I, H] without a gate) in `fmt` and down [H, I] in
-    `down_fmt` (None: as a load holds it, int6 under int4: tiermoe.config.DOWN_FORMAT_UNDER), biases in `dtype`,
+    `down_fmt` (None: as a load holds it, int6 under int4: tiermoe.config.expert_down_format), biases in `dtype`,
     and for the native kernels' formats a second copy of the biases in fp32, in the kernels' padded row order
     (tiermoe.experts.native)."""
     h, i, rows = spec.hidden_size, spec.expert_intermediate_size, spec.gate_up_rows
     bias = (rows + h) * dtype.itemsize if spec.expert_bias else 0
     if spec.expert_bias and fmt in KERNEL_FORMATS:
         bias += (rows // i * round_up(i, k_align(fmt)) + h) * 4
-    return matrix_bytes(rows, h, fmt) + matrix_bytes(h, i, down_fmt or DOWN_FORMAT_UNDER.get(fmt, fmt)) + bias
+    return matrix_bytes(rows, h, fmt) + matrix_bytes(h, i, expert_down_format(fmt, down_fmt)) + bias
 
 
 def cpu_format(expert_dtype: str | None, dtype: torch.dtype) -> str:
@@ -222,7 +226,7 @@ def _bytes(name, spec, cfg, held: HeldBytes, compute, cpu_expert_dtype, source,
            non_expert_dtype: str | None = None, head_dtype: str | None = None,
            cpu_down_dtype: str | None = None) -> ModelBytes:
     fmt = cpu_format(cpu_expert_dtype, compute)
-    down = cpu_down_dtype or DOWN_FORMAT_UNDER.get(fmt, fmt)
+    down = expert_down_format(fmt, cpu_down_dtype)
     non_expert = held.non_expert
     if non_expert_dtype is not None:
         if non_expert_dtype not in NON_EXPERT_DTYPES:
