@@ -28,6 +28,7 @@ from torch import nn
 
 from tiermoe.errors import TiermoeError
 from tiermoe.layers.expert_lora import ExpertLoRA
+from tiermoe.model.skeleton import build_skeleton
 from tiermoe.model.hybrid_model import HybridModel
 from tiermoe.training.adapter_layout import AdapterLayout
 from tiermoe.training.adapter_switch import attach_adapter_switch
@@ -80,7 +81,7 @@ def plan_lora(hybrid: HybridModel, config, experts: bool | None = None,
     at the config's rank (its layer filters still apply); False: not on them. layout: the adapter read from disk
     this config came with: its expert LoRA goes exactly where PEFT put it."""
     config = copy.deepcopy(config)
-    _convert_like_peft(config, hybrid.model)
+    _convert_like_peft(config, hybrid.model.config)
     keys = _expert_keys(hybrid)
     entries = sorted(config.target_parameters or ())
     expert_entries = [p for p in entries if any(named_by(p, k) for _, params in keys.values() for k in params.values())]
@@ -162,14 +163,19 @@ def build_lora(hybrid: HybridModel, plan: LoraPlan) -> nn.Module:
     return attach_adapter_switch(model, hybrid.blocks)  # adapters off (a DPO reference) turns expert LoRA off
 
 
-def _convert_like_peft(config, model: nn.Module) -> None:
-    """PEFT's own mapping of a config onto a transformers 5 MoE model (in place), when this PEFT has one."""
+def _convert_like_peft(config, model_config) -> None:
+    """PEFT's own mapping of a config onto a transformers 5 MoE model (in place), when this PEFT has one.
+
+    It runs on a meta skeleton of the transformers model, not on the hybrid one: PEFT (0.22 on) turns a module target
+    into a parameter target only where the model holds such a parameter outside nn.Linear, and the hybrid model holds
+    its routed experts in tiers, not in the fused `experts` parameters PEFT looks for."""
     try:
         from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
     except ImportError:  # an older PEFT maps nothing: the config applies as written
         return
     try:
-        convert_peft_config_for_transformers(config, model=model, conversions=None)
+        convert_peft_config_for_transformers(config, model=build_skeleton(model_config, torch.float32),
+                                             conversions=None)
     except ValueError as e:  # e.g. gate_proj without up_proj, which transformers 5 fuses into one parameter
         raise TiermoeError(f"PEFT cannot map the LoRA targets onto this model: {' '.join(str(e).split())}") from None
 
@@ -182,14 +188,6 @@ def _expert_keys(hybrid: HybridModel) -> dict[int, tuple[str, dict[str, str]]]:
         module = f"{names[id(block)]}.experts"
         keys[layer] = (module, {p: f"{module}.{p}" for p in EXPERT_PARAMS})
     return keys
-
-
-
-
-
-
-
-
 
 
 def _chosen_layers(config, keys, entries: list[str]) -> dict[int, ExpertLayer]:
@@ -215,8 +213,6 @@ def _saved_expert_entries(config, keys, entries: list[str], chosen: dict[int, Ex
     if peft_reaches == set(chosen):
         return list(entries)
     return [keys[layer][1][p] for layer in sorted(chosen) for p in EXPERT_PARAMS]
-
-
 
 
 def _check_ranks(config, chosen: dict[int, ExpertLayer]) -> None:

@@ -23,7 +23,7 @@ from tiermoe.errors import TiermoeError
 # nn.Linear's default; "gaussian": normal A with std 1/r, zero B); the others read the frozen weight or data
 INITS = (True, False, "gaussian")
 # initialisations that change the frozen weights too (the adapter alone no longer reproduces the model)
-WEIGHT_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+WEIGHT_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga", "astra")
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,7 @@ FIELDS: dict[str, FieldRule] = {
     "eva_config": FieldRule("read by PEFT with init_lora_weights='eva' only (refused)"),
     "corda_config": FieldRule("read by PEFT with init_lora_weights='corda' only (refused)"),
     "lora_ga_config": FieldRule("read by PEFT with init_lora_weights='lora_ga' only (refused)"),
+    "astra_config": FieldRule("read by PEFT with init_lora_weights='astra' only (refused)"),
     "velora_config": FieldRule("refused", _set("VeLoRA is a LoRA variant expert LoRA does not implement")),
     "alora_invocation_tokens": FieldRule("refused", _set("activated LoRA switches the adapter per token, which "
                                                          "expert LoRA and merging do not")),
