@@ -28,8 +28,8 @@ from torch import nn
 
 from tiermoe.errors import TiermoeError
 from tiermoe.layers.expert_lora import ExpertLoRA
-from tiermoe.model.skeleton import build_skeleton
 from tiermoe.model.hybrid_model import HybridModel
+from tiermoe.model.skeleton import build_skeleton
 from tiermoe.training.adapter_layout import AdapterLayout
 from tiermoe.training.adapter_switch import attach_adapter_switch
 from tiermoe.training.adapter_weights import attach_adapter_io
@@ -170,7 +170,9 @@ def _convert_like_peft(config, model_config) -> None:
     into a parameter target only where the model holds such a parameter outside nn.Linear, and the hybrid model holds
     its routed experts in tiers, not in the fused `experts` parameters PEFT looks for."""
     try:
-        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+        from peft.utils.transformers_weight_conversion import (
+            convert_peft_config_for_transformers,
+        )
     except ImportError:  # an older PEFT maps nothing: the config applies as written
         return
     try:
