@@ -57,12 +57,14 @@ def test_every_other_family_keeps_its_own_block_forward():
 
 def test_the_fused_native_decode_paths_take_exactly_these_layer_classes():
     # whole-layer native decode call, and the fused qkv + rotary attention: the tuned families' speed on the CPU
-    assert sorted(c.__name__ for c in fused_decode_layer._FAMILIES) == ["MixtralDecoderLayer", "Qwen3MoeDecoderLayer"]
+    assert sorted(c.__name__ for c in fused_decode_layer._FAMILIES) == ["GptOssDecoderLayer", "MixtralDecoderLayer",
+                                                                        "Qwen3MoeDecoderLayer"]
     assert sorted(c.__name__ for c in fused_attention._FAMILIES) == ["GptOssAttention", "MixtralAttention",
                                                                      "Qwen2MoeAttention", "Qwen3MoeAttention"]
     decode = {arch: parts_of(detect(make_config(arch)), discover(make_config(arch))).decode for arch in TINY}
-    assert decode["qwen3_moe"] == decode["mixtral"] == "whole layer in one native call, fused attention"
-    assert decode["qwen2_moe"] == decode["gpt_oss"] == "fused attention"
+    assert (decode["qwen3_moe"] == decode["mixtral"] == decode["gpt_oss"]
+            == "whole layer in one native call, fused attention")
+    assert decode["qwen2_moe"] == "fused attention"
 
 
 def test_a_discovered_family_runs_its_experts_on_both_tiers_in_its_own_block(tmp_path):

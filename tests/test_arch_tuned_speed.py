@@ -16,12 +16,12 @@ from tiermoe.layers.fused_attention import DecodeFusedAttention
 from tiermoe.layers.fused_decode_layer import FusedDecodeLayer
 from tiermoe.testing.op_counter import OpCounter
 
-# Mixtral's tiny intermediate size (48) is no bf16 kernel shape (multiples of 32): its CPU tier would compute in torch
-# and its fused layer fall back per op, so it is measured at 64.
-SIZES = {"mixtral": {"intermediate_size": 64}}
+# Mixtral's and GPT-OSS's tiny intermediate size (48) is no bf16 kernel shape (multiples of 32): their CPU tier would
+# compute in torch and their fused layer fall back per op, so they are measured at 64.
+SIZES = {"mixtral": {"intermediate_size": 64}, "gpt_oss": {"intermediate_size": 64}}
 # Per decoder layer, ops of one decode step (a 4-token prompt, then one token), fp32 and bf16: the per-op path, and
-# in bf16 the fused native paths (2 ops: Qwen3-MoE's and Mixtral's whole layer in one call; qwen3_moe's layer 1 is
-# dense). Measured with the hand-written specs and again with the discovered ones: the same numbers.
+# in bf16 the fused native paths (2 ops: Qwen3-MoE's, Mixtral's and GPT-OSS's whole layer in one call; qwen3_moe's
+# layer 1 is dense). Measured with the hand-written specs and again with the discovered ones: the same numbers.
 OPS_PER_LAYER = {
     "qwen3_moe": ([56, 24, 56], [2, 49, 2]),
     "qwen2_moe": ([32, 32], [64, 64]),
@@ -31,11 +31,11 @@ OPS_PER_LAYER = {
     "deepseek_v3": ([107, 117, 117], [113, 123, 123]),
     "glm4_moe": ([52, 62, 62], [87, 97, 97]),
     "olmoe": ([80, 80], [113, 113]),
-    "gpt_oss": ([66, 66], [92, 92]),
+    "gpt_oss": ([66, 66], [2, 2]),
 }
 # What takes the fused native decode paths in bf16 on a CPU main device: the decoder layers that become a
 # FusedDecodeLayer, and the attention classes that become a DecodeFusedAttention.
-WHOLE_LAYER = {"qwen3_moe": "Qwen3MoeDecoderLayer", "mixtral": "MixtralDecoderLayer"}
+WHOLE_LAYER = {"qwen3_moe": "Qwen3MoeDecoderLayer", "mixtral": "MixtralDecoderLayer", "gpt_oss": "GptOssDecoderLayer"}
 FUSED_ATTENTION = {"qwen3_moe": "Qwen3MoeAttention", "mixtral": "MixtralAttention", "qwen2_moe": "Qwen2MoeAttention",
                    "gpt_oss": "GptOssAttention"}
 

@@ -1,7 +1,8 @@
 """A decoder layer's decode step in one native call (tiermoe.layers.fused_decode_layer): bit for bit what the per-op
 path computes (the fused norms, attention, packed linears and router, and the CPU tier, each called from Python),
-for Qwen3-MoE and Mixtral in bf16 (and Qwen3-MoE with int4 non-experts: q and k / v in two products), one sequence
-and a ragged batch across pages; a handful of torch ops per layer;
+for Qwen3-MoE, Mixtral and GPT-OSS in bf16 (and Qwen3-MoE with int4 non-experts: q and k / v in two products; GPT-OSS
+with random biases and sinks and a sliding window the prompts outgrow), one sequence and a ragged batch across pages;
+a handful of torch ops per layer;
 the recorder sees the same routing; and every step or model it does not take runs the per-op path unchanged."""
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ pytestmark = pytest.mark.skipif(supported_isa() is None, reason="the kernel libr
 PROMPTS = [[3 + (5 * i + 7 * s) % 200 for i in range(n)] for s, n in enumerate([4, 9, 13])]
 # the kernels take bf16 experts whose sizes are multiples of 32 (the tiny Mixtral's are not)
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
-SIZES = {"qwen3_moe": dict(moe_intermediate_size=64), "mixtral": dict(intermediate_size=64)}
+SIZES = {"qwen3_moe": dict(moe_intermediate_size=64), "mixtral": dict(intermediate_size=64),
+         "gpt_oss": dict(intermediate_size=64, sliding_window=8)}
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +38,23 @@ def checkpoint(tmp_path_factory):
     def get(arch: str):
         if arch not in made:
             made[arch] = save_tiny(arch, tmp_path_factory.mktemp(arch), sizes=SIZES[arch])
+            if arch == "gpt_oss":
+                _random_biases(made[arch])
         return made[arch]
 
     return get
+
+
+def _random_biases(path) -> None:
+    """Every bias and sink of the checkpoint at `path` drawn at random (transformers initialises them to zero), so
+    the call's additions of them are checked."""
+    model = load_reference(path)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    model.save_pretrained(path)
 
 
 class Calls:
@@ -81,7 +97,8 @@ def per_op(monkeypatch):
 
 @pytest.mark.exactness
 # int4: q in int4 and k / v stacked in int8 (tiermoe.model.non_expert_quant.linear_format), two products
-@pytest.mark.parametrize("arch,non_experts", [("qwen3_moe", None), ("mixtral", None), ("qwen3_moe", "int4")])
+@pytest.mark.parametrize("arch,non_experts", [("qwen3_moe", None), ("mixtral", None), ("qwen3_moe", "int4"),
+                                              ("gpt_oss", None), ("gpt_oss", "int4")])
 def test_a_fused_decode_step_is_bit_for_bit_the_per_op_path(arch, non_experts, checkpoint, monkeypatch):
     path = checkpoint(arch)
     cpu = CPUConfig(non_expert_dtype=non_experts)

@@ -24,7 +24,7 @@ from tiermoe.testing.presets import make_config
 
 OPS = load_layer_ops()
 needs_ops = pytest.mark.skipif(OPS is None, reason="the kernel library is unavailable")
-ROUTER_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next")
+ROUTER_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "gpt_oss")
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -123,12 +123,13 @@ def test_fuse_norms_swaps_every_rms_norm(arch):
 def assert_router_outputs_equal(original, fused, d: int, dtype, g, case) -> torch.Tensor:
     """The fused router returns exactly what the original returns (dtypes, ids, weights and order) on one row,
     rows of any leading shape, zeros, inputs with few distinct logits (ties), and more rows than the native call
-    takes; returns the last input."""
+    takes; returns the last input. (GPT-OSS's router takes [T, D] alone: its softmax is over dim 1.)"""
     ties = (torch.randint(-2, 3, (6, d), generator=g) * 0.25).to(dtype)  # few distinct logits
+    flat = type(original).__name__ == "GptOssTopKRouter"
     with torch.no_grad():
         for x in (torch.randn(1, d, generator=g).to(dtype), torch.randn(2, 3, d, generator=g).to(dtype),
                   torch.zeros(3, d, dtype=dtype), ties, torch.randn(NATIVE_MAX_ROWS + 3, d).to(dtype)):
-            want, got = original(x), fused(x)
+            want, got = original(x.reshape(-1, d) if flat else x), fused(x)
             for w, o in zip(want, got):
                 assert o.dtype == w.dtype and torch.equal(o, w), (case, dtype, x.shape)
     return x
@@ -136,8 +137,8 @@ def assert_router_outputs_equal(original, fused, d: int, dtype, g, case) -> torc
 
 def router_cases(arch: str):
     """(config overrides) for the router of `arch`: its tiny shape and real expert counts, renormalised or not."""
-    experts = "num_local_experts" if arch == "mixtral" else "num_experts"
-    renorm = ({}, {}) if arch == "mixtral" else ({"norm_topk_prob": False}, {"norm_topk_prob": True})
+    experts = "num_local_experts" if arch in ("mixtral", "gpt_oss") else "num_experts"
+    renorm = ({}, {}) if arch in ("mixtral", "gpt_oss") else ({"norm_topk_prob": False}, {"norm_topk_prob": True})
     return [{experts: 8, "num_experts_per_tok": 2}, {experts: 60, "num_experts_per_tok": 4, **renorm[0]},
             {experts: 128, "num_experts_per_tok": 8, **renorm[1]}, {experts: 512, "num_experts_per_tok": 10}]
 
@@ -156,6 +157,8 @@ def test_every_softmax_top_k_router_is_fused_bit_for_bit_ties_included(arch):
         router = router_cls(config)
         with torch.no_grad():  # multiples of 1/16: exact in bf16, so integer inputs can tie logits exactly
             router.weight.copy_((torch.randn(router.weight.shape, generator=g) * 2).round() / 16)
+            if getattr(router, "bias", None) is not None:  # GPT-OSS's, the same kind of values
+                router.bias.copy_((torch.randn(router.bias.shape, generator=g) * 2).round() / 16)
         for dtype in DTYPES:
             original = copy.deepcopy(router).to(dtype)
             fused = FusedTopKRouter(original, OPS)

@@ -49,8 +49,9 @@ ACTIVATION_CODES = {"silu_glu": 0, "gpt_oss_glu": 1}
 # 10: LoRA adapters served per request: a MoE layer's (tm_moe_lora_forward, TmLoraArgs), a decode layer's
 # (TmDecodeLayerArgs.lora); 11: the up kernels' per-row addend (LoRA's gate_up update); 12: the read probe
 # (probes.cpp); 13: a decode layer's k and v in a product of their own (TmDecodeLayerArgs.kv: an int4 model's int8
-# k / v); 14: the int6 format (TM_INT6, tm_quantize_int6)
-ABI_VERSION = 14
+# k / v); 14: the int6 format (TM_INT6, tm_quantize_int6); 15: GPT-OSS's decode layer (TmDecodeLayerArgs' biases,
+# half-width rotary, top-k-first router) and tm_softmax_topk's top-k-first order
+ABI_VERSION = 15
 # A MoE layer or packed product smaller than this (bytes of weights read, each row of activations beyond the first
 # counted as an eighth more: csrc/tm_kernels.h tm_product_work) runs on the calling thread alone. Waking a helper
 # asleep between a decode step's calls cost about 250 us on this project's 2-vCPU VMs (an idle vCPU is halted),
@@ -158,7 +159,8 @@ class TmDecodeLayerArgs(ctypes.Structure):
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("cs_row_stride", ctypes.c_int64),
                 ("k_slots", ctypes.c_void_p), ("v_slots", ctypes.c_void_p), ("write_slots", ctypes.c_void_p),
                 ("attn", TmAttnArgs), ("moe", TmLayerArgs), ("ids", ctypes.c_void_p), ("work", ctypes.c_void_p),
-                ("lora", ctypes.POINTER(TmDecodeLora))]
+                ("lora", ctypes.POINTER(TmDecodeLora)), ("half_rotary", ctypes.c_int32), ("topk_first", ctypes.c_int32),
+                *[(n, ctypes.c_void_p) for n in ("qkv_bias", "o_bias", "router_bias")]]
 
 
 @dataclass(frozen=True)
@@ -292,7 +294,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tm_grouped_topk.argtypes = [ctypes.c_void_p, *[ctypes.c_int] * 4, ctypes.c_void_p, *[ctypes.c_int] * 3,
                                     ctypes.c_double, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     lib.tm_softmax_topk.restype = ctypes.c_int
-    lib.tm_softmax_topk.argtypes = [ctypes.c_void_p, *[ctypes.c_int] * 8, ctypes.c_void_p, ctypes.c_void_p]
+    lib.tm_softmax_topk.argtypes = [ctypes.c_void_p, *[ctypes.c_int] * 9, ctypes.c_void_p, ctypes.c_void_p]
 
 
 def native_library() -> ctypes.CDLL | None:

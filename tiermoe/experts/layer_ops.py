@@ -73,17 +73,18 @@ class LayerOps:
             raise RuntimeError(f"tm_rms_norm_gated failed ({rc})")
         return out
 
-    def softmax_topk(self, logits: torch.Tensor, k: int, renormalize: bool,
-                     weights_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def softmax_topk(self, logits: torch.Tensor, k: int, renormalize: bool, weights_dtype: torch.dtype,
+                     topk_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in `weights_dtype`, ids [T, k] int64) of softmax(float(logits)) -> top-k (sorted)
-        -> optionally divided by their sum, for contiguous CPU `logits` [T, E]; needs `exp_lanes`."""
+        -> optionally divided by their sum, or with `topk_first` (GPT-OSS) of top-k(logits) -> softmax over the k
+        (`renormalize` unused), for contiguous CPU `logits` [T, E]; needs `exp_lanes`."""
         rows, n = logits.shape
         weights = torch.empty(rows, k, dtype=weights_dtype)
         ids = torch.empty(rows, k, dtype=torch.int64)
         bf16 = torch.bfloat16
         rc = self.lib.tm_softmax_topk(logits.data_ptr(), rows, n, k, logits.dtype == bf16, renormalize,
-                                      weights_dtype == bf16, self.exp_lanes, self.sum_lanes, weights.data_ptr(),
-                                      ids.data_ptr())
+                                      weights_dtype == bf16, self.exp_lanes, self.sum_lanes, topk_first,
+                                      weights.data_ptr(), ids.data_ptr())
         if rc != 0:
             raise RuntimeError(f"tm_softmax_topk failed ({rc})")
         return weights, ids

@@ -1,4 +1,5 @@
-"""A decoder layer's decode step in one native call, for CPU-only runs of Qwen3-MoE and Mixtral models in bf16.
+"""A decoder layer's decode step in one native call, for CPU-only runs of Qwen3-MoE, Mixtral and GPT-OSS models in
+bf16.
 
 After the per-op fusions (fused norms, routers and attention, packed linears) a decode step of a width-128 layer
 still cost about 400 us of host time against llama.cpp's 75: some sixty dispatched torch ops and ten ctypes calls,
@@ -14,12 +15,13 @@ per request takes the call too, with each row's updates (`lora`: the adapted mod
 masks, tiermoe.layers.lora_stack), added where the per-op modules add them.
 
 Swapped in where every piece is the fused one: DecodeFusedAttention with its q/k/v stacked into one packed product
-(or q in one and k/v in another, where they are held in two formats) and a packed output projection (no biases, no
-sinks), FusedRMSNorm norms of one kind, a FusedTopKRouter with its packed bf16 weight, and a HybridMoE without
-shared experts over a CPU tier computed by the kernels: that is, a CPU-only bf16 run with packed non-expert linears
-(the default there, tiermoe.model.cpu_only). A step takes the call only while the MoE block's router is still that
-FusedTopKRouter: a router put in its place (the trace's routing of `bench placement --routing-trace`) is asked by
-the per-op path, which the native call would bypass.
+(or q in one and k/v in another, where they are held in two formats) and a packed output projection (bf16 biases
+and GPT-OSS's sinks allowed), FusedRMSNorm norms of one kind, a FusedTopKRouter with its packed bf16 weight (and
+bias), and a HybridMoE without shared experts over a CPU tier computed by the kernels: that is, a CPU-only bf16 run
+with packed non-expert linears (the default there, tiermoe.model.cpu_only). GPT-OSS's half-width rotary, sliding
+windows and top-k-first router are the call's too (csrc/decode_layer.cpp). A step takes the call only while the MoE
+block's router is still that FusedTopKRouter: a router put in its place (the trace's routing of `bench placement
+--routing-trace`) is asked by the per-op path, which the native call would bypass.
 Legend: T decode rows, D hidden, H query heads, Hkv KV heads, d head dim, K top-k.
 """
 
@@ -29,6 +31,7 @@ import ctypes
 
 import torch
 from torch import nn
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssDecoderLayer
 from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
 
@@ -54,7 +57,7 @@ from tiermoe.layers.paged_attention import STEP_KWARG, PagedStepCache
 from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.layers.row_lora_linear import RowLoRALinear
 
-_FAMILIES = (Qwen3MoeDecoderLayer, MixtralDecoderLayer)
+_FAMILIES = (Qwen3MoeDecoderLayer, MixtralDecoderLayer, GptOssDecoderLayer)
 # Rows of a step with prompt rows that still takes the whole-layer call: every row attends in place in one call
 # (RaggedStep.rows_in_place), where the per-op path attends the decode rows and the chunks' rows in two (the same
 # products, attention summed in another order where the team splits a row's keys differently; the per-op path's
@@ -145,6 +148,12 @@ class FusedDecodeLayer(nn.Module):
         norm = self.input_layernorm
         qk_norm = hasattr(attn, "q_norm")
         qkv, kv = _qkv_products(attn)
+        # what the call reads besides the products: q/k/v's biases side by side, the sinks in fp32 (as the per-op
+        # path passes them to the attention kernel); held here, the args point into them
+        products = (qkv,) if kv is None else (qkv, kv)
+        self.qkv_bias = None if qkv.bias is None else torch.cat([p.bias.detach() for p in products])
+        sinks = getattr(attn, "sinks", None)
+        self.sinks = None if sinks is None else sinks.detach().float().contiguous()
         self.args = TmDecodeLayerArgs(
             D=norm.weight.shape[0], H=H, Hkv=Hkv, d=attn.head_dim, E=router.num_experts, K=router.top_k,
             norm_kind=norm.kind, sum_lanes=ops.sum_lanes, exp_lanes=ops.exp_lanes, qk_norm=int(qk_norm),
@@ -155,12 +164,16 @@ class FusedDecodeLayer(nn.Module):
             k_norm=attn.k_norm.weight.data_ptr() if qk_norm else None,
             qkv=_product(kernels, qkv), o=_product(kernels, attn.o_proj), router=_product(kernels, router.packed),
             kv=TmLinearArgs() if kv is None else _product(kernels, kv),
-            attn=TmAttnArgs(isa=kernels.isa, scale=attn.scaling))
+            attn=TmAttnArgs(isa=kernels.isa, scale=attn.scaling,
+                            sinks=None if self.sinks is None else self.sinks.data_ptr()),
+            topk_first=int(router.topk_first), qkv_bias=_pointer(self.qkv_bias), o_bias=_pointer(attn.o_proj.bias),
+            router_bias=_pointer(router.bias))
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         moe = self.moe
         plan = None if args else self.workspace.plan_for(kwargs.get(STEP_KWARG), hidden_states, kwargs)
-        if (plan is None or plan.cos.shape[-1] != self.args.d or not hidden_states.is_contiguous()
+        if (plan is None or plan.cos.shape[-1] not in (self.args.d, self.args.d // 2)
+                or not hidden_states.is_contiguous()
                 or len(moe.gpu_tier) > 0 or len(moe.cpu_tier) == 0 or moe.reduce is not None
                 or moe._router() is not self.fused_router
                 or not moe.cpu_only_shortcut or moe.crosses_to_host or not moe._plain_inference()):
@@ -205,6 +218,7 @@ class FusedDecodeLayer(nn.Module):
         ids = torch.empty(T, a.K, dtype=torch.int64)
         a.T, a.x, a.out, a.ids = T, x_1TD.data_ptr(), out.data_ptr(), ids.data_ptr()
         a.cos, a.sin, a.cs_row_stride = plan.cos.data_ptr(), plan.sin.data_ptr(), plan.cos.stride(-2)
+        a.half_rotary = int(plan.cos.shape[-1] != a.d)  # GPT-OSS: one value for both halves of a head
         a.k_slots, a.v_slots, a.write_slots = slots[0].data_ptr(), slots[1].data_ptr(), write_index.data_ptr()
         a.attn.page_size, a.attn.max_pages = plan.step.page_size, index.tables.shape[1]
         a.attn.tables, a.attn.pos, a.attn.lo = index.tables.data_ptr(), pos.data_ptr(), index.lo.data_ptr()
@@ -235,6 +249,8 @@ def _fill(args: TmLinearLora, stack: LoRAStack, mask_TR: torch.Tensor | None, he
     args.A, args.Bt, args.mask = stack.A.data_ptr(), stack.Bt.data_ptr(), mask_TR.data_ptr()
 
 
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
 
 
 def _product(kernels: Kernels, linear: QuantizedLinear) -> TmLinearArgs:
@@ -246,10 +262,11 @@ def _product(kernels: Kernels, linear: QuantizedLinear) -> TmLinearArgs:
 def _qkv_products(attn: DecodeFusedAttention) -> tuple[QuantizedLinear, QuantizedLinear | None] | None:
     """The packed products the native call computes q, k and v with: (q, k and v's) where k and v are stacked in
     a format of their own (an int4 model's int8 k / v: tiermoe.model.non_expert_quant.linear_format), else (all
-    three's, None); None when the attention's projections are not packed so, or have biases."""
+    three's, None); None when the attention's projections are not packed so, or some have biases and some not."""
     products = attn.stacked_qkv
     H, Hkv = attn.heads
-    if (len(products) not in (1, 2) or any(p.bias is not None or p.kernels is None for p in products)
+    if (len(products) not in (1, 2) or any(p.kernels is None or not _bf16_or_none(p.bias) for p in products)
+            or len({p.bias is None for p in products}) > 1
             or products[0].out_features != (H if len(products) == 2 else H + 2 * Hkv) * attn.head_dim):
         return None
     return products[0], products[1] if len(products) == 2 else None
@@ -267,12 +284,17 @@ def fusable(layer: nn.Module) -> bool:
     if hasattr(attn, "q_norm"):
         norms += [attn.q_norm, attn.k_norm]
     return (_qkv_products(attn) is not None and type(attn.o_proj) is QuantizedLinear
-            and attn.o_proj.bias is None and attn.o_proj.kernels is not None and getattr(attn, "sinks", None) is None
+            and _bf16_or_none(attn.o_proj.bias) and attn.o_proj.kernels is not None
             and all(type(n) is FusedRMSNorm and n.weight.dtype == torch.bfloat16 for n in norms)
             and len({n.kind for n in norms}) == 1 and len({n.eps for n in norms[:2]}) == 1
-            and isinstance(router, FusedTopKRouter) and router.packed is not None
+            and isinstance(router, FusedTopKRouter) and router.packed is not None and _bf16_or_none(router.bias)
             and router.ops.exp_lanes is not None and moe.spec.shared_kind == "none"
-            and not moe.spec.returns_router_scores and hasattr(moe.cpu_tier, "layer_args"))
+            and hasattr(moe.cpu_tier, "layer_args"))
+
+
+def _bf16_or_none(bias: torch.Tensor | None) -> bool:
+    """A bias the native call adds: none, or a contiguous bf16 one on the CPU."""
+    return bias is None or (bias.dtype == torch.bfloat16 and bias.device.type == "cpu" and bias.is_contiguous())
 
 
 def fuse_decode_layers(model: nn.Module, kernels: Kernels | None) -> int:

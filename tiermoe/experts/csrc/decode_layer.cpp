@@ -1,7 +1,13 @@
-// One decoder layer of a decode step in one call: Qwen3-MoE's and Mixtral's layer on bf16 rows.
+// One decoder layer of a decode step in one call: Qwen3-MoE's, Mixtral's and GPT-OSS's layer on bf16 rows.
 //
 //   h   = x + o_proj(attention(rotary(norm_q(q)), rotary(norm_k(k)), v))   with q, k, v = qkv_proj(rms_norm(x))
 //   out = h + experts(rms_norm(h), softmax_topk(router(rms_norm(h))))
+//
+// GPT-OSS's layer is the same chain with biases on q, k, v, o and the router (q, k, v and o's added in bf16 after
+// their product, as tiermoe.layers.quantized_linear adds a bias; the router's product in fp32 with its bias added
+// before one rounding, as tiermoe.layers.fused_router computes it), rotary in its half-width form, its sinks and sliding windows in
+// the attention arguments, the router's top-k taken before its softmax and its experts' own activation and biases
+// in the CPU tier's.
 //
 // Each step is the library's own entry point, called with what the per-op path (tiermoe.layers.fused_attention,
 // fused_norm, fused_router, quantized_linear and the CPU tier) passes it, so the output is bit for bit that path's:
@@ -70,6 +76,11 @@ struct TmDecodeLayerArgs {
   int64_t* ids;                      // [T, K] written: the routed experts
   void* work;                        // tm_decode_layer_work_bytes
   const TmDecodeLora* lora;          // adapters served per request: each row's own (null: none)
+  int32_t half_rotary;               // cos / sin [T, d / 2]: one value for both halves of a head (GPT-OSS)
+  int32_t topk_first;                // the router's top-k before its softmax (GPT-OSS)
+  const uint16_t* qkv_bias;          // [(H + 2 Hkv) d] q's, k's and v's biases (null: none)
+  const uint16_t* o_bias;            // [D] (null: none)
+  const uint16_t* router_bias;       // [E] (null: none)
 };
 
 }  // extern "C"
@@ -78,7 +89,7 @@ namespace {
 
 // Where the intermediates sit in `work`, each 64-byte aligned.
 struct Work {
-  size_t normed, qkv, parts, qn, kn, attn, proj, logits, weights, weights_f32, total;
+  size_t normed, qkv, parts, qn, kn, attn, proj, logits, weights, weights_f32, normed_f32, logits_f32, total;
 };
 
 Work layout(const TmDecodeLayerArgs& a) {
@@ -96,6 +107,8 @@ Work layout(const TmDecodeLayerArgs& a) {
   w.logits = take(T * a.E * 2);
   w.weights = take(T * a.K * 4);
   w.weights_f32 = take(T * a.K * 4);
+  w.normed_f32 = take(a.router_bias ? T * D * 4 : 0);
+  w.logits_f32 = take(a.router_bias ? T * a.E * 4 : 0);
   w.total = at;
   return w;
 }
@@ -103,6 +116,12 @@ Work layout(const TmDecodeLayerArgs& a) {
 // out = a + b in bf16, as torch adds two bf16 tensors: in fp32, rounded once.
 void add_rows(const uint16_t* a, const uint16_t* b, uint16_t* out, size_t n) {
   for (size_t i = 0; i < n; ++i) out[i] = tm_f32_to_bf16(tm_bf16_to_f32(a[i]) + tm_bf16_to_f32(b[i]));
+}
+
+// y[t][0, n) += bias for each of T rows y_stride apart (null bias: nothing), in bf16 as torch adds a bf16 bias.
+void add_bias(uint16_t* y, int64_t y_stride, const uint16_t* bias, int T, int64_t n) {
+  if (!bias) return;
+  for (int t = 0; t < T; ++t) add_rows(y + t * y_stride, bias, y + t * y_stride, n);
 }
 
 using tmoe_lora::Factor;
@@ -231,6 +250,22 @@ int qkv_product(void* team, const TmDecodeLayerArgs& a, const uint16_t* normed, 
   return 0;
 }
 
+// The router's bf16 logits of the normed rows: its product, or with a bias (GPT-OSS) the product of the rows
+// widened to fp32 into fp32 logits, the bias added and the sum rounded once (x_f32 [T, D], logits_f32 [T, E]).
+int router_logits(void* team, const TmDecodeLayerArgs& a, const uint16_t* normed, float* x_f32, float* logits_f32,
+                  uint16_t* logits, char* err, int errlen) {
+  if (!a.router_bias) return product(team, a.router, a.T, normed, logits, err, errlen);
+  const size_t n = size_t(a.T) * a.D;
+  for (size_t i = 0; i < n; ++i) x_f32[i] = tm_bf16_to_f32(normed[i]);
+  TmLinearArgs fp32 = a.router;
+  fp32.x_bf16 = 0;
+  if (product(team, fp32, a.T, x_f32, logits_f32, err, errlen) != 0) return 1;
+  for (int t = 0; t < a.T; ++t)
+    for (int e = 0; e < a.E; ++e)
+      logits[t * a.E + e] = tm_f32_to_bf16(logits_f32[t * a.E + e] + tm_bf16_to_f32(a.router_bias[e]));
+  return 0;
+}
+
 int layer(void* team, const TmDecodeLayerArgs& a, char* err, int errlen) {
   const int T = a.T, D = a.D, H = a.H, Hkv = a.Hkv, d = a.d;
   const Work w = layout(a);
@@ -245,6 +280,7 @@ int layer(void* team, const TmDecodeLayerArgs& a, char* err, int errlen) {
   if (tm_rms_norm(a.x, D, a.input_norm, normed, T, D, a.eps, a.norm_kind, 1, 1, 1, a.sum_lanes) != 0)
     return tm_fail(err, errlen, "input RMSNorm: unknown kind or lane count");
   if (qkv_product(team, a, normed, qkv, (uint16_t*)(base + w.parts), err, errlen) != 0) return 1;
+  add_bias(qkv, qkv_width, a.qkv_bias, T, qkv_width);
   if (a.lora)
     add_loras(team, {{&a.lora->q, normed, D, qkv, qkv_width}, {&a.lora->k, normed, D, qkv + int64_t(H) * d, qkv_width},
                      {&a.lora->v, normed, D, qkv + int64_t(H + Hkv) * d, qkv_width}}, T);
@@ -263,8 +299,8 @@ int layer(void* team, const TmDecodeLayerArgs& a, char* err, int errlen) {
     }
     q = qn, k = kn, q_row = int64_t(H) * d, k_row = int64_t(Hkv) * d;
   }
-  if (tm_rotary_inplace(q, T, H, d, q_row, d, a.cos, a.sin, a.cs_row_stride, 0, 1) != 0 ||
-      tm_rotary_inplace(k, T, Hkv, d, k_row, d, a.cos, a.sin, a.cs_row_stride, 0, 1) != 0)
+  if (tm_rotary_inplace(q, T, H, d, q_row, d, a.cos, a.sin, a.cs_row_stride, a.half_rotary, 1) != 0 ||
+      tm_rotary_inplace(k, T, Hkv, d, k_row, d, a.cos, a.sin, a.cs_row_stride, a.half_rotary, 1) != 0)
     return tm_fail(err, errlen, "rotary embedding needs an even head dim");
   const size_t kv_row = size_t(Hkv) * d;
   for (int t = 0; t < T; ++t) {
@@ -277,6 +313,7 @@ int layer(void* team, const TmDecodeLayerArgs& a, char* err, int errlen) {
   at.k_slots = a.k_slots, at.v_slots = a.v_slots, at.out = attn;
   if (tm_paged_decode_attention(a.attend_on_team ? team : nullptr, &at, err, errlen) != 0) return 1;
   if (product(team, a.o, T, attn, proj, err, errlen) != 0) return 1;
+  add_bias(proj, D, a.o_bias, T, D);
   if (a.lora) add_loras(team, {{&a.lora->o, attn, int64_t(H) * d, proj, D}}, T);
   add_rows(a.x, proj, a.out, size_t(T) * D);
 
@@ -284,12 +321,14 @@ int layer(void* team, const TmDecodeLayerArgs& a, char* err, int errlen) {
   if (tm_rms_norm(a.out, D, a.post_norm, normed, T, D, a.eps, a.norm_kind, 1, 1, 1, a.sum_lanes) != 0)
     return tm_fail(err, errlen, "post-attention RMSNorm: unknown kind or lane count");
   auto* logits = (uint16_t*)(base + w.logits);
-  if (product(team, a.router, T, normed, logits, err, errlen) != 0) return 1;
+  if (router_logits(team, a, normed, (float*)(base + w.normed_f32), (float*)(base + w.logits_f32), logits, err,
+                    errlen) != 0)
+    return 1;
   if (a.lora) add_loras(team, {{&a.lora->router, normed, D, logits, a.E}}, T);
   void* weights = base + w.weights;
   auto* weights_f32 = (float*)(base + w.weights_f32);
-  if (tm_softmax_topk(logits, T, a.E, a.K, 1, a.renormalize, a.weights_bf16, a.exp_lanes, a.sum_lanes, weights,
-                      a.ids) != 0)
+  if (tm_softmax_topk(logits, T, a.E, a.K, 1, a.renormalize, a.weights_bf16, a.exp_lanes, a.sum_lanes, a.topk_first,
+                      weights, a.ids) != 0)
     return tm_fail(err, errlen, "router: top-k larger than the experts, or an unknown lane count");
   const int tk = T * a.K;
   for (int i = 0; i < tk; ++i)  // the tier multiplies in fp32 (a bf16 weight widened exactly)

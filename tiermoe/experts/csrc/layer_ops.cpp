@@ -241,6 +241,27 @@ float reduce_of(int lanes, Op op, const float* x, int64_t n) {
   return lanes == 16 ? reduce_all<16>(op, x, n) : reduce_all<8>(op, x, n);
 }
 
+// x[0, n) = softmax(x) in place, as ATen's _vec_softmax_lastdim computes a row: max, exp(x - max), then times
+// 1 / sum.
+void softmax(int lanes, float* x, int64_t n) {
+  const float max = reduce_of(
+      lanes, [](float a, float b) { return std::isnan(a) || std::isnan(b) ? NAN : std::max(a, b); }, x, n);
+  for (int64_t i = 0; i < n; ++i) x[i] = sleef_expf(x[i] - max);
+  const float inv = 1.0f / reduce_of(lanes, [](float a, float b) { return a + b; }, x, n);
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+// The k largest of `queue` at its front, sorted, as ATen's topk_impl_loop puts them (the same algorithm per size,
+// so ties come out in torch's order).
+void top_k(std::vector<std::pair<float, int64_t>>& queue, int k) {
+  if (int64_t(k) * 64 <= int64_t(queue.size())) {
+    std::partial_sort(queue.begin(), queue.begin() + k, queue.end(), before);
+  } else {
+    std::nth_element(queue.begin(), queue.begin() + k - 1, queue.end(), before);
+    std::sort(queue.begin(), queue.begin() + k - 1, before);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -296,33 +317,26 @@ int tm_rms_norm_gated(const void* x, int64_t x_stride, const void* gate, const v
   return 0;
 }
 
-// A softmax top-k router's tail, per row of `logits` [rows, n] (bf16 or fp32, contiguous):
-//   p = softmax(float(logits)); (v, ids) = topk(p, k) (sorted, largest first); renorm: v /= sum(v);
+// A softmax top-k router's tail, per row of `logits` [rows, n] (bf16 or fp32, contiguous), in one of two orders:
+//   softmax first: p = softmax(float(logits)); (v, ids) = topk(p, k) (sorted, largest first); renorm: v /= sum(v)
+//   top-k first (GPT-OSS): (v, ids) = topk(logits, k); v = softmax(float(v)) (renorm unused: v sums to one)
 //   weights = v in bf16 (weights_bf16) or fp32.
 // Returns 1 when k is not in [1, n] or for an unknown lane count.
 int tm_softmax_topk(const void* logits, int rows, int n, int k, int logits_bf16, int renorm, int weights_bf16,
-                    int softmax_lanes, int sum_lanes, void* weights, int64_t* ids) {
+                    int softmax_lanes, int sum_lanes, int topk_first, void* weights, int64_t* ids) {
   if (k < 1 || k > n || !known_lanes(softmax_lanes) || !known_lanes(sum_lanes)) return 1;
   std::vector<float> p(n), v(k);
   std::vector<std::pair<float, int64_t>> queue(n);
   for (int r = 0; r < rows; ++r) {
     for (int i = 0; i < n; ++i) p[i] = load(logits, int64_t(r) * n + i, logits_bf16);
-    const float max = reduce_of(
-        softmax_lanes, [](float a, float b) { return std::isnan(a) || std::isnan(b) ? NAN : std::max(a, b); },
-        p.data(), n);
-    for (int i = 0; i < n; ++i) p[i] = sleef_expf(p[i] - max);
-    const float inv = 1.0f / reduce_of(softmax_lanes, [](float a, float b) { return a + b; }, p.data(), n);
-    for (int i = 0; i < n; ++i) queue[i] = {p[i] * inv, i};
-    if (int64_t(k) * 64 <= n) {
-      std::partial_sort(queue.begin(), queue.begin() + k, queue.end(), before);
-    } else {
-      std::nth_element(queue.begin(), queue.begin() + k - 1, queue.end(), before);
-      std::sort(queue.begin(), queue.begin() + k - 1, before);
-    }
+    if (!topk_first) softmax(softmax_lanes, p.data(), n);
+    for (int i = 0; i < n; ++i) queue[i] = {p[i], i};
+    top_k(queue, k);
     for (int j = 0; j < k; ++j) v[j] = queue[j].first;
-    const float total = renorm ? sum_of(sum_lanes, [&](int64_t i) { return v[i]; }, k) : 1.0f;
+    if (topk_first) softmax(softmax_lanes, v.data(), k);
+    const float total = renorm && !topk_first ? sum_of(sum_lanes, [&](int64_t i) { return v[i]; }, k) : 1.0f;
     for (int j = 0; j < k; ++j) {
-      store(weights, int64_t(r) * k + j, renorm ? v[j] / total : v[j], weights_bf16);
+      store(weights, int64_t(r) * k + j, renorm && !topk_first ? v[j] / total : v[j], weights_bf16);
       ids[int64_t(r) * k + j] = queue[j].second;
     }
   }

@@ -73,7 +73,7 @@ int tm_paged_decode_attention(void* team, const TmAttnArgs* args, char* err, int
 int tm_rms_norm(const void* x, int64_t x_stride, const void* weight, void* out, int rows, int n, double eps, int kind,
                 int x_bf16, int w_bf16, int out_bf16, int sum_lanes);
 int tm_softmax_topk(const void* logits, int rows, int n, int k, int logits_bf16, int renorm, int weights_bf16,
-                    int softmax_lanes, int sum_lanes, void* weights, int64_t* ids);
+                    int softmax_lanes, int sum_lanes, int topk_first, void* weights, int64_t* ids);
 int tm_rotary_inplace(void* x, int T, int H, int d, int64_t row_stride, int64_t head_stride, const void* cos,
                       const void* sin, int64_t cs_row_stride, int half_width, int bf16);
 int tm_read_probe(void* team, const void* buf, int64_t bytes, int reps, double* best_seconds);
