@@ -30,8 +30,9 @@ still runs. Models and GGUF files are made on the first run and kept (e2e/models
 loaded machine are not results (the load average is printed before and after).
 
     python benchmarks/bench_e2e_cpu.py --build-llama-cpp --quick          # build llama.cpp, a short first run
-    python benchmarks/bench_e2e_cpu.py --rounds 5 --json e2e.json         # every model, 5 alternating rounds
+    python benchmarks/bench_e2e_cpu.py --rounds 5 --json e2e.json         # the issue's models, 5 alternating rounds
     python benchmarks/bench_e2e_cpu.py --models tiny-48l --compare-commit HEAD~1 --rounds 5
+    python benchmarks/bench_e2e_cpu.py --models gpt-oss-tiny-24l,gpt-oss-20b-2l --rounds 5 --loss-prompts 0
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu_experts import MachineProbe  # noqa: E402
 from e2e import llama_cpp as llama  # noqa: E402
-from e2e.models import MODELS, dir_bytes, prepare  # noqa: E402
+from e2e.models import DEFAULT_MODELS, MODELS, dir_bytes, prepare  # noqa: E402
 from e2e.report import LLAMA, NO_REPACK, TIERMOE, evaluate_goals, keep_round, report  # noqa: E402
 from e2e.side_process import SideError, Worker  # noqa: E402
 from support.decode_rounds import print_load_average  # noqa: E402
@@ -62,8 +63,8 @@ PROBES = 5  # read-bandwidth probes per round (torch.mv over 1 GiB, about 50 ms 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", help=f"comma-separated, of: {', '.join(MODELS)} (default: all; --quick: "
-                   "qwen3-30b-a3b-2l,tiny-48l)")
+    p.add_argument("--models", help=f"comma-separated, of: {', '.join(MODELS)} (default: "
+                   f"{','.join(DEFAULT_MODELS)}; --quick: qwen3-30b-a3b-2l,tiny-48l)")
     p.add_argument("--formats", default="bf16,4-bit", help="bf16 and/or 4-bit (default both; tiny-48l is bf16 only)")
     p.add_argument("--threads", type=int, default=2, help="threads of each side (default 2)")
     p.add_argument("--tiermoe-threads", default=None, metavar="N|default",
@@ -92,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.rounds, args.tokens, args.component_steps = 1, 16, 4
         args.loss_prompts, args.loss_max_tokens = min(args.loss_prompts, 4), min(args.loss_max_tokens, 64)
-    names = (args.models or ("qwen3-30b-a3b-2l,tiny-48l" if args.quick else ",".join(MODELS))).split(",")
+    names = (args.models or ("qwen3-30b-a3b-2l,tiny-48l" if args.quick else ",".join(DEFAULT_MODELS))).split(",")
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         p.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")

@@ -41,8 +41,21 @@ MODELS = {m.name: m for m in (
                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=128,
                    num_experts_per_tok=8, vocab_size=1024, max_position_embeddings=4096, norm_topk_prob=True,
                    mlp_only_layers=[], tie_word_embeddings=False)), ("bf16",), 0.31, loss=False, host_bound=True),
+    # GPT-OSS's layer (biases, sinks, sliding windows every other layer, top-k-first router), its host cost: 24
+    # layers of tiny width, and its bytes: GPT-OSS-20B's shapes with 2 layers
+    BenchModel("gpt-oss-tiny-24l", "GPT-OSS, 24 layers of tiny width (hidden 128, 32 experts top-4)",
+               dict(arch="gpt_oss", config_overrides=dict(
+                   hidden_size=128, intermediate_size=64, num_hidden_layers=24, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, num_local_experts=32, num_experts_per_tok=4,
+                   sliding_window=128, vocab_size=1024, max_position_embeddings=4096, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 150000.0})),
+               ("bf16",), 0.05, loss=False, host_bound=True),
+    BenchModel("gpt-oss-20b-2l", "GPT-OSS-20B's shapes, 2 layers",
+               dict(arch="gpt_oss", preset="gpt-oss-20b", layers=2), ("bf16", "4-bit"), 5.6, loss=False),
 )}
 
+# what a run without --models makes and runs (the GPT-OSS models on request)
+DEFAULT_MODELS = ("qwen3-30b-a3b-2l", "qwen3-30b-a3b-8l", "tiny-48l")
 GGUF_NAMES = {"bf16": "bf16.gguf", "4-bit": "q4_k_m.gguf"}
 Q4_SHARE = 0.32  # Q4_K_M bytes / bf16 bytes, about
 
