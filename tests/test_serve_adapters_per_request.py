@@ -150,6 +150,28 @@ def test_a_decode_step_of_adapter_rows_takes_the_whole_layer_native_call(served,
     with adapter rows it takes each row's updates of q, k, v, o, the router and the experts, giving the per-op
     path's logits (within bf16's roundings, far below what the adapters change)."""
     model, dirs, _, _ = served
+    _fused_adapter_rows_match_per_op(model, dirs, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def served_gpt_oss(tmp_path_factory):
+    """(GPT-OSS model dir (experts of a kernel shape, a character tokenizer), {name: adapter dir}): PEFT's
+    "all-linear" adapts GPT-OSS's attention (its q, k, v and o have biases, added before the updates)."""
+    root = tmp_path_factory.mktemp("served_gpt_oss")
+    model = save_tiny("gpt_oss", root / "model", sizes={"intermediate_size": 64})
+    save_char_tokenizer(model)
+    dirs = {}
+    for seed, name in enumerate(NAMES, start=1):
+        dirs[name] = root / name
+        peft_reference(model, lora_config(), seed=seed).save_pretrained(dirs[name])
+    return model, dirs
+
+
+def test_gpt_oss_adapter_rows_take_the_whole_layer_native_call_too(served_gpt_oss, monkeypatch):
+    _fused_adapter_rows_match_per_op(*served_gpt_oss, monkeypatch)
+
+
+def _fused_adapter_rows_match_per_op(model, dirs, monkeypatch) -> None:
     cpu = CPUConfig(backend="native", expert_dtype="bf16")
     with _serving(LLM(model, dtype=torch.bfloat16, cpu=cpu, progress=False, max_running=8), dirs) as llm:
         layers = [m for m in llm.hybrid.model.modules() if isinstance(m, FusedDecodeLayer)]
