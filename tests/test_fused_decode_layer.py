@@ -97,11 +97,13 @@ def per_op(monkeypatch):
 
 @pytest.mark.exactness
 # int4: q in int4 and k / v stacked in int8 (tiermoe.model.non_expert_quant.linear_format), two products
+# GPT-OSS's 4-bit model: int4 experts with int6 downs beside int4 / int8 / int6 non-experts
 @pytest.mark.parametrize("arch,non_experts", [("qwen3_moe", None), ("mixtral", None), ("qwen3_moe", "int4"),
                                               ("gpt_oss", None), ("gpt_oss", "int4")])
 def test_a_fused_decode_step_is_bit_for_bit_the_per_op_path(arch, non_experts, checkpoint, monkeypatch):
     path = checkpoint(arch)
-    cpu = CPUConfig(non_expert_dtype=non_experts)
+    cpu = CPUConfig(non_expert_dtype=non_experts, expert_dtype="int4" if (arch, non_experts) == ("gpt_oss", "int4")
+                    else None)
     monkeypatch.setattr(fused_decode_layer, "PROMPT_ROWS", 0)  # prompts by the per-op path in both runs
     calls = Calls(monkeypatch)
     logits, fused, tokens = decode_logits(path, cpu=cpu)
