@@ -5,9 +5,9 @@
 //
 // GPT-OSS's layer is the same chain with biases on q, k, v, o and the router (q, k, v and o's added in bf16 after
 // their product, as tiermoe.layers.quantized_linear adds a bias; the router's product in fp32 with its bias added
-// before one rounding, as tiermoe.layers.fused_router computes it), rotary in its half-width form, its sinks and sliding windows in
-// the attention arguments, the router's top-k taken before its softmax and its experts' own activation and biases
-// in the CPU tier's.
+// before one rounding, as tiermoe.layers.fused_router computes it), rotary in its half-width form, its sinks and
+// sliding windows in the attention arguments, the router's top-k taken before its softmax and its experts' own
+// activation and biases in the CPU tier's.
 //
 // Each step is the library's own entry point, called with what the per-op path (tiermoe.layers.fused_attention,
 // fused_norm, fused_router, quantized_linear and the CPU tier) passes it, so the output is bit for bit that path's:
