@@ -10,7 +10,8 @@ the sides alternate within every round:
 - the bandwidth floor: bytes one decode token reads (weights + KV cache) over the read bandwidth probed in the same
   run by a STREAM-style read of 1 GiB on tiermoe's own kernel thread team, inside its worker process, after every
   round (csrc/probes.cpp; the best probe counts; where tiermoe has no team, torch.mv over 1 GiB in the parent);
-  decode's share of it;
+  decode's share of it (the goal's figure), and beside it the share round by round at the rate probed in that
+  round (the median of the rounds: the machine's read rate moves within a minute);
 - tiermoe's batched decode: 8 sequences decoding together, each step's time against the least it must read (each
   weight once: non-expert weights and head, per MoE layer the union of the experts its rows route to, counted by
   a recorder, and the KV caches) at the probe's rate;
@@ -130,15 +131,17 @@ def random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
     return [rng.randrange(10, min(vocab, 150000)) for _ in range(n)]
 
 
-def one_round(worker: Worker, figures: dict, team_rates: list[float], rng: random.Random, vocab: int, args) -> None:
+def one_round(worker: Worker, figures: dict, team_rates: list[float], round_rates: list, rng: random.Random,
+              vocab: int, args) -> None:
     """One side's round into `figures`; on tiermoe's side (this tree's) also the read probe on its team (into
-    `team_rates`) and BATCH sequences decoding together with what their step reads at least
-    (figures["batched_rounds"]), on the same load of the model."""
+    `team_rates`, and this round's into `round_rates`: None where it has no team) and BATCH sequences decoding
+    together with what their step reads at least (figures["batched_rounds"]), on the same load of the model."""
     keep_round(figures, measure_round(worker, rng, vocab, args.tokens))
     if worker.label != TIERMOE:
         return
     rate = worker.call("read_rate")
     team_rates.extend([rate] if rate else [])
+    round_rates.append(rate)
     prompts = [random_prompt(rng, vocab, PROMPT) for _ in range(BATCH)]
     figures.setdefault("batched_rounds", []).append(
         worker.call("batched_decode", prompts=prompts, tokens=max(4, args.tokens // 4)))
@@ -206,7 +209,7 @@ def run_row(model, fmt: str, files: dict, args, compare, probe: MachineProbe, te
     vocab = json.loads((files["hf"] / "config.json").read_text())["vocab_size"]
     workers: dict[str, Worker] = {}
     best: dict[str, dict] = {s[0]: {} for s in sides}  # per side: the medians of the rounds so far
-    layers = []
+    layers, round_rates = [], []  # round_rates: tiermoe's team probe of each round, for the paired floor share
 
     def on_side(side, task) -> None:
         """task(worker) on this side's worker (loaded and warmed up first if need be); a side that fails is
@@ -252,7 +255,7 @@ def run_row(model, fmt: str, files: dict, args, compare, probe: MachineProbe, te
             for _ in range(PROBES):  # the floor is the machine's best read rate, not one unlucky sample
                 probe.probe(args.threads)
             for side in list(sides):
-                on_side(side, lambda w: one_round(w, best[w.label], team_rates, rng, vocab, args))
+                on_side(side, lambda w: one_round(w, best[w.label], team_rates, round_rates, rng, vocab, args))
             print(f"{tag} round {r + 1}/{args.rounds} (medians so far): " + "; ".join(
                 f"{label} {b['decode_tok_s']:.1f} tok/s, TTFT16 {b['ttft16_s'] * 1e3:.0f} ms, "
                 f"prefill512 {b['prefill512_tok_s']:.0f} tok/s" for label, b in best.items()), flush=True)
@@ -267,7 +270,7 @@ def run_row(model, fmt: str, files: dict, args, compare, probe: MachineProbe, te
     if not best:
         raise SideError("no side ran")
     return {"model": model.name, "format": fmt, "layers": layers[0], "host_bound": model.host_bound,
-            "backends": best}
+            "round_read_rates": round_rates, "backends": best}
 
 
 def run_loss(model, files: dict, args) -> dict:

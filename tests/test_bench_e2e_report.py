@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from e2e.report import NO_REPACK, evaluate_goals, host_us_per_layer, keep_round, report  # noqa: E402
+from e2e.report import (  # noqa: E402
+    NO_REPACK,
+    evaluate_goals,
+    host_us_per_layer,
+    keep_round,
+    paired_floor_share,
+    report,
+)
 
 GB = 1e9
 
@@ -106,6 +113,20 @@ def test_each_figure_is_the_median_of_the_rounds_with_its_spread_in_the_table():
     assert figures["decode_tok_s"] == 7.0 and figures["ttft16_s"] == 0.15  # one fast outlier moves nothing
     assert figures["spread"]["decode_tok_s"] == [5.0, 30.0] and len(figures["rounds"]["ttft16_s"]) == 5
     assert "| 7.0 (5.0-30.0) |" in report(_results(figures, {}))
+
+
+def test_the_paired_floor_share_takes_each_round_at_the_rate_probed_in_it():
+    # 1 GB a token: 10 tok/s at 20 GB/s is half the floor, 10 tok/s at 10 GB/s all of it; the median of the rounds
+    figures = {}
+    for decode in (10.0, 10.0, 15.0):
+        keep_round(figures, {"decode_tok_s": decode})
+    figures["bytes_per_token"] = 1 * GB
+    assert paired_floor_share(figures, [20 * GB, 10 * GB, 30 * GB]) == pytest.approx(0.5)
+    assert paired_floor_share(figures, [10 * GB, None]) == pytest.approx(1.0)  # a round without a probe is left out
+    assert paired_floor_share(figures, None) is None and paired_floor_share({"decode_tok_s": 5.0}, [GB]) is None
+    results = _results(figures, None)
+    results["rows"][0]["round_read_rates"] = [20 * GB, 10 * GB, 30 * GB]
+    assert "| 10.0 (10.0-15.0) | - | 50% | 50% |" in report(results)  # the run's best probe (20 GB/s): 50% too
 
 
 def test_the_batched_figure_is_the_bound_of_the_step_over_its_time():

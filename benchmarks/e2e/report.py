@@ -7,6 +7,8 @@ results = {"machine": {"read_bandwidth": bytes/s, ...},
            "rows": [{"model", "format" ("bf16" | "4-bit"), "layers", optional "host_bound" (a model of next to no
                      bytes, whose weights sit in cache: the ratio to llama.cpp alone is judged there, the
                      floor goal elsewhere),
+                     optional "round_read_rates" [bytes/s: the read probe of each round, on tiermoe's team right
+                     after its round],
                      "backends": {label: {"decode_tok_s", "ttft16_s", "prefill512_tok_s" (medians of the rounds;
                                           "rounds" {figure: every value}, "spread" {figure: [min, max]}),
                                           "bytes_per_token",
@@ -72,6 +74,16 @@ def floor_tok_s(backend: dict, bandwidth: float) -> float | None:
     """Tokens/s if a decode step only read its weights and KV at the measured read bandwidth."""
     read = backend.get("bytes_per_token")
     return bandwidth / read if read and bandwidth else None
+
+
+def paired_floor_share(backend: dict, round_rates: list[float] | None) -> float | None:
+    """Decode's share of the floor round by round: each round's decode rate against the floor at the read rate
+    probed in that same round, the median of the rounds. The machine's read rate moves (33-47 GB/s within a
+    minute on the 2-core VMs this was written on), so this is the share at the rate the round saw, where the
+    floor of the run's best probe is the conservative one; None where either is missing."""
+    decodes, read = backend.get("rounds", {}).get("decode_tok_s"), backend.get("bytes_per_token")
+    pairs = [(d, r) for d, r in zip(decodes or [], round_rates or []) if d and r]
+    return statistics.median(d * read / r for d, r in pairs) if pairs and read else None
 
 
 def host_us_per_layer(backend: dict, layers: int) -> float | None:
@@ -178,9 +190,9 @@ def _times(ratio: float | None) -> str:
 
 def speed_table(results: dict) -> list[str]:
     bandwidth = results["machine"].get("read_bandwidth") or 0.0
-    lines = ["| model | format | backend | decode tok/s | vs llama.cpp | of floor | TTFT 16 ms | vs llama.cpp | "
-             "prefill 512 tok/s | vs llama.cpp | outside the kernels, us/layer | torch ops/layer |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | format | backend | decode tok/s | vs llama.cpp | of floor | of its round's probe | TTFT 16 ms | "
+             "vs llama.cpp | prefill 512 tok/s | vs llama.cpp | outside the kernels, us/layer | torch ops/layer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in results["rows"]:
         ref = row["backends"].get(LLAMA, {})
         for label, b in row["backends"].items():
@@ -191,6 +203,7 @@ def speed_table(results: dict) -> list[str]:
                 f"| {row['model']} | {row['format']} | {shown} | {_with_spread(b, 'decode_tok_s', '.1f')} | "
                 f"{_times(_ratio(b.get('decode_tok_s'), ref.get('decode_tok_s')))} | "
                 f"{_fmt(_ratio(b.get('decode_tok_s'), floor_tok_s(b, bandwidth)), '.0%')} | "
+                f"{_fmt(paired_floor_share(b, row.get('round_read_rates')), '.0%')} | "
                 f"{_with_spread(b, 'ttft16_s', '.1f', 1e3)} | {_times(_ratio(ttft, ref.get('ttft16_s')))} | "
                 f"{_with_spread(b, 'prefill512_tok_s', '.0f')} | "
                 f"{_times(_ratio(b.get('prefill512_tok_s'), ref.get('prefill512_tok_s')))} | "
