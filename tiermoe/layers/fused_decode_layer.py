@@ -165,7 +165,7 @@ class FusedDecodeLayer(nn.Module):
             qkv=_product(kernels, qkv), o=_product(kernels, attn.o_proj), router=_product(kernels, router.packed),
             kv=TmLinearArgs() if kv is None else _product(kernels, kv),
             attn=TmAttnArgs(isa=kernels.isa, scale=attn.scaling,
-                            sinks=None if self.sinks is None else self.sinks.data_ptr()),
+                            sinks=_pointer(self.sinks)),
             topk_first=int(router.topk_first), qkv_bias=_pointer(self.qkv_bias), o_bias=_pointer(attn.o_proj.bias),
             router_bias=_pointer(router.bias))
 

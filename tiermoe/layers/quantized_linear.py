@@ -1,4 +1,5 @@
-"""QuantizedLinear: an nn.Linear whose weight is held packed (bf16 / int8 / int4 / int6) and computed by the native kernels.
+"""QuantizedLinear: an nn.Linear whose weight is held packed (bf16 / int8 / int4 / int6) and computed by the native
+kernels.
 
 For CPU-only runs (`--non-expert-dtype`, gpu_device "cpu"): a decode step reads every non-expert weight once, so
 storing them as the CPU tier stores its experts (tiermoe.experts.quant: int8 per row, int4 in groups of 32,

@@ -25,7 +25,7 @@ enum { TM_ROWS_F32 = 1, TM_ROWS_BF16 = 2 };
 //   int6: per strip, groups of 32 k of 384 bytes: the group's 16 lines of low nibbles as int4's (256 bytes), then
 //         its high 2 bits in two 64-byte blocks, block h for the group's lines 8h .. 8h + 7: byte 4r + i holds
 //         row r's line 8h + i (low nibble) and line 8h + 4 + i (high nibble), each nibble k even in bits 0-1 and
-//         k odd in bits 2-3 (what lets the VNNI kernel OR them into a load of 4 lines after its transpose);
+//         k odd in bits 2-3 (what lets the VNNI kernel OR them into a load of 4 lines as it stands);
 //         gscale uint8 [N/16][K/32][16], gzero uint8 [N/16][K/32][16] (0..63), w = scale[n] * gscale * (code - zero)
 struct TmMatrix {
   const void* codes;
