@@ -17,7 +17,6 @@ from tiermoe.arch.discover import discover
 from tiermoe.config import CPUConfig
 from tiermoe.engine.llm import LLM
 from tiermoe.errors import TiermoeError
-from tiermoe.layers import fused_attention, fused_decode_layer
 from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.model.catalogue import parts_of
 from tiermoe.model.hybrid_experts import HybridExperts
@@ -55,16 +54,20 @@ def test_every_other_family_keeps_its_own_block_forward():
     assert spec.router_kind == "the model's own PhimoeTopKRouter" and spec.disk.fused_kind == "transformers"
 
 
-def test_the_fused_native_decode_paths_take_exactly_these_layer_classes():
-    # whole-layer native decode call, and the fused qkv + rotary attention: the tuned families' speed on the CPU
-    assert sorted(c.__name__ for c in fused_decode_layer._FAMILIES) == ["GptOssDecoderLayer", "MixtralDecoderLayer",
-                                                                        "Qwen3MoeDecoderLayer"]
-    assert sorted(c.__name__ for c in fused_attention._FAMILIES) == ["GptOssAttention", "MixtralAttention",
-                                                                     "Qwen2MoeAttention", "Qwen3MoeAttention"]
-    decode = {arch: parts_of(detect(make_config(arch)), discover(make_config(arch))).decode for arch in TINY}
-    assert (decode["qwen3_moe"] == decode["mixtral"] == decode["gpt_oss"]
-            == "whole layer in one native call, fused attention")
-    assert decode["qwen2_moe"] == "fused attention"
+def test_the_fused_native_decode_paths_take_the_classes_whose_code_is_theirs():
+    # whole-layer native decode call, fused qkv + rotary attention, routers and norms: what each family's modules
+    # take on the CPU, found from their code (tiermoe.arch.code_form), not their names
+    def decode(arch):
+        config = make_config(arch) if arch in TINY else tiny_config(arch)
+        return parts_of(detect(config), discover(config)).decode
+
+    everything = "whole layer in one native call, fused attention, fused router, fused norms"
+    assert decode("qwen3_moe") == decode("mixtral") == decode("gpt_oss") == everything
+    assert decode("qwen2_moe") == "fused attention, fused router, fused norms"  # its shared experts: per op
+    assert decode("mellum") == "fused attention, fused router, fused norms"  # Qwen3-MoE's attention, its own block
+    assert decode("phimoe") == "fused attention"  # Qwen2-MoE's attention; LayerNorms, a sparsemixer router
+    assert decode("deepseek_v3") == "fused router, fused norms"  # MLA attends per op
+    assert decode("ernie4_5_moe") == "fused norms"  # its rotary (interleaved) is not Qwen2-MoE's
 
 
 def test_a_discovered_family_runs_its_experts_on_both_tiers_in_its_own_block(tmp_path):

@@ -1,6 +1,7 @@
 """Decode steps through DecodeFusedAttention (one qkv projection, native rotary, the pool read in place) give
 what transformers' attention gives: fp32 logits of every decode step within 1e-5 of the unmodified model's
-(FP32_TOL of test_engine_kv_pool: sums in another order), for each fused family, alone and batched."""
+(FP32_TOL of test_engine_kv_pool: sums in another order), for each fused family, alone and batched, and for
+families whose attention has one of theirs' code under another name (tiermoe.arch.code_form)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,22 @@ from tiermoe.engine.llm import LLM
 from tiermoe.experts.kernels import load_kernels
 from tiermoe.layers.fused_attention import DecodeFusedAttention
 from tiermoe.testing.op_counter import OpCounter
+from tiermoe.testing.presets import TINY
+from tiermoe.testing.zoo_exactness import write_tiny
 
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="the CPU kernels are not built here")
 FP32_TOL = 2e-5
 
 
 @pytest.mark.exactness
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
-def test_decode_steps_of_fused_attention_equal_transformers(arch, tiny_dir):
-    path = tiny_dir(arch)
+# Mellum's attention is Qwen3-MoE's code; PhiMoE's (q/k/v biases) and Granite-MoE's (its own scaling) Qwen2-MoE's
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "mellum", "phimoe", "granitemoe"])
+def test_decode_steps_of_fused_attention_equal_transformers(arch, tiny_dir, tmp_path):
+    if arch in TINY:
+        path = tiny_dir(arch)
+    else:
+        path = tmp_path / arch
+        write_tiny(arch, path)
     ref = load_reference(path)
     prompts = [[3 + (5 * i + 7 * s) % 200 for i in range(n)] for s, n in enumerate([4, 9, 13])]
     mask = make_mask("random_half", detect(load_config(path)))

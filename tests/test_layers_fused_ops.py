@@ -16,8 +16,8 @@ from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.experts.layer_ops import TORCH_GRAIN_SIZE, _row_stride, load_layer_ops
 from tiermoe.layers.fused_grouped_router import FusedGroupedRouter, fuse_grouped_routers
-from tiermoe.layers.fused_norm import NATIVE_MAX_ROWS, NORM_CLASSES, FusedRMSNorm, FusedRMSNormGated, fuse_norms
-from tiermoe.layers.fused_router import ROUTER_CLASSES, FusedTopKRouter, fuse_routers
+from tiermoe.layers.fused_norm import NATIVE_MAX_ROWS, NORM_FORMS, FusedRMSNorm, FusedRMSNormGated, fuse_norms
+from tiermoe.layers.fused_router import ROUTER_FORMS, FusedTopKRouter, fuse_routers
 from tiermoe.model.loader import load_hybrid_model
 from tiermoe.testing.op_counter import OpCounter
 from tiermoe.testing.presets import make_config
@@ -57,7 +57,7 @@ def test_every_rms_norm_of_every_architecture_is_fused_bit_for_bit(arch):
     g = torch.Generator().manual_seed(1)
     norms = {}
     for module in model.modules():
-        if (type(module).__module__, type(module).__qualname__) in NORM_CLASSES:
+        if NORM_FORMS.of(type(module)) is not None:
             norms.setdefault((type(module), module.weight.shape[0]), module)
     assert norms, arch
     for norm in norms.values():
@@ -151,7 +151,7 @@ def test_every_softmax_top_k_router_is_fused_bit_for_bit_ties_included(arch):
         pytest.skip(f"torch's {torch.backends.cpu.get_cpu_capability()} softmax is not replicated")
     g = torch.Generator().manual_seed(2)
     router_cls = next(type(m) for m in tiny_model(arch).modules()
-                      if (type(m).__module__, type(m).__qualname__) in ROUTER_CLASSES)
+                      if ROUTER_FORMS.of(type(m)) is not None)
     for overrides in router_cases(arch):
         config = make_config(arch, **overrides)
         router = router_cls(config)

@@ -15,31 +15,48 @@ tiermoe.layers.decode_attention), computes:
 - the new K/V written into the pool, the attention read in place, the output projection.
 Every other step (gathered prompt chunks, gradients, a GPU device) runs the module's original forward.
 Families: Qwen3-MoE, Qwen2-MoE, Mixtral and GPT-OSS attention (full rotary, no gate; GPT-OSS's sinks go to the
-attention kernel). OLMoE (norms over all heads, clipping), GLM-4.5 (partial rotary) and Qwen3-Next (gated) keep
-transformers' forward.
+attention kernel), and every class whose code is one of theirs under another name (tiermoe.arch.code_form: Mellum's
+and Dots1's are Qwen3-MoE's, PhiMoE's, Granite-MoE's and Solar-Open's Qwen2-MoE's, MiniMax's Mixtral's). OLMoE (norms
+over all heads, clipping), GLM-4.5 (partial rotary), Qwen3-Next (gated) and the rest keep transformers' forward.
 Legend: T rows, H query heads, Hkv KV heads, d head dim.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention
-from transformers.models.mixtral.modeling_mixtral import MixtralAttention
-from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 
+from tiermoe.arch.code_form import CodeForms
 from tiermoe.layers.decode_attention import DecodeAttention
 from tiermoe.layers.module_swap import swap_modules
 from tiermoe.layers.paged_attention import STEP_KWARG
 from tiermoe.layers.quantized_linear import QuantizedLinear, stack_rows
 from tiermoe.layers.row_lora_linear import RowLoRALinear
 
-_FAMILIES = (Qwen3MoeAttention, Qwen2MoeAttention, MixtralAttention, GptOssAttention)
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
+
+@dataclass(frozen=True)
+class AttentionForm:
+    """What an attention class computes around its q/k/v/o projections and the attention itself."""
+
+    qk_norm: bool = False  # q and k normed per head by its q_norm / k_norm modules before rotary (Qwen3-MoE's)
+    half_rotary: bool = False  # rotary tables of half the head dim, each half of a head turned by them (GPT-OSS's)
+    sinks: bool = False  # a learned sink logit per head in the softmax (GPT-OSS's `sinks` parameter)
+
+
+_MODELS = "transformers.models"
+# (module, class) -> its form; a class with the same code as one of these is taken too (tiermoe.arch.code_form)
+ATTENTION_FORMS = CodeForms({
+    (f"{_MODELS}.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeAttention"): AttentionForm(qk_norm=True),
+    (f"{_MODELS}.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeAttention"): AttentionForm(),
+    (f"{_MODELS}.mixtral.modeling_mixtral", "MixtralAttention"): AttentionForm(),
+    (f"{_MODELS}.gpt_oss.modeling_gpt_oss", "GptOssAttention"): AttentionForm(half_rotary=True, sinks=True),
+})
 
 
 class DecodeFusedAttention(nn.Module):
@@ -59,6 +76,8 @@ class DecodeFusedAttention(nn.Module):
                 setattr(self, name, value)
         self.training = original.training
         self.original_class = type(original)  # its forward runs every other step; its file has the eager attention
+        self.form: AttentionForm = ATTENTION_FORMS.of(type(original))
+        self.rotary_width = self.head_dim // 2 if self.form.half_rotary else self.head_dim  # the tables' width
         self.native = native
         self.heads = (original.config.num_attention_heads, original.config.num_key_value_heads)
         projections = [getattr(self, n) for n in _PROJECTIONS]
@@ -73,7 +92,8 @@ class DecodeFusedAttention(nn.Module):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if (args or step is None or step.first_gathered < len(step.row_parts)  # a part to gather: SDPA's path
                 or (step.decode_attention is None and step.chunk_attention is None)
-                or cache is None or torch.is_grad_enabled()):
+                or cache is None or torch.is_grad_enabled()
+                or kwargs["position_embeddings"][0].shape[-1] != self.rotary_width):  # partial rotary: not ours
             return self.original_class.forward(self, *args, **kwargs)
         return self._decode(kwargs["hidden_states"], kwargs["position_embeddings"], cache, step), None
 
@@ -81,7 +101,7 @@ class DecodeFusedAttention(nn.Module):
         H, Hkv = self.heads
         T, d = x_1TD.shape[1], self.head_dim
         q_THd, k_THd, v_THd = self._qkv(x_1TD[0]).view(T, H + 2 * Hkv, d).split([H, Hkv, Hkv], dim=1)
-        if hasattr(self, "q_norm"):
+        if self.form.qk_norm:
             q_THd, k_THd = self.q_norm(q_THd), self.k_norm(k_THd)
         cos, sin = position_embeddings
         self.native.rotate(q_THd, cos[0], sin[0])
@@ -89,7 +109,7 @@ class DecodeFusedAttention(nn.Module):
         k_slots, v_slots = cache.write(self.layer_idx, k_THd, v_THd)
         out_THd = q_THd.new_empty((T, H, v_THd.shape[-1]))
         step.attend_in_place(step.layer_windows[self.layer_idx], q_THd, k_slots, v_slots, self.scaling,
-                             getattr(self, "sinks", None), out_THd)
+                             self.sinks if self.form.sinks else None, out_THd)
         return self.o_proj(out_THd.view(1, T, -1))
 
     def _qkv(self, x_TD: torch.Tensor) -> torch.Tensor:
@@ -149,6 +169,7 @@ def _concatenated(*linears: nn.Module) -> tuple[torch.Tensor | None, torch.Tenso
 
 
 def fuse_decode_attention(model: nn.Module, native: DecodeAttention) -> int:
-    """Put a DecodeFusedAttention in place of every attention module of a supported family; returns how many."""
-    return swap_modules(model, lambda m: type(m) in _FAMILIES, lambda m: DecodeFusedAttention(m, native))
+    """Put a DecodeFusedAttention in place of every attention module of one of ATTENTION_FORMS; returns how many."""
+    return swap_modules(model, lambda m: ATTENTION_FORMS.of(type(m)) is not None,
+                        lambda m: DecodeFusedAttention(m, native))
 

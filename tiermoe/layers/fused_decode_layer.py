@@ -1,5 +1,5 @@
 """A decoder layer's decode step in one native call, for CPU-only runs of Qwen3-MoE, Mixtral and GPT-OSS models in
-bf16.
+bf16 (and of any decoder layer with one of theirs' code, LAYER_FORMS).
 
 After the per-op fusions (fused norms, routers and attention, packed linears) a decode step of a width-128 layer
 still cost about 400 us of host time against llama.cpp's 75: some sixty dispatched torch ops and ten ctypes calls,
@@ -31,10 +31,8 @@ import ctypes
 
 import torch
 from torch import nn
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssDecoderLayer
-from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
 
+from tiermoe.arch.code_form import CodeForms
 from tiermoe.experts.kernel_matmuls import PackedMatrix
 from tiermoe.experts.kernels import (
     Kernels,
@@ -57,7 +55,11 @@ from tiermoe.layers.paged_attention import STEP_KWARG, PagedStepCache
 from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.layers.row_lora_linear import RowLoRALinear
 
-_FAMILIES = (Qwen3MoeDecoderLayer, MixtralDecoderLayer, GptOssDecoderLayer)
+_MODELS = "transformers.models"
+# The decoder layers whose forward the native call computes (the residual adds around the attention and the MoE
+# block); a class with the same code as one of these is taken too (tiermoe.arch.code_form).
+LAYER_FORMS = CodeForms({(f"{_MODELS}.{arch}.modeling_{arch}", name): True for arch, name in (
+    ("qwen3_moe", "Qwen3MoeDecoderLayer"), ("mixtral", "MixtralDecoderLayer"), ("gpt_oss", "GptOssDecoderLayer"))})
 # Rows of a step with prompt rows that still takes the whole-layer call: every row attends in place in one call
 # (RaggedStep.rows_in_place), where the per-op path attends the decode rows and the chunks' rows in two (the same
 # products, attention summed in another order where the team splits a row's keys differently; the per-op path's
@@ -146,14 +148,13 @@ class FusedDecodeLayer(nn.Module):
         self.__dict__["fused_router"] = router  # the router the native call computes (see the module docstring)
         H, Hkv = attn.heads
         norm = self.input_layernorm
-        qk_norm = hasattr(attn, "q_norm")
+        qk_norm = attn.form.qk_norm
         qkv, kv = _qkv_products(attn)
         # what the call reads besides the products: q/k/v's biases side by side, the sinks in fp32 (as the per-op
         # path passes them to the attention kernel); held here, the args point into them
         products = (qkv,) if kv is None else (qkv, kv)
         self.qkv_bias = None if qkv.bias is None else torch.cat([p.bias.detach() for p in products])
-        sinks = getattr(attn, "sinks", None)
-        self.sinks = None if sinks is None else sinks.detach().float().contiguous()
+        self.sinks = attn.sinks.detach().float().contiguous() if attn.form.sinks else None
         self.args = TmDecodeLayerArgs(
             D=norm.weight.shape[0], H=H, Hkv=Hkv, d=attn.head_dim, E=router.num_experts, K=router.top_k,
             norm_kind=norm.kind, sum_lanes=ops.sum_lanes, exp_lanes=ops.exp_lanes, qk_norm=int(qk_norm),
@@ -166,13 +167,13 @@ class FusedDecodeLayer(nn.Module):
             kv=TmLinearArgs() if kv is None else _product(kernels, kv),
             attn=TmAttnArgs(isa=kernels.isa, scale=attn.scaling,
                             sinks=_pointer(self.sinks)),
-            topk_first=int(router.topk_first), qkv_bias=_pointer(self.qkv_bias), o_bias=_pointer(attn.o_proj.bias),
-            router_bias=_pointer(router.bias))
+            half_rotary=int(attn.form.half_rotary), topk_first=int(router.topk_first),
+            qkv_bias=_pointer(self.qkv_bias), o_bias=_pointer(attn.o_proj.bias), router_bias=_pointer(router.bias))
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         moe = self.moe
         plan = None if args else self.workspace.plan_for(kwargs.get(STEP_KWARG), hidden_states, kwargs)
-        if (plan is None or plan.cos.shape[-1] not in (self.args.d, self.args.d // 2)
+        if (plan is None or plan.cos.shape[-1] != self.self_attn.rotary_width
                 or not hidden_states.is_contiguous()
                 or len(moe.gpu_tier) > 0 or len(moe.cpu_tier) == 0 or moe.reduce is not None
                 or moe._router() is not self.fused_router
@@ -218,7 +219,6 @@ class FusedDecodeLayer(nn.Module):
         ids = torch.empty(T, a.K, dtype=torch.int64)
         a.T, a.x, a.out, a.ids = T, x_1TD.data_ptr(), out.data_ptr(), ids.data_ptr()
         a.cos, a.sin, a.cs_row_stride = plan.cos.data_ptr(), plan.sin.data_ptr(), plan.cos.stride(-2)
-        a.half_rotary = int(plan.cos.shape[-1] != a.d)  # GPT-OSS: one value for both halves of a head
         a.k_slots, a.v_slots, a.write_slots = slots[0].data_ptr(), slots[1].data_ptr(), write_index.data_ptr()
         a.attn.page_size, a.attn.max_pages = plan.step.page_size, index.tables.shape[1]
         a.attn.tables, a.attn.pos, a.attn.lo = index.tables.data_ptr(), pos.data_ptr(), index.lo.data_ptr()
@@ -274,14 +274,14 @@ def _qkv_products(attn: DecodeFusedAttention) -> tuple[QuantizedLinear, Quantize
 
 def fusable(layer: nn.Module) -> bool:
     """Whether `layer` is a decoder layer FusedDecodeLayer computes (see the module docstring)."""
-    if not isinstance(layer, _FAMILIES):
+    if LAYER_FORMS.of(type(layer)) is None:
         return False
     attn, moe = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if not isinstance(attn, DecodeFusedAttention) or not isinstance(moe, HybridMoE):
         return False
     router = moe._router()
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
-    if hasattr(attn, "q_norm"):
+    if attn.form.qk_norm:
         norms += [attn.q_norm, attn.k_norm]
     return (_qkv_products(attn) is not None and type(attn.o_proj) is QuantizedLinear
             and _bf16_or_none(attn.o_proj.bias) and attn.o_proj.kernels is not None

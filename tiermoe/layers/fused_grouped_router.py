@@ -22,26 +22,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tiermoe.arch.code_form import CodeForms
 from tiermoe.experts.layer_ops import TORCH_GRAIN_SIZE, LayerOps
 from tiermoe.layers.lora_stack import LoRAStack
-from tiermoe.layers.module_swap import class_key, swap_modules
+from tiermoe.layers.module_swap import swap_modules
 
 NATIVE_MAX_ROWS = 64  # as fused_norm: longer inputs are worth torch's threads
 
 _MODELS = "transformers.models"
-SIGMOID_ROUTERS = {(f"{_MODELS}.deepseek_v3.modeling_deepseek_v3", "DeepseekV3TopkRouter"),
-                   (f"{_MODELS}.glm4_moe.modeling_glm4_moe", "Glm4MoeTopkRouter")}
-SOFTMAX_ROUTERS = {(f"{_MODELS}.deepseek_v2.modeling_deepseek_v2", "DeepseekV2TopkRouter")}
+# (module, class) -> whether its scores are sigmoids (DeepSeek-V3's kind) rather than a softmax (DeepSeek-V2's); a
+# class with the same code as one of these is taken too (tiermoe.arch.code_form)
+GROUPED_ROUTER_FORMS = CodeForms({(f"{_MODELS}.deepseek_v3.modeling_deepseek_v3", "DeepseekV3TopkRouter"): True,
+                                  (f"{_MODELS}.glm4_moe.modeling_glm4_moe", "Glm4MoeTopkRouter"): True,
+                                  (f"{_MODELS}.deepseek_v2.modeling_deepseek_v2", "DeepseekV2TopkRouter"): False})
 V2_METHODS = ("greedy", "group_limited_greedy")
 
 
 class FusedGroupedRouter(nn.Module):
-    """Replaces `router` (one of SIGMOID_ROUTERS / SOFTMAX_ROUTERS), sharing its weight and bias. `ops` None:
+    """Replaces `router` (of one of GROUPED_ROUTER_FORMS: `grouped` holds), sharing its weight and bias. `ops` None:
     the tail in torch (a router swapped in only to take an adapter per request, tiermoe.model.served_adapters)."""
 
     def __init__(self, router: nn.Module, ops: LayerOps | None):
         super().__init__()
-        self.sigmoid = class_key(router) in SIGMOID_ROUTERS
+        self.sigmoid = GROUPED_ROUTER_FORMS.of(type(router))
         self.top_k, self.num_experts, self.hidden_dim = router.top_k, router.num_experts, router.hidden_dim
         self.scale = float(router.routed_scaling_factor)
         self.weight = router.weight
@@ -116,11 +119,14 @@ class FusedGroupedRouter(nn.Module):
 
 
 def fuse_grouped_routers(model: nn.Module, ops: LayerOps) -> int:
-    """Swap a FusedGroupedRouter in for every router of SIGMOID_ROUTERS / SOFTMAX_ROUTERS (DeepSeek-V2: greedy
-    or group-limited greedy) in `model` whose weight is on the CPU; returns how many were swapped."""
-    def wanted(module: nn.Module) -> bool:
-        key = class_key(module)
-        grouped = key in SIGMOID_ROUTERS or (key in SOFTMAX_ROUTERS and module.topk_method in V2_METHODS)
-        return grouped and module.weight.device.type == "cpu"
+    """Swap a FusedGroupedRouter in for every `grouped` router in `model` whose weight is on the CPU; returns how
+    many were swapped."""
+    return swap_modules(model, lambda m: grouped(m) and m.weight.device.type == "cpu",
+                        lambda m: FusedGroupedRouter(m, ops))
 
-    return swap_modules(model, wanted, lambda m: FusedGroupedRouter(m, ops))
+
+def grouped(module: nn.Module) -> bool:
+    """Whether `module` is a router FusedGroupedRouter computes: one of GROUPED_ROUTER_FORMS (DeepSeek-V2's only
+    with greedy or group-limited greedy top-k)."""
+    sigmoid = GROUPED_ROUTER_FORMS.of(type(module))
+    return sigmoid is not None and (sigmoid or getattr(module, "topk_method", None) in V2_METHODS)

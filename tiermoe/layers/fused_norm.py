@@ -7,7 +7,8 @@ every decoder layer runs two norms, four with Qwen3's q/k norms, so these are a 
 `fuse_norms` swaps one in for each RMSNorm module whose weight lives on the CPU, the way HybridMoE replaces MoE
 blocks; the weight Parameter is taken over (same object, same name), so state dicts and adapters see no change.
 
-The classes and where their weight meets the normalised row x * rsqrt(mean(x^2) + eps), computed in fp32:
+The reference classes (NORM_FORMS takes every class with one of their code too: tiermoe.arch.code_form) and where
+their weight meets the normalised row x * rsqrt(mean(x^2) + eps), computed in fp32:
   weight * h.to(dtype)              Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3, GLM-4-MoE, OLMoE
   (weight * h).to(dtype)            GPT-OSS
   (h * (1 + weight.float())).to(dtype)   Qwen3-Next
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tiermoe.arch.code_form import CodeForms
 from tiermoe.experts.layer_ops import (
     CAST_AFTER_WEIGHT,
     NATIVE_DTYPES,
@@ -33,22 +35,23 @@ from tiermoe.experts.layer_ops import (
     WEIGHT_TIMES_CAST,
     LayerOps,
 )
-from tiermoe.layers.module_swap import class_key, swap_modules
+from tiermoe.layers.module_swap import swap_modules
 
 # Decode batches: the native call is single-threaded; longer inputs are worth torch's threads.
 NATIVE_MAX_ROWS = 64
 
 _MODELS = "transformers.models"
-# (module, class) -> (norm kind, the attribute holding eps)
-NORM_CLASSES = {
+# (module, class) -> (norm kind, the attribute holding eps); a class with the same code as one of these is taken too
+# (tiermoe.arch.code_form: most families' RMSNorm is Qwen3-MoE's under another name)
+NORM_FORMS = CodeForms({
     **{(f"{_MODELS}.{arch}.modeling_{arch}", name): (WEIGHT_TIMES_CAST, "variance_epsilon") for arch, name in (
         ("qwen3_moe", "Qwen3MoeRMSNorm"), ("qwen2_moe", "Qwen2MoeRMSNorm"), ("mixtral", "MixtralRMSNorm"),
         ("deepseek_v2", "DeepseekV2RMSNorm"), ("deepseek_v3", "DeepseekV3RMSNorm"), ("glm4_moe", "Glm4MoeRMSNorm"),
         ("olmoe", "OlmoeRMSNorm"))},
     (f"{_MODELS}.gpt_oss.modeling_gpt_oss", "GptOssRMSNorm"): (CAST_AFTER_WEIGHT, "variance_epsilon"),
     (f"{_MODELS}.qwen3_next.modeling_qwen3_next", "Qwen3NextRMSNorm"): (ONE_PLUS_WEIGHT, "eps"),
-}
-GATED_NORM_CLASSES = {(f"{_MODELS}.qwen3_next.modeling_qwen3_next", "Qwen3NextRMSNormGated")}
+})
+GATED_NORM_FORMS = CodeForms({(f"{_MODELS}.qwen3_next.modeling_qwen3_next", "Qwen3NextRMSNormGated"): True})
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: int) -> torch.Tensor:
@@ -64,11 +67,11 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: 
 
 
 class FusedRMSNorm(nn.Module):
-    """Replaces `norm` (one of NORM_CLASSES), sharing its weight."""
+    """Replaces `norm` (of one of NORM_FORMS), sharing its weight."""
 
     def __init__(self, norm: nn.Module, ops: LayerOps):
         super().__init__()
-        self.kind, eps_attr = NORM_CLASSES[class_key(norm)]
+        self.kind, eps_attr = NORM_FORMS.of(type(norm))
         self.eps = float(getattr(norm, eps_attr))
         self.weight = norm.weight
         self.ops = ops
@@ -120,15 +123,14 @@ def reference_rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.
 
 
 def fuse_norms(model: nn.Module, ops: LayerOps) -> int:
-    """Swap a FusedRMSNorm in for every module of NORM_CLASSES in `model` whose weight is on the CPU, and a
+    """Swap a FusedRMSNorm in for every module of NORM_FORMS in `model` whose weight is on the CPU, and a
     FusedRMSNormGated for every gated one; returns how many were swapped."""
     def wanted(module: nn.Module) -> bool:
-        key = class_key(module)
-        gated = key in GATED_NORM_CLASSES and module.activation == "silu"
-        return (key in NORM_CLASSES or gated) and module.weight.device.type == "cpu"
+        gated = GATED_NORM_FORMS.of(type(module)) is not None and module.activation == "silu"
+        return (NORM_FORMS.of(type(module)) is not None or gated) and module.weight.device.type == "cpu"
 
     def replacement(module: nn.Module) -> nn.Module:
-        fused = FusedRMSNorm if class_key(module) in NORM_CLASSES else FusedRMSNormGated
+        fused = FusedRMSNorm if NORM_FORMS.of(type(module)) is not None else FusedRMSNormGated
         return fused(module, ops)
 
     return swap_modules(model, wanted, replacement)

@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tiermoe.arch.code_form import CodeForms
 from tiermoe.experts.layer_ops import NATIVE_DTYPES, LayerOps
 from tiermoe.layers.lora_stack import LoRAStack
-from tiermoe.layers.module_swap import class_key, swap_modules
+from tiermoe.layers.module_swap import swap_modules
 
 NATIVE_MAX_ROWS = 64  # as fused_norm: longer inputs are worth torch's threads
 
@@ -44,14 +45,14 @@ class RouterTail:
     topk_first: bool = False  # the top-k of the logits, then the softmax over k (renormalisation unused)
 
 
-# (module, class) -> its tail
-ROUTER_CLASSES = {
+# (module, class) -> its tail; a class with the same code as one of these is taken too (tiermoe.arch.code_form)
+ROUTER_FORMS = CodeForms({
     **{(f"{_MODELS}.{arch}.modeling_{arch}", name): RouterTail() for arch, name in (
         ("qwen3_moe", "Qwen3MoeTopKRouter"), ("qwen2_moe", "Qwen2MoeTopKRouter"), ("olmoe", "OlmoeTopKRouter"),
         ("qwen3_next", "Qwen3NextTopKRouter"))},
     (f"{_MODELS}.mixtral.modeling_mixtral", "MixtralTopKRouter"): RouterTail(True, weights_in_logits_dtype=False),
     (f"{_MODELS}.gpt_oss.modeling_gpt_oss", "GptOssTopKRouter"): RouterTail(topk_first=True),
-}
+})
 
 
 def reference_softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, weights_dtype: torch.dtype,
@@ -68,12 +69,12 @@ def reference_softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, weig
 
 
 class FusedTopKRouter(nn.Module):
-    """Replaces `router` (one of ROUTER_CLASSES), sharing its weight. `ops` None: the tail in torch (a router
+    """Replaces `router` (of one of ROUTER_FORMS), sharing its weight. `ops` None: the tail in torch (a router
     swapped in only to take an adapter per request, tiermoe.model.served_adapters)."""
 
     def __init__(self, router: nn.Module, ops: LayerOps | None):
         super().__init__()
-        tail = ROUTER_CLASSES[class_key(router)]
+        tail = ROUTER_FORMS.of(type(router))
         self.top_k, self.num_experts, self.hidden_dim = router.top_k, router.num_experts, router.hidden_dim
         self.topk_first = tail.topk_first
         self.renormalize = not tail.topk_first and (tail.always_renormalize or bool(router.norm_topk_prob))
@@ -114,7 +115,7 @@ class FusedTopKRouter(nn.Module):
 
 
 def fuse_routers(model: nn.Module, ops: LayerOps) -> int:
-    """Swap a FusedTopKRouter in for every module of ROUTER_CLASSES in `model` whose weight is on the CPU; returns
+    """Swap a FusedTopKRouter in for every module of ROUTER_FORMS in `model` whose weight is on the CPU; returns
     how many were swapped."""
-    return swap_modules(model, lambda m: class_key(m) in ROUTER_CLASSES and m.weight.device.type == "cpu",
+    return swap_modules(model, lambda m: ROUTER_FORMS.of(type(m)) is not None and m.weight.device.type == "cpu",
                         lambda m: FusedTopKRouter(m, ops))

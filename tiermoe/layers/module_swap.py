@@ -1,16 +1,10 @@
-"""Putting our modules in the place of transformers' ones after loading (fused norms, routers), by class."""
+"""Putting our modules in the place of transformers' ones after loading (fused norms, routers, attention, layers)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from torch import nn
-
-
-def class_key(module: nn.Module) -> tuple[str, str]:
-    """A module's class as (its module path, its qualified name): tables of transformers' classes key on it, so
-    they name classes without importing every model file."""
-    return type(module).__module__, type(module).__qualname__
 
 
 def swap_modules(model: nn.Module, wanted: Callable[[nn.Module], bool],

@@ -18,12 +18,17 @@ import transformers
 from transformers import AutoConfig
 
 from tiermoe.arch import detect, text_config
+from tiermoe.arch.code_form import CodeForms, import_class
 from tiermoe.arch.discover import Discovery, discover
 from tiermoe.arch.spec import ArchSpec
 from tiermoe.arch.unset_fields import MOE_SWITCH, with_moe_path
 from tiermoe.arch.zoo import moe_causal_lm_types
 from tiermoe.errors import TiermoeError
-from tiermoe.layers import fused_attention, fused_decode_layer
+from tiermoe.layers.fused_attention import ATTENTION_FORMS
+from tiermoe.layers.fused_decode_layer import LAYER_FORMS
+from tiermoe.layers.fused_grouped_router import GROUPED_ROUTER_FORMS
+from tiermoe.layers.fused_norm import NORM_FORMS
+from tiermoe.layers.fused_router import ROUTER_FORMS
 from tiermoe.layers.pool_kinds import pool_lacks
 
 CPU_KERNEL_ACTIVATIONS = ("silu_glu", "gpt_oss_glu")  # what tiermoe.experts.native computes with its kernels
@@ -60,19 +65,28 @@ def parts_of(spec: ArchSpec, found: Discovery) -> Parts:
     kinds = ", ".join(f"{kind} x{n}" for kind, n in counts.items())
     lacking = sorted({k.split("+")[0] for k in counts if pool_lacks(k)})
     engine = "yes" if not lacking else "no: the KV pool lacks " + ", ".join(lacking)
-    return Parts(block, experts, f"{kinds} (engine: {engine})", engine, _decode_paths(found))
+    return Parts(block, experts, f"{kinds} (engine: {engine})", engine, _decode_paths(spec, found))
 
 
-def _decode_paths(found: Discovery) -> str:
-    """The fused native decode paths (bf16, CPU main device, kernels built) this family's classes are among."""
-    layer_names = {c.__name__ for c in fused_decode_layer._FAMILIES}  # the classes they take
-    attention_names = {c.__name__ for c in fused_attention._FAMILIES}
-    prefix = found.model_class.removesuffix("ForCausalLM")
+def _decode_paths(spec: ArchSpec, found: Discovery) -> str:
+    """The fused native decode paths (bf16, CPU main device, kernels built) the family's modules take: those
+    whose classes have the code of the paths' reference classes (tiermoe.arch.code_form)."""
+    classes = [c for c in (import_class(*key) for key in found.module_classes) if c is not None]
+
+    def taken(forms: CodeForms) -> bool:
+        return any(forms.of(c) is not None for c in classes)
+
+    attention, router = taken(ATTENTION_FORMS), taken(ROUTER_FORMS)
     paths = []
-    if f"{prefix}DecoderLayer" in layer_names:
+    if (attention and router and taken(LAYER_FORMS) and spec.block_forward == "tiermoe"
+            and found.shared_kind == "none"):
         paths.append("whole layer in one native call")
-    if f"{prefix}Attention" in attention_names:
+    if attention:
         paths.append("fused attention")
+    if router or taken(GROUPED_ROUTER_FORMS):
+        paths.append("fused router")
+    if taken(NORM_FORMS):
+        paths.append("fused norms")
     return ", ".join(paths) or "per op"
 
 
@@ -142,7 +156,8 @@ def catalogue_markdown() -> str:
         "attention and norms run on the main device (the GPU; the CPU when CPU-only); the routed experts on the two "
         "tiers. \"engine\": whether the engine's KV pool holds every layer kind (a model it does not still runs "
         "through `hybrid(input_ids=...)` with transformers' caches). \"CPU decode\": the fused native decode paths "
-        "the family's classes take on a CPU main device in bf16. Do not edit by hand: "
+        "the family's modules take on a CPU main device in bf16: those whose code is one the path was written for, "
+        "under any class name (tiermoe.arch.code_form). Do not edit by hand: "
         "`tiermoe inspect --architectures > docs/architectures.md`."
     )
     lines = [

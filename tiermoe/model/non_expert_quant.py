@@ -45,8 +45,7 @@ from tiermoe.experts.kernels import load_kernels
 from tiermoe.experts.native import model_team
 from tiermoe.experts.quant import block, blocked_nbytes, quantize
 from tiermoe.experts.tiers import CPUWorker
-from tiermoe.layers.fused_router import ROUTER_CLASSES, FusedTopKRouter
-from tiermoe.layers.module_swap import class_key
+from tiermoe.layers.fused_router import ROUTER_FORMS, FusedTopKRouter
 from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.model.skeleton import decoder_layers
 
@@ -166,6 +165,6 @@ def quantized_bytes_change(skeleton: nn.Module, router_attr: str, fmt: str, tied
         packed = blocked_nbytes(head_format(fmt, head_dtype), *head.weight.shape)
         change += packed if tied_head else packed - head.weight.numel() * head.weight.element_size()
     for module in skeleton.modules():  # pack_routers
-        if class_key(module) in ROUTER_CLASSES and module.weight.dtype == torch.bfloat16:
+        if ROUTER_FORMS.of(type(module)) is not None and module.weight.dtype == torch.bfloat16:
             change += blocked_nbytes("bf16", *module.weight.shape) - module.weight.numel() * 2
     return change

@@ -34,16 +34,10 @@ from tiermoe.checkpoint.fp8 import FP8Linear
 from tiermoe.errors import TiermoeError
 from tiermoe.layers.adapter_rows import AdapterRows
 from tiermoe.layers.fused_decode_layer import FusedDecodeLayer
-from tiermoe.layers.fused_grouped_router import (
-    SIGMOID_ROUTERS,
-    SOFTMAX_ROUTERS,
-    V2_METHODS,
-    FusedGroupedRouter,
-)
-from tiermoe.layers.fused_router import ROUTER_CLASSES, FusedTopKRouter
+from tiermoe.layers.fused_grouped_router import FusedGroupedRouter, grouped
+from tiermoe.layers.fused_router import ROUTER_FORMS, FusedTopKRouter
 from tiermoe.layers.lora_stack import LoRAStack
 from tiermoe.layers.mla_attention import MLAAttention
-from tiermoe.layers.module_swap import class_key
 from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.layers.row_expert_lora import RowExpertLoRA
 from tiermoe.layers.row_lora_linear import RowLoRALinear
@@ -216,7 +210,7 @@ class ServedAdapters:
             self._replace(module_name, wrapper)
             return wrapper.lora
         if kind == "transformers":
-            module = (FusedGroupedRouter if _grouped(module) else FusedTopKRouter)(module, None)
+            module = (FusedGroupedRouter if grouped(module) else FusedTopKRouter)(module, None)
             self._replace(module_name, module)
         if module.lora is None:
             module.lora = LoRAStack(self.rows, module_name, self.hybrid.gpu_device, self.factor_dtype)
@@ -251,11 +245,7 @@ def _router_kind(module: nn.Module) -> str | None:
     """"tiermoe" for a router with the per-row hook, "transformers" for one it can replace, else None."""
     if isinstance(module, (FusedTopKRouter, FusedGroupedRouter)):
         return "tiermoe"
-    if class_key(module) in ROUTER_CLASSES or _grouped(module):
+    if ROUTER_FORMS.of(type(module)) is not None or grouped(module):
         return "transformers"
     return None
 
-
-def _grouped(module: nn.Module) -> bool:
-    key = class_key(module)
-    return key in SIGMOID_ROUTERS or (key in SOFTMAX_ROUTERS and getattr(module, "topk_method", None) in V2_METHODS)
