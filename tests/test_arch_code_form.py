@@ -88,6 +88,23 @@ def test_a_change_anywhere_the_method_reaches_is_not_the_same_code(module_of, ch
     assert CodeForms({class_key(reference): "ref"}).of(changed) is None
 
 
+def test_a_subclass_is_the_same_code_unless_it_overrides_what_the_method_calls(module_of):
+    source = MODULE.format(name="RefNorm") + textwrap.dedent('''
+
+        class Overrides(RefNorm):
+            def finish(self, y):
+                return y + 5
+
+
+        class Inherits(RefNorm):
+            pass
+        ''')
+    overrides = module_of("Overrides", source)
+    module = sys.modules[overrides.__module__]
+    assert same_code(module.Inherits, module.RefNorm)
+    assert not same_code(overrides, module.RefNorm)
+
+
 def test_transformers_families_that_copy_a_fused_familys_attention_are_found_and_the_others_not():
     from transformers.models.dots1.modeling_dots1 import Dots1Attention
     from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import (

@@ -123,3 +123,12 @@ def test_inspect_and_fit_read_a_discovered_architectures_config_json_alone(tmp_p
     fit = run_cli("fit", "--model", str(tmp_path), "--dtype", "bf16", "--gpu-memory-gb", "24", "--ram-gb", "1024")
     assert fit.returncode == 0, fit.stderr
     assert "62 MoE layers x 256 experts" in fit.stdout
+
+
+def test_make_config_takes_every_moe_family_as_the_zoo_shrinks_it():
+    config = make_config("mellum", num_hidden_layers=3)  # its per-layer lists follow
+    assert config.model_type == "mellum" and config.num_hidden_layers == 3
+    assert len(config.layer_types) == len(config.mlp_layer_types) == 3
+    assert config.hidden_size == tiny_config("mellum").hidden_size
+    with pytest.raises(TiermoeError, match="another MoE model type of the installed transformers"):
+        make_config("llama")  # dense: no fused experts module

@@ -29,6 +29,11 @@ class BenchModel:
     host_bound: bool = False  # next to no bytes per token: a decode step is the host's time
 
 
+# the thin families' common shapes (tiermoe.testing.presets.make_config takes any MoE model type)
+_THIN = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=24,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts_per_tok=4, vocab_size=1024,
+             max_position_embeddings=4096, tie_word_embeddings=False)
+
 MODELS = {m.name: m for m in (
     BenchModel("qwen3-30b-a3b-2l", "Qwen3-30B-A3B's shapes, 2 layers",
                dict(arch="qwen3_moe", preset="qwen3-30b-a3b", layers=2), ("bf16", "4-bit"), 3.75),
@@ -52,6 +57,16 @@ MODELS = {m.name: m for m in (
                ("bf16",), 0.05, loss=False, host_bound=True),
     BenchModel("gpt-oss-20b-2l", "GPT-OSS-20B's shapes, 2 layers",
                dict(arch="gpt_oss", preset="gpt-oss-20b", layers=2), ("bf16", "4-bit"), 5.6, loss=False),
+    # families whose modules have the tuned families' code under other names (tiermoe.arch.code_form), the host's
+    # cost per layer: Mellum (Qwen3-MoE's attention, router and norms, its own MoE block) and Dots1 (the same
+    # attention and norms, DeepSeek-V3's grouped router, a shared expert), 24 layers of tiny width each
+    BenchModel("mellum-tiny-24l", "Mellum, 24 layers of tiny width (hidden 128, 32 experts top-4)",
+               dict(arch="mellum", config_overrides=dict(_THIN, num_local_experts=32)),
+               ("bf16",), 0.05, loss=False, host_bound=True),
+    BenchModel("dots1-tiny-24l", "Dots1, 24 layers of tiny width (hidden 128, 32 experts top-4, 1 shared)",
+               dict(arch="dots1", config_overrides=dict(_THIN, n_routed_experts=32, n_shared_experts=1,
+                                                        first_k_dense_replace=0)),
+               ("bf16",), 0.05, loss=False, host_bound=True),
 )}
 
 # what a run without --models makes and runs (the GPT-OSS models on request)

@@ -113,8 +113,8 @@ class _Comparison:
         owner_a, owner_b = _owner(a, method), _owner(b, method)
         if owner_a is None or owner_b is None:
             return False
-        if owner_a is owner_b:
-            return True
+        if owner_a is owner_b and not _overridden(a, owner_a) and not _overridden(b, owner_b):
+            return True  # the same function, and nothing it could call on self redefined below it
         node_a, node_b = self._class_node(owner_a), self._class_node(owner_b)
         if node_a is None or node_b is None:
             return False
@@ -123,24 +123,25 @@ class _Comparison:
         fn_a, fn_b = _method_node(node_a, method), _method_node(node_b, method)
         if fn_a is None or fn_b is None:
             return False
-        return self._functions(fn_a, owner_a, fn_b, owner_b)
+        return self._functions(fn_a, fn_b, owner_a.__module__, owner_b.__module__, (a, b))
 
-    def _functions(self, fn_a: ast.AST, owner_a, fn_b: ast.AST, owner_b) -> bool:
-        """Two function trees, of a class (owner a type) or of a module (owner a module name)."""
+    def _functions(self, fn_a: ast.AST, fn_b: ast.AST, module_a: str, module_b: str,
+                   classes: tuple[type, type] | None = None) -> bool:
+        """Two function trees of those modules: methods of `classes` (whose own methods `self.x` resolves to), or
+        functions of the modules (classes None)."""
         pair = (id(fn_a), id(fn_b))
         if pair in self.seen:
             return True
         self.seen.add(pair)
         if _normal(fn_a) != _normal(fn_b):
             return False
-        module_a = owner_a.__module__ if isinstance(owner_a, type) else owner_a
-        module_b = owner_b.__module__ if isinstance(owner_b, type) else owner_b
         for name in _globals_read(fn_a):
             if not self._same_global(name, module_a, module_b):
                 return False
-        if isinstance(owner_a, type):
+        if classes is not None:
+            a, b = classes
             for attr in _self_attributes_read(fn_a):
-                if (_is_code(owner_a, attr) or _is_code(owner_b, attr)) and not self.methods(owner_a, owner_b, attr):
+                if (_is_code(a, attr) or _is_code(b, attr)) and not self.methods(a, b, attr):
                     return False
         return True
 
@@ -150,7 +151,7 @@ class _Comparison:
             return False
         node_a, node_b = defs_a.get(name), defs_b.get(name)
         if isinstance(node_a, ast.FunctionDef) and isinstance(node_b, ast.FunctionDef):
-            return self._functions(node_a, module_a, node_b, module_b)
+            return self._functions(node_a, node_b, module_a, module_b)
         value_a = vars(sys.modules[module_a]).get(name, _MISSING)
         value_b = vars(sys.modules[module_b]).get(name, _MISSING)
         if value_a is value_b:  # the same import (torch, nn, ALL_ATTENTION_FUNCTIONS), or a builtin in neither
@@ -192,6 +193,12 @@ def _read_defs(module: str) -> dict[str, ast.AST] | None:
 def _is_code(cls: type, attr: str) -> bool:
     """Whether `cls.attr` is code of the class (a method or property), not a value its instances hold."""
     return isinstance(inspect.getattr_static(cls, attr, None), (FunctionType, property, staticmethod, classmethod))
+
+
+def _overridden(cls: type, owner: type) -> bool:
+    """Whether a class of `cls`'s MRO before `owner` defines code of its own (a method or property)."""
+    below = cls.__mro__[:cls.__mro__.index(owner)]
+    return any(_is_code(c, name) for c in below for name in vars(c))
 
 
 def _owner(cls: type, method: str) -> type | None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from transformers import AutoConfig
 
+from tiermoe.arch.zoo import moe_causal_lm_types
 from tiermoe.errors import TiermoeError
+from tiermoe.testing.tiny_configs import tiny_config
 
 PRESETS: dict[str, tuple[str, dict]] = {
     "qwen3-30b-a3b": ("qwen3_moe", dict(
@@ -101,10 +103,10 @@ def make_config(arch: str, preset: str | None = None, layers: int | None = None,
         model_type, fields = PRESETS[preset]
         if model_type != arch:
             raise TiermoeError(f"preset '{preset}' is a {model_type} model, not {arch}")
-    else:
-        if arch not in TINY:
-            raise TiermoeError(f"unknown architecture '{arch}'; choose one of: {', '.join(TINY)}")
+    elif arch in TINY:
         fields = TINY[arch]
+    else:  # any other MoE family of the installed transformers: its default config shrunk, as the zoo tests it
+        fields = _zoo_tiny_fields(arch, layers or overrides.get("num_hidden_layers"))
     fields = dict(fields, **overrides)
     if layers is not None:
         if layers < 1:
@@ -113,3 +115,21 @@ def make_config(arch: str, preset: str | None = None, layers: int | None = None,
         if "layer_types" in fields:
             fields["layer_types"] = fields["layer_types"][:layers]
     return AutoConfig.for_model(arch, **fields)
+
+
+def _zoo_tiny_fields(arch: str, layers: int | None) -> dict:
+    """The zoo's tiny config of `arch` (tiermoe.testing.tiny_configs), its per-layer lists (layer_types,
+    mlp_layer_types, ...) repeated to `layers` layers."""
+    if arch not in moe_causal_lm_types():
+        raise TiermoeError(f"unknown architecture '{arch}'; choose one of: {', '.join(TINY)}, or another MoE model "
+                           "type of the installed transformers (docs/architectures.md)")
+    fields = tiny_config(arch).to_dict()
+    for name in ("model_type", "transformers_version", "architectures"):
+        fields.pop(name, None)
+    if layers is not None and layers >= 1:
+        per_layer = fields["num_hidden_layers"]
+        for name, value in fields.items():
+            if isinstance(value, list) and len(value) == per_layer:
+                fields[name] = [value[i % per_layer] for i in range(layers)]
+        fields["num_hidden_layers"] = layers
+    return fields
