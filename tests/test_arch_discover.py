@@ -64,7 +64,8 @@ def test_the_fused_native_decode_paths_take_the_classes_whose_code_is_theirs():
     everything = "whole layer in one native call, fused attention, fused router, fused norms"
     assert decode("qwen3_moe") == decode("mixtral") == decode("gpt_oss") == everything
     assert decode("qwen2_moe") == "fused attention, fused router, fused norms"  # its shared experts: per op
-    assert decode("mellum") == "fused attention, fused router, fused norms"  # Qwen3-MoE's attention, its own block
+    assert decode("mellum") == everything  # Qwen3-MoE's attention, router, norms, layer and block, by other names
+    assert decode("dots1") == "fused attention, fused router, fused norms"  # a shared expert: per op
     assert decode("phimoe") == "fused attention"  # Qwen2-MoE's attention; LayerNorms, a sparsemixer router
     assert decode("deepseek_v3") == "fused router, fused norms"  # MLA attends per op
     assert decode("ernie4_5_moe") == "fused norms"  # its rotary (interleaved) is not Qwen2-MoE's
@@ -123,6 +124,16 @@ def test_inspect_and_fit_read_a_discovered_architectures_config_json_alone(tmp_p
     fit = run_cli("fit", "--model", str(tmp_path), "--dtype", "bf16", "--gpu-memory-gb", "24", "--ram-gb", "1024")
     assert fit.returncode == 0, fit.stderr
     assert "62 MoE layers x 256 experts" in fit.stdout
+
+
+def test_a_block_with_a_tuned_familys_block_code_runs_hybrid_moes_forward():
+    # Mellum's block is Qwen3-MoE's code, Qwen3.5-MoE's Qwen2-MoE's (a gated shared expert), Dots1's DeepSeek-V3's
+    specs = {arch: detect(tiny_config(arch)) for arch in ("mellum", "qwen3_5_moe_text", "dots1", "phimoe")}
+    assert {arch: (s.block_forward, s.shared_kind) for arch, s in specs.items()} == {
+        "mellum": ("tiermoe", "none"), "qwen3_5_moe_text": ("tiermoe", "gated"), "dots1": ("tiermoe", "plain"),
+        "phimoe": ("model", "none")}  # PhiMoE's block is its own (sparsemixer routing, jitter)
+    assert specs["mellum"].router_kind == "the model's own MellumTopKRouter"
+    assert specs["dots1"].disk.block == "mlp"  # read under its own names, as before
 
 
 def test_make_config_takes_every_moe_family_as_the_zoo_shrinks_it():

@@ -1,7 +1,8 @@
 """A decoder layer's decode step in one native call (tiermoe.layers.fused_decode_layer): bit for bit what the per-op
 path computes (the fused norms, attention, packed linears and router, and the CPU tier, each called from Python),
 for Qwen3-MoE, Mixtral and GPT-OSS in bf16 (and Qwen3-MoE with int4 non-experts: q and k / v in two products; GPT-OSS
-with random biases and sinks and a sliding window the prompts outgrow), one sequence and a ragged batch across pages;
+with random biases and sinks and a sliding window the prompts outgrow; Mellum, whose classes have Qwen3-MoE's code),
+one sequence and a ragged batch across pages;
 a handful of torch ops per layer;
 the recorder sees the same routing; and every step or model it does not take runs the per-op path unchanged."""
 
@@ -28,7 +29,7 @@ PROMPTS = [[3 + (5 * i + 7 * s) % 200 for i in range(n)] for s, n in enumerate([
 # the kernels take bf16 experts whose sizes are multiples of 32 (the tiny Mixtral's are not)
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 SIZES = {"qwen3_moe": dict(moe_intermediate_size=64), "mixtral": dict(intermediate_size=64),
-         "gpt_oss": dict(intermediate_size=64, sliding_window=8)}
+         "gpt_oss": dict(intermediate_size=64, sliding_window=8), "mellum": dict(moe_intermediate_size=64)}
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,8 @@ def per_op(monkeypatch):
 # int4: q in int4 and k / v stacked in int8 (tiermoe.model.non_expert_quant.linear_format), two products
 # GPT-OSS's 4-bit model: int4 experts with int6 downs beside int4 / int8 / int6 non-experts
 @pytest.mark.parametrize("arch,non_experts", [("qwen3_moe", None), ("mixtral", None), ("qwen3_moe", "int4"),
-                                              ("gpt_oss", None), ("gpt_oss", "int4")])
+                                              ("gpt_oss", None), ("gpt_oss", "int4"),
+                                              ("mellum", None)])  # Qwen3-MoE's code under other class names
 def test_a_fused_decode_step_is_bit_for_bit_the_per_op_path(arch, non_experts, checkpoint, monkeypatch):
     path = checkpoint(arch)
     cpu = CPUConfig(non_expert_dtype=non_experts, expert_dtype="int4" if (arch, non_experts) == ("gpt_oss", "int4")

@@ -3,17 +3,19 @@
 
 from __future__ import annotations
 
+from tiermoe.arch.code_form import import_class
 from tiermoe.arch.common import config_dtype
 from tiermoe.arch.discover import Discovery
 from tiermoe.arch.disk_names import on_disk, released_names
 from tiermoe.arch.spec import ArchSpec, ExpertDiskLayout
-from tiermoe.arch.tuned import TUNED
+from tiermoe.arch.tuned import TUNED, TUNED_BLOCKS
 
 
 def spec_of(cfg, found: Discovery) -> ArchSpec:
     """The spec of `cfg`'s model. A tuned family keeps its disk layout and HybridMoE's block forward; any other
-    runs its own block forward, its checkpoint read under the names transformers' conversion mapping gives its
-    releases (per-expert projections, renamed blocks and tensors), or as transformers' own modules name them."""
+    has its checkpoint read under the names transformers' conversion mapping gives its releases (per-expert
+    projections, renamed blocks and tensors), or as transformers' own modules name them, and runs HybridMoE's block
+    forward where its block has a tuned family's block code (TUNED_BLOCKS), else its own."""
     tuned = TUNED.get(cfg.model_type)
     experts = found.experts
     if tuned is not None and tuned.check is not None:
@@ -27,7 +29,9 @@ def spec_of(cfg, found: Discovery) -> ArchSpec:
         disk = ExpertDiskLayout(block=block, proj_names=names, fused_kind="transformers",
                                 transposed=experts.transposed, interleaved=experts.interleaved,
                                 renames=released.renames)
-        router_kind, scores, forward = f"the model's own {found.router_class}", False, "model"
+        like = _tuned_block(found)
+        router_kind, forward = f"the model's own {found.router_class}", "model" if like is None else "tiermoe"
+        scores = like is not None and TUNED[like].returns_router_scores
     return ArchSpec(
         model_type=cfg.model_type,
         num_layers=found.num_layers,
@@ -50,3 +54,12 @@ def spec_of(cfg, found: Discovery) -> ArchSpec:
         gated=experts.gated,
         experts_call=experts.call,
     )
+
+
+def _tuned_block(found: Discovery) -> str | None:
+    """The tuned family whose MoE block's code the model's block has (experts called through the interface, as
+    HybridMoE calls them), or None."""
+    block = import_class(*found.block_key) if found.block_key[0] else None
+    if block is None or found.experts.call != "interface":
+        return None
+    return TUNED_BLOCKS.of(block)

@@ -49,6 +49,7 @@ class Discovery:
     kv_widths: tuple[tuple[int | None, ...], ...] = ()  # per decoder layer: tiermoe.arch.layer_caches.kv_widths
     linear_states: tuple[StateSize | None, ...] = ()  # per decoder layer: tiermoe.arch.layer_caches.linear_states
     module_classes: tuple[tuple[str, str], ...] = ()  # (module, qualified name) of every class the model is made of
+    block_key: tuple[str, str] = ("", "")  # (module, qualified name) of the MoE block's class
 
     @property
     def shared_kind(self) -> str:
@@ -102,7 +103,8 @@ def _discover(cfg) -> Discovery:
         experts=experts_form(block.experts, model_type), top_k=_top_k(cfg, block, router, model_type),
         layer_kinds=kinds, kv_widths=kv_widths(layers),
         linear_states=linear_states(layers, kinds, cfg.get_text_config(decoder=True).hidden_size),
-        module_classes=tuple(sorted({(type(m).__module__, type(m).__qualname__) for m in model.modules()})))
+        module_classes=tuple(sorted({(type(m).__module__, type(m).__qualname__) for m in model.modules()})),
+        block_key=(type(block).__module__, type(block).__qualname__))
 
 
 def meta_skeleton(cfg) -> nn.Module:

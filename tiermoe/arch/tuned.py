@@ -6,7 +6,10 @@ Discovery (tiermoe.arch.discover) reads every structural fact from the modules. 
 - that the block's forward is one tiermoe computes itself (HybridMoE: router, both tiers, shared experts while the
   CPU tier works, and the fused native decode layers around it), and whether it returns the router's scores;
 - the routing rule in words (the router module computes it; the words are for `tiermoe inspect`).
-Every other MoE model type runs the model's own block forward with its experts on the two tiers.
+A family whose MoE block has a tuned family's block code under another name (tiermoe.arch.code_form: Mellum's is
+Qwen3-MoE's, Qwen3.5-MoE's Qwen2-MoE's, Dots1's, Solar-Open's and a dozen more DeepSeek-V3's) is computed by
+HybridMoE too (TUNED_BLOCKS), its checkpoint read under its own names. Every other MoE model type runs the model's
+own block forward with its experts on the two tiers.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tiermoe.arch.code_form import CodeForms
 from tiermoe.arch.spec import ExpertDiskLayout
 from tiermoe.errors import TiermoeError
 
@@ -72,3 +76,11 @@ TUNED: dict[str, Tuned] = {
     "olmoe": _QWEN,
     "gpt_oss": Tuned(GPT_OSS_DISK, lambda cfg: "linear + bias -> top-k -> softmax over k", returns_router_scores=True),
 }
+
+_MODELS = "transformers.models"
+# the tuned families' MoE block classes -> their model type; HybridMoE computes any block with one of their code
+TUNED_BLOCKS = CodeForms({(f"{_MODELS}.{arch}.modeling_{arch}", name): arch for arch, name in (
+    ("qwen2_moe", "Qwen2MoeSparseMoeBlock"), ("qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+    ("qwen3_next", "Qwen3NextSparseMoeBlock"), ("mixtral", "MixtralSparseMoeBlock"), ("deepseek_v2", "DeepseekV2Moe"),
+    ("deepseek_v3", "DeepseekV3MoE"), ("glm4_moe", "Glm4MoeMoE"), ("olmoe", "OlmoeSparseMoeBlock"),
+    ("gpt_oss", "GptOssMLP"))})

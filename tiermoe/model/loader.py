@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from tiermoe.arch import detect, load_config
 from tiermoe.arch.transformers_version import check_transformers_for
+from tiermoe.arch.tuned import TUNED
 from tiermoe.checkpoint.expert_cache import ExpertCache, find_cache
 from tiermoe.checkpoint.fp8 import FP8Linear, fp8_block_size, is_block_fp8, scale_name
 from tiermoe.checkpoint.safetensors import Checkpoint
@@ -193,7 +194,8 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         if not trainable:
             replace_mla_attention(decoder_layers(model))  # MLA caches its latent (before the weights load into it)
         worker = CPUWorker()
-        act = ExpertActivation.from_config(spec.activation, config) if spec.block_forward == "tiermoe" else None
+        # a tuned family's activation from its config; any other's from its experts module, as discovery read it
+        act = ExpertActivation.from_config(spec.activation, config) if spec.model_type in TUNED else None
         fp8_layers = {layer for layer, src in sources.items() if keeps_fp8(ckpt, src)}
         if lora is not None:
             _check_lora_experts(lora, fp8_layers, assignment_LE == rank)
@@ -334,8 +336,7 @@ def _inject_hybrid_blocks(model: nn.Module, spec, gpu_device, act, worker, pin, 
                                f"but discovery says otherwise for {spec.model_type}")
         if block is None:
             continue
-        layer_act = act if spec.block_forward == "tiermoe" else ExpertActivation.of_module(spec.activation,
-                                                                                            block.experts)
+        layer_act = act if act is not None else ExpertActivation.of_module(spec.activation, block.experts)
         # FP8 checkpoints: the GPU tier keeps the stored codes (about half of bf16's bytes), in slots of a pool of
         # codes where a kernel decodes them without a host sync (on CUDA), else expert by expert
         if i in fp8_layers and fp8_kernel(gpu_device, dtype).sync_free:
