@@ -57,6 +57,10 @@ MODELS = {m.name: m for m in (
                ("bf16",), 0.05, loss=False, host_bound=True),
     BenchModel("gpt-oss-20b-2l", "GPT-OSS-20B's shapes, 2 layers",
                dict(arch="gpt_oss", preset="gpt-oss-20b", layers=2), ("bf16", "4-bit"), 5.6, loss=False),
+    # shared experts beside the routed ones at a real size: DeepSeek-V2-Lite's shapes, its dense first layer and two
+    # MoE layers (64 experts top-6, 2 shared), MLA attention
+    BenchModel("deepseek-v2-lite-3l", "DeepSeek-V2-Lite's shapes, 3 layers (2 MoE)",
+               dict(arch="deepseek_v2", preset="deepseek-v2-lite", layers=3), ("bf16",), 3.4, loss=False),
     # families whose modules have the tuned families' code under other names (tiermoe.arch.code_form), the host's
     # cost per layer: Mellum (Qwen3-MoE's attention, router and norms, its own MoE block) and Dots1 (the same
     # attention and norms, DeepSeek-V3's grouped router, a shared expert), 24 layers of tiny width each

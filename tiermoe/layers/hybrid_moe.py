@@ -77,6 +77,10 @@ class HybridMoE(nn.Module):
         # A layer with no GPU-tier expert skips the ownership lookup and the GPU tier (`_cpu_only`). The cost
         # model's op count (tiermoe.analysis.model_op_count) turns it off to count what a mixed layer dispatches.
         self.cpu_only_shortcut = True
+        # Set by the loader where the non-expert linears are packed onto the kernel team (CPU-only runs): the
+        # shared experts' products then wait for the CPU tier's job on that team, so `_cpu_only` computes both on
+        # this thread, one after the other, without the hand-off to the worker and back (two thread wake-ups).
+        self.shared_on_team = False
 
     def _router(self) -> nn.Module:
         return self._modules[self.spec.router_attr]
@@ -168,9 +172,11 @@ class HybridMoE(nn.Module):
     def _cpu_only(self, x_TD, ids_TK, weights_TK):
         """A layer whose routed experts are all on the CPU tier: every routed id goes to it as it is (no
         ownership lookup, no masks, no GPU-tier call); the shared experts run while it computes. With nothing to
-        run meanwhile (no shared experts) and the tokens already on the host, it computes on this thread."""
-        if len(self.cpu_tier) > 0 and self.spec.shared_kind == "none" and not self.crosses_to_host:
-            return self.cpu_tier.compute_here(x_TD, ids_TK, weights_TK), None
+        run meanwhile (no shared experts, or shared experts on the kernel team it computes on: `shared_on_team`)
+        and the tokens already on the host, it computes on this thread."""
+        if len(self.cpu_tier) > 0 and not self.crosses_to_host and (self.spec.shared_kind == "none"
+                                                                     or self.shared_on_team):
+            return self.cpu_tier.compute_here(x_TD, ids_TK, weights_TK), self._shared(x_TD)
         if len(self.cpu_tier) > 0:
             self._submit_cpu(x_TD, ids_TK, weights_TK)
         try:

@@ -234,6 +234,9 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     else:
         if cpu.packs_non_experts:  # CPU only: packed linears on the kernels (the head too)
             quantize_non_experts(model, spec.router_attr, cpu, worker)
+            for block in blocks.values():
+                if isinstance(block, HybridMoE):
+                    block.shared_on_team = True  # its shared experts' linears too: see HybridMoE.shared_on_team
         fuse_layer_ops(model)  # CPU-resident norms and routers: one native call each (tiermoe.model.fused_layers)
         if cpu.packs_non_experts:
             pack_routers(model, cpu, worker)
