@@ -36,6 +36,10 @@ from tiermoe.layers.routed_autograd import DEFAULT_CHUNK, RoutedExperts
 from tiermoe.layers.row_expert_lora import RowExpertLoRA
 from tiermoe.stats.recording import NO_RECORDER
 
+# Rows of a CPU-only step whose shared experts and CPU tier both compute on this thread (`shared_on_team`): decode
+# steps, as the fused norms and routers take them (fused_router.NATIVE_MAX_ROWS).
+SHARED_HERE_MAX_ROWS = 64
+
 
 class HybridMoE(nn.Module):
     def __init__(self, block: nn.Module, spec: ArchSpec, layer: int, gpu_tier: ExpertSet, cpu_tier: CPUExpertBackend):
@@ -79,7 +83,8 @@ class HybridMoE(nn.Module):
         self.cpu_only_shortcut = True
         # Set by the loader where the non-expert linears are packed onto the kernel team (CPU-only runs): the
         # shared experts' products then wait for the CPU tier's job on that team, so `_cpu_only` computes both on
-        # this thread, one after the other, without the hand-off to the worker and back (two thread wake-ups).
+        # this thread, one after the other, without the hand-off to the worker and back (two thread wake-ups), in
+        # steps of decode size (SHARED_HERE_MAX_ROWS rows); longer ones keep the hand-off, as measured before.
         self.shared_on_team = False
 
     def _router(self) -> nn.Module:
@@ -174,8 +179,8 @@ class HybridMoE(nn.Module):
         ownership lookup, no masks, no GPU-tier call); the shared experts run while it computes. With nothing to
         run meanwhile (no shared experts, or shared experts on the kernel team it computes on: `shared_on_team`)
         and the tokens already on the host, it computes on this thread."""
-        if len(self.cpu_tier) > 0 and not self.crosses_to_host and (self.spec.shared_kind == "none"
-                                                                     or self.shared_on_team):
+        shared_here = self.shared_on_team and x_TD.shape[0] <= SHARED_HERE_MAX_ROWS
+        if len(self.cpu_tier) > 0 and not self.crosses_to_host and (self.spec.shared_kind == "none" or shared_here):
             return self.cpu_tier.compute_here(x_TD, ids_TK, weights_TK), self._shared(x_TD)
         if len(self.cpu_tier) > 0:
             self._submit_cpu(x_TD, ids_TK, weights_TK)
