@@ -36,9 +36,11 @@ from tiermoe.layers.routed_autograd import DEFAULT_CHUNK, RoutedExperts
 from tiermoe.layers.row_expert_lora import RowExpertLoRA
 from tiermoe.stats.recording import NO_RECORDER
 
-# Rows of a CPU-only step whose shared experts and CPU tier both compute on this thread (`shared_on_team`): decode
-# steps, as the fused norms and routers take them (fused_router.NATIVE_MAX_ROWS).
-SHARED_HERE_MAX_ROWS = 64
+# Rows of a CPU-only step whose shared experts and CPU tier both compute on this thread (`shared_on_team`): one
+# sequence's decode step. Measured (BENCHMARKS.md, "Fused paths keyed on code"): 1.7x the decode of 24 thin Dots1
+# layers, DeepSeek-V2-Lite's shapes unchanged; its 16-token first token was 7-10% slower in three runs on this
+# thread, so steps of more rows keep the hand-off.
+SHARED_HERE_MAX_ROWS = 1
 
 
 class HybridMoE(nn.Module):
@@ -84,7 +86,7 @@ class HybridMoE(nn.Module):
         # Set by the loader where the non-expert linears are packed onto the kernel team (CPU-only runs): the
         # shared experts' products then wait for the CPU tier's job on that team, so `_cpu_only` computes both on
         # this thread, one after the other, without the hand-off to the worker and back (two thread wake-ups), in
-        # steps of decode size (SHARED_HERE_MAX_ROWS rows); longer ones keep the hand-off, as measured before.
+        # steps of SHARED_HERE_MAX_ROWS rows; longer ones keep the hand-off.
         self.shared_on_team = False
 
     def _router(self) -> nn.Module:
