@@ -37,9 +37,9 @@ from tiermoe.layers.row_expert_lora import RowExpertLoRA
 from tiermoe.stats.recording import NO_RECORDER
 
 # Rows of a CPU-only step whose shared experts and CPU tier both compute on this thread (`shared_on_team`): one
-# sequence's decode step. Measured (BENCHMARKS.md, "Fused paths keyed on code"): 1.7x the decode of 24 thin Dots1
-# layers, DeepSeek-V2-Lite's shapes unchanged; its 16-token first token was 7-10% slower in three runs on this
-# thread, so steps of more rows keep the hand-off.
+# sequence's decode step, where it was measured to pay (BENCHMARKS.md, "Fused paths keyed on code": 1.6x the decode
+# of 24 thin Dots1 layers, DeepSeek-V2-Lite's shapes unchanged). Steps of more rows keep the hand-off: a 16-token
+# first token read 7-10% slower with them here, within the spread of the rounds, not shown either way.
 SHARED_HERE_MAX_ROWS = 1
 
 
