@@ -80,6 +80,7 @@ def test_the_same_code_under_other_names_docstrings_and_annotations_is_the_same(
     ("return y + 1", "return y + 2"),  # a method on self
     ("from math import sqrt", "from cmath import sqrt"),  # another object under the name a helper reads
     ("y: torch.Tensor = helper(x)", "y = inner(x)"),  # the method itself
+    ("\nclass OtherNorm", "\ndef keep(cls):\n    return cls\n\n\n@keep\nclass OtherNorm"),  # a class decorator
 ])
 def test_a_change_anywhere_the_method_reaches_is_not_the_same_code(module_of, change):
     reference = module_of("RefNorm", MODULE.format(name="RefNorm"))
@@ -121,6 +122,11 @@ def test_transformers_families_that_copy_a_fused_familys_attention_are_found_and
     assert same_code(PhimoeAttention, Qwen2MoeAttention) and same_code(GraniteMoeAttention, Qwen2MoeAttention)
     assert not same_code(OlmoeAttention, Qwen3MoeAttention)  # its norms span all heads, and it clips
     assert not same_code(MellumAttention, Qwen2MoeAttention)
+    # Qwen3.5-MoE's RMSNorm names a hub kernel in a class decorator Qwen3-Next's lacks: inert unless kernelized
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    assert same_code(Qwen3_5MoeRMSNorm, Qwen3NextRMSNorm)
     # ERNIE 4.5's forward is Qwen2-MoE's line for line, but the apply_rotary_pos_emb it calls turns interleaved pairs
     assert _method_alone(Ernie4_5_MoeAttention, "forward") == _method_alone(Qwen2MoeAttention, "forward")
     assert not same_code(Ernie4_5_MoeAttention, Qwen2MoeAttention)

@@ -24,7 +24,8 @@ from tiermoe.testing.presets import make_config
 
 OPS = load_layer_ops()
 needs_ops = pytest.mark.skipif(OPS is None, reason="the kernel library is unavailable")
-ROUTER_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "gpt_oss")
+# and Qwen3.5-MoE's, a reference of its own (always renormalised, in the logits' dtype), its model from the zoo's tiny config
+ROUTER_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "gpt_oss", "qwen3_5_moe_text")
 DTYPES = (torch.float32, torch.bfloat16)
 
 

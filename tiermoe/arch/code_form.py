@@ -118,7 +118,7 @@ class _Comparison:
         node_a, node_b = self._class_node(owner_a), self._class_node(owner_b)
         if node_a is None or node_b is None:
             return False
-        if [_normal(d) for d in node_a.decorator_list] != [_normal(d) for d in node_b.decorator_list]:
+        if _class_decorators(node_a) != _class_decorators(node_b):
             return False
         fn_a, fn_b = _method_node(node_a, method), _method_node(node_b, method)
         if fn_a is None or fn_b is None:
@@ -188,6 +188,16 @@ def _read_defs(module: str) -> dict[str, ast.AST] | None:
     except (OSError, SyntaxError, UnicodeDecodeError):
         return None
     return {node.name: node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+
+# Class decorators that change nothing the class computes here: `use_kernel_forward_from_hub` names a hub kernel
+# that replaces the forward only when a model is kernelized (transformers' `use_kernels`), which tiermoe never does.
+_INERT_CLASS_DECORATORS = {"use_kernel_forward_from_hub"}
+
+
+def _class_decorators(node: ast.ClassDef) -> list[str]:
+    return [_normal(d) for d in node.decorator_list
+            if not (isinstance(d, ast.Call) and isinstance(d.func, ast.Name) and d.func.id in _INERT_CLASS_DECORATORS)]
 
 
 def _is_code(cls: type, attr: str) -> bool:

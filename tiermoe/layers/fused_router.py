@@ -5,6 +5,7 @@ same weights and the same ids in the same order, ties included (the call runs to
 The routers and what they return besides the logits (`router_logits, weights [T, K], ids [T, K]`):
   Qwen2-MoE, Qwen3-MoE, OLMoE, Qwen3-Next: renormalised when `norm_topk_prob`, weights in the logits' dtype
   Mixtral: always renormalised, weights in fp32
+  Qwen3.5-MoE: always renormalised, weights in the logits' dtype
   GPT-OSS: a linear with a bias, then the top-k of the logits and the softmax over those k, in the logits' dtype
 The router's linear is torch's F.linear, or, where the run packs its non-expert linears (CPU-only bf16 models,
 tiermoe.model.non_expert_quant.pack_routers), the kernels' product with the weight packed in bf16 (with a bias, the
@@ -52,6 +53,7 @@ ROUTER_FORMS = CodeForms({
         ("qwen3_next", "Qwen3NextTopKRouter"))},
     (f"{_MODELS}.mixtral.modeling_mixtral", "MixtralTopKRouter"): RouterTail(True, weights_in_logits_dtype=False),
     (f"{_MODELS}.gpt_oss.modeling_gpt_oss", "GptOssTopKRouter"): RouterTail(topk_first=True),
+    (f"{_MODELS}.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeTopKRouter"): RouterTail(always_renormalize=True),
 })
 
 
