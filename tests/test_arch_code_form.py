@@ -31,13 +31,15 @@ def inner(x):
 class {name}(torch.nn.Module):
     """{name}'s docstring."""
 
+    offset = 1
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """What it computes."""
         y: torch.Tensor = helper(x)
         return self.finish(y)
 
     def finish(self, y):
-        return y + 1
+        return y + self.offset
 '''
 
 
@@ -77,7 +79,8 @@ def test_the_same_code_under_other_names_docstrings_and_annotations_is_the_same(
 @pytest.mark.parametrize("change", [
     ("return sqrt(x.pow(2))", "return sqrt(x.pow(3))"),  # a helper two calls away
     ("SCALE = 2.0", "SCALE = 2.5"),  # a constant a helper reads
-    ("return y + 1", "return y + 2"),  # a method on self
+    ("return y + self.offset", "return y + 2"),  # a method on self
+    ("offset = 1", "offset = 2"),  # a class attribute a method on self reads
     ("from math import sqrt", "from cmath import sqrt"),  # another object under the name a helper reads
     ("y: torch.Tensor = helper(x)", "y = inner(x)"),  # the method itself
     ("\nclass OtherNorm", "\ndef keep(cls):\n    return cls\n\n\n@keep\nclass OtherNorm"),  # a class decorator
@@ -94,7 +97,7 @@ def test_a_subclass_is_the_same_code_unless_it_overrides_what_the_method_calls(m
 
         class Overrides(RefNorm):
             def finish(self, y):
-                return y + 5
+                return y + 5 * self.offset
 
 
         class Inherits(RefNorm):

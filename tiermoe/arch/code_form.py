@@ -7,8 +7,9 @@ own class name. Two classes have the same code here when their method's source, 
 names that do not change what it computes are dropped (the function's own name, docstrings, annotations), and
 every name it reads from its module is the same thing: a function of the module (apply_rotary_pos_emb,
 rotate_half, eager_attention_forward) the same code again, read the same way, a method it calls on `self` the
-same code, their classes' decorators the same calls, and anything else (torch, transformers' attention table) the
-same object, or an equal constant. What the method reaches through its attributes (child modules, values its
+same code, an attribute of its class the same object or an equal constant, their classes' decorators the same calls
+(but a hub kernel's name, inert here), and anything else (torch, transformers' attention table) the same object, or
+an equal constant. What the method reaches through its attributes (child modules, values its
 __init__ set) is the instance's, as it is for the reference: a fused path that computes a child in its own way
 checks that child's class itself.
 
@@ -141,8 +142,12 @@ class _Comparison:
         if classes is not None:
             a, b = classes
             for attr in _self_attributes_read(fn_a):
-                if (_is_code(a, attr) or _is_code(b, attr)) and not self.methods(a, b, attr):
-                    return False
+                if _is_code(a, attr) or _is_code(b, attr):
+                    if not self.methods(a, b, attr):
+                        return False
+                elif not _same_value(inspect.getattr_static(a, attr, _MISSING),
+                                     inspect.getattr_static(b, attr, _MISSING)):
+                    return False  # a class attribute (an instance's own, set in __init__, is found in neither)
         return True
 
     def _same_global(self, name: str, module_a: str, module_b: str) -> bool:
@@ -152,11 +157,9 @@ class _Comparison:
         node_a, node_b = defs_a.get(name), defs_b.get(name)
         if isinstance(node_a, ast.FunctionDef) and isinstance(node_b, ast.FunctionDef):
             return self._functions(node_a, node_b, module_a, module_b)
-        value_a = vars(sys.modules[module_a]).get(name, _MISSING)
-        value_b = vars(sys.modules[module_b]).get(name, _MISSING)
-        if value_a is value_b:  # the same import (torch, nn, ALL_ATTENTION_FUNCTIONS), or a builtin in neither
-            return True
-        return type(value_a) is type(value_b) and isinstance(value_a, _CONSTANTS) and value_a == value_b
+        # the same import (torch, nn, ALL_ATTENTION_FUNCTIONS), a builtin in neither, or an equal constant
+        return _same_value(vars(sys.modules[module_a]).get(name, _MISSING),
+                           vars(sys.modules[module_b]).get(name, _MISSING))
 
     def _class_node(self, cls: type) -> ast.ClassDef | None:
         node: ast.AST | None = None
@@ -176,6 +179,10 @@ class _Comparison:
 
 
 _MISSING = object()
+
+
+def _same_value(a, b) -> bool:
+    return a is b or (type(a) is type(b) and isinstance(a, _CONSTANTS) and a == b)
 
 
 def _read_defs(module: str) -> dict[str, ast.AST] | None:
