@@ -1,7 +1,7 @@
 """Decode steps through DecodeFusedAttention (one qkv projection, native rotary, the pool read in place) give
 what transformers' attention gives: fp32 logits of every decode step within 1e-5 of the unmodified model's
 (FP32_TOL of test_engine_kv_pool: sums in another order), for each fused family, alone and batched, and for
-families whose attention has one of theirs' code under another name (tiermoe.arch.code_form)."""
+families whose attention has the code of one of them under another name (tiermoe.arch.code_form)."""
 
 from __future__ import annotations
 

@@ -5,13 +5,13 @@ transformers writes most families' modules by copying another family's (its "mod
 attention are Qwen3-MoE's, PhiMoE's and Granite-MoE's are Qwen2-MoE's, most RMSNorms are Llama's, each under its
 own class name. Two classes have the same code here when their method's source, parsed, is the same tree once
 names that do not change what it computes are dropped (the function's own name, docstrings, annotations), and
-every name it reads from its module is the same thing: a function of the module (apply_rotary_pos_emb,
-rotate_half, eager_attention_forward) the same code again, read the same way, a method it calls on `self` the
-same code, an attribute of its class the same object or an equal constant, their classes' decorators the same calls
-(but a hub kernel's name, inert here), and anything else (torch, transformers' attention table) the same object, or
-an equal constant. What the method reaches through its attributes (child modules, values its
-__init__ set) is the instance's, as it is for the reference: a fused path that computes a child in its own way
-checks that child's class itself.
+every name it reads is the same thing: a function of its module (apply_rotary_pos_emb, rotate_half,
+eager_attention_forward) the same code again, read the same way; a method it calls on `self` the same code; an
+attribute of its class the same object or an equal constant; their classes' decorators the same calls (but a hub
+kernel's name, inert here); anything else (torch, transformers' attention table) the same object or an equal
+constant. What the method reaches through its instance (child modules, values its __init__ set) is the
+instance's, as it is for the reference: a fused path that computes a child in its own way checks that child's
+class itself.
 
 A class transformers' next version changes stops matching, and its modules keep their own forward: never a wrong
 result, at worst a slower one.
@@ -264,10 +264,9 @@ def _globals_read(fn: ast.FunctionDef) -> list[str]:
                 loads.append(node.id)
             else:
                 bound.add(node.id)
-        elif isinstance(node, (ast.FunctionDef, ast.Lambda, ast.comprehension)) and node is not fn:
-            if isinstance(node, ast.FunctionDef):
-                bound.add(node.name)
-        elif isinstance(node, ast.arg):
+        elif isinstance(node, ast.FunctionDef) and node is not fn:
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):  # a nested function's or lambda's
             bound.add(node.arg)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)

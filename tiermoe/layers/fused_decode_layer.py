@@ -1,5 +1,5 @@
 """A decoder layer's decode step in one native call, for CPU-only runs of Qwen3-MoE, Mixtral and GPT-OSS models in
-bf16 (and of any decoder layer with one of theirs' code, LAYER_FORMS).
+bf16 (and of any decoder layer with the code of one of theirs, LAYER_FORMS).
 
 After the per-op fusions (fused norms, routers and attention, packed linears) a decode step of a width-128 layer
 still cost about 400 us of host time against llama.cpp's 75: some sixty dispatched torch ops and ten ctypes calls,
