@@ -61,6 +61,11 @@ MODELS = {m.name: m for m in (
     # MoE layers (64 experts top-6, 2 shared), MLA attention
     BenchModel("deepseek-v2-lite-3l", "DeepSeek-V2-Lite's shapes, 3 layers (2 MoE)",
                dict(arch="deepseek_v2", preset="deepseek-v2-lite", layers=3), ("bf16",), 3.4, loss=False),
+    # the same with V2's compressed queries (q_lora_rank 1536), which llama.cpp loads: it takes a DeepSeek-V2 model
+    # without them as Lite only at Lite's 27 layers
+    BenchModel("deepseek-v2-lite-q-3l", "DeepSeek-V2-Lite's shapes with compressed queries (rank 1536), 3 layers",
+               dict(arch="deepseek_v2", preset="deepseek-v2-lite", layers=3, config_overrides=dict(q_lora_rank=1536)),
+               ("bf16", "4-bit"), 3.4, loss=False),
     # families whose modules have the tuned families' code under other names (tiermoe.arch.code_form), the host's
     # cost per layer: Mellum (Qwen3-MoE's attention, router and norms, its own MoE block) and Dots1 (the same
     # attention and norms, DeepSeek-V3's grouped router, a shared expert), 24 layers of tiny width each
