@@ -72,3 +72,15 @@ def test_deepseek_v3_gets_deepseeks_tokenizer(tmp_path):
     assert tok.encode("Hello, world", add_special_tokens=False) == [19923, 14, 2058]
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
                                    tokenize=False) == "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜>"
+
+
+def test_any_moe_family_is_made_tiny_with_the_byte_level_tokenizer(tmp_path):
+    out = tmp_path / "mellum"  # not a tuned family: the architecture tests' tiny config, its layers repeated
+    result = run_cli("make-model", "--arch", "mellum", "--layers", "3", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "mellum" and config["num_hidden_layers"] == 3 and len(config["layer_types"]) == 3
+    assert AutoTokenizer.from_pretrained(out).decode([104, 105]) == "hi"
+    refused = run_cli("make-model", "--arch", "llama", "--out", str(tmp_path / "dense"))
+    assert refused.returncode != 0 and "another MoE model type of the installed transformers" in refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "dense").exists()

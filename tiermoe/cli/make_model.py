@@ -21,12 +21,14 @@ def add_parser(sub) -> None:
         "generate, chat and serve take text with it. A --preset names its architecture; without one, --arch gives "
         "a tiny debug model of that architecture.",
         "tiermoe make-model --arch qwen3_moe --out tiny-qwen3",
+        "tiermoe make-model --arch mellum --layers 4 --out tiny-mellum",
         "tiermoe make-model --preset qwen3-30b-a3b --layers 4 --dtype bf16 --out q30b-4l",
         "tiermoe make-model --preset deepseek-v3 --layers 5 --out dsv3-5l",
         "tiermoe make-model --preset qwen3-30b-a3b --layers 4 --top-k 6 --out q30b-4l-top6",
     )
-    p.add_argument("--arch", choices=TUNED_MODEL_TYPES,
-                   help="model_type to build: a tiny debug model of it without --preset (default: the preset's)")
+    p.add_argument("--arch", help="model_type to build: a tiny debug model of it without --preset (default: the "
+                   f"preset's): a tuned family ({', '.join(TUNED_MODEL_TYPES)}) or any other MoE model type of the "
+                   "installed transformers (docs/architectures.md), shrunk as the architecture tests shrink it")
     p.add_argument("--preset", choices=sorted(MODEL_PRESETS),
                    help="a released model's shapes: " + ", ".join(f"{k} ({v})" for k, v in MODEL_PRESETS.items()))
     p.add_argument("--layers", type=positive_int, help="keep only the first N decoder layers")
