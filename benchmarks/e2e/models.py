@@ -67,8 +67,8 @@ MODELS = {m.name: m for m in (
                dict(arch="deepseek_v2", preset="deepseek-v2-lite", layers=3, config_overrides=dict(q_lora_rank=1536)),
                ("bf16", "4-bit"), 3.4, loss=False),
     # families whose modules have the tuned families' code under other names (tiermoe.arch.code_form), the host's
-    # cost per layer: Mellum (Qwen3-MoE's attention, router and norms, its own MoE block) and Dots1 (the same
-    # attention and norms, DeepSeek-V3's grouped router, a shared expert), 24 layers of tiny width each
+    # cost per layer: Mellum (all Qwen3-MoE's code: its layers take the whole-layer call) and Dots1 (the same
+    # attention and norms, DeepSeek-V3's block and grouped router, a shared expert), 24 layers of tiny width each
     BenchModel("mellum-tiny-24l", "Mellum, 24 layers of tiny width (hidden 128, 32 experts top-4)",
                dict(arch="mellum", config_overrides=dict(_THIN, num_local_experts=32)),
                ("bf16",), 0.05, loss=False, host_bound=True),

@@ -129,7 +129,7 @@ def _zoo_tiny_fields(arch: str, layers: int | None) -> dict:
     if layers is not None and layers >= 1:
         per_layer = fields["num_hidden_layers"]
         for name, value in fields.items():
-            if isinstance(value, list) and len(value) == per_layer:
+            if "layer" in name and isinstance(value, list) and len(value) == per_layer:  # not an eos id list
                 fields[name] = [value[i % per_layer] for i in range(layers)]
         fields["num_hidden_layers"] = layers
     return fields
