@@ -9,6 +9,7 @@ import torch
 from conftest import ARCHS, MASKS, load_reference, make_mask, rel_err, save_tiny
 
 from tiermoe.arch import detect, load_config
+from tiermoe.engine.llm import LLM
 from tiermoe.model.loader import load_hybrid_model
 
 FP32_TOL = 1e-5
@@ -182,3 +183,32 @@ def test_bf16_checkpoint_keeps_its_dtype(tmp_path):
         assert hybrid.tier_bytes().cpu_experts == spec.total_routed_experts * spec.bytes_per_expert(torch.bfloat16)
         logits = hybrid(input_ids=input_ids()).logits
         assert torch.isfinite(logits).all()
+
+
+def test_a_one_row_step_keeps_shared_experts_on_the_kernel_team_beside_its_cpu_tier(tiny_dir):
+    """CPU-only bf16 with packed non-experts (the default there): the shared experts' products run on the kernel
+    team the CPU tier computes on, so a one-row step computes both on the calling thread (no hand-off); the same
+    logits as through the worker, and longer steps still hand off."""
+    with LLM(tiny_dir("deepseek_v3"), dtype=torch.bfloat16, progress=False) as llm:
+        hybrid = llm.hybrid
+        assert all(block.shared_on_team for block in hybrid.blocks.values())
+        threads = []
+        for block in hybrid.blocks.values():
+            compute = block.cpu_tier._compute
+
+            def spy(x, ids, w, compute=compute):
+                threads.append((x.shape[0], threading.get_ident()))
+                return compute(x, ids, w)
+
+            block.cpu_tier._compute = spy
+        one_row = input_ids()[:1, :1]
+        here = hybrid(input_ids=one_row).logits
+        hybrid(input_ids=input_ids()[:1])  # 9 rows
+        for block in hybrid.blocks.values():
+            block.shared_on_team = False
+        handed_off = hybrid(input_ids=one_row).logits
+    caller = threading.get_ident()
+    rows_and_here = [(rows, thread == caller) for rows, thread in threads]
+    moe_layers = len(hybrid.blocks)
+    assert rows_and_here == [(1, True)] * moe_layers + [(9, False)] * moe_layers + [(1, False)] * moe_layers
+    assert torch.equal(here, handed_off)
