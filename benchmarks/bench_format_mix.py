@@ -4,11 +4,12 @@ bench_non_expert_quant.py scores the mixes tiermoe packs (int4 keeps k / v int8,
 int6). This one asks, before anyone builds a format or a flag, what a mix would give (it is how int6 was chosen):
 every weight of the model is rounded through a format and back, per projection (q, k, v, o; the experts' gate / up
 and down, per layer; the LM head), and the model runs on the rounded weights, held in its own dtype (bf16: one more
-rounding of each, 2^-9 of it, small beside a 4- or 8-bit code's), the head's product in fp32. The formats: tiermoe's packed bf16 / int8 / int4 / int6 (`quantize` then `dequantize`: the stored codes
-exactly), and `q6`, a 6-bit form like llama.cpp's Q6_K (symmetric 6-bit codes in groups of 16 columns, each group's
-scale 8 bits of its row's largest). What the simulation leaves out: the int8 rounding of activations in the packed
-products; the mixes marked packable are what bench_non_expert_quant.py loads, and its packed rows of them differ from
-the simulation by about 0.00001-0.00006 nats.
+rounding of each, 2^-9 of it, small beside a 4- or 8-bit code's), the head's product in fp32. The formats:
+tiermoe's packed bf16 / int8 / int4 / int6 (`quantize` then `dequantize`: the stored codes exactly), and `q6`, a
+6-bit form like llama.cpp's Q6_K (symmetric 6-bit codes in groups of 16 columns, each group's scale 8 bits of its
+row's largest). What the simulation leaves out: the int8 rounding of activations in the packed products; the mixes
+marked packable are what bench_non_expert_quant.py loads, and its packed rows of them differ from the simulation by
+about 0.00001-0.00006 nats.
 
 Each mix: the KL from the unquantised model's next-token distribution and the top-token agreement on the held-out
 GSM8K prompts bench_non_expert_quant.py scores, and the weight bytes one decode token reads at the mix's formats

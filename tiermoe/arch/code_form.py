@@ -65,8 +65,8 @@ class CodeForms(Generic[Value]):
                 reference = import_class(*reference_key)
                 self._references[reference_key] = reference and (reference, _method_alone(reference, self.method))
             found = self._references[reference_key]
-            if found is not None and found[1] == alone and same_code(cls, found[0], self.method):
-                return value
+            if found is not None and found[1] == alone and _Comparison().methods(cls, found[0], self.method):
+                return value  # (same_code's first check, the method alone, is the line before)
         return None
 
 

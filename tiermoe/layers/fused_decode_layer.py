@@ -165,8 +165,7 @@ class FusedDecodeLayer(nn.Module):
             k_norm=attn.k_norm.weight.data_ptr() if qk_norm else None,
             qkv=_product(kernels, qkv), o=_product(kernels, attn.o_proj), router=_product(kernels, router.packed),
             kv=TmLinearArgs() if kv is None else _product(kernels, kv),
-            attn=TmAttnArgs(isa=kernels.isa, scale=attn.scaling,
-                            sinks=_pointer(self.sinks)),
+            attn=TmAttnArgs(isa=kernels.isa, scale=attn.scaling, sinks=_pointer(self.sinks)),
             half_rotary=int(attn.form.half_rotary), topk_first=int(router.topk_first),
             qkv_bias=_pointer(self.qkv_bias), o_bias=_pointer(attn.o_proj.bias), router_bias=_pointer(router.bias))
 

@@ -334,9 +334,10 @@ int tm_softmax_topk(const void* logits, int rows, int n, int k, int logits_bf16,
     top_k(queue, k);
     for (int j = 0; j < k; ++j) v[j] = queue[j].first;
     if (topk_first) softmax(softmax_lanes, v.data(), k);
-    const float total = renorm && !topk_first ? sum_of(sum_lanes, [&](int64_t i) { return v[i]; }, k) : 1.0f;
+    const bool divide = renorm && !topk_first;  // top-k-first weights sum to one already
+    const float total = divide ? sum_of(sum_lanes, [&](int64_t i) { return v[i]; }, k) : 1.0f;
     for (int j = 0; j < k; ++j) {
-      store(weights, int64_t(r) * k + j, renorm && !topk_first ? v[j] / total : v[j], weights_bf16);
+      store(weights, int64_t(r) * k + j, divide ? v[j] / total : v[j], weights_bf16);
       ids[int64_t(r) * k + j] = queue[j].second;
     }
   }
