@@ -13,6 +13,7 @@ import torch
 from conftest import MASKS, load_reference, make_mask, rel_err, run_cli
 
 from tiermoe.arch import detect, load_config
+from tiermoe.config import CPUConfig
 from tiermoe.engine.llm import LLM
 from tiermoe.engine.sampling import SamplingParams
 from tiermoe.experts.kernels import load_kernels
@@ -26,6 +27,7 @@ from tiermoe.layers.mla_math import (
     group_kv_b_rows,
     split_kv_b,
 )
+from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.model.plan_source import placement_target
 from tiermoe.placement.budget import kv_bytes_per_token
 from tiermoe.testing.presets import make_config
@@ -266,12 +268,16 @@ def test_fit_reports_the_latent_for_deepseek_v3_and_gqa_unchanged(tmp_path):
     assert kv_bytes_per_token(make_config("qwen3_moe", "qwen3-30b-a3b"), 2) == 98_304
 
 
-def _decode_logits(path, dtype: torch.dtype, in_place: bool = True) -> torch.Tensor:
+def _decode_logits(path, dtype: torch.dtype, in_place: bool = True, packed: bool = True) -> torch.Tensor:
     """Logits of decode steps: 8 rows of different pasts in one forward (three steps), then two decode rows beside a
     prompt chunk. In bf16 the decode rows attend in place (the kernel's) or, with the step's decode attention taken
-    away, on their gathered pages through torch; fp32 MLA rows always take torch's path."""
-    with LLM(path, dtype=dtype, page_size=4, progress=False) as llm:
+    away, on their gathered pages through torch; fp32 MLA rows always take torch's path. A bf16 model holds its
+    non-expert linears packed (kv_b_proj's absorbed products on the kernels) unless not `packed`."""
+    cpu = CPUConfig(non_expert_dtype=None if packed else "none")
+    with LLM(path, dtype=dtype, page_size=4, cpu=cpu, progress=False) as llm:
         engine = llm.engine
+        kv_b = engine.model.model.layers[0].self_attn.kv_b_proj
+        assert isinstance(kv_b, QuantizedLinear) == (packed and dtype == torch.bfloat16)
         assert (engine.decode_attention is not None) == (dtype == torch.bfloat16)  # bf16 MLA of a few heads
         if not in_place:
             engine.decode_attention = None
@@ -293,3 +299,14 @@ def test_bf16_decode_rows_reading_the_latent_in_place_are_as_exact_as_the_gather
     want = _decode_logits(path, torch.float32)
     in_place, gathered = (rel_err(_decode_logits(path, torch.bfloat16, flag), want) for flag in (True, False))
     assert in_place <= 1.25 * gathered  # observed: 0.073 and 0.073 (v2), 0.019 and 0.019 (v3-yarn)
+
+
+@pytest.mark.skipif(load_kernels() is None, reason="the CPU kernels are not built here")
+def test_bf16_decode_with_kv_b_packed_takes_the_absorbed_products_on_the_kernels_as_exact_as_torch(variant_dir):
+    """kv_b_proj packed (CPU-only runs): W_UK folded into each head's query and W_UV onto its output by the heads'
+    products (tiermoe.experts.kernel_matmuls.packed_heads_product), in place and in prompt chunks, against the fp32
+    logits of the same steps: no further from them than torch's bf16 batched matmuls on its views."""
+    path = variant_dir("v3-yarn")
+    want = _decode_logits(path, torch.float32)
+    packed, plain = (rel_err(_decode_logits(path, torch.bfloat16, packed=flag), want) for flag in (True, False))
+    assert packed <= 1.25 * plain  # observed: equal (0.0185 both; the tiny heads' sums round alike)

@@ -42,7 +42,7 @@ TOLERANCE = {"int8": 0.03, "int4": 0.4}
 # Qwen3-Next's gated delta rule carries any error of a random in_proj_qkvz along the sequence (bf16 weights alone
 # give 0.015, int8 0.07, int4 0.66 at the median position): only int8 is held to a bound there.
 ARCH_TOLERANCE = {"qwen3_next": {"int8": 0.15, "int4": None}}
-KEY_VALUE = {"deepseek_v3": {"kv_a_proj_with_mqa"}}  # each layout's key / value projections (else k_proj, v_proj)
+KEY_VALUE = {"deepseek_v3": {"kv_a_proj_with_mqa", "kv_b_proj"}}  # each layout's key / value projections (else k_proj, v_proj)
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +137,8 @@ def test_quantized_non_experts_compute_their_stored_weights_and_keep_routers_and
             head_module = hybrid.model.get_output_embeddings()
             assert isinstance(head_module, QuantizedLinear) and head_module.fmt == head_format(fmt, head)
             formats = {name: modules[name].fmt for name in swapped if modules[name] is not head_module}
-            # int4 keeps the key / value projections in int8 (MLA: its latent one), attention's output in int6; the
-            # rest in the format asked
+            # int4 keeps the key / value projections in int8 (MLA: its latent one and its expansion), attention's
+            # output in int6; the rest in the format asked
             other = {name.rpartition(".")[2] for name, f in formats.items() if f != fmt}
             more_bits = KEY_VALUE.get(arch, {"k_proj", "v_proj"}) | {"o_proj"}
             assert other == (more_bits if fmt == "int4" else set()), formats

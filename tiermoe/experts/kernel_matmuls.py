@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from tiermoe.experts.kernels import Kernels, ThreadTeam, TmLinearArgs, TmMatrix
+from tiermoe.experts.kernels import Kernels, ThreadTeam, TmHeadsArgs, TmLinearArgs, TmMatrix
 from tiermoe.experts.quant import FORMAT_CODES, QMatrix
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # other activation dtypes are computed in fp32 and cast back
@@ -103,6 +103,33 @@ def packed_product(kernels: Kernels, team: ThreadTeam, w: PackedMatrix, x: torch
     if call(team.handle, ctypes.byref(args), err, len(err)) != 0:
         raise RuntimeError(err.value.decode())
     return out.view(*x.shape[:-1], width_out).to(x.dtype)
+
+
+def packed_heads_product(kernels: Kernels, team: ThreadTeam, w: PackedMatrix, x_HMi: torch.Tensor, first_row: int,
+                         head_rows: int, out_HMo: torch.Tensor, transposed: bool = False,
+                         amx_min_rows: int = 4) -> None:
+    """Per head h, x[h] W_h^T (or, transposed, x[h] W_h) into out[h], where W_h is `head_rows` rows of w from row
+    first_row + h * head_rows: H products in one call (`tm_heads_linear`). x [H, M, in] and out [H, M, out] may be
+    strided views (e.g. of [M, H, *] rows) with contiguous last dims, both fp32 or both bf16; head_rows and
+    first_row are multiples of 16, within w's real rows (one segment)."""
+    H, M, width_in = x_HMi.shape
+    width_out = w.k if transposed else head_rows
+    if (x_HMi.dtype not in KERNEL_DTYPES or out_HMo.dtype != x_HMi.dtype or x_HMi.stride(-1) != 1
+            or out_HMo.stride(-1) != 1 or out_HMo.shape != (H, M, width_out)
+            or width_in != (head_rows if transposed else w.k) or head_rows % 16 or first_row % 16
+            or w.seg_len != w.n or first_row + H * head_rows > w.n):
+        raise ValueError(f"heads' products of {tuple(x_HMi.shape)} {x_HMi.dtype} rows into "
+                         f"{tuple(out_HMo.shape)} {out_HMo.dtype} do not fit {H} heads of {head_rows} rows of a "
+                         f"{w.n} x {w.k} matrix from row {first_row}")
+    one = TmLinearArgs(isa=kernels.isa, amx_min_rows=amx_min_rows, M=M, N=head_rows, K=w.k, seg_rows=head_rows,
+                       seg_len=head_rows, x_bf16=int(x_HMi.dtype == torch.bfloat16), W=w.c_ptr,
+                       x=x_HMi.data_ptr(), out=out_HMo.data_ptr())
+    args = TmHeadsArgs(one=one, H=H, first_strip=first_row // 16, transposed=int(transposed),
+                       x_row=x_HMi.stride(1), x_head=x_HMi.stride(0), out_row=out_HMo.stride(1),
+                       out_head=out_HMo.stride(0))
+    err = ctypes.create_string_buffer(256)
+    if kernels.lib.tm_heads_linear(team.handle, ctypes.byref(args), err, len(err)) != 0:
+        raise RuntimeError(err.value.decode())
 
 
 def _plus(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

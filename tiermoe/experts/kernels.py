@@ -50,8 +50,9 @@ ACTIVATION_CODES = {"silu_glu": 0, "gpt_oss_glu": 1}
 # (TmDecodeLayerArgs.lora); 11: the up kernels' per-row addend (LoRA's gate_up update); 12: the read probe
 # (probes.cpp); 13: a decode layer's k and v in a product of their own (TmDecodeLayerArgs.kv: an int4 model's int8
 # k / v); 14: the int6 format (TM_INT6, tm_quantize_int6); 15: GPT-OSS's decode layer (TmDecodeLayerArgs' biases,
-# half-width rotary, top-k-first router) and tm_softmax_topk's top-k-first order
-ABI_VERSION = 15
+# half-width rotary, top-k-first router) and tm_softmax_topk's top-k-first order; 16: products of a packed matrix's
+# heads in one job (tm_heads_linear, TmHeadsArgs: MLA's absorbed W_UK / W_UV)
+ABI_VERSION = 16
 # A MoE layer or packed product smaller than this (bytes of weights read, each row of activations beyond the first
 # counted as an eighth more: csrc/tm_kernels.h tm_product_work) runs on the calling thread alone. Waking a helper
 # asleep between a decode step's calls cost about 250 us on this project's 2-vCPU VMs (an idle vCPU is halted),
@@ -121,6 +122,15 @@ class TmLinearArgs(ctypes.Structure):
                 ("N", ctypes.c_int32), ("K", ctypes.c_int32), ("seg_rows", ctypes.c_int32),
                 ("seg_len", ctypes.c_int32), ("x_bf16", ctypes.c_int32), ("W", ctypes.POINTER(TmMatrix)),
                 ("x", ctypes.c_void_p), ("out", ctypes.c_void_p)]
+
+
+class TmHeadsArgs(ctypes.Structure):
+    """H products of one packed matrix, one per head (csrc/tm_api.h): head i's matrix is `one.N` rows from strip
+    first_strip + i * one.N / 16; its rows of activations and of output are strided (elements)."""
+
+    _fields_ = [("one", TmLinearArgs), ("H", ctypes.c_int32), ("first_strip", ctypes.c_int32),
+                ("transposed", ctypes.c_int32), ("_pad", ctypes.c_int32), ("x_row", ctypes.c_int64),
+                ("x_head", ctypes.c_int64), ("out_row", ctypes.c_int64), ("out_head", ctypes.c_int64)]
 
 
 class TmAttnArgs(ctypes.Structure):
@@ -264,6 +274,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("tm_linear_forward", "tm_linear_transposed"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.POINTER(TmLinearArgs), ctypes.c_char_p, ctypes.c_int]
+    lib.tm_heads_linear.restype = ctypes.c_int
+    lib.tm_heads_linear.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmHeadsArgs), ctypes.c_char_p, ctypes.c_int]
     lib.tm_paged_decode_attention.restype = ctypes.c_int
     lib.tm_paged_decode_attention.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmAttnArgs), ctypes.c_char_p,
                                               ctypes.c_int]

@@ -32,14 +32,16 @@ import transformers.models.deepseek_v3.modeling_deepseek_v3 as deepseek_v3
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from tiermoe.experts.kernel_matmuls import KERNEL_DTYPES, packed_heads_product
 from tiermoe.layers.mla_math import (
     absorb_query,
-    absorbed_attention,
     attend_expanded,
     group_kv_b_rows,
+    latent_attention,
     split_kv_b,
     values_from_latent,
 )
+from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.layers.paged_attention import (
     PAGED_PREFIX,
     STEP_KWARG,
@@ -119,12 +121,13 @@ class MLAAttention(nn.Module):
         [S, 1, P]: a two-part key whose first part is also the value; tiermoe.layers.decode_attention) into out's
         first rows; returns the segments' gathered latent and k_pe [1, 1, K, *] (what the parts read)."""
         n, R = step.num_decode, self.kv_lora_rank
-        w_uk, w_uv = self._kv_b_halves(q_nope_1HQN.dtype)
-        query_nHX = torch.cat((absorb_query(q_nope_1HQN[:, :, :n], w_uk), q_pe_1HQP[:, :, :n]), dim=-1)[0]
+        query_nHX = q_nope_1HQN.new_empty((n, self.num_heads, R + self.qk_rope_head_dim))
+        self._absorb(q_nope_1HQN[:, :, :n], query_nHX[None, :, :, :R].transpose(1, 2))
+        query_nHX[:, :, R:] = q_pe_1HQP[0, :, :n].transpose(0, 1)
         out_latent_nHR = q_nope_1HQN.new_empty((n, self.num_heads, R))
-        step.attend_decode_rows(window, query_nHX.transpose(0, 1), latent_SR, latent_SR, self.scaling, None,
+        step.attend_decode_rows(window, query_nHX, latent_SR, latent_SR, self.scaling, None,
                                 out_latent_nHR, kr_SHd=k_pe_SP)
-        out_QHV[:n] = values_from_latent(out_latent_nHR.transpose(0, 1)[None], w_uv)[0].transpose(0, 1)
+        self._values(out_latent_nHR.transpose(0, 1)[None], out_QHV[None, :n])
         return segment_keys(step, window, latent_SR, k_pe_SP)
 
     def _attend(self, q_nope, q_pe, latent_B1LR, k_pe_B1LP, attention_mask, **kwargs) -> torch.Tensor:
@@ -134,10 +137,47 @@ class MLAAttention(nn.Module):
         if attend_expanded(q_nope.shape[2], latent_B1LR.shape[2], self.num_heads, R, N, P, self.v_head_dim,
                            q_nope.element_size()):
             return self._expanded_attention(q_nope, q_pe, latent_B1LR, k_pe_B1LP, attention_mask, **kwargs)
-        w_uk, w_uv = self._kv_b_halves(q_nope.dtype)
-        out_BHQV = absorbed_attention(q_nope, q_pe, latent_B1LR[:, 0], k_pe_B1LP[:, 0], w_uk, w_uv, self.scaling,
+        B, H, Q, _ = q_nope.shape
+        q_latent = self._absorb(q_nope, q_nope.new_empty((B, Q, H, R)).transpose(1, 2))
+        out_latent = latent_attention(q_latent, q_pe, latent_B1LR[:, 0], k_pe_B1LP[:, 0], self.scaling,
                                       attention_mask)
-        return out_BHQV.transpose(1, 2)
+        return self._values(out_latent, q_nope.new_empty((B, Q, H, self.v_head_dim)))
+
+    def _absorb(self, q_nope_BHQN: torch.Tensor, out_BHQR: torch.Tensor) -> torch.Tensor:
+        """W_UK folded into the query (mla_math.absorb_query), into out (any strides, its last dim contiguous):
+        on the packed kv_b_proj's kernels where it is one, else torch's batched matmul on its views."""
+        packed = self._packed_kv_b(q_nope_BHQN.dtype)
+        if packed is None:
+            out_BHQR.copy_(absorb_query(q_nope_BHQN, self._kv_b_halves(q_nope_BHQN.dtype)[0]))
+            return out_BHQR
+        x_HMN, out_HMR = _heads_rows(q_nope_BHQN), _heads_rows(out_BHQR)
+        packed_heads_product(packed.kernels, packed.team(), packed.packed, x_HMN, 0, self.qk_nope_head_dim, out_HMR,
+                             transposed=True, amx_min_rows=packed.amx_min_rows)
+        return _written(out_BHQR, out_HMR)
+
+    def _values(self, out_latent_BHQR: torch.Tensor, out_BQHV: torch.Tensor) -> torch.Tensor:
+        """W_UV applied to the attention-weighted latent (mla_math.values_from_latent), into out [B, Q, H, V]."""
+        packed = self._packed_kv_b(out_latent_BHQR.dtype)
+        if packed is None:
+            w_uv = self._kv_b_halves(out_latent_BHQR.dtype)[1]
+            out_BQHV.copy_(values_from_latent(out_latent_BHQR, w_uv).transpose(1, 2))
+            return out_BQHV
+        out_BHQV = out_BQHV.transpose(1, 2)
+        x_HMR, out_HMV = _heads_rows(out_latent_BHQR), _heads_rows(out_BHQV)
+        H, V = self.num_heads, self.v_head_dim
+        packed_heads_product(packed.kernels, packed.team(), packed.packed, x_HMR, H * self.qk_nope_head_dim, V,
+                             out_HMV, amx_min_rows=packed.amx_min_rows)
+        _written(out_BHQV, out_HMV)
+        return out_BQHV
+
+    def _packed_kv_b(self, dtype: torch.dtype) -> QuantizedLinear | None:
+        """kv_b_proj where its absorbed products run on the kernels: packed (CPU-only runs) in the grouped row
+        order, with the kernels loaded, heads of whole strips, activations of a kernel dtype."""
+        proj = self.kv_b_proj
+        if (isinstance(proj, QuantizedLinear) and proj.kernels is not None and self.kv_b_grouped
+                and dtype in KERNEL_DTYPES and self.qk_nope_head_dim % 16 == 0 and self.v_head_dim % 16 == 0):
+            return proj
+        return None
 
     def _expanded_attention(self, q_nope, q_pe, latent_B1LR, k_pe_B1LP, attention_mask, **kwargs) -> torch.Tensor:
         """transformers' own computation: every past position expanded to per-head K/V for this forward only."""
@@ -157,7 +197,8 @@ class MLAAttention(nn.Module):
 
     def group_kv_b_rows(self) -> None:
         """The one re-layout, once the weights are in: kv_b_proj's rows grouped [W_UK; W_UV] in place, so both
-        halves are contiguous views (quantised projections keep their stored layout)."""
+        halves are contiguous views, and each a block of whole strips once packed (FP8-stored projections keep
+        their stored layout)."""
         proj = self.kv_b_proj
         if self.kv_b_grouped or type(proj) is not nn.Linear or proj.bias is not None or proj.weight.is_meta:
             return
@@ -172,6 +213,21 @@ class MLAAttention(nn.Module):
         dequantized = getattr(proj, "dequantized", None)
         weight = dequantized(dtype) if dequantized is not None else proj.weight.to(dtype)
         return split_kv_b(weight, self.num_heads, self.qk_nope_head_dim, self.kv_b_grouped)
+
+
+def _heads_rows(x_BHQX: torch.Tensor) -> torch.Tensor:
+    """[B, H, Q, X] as [H, B * Q, X]: a view where the strides allow (B = 1, or rows of [B, Q, H, X]), else a
+    copy (see _written)."""
+    B, H, Q, X = x_BHQX.shape
+    return x_BHQX.transpose(0, 1).reshape(H, B * Q, X)
+
+
+def _written(out_BHQX: torch.Tensor, out_HMX: torch.Tensor) -> torch.Tensor:
+    """out_BHQX holding what the kernels wrote into out_HMX, its _heads_rows: copied back where that was a copy."""
+    if out_HMX.data_ptr() != out_BHQX.data_ptr():
+        B, H, Q, X = out_BHQX.shape
+        out_BHQX.copy_(out_HMX.view(H, B, Q, X).transpose(0, 1))
+    return out_BHQX
 
 
 def group_kv_b_rows_of(layers: nn.ModuleList) -> None:

@@ -232,6 +232,8 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         for block in blocks.values():
             block.trainable = True
     else:
+        group_kv_b_rows_of(decoder_layers(model))  # MLA's one re-layout, now that kv_b_proj holds its rows (and
+        # before it is packed: each head's W_UK and W_UV then a block of whole strips)
         if cpu.packs_non_experts:  # CPU only: packed linears on the kernels (the head too)
             quantize_non_experts(model, spec.router_attr, cpu, worker)
             for block in blocks.values():
@@ -241,7 +243,6 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
         if cpu.packs_non_experts:
             pack_routers(model, cpu, worker)
         use_rows_lm_head(model)  # the head on the sampled rows as one 2-D matmul: no copy of its weight per prefill
-        group_kv_b_rows_of(decoder_layers(model))  # MLA's one re-layout, now that kv_b_proj holds its rows
     return_freed_heap()  # the read buffers the tiers packed or quantised from
     kernels = load_kernels()
     decode_attention = decode_attention_for(model, gpu_device, kernels, model_team(worker, kernels, cpu), trainable,

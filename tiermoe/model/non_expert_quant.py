@@ -5,15 +5,13 @@ dense layers' MLPs, shared experts) and the LM head. Kept as loaded:
   - the router (the MoE block's `gate` / `router`): a few rows that decide which experts run, and tiny (a bf16
     one is held packed in bf16, the same values, by `pack_routers`);
   - Qwen2-MoE / Qwen3-Next's `shared_expert_gate`: one row, a sigmoid scale on the shared expert;
-  - MLA's `kv_b_proj`: MLAAttention re-lays its rows out once and reads them as the W_UK / W_UV views it folds
-    into the query (tiermoe.layers.mla_attention), which a packed matrix cannot give without a dequantisation
-    per forward;
   - norms and embeddings (not linears), and FP8-stored linears (FP8Linear, kept as stored).
 Each is packed in --non-expert-dtype's format, except that an int4 model keeps more bits where error hurts most,
 as llama.cpp's Q4_K_M does (`linear_format`, matched on the projection's leaf name):
-  - attention's keys and values (`k_proj`, `v_proj`, and MLA's latent `kv_a_proj_with_mqa`) in int8, as Q4_K_M
-    keeps a MoE model's attn_k / attn_v at Q8_0: every query head of a group reads the same keys and values, so
-    their error reaches several heads, and they are a small share of a MoE model's bytes (on Qwen3-30B-A3B,
+  - attention's keys and values (`k_proj`, `v_proj`, MLA's latent `kv_a_proj_with_mqa` and its expansion
+    `kv_b_proj`, whose W_UK / W_UV halves MLAAttention folds into every head's query and output) in int8, as
+    Q4_K_M keeps a MoE model's attn_k / attn_v at Q8_0: every query head of a group reads the same keys and
+    values, so their error reaches several heads, and they are a small share of a MoE model's bytes (on Qwen3-30B-A3B,
     2 x 512 x 2048 per layer against 4096 x 2048 for q and for o: +46 MB, about 3 % of what a 4-bit token reads).
     On the bundled model they bring the 4-bit model's KL from the unquantised model from 0.00195 to 0.00111 nats
     per token (int8 head) for 3.5 % more bytes read (benchmarks/bench_non_expert_quant.py);
@@ -49,10 +47,10 @@ from tiermoe.layers.fused_router import ROUTER_FORMS, FusedTopKRouter
 from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.model.skeleton import decoder_layers
 
-KEPT_LINEARS = ("shared_expert_gate", "kv_b_proj")  # see the module's docstring
+KEPT_LINEARS = ("shared_expert_gate",)  # see the module's docstring
 # Projections an int4 model holds in int8 (module docstring): attention's keys and values, and MLA's latent key /
-# value projection
-INT8_IN_INT4 = ("k_proj", "v_proj", "kv_a_proj_with_mqa")
+# value projection and its expansion
+INT8_IN_INT4 = ("k_proj", "v_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 # ... and in int6: attention's output projection
 INT6_IN_INT4 = ("o_proj",)
 

@@ -2,6 +2,8 @@
 //
 //   tm_linear_forward:    out[M, N] = x[M, K] W^T   (raw: no activation; training adds LoRA terms before the GLU)
 //   tm_linear_transposed: out[M, K] = g[M, N] W     (the input gradient of the forward product)
+//   tm_heads_linear:      either, for each of H heads with a block of rows of one matrix of its own, in one job
+//                         (MLA's absorbed products: each head's W_UK into its query, its W_UV onto its output)
 //
 // W is one expert's gate_up or down as the tier holds it (tm_kernels.h): rows and columns padded, its real rows
 // in segments (gate_up: gate rows at row 0, up rows at row Ip; down: one segment). Callers pass W's real shape and
@@ -40,6 +42,9 @@ constexpr int kManyRows = 16;
 struct Linear {
   const TmLinearArgs* a;
   const TmMatrix* W;
+  const void* x;             // a's x and out, or one head's (tm_heads_linear)
+  void* out;
+  int64_t ldx = 0, ldo = 0;  // elements between their rows
   tmoe::Team* team;
   bool transposed;
   const TmKernels* k;
@@ -54,8 +59,10 @@ struct Linear {
   std::vector<int32_t> ident;  // out row of each row (itself) and its weight (1), for the `down` kernels
   std::vector<float> ones;
   int chunk = 1;  // phase 1: strips (forward) or groups of 32 columns (transposed) per task
+  int row_tasks = 0, product_tasks = 0;  // phases 0 and 1
+  size_t f32_bytes = 0, bf16_bytes = 0;  // the row copies xf and xb
   // Member scratch: kernel scratch, the dequantised strip(s) (via_bf16), T (repack), the member's output block.
-  size_t kscratch = 0, block_bytes = 0, t_bytes = 0;
+  size_t kscratch = 0, block_bytes = 0, t_bytes = 0, out_bytes = 0;
 };
 
 // Runs of W's packed rows [r0, r1) that hold real rows: f(first packed row, first real row, length) for each.
@@ -68,13 +75,14 @@ inline void real_runs(const TmLinearArgs& a, int r0, int r1, F f) {
 }
 
 // len values of the activations from element i on, times scale[] when given, into fp32 and / or bf16.
-inline void load_run(const TmLinearArgs& a, size_t i, int len, const float* scale, float* f32, uint16_t* bf16) {
-  if (a.x_bf16 && !scale && !f32) {
-    std::memcpy(bf16, (const uint16_t*)a.x + i, 2 * (size_t)len);
+inline void load_run(const Linear& L, size_t i, int len, const float* scale, float* f32, uint16_t* bf16) {
+  const bool x_bf16 = L.a->x_bf16;
+  if (x_bf16 && !scale && !f32) {
+    std::memcpy(bf16, (const uint16_t*)L.x + i, 2 * (size_t)len);
     return;
   }
   for (int c = 0; c < len; ++c) {
-    float v = a.x_bf16 ? tm_bf16_to_f32(((const uint16_t*)a.x)[i + c]) : ((const float*)a.x)[i + c];
+    float v = x_bf16 ? tm_bf16_to_f32(((const uint16_t*)L.x)[i + c]) : ((const float*)L.x)[i + c];
     if (scale) v *= scale[c];
     if (f32) f32[c] = v;
     if (bf16) bf16[c] = tm_f32_to_bf16(v);  // exact for unscaled bf16 activations
@@ -82,12 +90,12 @@ inline void load_run(const TmLinearArgs& a, size_t i, int len, const float* scal
 }
 
 // len fp32 values into the output from element i on, in the activations' dtype.
-inline void store_run(const TmLinearArgs& a, size_t i, int len, const float* v) {
-  if (a.x_bf16) {
-    uint16_t* dst = (uint16_t*)a.out + i;
+inline void store_run(const Linear& L, size_t i, int len, const float* v) {
+  if (L.a->x_bf16) {
+    uint16_t* dst = (uint16_t*)L.out + i;
     for (int c = 0; c < len; ++c) dst[c] = tm_f32_to_bf16(v[c]);
   } else {
-    std::memcpy((float*)a.out + i, v, 4 * (size_t)len);
+    std::memcpy((float*)L.out + i, v, 4 * (size_t)len);
   }
 }
 
@@ -102,11 +110,11 @@ void convert_rows(const Linear& L, int m0, int m1) {
     if (bf16) std::fill(bf16, bf16 + w, (uint16_t)0);
     if (L.transposed) {  // g's real rows go where W holds them
       real_runs(a, 0, L.W->N, [&](int r, int n, int len) {
-        load_run(a, (size_t)m * a.N + n, len, scale ? scale + r : nullptr, f32 ? f32 + r : nullptr,
+        load_run(L, (size_t)m * L.ldx + n, len, scale ? scale + r : nullptr, f32 ? f32 + r : nullptr,
                  bf16 ? bf16 + r : nullptr);
       });
     } else {
-      load_run(a, (size_t)m * a.K, a.K, nullptr, f32, bf16);
+      load_run(L, (size_t)m * L.ldx, a.K, nullptr, f32, bf16);
     }
   }
   if ((L.wants & TM_ROWS_BF16) && m1 == a.M) {
@@ -138,7 +146,7 @@ void forward_strips(const Linear& L, int task, int tid) {
   L.k->down(L.W, &rows, c0, c1, L.ident.data(), L.ones.data(), y, ldy, sc.kernel);
   for (int m = 0; m < a.M; ++m)
     real_runs(a, 16 * c0, 16 * c1, [&](int r, int n, int len) {
-      store_run(a, (size_t)m * a.N + n, len, y + (size_t)m * ldy + r - 16 * c0);
+      store_run(L, (size_t)m * L.ldo + n, len, y + (size_t)m * ldy + r - 16 * c0);
     });
 }
 
@@ -168,7 +176,7 @@ void transposed_groups(const Linear& L, int task, int tid) {
   }
   const int k1 = std::min(32 * g1, a.K);
   if (k1 > 32 * g0)  // groups past K are W's padding
-    for (int m = 0; m < a.M; ++m) store_run(a, (size_t)m * a.K + 32 * g0, k1 - 32 * g0, o + (size_t)m * ldo);
+    for (int m = 0; m < a.M; ++m) store_run(L, (size_t)m * L.ldo + 32 * g0, k1 - 32 * g0, o + (size_t)m * ldo);
 }
 
 void run_task(void* ctx, int phase, int task, int tid) {
@@ -199,12 +207,17 @@ int check(const TmLinearArgs& a, char* err, int errlen) {
   return 0;
 }
 
-int linear(tmoe::Team& team, const TmLinearArgs& a, bool transposed) {
-  const TmMatrix* W = a.W;
+// Everything a product needs but its buffers: kernels, row copies, task split and sizes. x / out and their row
+// strides are a's, or one head's (tm_heads_linear).
+void plan(Linear& L, tmoe::Team& team, const TmLinearArgs& a, const TmMatrix* W, bool transposed, const void* x,
+          void* out, int64_t ldx, int64_t ldo) {
   const int n = team.size(), Np = W->N, Kp = W->K, M = a.M;
-  Linear L;
   L.a = &a;
   L.W = W;
+  L.x = x;
+  L.out = out;
+  L.ldx = ldx;
+  L.ldo = ldo;
   L.team = &team;
   L.transposed = transposed;
   // Which kernels: fp32 activations the fp32 vector kernels (exact); bf16 activations VDPBF16PS where the CPU has
@@ -220,54 +233,143 @@ int linear(tmoe::Team& team, const TmLinearArgs& a, bool transposed) {
   L.kt = (Np + 31) & ~31;
   L.width = transposed ? (L.repack ? L.kt : Np) : Kp;
   L.wants = L.via_bf16 || L.repack ? TM_ROWS_BF16 : L.k->wants(W->fmt, M);
-
-  const size_t f32_bytes = L.wants & TM_ROWS_F32 ? tm_align64(4 * (size_t)M * L.width) : 0;
-  const size_t bf16_bytes = L.wants & TM_ROWS_BF16 ? 2 * (size_t)((M + 15) & ~15) * L.width : 0;
-  char* p = (char*)team.arena().reserve(f32_bytes + bf16_bytes + 64);
-  if (L.wants & TM_ROWS_F32) L.xf = (float*)p;
-  if (L.wants & TM_ROWS_BF16) L.xb = (uint16_t*)(p + f32_bytes);
-  size_t out_bytes;
+  L.f32_bytes = L.wants & TM_ROWS_F32 ? tm_align64(4 * (size_t)M * L.width) : 0;
+  L.bf16_bytes = L.wants & TM_ROWS_BF16 ? tm_align64(2 * (size_t)((M + 15) & ~15) * L.width) : 0;
   if (transposed) {
     L.chunk = std::max(1, (Kp / 32 + 4 * n - 1) / (4 * n));
     L.kscratch = L.repack ? tm_align64(L.k->scratch_bytes(L.kt, M)) : 0;
     L.block_bytes = L.via_bf16 ? tm_align64((size_t)Np * 64) : 0;  // [Np / 16][16 pairs][16][2] bf16
     L.t_bytes = L.repack ? tm_align64((size_t)L.kt * 64) : 0;       // [2][kt / 2][16][2] bf16
-    out_bytes = 4 * (size_t)M * 32 * L.chunk;
+    L.out_bytes = 4 * (size_t)M * 32 * L.chunk;
   } else {
     L.chunk = std::max(2, (Np / 16 + 4 * n - 1) / (4 * n));
     L.chunk += L.chunk & 1;  // the two-strip kernels
     L.kscratch = tm_align64(L.k->scratch_bytes(Kp, M));
-    out_bytes = 4 * (size_t)M * 16 * L.chunk;
+    L.out_bytes = 4 * (size_t)M * 16 * L.chunk;
   }
   if (!transposed || L.repack) {
     L.ident.resize(M);
     for (int m = 0; m < M; ++m) L.ident[m] = m;
     L.ones.assign(M, 1.0f);
   }
-  for (int t = 0; t < n; ++t) team.scratch(t).reserve(L.kscratch + L.block_bytes + L.t_bytes + out_bytes + 64);
+  L.row_tasks = (M + kRowsPerTask - 1) / kRowsPerTask;
+  L.product_tasks = transposed ? (Kp / 32 + L.chunk - 1) / L.chunk : (Np / 16 + L.chunk - 1) / L.chunk;
+}
+
+// The row copies of a planned product, at p.
+void place_rows(Linear& L, char* p) {
+  if (L.wants & TM_ROWS_F32) L.xf = (float*)p;
+  if (L.wants & TM_ROWS_BF16) L.xb = (uint16_t*)(p + L.f32_bytes);
+}
+
+size_t member_bytes(const Linear& L) { return L.kscratch + L.block_bytes + L.t_bytes + L.out_bytes + 64; }
+
+int linear(tmoe::Team& team, const TmLinearArgs& a, bool transposed) {
+  Linear L;
+  plan(L, team, a, a.W, transposed, a.x, a.out, transposed ? a.N : a.K, transposed ? a.K : a.N);
+  place_rows(L, (char*)team.arena().reserve(L.f32_bytes + L.bf16_bytes + 64));
+  for (int t = 0; t < team.size(); ++t) team.scratch(t).reserve(member_bytes(L));
 
   tmoe::Job job;
   job.nphases = 2;
-  job.ntasks[0] = (M + kRowsPerTask - 1) / kRowsPerTask;
-  job.ntasks[1] = transposed ? (Kp / 32 + L.chunk - 1) / L.chunk : (Np / 16 + L.chunk - 1) / L.chunk;
+  job.ntasks[0] = L.row_tasks;
+  job.ntasks[1] = L.product_tasks;
   job.run = run_task;
   job.ctx = &L;
   job.at_end = L.k->finish;
-  job.work = tm_product_work(*W, M);
+  job.work = tm_product_work(*a.W, a.M);
   team.run(job, /*pin=*/false);  // any thread may call: it works as member 0 without being pinned
   return 0;
+}
+
+// Strips [s0, s0 + n) of W as a matrix of their own: every format stores its strips (codes and scales) one after
+// another.
+TmMatrix strips_of(const TmMatrix& W, int s0, int n) {
+  const TmMatrix strip = {nullptr, nullptr, nullptr, nullptr, 16, W.K, W.fmt, 0};
+  TmMatrix s = W;
+  s.N = 16 * n;
+  s.codes = (const char*)W.codes + tm_matrix_bytes(strip) * s0;
+  if (W.scale) s.scale = W.scale + 16 * s0;
+  if (W.gscale) s.gscale = W.gscale + (size_t)16 * (W.K / 32) * s0;
+  if (W.gzero) s.gzero = W.gzero + (size_t)16 * (W.K / (W.fmt == TM_INT4 ? 64 : 32)) * s0;
+  return s;
+}
+
+// tm_heads_linear's job: one product per head, their tasks numbered head after head in each phase.
+struct Heads {
+  std::vector<TmMatrix> W;
+  std::vector<Linear> linear;
+};
+
+void run_head_task(void* ctx, int phase, int task, int tid) {
+  Heads& h = *(Heads*)ctx;
+  const int per_head = phase == 0 ? h.linear[0].row_tasks : h.linear[0].product_tasks;
+  run_task(&h.linear[task / per_head], phase, task % per_head, tid);
+}
+
+int heads_linear(tmoe::Team& team, const TmHeadsArgs& a) {
+  const TmLinearArgs& one = a.one;
+  const size_t elem = one.x_bf16 ? 2 : 4;
+  Heads h;
+  h.W.reserve(a.H);  // (no reallocation: each Linear points at its matrix)
+  h.linear.resize(a.H);
+  size_t rows_bytes = 0, scratch = 0, work = 0;
+  for (int i = 0; i < a.H; ++i) {
+    h.W.push_back(strips_of(*one.W, a.first_strip + i * (one.N / 16), one.N / 16));
+    plan(h.linear[i], team, one, &h.W[i], a.transposed, (const char*)one.x + elem * a.x_head * i,
+         (char*)one.out + elem * a.out_head * i, a.x_row, a.out_row);
+    rows_bytes += h.linear[i].f32_bytes + h.linear[i].bf16_bytes;
+    scratch = std::max(scratch, member_bytes(h.linear[i]));
+    work += tm_product_work(h.W[i], one.M);
+  }
+  char* p = (char*)team.arena().reserve(rows_bytes + 64);
+  for (Linear& L : h.linear) {
+    place_rows(L, p);
+    p += L.f32_bytes + L.bf16_bytes;
+  }
+  for (int t = 0; t < team.size(); ++t) team.scratch(t).reserve(scratch);
+
+  tmoe::Job job;
+  job.nphases = 2;
+  job.ntasks[0] = a.H * h.linear[0].row_tasks;
+  job.ntasks[1] = a.H * h.linear[0].product_tasks;
+  job.run = run_head_task;
+  job.ctx = &h;
+  job.at_end = h.linear[0].k->finish;
+  job.work = work;
+  team.run(job, /*pin=*/false);
+  return 0;
+}
+
+int check_heads(const TmHeadsArgs& a, char* err, int errlen) {
+  const TmLinearArgs& one = a.one;
+  if (a.H <= 0) return fail(err, errlen, "%ld heads: expected at least one", a.H);
+  if (one.N % 16 || one.seg_rows != one.N || one.seg_len != one.N)
+    return fail(err, errlen, "a head of %ld rows is not a whole number of strips in one segment", one.N);
+  if (a.first_strip < 0 || !one.W || (long)a.first_strip * 16 + (long)a.H * one.N > one.W->N)
+    return fail(err, errlen, "%ld heads run past the packed matrix's rows", a.H);
+  TmLinearArgs head = one;
+  TmMatrix W = one.W->codes ? strips_of(*one.W, a.first_strip, one.N / 16) : *one.W;
+  head.W = &W;
+  return check(head, err, errlen);
+}
+
+template <typename F>
+int locked(void* team, const char* what, long rows, char* err, int errlen, F f) {
+  tmoe::Team& t = *(tmoe::Team*)team;
+  std::lock_guard<std::mutex> lock(t.mutex());
+  try {
+    return f(t);
+  } catch (const std::bad_alloc&) {
+    return fail(err, errlen, what, rows);
+  }
 }
 
 int entry(void* team, const TmLinearArgs* args, bool transposed, char* err, int errlen) {
   if (int bad = check(*args, err, errlen)) return bad;
   if (args->M == 0) return 0;
-  tmoe::Team& t = *(tmoe::Team*)team;
-  std::lock_guard<std::mutex> lock(t.mutex());
-  try {
-    return linear(t, *args, transposed);
-  } catch (const std::bad_alloc&) {
-    return fail(err, errlen, "out of memory for a product of %ld rows", (long)args->M);
-  }
+  return locked(team, "out of memory for a product of %ld rows", args->M, err, errlen,
+                [&](tmoe::Team& t) { return linear(t, *args, transposed); });
 }
 
 }  // namespace
@@ -280,6 +382,13 @@ int tm_linear_forward(void* team, const TmLinearArgs* args, char* err, int errle
 
 int tm_linear_transposed(void* team, const TmLinearArgs* args, char* err, int errlen) {
   return entry(team, args, true, err, errlen);
+}
+
+int tm_heads_linear(void* team, const TmHeadsArgs* args, char* err, int errlen) {
+  if (int bad = check_heads(*args, err, errlen)) return bad;
+  if (args->one.M == 0) return 0;
+  return locked(team, "out of memory for heads' products of %ld rows", args->one.M, err, errlen,
+                [&](tmoe::Team& t) { return heads_linear(t, *args); });
 }
 
 }  // extern "C"

@@ -33,7 +33,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 15;  // 2: tm_linear_forward / tm_linear_transposed;
+constexpr int kAbiVersion = 16;  // 2: tm_linear_forward / tm_linear_transposed;
                                 // 3: layer_ops.cpp, paged attention, rotary;
                                 // 4: decode attention per ISA (TmAttnArgs.isa);
                                 // 5: the gated delta rule's decode step (TmKernels.delta);
@@ -47,6 +47,7 @@ constexpr int kAbiVersion = 15;  // 2: tm_linear_forward / tm_linear_transposed;
                                 // 13: TmDecodeLayerArgs.kv (k and v in a product of their own)
                                 // 14: the int6 format (TM_INT6), tm_quantize_int6
                                 // 15: GPT-OSS's decode layer (TmDecodeLayerArgs), tm_softmax_topk's order
+                                // 16: tm_heads_linear (TmHeadsArgs)
 
 bool request_amx_permission() {
 #ifdef __linux__

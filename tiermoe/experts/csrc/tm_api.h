@@ -21,6 +21,16 @@ struct TmLinearArgs {
   void* out;      // forward: [M, N]; transposed: [M, K]; written
 };
 
+// H products of one packed matrix, one per head, in one job (expert_linear.cpp): head i's matrix is the one.N packed
+// rows from strip first_strip + i * one.N / 16 of one.W (one segment: seg_rows = seg_len = one.N, a multiple of 16);
+// its rows of activations start at one.x + i * x_head, one apart by x_row (elements), its output rows likewise in
+// one.out. Forward (out = x W_i^T) or transposed (out = x W_i).
+struct TmHeadsArgs {
+  TmLinearArgs one;  // a head's product: M, its real N x K, x_bf16; W the whole matrix; x / out head 0's
+  int32_t H, first_strip, transposed, _pad;
+  int64_t x_row, x_head, out_row, out_head;
+};
+
 // One MoE layer's CPU-tier experts (moe_layer.cpp).
 struct TmLayerArgs {
   int32_t isa;           // kernel level to use (TM_ISA_*), at most tm_cpu_isa()
@@ -67,6 +77,7 @@ struct TmLoraArgs {
 };
 
 int tm_linear_forward(void* team, const TmLinearArgs* args, char* err, int errlen);
+int tm_heads_linear(void* team, const TmHeadsArgs* args, char* err, int errlen);
 int tm_moe_forward(void* team, const TmLayerArgs* args, char* err, int errlen);
 int tm_moe_lora_forward(void* team, const TmLayerArgs* args, const TmLoraArgs* lora, char* err, int errlen);
 int tm_paged_decode_attention(void* team, const TmAttnArgs* args, char* err, int errlen);
