@@ -24,13 +24,15 @@ SIZES = {"mixtral": {"intermediate_size": 64}, "gpt_oss": {"intermediate_size": 
 # layer 1 is dense). Measured with the hand-written specs and again with the discovered ones: the same numbers. The
 # families with shared experts count 3 more in bf16 per MoE layer since their CPU tier computes on the engine's thread
 # (HybridMoE.shared_on_team): its own ops, which ran on the worker thread before, where the counter does not look.
+# DeepSeek's MLA attention decodes in one native call in bf16 (tiermoe.layers.mla_decode_call): 108 / 113 ops a layer
+# before it, 28 / 26 now (V2 / V3, dense layer), the rest being the layer's norms, residuals and MoE block.
 OPS_PER_LAYER = {
     "qwen3_moe": ([56, 24, 56], [2, 49, 2]),
     "qwen2_moe": ([32, 32], [67, 67]),
     "qwen3_next": ([69, 69, 69, 69], [107, 107, 107, 112]),
     "mixtral": ([54, 54], [2, 2]),
-    "deepseek_v2": ([102, 112, 112], [108, 121, 121]),
-    "deepseek_v3": ([107, 117, 117], [113, 126, 126]),
+    "deepseek_v2": ([102, 112, 112], [28, 41, 41]),
+    "deepseek_v3": ([107, 117, 117], [26, 39, 39]),
     "glm4_moe": ([52, 62, 62], [87, 100, 100]),
     "olmoe": ([80, 80], [113, 113]),
     "gpt_oss": ([66, 66], [2, 2]),

@@ -21,7 +21,13 @@ from collections.abc import Callable
 
 import torch
 
-from tiermoe.experts.kernels import Kernels, ThreadTeam, TmHeadsArgs, TmLinearArgs, TmMatrix
+from tiermoe.experts.kernels import (
+    Kernels,
+    ThreadTeam,
+    TmHeadsArgs,
+    TmLinearArgs,
+    TmMatrix,
+)
 from tiermoe.experts.quant import FORMAT_CODES, QMatrix
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # other activation dtypes are computed in fp32 and cast back

@@ -51,7 +51,8 @@ ACTIVATION_CODES = {"silu_glu": 0, "gpt_oss_glu": 1}
 # (probes.cpp); 13: a decode layer's k and v in a product of their own (TmDecodeLayerArgs.kv: an int4 model's int8
 # k / v); 14: the int6 format (TM_INT6, tm_quantize_int6); 15: GPT-OSS's decode layer (TmDecodeLayerArgs' biases,
 # half-width rotary, top-k-first router) and tm_softmax_topk's top-k-first order; 16: products of a packed matrix's
-# heads in one job (tm_heads_linear, TmHeadsArgs: MLA's absorbed W_UK / W_UV)
+# heads in one job (tm_heads_linear, TmHeadsArgs: MLA's absorbed W_UK / W_UV), MLA's rope forms (tm_mla_rope) and
+# its decode attention in one call (tm_mla_decode, TmMlaDecodeArgs)
 ABI_VERSION = 16
 # A MoE layer or packed product smaller than this (bytes of weights read, each row of activations beyond the first
 # counted as an eighth more: csrc/tm_kernels.h tm_product_work) runs on the calling thread alone. Waking a helper
@@ -173,6 +174,19 @@ class TmDecodeLayerArgs(ctypes.Structure):
                 *[(n, ctypes.c_void_p) for n in ("qkv_bias", "o_bias", "router_bias")]]
 
 
+class TmMlaDecodeArgs(ctypes.Structure):
+    """DeepSeek's MLA attention of a decode step in one call (csrc/mla_decode.cpp, csrc/tm_api.h)."""
+
+    _fields_ = [*[(n, ctypes.c_int32) for n in ("T", "D", "H", "N", "P", "R", "V", "L", "norm_kind", "sum_lanes",
+                                                "rope_form", "attend_on_team")],
+                ("q_eps", ctypes.c_double), ("kv_eps", ctypes.c_double), ("x", ctypes.c_void_p),
+                ("out", ctypes.c_void_p), *[(n, TmLinearArgs) for n in ("q_a", "q_b", "kv_a", "kv_b", "o")],
+                *[(n, ctypes.c_void_p) for n in ("q_a_norm", "kv_a_norm", "cos", "sin")],
+                ("cs_row_stride", ctypes.c_int64),
+                *[(n, ctypes.c_void_p) for n in ("latent_slots", "kpe_slots", "write_slots")],
+                ("attn", TmAttnArgs), ("work", ctypes.c_void_p)]
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The loaded library, the ISA level its calls use, the size under which its teams run a job on the caller
@@ -275,6 +289,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.POINTER(TmLinearArgs), ctypes.c_char_p, ctypes.c_int]
     lib.tm_heads_linear.restype = ctypes.c_int
+    lib.tm_mla_decode.restype = ctypes.c_int
+    lib.tm_mla_decode.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmMlaDecodeArgs), ctypes.c_char_p, ctypes.c_int]
+    lib.tm_mla_decode_work_bytes.restype = ctypes.c_size_t
+    lib.tm_mla_decode_work_bytes.argtypes = [ctypes.POINTER(TmMlaDecodeArgs)]
+    lib.tm_mla_rope.restype = ctypes.c_int
+    lib.tm_mla_rope.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                ctypes.c_int]
     lib.tm_heads_linear.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmHeadsArgs), ctypes.c_char_p, ctypes.c_int]
     lib.tm_paged_decode_attention.restype = ctypes.c_int
     lib.tm_paged_decode_attention.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmAttnArgs), ctypes.c_char_p,

@@ -107,13 +107,12 @@ class DecodeAttention:
         if dq != d + dr or (kr_SHd is not None and kr_SHd.shape[:2] != k_SHd.shape[:2]):
             raise ValueError(f"decode attention's query has {dq} values a head, its keys {d} + {dr}")
         sinks = None if sinks_H is None else sinks_H.detach().float().contiguous()
-        kv_bytes = keys * Hkv * (d + dr + (0 if v_SHd.data_ptr() == k_SHd.data_ptr() else dv)) * k_SHd.element_size()
-        mla_work = 0 if kr_SHd is None else keys * H * (d + dr + dv)
-        team = self.team() if kv_bytes >= TEAM_MIN_KV_BYTES or mla_work >= TEAM_MIN_MLA_WORK else None
+        team, splits = self.plan(T, H, Hkv, d, dr, dv, keys, v_SHd.data_ptr() == k_SHd.data_ptr(),
+                                 k_SHd.element_size())
         args = TmAttnArgs(isa=self.kernels.isa, T=T, H=H, Hkv=Hkv, d=d, dv=dv, dr=dr, page_size=page_size,
                           max_pages=tables_TN.shape[1], x_bf16=int(q_THd.dtype == torch.bfloat16),
                           q_row_stride=q_THd.stride(0), q_head_stride=q_THd.stride(1), scale=scale,
-                          key_splits=1 if team is None else key_splits(T, Hkv, team.n, keys), q=q_THd.data_ptr(),
+                          key_splits=splits, q=q_THd.data_ptr(),
                           k_slots=k_SHd.data_ptr(), kr_slots=None if kr_SHd is None else kr_SHd.data_ptr(),
                           v_slots=v_SHd.data_ptr(), sinks=None if sinks is None else sinks.data_ptr(),
                           tables=tables_TN.data_ptr(), pos=pos_T.data_ptr(), lo=lo_T.data_ptr(),
@@ -122,6 +121,17 @@ class DecodeAttention:
         if self.kernels.lib.tm_paged_decode_attention(None if team is None else team.handle, ctypes.byref(args),
                                                       err, len(err)) != 0:
             raise RuntimeError(err.value.decode())
+
+    def plan(self, T: int, H: int, Hkv: int, d: int, dr: int, dv: int, keys: int, values_are_keys: bool,
+             itemsize: int):
+        """(the team, or None for the calling thread alone; key splits) of an `attend` call of these sizes: the team
+        where the keys read (or MLA's multiply-adds: `dr` > 0) are worth its wake-up."""
+        kv_bytes = keys * Hkv * (d + dr + (0 if values_are_keys else dv)) * itemsize
+        mla_work = keys * H * (d + dr + dv) if dr else 0
+        if kv_bytes < TEAM_MIN_KV_BYTES and mla_work < TEAM_MIN_MLA_WORK:
+            return None, 1
+        team = self.team()
+        return team, key_splits(T, Hkv, team.n, keys)
 
     def attend_chunks(self, step, window: int | None, q_THd: torch.Tensor, k_SHd: torch.Tensor, v_SHd: torch.Tensor,
                       scale: float, sinks_H: torch.Tensor | None, out_THd: torch.Tensor) -> None:

@@ -34,14 +34,17 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from tiermoe.experts.kernel_matmuls import KERNEL_DTYPES, packed_heads_product
 from tiermoe.layers.mla_math import (
+    ROPE_HALF,
+    ROPE_INTERLEAVE,
+    ROPE_PAIRS,
     absorb_query,
+    absorbed_attention,
     attend_expanded,
     group_kv_b_rows,
     latent_attention,
     split_kv_b,
     values_from_latent,
 )
-from tiermoe.layers.quantized_linear import QuantizedLinear
 from tiermoe.layers.paged_attention import (
     PAGED_PREFIX,
     STEP_KWARG,
@@ -50,6 +53,7 @@ from tiermoe.layers.paged_attention import (
     part_queries,
     segment_keys,
 )
+from tiermoe.layers.quantized_linear import QuantizedLinear
 
 # What the forward needs of the original module besides its submodules.
 _ATTRIBUTES = ("config", "layer_idx", "num_heads", "q_lora_rank", "qk_rope_head_dim", "kv_lora_rank", "v_head_dim",
@@ -65,6 +69,14 @@ def _rope_v3(module, q_pe, k_pe, position_embeddings):
     if module.config.rope_interleave:
         return deepseek_v3.apply_rotary_pos_emb_interleave(q_pe, k_pe, cos, sin)
     return deepseek_v3.apply_rotary_pos_emb(q_pe, k_pe, cos, sin)
+
+
+def _rope_form(original: nn.Module) -> int:
+    """The native rope's form of this rope (csrc/rotary.cpp tm_mla_rope): V2's complex pairs, V3's halves (after
+    its de-interleave where `rope_interleave`)."""
+    if isinstance(original, deepseek_v2.DeepseekV2Attention):
+        return ROPE_PAIRS
+    return ROPE_INTERLEAVE if original.config.rope_interleave else ROPE_HALF
 
 
 # transformers' MLA attention classes -> (their rope, their eager attention)
@@ -85,10 +97,19 @@ class MLAAttention(nn.Module):
         for name, child in original.named_children():  # the same names: the checkpoint's tensors load as they are
             self.add_module(name, child)
         self.kv_b_grouped = False  # kv_b_proj's rows: per head as stored, until group_kv_b_rows
+        # the native decode (tiermoe.layers.mla_decode_call, attached where every piece is native): a decode step in
+        # one call, and the per-op path's rope through the same native function
+        self.native = None
+        self.rope_form = _rope_form(original)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask: torch.Tensor | None = None,
                 cache=None, past_key_values=None, **kwargs) -> tuple[torch.Tensor, None]:
         cache = cache if cache is not None else past_key_values
+        step = kwargs.pop(STEP_KWARG, None)
+        if self.native is not None and step is not None:
+            out = self.native(self, hidden_states, position_embeddings, cache, step)
+            if out is not None:
+                return out, None
         B, Q = hidden_states.shape[:-1]
         N, P, R = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
         if self.q_lora_rank is None:
@@ -98,10 +119,11 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.view(B, Q, -1, self.qk_head_dim).transpose(1, 2).split([N, P], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([R, P], dim=-1)
         latent = self.kv_a_layernorm(latent).view(B, 1, Q, R)
-        q_pe, k_pe = self._rope(self, q_pe, k_pe.view(B, 1, Q, P), position_embeddings)
+        k_pe = k_pe.view(B, 1, Q, P)
+        if self.native is None or not self.native.rope(q_pe, k_pe, position_embeddings):  # (else roped in place)
+            q_pe, k_pe = self._rope(self, q_pe, k_pe, position_embeddings)
         if cache is not None:
             latent, k_pe = cache.update(latent, k_pe, self.layer_idx)  # the past and this forward's: [B, 1, L, *]
-        step = kwargs.pop(STEP_KWARG, None)
         if step is None:
             out_BQHV = self._attend(q_nope, q_pe, latent, k_pe, attention_mask, **kwargs)
         else:  # the engine's ragged step over the KV pool: each part (decode batch, segment) on its own keys
@@ -121,13 +143,22 @@ class MLAAttention(nn.Module):
         [S, 1, P]: a two-part key whose first part is also the value; tiermoe.layers.decode_attention) into out's
         first rows; returns the segments' gathered latent and k_pe [1, 1, K, *] (what the parts read)."""
         n, R = step.num_decode, self.kv_lora_rank
-        query_nHX = q_nope_1HQN.new_empty((n, self.num_heads, R + self.qk_rope_head_dim))
-        self._absorb(q_nope_1HQN[:, :, :n], query_nHX[None, :, :, :R].transpose(1, 2))
-        query_nHX[:, :, R:] = q_pe_1HQP[0, :, :n].transpose(0, 1)
+        packed = self._packed_kv_b(q_nope_1HQN.dtype)
+        if packed is None:
+            w_uk, w_uv = self._kv_b_halves(q_nope_1HQN.dtype)
+            query_nHX = torch.cat((absorb_query(q_nope_1HQN[:, :, :n], w_uk), q_pe_1HQP[:, :, :n]), dim=-1)[0]
+            query_nHX = query_nHX.transpose(0, 1)
+        else:  # W_UK's products written into the query's first R values of each head, the roped part after them
+            query_nHX = q_nope_1HQN.new_empty((n, self.num_heads, R + self.qk_rope_head_dim))
+            self._absorb_packed(packed, q_nope_1HQN[:, :, :n], query_nHX[None, :, :, :R].transpose(1, 2))
+            query_nHX[:, :, R:] = q_pe_1HQP[0, :, :n].transpose(0, 1)
         out_latent_nHR = q_nope_1HQN.new_empty((n, self.num_heads, R))
         step.attend_decode_rows(window, query_nHX, latent_SR, latent_SR, self.scaling, None,
                                 out_latent_nHR, kr_SHd=k_pe_SP)
-        self._values(out_latent_nHR.transpose(0, 1)[None], out_QHV[None, :n])
+        if packed is None:
+            out_QHV[:n] = values_from_latent(out_latent_nHR.transpose(0, 1)[None], w_uv)[0].transpose(0, 1)
+        else:
+            self._values_packed(packed, out_latent_nHR.transpose(0, 1)[None], out_QHV[None, :n])
         return segment_keys(step, window, latent_SR, k_pe_SP)
 
     def _attend(self, q_nope, q_pe, latent_B1LR, k_pe_B1LP, attention_mask, **kwargs) -> torch.Tensor:
@@ -137,31 +168,31 @@ class MLAAttention(nn.Module):
         if attend_expanded(q_nope.shape[2], latent_B1LR.shape[2], self.num_heads, R, N, P, self.v_head_dim,
                            q_nope.element_size()):
             return self._expanded_attention(q_nope, q_pe, latent_B1LR, k_pe_B1LP, attention_mask, **kwargs)
+        packed = self._packed_kv_b(q_nope.dtype)
+        if packed is None:
+            w_uk, w_uv = self._kv_b_halves(q_nope.dtype)
+            out_BHQV = absorbed_attention(q_nope, q_pe, latent_B1LR[:, 0], k_pe_B1LP[:, 0], w_uk, w_uv,
+                                          self.scaling, attention_mask)
+            return out_BHQV.transpose(1, 2)
         B, H, Q, _ = q_nope.shape
-        q_latent = self._absorb(q_nope, q_nope.new_empty((B, Q, H, R)).transpose(1, 2))
+        q_latent = self._absorb_packed(packed, q_nope, q_nope.new_empty((B, Q, H, R)).transpose(1, 2))
         out_latent = latent_attention(q_latent, q_pe, latent_B1LR[:, 0], k_pe_B1LP[:, 0], self.scaling,
                                       attention_mask)
-        return self._values(out_latent, q_nope.new_empty((B, Q, H, self.v_head_dim)))
+        return self._values_packed(packed, out_latent, q_nope.new_empty((B, Q, H, self.v_head_dim)))
 
-    def _absorb(self, q_nope_BHQN: torch.Tensor, out_BHQR: torch.Tensor) -> torch.Tensor:
-        """W_UK folded into the query (mla_math.absorb_query), into out (any strides, its last dim contiguous):
-        on the packed kv_b_proj's kernels where it is one, else torch's batched matmul on its views."""
-        packed = self._packed_kv_b(q_nope_BHQN.dtype)
-        if packed is None:
-            out_BHQR.copy_(absorb_query(q_nope_BHQN, self._kv_b_halves(q_nope_BHQN.dtype)[0]))
-            return out_BHQR
+    def _absorb_packed(self, packed: QuantizedLinear, q_nope_BHQN: torch.Tensor,
+                       out_BHQR: torch.Tensor) -> torch.Tensor:
+        """W_UK folded into the query (mla_math.absorb_query) by the packed kv_b_proj's heads' products, into out
+        (any strides, its last dim contiguous)."""
         x_HMN, out_HMR = _heads_rows(q_nope_BHQN), _heads_rows(out_BHQR)
         packed_heads_product(packed.kernels, packed.team(), packed.packed, x_HMN, 0, self.qk_nope_head_dim, out_HMR,
                              transposed=True, amx_min_rows=packed.amx_min_rows)
         return _written(out_BHQR, out_HMR)
 
-    def _values(self, out_latent_BHQR: torch.Tensor, out_BQHV: torch.Tensor) -> torch.Tensor:
-        """W_UV applied to the attention-weighted latent (mla_math.values_from_latent), into out [B, Q, H, V]."""
-        packed = self._packed_kv_b(out_latent_BHQR.dtype)
-        if packed is None:
-            w_uv = self._kv_b_halves(out_latent_BHQR.dtype)[1]
-            out_BQHV.copy_(values_from_latent(out_latent_BHQR, w_uv).transpose(1, 2))
-            return out_BQHV
+    def _values_packed(self, packed: QuantizedLinear, out_latent_BHQR: torch.Tensor,
+                       out_BQHV: torch.Tensor) -> torch.Tensor:
+        """W_UV applied to the attention-weighted latent (mla_math.values_from_latent) by the packed kv_b_proj's
+        heads' products, into out [B, Q, H, V]."""
         out_BHQV = out_BQHV.transpose(1, 2)
         x_HMR, out_HMV = _heads_rows(out_latent_BHQR), _heads_rows(out_BHQV)
         H, V = self.num_heads, self.v_head_dim

@@ -27,6 +27,9 @@ import torch
 # (absorbed), and the expanded K/V of the whole past (expanded; beyond it a chunk attends absorbed, in blocks).
 MAX_SCORE_BYTES = 256 << 20
 MAX_EXPANSION_BYTES = 512 << 20
+# The forms of MLA's rope on the roped parts (csrc/rotary.cpp tm_mla_rope, csrc/tm_api.h TmMlaRope): V3's rotate-half,
+# V3's after its de-interleave (`rope_interleave`), V2's complex pairs.
+ROPE_HALF, ROPE_INTERLEAVE, ROPE_PAIRS = 0, 1, 2
 
 
 def split_kv_b(w_kv_b: torch.Tensor, num_heads: int, nope_dim: int,

@@ -70,6 +70,7 @@ from tiermoe.layers.mla_attention import (
     group_kv_b_rows_of,
     replace_mla_attention,
 )
+from tiermoe.layers.mla_decode_call import attach_mla_decode
 from tiermoe.model.cpu_only import cpu_only_defaults, torch_threads_beside
 from tiermoe.model.expert_source import (
     LAYERS_PREFIX,
@@ -250,6 +251,7 @@ def load_hybrid_model(model_dir: str | Path, placement=None, *, gpu_device: str 
     if isinstance(decode_attention, DecodeAttention):  # the CPU's native kernels: whole layers fused around them
         fuse_decode_attention(model, decode_attention)
         fuse_decode_layers(model, kernels)  # where every piece is fused and packed: one native call a layer
+        attach_mla_decode(model, decode_attention)  # MLA's decode attention likewise, in one native call
     return HybridModel(model, config, spec, blocks, gpu_device, worker, model_dir, dtype, share, trainable, pool,
                        decode_attention, torch_threads_beside(cpu))
 

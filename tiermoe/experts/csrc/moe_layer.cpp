@@ -47,7 +47,7 @@ constexpr int kAbiVersion = 16;  // 2: tm_linear_forward / tm_linear_transposed;
                                 // 13: TmDecodeLayerArgs.kv (k and v in a product of their own)
                                 // 14: the int6 format (TM_INT6), tm_quantize_int6
                                 // 15: GPT-OSS's decode layer (TmDecodeLayerArgs), tm_softmax_topk's order
-                                // 16: tm_heads_linear (TmHeadsArgs)
+                                // 16: tm_heads_linear, tm_mla_rope, tm_mla_decode
 
 bool request_amx_permission() {
 #ifdef __linux__

@@ -76,6 +76,31 @@ struct TmLoraArgs {
   const float* down_mask;     // [T][R_d]
 };
 
+// DeepSeek's MLA attention of a decode step (mla_decode.cpp has the chain): bf16 rows, packed products.
+enum TmMlaRope { TM_MLA_ROPE_HALF = 0, TM_MLA_ROPE_INTERLEAVE = 1, TM_MLA_ROPE_PAIRS = 2 };  // rotary.cpp
+struct TmMlaDecodeArgs {
+  int32_t T, D, H, N, P, R, V;  // rows, hidden, heads, a query head's nope / rope dims, latent, value dim
+  int32_t L;                    // q_lora_rank: q = q_b(norm(q_a(x))); 0: q = q_a(x) (q_a is then q_proj)
+  int32_t norm_kind, sum_lanes;  // the RMSNorms' kind (layer_ops.cpp) and torch's lane count
+  int32_t rope_form;             // TM_MLA_ROPE_*: cos / sin [T, P] bf16, or (PAIRS) cos the fp32 pairs [T, P / 2, 2]
+  int32_t attend_on_team;        // enough work that the team shares the attention
+  double q_eps, kv_eps;
+  const uint16_t* x;             // [T, D] the attention's input
+  uint16_t* out;                 // [T, D] o_proj's output
+  TmLinearArgs q_a, q_b, kv_a, kv_b, o;  // packed products (kv_b: rows grouped, each head's W_UK, then W_UV); M, x and
+                                         // out are set here
+  const uint16_t* q_a_norm;      // [L]
+  const uint16_t* kv_a_norm;     // [R]
+  const void* cos;
+  const void* sin;
+  int64_t cs_row_stride;
+  uint16_t* latent_slots;        // [S, R] the layer's pool slots
+  uint16_t* kpe_slots;           // [S, P]
+  const int64_t* write_slots;    // [T] where each row's latent and k_pe go
+  TmAttnArgs attn;               // the step's page tables, positions, scale, key splits; the rest is set here
+  void* work;                    // tm_mla_decode_work_bytes
+};
+
 int tm_linear_forward(void* team, const TmLinearArgs* args, char* err, int errlen);
 int tm_heads_linear(void* team, const TmHeadsArgs* args, char* err, int errlen);
 int tm_moe_forward(void* team, const TmLayerArgs* args, char* err, int errlen);
@@ -87,6 +112,8 @@ int tm_softmax_topk(const void* logits, int rows, int n, int k, int logits_bf16,
                     int softmax_lanes, int sum_lanes, int topk_first, void* weights, int64_t* ids);
 int tm_rotary_inplace(void* x, int T, int H, int d, int64_t row_stride, int64_t head_stride, const void* cos,
                       const void* sin, int64_t cs_row_stride, int half_width, int bf16);
+int tm_mla_rope(void* x, int T, int H, int d, int64_t row_stride, int64_t head_stride, const void* cos, const void* sin,
+                int64_t cs_row_stride, int form, int bf16);
 int tm_read_probe(void* team, const void* buf, int64_t bytes, int reps, double* best_seconds);
 int tm_team_empty_job(void* team);
 
