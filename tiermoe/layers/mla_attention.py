@@ -269,12 +269,17 @@ def group_kv_b_rows_of(layers: nn.ModuleList) -> None:
             attention.group_kv_b_rows()
 
 
+def replaced_by_mla_attention(cls: type) -> bool:
+    """Whether the loader puts an MLAAttention in place of a module of this class (replace_mla_attention)."""
+    return cls in _MLA_CLASSES
+
+
 def replace_mla_attention(layers: nn.ModuleList) -> int:
     """Put an MLAAttention in place of every decoder layer's transformers MLA attention; returns how many."""
     replaced = 0
     for layer in layers:
         original = getattr(layer, "self_attn", None)
-        if type(original) in _MLA_CLASSES:
+        if replaced_by_mla_attention(type(original)):
             layer.self_attn = MLAAttention(original)
             replaced += 1
     return replaced

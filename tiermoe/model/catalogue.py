@@ -29,6 +29,7 @@ from tiermoe.layers.fused_decode_layer import LAYER_FORMS
 from tiermoe.layers.fused_grouped_router import GROUPED_ROUTER_FORMS
 from tiermoe.layers.fused_norm import NORM_FORMS
 from tiermoe.layers.fused_router import ROUTER_FORMS
+from tiermoe.layers.mla_attention import replaced_by_mla_attention
 from tiermoe.layers.pool_kinds import pool_lacks
 
 CPU_KERNEL_ACTIVATIONS = ("silu_glu", "gpt_oss_glu")  # what tiermoe.experts.native computes with its kernels
@@ -83,6 +84,8 @@ def _decode_paths(spec: ArchSpec, found: Discovery) -> str:
         paths.append("whole layer in one native call")
     if attention:
         paths.append("fused attention")
+    if any(replaced_by_mla_attention(c) for c in classes):
+        paths.append("MLA attention in one native call")
     if router or taken(GROUPED_ROUTER_FORMS):
         paths.append("fused router")
     if taken(NORM_FORMS):
@@ -157,7 +160,8 @@ def catalogue_markdown() -> str:
         "tiers. \"engine\": whether the engine's KV pool holds every layer kind (a model it does not still runs "
         "through `hybrid(input_ids=...)` with transformers' caches). \"CPU decode\": the fused native decode paths "
         "the family's modules take on a CPU main device in bf16: those whose code is one the path was written for, "
-        "under any class name (tiermoe.arch.code_form). Do not edit by hand: "
+        "under any class name (tiermoe.arch.code_form); MLA's call, transformers' DeepSeek-V2 / V3 attention "
+        "classes themselves (tiermoe.layers.mla_attention). Do not edit by hand: "
         "`tiermoe inspect --architectures > docs/architectures.md`."
     )
     lines = [
