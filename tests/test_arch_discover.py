@@ -67,7 +67,7 @@ def test_the_fused_native_decode_paths_take_the_classes_whose_code_is_theirs():
     assert decode("mellum") == everything  # Qwen3-MoE's attention, router, norms, layer and block, by other names
     assert decode("dots1") == "fused attention, fused router, fused norms"  # a shared expert: per op
     assert decode("phimoe") == "fused attention"  # Qwen2-MoE's attention; LayerNorms, a sparsemixer router
-    assert decode("deepseek_v3") == "fused router, fused norms"  # MLA attends per op
+    assert decode("deepseek_v3") == "MLA attention in one native call, fused router, fused norms"
     assert decode("ernie4_5_moe") == "fused norms"  # its rotary (interleaved) is not Qwen2-MoE's
 
 

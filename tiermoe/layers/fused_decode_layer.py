@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from tiermoe.arch.code_form import CodeForms
-from tiermoe.experts.kernel_matmuls import PackedMatrix
 from tiermoe.experts.kernels import (
     Kernels,
     TmAttnArgs,
@@ -52,7 +51,7 @@ from tiermoe.layers.hybrid_moe import HybridMoE
 from tiermoe.layers.lora_stack import LoRAStack
 from tiermoe.layers.module_swap import swap_modules
 from tiermoe.layers.paged_attention import STEP_KWARG, PagedStepCache
-from tiermoe.layers.quantized_linear import QuantizedLinear
+from tiermoe.layers.quantized_linear import QuantizedLinear, bf16_product_args
 from tiermoe.layers.row_lora_linear import RowLoRALinear
 
 _MODELS = "transformers.models"
@@ -163,8 +162,9 @@ class FusedDecodeLayer(nn.Module):
             post_norm=self.post_attention_layernorm.weight.data_ptr(),
             q_norm=attn.q_norm.weight.data_ptr() if qk_norm else None,
             k_norm=attn.k_norm.weight.data_ptr() if qk_norm else None,
-            qkv=_product(kernels, qkv), o=_product(kernels, attn.o_proj), router=_product(kernels, router.packed),
-            kv=TmLinearArgs() if kv is None else _product(kernels, kv),
+            qkv=bf16_product_args(qkv, kernels), o=bf16_product_args(attn.o_proj, kernels),
+            router=bf16_product_args(router.packed, kernels),
+            kv=TmLinearArgs() if kv is None else bf16_product_args(kv, kernels),
             attn=TmAttnArgs(isa=kernels.isa, scale=attn.scaling, sinks=_pointer(self.sinks)),
             half_rotary=int(attn.form.half_rotary), topk_first=int(router.topk_first),
             qkv_bias=_pointer(self.qkv_bias), o_bias=_pointer(attn.o_proj.bias), router_bias=_pointer(router.bias))
@@ -250,12 +250,6 @@ def _fill(args: TmLinearLora, stack: LoRAStack, mask_TR: torch.Tensor | None, he
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
-
-
-def _product(kernels: Kernels, linear: QuantizedLinear) -> TmLinearArgs:
-    w: PackedMatrix = linear.packed
-    return TmLinearArgs(isa=kernels.isa, amx_min_rows=linear.amx_min_rows, N=w.n, K=w.k, seg_rows=w.seg_rows,
-                        seg_len=w.seg_len, x_bf16=1, W=w.c_ptr)
 
 
 def _qkv_products(attn: DecodeFusedAttention) -> tuple[QuantizedLinear, QuantizedLinear | None] | None:

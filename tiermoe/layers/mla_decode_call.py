@@ -19,7 +19,6 @@ import ctypes
 import torch
 from torch import nn
 
-from tiermoe.experts.kernel_matmuls import PackedMatrix
 from tiermoe.experts.kernels import Kernels, TmAttnArgs, TmLinearArgs, TmMlaDecodeArgs
 from tiermoe.layers.decode_attention import DecodeAttention
 from tiermoe.layers.fused_norm import FusedRMSNorm
@@ -27,7 +26,7 @@ from tiermoe.layers.fused_router import NATIVE_MAX_ROWS
 from tiermoe.layers.mla_attention import MLAAttention
 from tiermoe.layers.mla_math import ROPE_PAIRS
 from tiermoe.layers.paged_attention import PagedStepCache
-from tiermoe.layers.quantized_linear import QuantizedLinear
+from tiermoe.layers.quantized_linear import QuantizedLinear, bf16_product_args
 
 
 class MLADecodeCall:
@@ -51,9 +50,11 @@ class MLADecodeCall:
             D=q_first.in_features, H=a.num_heads, N=a.qk_nope_head_dim, P=a.qk_rope_head_dim, R=a.kv_lora_rank,
             V=a.v_head_dim, L=a.q_lora_rank or 0, norm_kind=norm.kind, sum_lanes=norm.ops.sum_lanes,
             rope_form=rope_form, q_eps=a.q_a_layernorm.eps if compressed else 0.0, kv_eps=norm.eps,
-            q_a=_product(kernels, q_first), q_b=_product(kernels, a.q_b_proj) if compressed else TmLinearArgs(),
-            kv_a=_product(kernels, a.kv_a_proj_with_mqa), kv_b=_product(kernels, a.kv_b_proj),
-            o=_product(kernels, a.o_proj), q_a_norm=a.q_a_layernorm.weight.data_ptr() if compressed else None,
+            q_a=bf16_product_args(q_first, kernels),
+            q_b=bf16_product_args(a.q_b_proj, kernels) if compressed else TmLinearArgs(),
+            kv_a=bf16_product_args(a.kv_a_proj_with_mqa, kernels), kv_b=bf16_product_args(a.kv_b_proj, kernels),
+            o=bf16_product_args(a.o_proj, kernels),
+            q_a_norm=a.q_a_layernorm.weight.data_ptr() if compressed else None,
             kv_a_norm=norm.weight.data_ptr(), attn=TmAttnArgs(isa=kernels.isa, scale=a.scaling))
 
     def __call__(self, attention: nn.Module, x_1TD: torch.Tensor, position_embeddings, cache,
@@ -61,9 +62,10 @@ class MLADecodeCall:
         """`attention`'s o_proj output [1, T, D] of a decode step, or None where the step takes the per-op path."""
         T = x_1TD.shape[1]
         if (any(attention._modules[name] is not module for name, module in self.modules.items())
-                or not step.decode_only or step.decode_attention is not self.decode or not isinstance(cache, PagedStepCache)
-                or x_1TD.dtype != torch.bfloat16 or x_1TD.device.type != "cpu" or x_1TD.shape[0] != 1
-                or T > NATIVE_MAX_ROWS or not x_1TD.is_contiguous() or torch.is_grad_enabled()):
+                or not step.decode_only or step.decode_attention is not self.decode
+                or not isinstance(cache, PagedStepCache) or x_1TD.dtype != torch.bfloat16
+                or x_1TD.device.type != "cpu" or x_1TD.shape[0] != 1 or T > NATIVE_MAX_ROWS
+                or not x_1TD.is_contiguous() or torch.is_grad_enabled()):
             return None
         tables = self._tables(position_embeddings)
         if tables is None:
@@ -134,12 +136,6 @@ class MLADecodeCall:
 
 _PIECES = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
            "o_proj")
-
-
-def _product(kernels: Kernels, linear: QuantizedLinear) -> TmLinearArgs:
-    w: PackedMatrix = linear.packed
-    return TmLinearArgs(isa=kernels.isa, amx_min_rows=linear.amx_min_rows, N=w.n, K=w.k, seg_rows=w.seg_rows,
-                        seg_len=w.seg_len, x_bf16=1, W=w.c_ptr)
 
 
 def _packed(linear: nn.Module) -> bool:

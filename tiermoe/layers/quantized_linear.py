@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiermoe.experts.kernel_matmuls import PackedMatrix, packed_product
-from tiermoe.experts.kernels import Kernels, ThreadTeam
+from tiermoe.experts.kernels import Kernels, ThreadTeam, TmLinearArgs
 from tiermoe.experts.native import AMX_MIN_ROWS
 from tiermoe.experts.quant import QMatrix, block, dequantize, quantize
 
@@ -73,6 +73,14 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"fmt={self.fmt}")
+
+
+def bf16_product_args(linear: QuantizedLinear, kernels: Kernels) -> TmLinearArgs:
+    """The kernels' arguments of `linear`'s product of bf16 rows, M, x and out left for the call to set: what the
+    native chains (csrc/decode_layer.cpp, csrc/mla_decode.cpp) compute it with."""
+    w = linear.packed
+    return TmLinearArgs(isa=kernels.isa, amx_min_rows=linear.amx_min_rows, N=w.n, K=w.k, seg_rows=w.seg_rows,
+                        seg_len=w.seg_len, x_bf16=1, W=w.c_ptr)
 
 
 def stack_rows(linears: list[QuantizedLinear]) -> QuantizedLinear | None:
