@@ -29,17 +29,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from tiermoe.experts.ffn import (
-    ConvertedOnLookup,
-    ExpertActivation,
-    routed_experts_forward,
-)
-from tiermoe.experts.fp8_blocks import (
-    FP8_DTYPES,
-    dequantize_fp8,
-    quantize_fp8,
-    scale_shape,
-)
+from tiermoe.experts.ffn import ConvertedOnLookup, ExpertActivation, routed_experts_forward
+from tiermoe.experts.fp8_blocks import FP8_DTYPES, dequantize_fp8, quantize_fp8, scale_shape
 from tiermoe.experts.tiers import ExpertSet
 from tiermoe.experts.weights import ExpertWeights
 

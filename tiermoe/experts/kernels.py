@@ -289,6 +289,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.POINTER(TmLinearArgs), ctypes.c_char_p, ctypes.c_int]
     lib.tm_heads_linear.restype = ctypes.c_int
+    lib.tm_heads_linear.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmHeadsArgs), ctypes.c_char_p, ctypes.c_int]
     lib.tm_mla_decode.restype = ctypes.c_int
     lib.tm_mla_decode.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmMlaDecodeArgs), ctypes.c_char_p, ctypes.c_int]
     lib.tm_mla_decode_work_bytes.restype = ctypes.c_size_t
@@ -297,7 +298,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tm_mla_rope.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                 ctypes.c_int]
-    lib.tm_heads_linear.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmHeadsArgs), ctypes.c_char_p, ctypes.c_int]
     lib.tm_paged_decode_attention.restype = ctypes.c_int
     lib.tm_paged_decode_attention.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmAttnArgs), ctypes.c_char_p,
                                               ctypes.c_int]

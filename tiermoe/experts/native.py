@@ -23,11 +23,7 @@ from collections.abc import Callable
 import torch
 
 from tiermoe.config import CPUConfig
-from tiermoe.experts.ffn import (
-    ConvertedOnLookup,
-    ExpertActivation,
-    routed_experts_forward,
-)
+from tiermoe.experts.ffn import ConvertedOnLookup, ExpertActivation, routed_experts_forward
 from tiermoe.experts.kernel_matmuls import KernelMatmuls, c_matrix
 from tiermoe.experts.kernels import (
     ACTIVATION_CODES,
