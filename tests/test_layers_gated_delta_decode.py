@@ -20,8 +20,8 @@ from tiermoe.engine.sampling import SamplingParams
 from tiermoe.experts.kernels import ISA_NAMES, ThreadTeam, load_kernels
 from tiermoe.layers import decode_attention as decode_module
 from tiermoe.layers.decode_attention import DecodeAttention
-from tiermoe.layers.gated_delta_decode import decode_rows
-from tiermoe.layers.linear_attention_slots import LinearStateSlots, SlotStates
+from tiermoe.layers.gated_delta_decode import decode_rows, decodes_in_place
+from tiermoe.layers.linear_attention_slots import LinearStateSlots, SlotStates, use_ragged_linear_attention
 from tiermoe.testing.op_counter import OpCounter
 from tiermoe.testing.presets import make_config
 
@@ -139,3 +139,19 @@ def test_a_decode_step_neither_convolves_nor_gathers_recurrent_states(tiny_dir):
     assert all(len(s.output_ids) == 4 for s in seqs)
     assert ops.names["conv1d"] == 0
     assert ops.names["index_select"] == linear
+
+
+class _RescaledGatedDeltaNet(Qwen3NextGatedDeltaNet):
+    """Laid out as Qwen3-Next's gated DeltaNet (the same projections and parameters), computing something else."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return 2 * super().forward(hidden_states, *args, **kwargs)
+
+
+def test_the_in_place_decode_takes_qwen3_nexts_code_not_its_layout():
+    config = make_config("qwen3_next")
+    for cls, in_place in ((Qwen3NextGatedDeltaNet, True), (_RescaledGatedDeltaNet, False)):
+        module = cls(config, 0)
+        assert decodes_in_place(module) is in_place
+        assert use_ragged_linear_attention(module) == 1  # its class swapped as the engine swaps it
+        assert decodes_in_place(module) is in_place, cls

@@ -27,15 +27,20 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from tiermoe.arch.code_form import CodeForms
 from tiermoe.layers.decode_attention import DecodeAttention
 
-_PARTS = ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering", "conv1d", "A_log", "dt_bias", "norm",
-          "out_proj")
+# The linear-attention modules whose forward `decode_rows` computes for one-token rows: Qwen3-Next's gated DeltaNet,
+# and any class with its code under another name (tiermoe.arch.code_form). A module laid out the same (the same
+# projections and parameters) whose forward differs keeps its own.
+DELTA_FORMS = CodeForms({("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"): True})
 
 
 def decodes_in_place(module: nn.Module) -> bool:
-    """Whether `decode_rows` serves this module: laid out as Qwen3-Next's gated DeltaNet."""
-    return all(hasattr(module, name) for name in _PARTS)
+    """Whether `decode_rows` serves this module: its class (the one the engine's ragged-step subclass was made of,
+    tiermoe.layers.linear_attention_slots) has the code of one of DELTA_FORMS."""
+    cls = type(module)
+    return DELTA_FORMS.of(getattr(cls, "original_class", cls)) is not None
 
 
 def decode_rows(module: nn.Module, x_bD: torch.Tensor, conv_states: torch.Tensor, recurrent_states: torch.Tensor,

@@ -262,4 +262,4 @@ def use_ragged_linear_attention(model) -> int:
 
 @functools.cache  # one subclass per original class, so every swapped module shares it
 def _ragged_class(cls: type) -> type:
-    return type(f"Ragged{cls.__name__}", (RaggedLinearAttention, cls), {})
+    return type(f"Ragged{cls.__name__}", (RaggedLinearAttention, cls), {"original_class": cls})
