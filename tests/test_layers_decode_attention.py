@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import rel_err
+from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb as glm_rotary
 from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb as gpt_oss_rotary
 from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
@@ -259,6 +260,18 @@ def test_rotary_in_place_equals_gpt_oss_half_width_form_bit_for_bit(dtype):
     angles = torch.randn(4, 4, generator=g) * 3
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     want, _ = gpt_oss_rotary(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos[None], sin[None])
+    DecodeAttention(KERNELS, lambda: None).rotate(x, cos, sin, half_width=True)
+    assert torch.equal(x, want[0].transpose(0, 1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_equals_glms_partial_rotary_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 6, 16, generator=g).to(dtype)[:, 1::2]  # strided heads
+    angles = torch.randn(4, 4, generator=g) * 3  # tables of 8 values: each head's first 8 turned, the rest kept
+    cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+    want, _ = glm_rotary(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos[None], sin[None])
     DecodeAttention(KERNELS, lambda: None).rotate(x, cos, sin)
     assert torch.equal(x, want[0].transpose(0, 1))
 

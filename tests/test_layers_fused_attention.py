@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import load_reference, make_mask, rel_err
+from transformers import AutoModelForCausalLM
 
 from tiermoe.arch import detect, load_config
 from tiermoe.engine.llm import LLM
 from tiermoe.experts.kernels import load_kernels
 from tiermoe.layers.fused_attention import DecodeFusedAttention
 from tiermoe.testing.op_counter import OpCounter
-from tiermoe.testing.presets import TINY
+from tiermoe.testing.presets import TINY, make_config
 from tiermoe.testing.zoo_exactness import write_tiny
 
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="the CPU kernels are not built here")
@@ -22,10 +23,17 @@ FP32_TOL = 2e-5
 
 
 @pytest.mark.exactness
-# Mellum's attention is Qwen3-MoE's code; PhiMoE's (q/k/v biases) and Granite-MoE's (its own scaling) Qwen2-MoE's
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "mellum", "phimoe", "granitemoe"])
+# Mellum's attention is Qwen3-MoE's code; PhiMoE's (q/k/v biases) and Granite-MoE's (its own scaling) Qwen2-MoE's;
+# GLM-4.5's partial rotary, with and without its q/k norms and q/k/v biases
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "mellum", "phimoe", "granitemoe",
+                                  "glm4_moe", "glm4_moe+qk_norm"])
 def test_decode_steps_of_fused_attention_equal_transformers(arch, tiny_dir, tmp_path):
-    if arch in TINY:
+    if arch == "glm4_moe+qk_norm":
+        path = tmp_path / arch
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(make_config("glm4_moe", use_qk_norm=True, attention_bias=True,
+                                                     initializer_range=0.1)).save_pretrained(path)
+    elif arch in TINY:
         path = tiny_dir(arch)
     else:
         path = tmp_path / arch

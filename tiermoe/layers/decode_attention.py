@@ -174,18 +174,21 @@ class DecodeAttention:
         if self.kernels.lib.tm_gated_delta_decode(team, ctypes.byref(args), err, len(err)) != 0:
             raise RuntimeError(err.value.decode())
 
-    def rotate(self, x_THd: torch.Tensor, cos_Td: torch.Tensor, sin_Td: torch.Tensor) -> None:
+    def rotate(self, x_THd: torch.Tensor, cos_Tr: torch.Tensor, sin_Tr: torch.Tensor, half_width: bool = False) -> None:
         """transformers' rotary embedding (x * cos + rotate_half(x) * sin, with its roundings) applied to x [T, H, d]
-        in place (head values contiguous); cos / sin [T, d] in x's dtype, or [T, d / 2] (GPT-OSS: one value for
-        both halves)."""
+        in place (head values contiguous), cos / sin [T, r] in x's dtype: over each head's first r values (r = d; r
+        < d: partial rotary, GLM-4.5's, the rest passed through), or, `half_width` (GPT-OSS), over the whole head
+        with r = d / 2 values for both halves."""
         T, H, d = x_THd.shape
-        if (x_THd.stride(-1) != 1 or cos_Td.stride(-1) != 1 or sin_Td.stride(-1) != 1 or cos_Td.dtype != x_THd.dtype
-                or cos_Td.shape[-1] not in (d, d // 2)):
-            raise ValueError("rotary embedding needs contiguous head values and cos / sin in the tensor's dtype")
-        if self.kernels.lib.tm_rotary_inplace(x_THd.data_ptr(), T, H, d, x_THd.stride(0), x_THd.stride(1),
-                                              cos_Td.data_ptr(), sin_Td.data_ptr(), cos_Td.stride(0),
-                                              int(cos_Td.shape[-1] != d), int(x_THd.dtype == torch.bfloat16)) != 0:
-            raise ValueError(f"rotary embedding needs an even head dim, got {d}")
+        r = cos_Tr.shape[-1]
+        if (x_THd.stride(-1) != 1 or cos_Tr.stride(-1) != 1 or sin_Tr.stride(-1) != 1 or cos_Tr.dtype != x_THd.dtype
+                or r != (d // 2 if half_width else min(r, d))):
+            raise ValueError("rotary embedding needs contiguous head values and cos / sin in the tensor's dtype, of "
+                             "at most the head dim (half of it for the half-width form)")
+        if self.kernels.lib.tm_rotary_inplace(x_THd.data_ptr(), T, H, d if half_width else r, x_THd.stride(0),
+                                              x_THd.stride(1), cos_Tr.data_ptr(), sin_Tr.data_ptr(), cos_Tr.stride(0),
+                                              int(half_width), int(x_THd.dtype == torch.bfloat16)) != 0:
+            raise ValueError(f"rotary embedding needs an even width, got {d if half_width else r}")
 
 
 def key_splits(rows: int, kv_heads: int, threads: int, keys: int) -> int:

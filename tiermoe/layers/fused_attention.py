@@ -15,9 +15,10 @@ tiermoe.layers.decode_attention), computes:
 - the new K/V written into the pool, the attention read in place, the output projection.
 Every other step (gathered prompt chunks, gradients, a GPU device) runs the module's original forward.
 Families: Qwen3-MoE, Qwen2-MoE, Mixtral and GPT-OSS attention (full rotary, no gate; GPT-OSS's sinks go to the
-attention kernel), and every class whose code is one of theirs under another name (tiermoe.arch.code_form: Mellum's
-and Dots1's are Qwen3-MoE's, PhiMoE's, Granite-MoE's and Solar-Open's Qwen2-MoE's, MiniMax's Mixtral's). OLMoE (norms
-over all heads, clipping), GLM-4.5 (partial rotary), Qwen3-Next (gated) and the rest keep transformers' forward.
+attention kernel), GLM-4.5's (its q/k norms where `use_qk_norm`, rotary over each head's first part), and every class
+whose code is one of theirs under another name (tiermoe.arch.code_form: Mellum's and Dots1's are Qwen3-MoE's,
+PhiMoE's, Granite-MoE's and Solar-Open's Qwen2-MoE's, MiniMax's Mixtral's). OLMoE (norms over all heads, clipping),
+Qwen3-Next (gated) and the rest keep transformers' forward.
 Legend: T rows, H query heads, Hkv KV heads, d head dim.
 """
 
@@ -45,7 +46,9 @@ class AttentionForm:
     """What an attention class computes around its q/k/v/o projections and the attention itself."""
 
     qk_norm: bool = False  # q and k normed per head by its q_norm / k_norm modules before rotary (Qwen3-MoE's)
+    qk_norm_switch: str | None = None  # the instance attribute that turns those norms on (GLM-4.5's use_qk_norm)
     half_rotary: bool = False  # rotary tables of half the head dim, each half of a head turned by them (GPT-OSS's)
+    partial_rotary: bool = False  # rotary over each head's first r values, r the tables' width (GLM-4.5's)
     sinks: bool = False  # a learned sink logit per head in the softmax (GPT-OSS's `sinks` parameter)
 
 
@@ -56,6 +59,8 @@ ATTENTION_FORMS = CodeForms({
     (f"{_MODELS}.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeAttention"): AttentionForm(),
     (f"{_MODELS}.mixtral.modeling_mixtral", "MixtralAttention"): AttentionForm(),
     (f"{_MODELS}.gpt_oss.modeling_gpt_oss", "GptOssAttention"): AttentionForm(half_rotary=True, sinks=True),
+    (f"{_MODELS}.glm4_moe.modeling_glm4_moe", "Glm4MoeAttention"): AttentionForm(
+        qk_norm=True, qk_norm_switch="use_qk_norm", partial_rotary=True),
 })
 
 
@@ -77,7 +82,10 @@ class DecodeFusedAttention(nn.Module):
         self.training = original.training
         self.original_class = type(original)  # its forward runs every other step; its file has the eager attention
         self.form: AttentionForm = ATTENTION_FORMS.of(type(original))
-        self.rotary_width = self.head_dim // 2 if self.form.half_rotary else self.head_dim  # the tables' width
+        switch = self.form.qk_norm_switch
+        self.qk_norm = self.form.qk_norm and (switch is None or bool(getattr(original, switch)))
+        self.rotary_width = self.head_dim // 2 if self.form.half_rotary else self.head_dim  # the tables' width (the
+        # widest a partial rotary's may be)
         self.native = native
         self.heads = (original.config.num_attention_heads, original.config.num_key_value_heads)
         projections = [getattr(self, n) for n in _PROJECTIONS]
@@ -93,19 +101,26 @@ class DecodeFusedAttention(nn.Module):
         if (args or step is None or step.first_gathered < len(step.row_parts)  # a part to gather: SDPA's path
                 or (step.decode_attention is None and step.chunk_attention is None)
                 or cache is None or torch.is_grad_enabled()
-                or kwargs["position_embeddings"][0].shape[-1] != self.rotary_width):  # partial rotary: not ours
+                or not self.rotary_fits(kwargs["position_embeddings"][0].shape[-1])):
             return self.original_class.forward(self, *args, **kwargs)
         return self._decode(kwargs["hidden_states"], kwargs["position_embeddings"], cache, step), None
+
+    def rotary_fits(self, width: int) -> bool:
+        """Whether rotary tables `width` wide are the form's: the head's (or its half, GPT-OSS), or for a partial
+        rotary any even width up to the head's (a step of other tables takes the original forward)."""
+        if self.form.partial_rotary:
+            return 0 < width <= self.head_dim and width % 2 == 0
+        return width == self.rotary_width
 
     def _decode(self, x_1TD: torch.Tensor, position_embeddings, cache, step) -> torch.Tensor:
         H, Hkv = self.heads
         T, d = x_1TD.shape[1], self.head_dim
         q_THd, k_THd, v_THd = self._qkv(x_1TD[0]).view(T, H + 2 * Hkv, d).split([H, Hkv, Hkv], dim=1)
-        if self.form.qk_norm:
+        if self.qk_norm:
             q_THd, k_THd = self.q_norm(q_THd), self.k_norm(k_THd)
         cos, sin = position_embeddings
-        self.native.rotate(q_THd, cos[0], sin[0])
-        self.native.rotate(k_THd, cos[0], sin[0])
+        self.native.rotate(q_THd, cos[0], sin[0], self.form.half_rotary)
+        self.native.rotate(k_THd, cos[0], sin[0], self.form.half_rotary)
         k_slots, v_slots = cache.write(self.layer_idx, k_THd, v_THd)
         out_THd = q_THd.new_empty((T, H, v_THd.shape[-1]))
         step.attend_in_place(step.layer_windows[self.layer_idx], q_THd, k_slots, v_slots, self.scaling,

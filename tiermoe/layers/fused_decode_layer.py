@@ -147,7 +147,7 @@ class FusedDecodeLayer(nn.Module):
         self.__dict__["fused_router"] = router  # the router the native call computes (see the module docstring)
         H, Hkv = attn.heads
         norm = self.input_layernorm
-        qk_norm = attn.form.qk_norm
+        qk_norm = attn.qk_norm
         qkv, kv = _qkv_products(attn)
         # what the call reads besides the products: q/k/v's biases side by side, the sinks in fp32 (as the per-op
         # path passes them to the attention kernel); held here, the args point into them
@@ -274,7 +274,7 @@ def fusable(layer: nn.Module) -> bool:
         return False
     router = moe._router()
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
-    if attn.form.qk_norm:
+    if attn.qk_norm:
         norms += [attn.q_norm, attn.k_norm]
     return (_qkv_products(attn) is not None and type(attn.o_proj) is QuantizedLinear
             and _bf16_or_none(attn.o_proj.bias) and attn.o_proj.kernels is not None
