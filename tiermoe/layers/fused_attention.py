@@ -15,10 +15,10 @@ tiermoe.layers.decode_attention), computes:
 - the new K/V written into the pool, the attention read in place, the output projection.
 Every other step (gathered prompt chunks, gradients, a GPU device) runs the module's original forward.
 Families: Qwen3-MoE, Qwen2-MoE, Mixtral and GPT-OSS attention (full rotary, no gate; GPT-OSS's sinks go to the
-attention kernel), GLM-4.5's (its q/k norms where `use_qk_norm`, rotary over each head's first part), and every class
-whose code is one of theirs under another name (tiermoe.arch.code_form: Mellum's and Dots1's are Qwen3-MoE's,
-PhiMoE's, Granite-MoE's and Solar-Open's Qwen2-MoE's, MiniMax's Mixtral's). OLMoE (norms over all heads, clipping),
-Qwen3-Next (gated) and the rest keep transformers' forward.
+attention kernel), GLM-4.5's (its q/k norms where `use_qk_norm`, rotary over each head's first part), Qwen3-Next's
+(its output gated, partial rotary), and every class whose code is one of theirs under another name
+(tiermoe.arch.code_form: Mellum's and Dots1's are Qwen3-MoE's, PhiMoE's, Granite-MoE's and Solar-Open's Qwen2-MoE's,
+MiniMax's Mixtral's). OLMoE (norms over all heads, clipping) and the rest keep transformers' forward.
 Legend: T rows, H query heads, Hkv KV heads, d head dim.
 """
 
@@ -50,6 +50,8 @@ class AttentionForm:
     half_rotary: bool = False  # rotary tables of half the head dim, each half of a head turned by them (GPT-OSS's)
     partial_rotary: bool = False  # rotary over each head's first r values, r the tables' width (GLM-4.5's)
     sinks: bool = False  # a learned sink logit per head in the softmax (GPT-OSS's `sinks` parameter)
+    output_gate: bool = False  # q_proj gives each head its query and a gate side by side; the output is times the
+    # gate's sigmoid (Qwen3-Next's)
 
 
 _MODELS = "transformers.models"
@@ -61,6 +63,8 @@ ATTENTION_FORMS = CodeForms({
     (f"{_MODELS}.gpt_oss.modeling_gpt_oss", "GptOssAttention"): AttentionForm(half_rotary=True, sinks=True),
     (f"{_MODELS}.glm4_moe.modeling_glm4_moe", "Glm4MoeAttention"): AttentionForm(
         qk_norm=True, qk_norm_switch="use_qk_norm", partial_rotary=True),
+    (f"{_MODELS}.qwen3_next.modeling_qwen3_next", "Qwen3NextAttention"): AttentionForm(
+        qk_norm=True, partial_rotary=True, output_gate=True),
 })
 
 
@@ -115,7 +119,12 @@ class DecodeFusedAttention(nn.Module):
     def _decode(self, x_1TD: torch.Tensor, position_embeddings, cache, step) -> torch.Tensor:
         H, Hkv = self.heads
         T, d = x_1TD.shape[1], self.head_dim
-        q_THd, k_THd, v_THd = self._qkv(x_1TD[0]).view(T, H + 2 * Hkv, d).split([H, Hkv, Hkv], dim=1)
+        Hq = 2 * H if self.form.output_gate else H  # (each head's query, then its gate)
+        q_THd, k_THd, v_THd = self._qkv(x_1TD[0]).view(T, Hq + 2 * Hkv, d).split([Hq, Hkv, Hkv], dim=1)
+        gate_1TO = None
+        if self.form.output_gate:
+            q_THd, gate_THd = q_THd.view(T, H, 2 * d).chunk(2, dim=-1)
+            gate_1TO = gate_THd.reshape(1, T, H * d)
         if self.qk_norm:
             q_THd, k_THd = self.q_norm(q_THd), self.k_norm(k_THd)
         cos, sin = position_embeddings
@@ -125,7 +134,10 @@ class DecodeFusedAttention(nn.Module):
         out_THd = q_THd.new_empty((T, H, v_THd.shape[-1]))
         step.attend_in_place(step.layer_windows[self.layer_idx], q_THd, k_slots, v_slots, self.scaling,
                              self.sinks if self.form.sinks else None, out_THd)
-        return self.o_proj(out_THd.view(1, T, -1))
+        out_1TO = out_THd.view(1, T, -1)
+        if gate_1TO is not None:
+            out_1TO = out_1TO * torch.sigmoid(gate_1TO)
+        return self.o_proj(out_1TO)
 
     def _qkv(self, x_TD: torch.Tensor) -> torch.Tensor:
         if self.qkv_weight is None and not self.stacked_qkv:  # projections that are not plain linears
