@@ -76,6 +76,12 @@ MODELS = {m.name: m for m in (
                dict(arch="dots1", config_overrides=dict(_THIN, n_routed_experts=32, n_shared_experts=1,
                                                         first_k_dense_replace=0)),
                ("bf16",), 0.05, loss=False, host_bound=True),
+    # GLM-4.5's attention (q/k/v biases, rotary over half of each head) through the fused attention, its grouped
+    # sigmoid router and a shared expert: 24 layers of tiny width
+    BenchModel("glm4-moe-tiny-24l", "GLM-4.5, 24 layers of tiny width (hidden 128, 32 experts top-4, 1 shared)",
+               dict(arch="glm4_moe", config_overrides=dict(_THIN, n_routed_experts=32, n_shared_experts=1,
+                                                           first_k_dense_replace=0, attention_bias=True)),
+               ("bf16",), 0.05, loss=False, host_bound=True),
 )}
 
 # what a run without --models makes and runs (the GPT-OSS models on request)
