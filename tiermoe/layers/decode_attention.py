@@ -182,7 +182,7 @@ class DecodeAttention:
         T, H, d = x_THd.shape
         r = cos_Tr.shape[-1]
         if (x_THd.stride(-1) != 1 or cos_Tr.stride(-1) != 1 or sin_Tr.stride(-1) != 1 or cos_Tr.dtype != x_THd.dtype
-                or r != (d // 2 if half_width else min(r, d))):
+                or (r != d // 2 if half_width else r > d)):
             raise ValueError("rotary embedding needs contiguous head values and cos / sin in the tensor's dtype, of "
                              "at most the head dim (half of it for the half-width form)")
         if self.kernels.lib.tm_rotary_inplace(x_THd.data_ptr(), T, H, d if half_width else r, x_THd.stride(0),

@@ -143,7 +143,7 @@ class MLAAttention(nn.Module):
         [S, 1, P]: a two-part key whose first part is also the value; tiermoe.layers.decode_attention) into out's
         first rows; returns the segments' gathered latent and k_pe [1, 1, K, *] (what the parts read)."""
         n, R = step.num_decode, self.kv_lora_rank
-        packed = self._packed_kv_b(q_nope_1HQN.dtype)
+        packed = self.packed_kv_b(q_nope_1HQN.dtype)
         if packed is None:
             w_uk, w_uv = self._kv_b_halves(q_nope_1HQN.dtype)
             query_nHX = torch.cat((absorb_query(q_nope_1HQN[:, :, :n], w_uk), q_pe_1HQP[:, :, :n]), dim=-1)[0]
@@ -168,7 +168,7 @@ class MLAAttention(nn.Module):
         if attend_expanded(q_nope.shape[2], latent_B1LR.shape[2], self.num_heads, R, N, P, self.v_head_dim,
                            q_nope.element_size()):
             return self._expanded_attention(q_nope, q_pe, latent_B1LR, k_pe_B1LP, attention_mask, **kwargs)
-        packed = self._packed_kv_b(q_nope.dtype)
+        packed = self.packed_kv_b(q_nope.dtype)
         if packed is None:
             w_uk, w_uv = self._kv_b_halves(q_nope.dtype)
             out_BHQV = absorbed_attention(q_nope, q_pe, latent_B1LR[:, 0], k_pe_B1LP[:, 0], w_uk, w_uv,
@@ -201,7 +201,7 @@ class MLAAttention(nn.Module):
         _written(out_BHQV, out_HMV)
         return out_BQHV
 
-    def _packed_kv_b(self, dtype: torch.dtype) -> QuantizedLinear | None:
+    def packed_kv_b(self, dtype: torch.dtype) -> QuantizedLinear | None:
         """kv_b_proj where its absorbed products run on the kernels: packed (CPU-only runs) in the grouped row
         order, with the kernels loaded, heads of whole strips, activations of a kernel dtype."""
         proj = self.kv_b_proj

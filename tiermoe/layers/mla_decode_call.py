@@ -67,7 +67,7 @@ class MLADecodeCall:
                 or x_1TD.device.type != "cpu" or x_1TD.shape[0] != 1 or T > NATIVE_MAX_ROWS
                 or not x_1TD.is_contiguous() or torch.is_grad_enabled()):
             return None
-        tables = self._tables(position_embeddings)
+        tables = self._tables(position_embeddings, torch.bfloat16)
         if tables is None:
             return None
         a = self.args
@@ -93,17 +93,16 @@ class MLADecodeCall:
             raise RuntimeError(self.err.value.decode())
         return out
 
-    def _tables(self, position_embeddings) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """(cos, sin, row stride) as tm_mla_rope reads them for this step's rows, or None (another layout)."""
+    def _tables(self, position_embeddings, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(cos, sin, row stride) as tm_mla_rope reads them for rows of `dtype`, or None (another layout): V2's
+        fp32 (cos, sin) pairs [T, P / 2, 2] (both given as cos), V3's cos / sin [T, P] in `dtype`."""
         if self.rope_form == ROPE_PAIRS:
             if not isinstance(position_embeddings, torch.Tensor) or position_embeddings.dtype != torch.complex64:
                 return None
-            pairs = torch.view_as_real(position_embeddings).reshape(-1, self.args.P)
-            if not pairs.is_contiguous():
-                return None
+            pairs = torch.view_as_real(position_embeddings).reshape(-1, self.args.P).contiguous()
             return pairs, pairs, self.args.P
         cos, sin = position_embeddings
-        if cos.dtype != torch.bfloat16 or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        if cos.dtype != dtype or cos.stride(-1) != 1 or sin.stride() != cos.stride():
             return None
         return cos, sin, cos.stride(-2)
 
@@ -111,25 +110,19 @@ class MLADecodeCall:
         """The per-op path's rope, in place, through the call's native function; False (nothing done) where it does
         not apply: more than one sequence row, or tensors the native function does not take."""
         x = (q_pe_1HQP, k_pe_11QP)
+        dtype = q_pe_1HQP.dtype
         if (q_pe_1HQP.shape[0] != 1 or any(t.device.type != "cpu" or t.stride(-1) != 1 for t in x)
-                or q_pe_1HQP.dtype not in (torch.bfloat16, torch.float32) or k_pe_11QP.dtype != q_pe_1HQP.dtype):
+                or dtype not in (torch.bfloat16, torch.float32) or k_pe_11QP.dtype != dtype):
             return False
-        if self.rope_form == ROPE_PAIRS:
-            if not isinstance(position_embeddings, torch.Tensor) or position_embeddings.dtype != torch.complex64:
-                return False
-            cos = sin = torch.view_as_real(position_embeddings).reshape(-1, self.args.P).contiguous()
-            stride = self.args.P
-        else:
-            cos, sin = position_embeddings
-            if cos.dtype != q_pe_1HQP.dtype or cos.stride(-1) != 1 or sin.stride() != cos.stride():
-                return False
-            stride = cos.stride(-2)
-        bf16 = int(q_pe_1HQP.dtype == torch.bfloat16)
-        lib = self.kernels.lib
+        tables = self._tables(position_embeddings, dtype)
+        if tables is None:
+            return False
+        cos, sin, stride = tables
         for t in x:
             _, H, Q, P = t.shape
-            if lib.tm_mla_rope(t.data_ptr(), Q, H, P, t.stride(2), t.stride(1), cos.data_ptr(), sin.data_ptr(), stride,
-                               self.rope_form, bf16) != 0:
+            if self.kernels.lib.tm_mla_rope(t.data_ptr(), Q, H, P, t.stride(2), t.stride(1), cos.data_ptr(),
+                                            sin.data_ptr(), stride, self.rope_form,
+                                            int(dtype == torch.bfloat16)) != 0:
                 raise RuntimeError("tm_mla_rope: unknown form or an odd rope dim")
         return True
 
@@ -148,7 +141,7 @@ def callable_natively(attention: nn.Module) -> bool:
     linears = [attention.kv_a_proj_with_mqa, attention.kv_b_proj, attention.o_proj]
     linears += [attention.q_a_proj, attention.q_b_proj] if compressed else [attention.q_proj]
     norms = [attention.kv_a_layernorm] + ([attention.q_a_layernorm] if compressed else [])
-    return (all(_packed(p) for p in linears) and attention._packed_kv_b(torch.bfloat16) is not None
+    return (all(_packed(p) for p in linears) and attention.packed_kv_b(torch.bfloat16) is not None
             and all(type(n) is FusedRMSNorm and n.weight.dtype == torch.bfloat16 for n in norms)
             and len({n.kind for n in norms}) == 1)
 

@@ -194,13 +194,6 @@ void add_loras(void* team, std::initializer_list<LoraTarget> targets, int T) {
   t.run(run);
 }
 
-int product(void* team, TmLinearArgs p, int M, const void* x, void* out, char* err, int errlen) {
-  p.M = M;
-  p.x = x;
-  p.out = out;
-  return tm_linear_forward(team, &p, err, errlen);
-}
-
 // The MoE block of a step with adapter rows (moe.y written): the pairs of rows without expert LoRA here in one call,
 // those with it in a tm_moe_lora_forward call, the two results added in bf16.
 int experts_with_lora(void* team, TmLayerArgs moe, const TmLoraArgs& lora, char* err, int errlen) {
@@ -237,11 +230,11 @@ int experts_with_lora(void* team, TmLayerArgs moe, const TmLoraArgs& lora, char*
 // `parts` and then interleaved row by row (a copy of T rows: nothing beside the products' reads).
 int qkv_product(void* team, const TmDecodeLayerArgs& a, const uint16_t* normed, uint16_t* qkv, uint16_t* parts,
                 char* err, int errlen) {
-  if (a.kv.N == 0) return product(team, a.qkv, a.T, normed, qkv, err, errlen);
+  if (a.kv.N == 0) return tm_linear_rows(team, a.qkv, a.T, normed, qkv, err, errlen);
   const int64_t q_width = a.qkv.N, kv_width = a.kv.N;
   uint16_t* kv = parts + int64_t(a.T) * q_width;
-  if (product(team, a.qkv, a.T, normed, parts, err, errlen) != 0 ||
-      product(team, a.kv, a.T, normed, kv, err, errlen) != 0)
+  if (tm_linear_rows(team, a.qkv, a.T, normed, parts, err, errlen) != 0 ||
+      tm_linear_rows(team, a.kv, a.T, normed, kv, err, errlen) != 0)
     return 1;
   for (int64_t t = 0; t < a.T; ++t) {
     std::memcpy(qkv + t * (q_width + kv_width), parts + t * q_width, q_width * 2);
@@ -254,12 +247,12 @@ int qkv_product(void* team, const TmDecodeLayerArgs& a, const uint16_t* normed, 
 // widened to fp32 into fp32 logits, the bias added and the sum rounded once (x_f32 [T, D], logits_f32 [T, E]).
 int router_logits(void* team, const TmDecodeLayerArgs& a, const uint16_t* normed, float* x_f32, float* logits_f32,
                   uint16_t* logits, char* err, int errlen) {
-  if (!a.router_bias) return product(team, a.router, a.T, normed, logits, err, errlen);
+  if (!a.router_bias) return tm_linear_rows(team, a.router, a.T, normed, logits, err, errlen);
   const size_t n = size_t(a.T) * a.D;
   for (size_t i = 0; i < n; ++i) x_f32[i] = tm_bf16_to_f32(normed[i]);
   TmLinearArgs fp32 = a.router;
   fp32.x_bf16 = 0;
-  if (product(team, fp32, a.T, x_f32, logits_f32, err, errlen) != 0) return 1;
+  if (tm_linear_rows(team, fp32, a.T, x_f32, logits_f32, err, errlen) != 0) return 1;
   for (int t = 0; t < a.T; ++t)
     for (int e = 0; e < a.E; ++e)
       logits[t * a.E + e] = tm_f32_to_bf16(logits_f32[t * a.E + e] + tm_bf16_to_f32(a.router_bias[e]));
@@ -312,7 +305,7 @@ int layer(void* team, const TmDecodeLayerArgs& a, char* err, int errlen) {
   at.q = q, at.q_row_stride = q_row, at.q_head_stride = d;
   at.k_slots = a.k_slots, at.v_slots = a.v_slots, at.out = attn;
   if (tm_paged_decode_attention(a.attend_on_team ? team : nullptr, &at, err, errlen) != 0) return 1;
-  if (product(team, a.o, T, attn, proj, err, errlen) != 0) return 1;
+  if (tm_linear_rows(team, a.o, T, attn, proj, err, errlen) != 0) return 1;
   add_bias(proj, D, a.o_bias, T, D);
   if (a.lora) add_loras(team, {{&a.lora->o, attn, int64_t(H) * d, proj, D}}, T);
   add_rows(a.x, proj, a.out, size_t(T) * D);

@@ -41,13 +41,6 @@ Work layout(const TmMlaDecodeArgs& a) {
   return w;
 }
 
-int product(void* team, TmLinearArgs p, int M, const void* x, void* out, char* err, int errlen) {
-  p.M = M;
-  p.x = x;
-  p.out = out;
-  return tm_linear_forward(team, &p, err, errlen);
-}
-
 // Every head's product with its block of kv_b_proj's rows (tm_heads_linear): W_UK transposed (first_strip 0) or W_UV.
 int heads(void* team, const TmMlaDecodeArgs& a, bool uk, const uint16_t* x, int64_t x_row, int64_t x_head,
           uint16_t* out, int64_t out_row, int64_t out_head, char* err, int errlen) {
@@ -80,14 +73,14 @@ int attention(void* team, const TmMlaDecodeArgs& a, char* err, int errlen) {
   if (a.L) {  // compressed queries
     auto* qa = (uint16_t*)(base + w.qa);
     auto* qan = (uint16_t*)(base + w.qan);
-    if (product(team, a.q_a, T, a.x, qa, err, errlen) != 0) return 1;
+    if (tm_linear_rows(team, a.q_a, T, a.x, qa, err, errlen) != 0) return 1;
     if (tm_rms_norm(qa, a.L, a.q_a_norm, qan, T, a.L, a.q_eps, a.norm_kind, 1, 1, 1, a.sum_lanes) != 0)
       return tm_fail(err, errlen, "q_a RMSNorm: unknown kind or lane count");
-    if (product(team, a.q_b, T, qan, q, err, errlen) != 0) return 1;
-  } else if (product(team, a.q_a, T, a.x, q, err, errlen) != 0) {
+    if (tm_linear_rows(team, a.q_b, T, qan, q, err, errlen) != 0) return 1;
+  } else if (tm_linear_rows(team, a.q_a, T, a.x, q, err, errlen) != 0) {
     return 1;
   }
-  if (product(team, a.kv_a, T, a.x, kv, err, errlen) != 0) return 1;
+  if (tm_linear_rows(team, a.kv_a, T, a.x, kv, err, errlen) != 0) return 1;
   if (tm_rms_norm(kv, R + P, a.kv_a_norm, latent, T, R, a.kv_eps, a.norm_kind, 1, 1, 1, a.sum_lanes) != 0)
     return tm_fail(err, errlen, "kv_a RMSNorm: unknown kind or lane count");
   if (tm_mla_rope(q + N, T, H, P, q_row, N + P, a.cos, a.sin, a.cs_row_stride, a.rope_form, 1) != 0 ||
@@ -107,7 +100,7 @@ int attention(void* team, const TmMlaDecodeArgs& a, char* err, int errlen) {
   at.k_slots = a.latent_slots, at.kr_slots = a.kpe_slots, at.v_slots = a.latent_slots, at.out = olat;
   if (tm_paged_decode_attention(a.attend_on_team ? team : nullptr, &at, err, errlen) != 0) return 1;
   if (heads(team, a, false, olat, int64_t(H) * R, R, attn, int64_t(H) * V, V, err, errlen) != 0) return 1;
-  return product(team, a.o, T, attn, a.out, err, errlen);
+  return tm_linear_rows(team, a.o, T, attn, a.out, err, errlen);
 }
 
 }  // namespace

@@ -118,3 +118,13 @@ int tm_read_probe(void* team, const void* buf, int64_t bytes, int reps, double* 
 int tm_team_empty_job(void* team);
 
 }  // extern "C"
+
+// One product of a chained call (decode_layer.cpp, mla_decode.cpp): `p` (a packed matrix's arguments) on M rows of x
+// into out. Static: each including unit keeps its own copy.
+static inline int tm_linear_rows(void* team, TmLinearArgs p, int M, const void* x, void* out, char* err,
+                                 int errlen) {
+  p.M = M;
+  p.x = x;
+  p.out = out;
+  return tm_linear_forward(team, &p, err, errlen);
+}
